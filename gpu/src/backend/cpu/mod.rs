@@ -1,0 +1,318 @@
+//! The CPU backend: the transformer forward pass in plain Rust over a paged KV cache.
+//!
+//! Weights are converted to f32 once at load. Each step runs every scheduled token of every
+//! sequence through the layers together (one matrix product per projection for the whole
+//! batch); attention reads each sequence's history through its block table.
+
+mod ops;
+
+use rayon::prelude::*;
+
+pub use ops::Linear;
+
+use super::{Backend, ForwardBatch};
+use crate::config::ModelConfig;
+use crate::error::{EngineError, Result};
+use crate::safetensors::WeightStore;
+
+struct Layer {
+    input_layernorm: Vec<f32>,
+    /// q, k and v projections stacked: `[q_dim + 2 * kv_dim, hidden]`.
+    qkv_proj: Linear,
+    q_norm: Option<Vec<f32>>,
+    k_norm: Option<Vec<f32>>,
+    o_proj: Linear,
+    post_attention_layernorm: Vec<f32>,
+    /// gate and up projections stacked: `[2 * intermediate, hidden]`.
+    gate_up_proj: Linear,
+    down_proj: Linear,
+}
+
+pub struct CpuModel {
+    cfg: ModelConfig,
+    embed_tokens: std::sync::Arc<Vec<f32>>,
+    layers: Vec<Layer>,
+    norm: Vec<f32>,
+    lm_head: Linear,
+    inv_freq: Vec<f32>,
+}
+
+impl CpuModel {
+    pub fn load(cfg: &ModelConfig, w: &WeightStore) -> Result<CpuModel> {
+        let (h, q, kv, inter) = (cfg.hidden_size, cfg.q_dim(), cfg.kv_dim(), cfg.intermediate_size);
+        let opt_bias = |name: &str, n: usize| -> Result<Option<Vec<f32>>> {
+            if cfg.qkv_bias || w.contains(name) {
+                w.f32(name, &[n]).map(Some)
+            } else {
+                Ok(None)
+            }
+        };
+        let mut layers = Vec::with_capacity(cfg.num_layers);
+        for i in 0..cfg.num_layers {
+            let p = format!("model.layers.{i}");
+            let a = format!("{p}.self_attn");
+            let qkv_proj = Linear::stacked(
+                vec![
+                    (w.f32(&format!("{a}.q_proj.weight"), &[q, h])?, q, opt_bias(&format!("{a}.q_proj.bias"), q)?),
+                    (w.f32(&format!("{a}.k_proj.weight"), &[kv, h])?, kv, opt_bias(&format!("{a}.k_proj.bias"), kv)?),
+                    (w.f32(&format!("{a}.v_proj.weight"), &[kv, h])?, kv, opt_bias(&format!("{a}.v_proj.bias"), kv)?),
+                ],
+                h,
+            );
+            let gate_up_proj = Linear::stacked(
+                vec![
+                    (w.f32(&format!("{p}.mlp.gate_proj.weight"), &[inter, h])?, inter, None),
+                    (w.f32(&format!("{p}.mlp.up_proj.weight"), &[inter, h])?, inter, None),
+                ],
+                h,
+            );
+            let norm = |name: String| w.f32(&name, &[cfg.head_dim]);
+            layers.push(Layer {
+                input_layernorm: w.f32(&format!("{p}.input_layernorm.weight"), &[h])?,
+                qkv_proj,
+                q_norm: if cfg.qk_norm { Some(norm(format!("{a}.q_norm.weight"))?) } else { None },
+                k_norm: if cfg.qk_norm { Some(norm(format!("{a}.k_norm.weight"))?) } else { None },
+                o_proj: Linear::new(w.f32(&format!("{a}.o_proj.weight"), &[h, q])?, h, q, None),
+                post_attention_layernorm: w.f32(&format!("{p}.post_attention_layernorm.weight"), &[h])?,
+                gate_up_proj,
+                down_proj: Linear::new(w.f32(&format!("{p}.mlp.down_proj.weight"), &[h, inter])?, h, inter, None),
+            });
+        }
+        let embed_tokens = std::sync::Arc::new(w.f32("model.embed_tokens.weight", &[cfg.vocab_size, h])?);
+        let lm_head = if cfg.tie_word_embeddings || !w.contains("lm_head.weight") {
+            Linear { w: embed_tokens.clone(), out: cfg.vocab_size, inp: h, bias: None }
+        } else {
+            Linear::new(w.f32("lm_head.weight", &[cfg.vocab_size, h])?, cfg.vocab_size, h, None)
+        };
+        Ok(CpuModel {
+            cfg: cfg.clone(),
+            embed_tokens,
+            layers,
+            norm: w.f32("model.norm.weight", &[h])?,
+            lm_head,
+            inv_freq: cfg.rope_inv_freq(),
+        })
+    }
+
+    /// Bytes of weights one decode step reads (every layer, the final norm and the lm head;
+    /// one embedding row per token is negligible).
+    pub fn weight_bytes_per_step(&self) -> usize {
+        self.layers
+            .iter()
+            .map(|l| {
+                l.qkv_proj.bytes()
+                    + l.o_proj.bytes()
+                    + l.gate_up_proj.bytes()
+                    + l.down_proj.bytes()
+                    + 4 * (l.input_layernorm.len() + l.post_attention_layernorm.len())
+            })
+            .sum::<usize>()
+            + self.lm_head.bytes()
+            + 4 * self.norm.len()
+    }
+}
+
+/// The KV pool: per layer, `[num_blocks, block_size, num_kv_heads, head_dim]` for K and V.
+struct KvPool {
+    k: Vec<Vec<f32>>,
+    v: Vec<Vec<f32>>,
+    block_size: usize,
+    num_blocks: usize,
+}
+
+pub struct CpuBackend {
+    model: CpuModel,
+    kv: KvPool,
+}
+
+impl CpuBackend {
+    pub fn new(model: CpuModel, num_blocks: usize, block_size: usize) -> Result<CpuBackend> {
+        let per_layer = num_blocks * block_size * model.cfg.kv_dim();
+        let mut k = Vec::new();
+        let mut v = Vec::new();
+        for _ in 0..model.cfg.num_layers {
+            let mut kl = Vec::new();
+            let mut vl = Vec::new();
+            if kl.try_reserve_exact(per_layer).is_err() || vl.try_reserve_exact(per_layer).is_err() {
+                return Err(EngineError::Backend(format!(
+                    "cannot allocate a KV cache of {num_blocks} blocks ({:.2} GiB); ask for fewer",
+                    Self::kv_bytes_per_block(&model.cfg, block_size) as f64 * num_blocks as f64
+                        / (1u64 << 30) as f64
+                )));
+            }
+            kl.resize(per_layer, 0.0);
+            vl.resize(per_layer, 0.0);
+            k.push(kl);
+            v.push(vl);
+        }
+        Ok(CpuBackend { model, kv: KvPool { k, v, block_size, num_blocks } })
+    }
+
+    /// Memory one block takes across all layers (K and V, f32).
+    pub fn kv_bytes_per_block(cfg: &ModelConfig, block_size: usize) -> usize {
+        2 * cfg.num_layers * block_size * cfg.kv_dim() * 4
+    }
+
+    pub fn model(&self) -> &CpuModel {
+        &self.model
+    }
+}
+
+/// Where each scheduled token sits: its sequence, position, and cache slot.
+struct TokenSlot {
+    seq: usize,
+    pos: usize,
+    slot: usize,
+}
+
+impl Backend for CpuBackend {
+    fn device(&self) -> String {
+        format!("cpu ({} threads)", rayon::current_num_threads())
+    }
+
+    fn num_blocks(&self) -> usize {
+        self.kv.num_blocks
+    }
+
+    fn forward(&mut self, batch: &ForwardBatch) -> Result<Vec<Vec<f32>>> {
+        let cfg = &self.model.cfg;
+        let (h, d) = (cfg.hidden_size, cfg.head_dim);
+        let (nq, nkv) = (cfg.num_heads, cfg.num_kv_heads);
+        let (qd, kvd) = (cfg.q_dim(), cfg.kv_dim());
+        let bs = self.kv.block_size;
+        let t = batch.num_tokens();
+        if t == 0 {
+            return Ok(Vec::new());
+        }
+
+        // Token layout of the step.
+        let mut slots = Vec::with_capacity(t);
+        let mut tokens = Vec::with_capacity(t);
+        for (si, s) in batch.seqs.iter().enumerate() {
+            for (j, &tok) in s.tokens.iter().enumerate() {
+                if tok as usize >= cfg.vocab_size {
+                    return Err(EngineError::InvalidRequest(format!(
+                        "token id {tok} is outside the vocabulary (size {})",
+                        cfg.vocab_size
+                    )));
+                }
+                let pos = s.start_pos + j;
+                let block = s.block_table.get(pos / bs).ok_or_else(|| {
+                    EngineError::Backend(format!("no block for position {pos} of sequence {si}"))
+                })?;
+                slots.push(TokenSlot { seq: si, pos, slot: block.0 as usize * bs + pos % bs });
+                tokens.push(tok);
+            }
+        }
+
+        // Rotary tables for each token's position.
+        let half = d / 2;
+        let mut cos = vec![0f32; t * half];
+        let mut sin = vec![0f32; t * half];
+        for (i, ts) in slots.iter().enumerate() {
+            for (j, f) in self.model.inv_freq.iter().enumerate() {
+                let a = ts.pos as f32 * f;
+                cos[i * half + j] = a.cos();
+                sin[i * half + j] = a.sin();
+            }
+        }
+
+        let mut x = vec![0f32; t * h];
+        for (i, &tok) in tokens.iter().enumerate() {
+            x[i * h..(i + 1) * h]
+                .copy_from_slice(&self.model.embed_tokens[tok as usize * h..(tok as usize + 1) * h]);
+        }
+
+        let scale = 1.0 / (d as f32).sqrt();
+        let group = nq / nkv;
+        for (li, layer) in self.model.layers.iter().enumerate() {
+            let xn = ops::rms_norm(&x, &layer.input_layernorm, cfg.rms_norm_eps);
+            let mut qkv = layer.qkv_proj.forward(&xn, t);
+            let row = qd + 2 * kvd;
+            // Per-head norms and rotary embedding, then the new K/V into the cache.
+            qkv.par_chunks_mut(row).enumerate().for_each(|(i, r)| {
+                let (q, rest) = r.split_at_mut(qd);
+                let k = &mut rest[..kvd];
+                if let (Some(qn), Some(kn)) = (&layer.q_norm, &layer.k_norm) {
+                    ops::rms_norm_inplace(q, qn, cfg.rms_norm_eps);
+                    ops::rms_norm_inplace(k, kn, cfg.rms_norm_eps);
+                }
+                let (c, s) = (&cos[i * half..(i + 1) * half], &sin[i * half..(i + 1) * half]);
+                for head in q.chunks_exact_mut(d).chain(k.chunks_exact_mut(d)) {
+                    ops::rope(head, c, s);
+                }
+            });
+            let (kc, vc) = (&mut self.kv.k[li], &mut self.kv.v[li]);
+            for (i, ts) in slots.iter().enumerate() {
+                let r = &qkv[i * row..(i + 1) * row];
+                kc[ts.slot * kvd..(ts.slot + 1) * kvd].copy_from_slice(&r[qd..qd + kvd]);
+                vc[ts.slot * kvd..(ts.slot + 1) * kvd].copy_from_slice(&r[qd + kvd..]);
+            }
+
+            // Attention: each (token, head) over the sequence's positions up to its own.
+            let (kc, vc) = (&self.kv.k[li], &self.kv.v[li]);
+            let mut attn = vec![0f32; t * qd];
+            attn.par_chunks_mut(d).enumerate().for_each(|(idx, out)| {
+                let (i, head) = (idx / nq, idx % nq);
+                let ts = &slots[i];
+                let table = batch.seqs[ts.seq].block_table;
+                let g = head / group;
+                let q = &qkv[i * row + head * d..i * row + (head + 1) * d];
+                let n = ts.pos + 1;
+                let mut scores = Vec::with_capacity(n);
+                let mut max = f32::NEG_INFINITY;
+                for p in 0..n {
+                    let slot = table[p / bs].0 as usize * bs + p % bs;
+                    let kv_off = slot * kvd + g * d;
+                    let s = ops::dot(q, &kc[kv_off..kv_off + d]) * scale;
+                    max = max.max(s);
+                    scores.push(s);
+                }
+                let mut sum = 0f32;
+                for s in scores.iter_mut() {
+                    *s = (*s - max).exp();
+                    sum += *s;
+                }
+                let inv = 1.0 / sum;
+                for (p, &s) in scores.iter().enumerate() {
+                    let slot = table[p / bs].0 as usize * bs + p % bs;
+                    let kv_off = slot * kvd + g * d;
+                    ops::axpy(out, s * inv, &vc[kv_off..kv_off + d]);
+                }
+            });
+            let o = layer.o_proj.forward(&attn, t);
+            for (a, b) in x.iter_mut().zip(&o) {
+                *a += b;
+            }
+
+            let xn = ops::rms_norm(&x, &layer.post_attention_layernorm, cfg.rms_norm_eps);
+            let gu = layer.gate_up_proj.forward(&xn, t);
+            let inter = cfg.intermediate_size;
+            let mut act = vec![0f32; t * inter];
+            act.par_chunks_mut(inter).zip(gu.par_chunks(2 * inter)).for_each(|(a, g)| {
+                let (gate, up) = g.split_at(inter);
+                for ((o, &gv), &uv) in a.iter_mut().zip(gate).zip(up) {
+                    *o = ops::silu(gv) * uv;
+                }
+            });
+            let down = layer.down_proj.forward(&act, t);
+            for (a, b) in x.iter_mut().zip(&down) {
+                *a += b;
+            }
+        }
+
+        // Logits only for the last token of sequences that sample.
+        let mut rows = Vec::new();
+        let mut end = 0;
+        for s in &batch.seqs {
+            end += s.tokens.len();
+            if s.want_logits {
+                rows.extend_from_slice(&x[(end - 1) * h..end * h]);
+            }
+        }
+        let m = rows.len() / h;
+        let xn = ops::rms_norm(&rows, &self.model.norm, cfg.rms_norm_eps);
+        let logits = self.model.lm_head.forward(&xn, m);
+        Ok(logits.chunks_exact(cfg.vocab_size).map(<[f32]>::to_vec).collect())
+    }
+}

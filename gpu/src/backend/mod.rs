@@ -1,0 +1,64 @@
+//! The seam between the engine and the hardware. The scheduler decides which tokens of which
+//! sequences run in a step and which KV blocks they use; a backend owns the weights and the
+//! KV memory and turns that batch into next-token choices.
+//!
+//! `cpu` does the math in plain Rust; a `cuda` backend keeps the same batch shape and samples
+//! on the device by overriding `forward_sample`; a `sim` backend can answer from a timing
+//! model without any math.
+
+pub mod cpu;
+
+use crate::error::Result;
+use crate::kv_cache::BlockId;
+use crate::sampler::{sample, Rng, Sampled, SamplingParams};
+
+/// One sequence's share of a step.
+pub struct SeqInput<'a> {
+    /// The tokens to run now (a whole prompt, a chunk of one, or one decode token).
+    pub tokens: &'a [u32],
+    /// Position of `tokens[0]`; positions before it are already in the cache.
+    pub start_pos: usize,
+    /// Blocks holding positions `0..start_pos + tokens.len()`, in order.
+    pub block_table: &'a [BlockId],
+    /// Whether the step must produce a next token for this sequence (its last known token
+    /// is in this chunk).
+    pub want_logits: bool,
+}
+
+pub struct ForwardBatch<'a> {
+    pub seqs: Vec<SeqInput<'a>>,
+}
+
+impl ForwardBatch<'_> {
+    pub fn num_tokens(&self) -> usize {
+        self.seqs.iter().map(|s| s.tokens.len()).sum()
+    }
+}
+
+/// How a sequence that wants a token samples it.
+pub struct SampleSpec<'a> {
+    pub params: &'a SamplingParams,
+    pub rng: &'a mut Rng,
+}
+
+pub trait Backend: Send {
+    /// Where it runs, for logs and metrics: "cpu", "cuda:0", "sim".
+    fn device(&self) -> String;
+
+    /// KV blocks the backend allocated.
+    fn num_blocks(&self) -> usize;
+
+    /// Next-token logits for each sequence with `want_logits`, in batch order.
+    fn forward(&mut self, batch: &ForwardBatch) -> Result<Vec<Vec<f32>>>;
+
+    /// Runs the step and samples; `specs` has one entry per sequence with `want_logits`.
+    /// Backends that can sample where the logits live override this.
+    fn forward_sample(&mut self, batch: &ForwardBatch, specs: &mut [SampleSpec]) -> Result<Vec<Sampled>> {
+        let logits = self.forward(batch)?;
+        Ok(logits
+            .iter()
+            .zip(specs.iter_mut())
+            .map(|(l, s)| sample(l, s.params, s.rng))
+            .collect())
+    }
+}

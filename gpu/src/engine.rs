@@ -1,0 +1,471 @@
+//! The engine: one thread that owns the backend and the block manager, and runs steps of
+//! continuous batching for as long as there is work.
+//!
+//! Requests arrive on a channel and join the running batch at the next step. Each step gives
+//! running sequences their next tokens first (a decode token, or the next chunk of a long
+//! prompt), then admits waiting ones while the token budget, the sequence limit and the free
+//! blocks allow. When blocks run out, the latest-arrived running sequence is preempted: its
+//! blocks are freed and it goes back to the head of the queue to be recomputed (its full
+//! blocks stay in the prefix cache, so the recompute is mostly a cache hit).
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use tokio::sync::mpsc;
+
+use crate::backend::{Backend, ForwardBatch, SampleSpec, SeqInput};
+use crate::error::{EngineError, Result};
+use crate::kv_cache::{block_hashes, BlockHash, BlockId, BlockManager};
+use crate::sampler::{Rng, Sampled, SamplingParams};
+
+/// Identifies a request inside the engine.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct SeqId(pub u64);
+
+#[derive(Clone, Debug)]
+pub struct EngineConfig {
+    pub max_model_len: usize,
+    pub max_num_seqs: usize,
+    pub max_num_batched_tokens: usize,
+    pub block_size: usize,
+    /// Requests allowed to wait; one more is refused.
+    pub max_waiting: usize,
+    pub enable_prefix_caching: bool,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            max_model_len: 2048,
+            max_num_seqs: 64,
+            max_num_batched_tokens: 2048,
+            block_size: 16,
+            max_waiting: 1024,
+            enable_prefix_caching: true,
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FinishReason {
+    /// An eos or stop token.
+    Stop,
+    /// `max_tokens` or the context length.
+    Length,
+}
+
+impl FinishReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+        }
+    }
+}
+
+#[derive(Debug)]
+pub enum SeqEvent {
+    /// One generated token; `finish` is set on the last.
+    Token { sampled: Sampled, finish: Option<FinishReason>, cached_tokens: usize },
+    Failed(String),
+}
+
+pub struct Request {
+    pub prompt: Vec<u32>,
+    pub params: SamplingParams,
+}
+
+/// Counters and gauges the engine keeps for `/metrics`.
+#[derive(Default)]
+pub struct EngineStats {
+    pub running: AtomicUsize,
+    pub waiting: AtomicUsize,
+    pub free_blocks: AtomicUsize,
+    pub prefix_queries: AtomicU64,
+    pub prefix_hits: AtomicU64,
+    pub preemptions: AtomicU64,
+    pub steps: AtomicU64,
+    pub prompt_tokens: AtomicU64,
+    pub generation_tokens: AtomicU64,
+}
+
+/// What a gateway needs to know about an engine.
+#[derive(Clone, Debug)]
+pub struct EngineInfo {
+    pub device: String,
+    pub num_blocks: usize,
+    pub config: EngineConfig,
+    pub eos_ids: Vec<u32>,
+    pub vocab_size: usize,
+}
+
+enum Command {
+    Add { id: SeqId, req: Request, events: mpsc::UnboundedSender<SeqEvent> },
+    Abort(SeqId),
+}
+
+/// A cloneable way in to the engine thread.
+#[derive(Clone)]
+pub struct EngineHandle {
+    tx: crossbeam_channel::Sender<Command>,
+    next_id: Arc<AtomicU64>,
+    pub stats: Arc<EngineStats>,
+    pub info: Arc<EngineInfo>,
+}
+
+/// A submitted request's token events. Dropping it aborts the request and frees its blocks.
+pub struct Submission {
+    pub id: SeqId,
+    pub events: mpsc::UnboundedReceiver<SeqEvent>,
+    abort: AbortOnDrop,
+}
+
+impl Submission {
+    /// The request finished on its own: nothing to abort.
+    pub fn finished(&mut self) {
+        self.abort.armed = false;
+    }
+}
+
+struct AbortOnDrop {
+    id: SeqId,
+    tx: crossbeam_channel::Sender<Command>,
+    armed: bool,
+}
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        if self.armed {
+            let _ = self.tx.send(Command::Abort(self.id));
+        }
+    }
+}
+
+impl EngineHandle {
+    /// Checks the request against the engine's limits and queues it.
+    pub fn submit(&self, req: Request) -> Result<Submission> {
+        let cfg = &self.info.config;
+        if req.prompt.is_empty() {
+            return Err(EngineError::InvalidRequest("the prompt is empty".into()));
+        }
+        if let Some(&bad) = req.prompt.iter().find(|&&t| t as usize >= self.info.vocab_size) {
+            return Err(EngineError::InvalidRequest(format!(
+                "token id {bad} is outside the vocabulary (size {})",
+                self.info.vocab_size
+            )));
+        }
+        let total = req.prompt.len() + req.params.max_tokens;
+        if total > cfg.max_model_len {
+            return Err(EngineError::InvalidRequest(format!(
+                "the prompt ({} tokens) plus max_tokens ({}) is {total} tokens, more than the \
+                 maximum context length of {} tokens",
+                req.prompt.len(),
+                req.params.max_tokens,
+                cfg.max_model_len
+            )));
+        }
+        let blocks = total.div_ceil(cfg.block_size);
+        if blocks > self.info.num_blocks {
+            return Err(EngineError::InvalidRequest(format!(
+                "the request needs {blocks} KV blocks but the cache holds {}",
+                self.info.num_blocks
+            )));
+        }
+        let waiting = self.stats.waiting.load(Ordering::Relaxed);
+        if waiting >= cfg.max_waiting {
+            return Err(EngineError::QueueFull { waiting });
+        }
+        let id = SeqId(self.next_id.fetch_add(1, Ordering::Relaxed));
+        let (etx, erx) = mpsc::unbounded_channel();
+        self.stats.waiting.fetch_add(1, Ordering::Relaxed);
+        self.tx.send(Command::Add { id, req, events: etx }).map_err(|_| EngineError::Stopped)?;
+        Ok(Submission {
+            id,
+            events: erx,
+            abort: AbortOnDrop { id, tx: self.tx.clone(), armed: true },
+        })
+    }
+}
+
+struct Seq {
+    id: SeqId,
+    tokens: Vec<u32>,
+    prompt_len: usize,
+    num_computed: usize,
+    blocks: Vec<BlockId>,
+    hashes: Vec<BlockHash>,
+    params: SamplingParams,
+    rng: Rng,
+    events: mpsc::UnboundedSender<SeqEvent>,
+    cached_tokens: usize,
+    admitted_once: bool,
+}
+
+impl Seq {
+    fn generated(&self) -> usize {
+        self.tokens.len() - self.prompt_len
+    }
+}
+
+/// Starts the engine thread.
+pub fn spawn(backend: Box<dyn Backend>, cfg: EngineConfig, eos_ids: Vec<u32>, vocab_size: usize) -> EngineHandle {
+    let (tx, rx) = crossbeam_channel::unbounded();
+    let num_blocks = backend.num_blocks();
+    let stats = Arc::new(EngineStats::default());
+    stats.free_blocks.store(num_blocks, Ordering::Relaxed);
+    let info = Arc::new(EngineInfo {
+        device: backend.device(),
+        num_blocks,
+        config: cfg.clone(),
+        eos_ids: eos_ids.clone(),
+        vocab_size,
+    });
+    let mut engine = Engine {
+        blocks: BlockManager::new(num_blocks, cfg.block_size),
+        backend,
+        cfg,
+        eos_ids,
+        running: Vec::new(),
+        waiting: VecDeque::new(),
+        stats: stats.clone(),
+        rx,
+    };
+    std::thread::Builder::new()
+        .name("kvmesh-engine".into())
+        .spawn(move || engine.run())
+        .expect("spawn engine thread");
+    EngineHandle { tx, next_id: Arc::new(AtomicU64::new(1)), stats, info }
+}
+
+struct Engine {
+    backend: Box<dyn Backend>,
+    blocks: BlockManager,
+    cfg: EngineConfig,
+    eos_ids: Vec<u32>,
+    running: Vec<Seq>,
+    waiting: VecDeque<Seq>,
+    stats: Arc<EngineStats>,
+    rx: crossbeam_channel::Receiver<Command>,
+}
+
+impl Engine {
+    fn run(&mut self) {
+        loop {
+            if self.running.is_empty() && self.waiting.is_empty() {
+                match self.rx.recv() {
+                    Ok(c) => self.handle(c),
+                    Err(_) => return,
+                }
+            }
+            while let Ok(c) = self.rx.try_recv() {
+                self.handle(c);
+            }
+            if let Err(e) = self.step() {
+                // A failed step fails the sequences in it; the engine keeps serving.
+                tracing::error!("engine step failed: {e}");
+                for s in self.running.drain(..) {
+                    let _ = s.events.send(SeqEvent::Failed(e.to_string()));
+                    self.blocks.release(&s.blocks);
+                }
+            }
+            self.publish();
+        }
+    }
+
+    fn handle(&mut self, c: Command) {
+        match c {
+            Command::Add { id, req, events } => {
+                let prompt_len = req.prompt.len();
+                let rng = match req.params.seed {
+                    Some(s) => Rng::seeded(s),
+                    None => Rng::from_entropy(),
+                };
+                self.waiting.push_back(Seq {
+                    id,
+                    tokens: req.prompt,
+                    prompt_len,
+                    num_computed: 0,
+                    blocks: Vec::new(),
+                    hashes: Vec::new(),
+                    params: req.params,
+                    rng,
+                    events,
+                    cached_tokens: 0,
+                    admitted_once: false,
+                });
+            }
+            Command::Abort(id) => {
+                if let Some(i) = self.waiting.iter().position(|s| s.id == id) {
+                    let s = self.waiting.remove(i).expect("index");
+                    self.blocks.release(&s.blocks);
+                } else if let Some(i) = self.running.iter().position(|s| s.id == id) {
+                    let s = self.running.remove(i);
+                    self.blocks.release(&s.blocks);
+                }
+            }
+        }
+        self.publish();
+    }
+
+    fn publish(&self) {
+        self.stats.running.store(self.running.len(), Ordering::Relaxed);
+        self.stats.waiting.store(self.waiting.len(), Ordering::Relaxed);
+        self.stats.free_blocks.store(self.blocks.num_free(), Ordering::Relaxed);
+    }
+
+    fn blocks_needed(&self, s: &Seq, n: usize) -> usize {
+        (s.num_computed + n).div_ceil(self.cfg.block_size).saturating_sub(s.blocks.len())
+    }
+
+    fn preempt(&mut self, mut s: Seq) {
+        self.blocks.release(&s.blocks);
+        s.blocks.clear();
+        s.num_computed = 0;
+        self.stats.preemptions.fetch_add(1, Ordering::Relaxed);
+        self.waiting.push_front(s);
+    }
+
+    /// Picks this step's work: `(index into running, tokens to run)`.
+    fn schedule(&mut self) -> Vec<(usize, usize)> {
+        let mut budget = self.cfg.max_num_batched_tokens;
+        let mut plan = Vec::new();
+        let mut preempted = false;
+        let mut i = 0;
+        while i < self.running.len() && budget > 0 {
+            let n = (self.running[i].tokens.len() - self.running[i].num_computed).min(budget);
+            let need = self.blocks_needed(&self.running[i], n);
+            while self.blocks.num_free() < need && i < self.running.len() {
+                let victim = self.running.pop().expect("non-empty");
+                self.preempt(victim);
+                preempted = true;
+            }
+            if i >= self.running.len() {
+                break;
+            }
+            for _ in 0..need {
+                let b = self.blocks.allocate().expect("checked free blocks");
+                self.running[i].blocks.push(b);
+            }
+            plan.push((i, n));
+            budget -= n;
+            i += 1;
+        }
+        while !preempted && budget > 0 && self.running.len() < self.cfg.max_num_seqs {
+            let Some(mut s) = self.waiting.pop_front() else { break };
+            if s.blocks.is_empty() && self.cfg.enable_prefix_caching {
+                // Leave at least one token to compute, so the step yields logits.
+                let reusable = (s.tokens.len() - 1) / self.cfg.block_size;
+                let hashes = block_hashes(&s.tokens[..reusable * self.cfg.block_size], self.cfg.block_size);
+                s.blocks = self.blocks.take_cached_prefix(&hashes);
+                s.num_computed = s.blocks.len() * self.cfg.block_size;
+                s.hashes = hashes[..s.blocks.len()].to_vec();
+            }
+            let n = (s.tokens.len() - s.num_computed).min(budget);
+            let need = self.blocks_needed(&s, n);
+            if self.blocks.num_free() < need {
+                self.blocks.release(&s.blocks);
+                s.blocks.clear();
+                s.hashes.clear();
+                s.num_computed = 0;
+                self.waiting.push_front(s);
+                break;
+            }
+            for _ in 0..need {
+                s.blocks.push(self.blocks.allocate().expect("checked free blocks"));
+            }
+            if !s.admitted_once {
+                s.admitted_once = true;
+                s.cached_tokens = s.num_computed;
+                self.stats.prefix_queries.fetch_add(s.prompt_len as u64, Ordering::Relaxed);
+                self.stats.prefix_hits.fetch_add(s.num_computed as u64, Ordering::Relaxed);
+            }
+            self.running.push(s);
+            plan.push((self.running.len() - 1, n));
+            budget -= n;
+        }
+        plan
+    }
+
+    fn step(&mut self) -> Result<()> {
+        let plan = self.schedule();
+        if plan.is_empty() {
+            if !self.waiting.is_empty() && self.running.is_empty() {
+                // Cannot happen for requests that passed `submit`'s size check; never spin.
+                let s = self.waiting.pop_front().expect("non-empty");
+                let _ = s.events.send(SeqEvent::Failed("the request does not fit in the KV cache".into()));
+            }
+            return Ok(());
+        }
+        let started = Instant::now();
+        let batch = ForwardBatch {
+            seqs: plan
+                .iter()
+                .map(|&(i, n)| {
+                    let s = &self.running[i];
+                    SeqInput {
+                        tokens: &s.tokens[s.num_computed..s.num_computed + n],
+                        start_pos: s.num_computed,
+                        block_table: &s.blocks,
+                        want_logits: s.num_computed + n == s.tokens.len(),
+                    }
+                })
+                .collect(),
+        };
+        let sampling: Vec<usize> =
+            plan.iter().filter(|&&(i, n)| self.running[i].num_computed + n == self.running[i].tokens.len()).map(|&(i, _)| i).collect();
+        // Split borrows: the batch borrows token slices; sampling state is taken out meanwhile.
+        let mut rngs: Vec<Rng> = sampling.iter().map(|&i| self.running[i].rng.clone()).collect();
+        let params: Vec<SamplingParams> = sampling.iter().map(|&i| self.running[i].params.clone()).collect();
+        let mut specs: Vec<SampleSpec> =
+            params.iter().zip(rngs.iter_mut()).map(|(params, rng)| SampleSpec { params, rng }).collect();
+        let out = self.backend.forward_sample(&batch, &mut specs)?;
+        drop(specs);
+        let prompt_tokens: usize = batch.num_tokens() - sampling.len();
+        drop(batch);
+        self.stats.steps.fetch_add(1, Ordering::Relaxed);
+        self.stats.prompt_tokens.fetch_add(prompt_tokens as u64, Ordering::Relaxed);
+        tracing::trace!(tokens = prompt_tokens + sampling.len(), elapsed = ?started.elapsed(), "step");
+
+        for &(i, n) in &plan {
+            let bs = self.cfg.block_size;
+            let s = &mut self.running[i];
+            s.num_computed += n;
+            // Register every block that is now full and computed.
+            while (s.hashes.len() + 1) * bs <= s.num_computed {
+                let k = s.hashes.len();
+                let h = BlockHash::chain(s.hashes.last().copied(), &s.tokens[k * bs..(k + 1) * bs]);
+                s.hashes.push(h);
+                if self.cfg.enable_prefix_caching {
+                    self.blocks.register(s.blocks[k], h);
+                }
+            }
+        }
+        let mut done = Vec::new();
+        for ((&i, sampled), rng) in sampling.iter().zip(out).zip(rngs) {
+            let s = &mut self.running[i];
+            s.rng = rng;
+            let tok = sampled.token;
+            s.tokens.push(tok);
+            self.stats.generation_tokens.fetch_add(1, Ordering::Relaxed);
+            let finish = if (!s.params.ignore_eos && self.eos_ids.contains(&tok)) || s.params.stop_token_ids.contains(&tok) {
+                Some(FinishReason::Stop)
+            } else if s.generated() >= s.params.max_tokens || s.tokens.len() >= self.cfg.max_model_len {
+                Some(FinishReason::Length)
+            } else {
+                None
+            };
+            let sent = s.events.send(SeqEvent::Token { sampled, finish, cached_tokens: s.cached_tokens });
+            if finish.is_some() || sent.is_err() {
+                done.push(i);
+            }
+        }
+        done.sort_unstable();
+        for i in done.into_iter().rev() {
+            let s = self.running.remove(i);
+            self.blocks.release(&s.blocks);
+        }
+        Ok(())
+    }
+}

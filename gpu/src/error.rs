@@ -1,0 +1,39 @@
+//! Errors the engine reports. Each names what went wrong in words a user can act on.
+
+use thiserror::Error;
+
+#[derive(Debug, Error)]
+pub enum EngineError {
+    /// The model folder is missing a file, or a file is malformed.
+    #[error("model: {0}")]
+    BadModel(String),
+    #[error("tokenizer: {0}")]
+    Tokenizer(String),
+    #[error("chat template: {0}")]
+    ChatTemplate(String),
+    #[error("backend: {0}")]
+    Backend(String),
+    /// A request the engine cannot take as given (too long, bad ids).
+    #[error("{0}")]
+    InvalidRequest(String),
+    /// The waiting queue is at its limit.
+    #[error("the server is at capacity: {waiting} requests are already waiting")]
+    QueueFull { waiting: usize },
+    /// The engine thread has stopped.
+    #[error("the engine has stopped")]
+    Stopped,
+    #[error("{context}: {source}")]
+    Io {
+        context: String,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+pub type Result<T, E = EngineError> = std::result::Result<T, E>;
+
+impl EngineError {
+    pub fn io(context: impl Into<String>, source: std::io::Error) -> EngineError {
+        EngineError::Io { context: context.into(), source }
+    }
+}

@@ -1,0 +1,14 @@
+//! kvmesh's worker engine: models as Hugging Face ships them, a paged KV cache with prefix
+//! caching, continuous batching, sampling, and the backends that run the math.
+
+pub mod backend;
+pub mod config;
+pub mod engine;
+pub mod error;
+pub mod kv_cache;
+pub mod model;
+pub mod safetensors;
+pub mod sampler;
+pub mod tokenizer;
+
+pub use error::{EngineError, Result};

@@ -1,0 +1,107 @@
+//! A model as served: its config, tokenizer and weights, from a Hugging Face folder or from
+//! files compiled into the binary.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use crate::backend::cpu::{CpuBackend, CpuModel};
+use crate::backend::Backend;
+use crate::config::ModelConfig;
+use crate::error::{EngineError, Result};
+use crate::safetensors::WeightStore;
+use crate::tokenizer::{TextTokenizer, TokenizerFiles};
+
+pub struct LoadedModel {
+    /// The folder's name, or the embedded model's.
+    pub name: String,
+    pub config: ModelConfig,
+    pub tokenizer: Arc<TextTokenizer>,
+    pub weights: WeightStore,
+}
+
+/// Files of a model compiled into the binary.
+pub struct EmbeddedModel {
+    pub name: &'static str,
+    pub config_json: &'static str,
+    pub safetensors: &'static [u8],
+    pub tokenizer_json: &'static [u8],
+    pub tokenizer_config: Option<&'static str>,
+    pub chat_template: Option<&'static str>,
+    pub generation_config: Option<&'static str>,
+}
+
+impl LoadedModel {
+    pub fn from_dir(dir: &Path) -> Result<LoadedModel> {
+        if !dir.is_dir() {
+            return Err(EngineError::BadModel(format!("{} is not a model folder", dir.display())));
+        }
+        let cfg_path = dir.join("config.json");
+        let text = std::fs::read_to_string(&cfg_path).map_err(|e| {
+            EngineError::BadModel(format!("{} is missing or unreadable ({e})", cfg_path.display()))
+        })?;
+        let config = ModelConfig::from_json(&text)?;
+        let tokenizer = TextTokenizer::from_files(&TokenizerFiles::read_dir(dir)?, &config.eos_token_ids)?;
+        let weights = WeightStore::open_dir(dir)?;
+        let name = std::fs::canonicalize(dir)
+            .ok()
+            .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+            .unwrap_or_else(|| dir.display().to_string());
+        Self::checked(LoadedModel { name, config, tokenizer: Arc::new(tokenizer), weights })
+    }
+
+    pub fn from_embedded(e: &EmbeddedModel) -> Result<LoadedModel> {
+        let config = ModelConfig::from_json(e.config_json)?;
+        let files = TokenizerFiles {
+            tokenizer_json: e.tokenizer_json.to_vec(),
+            tokenizer_config: e.tokenizer_config.map(String::from),
+            chat_template_jinja: e.chat_template.map(String::from),
+            generation_config: e.generation_config.map(String::from),
+        };
+        let tokenizer = TextTokenizer::from_files(&files, &config.eos_token_ids)?;
+        let weights = WeightStore::from_static("model.safetensors", e.safetensors)?;
+        Self::checked(LoadedModel { name: e.name.to_string(), config, tokenizer: Arc::new(tokenizer), weights })
+    }
+
+    fn checked(m: LoadedModel) -> Result<LoadedModel> {
+        if m.tokenizer.vocab_size() > m.config.vocab_size {
+            tracing::warn!(
+                "tokenizer has {} tokens but the model's vocabulary is {}; ids past it are refused",
+                m.tokenizer.vocab_size(),
+                m.config.vocab_size
+            );
+        }
+        Ok(m)
+    }
+}
+
+/// Which backend runs the math.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BackendKind {
+    Cpu,
+}
+
+/// How much KV memory to give the backend.
+#[derive(Clone, Copy, Debug)]
+pub enum KvBudget {
+    Blocks(usize),
+    Bytes(usize),
+}
+
+pub fn build_backend(
+    kind: BackendKind,
+    model: &LoadedModel,
+    block_size: usize,
+    kv: KvBudget,
+) -> Result<Box<dyn Backend>> {
+    match kind {
+        BackendKind::Cpu => {
+            let per_block = CpuBackend::kv_bytes_per_block(&model.config, block_size);
+            let blocks = match kv {
+                KvBudget::Blocks(n) => n,
+                KvBudget::Bytes(b) => (b / per_block).max(1),
+            };
+            let m = CpuModel::load(&model.config, &model.weights)?;
+            Ok(Box::new(CpuBackend::new(m, blocks, block_size)?))
+        }
+    }
+}

@@ -1,0 +1,229 @@
+//! Choosing the next token from logits: greedy, temperature, top-k, top-p, per-request seeds,
+//! and the log-probabilities a client may ask for.
+
+/// How a request wants its tokens chosen and when it wants them to stop.
+#[derive(Clone, Debug)]
+pub struct SamplingParams {
+    /// 0 means greedy.
+    pub temperature: f32,
+    /// 0 means no limit.
+    pub top_k: usize,
+    pub top_p: f32,
+    pub seed: Option<u64>,
+    pub max_tokens: usize,
+    pub stop_token_ids: Vec<u32>,
+    pub ignore_eos: bool,
+    /// How many top alternatives to report with each token; `None` reports no logprobs.
+    pub logprobs: Option<usize>,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        SamplingParams {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            seed: None,
+            max_tokens: 16,
+            stop_token_ids: Vec::new(),
+            ignore_eos: false,
+            logprobs: None,
+        }
+    }
+}
+
+/// xoshiro256**: small, fast, and the same sequence for the same seed on every machine.
+#[derive(Clone, Debug)]
+pub struct Rng {
+    s: [u64; 4],
+}
+
+impl Rng {
+    pub fn seeded(seed: u64) -> Rng {
+        let mut z = seed;
+        let mut next = || {
+            z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            let mut x = z;
+            x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            x ^ (x >> 31)
+        };
+        Rng { s: [next(), next(), next(), next()] }
+    }
+
+    /// Seeded from the clock and a counter, for requests without a seed.
+    pub fn from_entropy() -> Rng {
+        use std::sync::atomic::{AtomicU64, Ordering};
+        static COUNTER: AtomicU64 = AtomicU64::new(0);
+        let t = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(0);
+        Rng::seeded(t ^ COUNTER.fetch_add(1, Ordering::Relaxed).wrapping_mul(0x2545_f491_4f6c_dd1d))
+    }
+
+    pub fn next_u64(&mut self) -> u64 {
+        let r = self.s[1].wrapping_mul(5).rotate_left(7).wrapping_mul(9);
+        let t = self.s[1] << 17;
+        self.s[2] ^= self.s[0];
+        self.s[3] ^= self.s[1];
+        self.s[1] ^= self.s[2];
+        self.s[0] ^= self.s[3];
+        self.s[2] ^= t;
+        self.s[3] = self.s[3].rotate_left(45);
+        r
+    }
+
+    /// Uniform in [0, 1).
+    pub fn next_f64(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
+    }
+
+    /// Normally distributed, mean 0, deviation 1 (Box-Muller).
+    pub fn normal(&mut self) -> f64 {
+        let u1 = self.next_f64().max(1e-300);
+        let u2 = self.next_f64();
+        (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()
+    }
+}
+
+/// One chosen token, with the logprobs asked for (of the model's distribution, before
+/// temperature and truncation, as vLLM reports them).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Sampled {
+    pub token: u32,
+    pub logprob: f32,
+    pub top: Vec<(u32, f32)>,
+}
+
+fn log_sum_exp(logits: &[f32]) -> f32 {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let sum: f64 = logits.iter().map(|&x| ((x - max) as f64).exp()).sum();
+    max + sum.ln() as f32
+}
+
+fn argmax(logits: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &x) in logits.iter().enumerate() {
+        if x > logits[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// The `n` highest logits, highest first.
+fn top_n(logits: &[f32], n: usize) -> Vec<(u32, f32)> {
+    let n = n.min(logits.len());
+    if n == 0 {
+        return Vec::new();
+    }
+    let mut idx: Vec<u32> = (0..logits.len() as u32).collect();
+    let by_logit = |a: &u32, b: &u32| logits[*b as usize].total_cmp(&logits[*a as usize]);
+    if n < idx.len() {
+        idx.select_nth_unstable_by(n - 1, by_logit);
+        idx.truncate(n);
+    }
+    idx.sort_by(by_logit);
+    idx.into_iter().map(|i| (i, logits[i as usize])).collect()
+}
+
+pub fn sample(logits: &[f32], p: &SamplingParams, rng: &mut Rng) -> Sampled {
+    let token = if p.temperature <= 1e-5 || p.top_k == 1 {
+        argmax(logits)
+    } else {
+        sample_random(logits, p, rng)
+    };
+    let lse = log_sum_exp(logits);
+    let top = match p.logprobs {
+        Some(n) if n > 0 => top_n(logits, n).into_iter().map(|(t, l)| (t, l - lse)).collect(),
+        _ => Vec::new(),
+    };
+    Sampled { token, logprob: logits[token as usize] - lse, top }
+}
+
+fn sample_random(logits: &[f32], p: &SamplingParams, rng: &mut Rng) -> u32 {
+    let inv_t = 1.0 / p.temperature;
+    let truncate = p.top_k > 0 && p.top_k < logits.len() || p.top_p < 1.0;
+    if !truncate {
+        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let weights: Vec<f64> = logits.iter().map(|&x| (((x - max) * inv_t) as f64).exp()).collect();
+        return draw(&weights, rng) as u32;
+    }
+    let k = if p.top_k > 0 { p.top_k.min(logits.len()) } else { logits.len() };
+    let cands = top_n(logits, k);
+    let max = cands[0].1;
+    let mut weights: Vec<f64> = cands.iter().map(|&(_, x)| (((x - max) * inv_t) as f64).exp()).collect();
+    if p.top_p < 1.0 {
+        let total: f64 = weights.iter().sum();
+        let mut acc = 0.0;
+        let mut keep = weights.len();
+        for (i, w) in weights.iter().enumerate() {
+            acc += w / total;
+            if acc >= p.top_p as f64 {
+                keep = i + 1;
+                break;
+            }
+        }
+        weights.truncate(keep);
+    }
+    cands[draw(&weights, rng)].0
+}
+
+fn draw(weights: &[f64], rng: &mut Rng) -> usize {
+    let total: f64 = weights.iter().sum();
+    let mut r = rng.next_f64() * total;
+    for (i, w) in weights.iter().enumerate() {
+        r -= w;
+        if r < 0.0 {
+            return i;
+        }
+    }
+    weights.len() - 1
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn params(t: f32, k: usize, p: f32) -> SamplingParams {
+        SamplingParams { temperature: t, top_k: k, top_p: p, ..Default::default() }
+    }
+
+    #[test]
+    fn greedy_takes_the_max_and_reports_logprobs() {
+        let logits = [0.0, 3.0, 1.0, 2.0];
+        let mut rng = Rng::seeded(1);
+        let s = sample(&logits, &SamplingParams { logprobs: Some(2), ..params(0.0, 0, 1.0) }, &mut rng);
+        assert_eq!(s.token, 1);
+        let lse = (0f32.exp() + 3f32.exp() + 1f32.exp() + 2f32.exp()).ln();
+        assert!((s.logprob - (3.0 - lse)).abs() < 1e-5);
+        assert_eq!(s.top.iter().map(|t| t.0).collect::<Vec<_>>(), vec![1, 3]);
+    }
+
+    #[test]
+    fn top_k_and_top_p_never_pick_outside_the_set() {
+        let logits = [5.0, 4.9, 0.0, -1.0, 4.8];
+        let mut rng = Rng::seeded(7);
+        for _ in 0..500 {
+            let t = sample(&logits, &params(1.0, 2, 1.0), &mut rng).token;
+            assert!(t == 0 || t == 1, "top_k=2 picked {t}");
+            let t = sample(&logits, &params(1.0, 0, 0.5), &mut rng).token;
+            assert!(t == 0 || t == 1, "top_p=0.5 picked {t}");
+        }
+    }
+
+    #[test]
+    fn same_seed_same_draws_and_temperature_spreads() {
+        let logits: Vec<f32> = (0..50).map(|i| (i as f32 * 0.37).sin()).collect();
+        let p = params(1.0, 0, 1.0);
+        let run = |seed| {
+            let mut rng = Rng::seeded(seed);
+            (0..20).map(|_| sample(&logits, &p, &mut rng).token).collect::<Vec<_>>()
+        };
+        assert_eq!(run(42), run(42));
+        assert_ne!(run(42), run(43));
+        let distinct: std::collections::HashSet<_> = run(42).into_iter().collect();
+        assert!(distinct.len() > 3);
+    }
+}
