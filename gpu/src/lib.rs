@@ -4,6 +4,7 @@
 pub mod backend;
 pub mod config;
 pub mod engine;
+pub mod init;
 pub mod error;
 pub mod kv_cache;
 pub mod model;

@@ -1,0 +1,144 @@
+//! One request's way through the engine: token events in, text deltas out, with the timings
+//! the metrics record. Both endpoints, streaming or not, read from a `Generation`.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use kvmesh_gpu::engine::{SeqEvent, Submission};
+use kvmesh_gpu::tokenizer::{TextStream, TextTokenizer};
+
+use crate::error::ApiError;
+use crate::metrics::Metrics;
+
+#[derive(Clone, Debug)]
+pub struct TokenLogprob {
+    pub token: u32,
+    pub logprob: f32,
+    pub top: Vec<(u32, f32)>,
+}
+
+/// What one or more tokens added.
+#[derive(Default, Debug)]
+pub struct Chunk {
+    pub text: String,
+    pub token_ids: Vec<u32>,
+    pub logprobs: Vec<TokenLogprob>,
+    pub finish: Option<&'static str>,
+}
+
+impl Chunk {
+    /// Adds a later chunk's content to this one (used to skip chunks with no text yet).
+    pub fn absorb(&mut self, later: Chunk) {
+        self.text.push_str(&later.text);
+        self.token_ids.extend(later.token_ids);
+        self.logprobs.extend(later.logprobs);
+        self.finish = later.finish;
+    }
+}
+
+pub struct Generation {
+    sub: Submission,
+    text: TextStream,
+    tok: Arc<TextTokenizer>,
+    metrics: Arc<Metrics>,
+    start: Instant,
+    last: Option<Instant>,
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    pub cached_tokens: usize,
+    done: bool,
+}
+
+impl Generation {
+    pub fn new(
+        sub: Submission,
+        prompt: &[u32],
+        stops: Vec<String>,
+        tok: Arc<TextTokenizer>,
+        metrics: Arc<Metrics>,
+        start: Instant,
+    ) -> Generation {
+        Generation {
+            sub,
+            text: TextStream::new(prompt, stops),
+            tok,
+            metrics,
+            start,
+            last: None,
+            prompt_tokens: prompt.len(),
+            completion_tokens: 0,
+            cached_tokens: 0,
+            done: false,
+        }
+    }
+
+    /// The next token's worth of output; `None` once finished.
+    pub async fn next(&mut self) -> Option<Result<Chunk, ApiError>> {
+        if self.done {
+            return None;
+        }
+        let event = self.sub.events.recv().await;
+        let now = Instant::now();
+        match event {
+            None => {
+                self.done = true;
+                Some(Err(ApiError::internal("the engine stopped before the request finished")))
+            }
+            Some(SeqEvent::Failed(m)) => {
+                self.done = true;
+                Some(Err(ApiError::internal(format!("generation failed: {m}"))))
+            }
+            Some(SeqEvent::Token { sampled, finish, cached_tokens }) => {
+                match self.last {
+                    None => self.metrics.ttft.observe((now - self.start).as_secs_f64()),
+                    Some(t) => self.metrics.itl.observe((now - t).as_secs_f64()),
+                }
+                self.last = Some(now);
+                self.cached_tokens = cached_tokens;
+                self.completion_tokens += 1;
+                let mut chunk = Chunk {
+                    token_ids: vec![sampled.token],
+                    logprobs: vec![TokenLogprob { token: sampled.token, logprob: sampled.logprob, top: sampled.top }],
+                    ..Default::default()
+                };
+                let delta = match self.text.push(&self.tok, sampled.token) {
+                    Ok(d) => d,
+                    Err(e) => return Some(Err(ApiError::internal(e.to_string()))),
+                };
+                chunk.text = delta.text;
+                if delta.stopped {
+                    // Dropping the submission later aborts the engine's sequence.
+                    chunk.finish = Some("stop");
+                } else if let Some(reason) = finish {
+                    self.sub.finished();
+                    match self.text.finish(&self.tok) {
+                        Ok(rest) => {
+                            chunk.text.push_str(&rest.text);
+                            chunk.finish = Some(if rest.stopped { "stop" } else { reason.as_str() });
+                        }
+                        Err(e) => return Some(Err(ApiError::internal(e.to_string()))),
+                    }
+                }
+                if let Some(reason) = chunk.finish {
+                    self.done = true;
+                    self.metrics.e2e.observe((now - self.start).as_secs_f64());
+                    self.metrics.finished(reason);
+                }
+                Some(Ok(chunk))
+            }
+        }
+    }
+
+    pub fn usage(&self) -> serde_json::Value {
+        serde_json::json!({
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        })
+    }
+
+    pub fn tokenizer(&self) -> &TextTokenizer {
+        &self.tok
+    }
+}

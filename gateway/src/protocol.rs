@@ -1,0 +1,266 @@
+//! The OpenAI request bodies, and their validation into what the engine runs. Each rule gives
+//! its own message and names the offending parameter.
+
+use serde::Deserialize;
+use serde_json::Value;
+
+use crate::error::ApiError;
+use kvmesh_gpu::sampler::SamplingParams;
+
+#[derive(Deserialize, Debug, Default)]
+pub struct StreamOptions {
+    #[serde(default)]
+    pub include_usage: bool,
+}
+
+#[derive(Deserialize, Debug)]
+#[serde(untagged)]
+pub enum StringOrList {
+    One(String),
+    Many(Vec<String>),
+}
+
+/// Parameters shared by both endpoints.
+#[derive(Deserialize, Debug, Default)]
+pub struct Common {
+    pub model: Option<String>,
+    pub max_tokens: Option<i64>,
+    pub max_completion_tokens: Option<i64>,
+    pub temperature: Option<f64>,
+    pub top_p: Option<f64>,
+    pub top_k: Option<i64>,
+    pub seed: Option<i64>,
+    pub stop: Option<StringOrList>,
+    pub stop_token_ids: Option<Vec<u32>>,
+    pub ignore_eos: Option<bool>,
+    pub stream: Option<bool>,
+    pub stream_options: Option<StreamOptions>,
+    pub n: Option<i64>,
+    pub return_token_ids: Option<bool>,
+    pub presence_penalty: Option<f64>,
+    pub frequency_penalty: Option<f64>,
+}
+
+#[derive(Deserialize, Debug)]
+#[serde(untagged)]
+pub enum Content {
+    Text(String),
+    Parts(Vec<ContentPart>),
+}
+
+#[derive(Deserialize, Debug)]
+pub struct ContentPart {
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub text: Option<String>,
+}
+
+#[derive(Deserialize, Debug)]
+pub struct ChatMessage {
+    pub role: String,
+    pub content: Option<Content>,
+}
+
+#[derive(Deserialize, Debug)]
+pub struct ChatRequest {
+    pub messages: Vec<ChatMessage>,
+    /// Chat: `logprobs` is a flag and `top_logprobs` the count.
+    pub logprobs: Option<bool>,
+    pub top_logprobs: Option<i64>,
+}
+
+#[derive(Deserialize, Debug)]
+#[serde(untagged)]
+pub enum Prompt {
+    Text(String),
+    Tokens(Vec<u32>),
+    Texts(Vec<String>),
+    TokenLists(Vec<Vec<u32>>),
+}
+
+#[derive(Deserialize, Debug)]
+pub struct CompletionRequest {
+    pub prompt: Prompt,
+    /// Completions: `logprobs` is the count.
+    pub logprobs: Option<i64>,
+    pub echo: Option<bool>,
+}
+
+/// Parses a request body as a JSON object.
+pub fn parse_body(body: &[u8]) -> Result<Value, ApiError> {
+    let v: Value = serde_json::from_slice(body)
+        .map_err(|e| ApiError::invalid(format!("The request body is not valid JSON: {e}"), None))?;
+    if !v.is_object() {
+        return Err(ApiError::invalid("The request body must be a JSON object.", None));
+    }
+    Ok(v)
+}
+
+/// Reads the fields `T` knows from a request object, naming the field at fault. (Each
+/// endpoint reads its own fields and the shared ones separately: serde's `flatten` would
+/// lose the field path in errors.)
+pub fn fields<T: serde::de::DeserializeOwned>(v: &Value) -> Result<T, ApiError> {
+    serde_path_to_error::deserialize(v).map_err(|e| {
+        let path = e.path().to_string();
+        let param = (path != ".").then(|| path.clone());
+        let inner = e.into_inner().to_string();
+        let msg = if inner.contains("did not match any variant") {
+            format!("`{path}` has the wrong type or shape")
+        } else {
+            match &param {
+                Some(p) => format!("Invalid value for `{p}`: {inner}"),
+                None => format!("Invalid request: {inner}"),
+            }
+        };
+        ApiError::invalid(msg, param)
+    })
+}
+
+/// What a validated request asks the engine and the detokenizer for.
+pub struct Validated {
+    pub params: SamplingParams,
+    /// `None`: as much as the context allows.
+    pub max_tokens: Option<usize>,
+    pub stops: Vec<String>,
+    pub stream: bool,
+    pub include_usage: bool,
+    pub return_token_ids: bool,
+}
+
+pub const MAX_LOGPROBS: i64 = 20;
+
+pub fn validate_common(c: &Common, served: &str, top_logprobs: Option<usize>) -> Result<Validated, ApiError> {
+    if let Some(m) = &c.model {
+        if m != served {
+            return Err(ApiError::model_not_found(m, served));
+        }
+    }
+    let max_tokens = match (c.max_completion_tokens, c.max_tokens) {
+        (Some(v), _) => Some(("max_completion_tokens", v)),
+        (None, Some(v)) => Some(("max_tokens", v)),
+        _ => None,
+    };
+    if let Some((name, v)) = max_tokens {
+        if v < 1 {
+            return Err(ApiError::param(name, format!("`{name}` must be at least 1, got {v}.")));
+        }
+    }
+    let temperature = c.temperature.unwrap_or(1.0);
+    if !(temperature >= 0.0) || !temperature.is_finite() {
+        return Err(ApiError::param("temperature", format!("`temperature` must be 0 or more, got {temperature}.")));
+    }
+    let top_p = c.top_p.unwrap_or(1.0);
+    if !(top_p > 0.0 && top_p <= 1.0) {
+        return Err(ApiError::param("top_p", format!("`top_p` must be in (0, 1], got {top_p}.")));
+    }
+    let top_k = c.top_k.unwrap_or(0);
+    if top_k < -1 {
+        return Err(ApiError::param("top_k", format!("`top_k` must be -1 (off), 0 (off) or positive, got {top_k}.")));
+    }
+    if let Some(n) = c.n {
+        if n != 1 {
+            return Err(ApiError::param("n", format!("Only n = 1 is supported, got {n}.")));
+        }
+    }
+    for (name, v) in [("presence_penalty", c.presence_penalty), ("frequency_penalty", c.frequency_penalty)] {
+        if let Some(v) = v {
+            if v != 0.0 {
+                return Err(ApiError::param(name, format!("`{name}` is not supported; send 0 or leave it out.")));
+            }
+        }
+    }
+    let stops = match &c.stop {
+        None => Vec::new(),
+        Some(StringOrList::One(s)) => vec![s.clone()],
+        Some(StringOrList::Many(v)) => v.clone(),
+    };
+    if stops.iter().any(String::is_empty) {
+        return Err(ApiError::param("stop", "Stop strings must not be empty."));
+    }
+    let seed = match c.seed {
+        Some(s) if s < 0 => {
+            return Err(ApiError::param("seed", format!("`seed` must be 0 or more, got {s}.")));
+        }
+        s => s.map(|s| s as u64),
+    };
+    let stream = c.stream.unwrap_or(false);
+    if c.stream_options.is_some() && !stream {
+        return Err(ApiError::param("stream_options", "`stream_options` needs `stream: true`."));
+    }
+    Ok(Validated {
+        params: SamplingParams {
+            temperature: temperature as f32,
+            top_k: top_k.max(0) as usize,
+            top_p: top_p as f32,
+            seed,
+            max_tokens: 0,
+            stop_token_ids: c.stop_token_ids.clone().unwrap_or_default(),
+            ignore_eos: c.ignore_eos.unwrap_or(false),
+            logprobs: top_logprobs,
+        },
+        max_tokens: max_tokens.map(|(_, v)| v as usize),
+        stops,
+        stream,
+        include_usage: c.stream_options.as_ref().is_some_and(|o| o.include_usage),
+        return_token_ids: c.return_token_ids.unwrap_or(false),
+    })
+}
+
+/// Chat `logprobs`/`top_logprobs` into the number of alternatives (None: no logprobs).
+pub fn chat_logprobs(logprobs: Option<bool>, top: Option<i64>) -> Result<Option<usize>, ApiError> {
+    match (logprobs.unwrap_or(false), top) {
+        (_, Some(t)) if !(0..=MAX_LOGPROBS).contains(&t) => Err(ApiError::param(
+            "top_logprobs",
+            format!("`top_logprobs` must be between 0 and {MAX_LOGPROBS}, got {t}."),
+        )),
+        (false, Some(_)) => Err(ApiError::param("top_logprobs", "`top_logprobs` needs `logprobs: true`.")),
+        (true, t) => Ok(Some(t.unwrap_or(0) as usize)),
+        (false, None) => Ok(None),
+    }
+}
+
+pub fn completion_logprobs(n: Option<i64>) -> Result<Option<usize>, ApiError> {
+    match n {
+        None => Ok(None),
+        Some(n) if (0..=MAX_LOGPROBS).contains(&n) => Ok(Some(n as usize)),
+        Some(n) => Err(ApiError::param("logprobs", format!("`logprobs` must be between 0 and {MAX_LOGPROBS}, got {n}."))),
+    }
+}
+
+/// Messages as the chat template reads them: role and plain-text content.
+pub fn template_messages(messages: &[ChatMessage]) -> Result<Vec<Value>, ApiError> {
+    if messages.is_empty() {
+        return Err(ApiError::param("messages", "`messages` must not be empty."));
+    }
+    messages
+        .iter()
+        .enumerate()
+        .map(|(i, m)| {
+            if !matches!(m.role.as_str(), "system" | "developer" | "user" | "assistant" | "tool") {
+                return Err(ApiError::param(
+                    &format!("messages[{i}].role"),
+                    format!("Unknown role `{}`; use system, user, assistant or tool.", m.role),
+                ));
+            }
+            let text = match &m.content {
+                None => String::new(),
+                Some(Content::Text(t)) => t.clone(),
+                Some(Content::Parts(parts)) => {
+                    let mut s = String::new();
+                    for p in parts {
+                        if p.kind != "text" {
+                            return Err(ApiError::param(
+                                &format!("messages[{i}].content"),
+                                format!("Content parts of type `{}` are not supported; this model reads text.", p.kind),
+                            ));
+                        }
+                        s.push_str(p.text.as_deref().unwrap_or(""));
+                    }
+                    s
+                }
+            };
+            let role = if m.role == "developer" { "system" } else { m.role.as_str() };
+            Ok(serde_json::json!({"role": role, "content": text}))
+        })
+        .collect()
+}

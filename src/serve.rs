@@ -1,0 +1,159 @@
+//! `kvmesh serve`: the engine and the OpenAI gateway in one process.
+
+use std::path::PathBuf;
+
+use anyhow::Context;
+use clap::Args;
+use kvmesh_gateway::{AppState, ServedModel};
+use kvmesh_gpu::backend::cpu::CpuBackend;
+use kvmesh_gpu::engine::{self, EngineConfig};
+use kvmesh_gpu::model::{build_backend, BackendKind, KvBudget, LoadedModel};
+
+#[derive(Args, Debug)]
+pub struct ServeArgs {
+    /// A Hugging Face model folder; without it, the embedded Shakespeare model.
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    #[arg(long, default_value = "0.0.0.0")]
+    pub host: String,
+    #[arg(long, default_value_t = 8000)]
+    pub port: u16,
+    /// The model's id in the API (default: the model folder's name).
+    #[arg(long)]
+    pub served_model_name: Option<String>,
+    /// Longest prompt plus completion, in tokens (default: the model's, capped by the KV cache).
+    #[arg(long)]
+    pub max_model_len: Option<usize>,
+    /// Most sequences in one batch.
+    #[arg(long, default_value_t = 64)]
+    pub max_num_seqs: usize,
+    /// Most tokens in one engine step (long prompts are prefilled in chunks of this).
+    #[arg(long, default_value_t = 2048)]
+    pub max_num_batched_tokens: usize,
+    /// Tokens per KV block.
+    #[arg(long, default_value_t = 16)]
+    pub block_size: usize,
+    /// Require `Authorization: Bearer <key>` on /v1 routes.
+    #[arg(long, env = "KVMESH_API_KEY")]
+    pub api_key: Option<String>,
+    /// Where the math runs.
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+    /// Memory for the KV cache, in GiB.
+    #[arg(long, default_value_t = 1.0)]
+    pub kv_cache_gib: f64,
+    /// Exact number of KV blocks (overrides --kv-cache-gib).
+    #[arg(long)]
+    pub num_kv_blocks: Option<usize>,
+    /// Requests allowed to wait for a slot; beyond that, 429.
+    #[arg(long, default_value_t = 1024)]
+    pub max_waiting_seqs: usize,
+    /// Turn off reuse of cached prompt blocks.
+    #[arg(long)]
+    pub no_enable_prefix_caching: bool,
+    /// Compute threads (default: all cores).
+    #[arg(long)]
+    pub threads: Option<usize>,
+}
+
+pub fn run(args: ServeArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(args.block_size > 0, "--block-size must be positive");
+    anyhow::ensure!(args.max_num_seqs > 0, "--max-num-seqs must be positive");
+    anyhow::ensure!(args.max_num_batched_tokens > 0, "--max-num-batched-tokens must be positive");
+    let kind = match args.device.as_str() {
+        "cpu" | "auto" => BackendKind::Cpu,
+        other => anyhow::bail!("--device {other}: this build runs on `cpu` only"),
+    };
+    if let Some(t) = args.threads {
+        rayon::ThreadPoolBuilder::new().num_threads(t).build_global().context("--threads")?;
+    }
+    let model = match &args.model {
+        Some(dir) => LoadedModel::from_dir(dir).with_context(|| format!("loading {}", dir.display()))?,
+        None => LoadedModel::from_embedded(&crate::embedded::DEFAULT_MODEL).context("loading the embedded model")?,
+    };
+    let name = args.served_model_name.clone().unwrap_or_else(|| model.name.clone());
+    let per_block = CpuBackend::kv_bytes_per_block(&model.config, args.block_size);
+    let budget = match args.num_kv_blocks {
+        Some(n) => KvBudget::Blocks(n),
+        None => KvBudget::Bytes((args.kv_cache_gib * (1u64 << 30) as f64) as usize),
+    };
+    let backend = build_backend(kind, &model, args.block_size, budget)?;
+    let num_blocks = backend.num_blocks();
+    let cache_tokens = num_blocks * args.block_size;
+    let model_max = model.config.max_context();
+    let max_model_len = match args.max_model_len {
+        Some(n) => {
+            anyhow::ensure!(n > 0, "--max-model-len must be positive");
+            anyhow::ensure!(
+                n <= model_max,
+                "--max-model-len {n} is longer than the model's context of {model_max} tokens"
+            );
+            anyhow::ensure!(
+                n <= cache_tokens,
+                "--max-model-len {n} does not fit the KV cache ({cache_tokens} tokens in {num_blocks} blocks); \
+                 raise --kv-cache-gib or lower --max-model-len"
+            );
+            n
+        }
+        None => {
+            if cache_tokens < model_max {
+                tracing::info!("max model length capped at {cache_tokens} tokens, what the KV cache holds (the model allows {model_max})");
+            }
+            model_max.min(cache_tokens)
+        }
+    };
+    let cfg = EngineConfig {
+        max_model_len,
+        max_num_seqs: args.max_num_seqs,
+        max_num_batched_tokens: args.max_num_batched_tokens,
+        block_size: args.block_size,
+        max_waiting: args.max_waiting_seqs,
+        enable_prefix_caching: !args.no_enable_prefix_caching,
+    };
+    let device = backend.device();
+    let handle = engine::spawn(backend, cfg, model.tokenizer.eos_ids().to_vec(), model.config.vocab_size);
+    tracing::info!(
+        "model {name} ({}, {:.1}M parameters) on {device}; KV cache {num_blocks} blocks of {} tokens ({:.2} GiB); max model length {max_model_len}",
+        model.config.arch.architecture_name(),
+        model.config.num_params() as f64 / 1e6,
+        args.block_size,
+        (num_blocks * per_block) as f64 / (1u64 << 30) as f64,
+    );
+    let state = AppState::new(ServedModel { name, tokenizer: model.tokenizer.clone(), engine: handle }, args.api_key.clone());
+    drop(model);
+
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    rt.block_on(async move {
+        let addr = format!("{}:{}", args.host, args.port);
+        let listener = tokio::net::TcpListener::bind(&addr).await.with_context(|| format!("binding {addr}"))?;
+        let local = listener.local_addr()?;
+        tracing::info!("serving the OpenAI API on http://{local}");
+        // A line tests and scripts can wait for.
+        println!("kvmesh listening on http://{local}");
+        axum::serve(listener, kvmesh_gateway::router(state))
+            .with_graceful_shutdown(shutdown())
+            .await
+            .context("serving HTTP")?;
+        tracing::info!("shut down");
+        Ok::<_, anyhow::Error>(())
+    })?;
+    Ok(())
+}
+
+async fn shutdown() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("SIGTERM handler");
+        tokio::select! {
+            _ = ctrl_c => {},
+            _ = term.recv() => {},
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = ctrl_c.await;
+}
