@@ -160,6 +160,15 @@ async fn completions(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
                 Err(ApiError::param("prompt", format!("Send one prompt per request (got {n}).")))
             }
         };
+        let empty = match &req.prompt {
+            Prompt::Text(t) => t.is_empty(),
+            Prompt::Texts(ts) => ts.iter().any(String::is_empty),
+            Prompt::Tokens(ids) => ids.is_empty(),
+            Prompt::TokenLists(l) => l.iter().any(Vec::is_empty),
+        };
+        if empty {
+            return Err(ApiError::param("prompt", "The prompt is empty."));
+        }
         let (prompt, text) = match req.prompt {
             Prompt::Text(t) => (tok.encode(&t, true)?, t),
             Prompt::Texts(ts) => {
@@ -177,9 +186,6 @@ async fn completions(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
                 (ids, t)
             }
         };
-        if prompt.is_empty() {
-            return Err(ApiError::param("prompt", "The prompt is empty."));
-        }
         let echo = req.echo.unwrap_or(false).then_some(text);
         Ok::<_, ApiError>(Prepared { endpoint: Endpoint::Completion, prompt, echo, v })
     })();

@@ -146,11 +146,11 @@ pub fn validate_common(c: &Common, served: &str, top_logprobs: Option<usize>) ->
         }
     }
     let temperature = c.temperature.unwrap_or(1.0);
-    if !(temperature >= 0.0) || !temperature.is_finite() {
+    if temperature < 0.0 || !temperature.is_finite() {
         return Err(ApiError::param("temperature", format!("`temperature` must be 0 or more, got {temperature}.")));
     }
     let top_p = c.top_p.unwrap_or(1.0);
-    if !(top_p > 0.0 && top_p <= 1.0) {
+    if top_p <= 0.0 || top_p > 1.0 || top_p.is_nan() {
         return Err(ApiError::param("top_p", format!("`top_p` must be in (0, 1], got {top_p}.")));
     }
     let top_k = c.top_k.unwrap_or(0);

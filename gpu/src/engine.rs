@@ -469,3 +469,142 @@ impl Engine {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Mutex;
+
+    /// A backend with no math: the next token is `(last token + position) % vocab`, so
+    /// outputs depend on the whole schedule being right; it records every batch's shape.
+    struct Recorder {
+        blocks: usize,
+        vocab: usize,
+        log: Arc<Mutex<Vec<Vec<(usize, usize, bool)>>>>,
+    }
+
+    impl Backend for Recorder {
+        fn device(&self) -> String {
+            "test".into()
+        }
+        fn num_blocks(&self) -> usize {
+            self.blocks
+        }
+        fn forward(&mut self, batch: &ForwardBatch) -> Result<Vec<Vec<f32>>> {
+            self.log
+                .lock()
+                .unwrap()
+                .push(batch.seqs.iter().map(|s| (s.start_pos, s.tokens.len(), s.want_logits)).collect());
+            Ok(batch
+                .seqs
+                .iter()
+                .filter(|s| s.want_logits)
+                .map(|s| {
+                    let last = *s.tokens.last().unwrap() as usize;
+                    let pos = s.start_pos + s.tokens.len() - 1;
+                    let mut l = vec![0.0; self.vocab];
+                    l[(last + pos) % self.vocab] = 10.0;
+                    l
+                })
+                .collect())
+        }
+    }
+
+    fn expected(prompt: &[u32], n: usize, vocab: usize) -> Vec<u32> {
+        let mut toks = prompt.to_vec();
+        let mut out = Vec::new();
+        for _ in 0..n {
+            let t = ((*toks.last().unwrap() as usize + toks.len() - 1) % vocab) as u32;
+            toks.push(t);
+            out.push(t);
+        }
+        out
+    }
+
+    fn drain(sub: &mut Submission) -> Vec<u32> {
+        let mut out = Vec::new();
+        loop {
+            match sub.events.blocking_recv().expect("event") {
+                SeqEvent::Token { sampled, finish, .. } => {
+                    out.push(sampled.token);
+                    if finish.is_some() {
+                        sub.finished();
+                        return out;
+                    }
+                }
+                SeqEvent::Failed(m) => panic!("{m}"),
+            }
+        }
+    }
+
+    fn greedy(max_tokens: usize) -> SamplingParams {
+        SamplingParams { temperature: 0.0, max_tokens, ignore_eos: true, ..Default::default() }
+    }
+
+    #[test]
+    fn budgets_chunking_and_preemption_keep_outputs_exact() {
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let vocab = 97;
+        let cfg = EngineConfig {
+            max_model_len: 256,
+            max_num_seqs: 3,
+            max_num_batched_tokens: 20,
+            block_size: 4,
+            max_waiting: 100,
+            enable_prefix_caching: true,
+        };
+        // 24 blocks of 4 tokens cannot hold five 50-token sequences at once.
+        let h = spawn(Box::new(Recorder { blocks: 24, vocab, log: log.clone() }), cfg, vec![], vocab);
+        let prompts: Vec<Vec<u32>> = (0..5).map(|i| (0..(13 + 7 * i)).map(|t| (t * 3 + i) as u32 % 90).collect()).collect();
+        let mut subs: Vec<Submission> =
+            prompts.iter().map(|p| h.submit(Request { prompt: p.clone(), params: greedy(25) }).unwrap()).collect();
+        for (p, sub) in prompts.iter().zip(subs.iter_mut()) {
+            assert_eq!(drain(sub), expected(p, 25, vocab));
+        }
+        let log = log.lock().unwrap();
+        for step in log.iter() {
+            assert!(step.len() <= 3, "max_num_seqs exceeded: {step:?}");
+            assert!(step.iter().map(|s| s.1).sum::<usize>() <= 20, "token budget exceeded: {step:?}");
+        }
+        assert!(log.iter().any(|s| s.iter().any(|&(start, n, want)| start > 0 && n > 1 && want)), "a prompt was chunked");
+        assert!(h.stats.preemptions.load(Ordering::Relaxed) > 0, "blocks ran out, so something was preempted");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        assert_eq!(h.stats.free_blocks.load(Ordering::Relaxed), 24, "every block is free again");
+    }
+
+    #[test]
+    fn prefix_cache_skips_computed_blocks_and_eos_stops() {
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let vocab = 50;
+        let cfg = EngineConfig { block_size: 4, max_model_len: 100, ..Default::default() };
+        let h = spawn(Box::new(Recorder { blocks: 64, vocab, log: log.clone() }), cfg, vec![], vocab);
+        let prompt: Vec<u32> = (0..18).collect();
+        let mut a = h.submit(Request { prompt: prompt.clone(), params: greedy(3) }).unwrap();
+        let first = drain(&mut a);
+        let mut b = h.submit(Request { prompt: prompt.clone(), params: greedy(3) }).unwrap();
+        assert_eq!(drain(&mut b), first);
+        let log = log.lock().unwrap();
+        // The second run's prefill starts after the 4 cached blocks (16 tokens).
+        let second_prefill = log.iter().rev().find(|s| s[0].1 > 1).unwrap();
+        assert_eq!(second_prefill[0], (16, 2, true));
+        assert_eq!(h.stats.prefix_hits.load(Ordering::Relaxed), 16);
+        drop(log);
+        // A stop token ends the sequence with reason Stop.
+        let stop = expected(&prompt, 2, vocab)[1];
+        let mut c = h
+            .submit(Request { prompt, params: SamplingParams { stop_token_ids: vec![stop], ..greedy(10) } })
+            .unwrap();
+        assert_eq!(drain(&mut c).len(), 2);
+    }
+
+    #[test]
+    fn oversized_requests_are_refused_with_both_lengths() {
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let cfg = EngineConfig { max_model_len: 32, block_size: 4, ..Default::default() };
+        let h = spawn(Box::new(Recorder { blocks: 64, vocab: 10, log }), cfg, vec![], 10);
+        let e = h.submit(Request { prompt: vec![1; 30], params: greedy(5) }).err().unwrap().to_string();
+        assert!(e.contains("30") && e.contains('5') && e.contains("32"), "{e}");
+        let e = h.submit(Request { prompt: vec![11], params: greedy(1) }).err().unwrap().to_string();
+        assert!(e.contains("vocabulary"), "{e}");
+    }
+}

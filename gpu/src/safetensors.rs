@@ -126,6 +126,12 @@ impl File {
     }
 }
 
+/// A tensor's values: f32, or bf16 kept as its raw bits.
+pub enum TensorData {
+    F32(Vec<f32>),
+    Bf16(Vec<u16>),
+}
+
 /// All tensors of a checkpoint, across its shards.
 pub struct WeightStore {
     files: Vec<File>,
@@ -227,6 +233,20 @@ impl WeightStore {
         })
     }
 
+    /// The tensor as stored when it is bf16 (raw bits), else converted to f32. Keeping bf16
+    /// halves the bytes a memory-bound decode step reads.
+    pub fn load(&self, name: &str, shape: &[usize]) -> Result<TensorData> {
+        match self.info(name) {
+            Some(t) if t.dtype == DType::BF16 && t.shape == shape => {
+                let i = self.index[name];
+                let file = &self.files[i];
+                let raw = &file.bytes.as_slice()[file.data_start + t.start..file.data_start + t.end];
+                Ok(TensorData::Bf16(raw.chunks_exact(2).map(|b| u16::from_le_bytes([b[0], b[1]])).collect()))
+            }
+            _ => self.f32(name, shape).map(TensorData::F32),
+        }
+    }
+
     /// Total bytes of tensor data, as stored.
     pub fn stored_bytes(&self) -> usize {
         self.files.iter().flat_map(|f| f.tensors.values()).map(|t| t.end - t.start).sum()
@@ -247,7 +267,7 @@ pub fn write_file(path: &Path, tensors: &[(String, Vec<usize>, Vec<f32>)], dtype
     }
     header.insert("__metadata__".into(), serde_json::json!({"format": "pt"}));
     let mut h = serde_json::to_vec(&Value::Object(header)).expect("json");
-    while h.len() % 8 != 0 {
+    while !h.len().is_multiple_of(8) {
         h.push(b' ');
     }
     let io = |e| EngineError::io(format!("write {}", path.display()), e);

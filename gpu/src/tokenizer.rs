@@ -279,3 +279,62 @@ impl TextStream {
         Delta { text, stopped: false }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn default_tokenizer() -> TextTokenizer {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/shakespeare");
+        TextTokenizer::from_files(&TokenizerFiles::read_dir(&dir).unwrap(), &[]).unwrap()
+    }
+
+    fn stream_all(tok: &TextTokenizer, ids: &[u32], stops: &[&str]) -> (Vec<String>, bool) {
+        let mut s = TextStream::new(&[], stops.iter().map(|s| s.to_string()).collect());
+        let mut parts = Vec::new();
+        for &id in ids {
+            let d = s.push(tok, id).unwrap();
+            parts.push(d.text);
+            if d.stopped {
+                return (parts, true);
+            }
+        }
+        let d = s.finish(tok).unwrap();
+        parts.push(d.text);
+        (parts, d.stopped)
+    }
+
+    #[test]
+    fn multibyte_characters_are_never_split() {
+        let tok = default_tokenizer();
+        let text = "Naïve café — ünïcödé 🎭 and 日本語, good my lord.";
+        let ids = tok.encode(text, false).unwrap();
+        let (parts, stopped) = stream_all(&tok, &ids, &[]);
+        assert!(!stopped);
+        assert!(parts.iter().all(|p| !p.contains('\u{FFFD}')), "{parts:?}");
+        assert_eq!(parts.concat(), text);
+    }
+
+    #[test]
+    fn stop_strings_cut_and_do_not_leak_across_tokens() {
+        let tok = default_tokenizer();
+        let text = "To be, or not to be, that is the question.";
+        let ids = tok.encode(text, false).unwrap();
+        let (parts, stopped) = stream_all(&tok, &ids, &["not to", "zzz"]);
+        assert!(stopped);
+        assert_eq!(parts.concat(), "To be, or ");
+        assert!(parts.iter().all(|p| !p.contains("not")));
+        let (parts, stopped) = stream_all(&tok, &ids, &["zzz"]);
+        assert!(!stopped);
+        assert_eq!(parts.concat(), text);
+    }
+
+    #[test]
+    fn chat_template_renders_with_a_generation_prompt() {
+        let tok = default_tokenizer();
+        let msgs = vec![serde_json::json!({"role": "user", "content": "Good morrow."})];
+        let text = tok.apply_chat_template(&msgs, true).unwrap();
+        assert!(text.contains("Good morrow."), "{text}");
+        assert!(text.ends_with(":\n"), "ends with the assistant's speaker line: {text:?}");
+    }
+}

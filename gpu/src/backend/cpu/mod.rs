@@ -8,7 +8,7 @@ mod ops;
 
 use rayon::prelude::*;
 
-pub use ops::Linear;
+pub use ops::{Linear, Matrix};
 
 use super::{Backend, ForwardBatch};
 use crate::config::ModelConfig;
@@ -30,7 +30,7 @@ struct Layer {
 
 pub struct CpuModel {
     cfg: ModelConfig,
-    embed_tokens: std::sync::Arc<Vec<f32>>,
+    embed_tokens: Matrix,
     layers: Vec<Layer>,
     norm: Vec<f32>,
     lm_head: Linear,
@@ -38,7 +38,18 @@ pub struct CpuModel {
 }
 
 impl CpuModel {
+    /// Loads the weights, keeping bf16 ones as bf16.
     pub fn load(cfg: &ModelConfig, w: &WeightStore) -> Result<CpuModel> {
+        Self::load_with(cfg, w, true)
+    }
+
+    /// With `keep_bf16` false every weight is widened to f32 at load (twice the memory and
+    /// the bytes per decode step; kept for comparison).
+    pub fn load_with(cfg: &ModelConfig, w: &WeightStore, keep_bf16: bool) -> Result<CpuModel> {
+        let mat = |name: &str, shape: &[usize]| -> Result<Matrix> {
+            let m = Matrix::from_data(w.load(name, shape)?);
+            Ok(if keep_bf16 { m } else { m.to_f32() })
+        };
         let (h, q, kv, inter) = (cfg.hidden_size, cfg.q_dim(), cfg.kv_dim(), cfg.intermediate_size);
         let opt_bias = |name: &str, n: usize| -> Result<Option<Vec<f32>>> {
             if cfg.qkv_bias || w.contains(name) {
@@ -53,16 +64,16 @@ impl CpuModel {
             let a = format!("{p}.self_attn");
             let qkv_proj = Linear::stacked(
                 vec![
-                    (w.f32(&format!("{a}.q_proj.weight"), &[q, h])?, q, opt_bias(&format!("{a}.q_proj.bias"), q)?),
-                    (w.f32(&format!("{a}.k_proj.weight"), &[kv, h])?, kv, opt_bias(&format!("{a}.k_proj.bias"), kv)?),
-                    (w.f32(&format!("{a}.v_proj.weight"), &[kv, h])?, kv, opt_bias(&format!("{a}.v_proj.bias"), kv)?),
+                    (mat(&format!("{a}.q_proj.weight"), &[q, h])?, q, opt_bias(&format!("{a}.q_proj.bias"), q)?),
+                    (mat(&format!("{a}.k_proj.weight"), &[kv, h])?, kv, opt_bias(&format!("{a}.k_proj.bias"), kv)?),
+                    (mat(&format!("{a}.v_proj.weight"), &[kv, h])?, kv, opt_bias(&format!("{a}.v_proj.bias"), kv)?),
                 ],
                 h,
             );
             let gate_up_proj = Linear::stacked(
                 vec![
-                    (w.f32(&format!("{p}.mlp.gate_proj.weight"), &[inter, h])?, inter, None),
-                    (w.f32(&format!("{p}.mlp.up_proj.weight"), &[inter, h])?, inter, None),
+                    (mat(&format!("{p}.mlp.gate_proj.weight"), &[inter, h])?, inter, None),
+                    (mat(&format!("{p}.mlp.up_proj.weight"), &[inter, h])?, inter, None),
                 ],
                 h,
             );
@@ -72,17 +83,17 @@ impl CpuModel {
                 qkv_proj,
                 q_norm: if cfg.qk_norm { Some(norm(format!("{a}.q_norm.weight"))?) } else { None },
                 k_norm: if cfg.qk_norm { Some(norm(format!("{a}.k_norm.weight"))?) } else { None },
-                o_proj: Linear::new(w.f32(&format!("{a}.o_proj.weight"), &[h, q])?, h, q, None),
+                o_proj: Linear::new(mat(&format!("{a}.o_proj.weight"), &[h, q])?, h, q, None),
                 post_attention_layernorm: w.f32(&format!("{p}.post_attention_layernorm.weight"), &[h])?,
                 gate_up_proj,
-                down_proj: Linear::new(w.f32(&format!("{p}.mlp.down_proj.weight"), &[h, inter])?, h, inter, None),
+                down_proj: Linear::new(mat(&format!("{p}.mlp.down_proj.weight"), &[h, inter])?, h, inter, None),
             });
         }
-        let embed_tokens = std::sync::Arc::new(w.f32("model.embed_tokens.weight", &[cfg.vocab_size, h])?);
+        let embed_tokens = mat("model.embed_tokens.weight", &[cfg.vocab_size, h])?;
         let lm_head = if cfg.tie_word_embeddings || !w.contains("lm_head.weight") {
             Linear { w: embed_tokens.clone(), out: cfg.vocab_size, inp: h, bias: None }
         } else {
-            Linear::new(w.f32("lm_head.weight", &[cfg.vocab_size, h])?, cfg.vocab_size, h, None)
+            Linear::new(mat("lm_head.weight", &[cfg.vocab_size, h])?, cfg.vocab_size, h, None)
         };
         Ok(CpuModel {
             cfg: cfg.clone(),
@@ -219,8 +230,7 @@ impl Backend for CpuBackend {
 
         let mut x = vec![0f32; t * h];
         for (i, &tok) in tokens.iter().enumerate() {
-            x[i * h..(i + 1) * h]
-                .copy_from_slice(&self.model.embed_tokens[tok as usize * h..(tok as usize + 1) * h]);
+            self.model.embed_tokens.read(tok as usize * h, &mut x[i * h..(i + 1) * h]);
         }
 
         let scale = 1.0 / (d as f32).sqrt();

@@ -2,11 +2,92 @@
 //! few-row products of decode, a dot-product kernel streams each weight row once and reuses
 //! it for every row of the batch, which is what bounds decode: reading the weights.
 
+use std::sync::Arc;
+
 use rayon::prelude::*;
+
+use crate::safetensors::TensorData;
+
+/// A weight matrix, row-major `[rows, cols]`: f32, or bf16 kept as raw bits and widened on
+/// the fly (exact: bf16 is the top half of an f32).
+#[derive(Clone)]
+pub enum Matrix {
+    F32(Arc<Vec<f32>>),
+    Bf16(Arc<Vec<u16>>),
+}
+
+impl Matrix {
+    pub fn from_data(d: TensorData) -> Matrix {
+        match d {
+            TensorData::F32(v) => Matrix::F32(Arc::new(v)),
+            TensorData::Bf16(v) => Matrix::Bf16(Arc::new(v)),
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        match self {
+            Matrix::F32(v) => v.len(),
+            Matrix::Bf16(v) => v.len(),
+        }
+    }
+
+    pub fn bytes(&self) -> usize {
+        match self {
+            Matrix::F32(v) => v.len() * 4,
+            Matrix::Bf16(v) => v.len() * 2,
+        }
+    }
+
+    /// Elements `[start, start + out.len())` as f32.
+    pub fn read(&self, start: usize, out: &mut [f32]) {
+        match self {
+            Matrix::F32(v) => out.copy_from_slice(&v[start..start + out.len()]),
+            Matrix::Bf16(v) => {
+                let n = out.len();
+                for (o, &b) in out.iter_mut().zip(&v[start..start + n]) {
+                    *o = bf16_to_f32(b);
+                }
+            }
+        }
+    }
+
+    /// Stacks matrices with the same column count (bf16 only if every part is bf16).
+    fn concat(parts: Vec<Matrix>) -> Matrix {
+        if parts.iter().all(|p| matches!(p, Matrix::Bf16(_))) {
+            let mut v = Vec::new();
+            for p in &parts {
+                if let Matrix::Bf16(x) = p {
+                    v.extend_from_slice(x);
+                }
+            }
+            Matrix::Bf16(Arc::new(v))
+        } else {
+            let mut v = Vec::new();
+            for p in &parts {
+                let mut buf = vec![0f32; p.len()];
+                p.read(0, &mut buf);
+                v.extend_from_slice(&buf);
+            }
+            Matrix::F32(Arc::new(v))
+        }
+    }
+
+    /// The same values, stored as f32.
+    pub fn to_f32(&self) -> Matrix {
+        let mut v = vec![0f32; self.len()];
+        self.read(0, &mut v);
+        Matrix::F32(Arc::new(v))
+    }
+}
+
+#[inline]
+pub fn bf16_to_f32(b: u16) -> f32 {
+    f32::from_bits((b as u32) << 16)
+}
 
 /// A dense layer: `y = x · Wᵀ + b`, with `W` stored row-major as `[out, inp]`.
 pub struct Linear {
-    pub w: std::sync::Arc<Vec<f32>>,
+    pub w: Matrix,
     pub out: usize,
     pub inp: usize,
     pub bias: Option<Vec<f32>>,
@@ -16,27 +97,30 @@ pub struct Linear {
 /// `gemm`'s blocked kernel wins.
 const STREAM_ROWS: usize = 4;
 
+/// Output rows a bf16 weight tile widens to f32 at a time before `gemm` runs on it.
+const TILE_ROWS: usize = 64;
+
 impl Linear {
-    pub fn new(w: Vec<f32>, out: usize, inp: usize, bias: Option<Vec<f32>>) -> Linear {
+    pub fn new(w: Matrix, out: usize, inp: usize, bias: Option<Vec<f32>>) -> Linear {
         assert_eq!(w.len(), out * inp);
-        Linear { w: std::sync::Arc::new(w), out, inp, bias }
+        Linear { w, out, inp, bias }
     }
 
     /// Rows of several layers stacked into one product (fused q/k/v, gate/up).
-    pub fn stacked(parts: Vec<(Vec<f32>, usize, Option<Vec<f32>>)>, inp: usize) -> Linear {
+    pub fn stacked(parts: Vec<(Matrix, usize, Option<Vec<f32>>)>, inp: usize) -> Linear {
         let out = parts.iter().map(|p| p.1).sum();
         let any_bias = parts.iter().any(|p| p.2.is_some());
-        let mut w = Vec::with_capacity(out * inp);
         let mut bias = Vec::with_capacity(out);
+        let mut ws = Vec::new();
         for (pw, rows, pb) in parts {
-            w.extend_from_slice(&pw);
+            ws.push(pw);
             bias.extend(pb.unwrap_or_else(|| vec![0.0; rows]));
         }
-        Linear::new(w, out, inp, any_bias.then_some(bias))
+        Linear::new(Matrix::concat(ws), out, inp, any_bias.then_some(bias))
     }
 
     pub fn bytes(&self) -> usize {
-        self.w.len() * 4
+        self.w.bytes()
     }
 
     /// `x` is `[m, inp]`; returns `[m, out]`.
@@ -49,29 +133,9 @@ impl Linear {
         if m <= STREAM_ROWS {
             self.stream(x, m, &mut y);
         } else {
-            // SAFETY: the strides describe the row-major buffers exactly; dst does not alias.
-            unsafe {
-                gemm::gemm(
-                    m,
-                    self.out,
-                    self.inp,
-                    y.as_mut_ptr(),
-                    1,
-                    self.out as isize,
-                    false,
-                    x.as_ptr(),
-                    1,
-                    self.inp as isize,
-                    self.w.as_ptr(),
-                    self.inp as isize,
-                    1,
-                    0.0,
-                    1.0,
-                    false,
-                    false,
-                    false,
-                    gemm::Parallelism::Rayon(rayon::current_num_threads()),
-                );
+            match &self.w {
+                Matrix::F32(w) => gemm_nt(x, m, w, self.out, self.inp, &mut y, self.out, true),
+                Matrix::Bf16(w) => self.gemm_bf16_tiles(x, m, w, &mut y),
             }
         }
         if let Some(b) = &self.bias {
@@ -84,15 +148,42 @@ impl Linear {
         y
     }
 
+    /// Widens a tile of rows to f32 (it stays in cache) and multiplies it, tiles in parallel.
+    fn gemm_bf16_tiles(&self, x: &[f32], m: usize, w: &[u16], y: &mut [f32]) {
+        let (out, inp) = (self.out, self.inp);
+        let tiles: Vec<(usize, Vec<f32>)> = (0..out.div_ceil(TILE_ROWS))
+            .into_par_iter()
+            .map(|t| {
+                let n0 = t * TILE_ROWS;
+                let rows = TILE_ROWS.min(out - n0);
+                let wt: Vec<f32> = w[n0 * inp..(n0 + rows) * inp].iter().map(|&b| bf16_to_f32(b)).collect();
+                let mut yt = vec![0f32; m * rows];
+                gemm_nt(x, m, &wt, rows, inp, &mut yt, rows, false);
+                (n0, yt)
+            })
+            .collect();
+        for (n0, yt) in tiles {
+            let rows = yt.len() / m;
+            for i in 0..m {
+                y[i * out + n0..i * out + n0 + rows].copy_from_slice(&yt[i * rows..(i + 1) * rows]);
+            }
+        }
+    }
+
     fn stream(&self, x: &[f32], m: usize, y: &mut [f32]) {
         const CHUNK: usize = 64;
         let mut yt = vec![0f32; self.out * m];
+        let inp = self.inp;
         yt.par_chunks_mut(CHUNK * m).enumerate().for_each(|(c, out)| {
             let n0 = c * CHUNK;
             for (j, cell) in out.chunks_exact_mut(m).enumerate() {
-                let wrow = &self.w[(n0 + j) * self.inp..(n0 + j + 1) * self.inp];
+                let r = (n0 + j) * inp..(n0 + j + 1) * inp;
                 for (i, v) in cell.iter_mut().enumerate() {
-                    *v = dot(&x[i * self.inp..(i + 1) * self.inp], wrow);
+                    let xi = &x[i * inp..(i + 1) * inp];
+                    *v = match &self.w {
+                        Matrix::F32(w) => dot(xi, &w[r.clone()]),
+                        Matrix::Bf16(w) => dot_bf16(xi, &w[r.clone()]),
+                    };
                 }
             }
         });
@@ -102,6 +193,66 @@ impl Linear {
             }
         }
     }
+}
+
+/// `y[m, n] = x[m, k] · w[n, k]ᵀ`, `y` with row stride `ldy`.
+#[allow(clippy::too_many_arguments)]
+fn gemm_nt(x: &[f32], m: usize, w: &[f32], n: usize, k: usize, y: &mut [f32], ldy: usize, parallel: bool) {
+    let par = if parallel { gemm::Parallelism::Rayon(rayon::current_num_threads()) } else { gemm::Parallelism::None };
+    // SAFETY: the strides describe the row-major buffers exactly; dst does not alias.
+    unsafe {
+        gemm::gemm(
+            m, n, k,
+            y.as_mut_ptr(), 1, ldy as isize, false,
+            x.as_ptr(), 1, k as isize,
+            w.as_ptr(), k as isize, 1,
+            0.0, 1.0, false, false, false, par,
+        );
+    }
+}
+
+pub fn dot_bf16(a: &[f32], b: &[u16]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+            // SAFETY: the features were just detected.
+            return unsafe { dot_bf16_avx2(a, b) };
+        }
+    }
+    a.iter().zip(b).map(|(&x, &w)| x * bf16_to_f32(w)).sum()
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn dot_bf16_avx2(a: &[f32], b: &[u16]) -> f32 {
+    use std::arch::x86_64::*;
+    let n = a.len().min(b.len());
+    let (pa, pb) = (a.as_ptr(), b.as_ptr());
+    let mut acc = [_mm256_setzero_ps(); 4];
+    let widen = |p: *const u16| {
+        let h = _mm_loadu_si128(p as *const __m128i);
+        _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
+    };
+    let mut i = 0;
+    while i + 32 <= n {
+        for (k, a_k) in acc.iter_mut().enumerate() {
+            *a_k = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i + 8 * k)), widen(pb.add(i + 8 * k)), *a_k);
+        }
+        i += 32;
+    }
+    while i + 8 <= n {
+        acc[0] = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i)), widen(pb.add(i)), acc[0]);
+        i += 8;
+    }
+    let s = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+    let mut lanes = [0f32; 8];
+    _mm256_storeu_ps(lanes.as_mut_ptr(), s);
+    let mut total: f32 = lanes.iter().sum();
+    while i < n {
+        total += *pa.add(i) * bf16_to_f32(*pb.add(i));
+        i += 1;
+    }
+    total
 }
 
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
@@ -221,8 +372,12 @@ mod tests {
         let (out, inp) = (37, 70);
         let w: Vec<f32> = (0..out * inp).map(|i| ((i * 7 % 13) as f32 - 6.0) * 0.1).collect();
         let bias: Vec<f32> = (0..out).map(|i| i as f32 * 0.01).collect();
-        let lin = Linear::new(w.clone(), out, inp, Some(bias.clone()));
-        for m in [1, 3, 9] {
+        let f32_lin = Linear::new(Matrix::F32(Arc::new(w.clone())), out, inp, Some(bias.clone()));
+        let bf16_w: Vec<u16> = w.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect();
+        let w_round: Vec<f32> = bf16_w.iter().map(|&b| bf16_to_f32(b)).collect();
+        let bf16_lin = Linear::new(Matrix::Bf16(Arc::new(bf16_w)), out, inp, Some(bias.clone()));
+        for (lin, w) in [(f32_lin, &w), (bf16_lin, &w_round)] {
+        for m in [1, 3, 9, 70] {
             let x: Vec<f32> = (0..m * inp).map(|i| ((i * 5 % 11) as f32 - 5.0) * 0.2).collect();
             let y = lin.forward(&x, m);
             for i in 0..m {
@@ -232,6 +387,7 @@ mod tests {
                     assert!((y[i * out + n] - want).abs() < 1e-3, "m={m} i={i} n={n}");
                 }
             }
+        }
         }
     }
 

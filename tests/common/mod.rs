@@ -1,0 +1,127 @@
+//! Starting real `kvmesh` processes for end-to-end tests.
+
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+pub struct Server {
+    child: Child,
+    pub base: String,
+    pub http: reqwest::Client,
+}
+
+impl Server {
+    /// Starts `kvmesh serve` on a free loopback port with extra flags.
+    pub fn start(args: &[&str]) -> Server {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_kvmesh"))
+            .args(["serve", "--host", "127.0.0.1", "--port", "0"])
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("start kvmesh");
+        let stdout = child.stdout.take().expect("stdout");
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if let Some(url) = line.strip_prefix("kvmesh listening on ") {
+                    let _ = tx.send(url.to_string());
+                }
+            }
+        });
+        let base = rx.recv_timeout(Duration::from_secs(60)).unwrap_or_else(|_| {
+            let _ = child.kill();
+            panic!("kvmesh serve {args:?} did not start listening");
+        });
+        Server { child, base, http: reqwest::Client::new() }
+    }
+
+    pub async fn post(&self, path: &str, body: Value) -> (u16, Value) {
+        let r = self.http.post(format!("{}{path}", self.base)).json(&body).send().await.expect("send");
+        let status = r.status().as_u16();
+        (status, r.json().await.expect("json body"))
+    }
+
+    pub async fn post_raw(&self, path: &str, body: &str) -> (u16, Value) {
+        let r = self
+            .http
+            .post(format!("{}{path}", self.base))
+            .header("content-type", "application/json")
+            .body(body.to_string())
+            .send()
+            .await
+            .expect("send");
+        let status = r.status().as_u16();
+        (status, r.json().await.expect("json body"))
+    }
+
+    /// The `data:` payloads of a streamed response, `[DONE]` included.
+    pub async fn stream(&self, path: &str, body: Value) -> Vec<String> {
+        let r = self.http.post(format!("{}{path}", self.base)).json(&body).send().await.expect("send");
+        assert_eq!(r.status().as_u16(), 200);
+        let text = r.text().await.expect("body");
+        text.lines().filter_map(|l| l.strip_prefix("data: ")).map(String::from).collect()
+    }
+
+    pub async fn metrics(&self) -> String {
+        self.http.get(format!("{}/metrics", self.base)).send().await.expect("metrics").text().await.expect("text")
+    }
+
+    /// A metric's value (the first series with that name).
+    pub async fn metric(&self, name: &str) -> f64 {
+        let m = self.metrics().await;
+        m.lines()
+            .find(|l| l.starts_with(name) && l[name.len()..].starts_with(['{', ' ']))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("metric {name} not found in:\n{m}"))
+    }
+
+    /// Waits until `cond` holds for a metric, up to `secs`.
+    pub async fn wait_metric(&self, name: &str, secs: u64, cond: impl Fn(f64) -> bool) -> f64 {
+        let deadline = Instant::now() + Duration::from_secs(secs);
+        loop {
+            let v = self.metric(name).await;
+            if cond(v) || Instant::now() > deadline {
+                return v;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Joins the text of streamed chunks (chat deltas or completion text).
+pub fn streamed_text(events: &[String]) -> String {
+    let mut out = String::new();
+    for e in events {
+        if e == "[DONE]" {
+            continue;
+        }
+        let v: Value = serde_json::from_str(e).expect("chunk json");
+        for c in v["choices"].as_array().expect("choices") {
+            if let Some(t) = c["delta"]["content"].as_str() {
+                out.push_str(t);
+            }
+            if let Some(t) = c["text"].as_str() {
+                out.push_str(t);
+            }
+        }
+    }
+    out
+}
+
+pub fn text_of(v: &Value) -> String {
+    let c = &v["choices"][0];
+    c["message"]["content"].as_str().or(c["text"].as_str()).expect("text").to_string()
+}
