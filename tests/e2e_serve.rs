@@ -159,6 +159,22 @@ async fn a_client_that_disconnects_frees_its_blocks() {
     assert_eq!(s.metric("kvmesh:kv_cache_usage_perc").await, 0.0);
     let generated = s.metric("kvmesh:generation_tokens_total").await;
     assert!(generated < 400.0, "generation stopped early ({generated} tokens)");
+
+    // A non-streaming client that gives up is cancelled too.
+    let body = completion("ROMEO:\n", json!({"max_tokens": 450, "ignore_eos": true}));
+    let gave_up = s
+        .http
+        .post(format!("{}/v1/completions", s.base))
+        .json(&body)
+        .timeout(std::time::Duration::from_millis(700))
+        .send()
+        .await;
+    assert!(gave_up.is_err(), "the request should still be running when the client leaves");
+    let running = s.wait_metric("kvmesh:num_requests_running", 20, |v| v == 0.0).await;
+    assert_eq!(running, 0.0);
+    assert_eq!(s.metric("kvmesh:kv_cache_usage_perc").await, 0.0);
+    let more = s.metric("kvmesh:generation_tokens_total").await - generated;
+    assert!(more < 450.0, "generation stopped early ({more} tokens)");
 }
 
 #[tokio::test]

@@ -252,7 +252,8 @@ impl ModelConfig {
             "num_key_value_heads": self.num_kv_heads,
             "head_dim": self.head_dim,
             "hidden_act": "silu",
-            "rms_norm_eps": self.rms_norm_eps,
+            // Through the f32's shortest decimal form, so 1e-6 is written as 1e-6.
+            "rms_norm_eps": self.rms_norm_eps.to_string().parse::<f64>().unwrap_or(1e-6),
             "rope_theta": self.rope_theta,
             "max_position_embeddings": self.max_position_embeddings,
             "tie_word_embeddings": self.tie_word_embeddings,
@@ -292,7 +293,7 @@ impl ModelConfig {
                     "factor": s.factor,
                     "low_freq_factor": s.low_freq_factor,
                     "high_freq_factor": s.high_freq_factor,
-                    "original_max_position_embeddings": s.original_max_position_embeddings,
+                    "original_max_position_embeddings": s.original_max_position_embeddings as u64,
                 }),
             );
         }

@@ -322,6 +322,7 @@ impl Engine {
     fn preempt(&mut self, mut s: Seq) {
         self.blocks.release(&s.blocks);
         s.blocks.clear();
+        s.hashes.clear();
         s.num_computed = 0;
         self.stats.preemptions.fetch_add(1, Ordering::Relaxed);
         self.waiting.push_front(s);
