@@ -7,7 +7,11 @@ mod serve;
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
-#[command(name = "kvmesh", version, about = "A distributed LLM serving mesh: OpenAI API, paged KV cache, continuous batching")]
+#[command(
+    name = "kvmesh",
+    version,
+    about = "A distributed LLM serving mesh: OpenAI API, paged KV cache, continuous batching"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,

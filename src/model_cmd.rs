@@ -116,14 +116,23 @@ pub fn run(cmd: ModelCommand) -> anyhow::Result<()> {
                 cfg.num_heads,
                 cfg.num_kv_heads
             );
-            anyhow::ensure!(cfg.head_dim % 2 == 0 && cfg.head_dim > 0, "head_dim must be even");
+            anyhow::ensure!(
+                cfg.head_dim % 2 == 0 && cfg.head_dim > 0,
+                "head_dim must be even"
+            );
             let dtype = match dtype {
                 DTypeArg::Bf16 => DType::BF16,
                 DTypeArg::F16 => DType::F16,
                 DTypeArg::F32 => DType::F32,
             };
-            let cfg = write_random_checkpoint(cfg, seed, dtype, &crate::embedded::default_tokenizer(), &out)
-                .with_context(|| format!("writing {}", out.display()))?;
+            let cfg = write_random_checkpoint(
+                cfg,
+                seed,
+                dtype,
+                &crate::embedded::default_tokenizer(),
+                &out,
+            )
+            .with_context(|| format!("writing {}", out.display()))?;
             println!(
                 "wrote {} ({} {}, {:.1}M parameters, vocab {}) to {}",
                 name,

@@ -59,19 +59,31 @@ pub struct ServeArgs {
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     anyhow::ensure!(args.block_size > 0, "--block-size must be positive");
     anyhow::ensure!(args.max_num_seqs > 0, "--max-num-seqs must be positive");
-    anyhow::ensure!(args.max_num_batched_tokens > 0, "--max-num-batched-tokens must be positive");
+    anyhow::ensure!(
+        args.max_num_batched_tokens > 0,
+        "--max-num-batched-tokens must be positive"
+    );
     let kind = match args.device.as_str() {
         "cpu" | "auto" => BackendKind::Cpu,
         other => anyhow::bail!("--device {other}: this build runs on `cpu` only"),
     };
     if let Some(t) = args.threads {
-        rayon::ThreadPoolBuilder::new().num_threads(t).build_global().context("--threads")?;
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(t)
+            .build_global()
+            .context("--threads")?;
     }
     let model = match &args.model {
-        Some(dir) => LoadedModel::from_dir(dir).with_context(|| format!("loading {}", dir.display()))?,
-        None => LoadedModel::from_embedded(&crate::embedded::DEFAULT_MODEL).context("loading the embedded model")?,
+        Some(dir) => {
+            LoadedModel::from_dir(dir).with_context(|| format!("loading {}", dir.display()))?
+        }
+        None => LoadedModel::from_embedded(&crate::embedded::DEFAULT_MODEL)
+            .context("loading the embedded model")?,
     };
-    let name = args.served_model_name.clone().unwrap_or_else(|| model.name.clone());
+    let name = args
+        .served_model_name
+        .clone()
+        .unwrap_or_else(|| model.name.clone());
     let per_block = CpuBackend::kv_bytes_per_block(&model.config, args.block_size);
     let budget = match args.num_kv_blocks {
         Some(n) => KvBudget::Blocks(n),
@@ -111,7 +123,12 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         enable_prefix_caching: !args.no_enable_prefix_caching,
     };
     let device = backend.device();
-    let handle = engine::spawn(backend, cfg, model.tokenizer.eos_ids().to_vec(), model.config.vocab_size);
+    let handle = engine::spawn(
+        backend,
+        cfg,
+        model.tokenizer.eos_ids().to_vec(),
+        model.config.vocab_size,
+    );
     tracing::info!(
         "model {name} ({}, {:.1}M parameters) on {device}; KV cache {num_blocks} blocks of {} tokens ({:.2} GiB); max model length {max_model_len}",
         model.config.arch.architecture_name(),
@@ -119,7 +136,14 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         args.block_size,
         (num_blocks * per_block) as f64 / (1u64 << 30) as f64,
     );
-    let state = AppState::new(ServedModel { name, tokenizer: model.tokenizer.clone(), engine: handle }, args.api_key.clone());
+    let state = AppState::new(
+        ServedModel {
+            name,
+            tokenizer: model.tokenizer.clone(),
+            engine: handle,
+        },
+        args.api_key.clone(),
+    );
     drop(model);
 
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -129,7 +153,9 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         .context("starting the async runtime")?;
     rt.block_on(async move {
         let addr = format!("{}:{}", args.host, args.port);
-        let listener = tokio::net::TcpListener::bind(&addr).await.with_context(|| format!("binding {addr}"))?;
+        let listener = tokio::net::TcpListener::bind(&addr)
+            .await
+            .with_context(|| format!("binding {addr}"))?;
         let local = listener.local_addr()?;
         tracing::info!("serving the OpenAI API on http://{local}");
         // A line tests and scripts can wait for.
@@ -148,7 +174,8 @@ async fn shutdown() {
     let ctrl_c = tokio::signal::ctrl_c();
     #[cfg(unix)]
     {
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("SIGTERM handler");
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .expect("SIGTERM handler");
         tokio::select! {
             _ = ctrl_c => {},
             _ = term.recv() => {},

@@ -3,8 +3,14 @@
 use std::process::Command;
 
 fn kvmesh(args: &[&str]) -> (bool, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_kvmesh")).args(args).output().expect("run kvmesh");
-    (out.status.success(), String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr))
+    let out = Command::new(env!("CARGO_BIN_EXE_kvmesh"))
+        .args(args)
+        .output()
+        .expect("run kvmesh");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr),
+    )
 }
 
 fn tmp(name: &str) -> std::path::PathBuf {
@@ -23,14 +29,24 @@ fn a_missing_model_folder_is_named() {
 #[test]
 fn missing_files_and_unknown_architectures_are_named() {
     let dir = tmp("broken");
-    let (ok, out) = kvmesh(&["model", "init-random", "--arch", "qwen2", "--out", dir.to_str().unwrap()]);
+    let (ok, out) = kvmesh(&[
+        "model",
+        "init-random",
+        "--arch",
+        "qwen2",
+        "--out",
+        dir.to_str().unwrap(),
+    ]);
     assert!(ok, "{out}");
     std::fs::remove_file(dir.join("tokenizer.json")).unwrap();
     let (ok, out) = kvmesh(&["serve", "--model", dir.to_str().unwrap(), "--port", "0"]);
     assert!(!ok);
     assert!(out.contains("tokenizer.json"), "{out}");
 
-    let cfg = std::fs::read_to_string(dir.join("config.json")).unwrap().replace("Qwen2ForCausalLM", "GPT2LMHeadModel").replace("\"qwen2\"", "\"gpt2\"");
+    let cfg = std::fs::read_to_string(dir.join("config.json"))
+        .unwrap()
+        .replace("Qwen2ForCausalLM", "GPT2LMHeadModel")
+        .replace("\"qwen2\"", "\"gpt2\"");
     std::fs::write(dir.join("config.json"), cfg).unwrap();
     let (ok, out) = kvmesh(&["serve", "--model", dir.to_str().unwrap(), "--port", "0"]);
     assert!(!ok);
@@ -42,24 +58,60 @@ fn missing_files_and_unknown_architectures_are_named() {
 fn init_random_writes_every_family_and_preset_shape() {
     for arch in ["llama", "qwen2", "qwen3", "mistral"] {
         let dir = tmp(arch);
-        let (ok, out) = kvmesh(&["model", "init-random", "--arch", arch, "--preset", "tiny", "--out", dir.to_str().unwrap()]);
+        let (ok, out) = kvmesh(&[
+            "model",
+            "init-random",
+            "--arch",
+            arch,
+            "--preset",
+            "tiny",
+            "--out",
+            dir.to_str().unwrap(),
+        ]);
         assert!(ok, "{out}");
-        for f in ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json"] {
+        for f in [
+            "config.json",
+            "model.safetensors",
+            "tokenizer.json",
+            "tokenizer_config.json",
+            "generation_config.json",
+        ] {
             assert!(dir.join(f).exists(), "{arch}: {f}");
         }
-        let cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+        let cfg: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap())
+                .unwrap();
         assert_eq!(cfg["model_type"], arch);
         std::fs::remove_dir_all(&dir).ok();
     }
     // A real preset's shape, shrunk in depth to keep the test quick.
     let dir = tmp("qwen25");
-    let (ok, out) = kvmesh(&["model", "init-random", "--preset", "qwen2.5-0.5b", "--layers", "1", "--out", dir.to_str().unwrap()]);
+    let (ok, out) = kvmesh(&[
+        "model",
+        "init-random",
+        "--preset",
+        "qwen2.5-0.5b",
+        "--layers",
+        "1",
+        "--out",
+        dir.to_str().unwrap(),
+    ]);
     assert!(ok, "{out}");
-    let cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
     assert_eq!(cfg["hidden_size"], 896);
     assert_eq!(cfg["num_key_value_heads"], 2);
     assert_eq!(cfg["vocab_size"], 151936);
     std::fs::remove_dir_all(&dir).ok();
-    let (ok, out) = kvmesh(&["model", "init-random", "--arch", "llama", "--preset", "qwen3-0.6b", "--out", "/tmp/x"]);
+    let (ok, out) = kvmesh(&[
+        "model",
+        "init-random",
+        "--arch",
+        "llama",
+        "--preset",
+        "qwen3-0.6b",
+        "--out",
+        "/tmp/x",
+    ]);
     assert!(!ok && out.contains("qwen3"), "{out}");
 }

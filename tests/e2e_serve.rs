@@ -26,8 +26,14 @@ async fn streaming_and_non_streaming_give_the_same_text() {
     let s = Server::start(&[]);
     let opts = json!({"temperature": 0, "max_tokens": 40, "ignore_eos": true});
     for (path, body) in [
-        ("/v1/chat/completions", chat("What news from Verona?", opts.clone())),
-        ("/v1/completions", completion("ROMEO:\nBut soft, what light", opts.clone())),
+        (
+            "/v1/chat/completions",
+            chat("What news from Verona?", opts.clone()),
+        ),
+        (
+            "/v1/completions",
+            completion("ROMEO:\nBut soft, what light", opts.clone()),
+        ),
     ] {
         let (st, full) = s.post(path, body.clone()).await;
         assert_eq!(st, 200, "{full}");
@@ -52,25 +58,43 @@ async fn streaming_and_non_streaming_give_the_same_text() {
 #[tokio::test]
 async fn greedy_is_deterministic_and_seeds_reproduce() {
     let s = Server::start(&[]);
-    let greedy = completion("KING HENRY:\n", json!({"temperature": 0, "max_tokens": 30, "ignore_eos": true}));
+    let greedy = completion(
+        "KING HENRY:\n",
+        json!({"temperature": 0, "max_tokens": 30, "ignore_eos": true}),
+    );
     let (_, a) = s.post("/v1/completions", greedy.clone()).await;
     let (_, b) = s.post("/v1/completions", greedy).await;
     assert_eq!(text_of(&a), text_of(&b));
 
-    let seeded = |seed: u64| completion("KING HENRY:\n", json!({"temperature": 1.0, "max_tokens": 40, "ignore_eos": true, "seed": seed}));
+    let seeded = |seed: u64| {
+        completion(
+            "KING HENRY:\n",
+            json!({"temperature": 1.0, "max_tokens": 40, "ignore_eos": true, "seed": seed}),
+        )
+    };
     let (_, x1) = s.post("/v1/completions", seeded(7)).await;
     let (_, x2) = s.post("/v1/completions", seeded(7)).await;
     let (_, y) = s.post("/v1/completions", seeded(8)).await;
-    assert_eq!(text_of(&x1), text_of(&x2), "the same seed gives the same text");
+    assert_eq!(
+        text_of(&x1),
+        text_of(&x2),
+        "the same seed gives the same text"
+    );
     assert_ne!(text_of(&x1), text_of(&y), "another seed gives other text");
-    assert_ne!(text_of(&x1), text_of(&a), "sampling at temperature 1 differs from greedy");
+    assert_ne!(
+        text_of(&x1),
+        text_of(&a),
+        "sampling at temperature 1 differs from greedy"
+    );
 }
 
 #[tokio::test]
 async fn stop_strings_end_the_text_and_never_leak() {
     let s = Server::start(&[]);
     let base = json!({"temperature": 0, "max_tokens": 48, "ignore_eos": true});
-    let (_, full) = s.post("/v1/completions", completion("GLOUCESTER:\n", base.clone())).await;
+    let (_, full) = s
+        .post("/v1/completions", completion("GLOUCESTER:\n", base.clone()))
+        .await;
     let text = text_of(&full);
     let chars: Vec<char> = text.chars().collect();
     assert!(chars.len() > 20, "need a longer sample: {text:?}");
@@ -98,52 +122,161 @@ async fn bad_input_gets_openai_errors_and_the_server_keeps_serving() {
     let cases: Vec<(&str, String, u16, Option<&str>)> = vec![
         ("/v1/completions", "{\"prompt\": \"x\",".into(), 400, None),
         ("/v1/completions", "[1, 2]".into(), 400, None),
-        ("/v1/completions", json!({"prompt": "x", "temperature": "hot"}).to_string(), 400, Some("temperature")),
-        ("/v1/completions", json!({"prompt": "x", "max_tokens": 0}).to_string(), 400, Some("max_tokens")),
-        ("/v1/completions", json!({"prompt": "x", "max_tokens": -5}).to_string(), 400, Some("max_tokens")),
-        ("/v1/completions", json!({"prompt": "x", "temperature": -0.5}).to_string(), 400, Some("temperature")),
-        ("/v1/completions", json!({"prompt": "x", "top_p": 0}).to_string(), 400, Some("top_p")),
-        ("/v1/completions", json!({"prompt": "x", "top_p": 1.5}).to_string(), 400, Some("top_p")),
-        ("/v1/completions", json!({"prompt": "x", "model": "gpt-4o"}).to_string(), 404, Some("model")),
-        ("/v1/completions", json!({"prompt": "x", "max_tokens": 200}).to_string(), 400, Some("prompt")),
-        ("/v1/completions", json!({"prompt": "word ".repeat(300)}).to_string(), 400, Some("prompt")),
-        ("/v1/completions", json!({"prompt": [1, 2, 999999]}).to_string(), 400, None),
-        ("/v1/completions", json!({"prompt": ""}).to_string(), 400, Some("prompt")),
-        ("/v1/completions", json!({"max_tokens": 3}).to_string(), 400, None),
-        ("/v1/chat/completions", json!({"messages": []}).to_string(), 400, Some("messages")),
-        ("/v1/chat/completions", json!({"messages": "hi"}).to_string(), 400, Some("messages")),
-        ("/v1/chat/completions", json!({"messages": [{"role": "wizard", "content": "x"}]}).to_string(), 400, Some("messages[0].role")),
-        ("/v1/chat/completions", json!({"messages": [{"role": "user", "content": "x"}], "n": 2}).to_string(), 400, Some("n")),
-        ("/v1/chat/completions", json!({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}).to_string(), 400, Some("top_logprobs")),
+        (
+            "/v1/completions",
+            json!({"prompt": "x", "temperature": "hot"}).to_string(),
+            400,
+            Some("temperature"),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "x", "max_tokens": 0}).to_string(),
+            400,
+            Some("max_tokens"),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "x", "max_tokens": -5}).to_string(),
+            400,
+            Some("max_tokens"),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "x", "temperature": -0.5}).to_string(),
+            400,
+            Some("temperature"),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "x", "top_p": 0}).to_string(),
+            400,
+            Some("top_p"),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "x", "top_p": 1.5}).to_string(),
+            400,
+            Some("top_p"),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "x", "model": "gpt-4o"}).to_string(),
+            404,
+            Some("model"),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "x", "max_tokens": 200}).to_string(),
+            400,
+            Some("prompt"),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "word ".repeat(300)}).to_string(),
+            400,
+            Some("prompt"),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": [1, 2, 999999]}).to_string(),
+            400,
+            None,
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": ""}).to_string(),
+            400,
+            Some("prompt"),
+        ),
+        (
+            "/v1/completions",
+            json!({"max_tokens": 3}).to_string(),
+            400,
+            None,
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": []}).to_string(),
+            400,
+            Some("messages"),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": "hi"}).to_string(),
+            400,
+            Some("messages"),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "wizard", "content": "x"}]}).to_string(),
+            400,
+            Some("messages[0].role"),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "x"}], "n": 2}).to_string(),
+            400,
+            Some("n"),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}).to_string(),
+            400,
+            Some("top_logprobs"),
+        ),
     ];
     for (path, body, status, param) in cases {
         let (st, v) = s.post_raw(path, &body).await;
         assert_eq!(st, status, "{body} -> {v}");
         let err = &v["error"];
-        assert!(err["message"].as_str().is_some_and(|m| !m.is_empty()), "{v}");
+        assert!(
+            err["message"].as_str().is_some_and(|m| !m.is_empty()),
+            "{v}"
+        );
         assert!(err["type"].is_string(), "{v}");
         if let Some(p) = param {
             assert_eq!(err["param"], p, "{body} -> {v}");
         }
     }
     // The context-length message names both lengths.
-    let (_, v) = s.post("/v1/completions", json!({"prompt": "x y", "max_tokens": 200})).await;
+    let (_, v) = s
+        .post(
+            "/v1/completions",
+            json!({"prompt": "x y", "max_tokens": 200}),
+        )
+        .await;
     let msg = v["error"]["message"].as_str().unwrap();
     assert!(msg.contains("128") && msg.contains("200"), "{msg}");
     assert_eq!(v["error"]["code"], "context_length_exceeded");
     // Unknown routes answer in the same shape.
-    let r = s.http.get(format!("{}/v1/nothing", s.base)).send().await.unwrap();
+    let r = s
+        .http
+        .get(format!("{}/v1/nothing", s.base))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status().as_u16(), 404);
     // Still serving.
-    let (st, v) = s.post("/v1/completions", json!({"prompt": "x", "max_tokens": 3})).await;
+    let (st, v) = s
+        .post("/v1/completions", json!({"prompt": "x", "max_tokens": 3}))
+        .await;
     assert_eq!(st, 200, "{v}");
 }
 
 #[tokio::test]
 async fn a_client_that_disconnects_frees_its_blocks() {
     let s = Server::start(&[]);
-    let body = completion("ROMEO:\n", json!({"max_tokens": 400, "ignore_eos": true, "stream": true}));
-    let mut resp = s.http.post(format!("{}/v1/completions", s.base)).json(&body).send().await.unwrap();
+    let body = completion(
+        "ROMEO:\n",
+        json!({"max_tokens": 400, "ignore_eos": true, "stream": true}),
+    );
+    let mut resp = s
+        .http
+        .post(format!("{}/v1/completions", s.base))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
     let mut got = 0;
     while got < 3 {
         if resp.chunk().await.unwrap().is_some() {
@@ -154,11 +287,16 @@ async fn a_client_that_disconnects_frees_its_blocks() {
     assert!(busy > 0.0, "a running sequence holds blocks");
     assert_eq!(s.metric("kvmesh:num_requests_running").await, 1.0);
     drop(resp);
-    let running = s.wait_metric("kvmesh:num_requests_running", 20, |v| v == 0.0).await;
+    let running = s
+        .wait_metric("kvmesh:num_requests_running", 20, |v| v == 0.0)
+        .await;
     assert_eq!(running, 0.0, "the sequence was cancelled");
     assert_eq!(s.metric("kvmesh:kv_cache_usage_perc").await, 0.0);
     let generated = s.metric("kvmesh:generation_tokens_total").await;
-    assert!(generated < 400.0, "generation stopped early ({generated} tokens)");
+    assert!(
+        generated < 400.0,
+        "generation stopped early ({generated} tokens)"
+    );
 
     // A non-streaming client that gives up is cancelled too.
     let body = completion("ROMEO:\n", json!({"max_tokens": 450, "ignore_eos": true}));
@@ -169,8 +307,13 @@ async fn a_client_that_disconnects_frees_its_blocks() {
         .timeout(std::time::Duration::from_millis(700))
         .send()
         .await;
-    assert!(gave_up.is_err(), "the request should still be running when the client leaves");
-    let running = s.wait_metric("kvmesh:num_requests_running", 20, |v| v == 0.0).await;
+    assert!(
+        gave_up.is_err(),
+        "the request should still be running when the client leaves"
+    );
+    let running = s
+        .wait_metric("kvmesh:num_requests_running", 20, |v| v == 0.0)
+        .await;
     assert_eq!(running, 0.0);
     assert_eq!(s.metric("kvmesh:kv_cache_usage_perc").await, 0.0);
     let more = s.metric("kvmesh:generation_tokens_total").await - generated;
@@ -187,18 +330,41 @@ async fn a_repeated_prompt_hits_the_prefix_cache() {
     assert_eq!(s.metric("kvmesh:prefix_cache_hits_total").await, 0.0);
     let (_, second) = s.post("/v1/completions", body).await;
     let prompt_tokens = second["usage"]["prompt_tokens"].as_u64().unwrap();
-    let cached = second["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap();
-    assert!(cached >= prompt_tokens - 16 && cached < prompt_tokens, "cached {cached} of {prompt_tokens}");
-    assert_eq!(s.metric("kvmesh:prefix_cache_hits_total").await, cached as f64);
-    assert_eq!(text_of(&first), text_of(&second), "cached blocks give the same result");
+    let cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    assert!(
+        cached >= prompt_tokens - 16 && cached < prompt_tokens,
+        "cached {cached} of {prompt_tokens}"
+    );
+    assert_eq!(
+        s.metric("kvmesh:prefix_cache_hits_total").await,
+        cached as f64
+    );
+    assert_eq!(
+        text_of(&first),
+        text_of(&second),
+        "cached blocks give the same result"
+    );
 }
 
 #[tokio::test]
 async fn preemption_under_block_pressure_keeps_outputs_exact() {
     // 12 blocks of 16 tokens: four 100-token sequences cannot all hold their blocks.
-    let s = Server::start(&["--num-kv-blocks", "12", "--max-model-len", "192", "--no-enable-prefix-caching"]);
+    let s = Server::start(&[
+        "--num-kv-blocks",
+        "12",
+        "--max-model-len",
+        "192",
+        "--no-enable-prefix-caching",
+    ]);
     let prompts = ["ROMEO:\n", "JULIET:\n", "HAMLET:\n", "MACBETH:\n"];
-    let body = |p: &str| completion(p, json!({"temperature": 0, "max_tokens": 90, "ignore_eos": true}));
+    let body = |p: &str| {
+        completion(
+            p,
+            json!({"temperature": 0, "max_tokens": 90, "ignore_eos": true}),
+        )
+    };
     let mut alone = Vec::new();
     for p in prompts {
         let (st, v) = s.post("/v1/completions", body(p)).await;
@@ -206,19 +372,28 @@ async fn preemption_under_block_pressure_keeps_outputs_exact() {
         alone.push(text_of(&v));
     }
     assert_eq!(s.metric("kvmesh:num_preemptions_total").await, 0.0);
-    let together = futures::future::join_all(prompts.iter().map(|p| s.post("/v1/completions", body(p)))).await;
+    let together =
+        futures::future::join_all(prompts.iter().map(|p| s.post("/v1/completions", body(p)))).await;
     for ((st, v), want) in together.iter().zip(&alone) {
         assert_eq!(*st, 200, "{v}");
-        assert_eq!(&text_of(v), want, "a preempted and recomputed sequence continues exactly");
+        assert_eq!(
+            &text_of(v),
+            want,
+            "a preempted and recomputed sequence continues exactly"
+        );
     }
-    assert!(s.metric("kvmesh:num_preemptions_total").await > 0.0, "the cache was too small for all four");
+    assert!(
+        s.metric("kvmesh:num_preemptions_total").await > 0.0,
+        "the cache was too small for all four"
+    );
 }
 
 #[tokio::test]
 async fn a_full_queue_answers_429() {
     let s = Server::start(&["--max-num-seqs", "1", "--max-waiting-seqs", "1"]);
     let body = completion("ROMEO:\n", json!({"max_tokens": 120, "ignore_eos": true}));
-    let results = futures::future::join_all((0..6).map(|_| s.post("/v1/completions", body.clone()))).await;
+    let results =
+        futures::future::join_all((0..6).map(|_| s.post("/v1/completions", body.clone()))).await;
     let ok = results.iter().filter(|(st, _)| *st == 200).count();
     let busy: Vec<_> = results.iter().filter(|(st, _)| *st == 429).collect();
     assert!(ok >= 1, "{results:?}");
@@ -231,13 +406,35 @@ async fn a_full_queue_answers_429() {
 async fn api_key_guards_the_v1_routes() {
     let s = Server::start(&["--api-key", "sekrit"]);
     let url = format!("{}/v1/models", s.base);
-    assert_eq!(s.http.get(&url).send().await.unwrap().status().as_u16(), 401);
-    assert_eq!(s.http.get(&url).bearer_auth("wrong").send().await.unwrap().status().as_u16(), 401);
+    assert_eq!(
+        s.http.get(&url).send().await.unwrap().status().as_u16(),
+        401
+    );
+    assert_eq!(
+        s.http
+            .get(&url)
+            .bearer_auth("wrong")
+            .send()
+            .await
+            .unwrap()
+            .status()
+            .as_u16(),
+        401
+    );
     let r = s.http.get(&url).bearer_auth("sekrit").send().await.unwrap();
     assert_eq!(r.status().as_u16(), 200);
     let v: Value = r.json().await.unwrap();
     assert_eq!(v["data"][0]["id"], "shakespeare");
-    assert_eq!(s.http.get(format!("{}/health", s.base)).send().await.unwrap().status().as_u16(), 200);
+    assert_eq!(
+        s.http
+            .get(format!("{}/health", s.base))
+            .send()
+            .await
+            .unwrap()
+            .status()
+            .as_u16(),
+        200
+    );
 }
 
 #[tokio::test]
@@ -250,36 +447,62 @@ async fn token_ids_in_and_out_and_logprobs() {
     let prompt_ids: Vec<u64> = serde_json::from_value(choice["prompt_token_ids"].clone()).unwrap();
     let out_ids: Vec<u64> = serde_json::from_value(choice["token_ids"].clone()).unwrap();
     assert_eq!(out_ids.len(), 12);
-    assert_eq!(prompt_ids.len() as u64, text_run["usage"]["prompt_tokens"].as_u64().unwrap());
+    assert_eq!(
+        prompt_ids.len() as u64,
+        text_run["usage"]["prompt_tokens"].as_u64().unwrap()
+    );
     // The same prompt given as token ids gives the same completion.
-    let (_, id_run) = s.post("/v1/completions", json!({"prompt": prompt_ids, "max_tokens": 12, "temperature": 0, "ignore_eos": true})).await;
+    let (_, id_run) = s
+        .post(
+            "/v1/completions",
+            json!({"prompt": prompt_ids, "max_tokens": 12, "temperature": 0, "ignore_eos": true}),
+        )
+        .await;
     assert_eq!(text_of(&id_run), text_of(&text_run));
     // logprobs: three alternatives each, best first, the chosen token's logprob among them.
     let lp = &choice["logprobs"];
     let tops = lp["top_logprobs"].as_array().unwrap();
     assert_eq!(tops.len(), 12);
     for (i, top) in tops.iter().enumerate() {
-        let vals: Vec<f64> = top.as_object().unwrap().values().map(|v| v.as_f64().unwrap()).collect();
+        let vals: Vec<f64> = top
+            .as_object()
+            .unwrap()
+            .values()
+            .map(|v| v.as_f64().unwrap())
+            .collect();
         assert!(!vals.is_empty() && vals.len() <= 3);
         let chosen = lp["token_logprobs"][i].as_f64().unwrap();
         assert!(chosen <= 0.0);
         let best = vals.iter().cloned().fold(f64::MIN, f64::max);
-        assert!((best - chosen).abs() < 1e-4, "greedy picks the most likely token");
+        assert!(
+            (best - chosen).abs() < 1e-4,
+            "greedy picks the most likely token"
+        );
     }
     // Chat logprobs in the chat shape.
     let (_, c) = s
         .post("/v1/chat/completions", json!({"messages": [{"role": "user", "content": "Hail!"}], "max_tokens": 5, "logprobs": true, "top_logprobs": 2, "return_token_ids": true}))
         .await;
     let content = c["choices"][0]["logprobs"]["content"].as_array().unwrap();
-    assert_eq!(content.len() as u64, c["usage"]["completion_tokens"].as_u64().unwrap());
+    assert_eq!(
+        content.len() as u64,
+        c["usage"]["completion_tokens"].as_u64().unwrap()
+    );
     assert_eq!(content[0]["top_logprobs"].as_array().unwrap().len(), 2);
-    assert!(c["prompt_token_ids"].as_array().is_some_and(|a| !a.is_empty()));
+    assert!(c["prompt_token_ids"]
+        .as_array()
+        .is_some_and(|a| !a.is_empty()));
 }
 
 #[tokio::test]
 async fn metrics_count_requests_and_latencies() {
     let s = Server::start(&[]);
-    let (st, _) = s.post("/v1/completions", json!({"prompt": "ROMEO:\n", "max_tokens": 5, "ignore_eos": true})).await;
+    let (st, _) = s
+        .post(
+            "/v1/completions",
+            json!({"prompt": "ROMEO:\n", "max_tokens": 5, "ignore_eos": true}),
+        )
+        .await;
     assert_eq!(st, 200);
     let m = s.metrics().await;
     for name in [
@@ -292,8 +515,19 @@ async fn metrics_count_requests_and_latencies() {
     ] {
         assert!(m.contains(name), "{name} missing");
     }
-    assert_eq!(s.metric("kvmesh:time_to_first_token_seconds_count").await, 1.0);
-    assert_eq!(s.metric("kvmesh:inter_token_latency_seconds_count").await, 4.0);
+    assert_eq!(
+        s.metric("kvmesh:time_to_first_token_seconds_count").await,
+        1.0
+    );
+    assert_eq!(
+        s.metric("kvmesh:inter_token_latency_seconds_count").await,
+        4.0
+    );
     assert_eq!(s.metric("kvmesh:generation_tokens_total").await, 5.0);
-    assert!(m.contains("kvmesh:request_success_total{model_name=\"shakespeare\",finished_reason=\"length\"} 1"), "{m}");
+    assert!(
+        m.contains(
+            "kvmesh:request_success_total{model_name=\"shakespeare\",finished_reason=\"length\"} 1"
+        ),
+        "{m}"
+    );
 }

@@ -100,10 +100,14 @@ impl From<EngineError> for ApiError {
         match e {
             EngineError::InvalidRequest(m) => ApiError::invalid(m, None),
             EngineError::Tokenizer(m) => ApiError::invalid(format!("tokenizer: {m}"), None),
-            EngineError::ChatTemplate(m) => ApiError::invalid(format!("chat template: {m}"), Some("messages".into())),
+            EngineError::ChatTemplate(m) => {
+                ApiError::invalid(format!("chat template: {m}"), Some("messages".into()))
+            }
             EngineError::QueueFull { waiting } => ApiError {
                 status: StatusCode::TOO_MANY_REQUESTS,
-                message: format!("The server is at capacity ({waiting} requests waiting). Retry later."),
+                message: format!(
+                    "The server is at capacity ({waiting} requests waiting). Retry later."
+                ),
                 kind: "rate_limit_error",
                 param: None,
                 code: Some("queue_full"),

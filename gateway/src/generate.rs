@@ -82,13 +82,19 @@ impl Generation {
         match event {
             None => {
                 self.done = true;
-                Some(Err(ApiError::internal("the engine stopped before the request finished")))
+                Some(Err(ApiError::internal(
+                    "the engine stopped before the request finished",
+                )))
             }
             Some(SeqEvent::Failed(m)) => {
                 self.done = true;
                 Some(Err(ApiError::internal(format!("generation failed: {m}"))))
             }
-            Some(SeqEvent::Token { sampled, finish, cached_tokens }) => {
+            Some(SeqEvent::Token {
+                sampled,
+                finish,
+                cached_tokens,
+            }) => {
                 match self.last {
                     None => self.metrics.ttft.observe((now - self.start).as_secs_f64()),
                     Some(t) => self.metrics.itl.observe((now - t).as_secs_f64()),
@@ -98,7 +104,11 @@ impl Generation {
                 self.completion_tokens += 1;
                 let mut chunk = Chunk {
                     token_ids: vec![sampled.token],
-                    logprobs: vec![TokenLogprob { token: sampled.token, logprob: sampled.logprob, top: sampled.top }],
+                    logprobs: vec![TokenLogprob {
+                        token: sampled.token,
+                        logprob: sampled.logprob,
+                        top: sampled.top,
+                    }],
                     ..Default::default()
                 };
                 let delta = match self.text.push(&self.tok, sampled.token) {
@@ -114,7 +124,11 @@ impl Generation {
                     match self.text.finish(&self.tok) {
                         Ok(rest) => {
                             chunk.text.push_str(&rest.text);
-                            chunk.finish = Some(if rest.stopped { "stop" } else { reason.as_str() });
+                            chunk.finish = Some(if rest.stopped {
+                                "stop"
+                            } else {
+                                reason.as_str()
+                            });
                         }
                         Err(e) => return Some(Err(ApiError::internal(e.to_string()))),
                     }

@@ -44,7 +44,12 @@ pub struct AppState {
 
 impl AppState {
     pub fn new(model: ServedModel, api_key: Option<String>) -> Arc<AppState> {
-        Arc::new(AppState { model, api_key, metrics: Arc::new(Metrics::default()), created: unix_now() })
+        Arc::new(AppState {
+            model,
+            api_key,
+            metrics: Arc::new(Metrics::default()),
+            created: unix_now(),
+        })
     }
 
     fn max_model_len(&self) -> usize {
@@ -53,7 +58,10 @@ impl AppState {
 }
 
 fn unix_now() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
 }
 
 pub fn router(state: Arc<AppState>) -> Router {
@@ -67,7 +75,10 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
         .route("/metrics", get(metrics_page))
         .fallback(|req: Request| async move { ApiError::not_found(req.uri().path()) })
-        .layer(middleware::from_fn_with_state(state.clone(), count_requests))
+        .layer(middleware::from_fn_with_state(
+            state.clone(),
+            count_requests,
+        ))
         .with_state(state)
 }
 
@@ -136,11 +147,21 @@ async fn chat(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
         let body = protocol::parse_body(&body)?;
         let req: ChatRequest = protocol::fields(&body)?;
         let top = protocol::chat_logprobs(req.logprobs, req.top_logprobs)?;
-        let v = protocol::validate_common(&protocol::fields(&body)?, &st.model.name, top)?;
+        let v = protocol::validate_common(
+            &protocol::fields(&body)?,
+            &st.model.name,
+            st.model.tokenizer.sampling_defaults(),
+            top,
+        )?;
         let messages = protocol::template_messages(&req.messages)?;
         let text = st.model.tokenizer.apply_chat_template(&messages, true)?;
         let prompt = st.model.tokenizer.encode(&text, false)?;
-        Ok::<_, ApiError>(Prepared { endpoint: Endpoint::Chat, prompt, echo: None, v })
+        Ok::<_, ApiError>(Prepared {
+            endpoint: Endpoint::Chat,
+            prompt,
+            echo: None,
+            v,
+        })
     })();
     respond(st, prepared, start).await
 }
@@ -151,13 +172,21 @@ async fn completions(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
         let body = protocol::parse_body(&body)?;
         let req: CompletionRequest = protocol::fields(&body)?;
         let top = protocol::completion_logprobs(req.logprobs)?;
-        let v = protocol::validate_common(&protocol::fields(&body)?, &st.model.name, top)?;
+        let v = protocol::validate_common(
+            &protocol::fields(&body)?,
+            &st.model.name,
+            st.model.tokenizer.sampling_defaults(),
+            top,
+        )?;
         let tok = &st.model.tokenizer;
         let one = |n: usize| {
             if n == 1 {
                 Ok(())
             } else {
-                Err(ApiError::param("prompt", format!("Send one prompt per request (got {n}).")))
+                Err(ApiError::param(
+                    "prompt",
+                    format!("Send one prompt per request (got {n})."),
+                ))
             }
         };
         let empty = match &req.prompt {
@@ -187,23 +216,45 @@ async fn completions(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
             }
         };
         let echo = req.echo.unwrap_or(false).then_some(text);
-        Ok::<_, ApiError>(Prepared { endpoint: Endpoint::Completion, prompt, echo, v })
+        Ok::<_, ApiError>(Prepared {
+            endpoint: Endpoint::Completion,
+            prompt,
+            echo,
+            v,
+        })
     })();
     respond(st, prepared, start).await
 }
 
-async fn respond(st: Arc<AppState>, prepared: Result<Prepared, ApiError>, start: Instant) -> Response {
+async fn respond(
+    st: Arc<AppState>,
+    prepared: Result<Prepared, ApiError>,
+    start: Instant,
+) -> Response {
     match run(st, prepared, start).await {
         Ok(r) => r,
         Err(e) => e.into_response(),
     }
 }
 
-async fn run(st: Arc<AppState>, prepared: Result<Prepared, ApiError>, start: Instant) -> Result<Response, ApiError> {
-    let Prepared { endpoint, prompt, echo, mut v } = prepared?;
+async fn run(
+    st: Arc<AppState>,
+    prepared: Result<Prepared, ApiError>,
+    start: Instant,
+) -> Result<Response, ApiError> {
+    let Prepared {
+        endpoint,
+        prompt,
+        echo,
+        mut v,
+    } = prepared?;
     let limit = st.max_model_len();
     let plen = prompt.len();
-    let param = if endpoint == Endpoint::Chat { "messages" } else { "prompt" };
+    let param = if endpoint == Endpoint::Chat {
+        "messages"
+    } else {
+        "prompt"
+    };
     let max_tokens = match v.max_tokens {
         Some(m) if plen + m > limit => return Err(ApiError::context_length(limit, plen, m, param)),
         Some(m) => m,
@@ -212,15 +263,35 @@ async fn run(st: Arc<AppState>, prepared: Result<Prepared, ApiError>, start: Ins
         None => limit - plen,
     };
     v.params.max_tokens = max_tokens;
-    let sub = st.model.engine.submit(EngineRequest { prompt: prompt.clone(), params: v.params.clone() })?;
+    let sub = st.model.engine.submit(EngineRequest {
+        prompt: prompt.clone(),
+        params: v.params.clone(),
+    })?;
     let id = format!(
         "{}-{:x}{:08x}",
-        if endpoint == Endpoint::Chat { "chatcmpl" } else { "cmpl" },
+        if endpoint == Endpoint::Chat {
+            "chatcmpl"
+        } else {
+            "cmpl"
+        },
         sub.id.0,
         start.elapsed().subsec_nanos() ^ (unix_now() as u32)
     );
-    let gen = Generation::new(sub, &prompt, v.stops.clone(), st.model.tokenizer.clone(), st.metrics.clone(), start);
-    let out = Output { endpoint, id, created: unix_now(), model: st.model.name.clone(), logprobs: v.params.logprobs.is_some() };
+    let gen = Generation::new(
+        sub,
+        &prompt,
+        v.stops.clone(),
+        st.model.tokenizer.clone(),
+        st.metrics.clone(),
+        start,
+    );
+    let out = Output {
+        endpoint,
+        id,
+        created: unix_now(),
+        model: st.model.name.clone(),
+        logprobs: v.params.logprobs.is_some(),
+    };
     if v.stream {
         Ok(stream(out, gen, prompt, echo, v.include_usage, v.return_token_ids).into_response())
     } else {
@@ -278,7 +349,13 @@ impl Output {
     }
 }
 
-async fn collect(out: Output, mut gen: Generation, prompt: Vec<u32>, echo: Option<String>, token_ids: bool) -> Result<Response, ApiError> {
+async fn collect(
+    out: Output,
+    mut gen: Generation,
+    prompt: Vec<u32>,
+    echo: Option<String>,
+    token_ids: bool,
+) -> Result<Response, ApiError> {
     let mut all = Chunk::default();
     while let Some(c) = gen.next().await {
         all.absorb(c?);
@@ -304,7 +381,8 @@ async fn collect(out: Output, mut gen: Generation, prompt: Vec<u32>, echo: Optio
                 Some(p) => p + &all.text,
                 None => all.text,
             };
-            let mut choice = json!({"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish});
+            let mut choice =
+                json!({"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish});
             if token_ids {
                 choice["prompt_token_ids"] = json!(prompt);
                 choice["token_ids"] = json!(all.token_ids);

@@ -14,16 +14,26 @@ pub struct Histogram {
     sum: Mutex<f64>,
 }
 
-const LATENCY_BUCKETS: &[f64] =
-    &[0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0];
+const LATENCY_BUCKETS: &[f64] = &[
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0,
+];
 
 impl Histogram {
     fn new(bounds: &'static [f64]) -> Histogram {
-        Histogram { bounds, counts: (0..=bounds.len()).map(|_| AtomicU64::new(0)).collect(), sum: Mutex::new(0.0) }
+        Histogram {
+            bounds,
+            counts: (0..=bounds.len()).map(|_| AtomicU64::new(0)).collect(),
+            sum: Mutex::new(0.0),
+        }
     }
 
     pub fn observe(&self, v: f64) {
-        let i = self.bounds.iter().position(|&b| v <= b).unwrap_or(self.bounds.len());
+        let i = self
+            .bounds
+            .iter()
+            .position(|&b| v <= b)
+            .unwrap_or(self.bounds.len());
         self.counts[i].fetch_add(1, Ordering::Relaxed);
         *self.sum.lock() += v;
     }
@@ -66,7 +76,11 @@ impl Default for Metrics {
 
 impl Metrics {
     pub fn http(&self, endpoint: &str, status: u16) {
-        *self.http.lock().entry((endpoint.to_string(), status)).or_default() += 1;
+        *self
+            .http
+            .lock()
+            .entry((endpoint.to_string(), status))
+            .or_default() += 1;
     }
 
     pub fn finished(&self, reason: &str) {
@@ -78,33 +92,110 @@ impl Metrics {
         let l = format!("model_name=\"{model}\"");
         let s = &engine.stats;
         let gauge = |o: &mut String, name: &str, help: &str, v: f64| {
-            let _ = writeln!(o, "# HELP {name} {help}\n# TYPE {name} gauge\n{name}{{{l}}} {v}");
+            let _ = writeln!(
+                o,
+                "# HELP {name} {help}\n# TYPE {name} gauge\n{name}{{{l}}} {v}"
+            );
         };
         let counter = |o: &mut String, name: &str, help: &str, v: u64| {
-            let _ = writeln!(o, "# HELP {name} {help}\n# TYPE {name} counter\n{name}{{{l}}} {v}");
+            let _ = writeln!(
+                o,
+                "# HELP {name} {help}\n# TYPE {name} counter\n{name}{{{l}}} {v}"
+            );
         };
         let total = engine.info.num_blocks.max(1) as f64;
         let free = s.free_blocks.load(Ordering::Relaxed) as f64;
-        gauge(&mut o, "kvmesh:num_requests_running", "Sequences in the running batch.", s.running.load(Ordering::Relaxed) as f64);
-        gauge(&mut o, "kvmesh:num_requests_waiting", "Sequences waiting to be scheduled.", s.waiting.load(Ordering::Relaxed) as f64);
-        gauge(&mut o, "kvmesh:kv_cache_usage_perc", "Fraction of KV blocks held by live sequences (1 = full).", 1.0 - free / total);
-        gauge(&mut o, "kvmesh:num_kv_blocks", "KV blocks in the cache.", total);
-        counter(&mut o, "kvmesh:prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.", s.prefix_queries.load(Ordering::Relaxed));
-        counter(&mut o, "kvmesh:prefix_cache_hits_total", "Prompt tokens found in the prefix cache.", s.prefix_hits.load(Ordering::Relaxed));
-        counter(&mut o, "kvmesh:num_preemptions_total", "Sequences preempted for lack of KV blocks.", s.preemptions.load(Ordering::Relaxed));
-        counter(&mut o, "kvmesh:prompt_tokens_total", "Prompt tokens computed (prefix cache hits excluded).", s.prompt_tokens.load(Ordering::Relaxed));
-        counter(&mut o, "kvmesh:generation_tokens_total", "Tokens generated.", s.generation_tokens.load(Ordering::Relaxed));
-        counter(&mut o, "kvmesh:engine_steps_total", "Engine steps run.", s.steps.load(Ordering::Relaxed));
-        self.ttft.render(&mut o, "kvmesh:time_to_first_token_seconds", "Time to first token.", &l);
-        self.itl.render(&mut o, "kvmesh:inter_token_latency_seconds", "Time between consecutive tokens.", &l);
-        self.e2e.render(&mut o, "kvmesh:e2e_request_latency_seconds", "Request latency, arrival to last token.", &l);
+        gauge(
+            &mut o,
+            "kvmesh:num_requests_running",
+            "Sequences in the running batch.",
+            s.running.load(Ordering::Relaxed) as f64,
+        );
+        gauge(
+            &mut o,
+            "kvmesh:num_requests_waiting",
+            "Sequences waiting to be scheduled.",
+            s.waiting.load(Ordering::Relaxed) as f64,
+        );
+        gauge(
+            &mut o,
+            "kvmesh:kv_cache_usage_perc",
+            "Fraction of KV blocks held by live sequences (1 = full).",
+            1.0 - free / total,
+        );
+        gauge(
+            &mut o,
+            "kvmesh:num_kv_blocks",
+            "KV blocks in the cache.",
+            total,
+        );
+        counter(
+            &mut o,
+            "kvmesh:prefix_cache_queries_total",
+            "Prompt tokens looked up in the prefix cache.",
+            s.prefix_queries.load(Ordering::Relaxed),
+        );
+        counter(
+            &mut o,
+            "kvmesh:prefix_cache_hits_total",
+            "Prompt tokens found in the prefix cache.",
+            s.prefix_hits.load(Ordering::Relaxed),
+        );
+        counter(
+            &mut o,
+            "kvmesh:num_preemptions_total",
+            "Sequences preempted for lack of KV blocks.",
+            s.preemptions.load(Ordering::Relaxed),
+        );
+        counter(
+            &mut o,
+            "kvmesh:prompt_tokens_total",
+            "Prompt tokens computed (prefix cache hits excluded).",
+            s.prompt_tokens.load(Ordering::Relaxed),
+        );
+        counter(
+            &mut o,
+            "kvmesh:generation_tokens_total",
+            "Tokens generated.",
+            s.generation_tokens.load(Ordering::Relaxed),
+        );
+        counter(
+            &mut o,
+            "kvmesh:engine_steps_total",
+            "Engine steps run.",
+            s.steps.load(Ordering::Relaxed),
+        );
+        self.ttft.render(
+            &mut o,
+            "kvmesh:time_to_first_token_seconds",
+            "Time to first token.",
+            &l,
+        );
+        self.itl.render(
+            &mut o,
+            "kvmesh:inter_token_latency_seconds",
+            "Time between consecutive tokens.",
+            &l,
+        );
+        self.e2e.render(
+            &mut o,
+            "kvmesh:e2e_request_latency_seconds",
+            "Request latency, arrival to last token.",
+            &l,
+        );
         let _ = writeln!(o, "# HELP kvmesh:request_success_total Finished requests by reason.\n# TYPE kvmesh:request_success_total counter");
         for (reason, n) in self.finished.lock().iter() {
-            let _ = writeln!(o, "kvmesh:request_success_total{{{l},finished_reason=\"{reason}\"}} {n}");
+            let _ = writeln!(
+                o,
+                "kvmesh:request_success_total{{{l},finished_reason=\"{reason}\"}} {n}"
+            );
         }
         let _ = writeln!(o, "# HELP kvmesh:http_requests_total HTTP requests by endpoint and status.\n# TYPE kvmesh:http_requests_total counter");
         for ((ep, st), n) in self.http.lock().iter() {
-            let _ = writeln!(o, "kvmesh:http_requests_total{{endpoint=\"{ep}\",status=\"{st}\"}} {n}");
+            let _ = writeln!(
+                o,
+                "kvmesh:http_requests_total{{endpoint=\"{ep}\",status=\"{st}\"}} {n}"
+            );
         }
         o
     }

@@ -6,6 +6,7 @@ use serde_json::Value;
 
 use crate::error::ApiError;
 use kvmesh_gpu::sampler::SamplingParams;
+use kvmesh_gpu::tokenizer::SamplingDefaults;
 
 #[derive(Deserialize, Debug, Default)]
 pub struct StreamOptions {
@@ -91,7 +92,10 @@ pub fn parse_body(body: &[u8]) -> Result<Value, ApiError> {
     let v: Value = serde_json::from_slice(body)
         .map_err(|e| ApiError::invalid(format!("The request body is not valid JSON: {e}"), None))?;
     if !v.is_object() {
-        return Err(ApiError::invalid("The request body must be a JSON object.", None));
+        return Err(ApiError::invalid(
+            "The request body must be a JSON object.",
+            None,
+        ));
     }
     Ok(v)
 }
@@ -129,7 +133,12 @@ pub struct Validated {
 
 pub const MAX_LOGPROBS: i64 = 20;
 
-pub fn validate_common(c: &Common, served: &str, top_logprobs: Option<usize>) -> Result<Validated, ApiError> {
+pub fn validate_common(
+    c: &Common,
+    served: &str,
+    defaults: &SamplingDefaults,
+    top_logprobs: Option<usize>,
+) -> Result<Validated, ApiError> {
     if let Some(m) = &c.model {
         if m != served {
             return Err(ApiError::model_not_found(m, served));
@@ -142,30 +151,51 @@ pub fn validate_common(c: &Common, served: &str, top_logprobs: Option<usize>) ->
     };
     if let Some((name, v)) = max_tokens {
         if v < 1 {
-            return Err(ApiError::param(name, format!("`{name}` must be at least 1, got {v}.")));
+            return Err(ApiError::param(
+                name,
+                format!("`{name}` must be at least 1, got {v}."),
+            ));
         }
     }
-    let temperature = c.temperature.unwrap_or(1.0);
+    let temperature = c.temperature.or(defaults.temperature).unwrap_or(1.0);
     if temperature < 0.0 || !temperature.is_finite() {
-        return Err(ApiError::param("temperature", format!("`temperature` must be 0 or more, got {temperature}.")));
+        return Err(ApiError::param(
+            "temperature",
+            format!("`temperature` must be 0 or more, got {temperature}."),
+        ));
     }
-    let top_p = c.top_p.unwrap_or(1.0);
+    let top_p = c.top_p.or(defaults.top_p).unwrap_or(1.0);
     if top_p <= 0.0 || top_p > 1.0 || top_p.is_nan() {
-        return Err(ApiError::param("top_p", format!("`top_p` must be in (0, 1], got {top_p}.")));
+        return Err(ApiError::param(
+            "top_p",
+            format!("`top_p` must be in (0, 1], got {top_p}."),
+        ));
     }
-    let top_k = c.top_k.unwrap_or(0);
+    let top_k = c.top_k.or(defaults.top_k).unwrap_or(0);
     if top_k < -1 {
-        return Err(ApiError::param("top_k", format!("`top_k` must be -1 (off), 0 (off) or positive, got {top_k}.")));
+        return Err(ApiError::param(
+            "top_k",
+            format!("`top_k` must be -1 (off), 0 (off) or positive, got {top_k}."),
+        ));
     }
     if let Some(n) = c.n {
         if n != 1 {
-            return Err(ApiError::param("n", format!("Only n = 1 is supported, got {n}.")));
+            return Err(ApiError::param(
+                "n",
+                format!("Only n = 1 is supported, got {n}."),
+            ));
         }
     }
-    for (name, v) in [("presence_penalty", c.presence_penalty), ("frequency_penalty", c.frequency_penalty)] {
+    for (name, v) in [
+        ("presence_penalty", c.presence_penalty),
+        ("frequency_penalty", c.frequency_penalty),
+    ] {
         if let Some(v) = v {
             if v != 0.0 {
-                return Err(ApiError::param(name, format!("`{name}` is not supported; send 0 or leave it out.")));
+                return Err(ApiError::param(
+                    name,
+                    format!("`{name}` is not supported; send 0 or leave it out."),
+                ));
             }
         }
     }
@@ -179,13 +209,19 @@ pub fn validate_common(c: &Common, served: &str, top_logprobs: Option<usize>) ->
     }
     let seed = match c.seed {
         Some(s) if s < 0 => {
-            return Err(ApiError::param("seed", format!("`seed` must be 0 or more, got {s}.")));
+            return Err(ApiError::param(
+                "seed",
+                format!("`seed` must be 0 or more, got {s}."),
+            ));
         }
         s => s.map(|s| s as u64),
     };
     let stream = c.stream.unwrap_or(false);
     if c.stream_options.is_some() && !stream {
-        return Err(ApiError::param("stream_options", "`stream_options` needs `stream: true`."));
+        return Err(ApiError::param(
+            "stream_options",
+            "`stream_options` needs `stream: true`.",
+        ));
     }
     Ok(Validated {
         params: SamplingParams {
@@ -213,7 +249,10 @@ pub fn chat_logprobs(logprobs: Option<bool>, top: Option<i64>) -> Result<Option<
             "top_logprobs",
             format!("`top_logprobs` must be between 0 and {MAX_LOGPROBS}, got {t}."),
         )),
-        (false, Some(_)) => Err(ApiError::param("top_logprobs", "`top_logprobs` needs `logprobs: true`.")),
+        (false, Some(_)) => Err(ApiError::param(
+            "top_logprobs",
+            "`top_logprobs` needs `logprobs: true`.",
+        )),
         (true, t) => Ok(Some(t.unwrap_or(0) as usize)),
         (false, None) => Ok(None),
     }
@@ -223,7 +262,10 @@ pub fn completion_logprobs(n: Option<i64>) -> Result<Option<usize>, ApiError> {
     match n {
         None => Ok(None),
         Some(n) if (0..=MAX_LOGPROBS).contains(&n) => Ok(Some(n as usize)),
-        Some(n) => Err(ApiError::param("logprobs", format!("`logprobs` must be between 0 and {MAX_LOGPROBS}, got {n}."))),
+        Some(n) => Err(ApiError::param(
+            "logprobs",
+            format!("`logprobs` must be between 0 and {MAX_LOGPROBS}, got {n}."),
+        )),
     }
 }
 

@@ -118,7 +118,11 @@ struct RawConfig {
 pub(crate) fn token_ids(v: &Value) -> Vec<u32> {
     match v {
         Value::Number(n) => n.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
-        Value::Array(a) => a.iter().filter_map(|x| x.as_u64()).map(|x| x as u32).collect(),
+        Value::Array(a) => a
+            .iter()
+            .filter_map(|x| x.as_u64())
+            .map(|x| x as u32)
+            .collect(),
         _ => Vec::new(),
     }
 }
@@ -146,7 +150,9 @@ impl ModelConfig {
         let hidden_size = need(raw.hidden_size, "hidden_size")?;
         let num_heads = need(raw.num_attention_heads, "num_attention_heads")?;
         if num_heads == 0 || hidden_size == 0 {
-            return Err(EngineError::BadModel("config.json: zero hidden_size or heads".into()));
+            return Err(EngineError::BadModel(
+                "config.json: zero hidden_size or heads".into(),
+            ));
         }
         let num_kv_heads = raw.num_key_value_heads.unwrap_or(num_heads);
         if num_kv_heads == 0 || num_heads % num_kv_heads != 0 {
@@ -185,7 +191,11 @@ impl ModelConfig {
         let sliding_window = match (arch, raw.use_sliding_window) {
             // Qwen2/3 configs carry a window but only use it when asked to.
             (Arch::Qwen2 | Arch::Qwen3, Some(false) | None) => None,
-            _ => raw.sliding_window.as_ref().and_then(Value::as_u64).map(|w| w as usize),
+            _ => raw
+                .sliding_window
+                .as_ref()
+                .and_then(Value::as_u64)
+                .map(|w| w as usize),
         };
         Ok(ModelConfig {
             arch,
@@ -204,7 +214,10 @@ impl ModelConfig {
             qkv_bias: arch == Arch::Qwen2 || raw.attention_bias.unwrap_or(false),
             qk_norm: arch == Arch::Qwen3,
             sliding_window,
-            bos_token_id: raw.bos_token_id.as_ref().and_then(|v| token_ids(v).first().copied()),
+            bos_token_id: raw
+                .bos_token_id
+                .as_ref()
+                .and_then(|v| token_ids(v).first().copied()),
             eos_token_ids: raw.eos_token_id.as_ref().map(token_ids).unwrap_or_default(),
         })
     }
@@ -233,7 +246,11 @@ impl ModelConfig {
             + self.q_dim() * h
             + 3 * h * self.intermediate_size
             + 2 * h
-            + if self.qkv_bias { self.q_dim() + 2 * self.kv_dim() } else { 0 }
+            + if self.qkv_bias {
+                self.q_dim() + 2 * self.kv_dim()
+            } else {
+                0
+            }
             + if self.qk_norm { 2 * self.head_dim } else { 0 };
         let emb = self.vocab_size * h;
         emb + if self.tie_word_embeddings { 0 } else { emb } + self.num_layers * per_layer + h
@@ -352,9 +369,10 @@ mod tests {
 
     #[test]
     fn unsupported_architecture_is_named() {
-        let e = ModelConfig::from_json(r#"{"architectures":["GPT2LMHeadModel"],"model_type":"gpt2"}"#)
-            .unwrap_err()
-            .to_string();
+        let e =
+            ModelConfig::from_json(r#"{"architectures":["GPT2LMHeadModel"],"model_type":"gpt2"}"#)
+                .unwrap_err()
+                .to_string();
         assert!(e.contains("GPT2LMHeadModel"), "{e}");
     }
 

@@ -68,7 +68,11 @@ impl FinishReason {
 #[derive(Debug)]
 pub enum SeqEvent {
     /// One generated token; `finish` is set on the last.
-    Token { sampled: Sampled, finish: Option<FinishReason>, cached_tokens: usize },
+    Token {
+        sampled: Sampled,
+        finish: Option<FinishReason>,
+        cached_tokens: usize,
+    },
     Failed(String),
 }
 
@@ -102,7 +106,11 @@ pub struct EngineInfo {
 }
 
 enum Command {
-    Add { id: SeqId, req: Request, events: mpsc::UnboundedSender<SeqEvent> },
+    Add {
+        id: SeqId,
+        req: Request,
+        events: mpsc::UnboundedSender<SeqEvent>,
+    },
     Abort(SeqId),
 }
 
@@ -150,7 +158,11 @@ impl EngineHandle {
         if req.prompt.is_empty() {
             return Err(EngineError::InvalidRequest("the prompt is empty".into()));
         }
-        if let Some(&bad) = req.prompt.iter().find(|&&t| t as usize >= self.info.vocab_size) {
+        if let Some(&bad) = req
+            .prompt
+            .iter()
+            .find(|&&t| t as usize >= self.info.vocab_size)
+        {
             return Err(EngineError::InvalidRequest(format!(
                 "token id {bad} is outside the vocabulary (size {})",
                 self.info.vocab_size
@@ -180,11 +192,21 @@ impl EngineHandle {
         let id = SeqId(self.next_id.fetch_add(1, Ordering::Relaxed));
         let (etx, erx) = mpsc::unbounded_channel();
         self.stats.waiting.fetch_add(1, Ordering::Relaxed);
-        self.tx.send(Command::Add { id, req, events: etx }).map_err(|_| EngineError::Stopped)?;
+        self.tx
+            .send(Command::Add {
+                id,
+                req,
+                events: etx,
+            })
+            .map_err(|_| EngineError::Stopped)?;
         Ok(Submission {
             id,
             events: erx,
-            abort: AbortOnDrop { id, tx: self.tx.clone(), armed: true },
+            abort: AbortOnDrop {
+                id,
+                tx: self.tx.clone(),
+                armed: true,
+            },
         })
     }
 }
@@ -210,7 +232,12 @@ impl Seq {
 }
 
 /// Starts the engine thread.
-pub fn spawn(backend: Box<dyn Backend>, cfg: EngineConfig, eos_ids: Vec<u32>, vocab_size: usize) -> EngineHandle {
+pub fn spawn(
+    backend: Box<dyn Backend>,
+    cfg: EngineConfig,
+    eos_ids: Vec<u32>,
+    vocab_size: usize,
+) -> EngineHandle {
     let (tx, rx) = crossbeam_channel::unbounded();
     let num_blocks = backend.num_blocks();
     let stats = Arc::new(EngineStats::default());
@@ -236,7 +263,12 @@ pub fn spawn(backend: Box<dyn Backend>, cfg: EngineConfig, eos_ids: Vec<u32>, vo
         .name("kvmesh-engine".into())
         .spawn(move || engine.run())
         .expect("spawn engine thread");
-    EngineHandle { tx, next_id: Arc::new(AtomicU64::new(1)), stats, info }
+    EngineHandle {
+        tx,
+        next_id: Arc::new(AtomicU64::new(1)),
+        stats,
+        info,
+    }
 }
 
 struct Engine {
@@ -310,13 +342,21 @@ impl Engine {
     }
 
     fn publish(&self) {
-        self.stats.running.store(self.running.len(), Ordering::Relaxed);
-        self.stats.waiting.store(self.waiting.len(), Ordering::Relaxed);
-        self.stats.free_blocks.store(self.blocks.num_free(), Ordering::Relaxed);
+        self.stats
+            .running
+            .store(self.running.len(), Ordering::Relaxed);
+        self.stats
+            .waiting
+            .store(self.waiting.len(), Ordering::Relaxed);
+        self.stats
+            .free_blocks
+            .store(self.blocks.num_free(), Ordering::Relaxed);
     }
 
     fn blocks_needed(&self, s: &Seq, n: usize) -> usize {
-        (s.num_computed + n).div_ceil(self.cfg.block_size).saturating_sub(s.blocks.len())
+        (s.num_computed + n)
+            .div_ceil(self.cfg.block_size)
+            .saturating_sub(s.blocks.len())
     }
 
     fn preempt(&mut self, mut s: Seq) {
@@ -354,11 +394,16 @@ impl Engine {
             i += 1;
         }
         while !preempted && budget > 0 && self.running.len() < self.cfg.max_num_seqs {
-            let Some(mut s) = self.waiting.pop_front() else { break };
+            let Some(mut s) = self.waiting.pop_front() else {
+                break;
+            };
             if s.blocks.is_empty() && self.cfg.enable_prefix_caching {
                 // Leave at least one token to compute, so the step yields logits.
                 let reusable = (s.tokens.len() - 1) / self.cfg.block_size;
-                let hashes = block_hashes(&s.tokens[..reusable * self.cfg.block_size], self.cfg.block_size);
+                let hashes = block_hashes(
+                    &s.tokens[..reusable * self.cfg.block_size],
+                    self.cfg.block_size,
+                );
                 s.blocks = self.blocks.take_cached_prefix(&hashes);
                 s.num_computed = s.blocks.len() * self.cfg.block_size;
                 s.hashes = hashes[..s.blocks.len()].to_vec();
@@ -374,13 +419,18 @@ impl Engine {
                 break;
             }
             for _ in 0..need {
-                s.blocks.push(self.blocks.allocate().expect("checked free blocks"));
+                s.blocks
+                    .push(self.blocks.allocate().expect("checked free blocks"));
             }
             if !s.admitted_once {
                 s.admitted_once = true;
                 s.cached_tokens = s.num_computed;
-                self.stats.prefix_queries.fetch_add(s.prompt_len as u64, Ordering::Relaxed);
-                self.stats.prefix_hits.fetch_add(s.num_computed as u64, Ordering::Relaxed);
+                self.stats
+                    .prefix_queries
+                    .fetch_add(s.prompt_len as u64, Ordering::Relaxed);
+                self.stats
+                    .prefix_hits
+                    .fetch_add(s.num_computed as u64, Ordering::Relaxed);
             }
             self.running.push(s);
             plan.push((self.running.len() - 1, n));
@@ -395,7 +445,9 @@ impl Engine {
             if !self.waiting.is_empty() && self.running.is_empty() {
                 // Cannot happen for requests that passed `submit`'s size check; never spin.
                 let s = self.waiting.pop_front().expect("non-empty");
-                let _ = s.events.send(SeqEvent::Failed("the request does not fit in the KV cache".into()));
+                let _ = s.events.send(SeqEvent::Failed(
+                    "the request does not fit in the KV cache".into(),
+                ));
             }
             return Ok(());
         }
@@ -414,19 +466,33 @@ impl Engine {
                 })
                 .collect(),
         };
-        let sampling: Vec<usize> =
-            plan.iter().filter(|&&(i, n)| self.running[i].num_computed + n == self.running[i].tokens.len()).map(|&(i, _)| i).collect();
+        let sampling: Vec<usize> = plan
+            .iter()
+            .filter(|&&(i, n)| self.running[i].num_computed + n == self.running[i].tokens.len())
+            .map(|&(i, _)| i)
+            .collect();
         // Split borrows: the batch borrows token slices; sampling state is taken out meanwhile.
-        let mut rngs: Vec<Rng> = sampling.iter().map(|&i| self.running[i].rng.clone()).collect();
-        let params: Vec<SamplingParams> = sampling.iter().map(|&i| self.running[i].params.clone()).collect();
-        let mut specs: Vec<SampleSpec> =
-            params.iter().zip(rngs.iter_mut()).map(|(params, rng)| SampleSpec { params, rng }).collect();
+        let mut rngs: Vec<Rng> = sampling
+            .iter()
+            .map(|&i| self.running[i].rng.clone())
+            .collect();
+        let params: Vec<SamplingParams> = sampling
+            .iter()
+            .map(|&i| self.running[i].params.clone())
+            .collect();
+        let mut specs: Vec<SampleSpec> = params
+            .iter()
+            .zip(rngs.iter_mut())
+            .map(|(params, rng)| SampleSpec { params, rng })
+            .collect();
         let out = self.backend.forward_sample(&batch, &mut specs)?;
         drop(specs);
         let prompt_tokens: usize = batch.num_tokens() - sampling.len();
         drop(batch);
         self.stats.steps.fetch_add(1, Ordering::Relaxed);
-        self.stats.prompt_tokens.fetch_add(prompt_tokens as u64, Ordering::Relaxed);
+        self.stats
+            .prompt_tokens
+            .fetch_add(prompt_tokens as u64, Ordering::Relaxed);
         tracing::trace!(tokens = prompt_tokens + sampling.len(), elapsed = ?started.elapsed(), "step");
 
         for &(i, n) in &plan {
@@ -450,14 +516,22 @@ impl Engine {
             let tok = sampled.token;
             s.tokens.push(tok);
             self.stats.generation_tokens.fetch_add(1, Ordering::Relaxed);
-            let finish = if (!s.params.ignore_eos && self.eos_ids.contains(&tok)) || s.params.stop_token_ids.contains(&tok) {
+            let finish = if (!s.params.ignore_eos && self.eos_ids.contains(&tok))
+                || s.params.stop_token_ids.contains(&tok)
+            {
                 Some(FinishReason::Stop)
-            } else if s.generated() >= s.params.max_tokens || s.tokens.len() >= self.cfg.max_model_len {
+            } else if s.generated() >= s.params.max_tokens
+                || s.tokens.len() >= self.cfg.max_model_len
+            {
                 Some(FinishReason::Length)
             } else {
                 None
             };
-            let sent = s.events.send(SeqEvent::Token { sampled, finish, cached_tokens: s.cached_tokens });
+            let sent = s.events.send(SeqEvent::Token {
+                sampled,
+                finish,
+                cached_tokens: s.cached_tokens,
+            });
             if finish.is_some() || sent.is_err() {
                 done.push(i);
             }
@@ -476,12 +550,15 @@ mod tests {
     use super::*;
     use std::sync::Mutex;
 
+    /// Per step: each sequence's (start position, tokens, wants logits).
+    type StepLog = Arc<Mutex<Vec<Vec<(usize, usize, bool)>>>>;
+
     /// A backend with no math: the next token is `(last token + position) % vocab`, so
     /// outputs depend on the whole schedule being right; it records every batch's shape.
     struct Recorder {
         blocks: usize,
         vocab: usize,
-        log: Arc<Mutex<Vec<Vec<(usize, usize, bool)>>>>,
+        log: StepLog,
     }
 
     impl Backend for Recorder {
@@ -492,10 +569,13 @@ mod tests {
             self.blocks
         }
         fn forward(&mut self, batch: &ForwardBatch) -> Result<Vec<Vec<f32>>> {
-            self.log
-                .lock()
-                .unwrap()
-                .push(batch.seqs.iter().map(|s| (s.start_pos, s.tokens.len(), s.want_logits)).collect());
+            self.log.lock().unwrap().push(
+                batch
+                    .seqs
+                    .iter()
+                    .map(|s| (s.start_pos, s.tokens.len(), s.want_logits))
+                    .collect(),
+            );
             Ok(batch
                 .seqs
                 .iter()
@@ -526,7 +606,9 @@ mod tests {
         let mut out = Vec::new();
         loop {
             match sub.events.blocking_recv().expect("event") {
-                SeqEvent::Token { sampled, finish, .. } => {
+                SeqEvent::Token {
+                    sampled, finish, ..
+                } => {
                     out.push(sampled.token);
                     if finish.is_some() {
                         sub.finished();
@@ -539,7 +621,12 @@ mod tests {
     }
 
     fn greedy(max_tokens: usize) -> SamplingParams {
-        SamplingParams { temperature: 0.0, max_tokens, ignore_eos: true, ..Default::default() }
+        SamplingParams {
+            temperature: 0.0,
+            max_tokens,
+            ignore_eos: true,
+            ..Default::default()
+        }
     }
 
     #[test]
@@ -555,34 +642,90 @@ mod tests {
             enable_prefix_caching: true,
         };
         // 24 blocks of 4 tokens cannot hold five 50-token sequences at once.
-        let h = spawn(Box::new(Recorder { blocks: 24, vocab, log: log.clone() }), cfg, vec![], vocab);
-        let prompts: Vec<Vec<u32>> = (0..5).map(|i| (0..(13 + 7 * i)).map(|t| (t * 3 + i) as u32 % 90).collect()).collect();
-        let mut subs: Vec<Submission> =
-            prompts.iter().map(|p| h.submit(Request { prompt: p.clone(), params: greedy(25) }).unwrap()).collect();
+        let h = spawn(
+            Box::new(Recorder {
+                blocks: 24,
+                vocab,
+                log: log.clone(),
+            }),
+            cfg,
+            vec![],
+            vocab,
+        );
+        let prompts: Vec<Vec<u32>> = (0..5)
+            .map(|i| (0..(13 + 7 * i)).map(|t| (t * 3 + i) as u32 % 90).collect())
+            .collect();
+        let mut subs: Vec<Submission> = prompts
+            .iter()
+            .map(|p| {
+                h.submit(Request {
+                    prompt: p.clone(),
+                    params: greedy(25),
+                })
+                .unwrap()
+            })
+            .collect();
         for (p, sub) in prompts.iter().zip(subs.iter_mut()) {
             assert_eq!(drain(sub), expected(p, 25, vocab));
         }
         let log = log.lock().unwrap();
         for step in log.iter() {
             assert!(step.len() <= 3, "max_num_seqs exceeded: {step:?}");
-            assert!(step.iter().map(|s| s.1).sum::<usize>() <= 20, "token budget exceeded: {step:?}");
+            assert!(
+                step.iter().map(|s| s.1).sum::<usize>() <= 20,
+                "token budget exceeded: {step:?}"
+            );
         }
-        assert!(log.iter().any(|s| s.iter().any(|&(start, n, want)| start > 0 && n > 1 && want)), "a prompt was chunked");
-        assert!(h.stats.preemptions.load(Ordering::Relaxed) > 0, "blocks ran out, so something was preempted");
+        assert!(
+            log.iter()
+                .any(|s| s.iter().any(|&(start, n, want)| start > 0 && n > 1 && want)),
+            "a prompt was chunked"
+        );
+        assert!(
+            h.stats.preemptions.load(Ordering::Relaxed) > 0,
+            "blocks ran out, so something was preempted"
+        );
         std::thread::sleep(std::time::Duration::from_millis(50));
-        assert_eq!(h.stats.free_blocks.load(Ordering::Relaxed), 24, "every block is free again");
+        assert_eq!(
+            h.stats.free_blocks.load(Ordering::Relaxed),
+            24,
+            "every block is free again"
+        );
     }
 
     #[test]
     fn prefix_cache_skips_computed_blocks_and_eos_stops() {
         let log = Arc::new(Mutex::new(Vec::new()));
         let vocab = 50;
-        let cfg = EngineConfig { block_size: 4, max_model_len: 100, ..Default::default() };
-        let h = spawn(Box::new(Recorder { blocks: 64, vocab, log: log.clone() }), cfg, vec![], vocab);
+        let cfg = EngineConfig {
+            block_size: 4,
+            max_model_len: 100,
+            ..Default::default()
+        };
+        let h = spawn(
+            Box::new(Recorder {
+                blocks: 64,
+                vocab,
+                log: log.clone(),
+            }),
+            cfg,
+            vec![],
+            vocab,
+        );
         let prompt: Vec<u32> = (0..18).collect();
-        let mut a = h.submit(Request { prompt: prompt.clone(), params: greedy(3) }).unwrap();
+        let mut a = h
+            .submit(Request {
+                prompt: prompt.clone(),
+                params: greedy(3),
+            })
+            .unwrap();
         let first = drain(&mut a);
-        let mut b = h.submit(Request { prompt: prompt.clone(), params: greedy(3) }).unwrap();
+        let mut b = h
+            .submit(Request {
+                prompt: prompt.clone(),
+                params: greedy(3),
+            })
+            .unwrap();
         assert_eq!(drain(&mut b), first);
         let log = log.lock().unwrap();
         // The second run's prefill starts after the 4 cached blocks (16 tokens).
@@ -593,7 +736,13 @@ mod tests {
         // A stop token ends the sequence with reason Stop.
         let stop = expected(&prompt, 2, vocab)[1];
         let mut c = h
-            .submit(Request { prompt, params: SamplingParams { stop_token_ids: vec![stop], ..greedy(10) } })
+            .submit(Request {
+                prompt,
+                params: SamplingParams {
+                    stop_token_ids: vec![stop],
+                    ..greedy(10)
+                },
+            })
             .unwrap();
         assert_eq!(drain(&mut c).len(), 2);
     }
@@ -601,11 +750,41 @@ mod tests {
     #[test]
     fn oversized_requests_are_refused_with_both_lengths() {
         let log = Arc::new(Mutex::new(Vec::new()));
-        let cfg = EngineConfig { max_model_len: 32, block_size: 4, ..Default::default() };
-        let h = spawn(Box::new(Recorder { blocks: 64, vocab: 10, log }), cfg, vec![], 10);
-        let e = h.submit(Request { prompt: vec![1; 30], params: greedy(5) }).err().unwrap().to_string();
-        assert!(e.contains("30") && e.contains('5') && e.contains("32"), "{e}");
-        let e = h.submit(Request { prompt: vec![11], params: greedy(1) }).err().unwrap().to_string();
+        let cfg = EngineConfig {
+            max_model_len: 32,
+            block_size: 4,
+            ..Default::default()
+        };
+        let h = spawn(
+            Box::new(Recorder {
+                blocks: 64,
+                vocab: 10,
+                log,
+            }),
+            cfg,
+            vec![],
+            10,
+        );
+        let e = h
+            .submit(Request {
+                prompt: vec![1; 30],
+                params: greedy(5),
+            })
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            e.contains("30") && e.contains('5') && e.contains("32"),
+            "{e}"
+        );
+        let e = h
+            .submit(Request {
+                prompt: vec![11],
+                params: greedy(1),
+            })
+            .err()
+            .unwrap()
+            .to_string();
         assert!(e.contains("vocabulary"), "{e}");
     }
 }

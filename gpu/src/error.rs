@@ -34,6 +34,9 @@ pub type Result<T, E = EngineError> = std::result::Result<T, E>;
 
 impl EngineError {
     pub fn io(context: impl Into<String>, source: std::io::Error) -> EngineError {
-        EngineError::Io { context: context.into(), source }
+        EngineError::Io {
+            context: context.into(),
+            source,
+        }
     }
 }

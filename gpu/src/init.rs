@@ -138,38 +138,94 @@ pub fn write_random_checkpoint(
     cfg.vocab_size = cfg.vocab_size.max(tok.vocab_size());
     cfg.bos_token_id = tok.bos_id();
     cfg.eos_token_ids = tok.eos_ids().to_vec();
-    std::fs::create_dir_all(out).map_err(|e| EngineError::io(format!("create {}", out.display()), e))?;
+    std::fs::create_dir_all(out)
+        .map_err(|e| EngineError::io(format!("create {}", out.display()), e))?;
 
     let mut rng = Rng::seeded(seed);
-    let mut normal = |n: usize, std: f64| -> Vec<f32> { (0..n).map(|_| (rng.normal() * std) as f32).collect() };
-    let (h, q, kv, inter, v) = (cfg.hidden_size, cfg.q_dim(), cfg.kv_dim(), cfg.intermediate_size, cfg.vocab_size);
+    let mut normal =
+        |n: usize, std: f64| -> Vec<f32> { (0..n).map(|_| (rng.normal() * std) as f32).collect() };
+    let (h, q, kv, inter, v) = (
+        cfg.hidden_size,
+        cfg.q_dim(),
+        cfg.kv_dim(),
+        cfg.intermediate_size,
+        cfg.vocab_size,
+    );
     let dense = |fan_in: usize| 1.0 / (fan_in as f64).sqrt();
     let mut t: Vec<(String, Vec<usize>, Vec<f32>)> = Vec::new();
-    t.push(("model.embed_tokens.weight".into(), vec![v, h], normal(v * h, 1.0)));
+    t.push((
+        "model.embed_tokens.weight".into(),
+        vec![v, h],
+        normal(v * h, 1.0),
+    ));
     for i in 0..cfg.num_layers {
         let p = format!("model.layers.{i}");
         let norm_w = |x: Vec<f32>| x.into_iter().map(|e| 1.0 + e).collect::<Vec<f32>>();
-        t.push((format!("{p}.input_layernorm.weight"), vec![h], norm_w(normal(h, 0.1))));
+        t.push((
+            format!("{p}.input_layernorm.weight"),
+            vec![h],
+            norm_w(normal(h, 0.1)),
+        ));
         for (name, rows) in [("q_proj", q), ("k_proj", kv), ("v_proj", kv)] {
-            t.push((format!("{p}.self_attn.{name}.weight"), vec![rows, h], normal(rows * h, dense(h))));
+            t.push((
+                format!("{p}.self_attn.{name}.weight"),
+                vec![rows, h],
+                normal(rows * h, dense(h)),
+            ));
             if cfg.qkv_bias {
-                t.push((format!("{p}.self_attn.{name}.bias"), vec![rows], normal(rows, 0.1)));
+                t.push((
+                    format!("{p}.self_attn.{name}.bias"),
+                    vec![rows],
+                    normal(rows, 0.1),
+                ));
             }
         }
         if cfg.qk_norm {
             let d = cfg.head_dim;
-            t.push((format!("{p}.self_attn.q_norm.weight"), vec![d], norm_w(normal(d, 0.1))));
-            t.push((format!("{p}.self_attn.k_norm.weight"), vec![d], norm_w(normal(d, 0.1))));
+            t.push((
+                format!("{p}.self_attn.q_norm.weight"),
+                vec![d],
+                norm_w(normal(d, 0.1)),
+            ));
+            t.push((
+                format!("{p}.self_attn.k_norm.weight"),
+                vec![d],
+                norm_w(normal(d, 0.1)),
+            ));
         }
-        t.push((format!("{p}.self_attn.o_proj.weight"), vec![h, q], normal(h * q, dense(q))));
-        t.push((format!("{p}.post_attention_layernorm.weight"), vec![h], norm_w(normal(h, 0.1))));
-        t.push((format!("{p}.mlp.gate_proj.weight"), vec![inter, h], normal(inter * h, dense(h))));
-        t.push((format!("{p}.mlp.up_proj.weight"), vec![inter, h], normal(inter * h, dense(h))));
-        t.push((format!("{p}.mlp.down_proj.weight"), vec![h, inter], normal(h * inter, dense(inter))));
+        t.push((
+            format!("{p}.self_attn.o_proj.weight"),
+            vec![h, q],
+            normal(h * q, dense(q)),
+        ));
+        t.push((
+            format!("{p}.post_attention_layernorm.weight"),
+            vec![h],
+            norm_w(normal(h, 0.1)),
+        ));
+        t.push((
+            format!("{p}.mlp.gate_proj.weight"),
+            vec![inter, h],
+            normal(inter * h, dense(h)),
+        ));
+        t.push((
+            format!("{p}.mlp.up_proj.weight"),
+            vec![inter, h],
+            normal(inter * h, dense(h)),
+        ));
+        t.push((
+            format!("{p}.mlp.down_proj.weight"),
+            vec![h, inter],
+            normal(h * inter, dense(inter)),
+        ));
     }
     t.push(("model.norm.weight".into(), vec![h], vec![1.0; h]));
     if !cfg.tie_word_embeddings {
-        t.push(("lm_head.weight".into(), vec![v, h], normal(v * h, 4.0 * dense(h))));
+        t.push((
+            "lm_head.weight".into(),
+            vec![v, h],
+            normal(v * h, 4.0 * dense(h)),
+        ));
     }
     write_file(&out.join("model.safetensors"), &t, dtype)?;
 
@@ -184,7 +240,12 @@ pub fn write_random_checkpoint(
         let p = out.join(name);
         std::fs::write(&p, bytes).map_err(|e| EngineError::io(format!("write {}", p.display()), e))
     };
-    write("config.json", serde_json::to_string_pretty(&config).expect("json").as_bytes())?;
+    write(
+        "config.json",
+        serde_json::to_string_pretty(&config)
+            .expect("json")
+            .as_bytes(),
+    )?;
     write("tokenizer.json", &tokenizer.tokenizer_json)?;
     if let Some(tc) = &tokenizer.tokenizer_config {
         write("tokenizer_config.json", tc.as_bytes())?;
@@ -197,6 +258,9 @@ pub fn write_random_checkpoint(
         "eos_token_id": cfg.eos_token_ids,
         "max_length": cfg.max_position_embeddings,
     });
-    write("generation_config.json", serde_json::to_string_pretty(&gen).expect("json").as_bytes())?;
+    write(
+        "generation_config.json",
+        serde_json::to_string_pretty(&gen).expect("json").as_bytes(),
+    )?;
     Ok(cfg)
 }

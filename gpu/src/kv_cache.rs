@@ -134,7 +134,10 @@ impl BlockManager {
 
     /// How many leading blocks of `hashes` are cached, without taking them.
     pub fn cached_prefix_len(&self, hashes: &[BlockHash]) -> usize {
-        hashes.iter().take_while(|h| self.cached.contains_key(h)).count()
+        hashes
+            .iter()
+            .take_while(|h| self.cached.contains_key(h))
+            .count()
     }
 
     /// Records that `b` is full and holds the prefix hashed as `h`.

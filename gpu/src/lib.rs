@@ -4,8 +4,8 @@
 pub mod backend;
 pub mod config;
 pub mod engine;
-pub mod init;
 pub mod error;
+pub mod init;
 pub mod kv_cache;
 pub mod model;
 pub mod safetensors;

@@ -33,20 +33,32 @@ pub struct EmbeddedModel {
 impl LoadedModel {
     pub fn from_dir(dir: &Path) -> Result<LoadedModel> {
         if !dir.is_dir() {
-            return Err(EngineError::BadModel(format!("{} is not a model folder", dir.display())));
+            return Err(EngineError::BadModel(format!(
+                "{} is not a model folder",
+                dir.display()
+            )));
         }
         let cfg_path = dir.join("config.json");
         let text = std::fs::read_to_string(&cfg_path).map_err(|e| {
-            EngineError::BadModel(format!("{} is missing or unreadable ({e})", cfg_path.display()))
+            EngineError::BadModel(format!(
+                "{} is missing or unreadable ({e})",
+                cfg_path.display()
+            ))
         })?;
         let config = ModelConfig::from_json(&text)?;
-        let tokenizer = TextTokenizer::from_files(&TokenizerFiles::read_dir(dir)?, &config.eos_token_ids)?;
+        let tokenizer =
+            TextTokenizer::from_files(&TokenizerFiles::read_dir(dir)?, &config.eos_token_ids)?;
         let weights = WeightStore::open_dir(dir)?;
         let name = std::fs::canonicalize(dir)
             .ok()
             .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
             .unwrap_or_else(|| dir.display().to_string());
-        Self::checked(LoadedModel { name, config, tokenizer: Arc::new(tokenizer), weights })
+        Self::checked(LoadedModel {
+            name,
+            config,
+            tokenizer: Arc::new(tokenizer),
+            weights,
+        })
     }
 
     pub fn from_embedded(e: &EmbeddedModel) -> Result<LoadedModel> {
@@ -59,7 +71,12 @@ impl LoadedModel {
         };
         let tokenizer = TextTokenizer::from_files(&files, &config.eos_token_ids)?;
         let weights = WeightStore::from_static("model.safetensors", e.safetensors)?;
-        Self::checked(LoadedModel { name: e.name.to_string(), config, tokenizer: Arc::new(tokenizer), weights })
+        Self::checked(LoadedModel {
+            name: e.name.to_string(),
+            config,
+            tokenizer: Arc::new(tokenizer),
+            weights,
+        })
     }
 
     fn checked(m: LoadedModel) -> Result<LoadedModel> {

@@ -86,7 +86,10 @@ impl File {
         }
         let n = u64::from_le_bytes(buf[..8].try_into().expect("8 bytes")) as usize;
         if n > buf.len() - 8 {
-            return Err(bad(format!("header length {n} exceeds the file size {}", buf.len())));
+            return Err(bad(format!(
+                "header length {n} exceeds the file size {}",
+                buf.len()
+            )));
         }
         let header: BTreeMap<String, Value> = serde_json::from_slice(&buf[8..8 + n])
             .map_err(|e| bad(format!("header is not JSON: {e}")))?;
@@ -98,31 +101,55 @@ impl File {
             }
             let dtype_name = v.get("dtype").and_then(Value::as_str).unwrap_or("?");
             let dtype = DType::parse(dtype_name).ok_or_else(|| {
-                bad(format!("tensor {key} has dtype {dtype_name}; kvmesh reads F32, F16 and BF16"))
+                bad(format!(
+                    "tensor {key} has dtype {dtype_name}; kvmesh reads F32, F16 and BF16"
+                ))
             })?;
             let shape: Vec<usize> = v
                 .get("shape")
                 .and_then(Value::as_array)
-                .map(|a| a.iter().filter_map(Value::as_u64).map(|x| x as usize).collect())
+                .map(|a| {
+                    a.iter()
+                        .filter_map(Value::as_u64)
+                        .map(|x| x as usize)
+                        .collect()
+                })
                 .ok_or_else(|| bad(format!("tensor {key} has no shape")))?;
             let offs: Vec<usize> = v
                 .get("data_offsets")
                 .and_then(Value::as_array)
-                .map(|a| a.iter().filter_map(Value::as_u64).map(|x| x as usize).collect())
+                .map(|a| {
+                    a.iter()
+                        .filter_map(Value::as_u64)
+                        .map(|x| x as usize)
+                        .collect()
+                })
                 .unwrap_or_default();
             let [start, end] = offs[..] else {
                 return Err(bad(format!("tensor {key} has no data_offsets")));
             };
             let numel: usize = shape.iter().product();
-            if end < start
-                || end - start != numel * dtype.size()
-                || data_start + end > buf.len()
-            {
-                return Err(bad(format!("tensor {key}: byte range does not match its shape")));
+            if end < start || end - start != numel * dtype.size() || data_start + end > buf.len() {
+                return Err(bad(format!(
+                    "tensor {key}: byte range does not match its shape"
+                )));
             }
-            tensors.insert(key, TensorInfo { dtype, shape, start, end });
+            tensors.insert(
+                key,
+                TensorInfo {
+                    dtype,
+                    shape,
+                    start,
+                    end,
+                },
+            );
         }
-        Ok(File { name, bytes, data_start, tensors })
+        Ok(File {
+            name,
+            bytes,
+            data_start,
+            tensors,
+        })
     }
 }
 
@@ -146,14 +173,19 @@ impl WeightStore {
         let paths: Vec<PathBuf> = if index_path.exists() {
             let text = std::fs::read_to_string(&index_path)
                 .map_err(|e| EngineError::io(index_path.display().to_string(), e))?;
-            let v: Value = serde_json::from_str(&text).map_err(|e| {
-                EngineError::BadModel(format!("model.safetensors.index.json: {e}"))
-            })?;
-            let map = v.get("weight_map").and_then(Value::as_object).ok_or_else(|| {
-                EngineError::BadModel("model.safetensors.index.json has no weight_map".into())
-            })?;
-            let mut shards: Vec<String> =
-                map.values().filter_map(Value::as_str).map(String::from).collect();
+            let v: Value = serde_json::from_str(&text)
+                .map_err(|e| EngineError::BadModel(format!("model.safetensors.index.json: {e}")))?;
+            let map = v
+                .get("weight_map")
+                .and_then(Value::as_object)
+                .ok_or_else(|| {
+                    EngineError::BadModel("model.safetensors.index.json has no weight_map".into())
+                })?;
+            let mut shards: Vec<String> = map
+                .values()
+                .filter_map(Value::as_str)
+                .map(String::from)
+                .collect();
             shards.sort();
             shards.dedup();
             shards.into_iter().map(|s| dir.join(s)).collect()
@@ -174,7 +206,10 @@ impl WeightStore {
             // is outside what kvmesh supports.
             let m = unsafe { memmap2::Mmap::map(&f) }
                 .map_err(|e| EngineError::io(format!("mmap {}", p.display()), e))?;
-            let name = p.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+            let name = p
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default();
             files.push(File::parse(name, Bytes::Mapped(Arc::new(m)))?);
         }
         Ok(Self::from_files(files))
@@ -182,7 +217,10 @@ impl WeightStore {
 
     /// A single safetensors file compiled into the binary.
     pub fn from_static(name: &str, bytes: &'static [u8]) -> Result<WeightStore> {
-        Ok(Self::from_files(vec![File::parse(name.to_string(), Bytes::Static(bytes))?]))
+        Ok(Self::from_files(vec![File::parse(
+            name.to_string(),
+            Bytes::Static(bytes),
+        )?]))
     }
 
     fn from_files(files: Vec<File>) -> WeightStore {
@@ -205,9 +243,10 @@ impl WeightStore {
 
     /// The tensor as f32, checked against the expected shape.
     pub fn f32(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
-        let &i = self.index.get(name).ok_or_else(|| {
-            EngineError::BadModel(format!("weights: tensor `{name}` is missing"))
-        })?;
+        let &i = self
+            .index
+            .get(name)
+            .ok_or_else(|| EngineError::BadModel(format!("weights: tensor `{name}` is missing")))?;
         let file = &self.files[i];
         let t = &file.tensors[name];
         if t.shape != shape {
@@ -240,8 +279,13 @@ impl WeightStore {
             Some(t) if t.dtype == DType::BF16 && t.shape == shape => {
                 let i = self.index[name];
                 let file = &self.files[i];
-                let raw = &file.bytes.as_slice()[file.data_start + t.start..file.data_start + t.end];
-                Ok(TensorData::Bf16(raw.chunks_exact(2).map(|b| u16::from_le_bytes([b[0], b[1]])).collect()))
+                let raw =
+                    &file.bytes.as_slice()[file.data_start + t.start..file.data_start + t.end];
+                Ok(TensorData::Bf16(
+                    raw.chunks_exact(2)
+                        .map(|b| u16::from_le_bytes([b[0], b[1]]))
+                        .collect(),
+                ))
             }
             _ => self.f32(name, shape).map(TensorData::F32),
         }
@@ -249,12 +293,20 @@ impl WeightStore {
 
     /// Total bytes of tensor data, as stored.
     pub fn stored_bytes(&self) -> usize {
-        self.files.iter().flat_map(|f| f.tensors.values()).map(|t| t.end - t.start).sum()
+        self.files
+            .iter()
+            .flat_map(|f| f.tensors.values())
+            .map(|t| t.end - t.start)
+            .sum()
     }
 }
 
 /// Writes tensors given as f32 into one safetensors file, stored in `dtype`.
-pub fn write_file(path: &Path, tensors: &[(String, Vec<usize>, Vec<f32>)], dtype: DType) -> Result<()> {
+pub fn write_file(
+    path: &Path,
+    tensors: &[(String, Vec<usize>, Vec<f32>)],
+    dtype: DType,
+) -> Result<()> {
     let mut header = serde_json::Map::new();
     let mut offset = 0usize;
     for (name, shape, data) in tensors {
@@ -303,8 +355,16 @@ mod tests {
             write_file(&p, &[("a.weight".into(), vec![2, 3], data.clone())], dtype).unwrap();
             let w = WeightStore::open_dir(&dir).unwrap();
             assert_eq!(w.f32("a.weight", &[2, 3]).unwrap(), data);
-            assert!(w.f32("a.weight", &[3, 2]).unwrap_err().to_string().contains("shape"));
-            assert!(w.f32("b.weight", &[1]).unwrap_err().to_string().contains("missing"));
+            assert!(w
+                .f32("a.weight", &[3, 2])
+                .unwrap_err()
+                .to_string()
+                .contains("shape"));
+            assert!(w
+                .f32("b.weight", &[1])
+                .unwrap_err()
+                .to_string()
+                .contains("missing"));
         }
         std::fs::remove_dir_all(&dir).ok();
     }

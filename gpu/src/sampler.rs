@@ -48,7 +48,9 @@ impl Rng {
             x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
             x ^ (x >> 31)
         };
-        Rng { s: [next(), next(), next(), next()] }
+        Rng {
+            s: [next(), next(), next(), next()],
+        }
     }
 
     /// Seeded from the clock and a counter, for requests without a seed.
@@ -59,7 +61,11 @@ impl Rng {
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_nanos() as u64)
             .unwrap_or(0);
-        Rng::seeded(t ^ COUNTER.fetch_add(1, Ordering::Relaxed).wrapping_mul(0x2545_f491_4f6c_dd1d))
+        Rng::seeded(
+            t ^ COUNTER
+                .fetch_add(1, Ordering::Relaxed)
+                .wrapping_mul(0x2545_f491_4f6c_dd1d),
+        )
     }
 
     pub fn next_u64(&mut self) -> u64 {
@@ -136,10 +142,17 @@ pub fn sample(logits: &[f32], p: &SamplingParams, rng: &mut Rng) -> Sampled {
     };
     let lse = log_sum_exp(logits);
     let top = match p.logprobs {
-        Some(n) if n > 0 => top_n(logits, n).into_iter().map(|(t, l)| (t, l - lse)).collect(),
+        Some(n) if n > 0 => top_n(logits, n)
+            .into_iter()
+            .map(|(t, l)| (t, l - lse))
+            .collect(),
         _ => Vec::new(),
     };
-    Sampled { token, logprob: logits[token as usize] - lse, top }
+    Sampled {
+        token,
+        logprob: logits[token as usize] - lse,
+        top,
+    }
 }
 
 fn sample_random(logits: &[f32], p: &SamplingParams, rng: &mut Rng) -> u32 {
@@ -147,13 +160,23 @@ fn sample_random(logits: &[f32], p: &SamplingParams, rng: &mut Rng) -> u32 {
     let truncate = p.top_k > 0 && p.top_k < logits.len() || p.top_p < 1.0;
     if !truncate {
         let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let weights: Vec<f64> = logits.iter().map(|&x| (((x - max) * inv_t) as f64).exp()).collect();
+        let weights: Vec<f64> = logits
+            .iter()
+            .map(|&x| (((x - max) * inv_t) as f64).exp())
+            .collect();
         return draw(&weights, rng) as u32;
     }
-    let k = if p.top_k > 0 { p.top_k.min(logits.len()) } else { logits.len() };
+    let k = if p.top_k > 0 {
+        p.top_k.min(logits.len())
+    } else {
+        logits.len()
+    };
     let cands = top_n(logits, k);
     let max = cands[0].1;
-    let mut weights: Vec<f64> = cands.iter().map(|&(_, x)| (((x - max) * inv_t) as f64).exp()).collect();
+    let mut weights: Vec<f64> = cands
+        .iter()
+        .map(|&(_, x)| (((x - max) * inv_t) as f64).exp())
+        .collect();
     if p.top_p < 1.0 {
         let total: f64 = weights.iter().sum();
         let mut acc = 0.0;
@@ -187,14 +210,26 @@ mod tests {
     use super::*;
 
     fn params(t: f32, k: usize, p: f32) -> SamplingParams {
-        SamplingParams { temperature: t, top_k: k, top_p: p, ..Default::default() }
+        SamplingParams {
+            temperature: t,
+            top_k: k,
+            top_p: p,
+            ..Default::default()
+        }
     }
 
     #[test]
     fn greedy_takes_the_max_and_reports_logprobs() {
         let logits = [0.0, 3.0, 1.0, 2.0];
         let mut rng = Rng::seeded(1);
-        let s = sample(&logits, &SamplingParams { logprobs: Some(2), ..params(0.0, 0, 1.0) }, &mut rng);
+        let s = sample(
+            &logits,
+            &SamplingParams {
+                logprobs: Some(2),
+                ..params(0.0, 0, 1.0)
+            },
+            &mut rng,
+        );
         assert_eq!(s.token, 1);
         let lse = (0f32.exp() + 3f32.exp() + 1f32.exp() + 2f32.exp()).ln();
         assert!((s.logprob - (3.0 - lse)).abs() < 1e-5);
@@ -219,7 +254,9 @@ mod tests {
         let p = params(1.0, 0, 1.0);
         let run = |seed| {
             let mut rng = Rng::seeded(seed);
-            (0..20).map(|_| sample(&logits, &p, &mut rng).token).collect::<Vec<_>>()
+            (0..20)
+                .map(|_| sample(&logits, &p, &mut rng).token)
+                .collect::<Vec<_>>()
         };
         assert_eq!(run(42), run(42));
         assert_ne!(run(42), run(43));

@@ -18,6 +18,16 @@ pub struct TextTokenizer {
     add_bos: bool,
     bos_id: Option<u32>,
     eos_ids: Vec<u32>,
+    defaults: SamplingDefaults,
+}
+
+/// Sampling settings the model's `generation_config.json` recommends; requests that leave a
+/// setting out get these, as vLLM does.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct SamplingDefaults {
+    pub temperature: Option<f64>,
+    pub top_p: Option<f64>,
+    pub top_k: Option<i64>,
 }
 
 /// The files a tokenizer is made from, read from a model folder or from the binary.
@@ -75,27 +85,36 @@ impl TextTokenizer {
         };
         let bos_token = token_content(tc.get("bos_token"));
         let eos_token = token_content(tc.get("eos_token"));
-        let template_text = files.chat_template_jinja.clone().or_else(|| match tc.get("chat_template") {
-            Some(Value::String(s)) => Some(s.clone()),
-            Some(Value::Array(list)) => list
-                .iter()
-                .find(|t| t.get("name").and_then(Value::as_str) == Some("default"))
-                .or(list.first())
-                .and_then(|t| t.get("template"))
-                .and_then(Value::as_str)
-                .map(String::from),
-            _ => None,
-        });
+        let template_text =
+            files
+                .chat_template_jinja
+                .clone()
+                .or_else(|| match tc.get("chat_template") {
+                    Some(Value::String(s)) => Some(s.clone()),
+                    Some(Value::Array(list)) => list
+                        .iter()
+                        .find(|t| t.get("name").and_then(Value::as_str) == Some("default"))
+                        .or(list.first())
+                        .and_then(|t| t.get("template"))
+                        .and_then(Value::as_str)
+                        .map(String::from),
+                    _ => None,
+                });
         let chat_template = match template_text {
             Some(t) => Some(Self::compile_template(t)?),
             None => None,
         };
-        let mut eos_ids: Vec<u32> = files
+        let gen: Value = files
             .generation_config
             .as_deref()
             .and_then(|g| serde_json::from_str::<Value>(g).ok())
-            .and_then(|g| g.get("eos_token_id").map(token_ids))
-            .unwrap_or_default();
+            .unwrap_or(Value::Null);
+        let defaults = SamplingDefaults {
+            temperature: gen.get("temperature").and_then(Value::as_f64),
+            top_p: gen.get("top_p").and_then(Value::as_f64),
+            top_k: gen.get("top_k").and_then(Value::as_i64),
+        };
+        let mut eos_ids: Vec<u32> = gen.get("eos_token_id").map(token_ids).unwrap_or_default();
         if eos_ids.is_empty() {
             eos_ids = config_eos.to_vec();
         }
@@ -106,13 +125,17 @@ impl TextTokenizer {
         }
         let bos_id = bos_token.as_deref().and_then(|t| inner.token_to_id(t));
         Ok(TextTokenizer {
-            add_bos: tc.get("add_bos_token").and_then(Value::as_bool).unwrap_or(false),
+            add_bos: tc
+                .get("add_bos_token")
+                .and_then(Value::as_bool)
+                .unwrap_or(false),
             inner,
             chat_template,
             bos_token,
             eos_token,
             bos_id,
             eos_ids,
+            defaults,
         })
     }
 
@@ -120,10 +143,14 @@ impl TextTokenizer {
         let mut env = Environment::new();
         minijinja_contrib::add_to_environment(&mut env);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-        env.add_function("raise_exception", |msg: String| -> std::result::Result<String, minijinja::Error> {
-            Err(minijinja::Error::new(ErrorKind::InvalidOperation, msg))
-        });
-        env.add_template_owned("chat", text).map_err(template_error)?;
+        env.add_function(
+            "raise_exception",
+            |msg: String| -> std::result::Result<String, minijinja::Error> {
+                Err(minijinja::Error::new(ErrorKind::InvalidOperation, msg))
+            },
+        );
+        env.add_template_owned("chat", text)
+            .map_err(template_error)?;
         Ok(env)
     }
 
@@ -132,7 +159,11 @@ impl TextTokenizer {
     }
 
     /// Renders `messages` (OpenAI-shaped objects with `role` and string `content`).
-    pub fn apply_chat_template(&self, messages: &[Value], add_generation_prompt: bool) -> Result<String> {
+    pub fn apply_chat_template(
+        &self,
+        messages: &[Value],
+        add_generation_prompt: bool,
+    ) -> Result<String> {
         let env = self.chat_template.as_ref().ok_or_else(|| {
             EngineError::ChatTemplate(
                 "this model has no chat template (tokenizer_config.json or chat_template.jinja); \
@@ -169,12 +200,18 @@ impl TextTokenizer {
     }
 
     pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String> {
-        self.inner.decode(ids, skip_special).map_err(|e| EngineError::Tokenizer(e.to_string()))
+        self.inner
+            .decode(ids, skip_special)
+            .map_err(|e| EngineError::Tokenizer(e.to_string()))
     }
 
     /// The token's own text, for logprobs.
     pub fn token_text(&self, id: u32) -> String {
         self.inner.decode(&[id], false).unwrap_or_default()
+    }
+
+    pub fn sampling_defaults(&self) -> &SamplingDefaults {
+        &self.defaults
     }
 
     pub fn eos_ids(&self) -> &[u32] {
@@ -230,7 +267,10 @@ impl TextStream {
 
     pub fn push(&mut self, tok: &TextTokenizer, id: u32) -> Result<Delta> {
         if self.stopped {
-            return Ok(Delta { text: String::new(), stopped: true });
+            return Ok(Delta {
+                text: String::new(),
+                stopped: true,
+            });
         }
         self.ids.push(id);
         let before = tok.decode(&self.ids[self.prefix_offset..self.read_offset], true)?;
@@ -250,7 +290,10 @@ impl TextStream {
     /// Releases what is held back once generation has ended for another reason.
     pub fn finish(&mut self, tok: &TextTokenizer) -> Result<Delta> {
         if self.stopped {
-            return Ok(Delta { text: String::new(), stopped: true });
+            return Ok(Delta {
+                text: String::new(),
+                stopped: true,
+            });
         }
         if self.read_offset < self.ids.len() {
             let before = tok.decode(&self.ids[self.prefix_offset..self.read_offset], true)?;
@@ -264,19 +307,34 @@ impl TextStream {
     }
 
     fn release(&mut self, all: bool) -> Delta {
-        if let Some(pos) = self.stops.iter().filter_map(|s| self.pending.find(s.as_str())).min() {
+        if let Some(pos) = self
+            .stops
+            .iter()
+            .filter_map(|s| self.pending.find(s.as_str()))
+            .min()
+        {
             let text = self.pending[..pos].to_string();
             self.pending.clear();
             self.stopped = true;
-            return Delta { text, stopped: true };
+            return Delta {
+                text,
+                stopped: true,
+            };
         }
-        let keep = if all { 0 } else { self.longest_stop.saturating_sub(1) };
+        let keep = if all {
+            0
+        } else {
+            self.longest_stop.saturating_sub(1)
+        };
         let mut cut = self.pending.len().saturating_sub(keep);
         while !self.pending.is_char_boundary(cut) {
             cut -= 1;
         }
         let text: String = self.pending.drain(..cut).collect();
-        Delta { text, stopped: false }
+        Delta {
+            text,
+            stopped: false,
+        }
     }
 }
 
@@ -335,6 +393,9 @@ mod tests {
         let msgs = vec![serde_json::json!({"role": "user", "content": "Good morrow."})];
         let text = tok.apply_chat_template(&msgs, true).unwrap();
         assert!(text.contains("Good morrow."), "{text}");
-        assert!(text.ends_with(":\n"), "ends with the assistant's speaker line: {text:?}");
+        assert!(
+            text.ends_with(":\n"),
+            "ends with the assistant's speaker line: {text:?}"
+        );
     }
 }

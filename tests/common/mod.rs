@@ -33,15 +33,27 @@ impl Server {
                 }
             }
         });
-        let base = rx.recv_timeout(Duration::from_secs(60)).unwrap_or_else(|_| {
-            let _ = child.kill();
-            panic!("kvmesh serve {args:?} did not start listening");
-        });
-        Server { child, base, http: reqwest::Client::new() }
+        let base = rx
+            .recv_timeout(Duration::from_secs(60))
+            .unwrap_or_else(|_| {
+                let _ = child.kill();
+                panic!("kvmesh serve {args:?} did not start listening");
+            });
+        Server {
+            child,
+            base,
+            http: reqwest::Client::new(),
+        }
     }
 
     pub async fn post(&self, path: &str, body: Value) -> (u16, Value) {
-        let r = self.http.post(format!("{}{path}", self.base)).json(&body).send().await.expect("send");
+        let r = self
+            .http
+            .post(format!("{}{path}", self.base))
+            .json(&body)
+            .send()
+            .await
+            .expect("send");
         let status = r.status().as_u16();
         (status, r.json().await.expect("json body"))
     }
@@ -61,14 +73,30 @@ impl Server {
 
     /// The `data:` payloads of a streamed response, `[DONE]` included.
     pub async fn stream(&self, path: &str, body: Value) -> Vec<String> {
-        let r = self.http.post(format!("{}{path}", self.base)).json(&body).send().await.expect("send");
+        let r = self
+            .http
+            .post(format!("{}{path}", self.base))
+            .json(&body)
+            .send()
+            .await
+            .expect("send");
         assert_eq!(r.status().as_u16(), 200);
         let text = r.text().await.expect("body");
-        text.lines().filter_map(|l| l.strip_prefix("data: ")).map(String::from).collect()
+        text.lines()
+            .filter_map(|l| l.strip_prefix("data: "))
+            .map(String::from)
+            .collect()
     }
 
     pub async fn metrics(&self) -> String {
-        self.http.get(format!("{}/metrics", self.base)).send().await.expect("metrics").text().await.expect("text")
+        self.http
+            .get(format!("{}/metrics", self.base))
+            .send()
+            .await
+            .expect("metrics")
+            .text()
+            .await
+            .expect("text")
     }
 
     /// A metric's value (the first series with that name).
@@ -123,5 +151,9 @@ pub fn streamed_text(events: &[String]) -> String {
 
 pub fn text_of(v: &Value) -> String {
     let c = &v["choices"][0];
-    c["message"]["content"].as_str().or(c["text"].as_str()).expect("text").to_string()
+    c["message"]["content"]
+        .as_str()
+        .or(c["text"].as_str())
+        .expect("text")
+        .to_string()
 }

@@ -53,7 +53,11 @@ pub trait Backend: Send {
 
     /// Runs the step and samples; `specs` has one entry per sequence with `want_logits`.
     /// Backends that can sample where the logits live override this.
-    fn forward_sample(&mut self, batch: &ForwardBatch, specs: &mut [SampleSpec]) -> Result<Vec<Sampled>> {
+    fn forward_sample(
+        &mut self,
+        batch: &ForwardBatch,
+        specs: &mut [SampleSpec],
+    ) -> Result<Vec<Sampled>> {
         let logits = self.forward(batch)?;
         Ok(logits
             .iter()

@@ -50,7 +50,12 @@ impl CpuModel {
             let m = Matrix::from_data(w.load(name, shape)?);
             Ok(if keep_bf16 { m } else { m.to_f32() })
         };
-        let (h, q, kv, inter) = (cfg.hidden_size, cfg.q_dim(), cfg.kv_dim(), cfg.intermediate_size);
+        let (h, q, kv, inter) = (
+            cfg.hidden_size,
+            cfg.q_dim(),
+            cfg.kv_dim(),
+            cfg.intermediate_size,
+        );
         let opt_bias = |name: &str, n: usize| -> Result<Option<Vec<f32>>> {
             if cfg.qkv_bias || w.contains(name) {
                 w.f32(name, &[n]).map(Some)
@@ -64,16 +69,36 @@ impl CpuModel {
             let a = format!("{p}.self_attn");
             let qkv_proj = Linear::stacked(
                 vec![
-                    (mat(&format!("{a}.q_proj.weight"), &[q, h])?, q, opt_bias(&format!("{a}.q_proj.bias"), q)?),
-                    (mat(&format!("{a}.k_proj.weight"), &[kv, h])?, kv, opt_bias(&format!("{a}.k_proj.bias"), kv)?),
-                    (mat(&format!("{a}.v_proj.weight"), &[kv, h])?, kv, opt_bias(&format!("{a}.v_proj.bias"), kv)?),
+                    (
+                        mat(&format!("{a}.q_proj.weight"), &[q, h])?,
+                        q,
+                        opt_bias(&format!("{a}.q_proj.bias"), q)?,
+                    ),
+                    (
+                        mat(&format!("{a}.k_proj.weight"), &[kv, h])?,
+                        kv,
+                        opt_bias(&format!("{a}.k_proj.bias"), kv)?,
+                    ),
+                    (
+                        mat(&format!("{a}.v_proj.weight"), &[kv, h])?,
+                        kv,
+                        opt_bias(&format!("{a}.v_proj.bias"), kv)?,
+                    ),
                 ],
                 h,
             );
             let gate_up_proj = Linear::stacked(
                 vec![
-                    (mat(&format!("{p}.mlp.gate_proj.weight"), &[inter, h])?, inter, None),
-                    (mat(&format!("{p}.mlp.up_proj.weight"), &[inter, h])?, inter, None),
+                    (
+                        mat(&format!("{p}.mlp.gate_proj.weight"), &[inter, h])?,
+                        inter,
+                        None,
+                    ),
+                    (
+                        mat(&format!("{p}.mlp.up_proj.weight"), &[inter, h])?,
+                        inter,
+                        None,
+                    ),
                 ],
                 h,
             );
@@ -81,19 +106,43 @@ impl CpuModel {
             layers.push(Layer {
                 input_layernorm: w.f32(&format!("{p}.input_layernorm.weight"), &[h])?,
                 qkv_proj,
-                q_norm: if cfg.qk_norm { Some(norm(format!("{a}.q_norm.weight"))?) } else { None },
-                k_norm: if cfg.qk_norm { Some(norm(format!("{a}.k_norm.weight"))?) } else { None },
+                q_norm: if cfg.qk_norm {
+                    Some(norm(format!("{a}.q_norm.weight"))?)
+                } else {
+                    None
+                },
+                k_norm: if cfg.qk_norm {
+                    Some(norm(format!("{a}.k_norm.weight"))?)
+                } else {
+                    None
+                },
                 o_proj: Linear::new(mat(&format!("{a}.o_proj.weight"), &[h, q])?, h, q, None),
-                post_attention_layernorm: w.f32(&format!("{p}.post_attention_layernorm.weight"), &[h])?,
+                post_attention_layernorm: w
+                    .f32(&format!("{p}.post_attention_layernorm.weight"), &[h])?,
                 gate_up_proj,
-                down_proj: Linear::new(mat(&format!("{p}.mlp.down_proj.weight"), &[h, inter])?, h, inter, None),
+                down_proj: Linear::new(
+                    mat(&format!("{p}.mlp.down_proj.weight"), &[h, inter])?,
+                    h,
+                    inter,
+                    None,
+                ),
             });
         }
         let embed_tokens = mat("model.embed_tokens.weight", &[cfg.vocab_size, h])?;
         let lm_head = if cfg.tie_word_embeddings || !w.contains("lm_head.weight") {
-            Linear { w: embed_tokens.clone(), out: cfg.vocab_size, inp: h, bias: None }
+            Linear {
+                w: embed_tokens.clone(),
+                out: cfg.vocab_size,
+                inp: h,
+                bias: None,
+            }
         } else {
-            Linear::new(mat("lm_head.weight", &[cfg.vocab_size, h])?, cfg.vocab_size, h, None)
+            Linear::new(
+                mat("lm_head.weight", &[cfg.vocab_size, h])?,
+                cfg.vocab_size,
+                h,
+                None,
+            )
         };
         Ok(CpuModel {
             cfg: cfg.clone(),
@@ -144,7 +193,8 @@ impl CpuBackend {
         for _ in 0..model.cfg.num_layers {
             let mut kl = Vec::new();
             let mut vl = Vec::new();
-            if kl.try_reserve_exact(per_layer).is_err() || vl.try_reserve_exact(per_layer).is_err() {
+            if kl.try_reserve_exact(per_layer).is_err() || vl.try_reserve_exact(per_layer).is_err()
+            {
                 return Err(EngineError::Backend(format!(
                     "cannot allocate a KV cache of {num_blocks} blocks ({:.2} GiB); ask for fewer",
                     Self::kv_bytes_per_block(&model.cfg, block_size) as f64 * num_blocks as f64
@@ -156,7 +206,15 @@ impl CpuBackend {
             k.push(kl);
             v.push(vl);
         }
-        Ok(CpuBackend { model, kv: KvPool { k, v, block_size, num_blocks } })
+        Ok(CpuBackend {
+            model,
+            kv: KvPool {
+                k,
+                v,
+                block_size,
+                num_blocks,
+            },
+        })
     }
 
     /// Memory one block takes across all layers (K and V, f32).
@@ -211,7 +269,11 @@ impl Backend for CpuBackend {
                 let block = s.block_table.get(pos / bs).ok_or_else(|| {
                     EngineError::Backend(format!("no block for position {pos} of sequence {si}"))
                 })?;
-                slots.push(TokenSlot { seq: si, pos, slot: block.0 as usize * bs + pos % bs });
+                slots.push(TokenSlot {
+                    seq: si,
+                    pos,
+                    slot: block.0 as usize * bs + pos % bs,
+                });
                 tokens.push(tok);
             }
         }
@@ -230,7 +292,9 @@ impl Backend for CpuBackend {
 
         let mut x = vec![0f32; t * h];
         for (i, &tok) in tokens.iter().enumerate() {
-            self.model.embed_tokens.read(tok as usize * h, &mut x[i * h..(i + 1) * h]);
+            self.model
+                .embed_tokens
+                .read(tok as usize * h, &mut x[i * h..(i + 1) * h]);
         }
 
         let scale = 1.0 / (d as f32).sqrt();
@@ -247,7 +311,10 @@ impl Backend for CpuBackend {
                     ops::rms_norm_inplace(q, qn, cfg.rms_norm_eps);
                     ops::rms_norm_inplace(k, kn, cfg.rms_norm_eps);
                 }
-                let (c, s) = (&cos[i * half..(i + 1) * half], &sin[i * half..(i + 1) * half]);
+                let (c, s) = (
+                    &cos[i * half..(i + 1) * half],
+                    &sin[i * half..(i + 1) * half],
+                );
                 for head in q.chunks_exact_mut(d).chain(k.chunks_exact_mut(d)) {
                     ops::rope(head, c, s);
                 }
@@ -299,12 +366,14 @@ impl Backend for CpuBackend {
             let gu = layer.gate_up_proj.forward(&xn, t);
             let inter = cfg.intermediate_size;
             let mut act = vec![0f32; t * inter];
-            act.par_chunks_mut(inter).zip(gu.par_chunks(2 * inter)).for_each(|(a, g)| {
-                let (gate, up) = g.split_at(inter);
-                for ((o, &gv), &uv) in a.iter_mut().zip(gate).zip(up) {
-                    *o = ops::silu(gv) * uv;
-                }
-            });
+            act.par_chunks_mut(inter)
+                .zip(gu.par_chunks(2 * inter))
+                .for_each(|(a, g)| {
+                    let (gate, up) = g.split_at(inter);
+                    for ((o, &gv), &uv) in a.iter_mut().zip(gate).zip(up) {
+                        *o = ops::silu(gv) * uv;
+                    }
+                });
             let down = layer.down_proj.forward(&act, t);
             for (a, b) in x.iter_mut().zip(&down) {
                 *a += b;
@@ -323,6 +392,9 @@ impl Backend for CpuBackend {
         let m = rows.len() / h;
         let xn = ops::rms_norm(&rows, &self.model.norm, cfg.rms_norm_eps);
         let logits = self.model.lm_head.forward(&xn, m);
-        Ok(logits.chunks_exact(cfg.vocab_size).map(<[f32]>::to_vec).collect())
+        Ok(logits
+            .chunks_exact(cfg.vocab_size)
+            .map(<[f32]>::to_vec)
+            .collect())
     }
 }

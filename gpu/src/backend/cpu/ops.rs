@@ -24,6 +24,10 @@ impl Matrix {
         }
     }
 
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
     pub fn len(&self) -> usize {
         match self {
             Matrix::F32(v) => v.len(),
@@ -156,7 +160,10 @@ impl Linear {
             .map(|t| {
                 let n0 = t * TILE_ROWS;
                 let rows = TILE_ROWS.min(out - n0);
-                let wt: Vec<f32> = w[n0 * inp..(n0 + rows) * inp].iter().map(|&b| bf16_to_f32(b)).collect();
+                let wt: Vec<f32> = w[n0 * inp..(n0 + rows) * inp]
+                    .iter()
+                    .map(|&b| bf16_to_f32(b))
+                    .collect();
                 let mut yt = vec![0f32; m * rows];
                 gemm_nt(x, m, &wt, rows, inp, &mut yt, rows, false);
                 (n0, yt)
@@ -171,22 +178,24 @@ impl Linear {
     }
 
     fn stream(&self, x: &[f32], m: usize, y: &mut [f32]) {
-        const CHUNK: usize = 64;
+        const CHUNK: usize = 256;
         let mut yt = vec![0f32; self.out * m];
         let inp = self.inp;
-        yt.par_chunks_mut(CHUNK * m).enumerate().for_each(|(c, out)| {
-            let n0 = c * CHUNK;
-            for (j, cell) in out.chunks_exact_mut(m).enumerate() {
-                let r = (n0 + j) * inp..(n0 + j + 1) * inp;
-                for (i, v) in cell.iter_mut().enumerate() {
-                    let xi = &x[i * inp..(i + 1) * inp];
-                    *v = match &self.w {
-                        Matrix::F32(w) => dot(xi, &w[r.clone()]),
-                        Matrix::Bf16(w) => dot_bf16(xi, &w[r.clone()]),
-                    };
+        yt.par_chunks_mut(CHUNK * m)
+            .enumerate()
+            .for_each(|(c, out)| {
+                let n0 = c * CHUNK;
+                for (j, cell) in out.chunks_exact_mut(m).enumerate() {
+                    let r = (n0 + j) * inp..(n0 + j + 1) * inp;
+                    for (i, v) in cell.iter_mut().enumerate() {
+                        let xi = &x[i * inp..(i + 1) * inp];
+                        *v = match &self.w {
+                            Matrix::F32(w) => dot(xi, &w[r.clone()]),
+                            Matrix::Bf16(w) => dot_bf16(xi, &w[r.clone()]),
+                        };
+                    }
                 }
-            }
-        });
+            });
         for n in 0..self.out {
             for i in 0..m {
                 y[i * self.out + n] = yt[n * m + i];
@@ -197,16 +206,43 @@ impl Linear {
 
 /// `y[m, n] = x[m, k] · w[n, k]ᵀ`, `y` with row stride `ldy`.
 #[allow(clippy::too_many_arguments)]
-fn gemm_nt(x: &[f32], m: usize, w: &[f32], n: usize, k: usize, y: &mut [f32], ldy: usize, parallel: bool) {
-    let par = if parallel { gemm::Parallelism::Rayon(rayon::current_num_threads()) } else { gemm::Parallelism::None };
+fn gemm_nt(
+    x: &[f32],
+    m: usize,
+    w: &[f32],
+    n: usize,
+    k: usize,
+    y: &mut [f32],
+    ldy: usize,
+    parallel: bool,
+) {
+    let par = if parallel {
+        gemm::Parallelism::Rayon(rayon::current_num_threads())
+    } else {
+        gemm::Parallelism::None
+    };
     // SAFETY: the strides describe the row-major buffers exactly; dst does not alias.
     unsafe {
         gemm::gemm(
-            m, n, k,
-            y.as_mut_ptr(), 1, ldy as isize, false,
-            x.as_ptr(), 1, k as isize,
-            w.as_ptr(), k as isize, 1,
-            0.0, 1.0, false, false, false, par,
+            m,
+            n,
+            k,
+            y.as_mut_ptr(),
+            1,
+            ldy as isize,
+            false,
+            x.as_ptr(),
+            1,
+            k as isize,
+            w.as_ptr(),
+            k as isize,
+            1,
+            0.0,
+            1.0,
+            false,
+            false,
+            false,
+            par,
         );
     }
 }
@@ -214,7 +250,8 @@ fn gemm_nt(x: &[f32], m: usize, w: &[f32], n: usize, k: usize, y: &mut [f32], ld
 pub fn dot_bf16(a: &[f32], b: &[u16]) -> f32 {
     #[cfg(target_arch = "x86_64")]
     {
-        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+        {
             // SAFETY: the features were just detected.
             return unsafe { dot_bf16_avx2(a, b) };
         }
@@ -228,23 +265,41 @@ unsafe fn dot_bf16_avx2(a: &[f32], b: &[u16]) -> f32 {
     use std::arch::x86_64::*;
     let n = a.len().min(b.len());
     let (pa, pb) = (a.as_ptr(), b.as_ptr());
-    let mut acc = [_mm256_setzero_ps(); 4];
-    let widen = |p: *const u16| {
-        let h = _mm_loadu_si128(p as *const __m128i);
-        _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
-    };
+    let mut acc = [_mm256_setzero_ps(); 8];
     let mut i = 0;
-    while i + 32 <= n {
-        for (k, a_k) in acc.iter_mut().enumerate() {
-            *a_k = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i + 8 * k)), widen(pb.add(i + 8 * k)), *a_k);
+    // 64 weights an iteration: eight independent FMA chains hide the FMA latency. Each 16
+    // weights are widened with one 256-bit load: zero-extending each half to 32 bits and
+    // shifting left by 16 turns bf16 bits into f32 bits.
+    while i + 64 <= n {
+        // Fetch ahead: the row after this one is what the next call reads.
+        _mm_prefetch::<_MM_HINT_T0>(pb.add(i + 1024) as *const i8);
+        _mm_prefetch::<_MM_HINT_T0>(pb.add(i + 1056) as *const i8);
+        for k in 0..4 {
+            let w = _mm256_loadu_si256(pb.add(i + 16 * k) as *const __m256i);
+            let lo = _mm256_castsi256_ps(_mm256_slli_epi32(
+                _mm256_cvtepu16_epi32(_mm256_castsi256_si128(w)),
+                16,
+            ));
+            let hi = _mm256_castsi256_ps(_mm256_slli_epi32(
+                _mm256_cvtepu16_epi32(_mm256_extracti128_si256(w, 1)),
+                16,
+            ));
+            acc[2 * k] = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i + 16 * k)), lo, acc[2 * k]);
+            acc[2 * k + 1] =
+                _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i + 16 * k + 8)), hi, acc[2 * k + 1]);
         }
-        i += 32;
+        i += 64;
     }
     while i + 8 <= n {
-        acc[0] = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i)), widen(pb.add(i)), acc[0]);
+        let h = _mm_loadu_si128(pb.add(i) as *const __m128i);
+        let wv = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+        acc[0] = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i)), wv, acc[0]);
         i += 8;
     }
-    let s = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+    let mut s = acc[0];
+    for v in &acc[1..] {
+        s = _mm256_add_ps(s, *v);
+    }
     let mut lanes = [0f32; 8];
     _mm256_storeu_ps(lanes.as_mut_ptr(), s);
     let mut total: f32 = lanes.iter().sum();
@@ -258,7 +313,8 @@ unsafe fn dot_bf16_avx2(a: &[f32], b: &[u16]) -> f32 {
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     #[cfg(target_arch = "x86_64")]
     {
-        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+        {
             // SAFETY: the features were just detected.
             return unsafe { dot_avx2(a, b) };
         }
@@ -300,7 +356,11 @@ unsafe fn dot_avx2(a: &[f32], b: &[f32]) -> f32 {
         i += 32;
     }
     while i + 8 <= n {
-        acc[0] = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i)), _mm256_loadu_ps(pb.add(i)), acc[0]);
+        acc[0] = _mm256_fmadd_ps(
+            _mm256_loadu_ps(pa.add(i)),
+            _mm256_loadu_ps(pb.add(i)),
+            acc[0],
+        );
         i += 8;
     }
     let s = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
@@ -370,24 +430,38 @@ mod tests {
     #[test]
     fn streamed_and_blocked_products_agree_with_naive() {
         let (out, inp) = (37, 70);
-        let w: Vec<f32> = (0..out * inp).map(|i| ((i * 7 % 13) as f32 - 6.0) * 0.1).collect();
+        let w: Vec<f32> = (0..out * inp)
+            .map(|i| ((i * 7 % 13) as f32 - 6.0) * 0.1)
+            .collect();
         let bias: Vec<f32> = (0..out).map(|i| i as f32 * 0.01).collect();
-        let f32_lin = Linear::new(Matrix::F32(Arc::new(w.clone())), out, inp, Some(bias.clone()));
-        let bf16_w: Vec<u16> = w.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect();
+        let f32_lin = Linear::new(
+            Matrix::F32(Arc::new(w.clone())),
+            out,
+            inp,
+            Some(bias.clone()),
+        );
+        let bf16_w: Vec<u16> = w
+            .iter()
+            .map(|&v| half::bf16::from_f32(v).to_bits())
+            .collect();
         let w_round: Vec<f32> = bf16_w.iter().map(|&b| bf16_to_f32(b)).collect();
         let bf16_lin = Linear::new(Matrix::Bf16(Arc::new(bf16_w)), out, inp, Some(bias.clone()));
         for (lin, w) in [(f32_lin, &w), (bf16_lin, &w_round)] {
-        for m in [1, 3, 9, 70] {
-            let x: Vec<f32> = (0..m * inp).map(|i| ((i * 5 % 11) as f32 - 5.0) * 0.2).collect();
-            let y = lin.forward(&x, m);
-            for i in 0..m {
-                for n in 0..out {
-                    let want: f32 =
-                        (0..inp).map(|k| x[i * inp + k] * w[n * inp + k]).sum::<f32>() + bias[n];
-                    assert!((y[i * out + n] - want).abs() < 1e-3, "m={m} i={i} n={n}");
+            for m in [1, 3, 9, 70] {
+                let x: Vec<f32> = (0..m * inp)
+                    .map(|i| ((i * 5 % 11) as f32 - 5.0) * 0.2)
+                    .collect();
+                let y = lin.forward(&x, m);
+                for i in 0..m {
+                    for n in 0..out {
+                        let want: f32 = (0..inp)
+                            .map(|k| x[i * inp + k] * w[n * inp + k])
+                            .sum::<f32>()
+                            + bias[n];
+                        assert!((y[i * out + n] - want).abs() < 1e-3, "m={m} i={i} n={n}");
+                    }
                 }
             }
-        }
         }
     }
 
