@@ -160,6 +160,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         tracing::info!("serving the OpenAI API on http://{local}");
         // A line tests and scripts can wait for.
         println!("kvmesh listening on http://{local}");
+        tokio::spawn(log_throughput(state.model.engine.clone()));
         axum::serve(listener, kvmesh_gateway::router(state))
             .with_graceful_shutdown(shutdown())
             .await
@@ -168,6 +169,36 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         Ok::<_, anyhow::Error>(())
     })?;
     Ok(())
+}
+
+/// Every 10 seconds while there is work, one line of throughput and load, as vLLM logs it.
+async fn log_throughput(engine: kvmesh_gpu::engine::EngineHandle) {
+    use std::sync::atomic::Ordering::Relaxed;
+    let s = engine.stats.clone();
+    let period = std::time::Duration::from_secs(10);
+    let mut last = (
+        s.prompt_tokens.load(Relaxed),
+        s.generation_tokens.load(Relaxed),
+    );
+    loop {
+        tokio::time::sleep(period).await;
+        let now = (
+            s.prompt_tokens.load(Relaxed),
+            s.generation_tokens.load(Relaxed),
+        );
+        let (running, waiting) = (s.running.load(Relaxed), s.waiting.load(Relaxed));
+        if now != last || running > 0 || waiting > 0 {
+            let free = s.free_blocks.load(Relaxed) as f64;
+            let total = engine.info.num_blocks.max(1) as f64;
+            tracing::info!(
+                "prompt throughput {:.1} tokens/s, generation throughput {:.1} tokens/s, running {running}, waiting {waiting}, KV cache usage {:.1}%",
+                (now.0 - last.0) as f64 / period.as_secs_f64(),
+                (now.1 - last.1) as f64 / period.as_secs_f64(),
+                100.0 * (1.0 - free / total),
+            );
+        }
+        last = now;
+    }
 }
 
 async fn shutdown() {

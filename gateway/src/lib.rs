@@ -73,6 +73,10 @@ pub fn router(state: Arc<AppState>) -> Router {
     Router::new()
         .merge(v1)
         .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
+        .route(
+            "/version",
+            get(|| async { Json(json!({"version": env!("CARGO_PKG_VERSION")})) }),
+        )
         .route("/metrics", get(metrics_page))
         .fallback(|req: Request| async move { ApiError::not_found(req.uri().path()) })
         .layer(middleware::from_fn_with_state(

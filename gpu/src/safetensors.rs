@@ -105,26 +105,12 @@ impl File {
                     "tensor {key} has dtype {dtype_name}; kvmesh reads F32, F16 and BF16"
                 ))
             })?;
-            let shape: Vec<usize> = v
-                .get("shape")
-                .and_then(Value::as_array)
-                .map(|a| {
-                    a.iter()
-                        .filter_map(Value::as_u64)
-                        .map(|x| x as usize)
-                        .collect()
-                })
-                .ok_or_else(|| bad(format!("tensor {key} has no shape")))?;
-            let offs: Vec<usize> = v
-                .get("data_offsets")
-                .and_then(Value::as_array)
-                .map(|a| {
-                    a.iter()
-                        .filter_map(Value::as_u64)
-                        .map(|x| x as usize)
-                        .collect()
-                })
-                .unwrap_or_default();
+            let usizes = |field: &str| -> Option<Vec<usize>> {
+                let a = v.get(field)?.as_array()?;
+                a.iter().map(|x| x.as_u64().map(|x| x as usize)).collect()
+            };
+            let shape = usizes("shape").ok_or_else(|| bad(format!("tensor {key} has no shape")))?;
+            let offs = usizes("data_offsets").unwrap_or_default();
             let [start, end] = offs[..] else {
                 return Err(bad(format!("tensor {key} has no data_offsets")));
             };

@@ -101,6 +101,21 @@ pub struct Linear {
 /// `gemm`'s blocked kernel wins.
 const STREAM_ROWS: usize = 4;
 
+/// With AVX-512, bf16 weight rows are widened once and reused for up to 8 batch rows at a
+/// time, so streaming stays ahead of `gemm` up to decode batches of this size.
+const STREAM_ROWS_BF16_AVX512: usize = 16;
+
+fn has_avx512() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx512f")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
 /// Output rows a bf16 weight tile widens to f32 at a time before `gemm` runs on it.
 const TILE_ROWS: usize = 64;
 
@@ -134,7 +149,11 @@ impl Linear {
         if m == 0 {
             return y;
         }
-        if m <= STREAM_ROWS {
+        let stream_rows = match &self.w {
+            Matrix::Bf16(_) if has_avx512() => STREAM_ROWS_BF16_AVX512,
+            _ => STREAM_ROWS,
+        };
+        if m <= stream_rows {
             self.stream(x, m, &mut y);
         } else {
             match &self.w {
@@ -187,6 +206,23 @@ impl Linear {
                 let n0 = c * CHUNK;
                 for (j, cell) in out.chunks_exact_mut(m).enumerate() {
                     let r = (n0 + j) * inp..(n0 + j + 1) * inp;
+                    #[cfg(target_arch = "x86_64")]
+                    if let Matrix::Bf16(w) = &self.w {
+                        if m > 1 && has_avx512() {
+                            for (g, cells) in cell.chunks_mut(8).enumerate() {
+                                // SAFETY: avx512f was detected; the slices are in bounds.
+                                unsafe {
+                                    dot_rows_bf16_avx512(
+                                        &x[g * 8 * inp..],
+                                        inp,
+                                        &w[r.clone()],
+                                        cells,
+                                    )
+                                };
+                            }
+                            continue;
+                        }
+                    }
                     for (i, v) in cell.iter_mut().enumerate() {
                         let xi = &x[i * inp..(i + 1) * inp];
                         *v = match &self.w {
@@ -250,6 +286,10 @@ fn gemm_nt(
 pub fn dot_bf16(a: &[f32], b: &[u16]) -> f32 {
     #[cfg(target_arch = "x86_64")]
     {
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            // SAFETY: the feature was just detected.
+            return unsafe { dot_bf16_avx512(a, b) };
+        }
         if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
         {
             // SAFETY: the features were just detected.
@@ -257,6 +297,85 @@ pub fn dot_bf16(a: &[f32], b: &[u16]) -> f32 {
         }
     }
     a.iter().zip(b).map(|(&x, &w)| x * bf16_to_f32(w)).sum()
+}
+
+/// `out[r] = x_r · w` for `out.len()` (at most 8) consecutive rows `x_r` of length `k`:
+/// each 16 weights are widened once and used for every row.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn dot_rows_bf16_avx512(x: &[f32], k: usize, w: &[u16], out: &mut [f32]) {
+    match out.len() {
+        1 => rows_kernel::<1>(x, k, w, out),
+        2 => rows_kernel::<2>(x, k, w, out),
+        3 => rows_kernel::<3>(x, k, w, out),
+        4 => rows_kernel::<4>(x, k, w, out),
+        5 => rows_kernel::<5>(x, k, w, out),
+        6 => rows_kernel::<6>(x, k, w, out),
+        7 => rows_kernel::<7>(x, k, w, out),
+        _ => rows_kernel::<8>(x, k, w, out),
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn rows_kernel<const M: usize>(x: &[f32], k: usize, w: &[u16], out: &mut [f32]) {
+    use std::arch::x86_64::*;
+    assert!(x.len() >= M * k && w.len() >= k && out.len() >= M);
+    let (px, pw) = (x.as_ptr(), w.as_ptr());
+    let mut acc = [_mm512_setzero_ps(); M];
+    let mut i = 0;
+    while i + 16 <= k {
+        if i % 64 == 0 {
+            _mm_prefetch::<_MM_HINT_T0>(pw.add(i + 2048) as *const i8);
+        }
+        let h = _mm256_loadu_si256(pw.add(i) as *const __m256i);
+        let wv = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)));
+        for (r, a) in acc.iter_mut().enumerate() {
+            *a = _mm512_fmadd_ps(_mm512_loadu_ps(px.add(r * k + i)), wv, *a);
+        }
+        i += 16;
+    }
+    for (r, a) in acc.iter().enumerate() {
+        let mut total = _mm512_reduce_add_ps(*a);
+        for j in i..k {
+            total += *px.add(r * k + j) * bf16_to_f32(*pw.add(j));
+        }
+        out[r] = total;
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn dot_bf16_avx512(a: &[f32], b: &[u16]) -> f32 {
+    use std::arch::x86_64::*;
+    let n = a.len().min(b.len());
+    let (pa, pb) = (a.as_ptr(), b.as_ptr());
+    let mut acc = [_mm512_setzero_ps(); 4];
+    let mut i = 0;
+    while i + 64 <= n {
+        _mm_prefetch::<_MM_HINT_T0>(pb.add(i + 2048) as *const i8);
+        _mm_prefetch::<_MM_HINT_T0>(pb.add(i + 2080) as *const i8);
+        for (k, a_k) in acc.iter_mut().enumerate() {
+            let h = _mm256_loadu_si256(pb.add(i + 16 * k) as *const __m256i);
+            let w = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)));
+            *a_k = _mm512_fmadd_ps(_mm512_loadu_ps(pa.add(i + 16 * k)), w, *a_k);
+        }
+        i += 64;
+    }
+    while i + 16 <= n {
+        let h = _mm256_loadu_si256(pb.add(i) as *const __m256i);
+        let w = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)));
+        acc[0] = _mm512_fmadd_ps(_mm512_loadu_ps(pa.add(i)), w, acc[0]);
+        i += 16;
+    }
+    let s = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
+    let mut total = _mm512_reduce_add_ps(s);
+    while i < n {
+        total += *pa.add(i) * bf16_to_f32(*pb.add(i));
+        i += 1;
+    }
+    total
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -447,7 +566,7 @@ mod tests {
         let w_round: Vec<f32> = bf16_w.iter().map(|&b| bf16_to_f32(b)).collect();
         let bf16_lin = Linear::new(Matrix::Bf16(Arc::new(bf16_w)), out, inp, Some(bias.clone()));
         for (lin, w) in [(f32_lin, &w), (bf16_lin, &w_round)] {
-            for m in [1, 3, 9, 70] {
+            for m in [1, 3, 9, 20, 32, 70] {
                 let x: Vec<f32> = (0..m * inp)
                     .map(|i| ((i * 5 % 11) as f32 - 5.0) * 0.2)
                     .collect();
@@ -462,6 +581,18 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    #[test]
+    fn bf16_dot_matches_scalar() {
+        for n in [5, 16, 64, 100, 896] {
+            let a: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin()).collect();
+            let b: Vec<u16> = (0..n)
+                .map(|i| half::bf16::from_f32((i as f32 * 0.11).cos()).to_bits())
+                .collect();
+            let want: f32 = a.iter().zip(&b).map(|(&x, &w)| x * bf16_to_f32(w)).sum();
+            assert!((dot_bf16(&a, &b) - want).abs() < 1e-3, "n={n}");
         }
     }
 
