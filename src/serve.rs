@@ -3,9 +3,15 @@
 use std::path::PathBuf;
 
 use anyhow::Context;
-use clap::Args;
+use clap::{Args, ValueEnum};
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum BackendArg {
+    Cpu,
+    Sim,
+}
 use kvmesh_gateway::{AppState, ServedModel};
-use kvmesh_gpu::backend::cpu::CpuBackend;
+use kvmesh_gpu::backend::sim::SimTiming;
 use kvmesh_gpu::engine::{self, EngineConfig};
 use kvmesh_gpu::model::{build_backend, BackendKind, KvBudget, LoadedModel};
 
@@ -39,6 +45,21 @@ pub struct ServeArgs {
     /// Where the math runs.
     #[arg(long, default_value = "cpu")]
     pub device: String,
+    /// `cpu` runs the model; `sim` runs no math and takes the time a timing model says
+    /// (deterministic tokens; for testing serving, routing and scale).
+    #[arg(long, value_enum, default_value = "cpu")]
+    pub backend: BackendArg,
+    /// sim: speed factor (3 = three times as fast as the timing model's base).
+    #[arg(long, default_value_t = 1.0)]
+    pub sim_speed: f64,
+    /// sim: microseconds per prompt token.
+    #[arg(long, default_value_t = 20.0)]
+    pub sim_prefill_us_per_token: f64,
+    /// sim: milliseconds per decode step, plus `--sim-decode-us-per-seq` for each sequence.
+    #[arg(long, default_value_t = 8.0)]
+    pub sim_decode_ms: f64,
+    #[arg(long, default_value_t = 100.0)]
+    pub sim_decode_us_per_seq: f64,
     /// Memory for the KV cache, in GiB.
     #[arg(long, default_value_t = 1.0)]
     pub kv_cache_gib: f64,
@@ -63,9 +84,21 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         args.max_num_batched_tokens > 0,
         "--max-num-batched-tokens must be positive"
     );
-    let kind = match args.device.as_str() {
-        "cpu" | "auto" => BackendKind::Cpu,
-        other => anyhow::bail!("--device {other}: this build runs on `cpu` only"),
+    if !matches!(args.device.as_str(), "cpu" | "auto") {
+        anyhow::bail!("--device {}: this build runs on `cpu` only", args.device);
+    }
+    let kind = match args.backend {
+        BackendArg::Cpu => BackendKind::Cpu,
+        BackendArg::Sim => {
+            anyhow::ensure!(args.sim_speed > 0.0, "--sim-speed must be positive");
+            let us = |v: f64| std::time::Duration::from_secs_f64(v.max(0.0) / 1e6);
+            BackendKind::Sim(SimTiming {
+                prefill_per_token: us(args.sim_prefill_us_per_token),
+                decode_base: us(args.sim_decode_ms * 1e3),
+                decode_per_seq: us(args.sim_decode_us_per_seq),
+                speed: args.sim_speed,
+            })
+        }
     };
     if let Some(t) = args.threads {
         rayon::ThreadPoolBuilder::new()
@@ -84,7 +117,6 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         .served_model_name
         .clone()
         .unwrap_or_else(|| model.name.clone());
-    let per_block = CpuBackend::kv_bytes_per_block(&model.config, args.block_size);
     let budget = match args.num_kv_blocks {
         Some(n) => KvBudget::Blocks(n),
         None => KvBudget::Bytes((args.kv_cache_gib * (1u64 << 30) as f64) as usize),
@@ -130,11 +162,10 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         model.config.vocab_size,
     );
     tracing::info!(
-        "model {name} ({}, {:.1}M parameters) on {device}; KV cache {num_blocks} blocks of {} tokens ({:.2} GiB); max model length {max_model_len}",
+        "model {name} ({}, {:.1}M parameters) on {device}; KV cache {num_blocks} blocks of {} tokens; max model length {max_model_len}",
         model.config.arch.architecture_name(),
         model.config.num_params() as f64 / 1e6,
         args.block_size,
-        (num_blocks * per_block) as f64 / (1u64 << 30) as f64,
     );
     let state = AppState::new(
         ServedModel {

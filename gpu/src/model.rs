@@ -5,6 +5,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use crate::backend::cpu::{CpuBackend, CpuModel};
+use crate::backend::sim::SimBackend;
 use crate::backend::Backend;
 use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
@@ -92,9 +93,11 @@ impl LoadedModel {
 }
 
 /// Which backend runs the math.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug)]
 pub enum BackendKind {
     Cpu,
+    /// No math: a timing model (see `backend::sim`).
+    Sim(crate::backend::sim::SimTiming),
 }
 
 /// How much KV memory to give the backend.
@@ -119,6 +122,30 @@ pub fn build_backend(
             };
             let m = CpuModel::load(&model.config, &model.weights)?;
             Ok(Box::new(CpuBackend::new(m, blocks, block_size)?))
+        }
+        BackendKind::Sim(timing) => {
+            // Budgeted as a GPU would hold it: bf16 K and V for every layer.
+            let per_block = CpuBackend::kv_bytes_per_block(&model.config, block_size) / 2;
+            let blocks = match kv {
+                KvBudget::Blocks(n) => n,
+                KvBudget::Bytes(b) => (b / per_block).max(1),
+            };
+            // Never emit eos or bos, so sequences run to their max_tokens.
+            let avoid = model
+                .tokenizer
+                .eos_ids()
+                .iter()
+                .copied()
+                .chain(model.tokenizer.bos_id())
+                .collect();
+            let span = model.tokenizer.vocab_size().min(model.config.vocab_size);
+            Ok(Box::new(SimBackend::new(
+                timing,
+                blocks,
+                model.config.vocab_size,
+                span,
+                avoid,
+            )))
         }
     }
 }

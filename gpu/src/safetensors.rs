@@ -219,6 +219,13 @@ impl WeightStore {
         WeightStore { files, index }
     }
 
+    /// Every tensor's name, sorted.
+    pub fn names(&self) -> Vec<&str> {
+        let mut v: Vec<&str> = self.index.keys().map(String::as_str).collect();
+        v.sort_unstable();
+        v
+    }
+
     pub fn contains(&self, name: &str) -> bool {
         self.index.contains_key(name)
     }

@@ -7,6 +7,7 @@
 //! model without any math.
 
 pub mod cpu;
+pub mod sim;
 
 use crate::error::Result;
 use crate::kv_cache::BlockId;

@@ -1,0 +1,197 @@
+//! The `sim` backend: no math, only time. A step takes as long as a timing model says a
+//! real device would take for that batch, and each sequence's next token is a fixed
+//! function of its last token and position, so outputs are deterministic and checkable.
+//!
+//! It lets routing, batching and cluster behaviour be tested and benchmarked at scale on a
+//! machine without a GPU: the engine, scheduler, KV block budget and prefix cache are the
+//! real ones; only the forward pass is modelled.
+
+use std::time::Duration;
+
+use super::{Backend, ForwardBatch, SampleSpec};
+use crate::error::Result;
+use crate::sampler::Sampled;
+
+/// How long a step takes, at speed 1.
+#[derive(Clone, Debug)]
+pub struct SimTiming {
+    /// Per prompt token computed in the step.
+    pub prefill_per_token: Duration,
+    /// Fixed cost of a step with any decode in it (weights read once).
+    pub decode_base: Duration,
+    /// Added per decoding sequence.
+    pub decode_per_seq: Duration,
+    /// Divides every cost: a node with speed 3 is three times as fast.
+    pub speed: f64,
+}
+
+impl Default for SimTiming {
+    /// Roughly a small model on one modern GPU.
+    fn default() -> Self {
+        SimTiming {
+            prefill_per_token: Duration::from_micros(20),
+            decode_base: Duration::from_millis(8),
+            decode_per_seq: Duration::from_micros(100),
+            speed: 1.0,
+        }
+    }
+}
+
+impl SimTiming {
+    /// Costs nothing: measures the serving machinery alone.
+    pub fn zero() -> SimTiming {
+        SimTiming {
+            prefill_per_token: Duration::ZERO,
+            decode_base: Duration::ZERO,
+            decode_per_seq: Duration::ZERO,
+            speed: 1.0,
+        }
+    }
+
+    pub fn step(&self, prefill_tokens: usize, decode_seqs: usize) -> Duration {
+        let mut t = self.prefill_per_token * prefill_tokens as u32;
+        if decode_seqs > 0 {
+            t += self.decode_base + self.decode_per_seq * decode_seqs as u32;
+        }
+        t.div_f64(self.speed.max(1e-9))
+    }
+}
+
+pub struct SimBackend {
+    timing: SimTiming,
+    num_blocks: usize,
+    vocab: usize,
+    /// Ids never produced (eos and other special tokens), so sequences run to max_tokens.
+    avoid: Vec<u32>,
+    /// Tokens are drawn from `0..span` (the ids the tokenizer can decode).
+    span: u32,
+}
+
+impl SimBackend {
+    /// `vocab` is the model's; `span` (at most `vocab`) the ids outputs are drawn from.
+    pub fn new(
+        timing: SimTiming,
+        num_blocks: usize,
+        vocab: usize,
+        span: usize,
+        avoid: Vec<u32>,
+    ) -> SimBackend {
+        let span = span.clamp(1, vocab.max(1)) as u32;
+        SimBackend {
+            timing,
+            num_blocks,
+            vocab,
+            avoid,
+            span,
+        }
+    }
+
+    /// The token that follows `last` at position `pos`.
+    pub fn next_token(&self, last: u32, pos: usize) -> u32 {
+        let mut z = (last as u64) << 32 | pos as u64;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        let mut t = ((z ^ (z >> 31)) % self.span as u64) as u32;
+        for _ in 0..self.span {
+            if !self.avoid.contains(&t) {
+                break;
+            }
+            t = (t + 1) % self.span;
+        }
+        t
+    }
+
+    fn run(&self, batch: &ForwardBatch) -> Vec<u32> {
+        let decode = batch
+            .seqs
+            .iter()
+            .filter(|s| s.tokens.len() == 1 && s.start_pos > 0)
+            .count();
+        let prefill = batch.num_tokens() - decode;
+        let t = self.timing.step(prefill, decode);
+        if !t.is_zero() {
+            std::thread::sleep(t);
+        }
+        batch
+            .seqs
+            .iter()
+            .filter(|s| s.want_logits)
+            .map(|s| {
+                self.next_token(
+                    *s.tokens.last().unwrap_or(&0),
+                    s.start_pos + s.tokens.len() - 1,
+                )
+            })
+            .collect()
+    }
+}
+
+impl Backend for SimBackend {
+    fn device(&self) -> String {
+        format!("sim (speed {})", self.timing.speed)
+    }
+
+    fn num_blocks(&self) -> usize {
+        self.num_blocks
+    }
+
+    fn forward(&mut self, batch: &ForwardBatch) -> Result<Vec<Vec<f32>>> {
+        Ok(self
+            .run(batch)
+            .into_iter()
+            .map(|t| {
+                let mut l = vec![0f32; self.vocab];
+                l[t as usize] = 1.0;
+                l
+            })
+            .collect())
+    }
+
+    /// Tokens without building vocabulary-sized logits.
+    fn forward_sample(
+        &mut self,
+        batch: &ForwardBatch,
+        _specs: &mut [SampleSpec],
+    ) -> Result<Vec<Sampled>> {
+        Ok(self
+            .run(batch)
+            .into_iter()
+            .map(|token| Sampled {
+                token,
+                logprob: 0.0,
+                top: Vec::new(),
+            })
+            .collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn step_time_scales_with_work_and_speed() {
+        let t = SimTiming::default();
+        assert_eq!(t.step(0, 0), Duration::ZERO);
+        assert!(t.step(1000, 0) > t.step(10, 0));
+        assert!(t.step(0, 32) > t.step(0, 1));
+        let fast = SimTiming {
+            speed: 3.0,
+            ..t.clone()
+        };
+        let ratio = t.step(100, 8).as_secs_f64() / fast.step(100, 8).as_secs_f64();
+        assert!((ratio - 3.0).abs() < 1e-6);
+    }
+
+    #[test]
+    fn tokens_are_deterministic_and_skip_special_ids() {
+        let b = SimBackend::new(SimTiming::zero(), 8, 120, 100, vec![0, 1, 2, 3]);
+        for last in 0..50 {
+            for pos in 0..50 {
+                let t = b.next_token(last, pos);
+                assert_eq!(t, b.next_token(last, pos));
+                assert!((4..100).contains(&t), "{t}");
+            }
+        }
+    }
+}
