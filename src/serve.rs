@@ -13,7 +13,7 @@ pub enum BackendArg {
 use kvmesh_gateway::{AppState, ServedModel};
 use kvmesh_gpu::backend::sim::SimTiming;
 use kvmesh_gpu::engine::{self, EngineConfig};
-use kvmesh_gpu::model::{build_backend, BackendKind, KvBudget, LoadedModel};
+use kvmesh_gpu::model::{build_backend, resolve_device, BackendKind, KvBudget, LoadedModel};
 
 #[derive(Args, Debug)]
 pub struct ServeArgs {
@@ -42,8 +42,8 @@ pub struct ServeArgs {
     /// Require `Authorization: Bearer <key>` on /v1 routes.
     #[arg(long, env = "KVMESH_API_KEY")]
     pub api_key: Option<String>,
-    /// Where the math runs.
-    #[arg(long, default_value = "cpu")]
+    /// Where the math runs: auto (CUDA when a GPU is present), cpu, cuda or cuda:N.
+    #[arg(long, default_value = "auto")]
     pub device: String,
     /// `cpu` runs the model; `sim` runs no math and takes the time a timing model says
     /// (deterministic tokens; for testing serving, routing and scale).
@@ -84,11 +84,21 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         args.max_num_batched_tokens > 0,
         "--max-num-batched-tokens must be positive"
     );
-    if !matches!(args.device.as_str(), "cpu" | "auto") {
-        anyhow::bail!("--device {}: this build runs on `cpu` only", args.device);
-    }
     let kind = match args.backend {
-        BackendArg::Cpu => BackendKind::Cpu,
+        BackendArg::Cpu => {
+            let kind = resolve_device(&args.device)?;
+            if args.device == "auto" {
+                tracing::info!(
+                    "--device auto chose {}",
+                    if matches!(kind, BackendKind::Cuda(_)) {
+                        "cuda:0"
+                    } else {
+                        "cpu (no CUDA device)"
+                    }
+                );
+            }
+            kind
+        }
         BackendArg::Sim => {
             anyhow::ensure!(args.sim_speed > 0.0, "--sim-speed must be positive");
             let us = |v: f64| std::time::Duration::from_secs_f64(v.max(0.0) / 1e6);

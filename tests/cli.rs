@@ -115,3 +115,14 @@ fn init_random_writes_every_family_and_preset_shape() {
     ]);
     assert!(!ok && out.contains("qwen3"), "{out}");
 }
+
+#[test]
+fn asking_for_a_device_that_is_not_there_is_a_clear_error() {
+    let (ok, out) = kvmesh(&["serve", "--device", "tpu", "--port", "0"]);
+    assert!(!ok);
+    assert!(out.contains("auto, cpu, cuda or cuda:N"), "{out}");
+    // This machine has no GPU; a default build has no CUDA support either way.
+    let (ok, out) = kvmesh(&["serve", "--device", "cuda:0", "--port", "0"]);
+    assert!(!ok);
+    assert!(out.contains("CUDA"), "{out}");
+}

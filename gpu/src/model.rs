@@ -98,6 +98,56 @@ pub enum BackendKind {
     Cpu,
     /// No math: a timing model (see `backend::sim`).
     Sim(crate::backend::sim::SimTiming),
+    /// The CUDA device with this ordinal (builds with the `cuda` feature).
+    Cuda(usize),
+}
+
+/// Resolves `--device auto|cpu|cuda|cuda:N` against this build and this machine.
+pub fn resolve_device(spec: &str) -> Result<BackendKind> {
+    let cuda_ordinal = match spec {
+        "cpu" => return Ok(BackendKind::Cpu),
+        "auto" => {
+            return Ok(match cuda_devices() {
+                Ok(n) if n > 0 => BackendKind::Cuda(0),
+                _ => BackendKind::Cpu,
+            })
+        }
+        "cuda" => 0,
+        other => match other.strip_prefix("cuda:").map(str::parse::<usize>) {
+            Some(Ok(n)) => n,
+            _ => {
+                return Err(EngineError::InvalidRequest(format!(
+                    "--device {other}: expected auto, cpu, cuda or cuda:N"
+                )))
+            }
+        },
+    };
+    let count = cuda_devices()?;
+    if cuda_ordinal >= count {
+        return Err(EngineError::Backend(if count == 0 {
+            format!(
+                "--device {spec}: no CUDA device was found (no driver library, or no GPU visible)"
+            )
+        } else {
+            format!(
+                "--device {spec}: only {count} CUDA device(s) are visible (cuda:0..cuda:{})",
+                count - 1
+            )
+        }));
+    }
+    Ok(BackendKind::Cuda(cuda_ordinal))
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_devices() -> Result<usize> {
+    crate::backend::cuda::device_count()
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_devices() -> Result<usize> {
+    Err(EngineError::Backend(
+        "this kvmesh was built without CUDA support; rebuild with `cargo build --release --features cuda`".into(),
+    ))
 }
 
 /// How much KV memory to give the backend.
@@ -123,6 +173,20 @@ pub fn build_backend(
             let m = CpuModel::load(&model.config, &model.weights)?;
             Ok(Box::new(CpuBackend::new(m, blocks, block_size)?))
         }
+        #[cfg(feature = "cuda")]
+        BackendKind::Cuda(ordinal) => {
+            use crate::backend::cuda::CudaBackend;
+            let per_block = CudaBackend::kv_bytes_per_block(&model.config, block_size);
+            let blocks = match kv {
+                KvBudget::Blocks(n) => n,
+                KvBudget::Bytes(b) => (b / per_block).max(1),
+            };
+            Ok(Box::new(CudaBackend::new(&model.config, &model.weights, ordinal, blocks, block_size)?))
+        }
+        #[cfg(not(feature = "cuda"))]
+        BackendKind::Cuda(_) => Err(EngineError::Backend(
+            "this kvmesh was built without CUDA support; rebuild with `cargo build --release --features cuda`".into(),
+        )),
         BackendKind::Sim(timing) => {
             // Budgeted as a GPU would hold it: bf16 K and V for every layer.
             let per_block = CpuBackend::kv_bytes_per_block(&model.config, block_size) / 2;

@@ -7,6 +7,8 @@
 //! model without any math.
 
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod sim;
 
 use crate::error::Result;

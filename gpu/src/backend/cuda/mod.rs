@@ -1,0 +1,1131 @@
+//! The CUDA backend, through `cudarc` with the driver, NVRTC and cuBLAS libraries loaded at
+//! run time, so building with `--features cuda` needs no CUDA toolkit and a binary built that
+//! way still starts (and reports "no CUDA device") on a machine without one.
+//!
+//! It mirrors the CPU backend's forward pass step for step (`cpu/mod.rs` is the reference):
+//! weights live on the device as bf16, the hidden stream stays f32, matrix products go
+//! through cuBLAS with bf16 inputs and f32 accumulation, and the rest is the NVRTC-compiled
+//! kernels in `kernels.cu`. The KV pool is bf16, per layer
+//! `[num_blocks, block_size, num_kv_heads, head_dim]` for K and for V, as on the CPU.
+//!
+//! Status: written and compiled without a GPU; the kernels compile under NVRTC 13 and the
+//! host-side layout is unit-tested, but nothing here has run on a device yet. The first GPU
+//! run should compare `forward` against `CpuBackend` on a small checkpoint.
+//!
+//! Not done yet: CUDA graphs for decode steps (the batch-size buckets they would use are in
+//! `batch::bucket_for`), sampling other than greedy on the device, and a faster prefill
+//! attention (each 4-query tile re-reads the sequence's keys; fine for groundwork, quadratic
+//! in traffic for long prompts). Activations are sized for the step's token count, so the
+//! scheduler's per-step token budget bounds their memory.
+
+pub mod batch;
+pub mod ptx_cache;
+
+use std::ffi::c_void;
+use std::sync::Arc;
+
+use cudarc::cublas::{result as blas_result, sys as blas_sys, CudaBlas};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DriverError,
+    LaunchConfig, PushKernelArg,
+};
+use cudarc::nvrtc::Ptx;
+
+use super::{Backend, ForwardBatch, SampleSpec};
+use crate::config::ModelConfig;
+use crate::error::{EngineError, Result};
+use crate::kv_cache::BlockId;
+use crate::safetensors::{TensorData, WeightStore};
+use crate::sampler::{sample, Sampled};
+
+/// The kernels' source, compiled by NVRTC on first use and then cached (see `ptx_cache`).
+const KERNELS_CU: &str = include_str!("kernels.cu");
+
+/// The attention kernels keep one head in fixed-size shared arrays.
+const MAX_HEAD_DIM: usize = 256;
+
+const GIB: f64 = (1u64 << 30) as f64;
+
+fn drv(what: &str, e: DriverError) -> EngineError {
+    EngineError::Backend(format!("CUDA {what}: {e:?}"))
+}
+
+/// Number of CUDA devices, for `--device auto`. 0 when the driver library is not installed
+/// or the driver sees no device; an error only when the driver is present but fails.
+pub fn device_count() -> Result<usize> {
+    // SAFETY: only probes whether libcuda can be opened; nothing is called through it.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return Ok(0);
+    }
+    match CudaContext::device_count() {
+        Ok(n) => Ok(n.max(0) as usize),
+        Err(DriverError(cudarc::driver::sys::CUresult::CUDA_ERROR_NO_DEVICE)) => Ok(0),
+        Err(e) => Err(drv(
+            "driver initialisation failed (is the NVIDIA driver loaded?)",
+            e,
+        )),
+    }
+}
+
+/// A weight matrix `[out, inp]`, row-major bf16, with an optional f32 bias.
+struct DevLinear {
+    w: CudaSlice<u16>,
+    out: usize,
+    inp: usize,
+    bias: Option<CudaSlice<f32>>,
+}
+
+struct DevLayer {
+    input_layernorm: CudaSlice<f32>,
+    /// q, k and v stacked: `[q_dim + 2 * kv_dim, hidden]`.
+    qkv_proj: DevLinear,
+    q_norm: Option<CudaSlice<f32>>,
+    k_norm: Option<CudaSlice<f32>>,
+    o_proj: DevLinear,
+    post_attention_layernorm: CudaSlice<f32>,
+    /// gate and up stacked: `[2 * intermediate, hidden]`.
+    gate_up_proj: DevLinear,
+    down_proj: DevLinear,
+}
+
+struct Kernels {
+    embed_gather: CudaFunction,
+    rmsnorm: CudaFunction,
+    add_rmsnorm: CudaFunction,
+    bias_add: CudaFunction,
+    qk_norm: CudaFunction,
+    rope_kv_write: CudaFunction,
+    attention_decode: CudaFunction,
+    attention_prefill: CudaFunction,
+    silu_mul: CudaFunction,
+    gather_rows: CudaFunction,
+    argmax_logprob: CudaFunction,
+}
+
+/// Activation buffers for up to `tokens` tokens, grown (never shrunk) as steps need, so a
+/// steady decode loop allocates nothing.
+struct Workspace {
+    tokens: usize,
+    x: CudaSlice<f32>,
+    xn: CudaSlice<u16>,
+    qkv: CudaSlice<f32>,
+    attn: CudaSlice<u16>,
+    tmp: CudaSlice<f32>,
+    gate_up: CudaSlice<f32>,
+    act: CudaSlice<u16>,
+}
+
+/// Buffers for the rows that produce logits.
+struct LogitsSpace {
+    rows: usize,
+    xr: CudaSlice<u16>,
+    logits: CudaSlice<f32>,
+    token: CudaSlice<i32>,
+    logprob: CudaSlice<f32>,
+}
+
+pub struct CudaBackend {
+    cfg: ModelConfig,
+    ordinal: usize,
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    blas: CudaBlas,
+    k: Kernels,
+    embed_tokens: CudaSlice<u16>,
+    layers: Vec<DevLayer>,
+    norm: CudaSlice<f32>,
+    /// `None` when tied to `embed_tokens`.
+    lm_head: Option<DevLinear>,
+    inv_freq: CudaSlice<f32>,
+    k_cache: Vec<CudaSlice<u16>>,
+    v_cache: Vec<CudaSlice<u16>>,
+    num_blocks: usize,
+    block_size: usize,
+    ws: Option<Workspace>,
+    ls: Option<LogitsSpace>,
+}
+
+/// A checkpoint tensor as bf16 bits: bf16 as stored, f32 (and f16, which the loader widens
+/// to f32) rounded to nearest even on the host, so the device holds one format.
+fn to_bf16(d: TensorData) -> Vec<u16> {
+    match d {
+        TensorData::Bf16(v) => v,
+        TensorData::F32(v) => v
+            .into_iter()
+            .map(|x| half::bf16::from_f32(x).to_bits())
+            .collect(),
+    }
+}
+
+fn launch_1d(n: usize) -> LaunchConfig {
+    let blocks = n.div_ceil(256).clamp(1, 1 << 16) as u32;
+    LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+fn grid(x: usize, y: usize, z: usize, threads: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (x as u32, y as u32, z as u32),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// `y[m, n] = x[m, k] · W[n, k]ᵀ (+ beta · y)`, everything row-major, x and W bf16, y f32,
+/// accumulated in f32.
+///
+/// cuBLAS is column-major. A row-major `[r, c]` matrix is the column-major `[c, r]` matrix,
+/// its transpose, with leading dimension `c`. So the row-major product `y = x · Wᵀ` is the
+/// column-major `yᵀ = W · xᵀ` where, in column-major terms:
+///   - `yᵀ` is `[n, m]`, ld `n`: exactly y's memory (C, ldc = n);
+///   - `xᵀ` is `[k, m]`, ld `k`: exactly x's memory, used as is (B, op N, ldb = k);
+///   - `W` is `[n, k]`, which W's memory holds as the column-major `[k, n]` matrix `Wᵀ`
+///     (ld `k`), so A is W's memory with op T (A, op T, lda = k).
+///
+/// giving `gemm(opA = T, opB = N, m = n, n = m, k = k, A = W, lda = k, B = x, ldb = k,
+/// C = y, ldc = n)`.
+///
+/// # Safety
+/// The pointers must be device allocations of at least `n * k` (w), `m * k` (x) and `m * n`
+/// (y) elements on the handle's stream's context.
+#[allow(clippy::too_many_arguments)]
+unsafe fn gemm_bf16_f32(
+    blas: &CudaBlas,
+    m: usize,
+    n: usize,
+    k: usize,
+    x: u64,
+    w: u64,
+    y: u64,
+    beta: f32,
+) -> Result<()> {
+    let alpha = 1.0f32;
+    let (mi, ni, ki) = (
+        i32::try_from(m).map_err(|_| too_big("m"))?,
+        i32::try_from(n).map_err(|_| too_big("n"))?,
+        i32::try_from(k).map_err(|_| too_big("k"))?,
+    );
+    blas_result::gemm_ex(
+        *blas.handle(),
+        blas_sys::cublasOperation_t::CUBLAS_OP_T,
+        blas_sys::cublasOperation_t::CUBLAS_OP_N,
+        ni,
+        mi,
+        ki,
+        &alpha as *const f32 as *const c_void,
+        w as *const c_void,
+        blas_sys::cudaDataType::CUDA_R_16BF,
+        ki,
+        x as *const c_void,
+        blas_sys::cudaDataType::CUDA_R_16BF,
+        ki,
+        &beta as *const f32 as *const c_void,
+        y as *mut c_void,
+        blas_sys::cudaDataType::CUDA_R_32F,
+        ni,
+        blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+        blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+    )
+    .map_err(|e| EngineError::Backend(format!("cuBLAS GEMM ({m}x{k} by {n}x{k}): {e:?}")))
+}
+
+fn too_big(what: &str) -> EngineError {
+    EngineError::Backend(format!(
+        "GEMM dimension {what} exceeds the 32-bit range cuBLAS takes"
+    ))
+}
+
+/// Runs `y = x · Wᵀ` (+ bias) for a `DevLinear` over the first `m` rows.
+fn linear(
+    blas: &CudaBlas,
+    stream: &Arc<CudaStream>,
+    bias_add: &CudaFunction,
+    l: &DevLinear,
+    m: usize,
+    x: &CudaSlice<u16>,
+    y: &mut CudaSlice<f32>,
+) -> Result<()> {
+    {
+        let (xp, _gx) = x.device_ptr(stream);
+        let (wp, _gw) = l.w.device_ptr(stream);
+        let (yp, _gy) = y.device_ptr_mut(stream);
+        // SAFETY: the workspace holds at least m rows of x and y; W is [out, inp].
+        unsafe { gemm_bf16_f32(blas, m, l.out, l.inp, xp, wp, yp, 0.0)? };
+    }
+    if let Some(b) = &l.bias {
+        let (rows, cols) = (m as i32, l.out as i32);
+        // SAFETY: y has m * out f32 elements, b has out.
+        unsafe {
+            stream
+                .launch_builder(bias_add)
+                .arg(y)
+                .arg(b)
+                .arg(&rows)
+                .arg(&cols)
+                .launch(launch_1d(m * l.out))
+        }
+        .map_err(|e| drv("bias_add launch", e))?;
+    }
+    Ok(())
+}
+
+impl CudaBackend {
+    /// Loads the model onto device `ordinal` and allocates `num_blocks` KV blocks of
+    /// `block_size` tokens. Checks free memory first so an oversized request fails with the
+    /// numbers rather than with an allocation error halfway through the upload.
+    pub fn new(
+        cfg: &ModelConfig,
+        weights: &WeightStore,
+        ordinal: usize,
+        num_blocks: usize,
+        block_size: usize,
+    ) -> Result<CudaBackend> {
+        let count = device_count()?;
+        if ordinal >= count {
+            return Err(EngineError::Backend(format!(
+                "cuda:{ordinal} was asked for but {count} CUDA device(s) are visible \
+                 (check CUDA_VISIBLE_DEVICES and the NVIDIA driver)"
+            )));
+        }
+        let d = cfg.head_dim;
+        if d > MAX_HEAD_DIM || !d.is_multiple_of(2) || d == 0 {
+            return Err(EngineError::Backend(format!(
+                "head_dim {d} is not supported by the CUDA kernels (even, at most {MAX_HEAD_DIM})"
+            )));
+        }
+        if block_size == 0 || num_blocks == 0 {
+            return Err(EngineError::Backend(
+                "the KV cache needs at least one block of at least one token".into(),
+            ));
+        }
+        let ctx = CudaContext::new(ordinal).map_err(|e| drv("context creation", e))?;
+        let stream = ctx.new_stream().map_err(|e| drv("stream creation", e))?;
+
+        // Memory check before any upload.
+        let kv_bytes = Self::kv_bytes_per_block(cfg, block_size) * num_blocks;
+        let weight_bytes = 2 * cfg.num_params()
+            + 4 * (cfg.num_layers * (2 * cfg.hidden_size + 2 * d) + cfg.hidden_size);
+        // Headroom for cuBLAS workspaces, activations of a large prefill and the module.
+        let headroom = 512usize << 20;
+        let need = kv_bytes + weight_bytes + headroom;
+        let (free, total) = ctx.mem_get_info().map_err(|e| drv("memory query", e))?;
+        if need > free {
+            return Err(EngineError::Backend(format!(
+                "cuda:{ordinal} has {:.2} GiB free of {:.2} GiB, but this needs {:.2} GiB \
+                 (weights {:.2} GiB + KV cache {:.2} GiB for {num_blocks} blocks + {:.2} GiB \
+                 working space); ask for fewer KV blocks or use a larger GPU",
+                free as f64 / GIB,
+                total as f64 / GIB,
+                need as f64 / GIB,
+                weight_bytes as f64 / GIB,
+                kv_bytes as f64 / GIB,
+                headroom as f64 / GIB
+            )));
+        }
+
+        let (major, minor) = ctx
+            .compute_capability()
+            .map_err(|e| drv("compute capability query", e))?;
+        let arch = ptx_cache::arch_for(major, minor);
+        let ptx = ptx_cache::load_or_compile(KERNELS_CU, &arch)?;
+        let module = ctx
+            .load_module(Ptx::from_src(ptx))
+            .map_err(|e| drv("loading the compiled kernels", e))?;
+        let f = |name: &str| {
+            module
+                .load_function(name)
+                .map_err(|e| drv(&format!("kernel `{name}` lookup"), e))
+        };
+        let k = Kernels {
+            embed_gather: f("embed_gather")?,
+            rmsnorm: f("rmsnorm_to_bf16")?,
+            add_rmsnorm: f("add_rmsnorm_to_bf16")?,
+            bias_add: f("bias_add")?,
+            qk_norm: f("qk_norm")?,
+            rope_kv_write: f("rope_kv_write")?,
+            attention_decode: f("paged_attention_decode")?,
+            attention_prefill: f("paged_attention_prefill")?,
+            silu_mul: f("silu_mul")?,
+            gather_rows: f("gather_rows_bf16")?,
+            argmax_logprob: f("argmax_logprob")?,
+        };
+        let blas = CudaBlas::new(stream.clone())
+            .map_err(|e| EngineError::Backend(format!("cuBLAS initialisation: {e:?}")))?;
+
+        let oom = |what: &str, e: DriverError| {
+            EngineError::Backend(format!(
+                "cuda:{ordinal}: uploading {what} failed ({e:?}); if this is out of memory, \
+                 ask for fewer KV blocks"
+            ))
+        };
+        let up16 = |name: &str, v: &[u16]| stream.clone_htod(v).map_err(|e| oom(name, e));
+        let up32 = |name: &str, v: &[f32]| stream.clone_htod(v).map_err(|e| oom(name, e));
+        let mat = |name: &str, shape: &[usize]| -> Result<Vec<u16>> {
+            Ok(to_bf16(weights.load(name, shape)?))
+        };
+        let (h, q, kv, inter) = (
+            cfg.hidden_size,
+            cfg.q_dim(),
+            cfg.kv_dim(),
+            cfg.intermediate_size,
+        );
+        let opt_bias = |name: &str, n: usize| -> Result<Option<Vec<f32>>> {
+            if cfg.qkv_bias || weights.contains(name) {
+                weights.f32(name, &[n]).map(Some)
+            } else {
+                Ok(None)
+            }
+        };
+
+        let mut layers = Vec::with_capacity(cfg.num_layers);
+        for i in 0..cfg.num_layers {
+            let p = format!("model.layers.{i}");
+            let a = format!("{p}.self_attn");
+            let mut qkv = mat(&format!("{a}.q_proj.weight"), &[q, h])?;
+            qkv.extend(mat(&format!("{a}.k_proj.weight"), &[kv, h])?);
+            qkv.extend(mat(&format!("{a}.v_proj.weight"), &[kv, h])?);
+            let biases = [
+                opt_bias(&format!("{a}.q_proj.bias"), q)?,
+                opt_bias(&format!("{a}.k_proj.bias"), kv)?,
+                opt_bias(&format!("{a}.v_proj.bias"), kv)?,
+            ];
+            // Any bias present: stack them, zeros standing in for a missing part.
+            let qkv_bias = if biases.iter().any(Option::is_some) {
+                let mut b = Vec::with_capacity(q + 2 * kv);
+                for (part, n) in biases.into_iter().zip([q, kv, kv]) {
+                    b.extend(part.unwrap_or_else(|| vec![0.0; n]));
+                }
+                Some(up32(&format!("{a} qkv bias"), &b)?)
+            } else {
+                None
+            };
+            let mut gate_up = mat(&format!("{p}.mlp.gate_proj.weight"), &[inter, h])?;
+            gate_up.extend(mat(&format!("{p}.mlp.up_proj.weight"), &[inter, h])?);
+            let norm = |name: String| -> Result<CudaSlice<f32>> {
+                let v = weights.f32(&name, &[d])?;
+                up32(&name, &v)
+            };
+            layers.push(DevLayer {
+                input_layernorm: up32(
+                    &format!("{p}.input_layernorm"),
+                    &weights.f32(&format!("{p}.input_layernorm.weight"), &[h])?,
+                )?,
+                qkv_proj: DevLinear {
+                    w: up16(&format!("{a} qkv"), &qkv)?,
+                    out: q + 2 * kv,
+                    inp: h,
+                    bias: qkv_bias,
+                },
+                q_norm: if cfg.qk_norm {
+                    Some(norm(format!("{a}.q_norm.weight"))?)
+                } else {
+                    None
+                },
+                k_norm: if cfg.qk_norm {
+                    Some(norm(format!("{a}.k_norm.weight"))?)
+                } else {
+                    None
+                },
+                o_proj: DevLinear {
+                    w: up16(
+                        &format!("{a}.o_proj"),
+                        &mat(&format!("{a}.o_proj.weight"), &[h, q])?,
+                    )?,
+                    out: h,
+                    inp: q,
+                    bias: None,
+                },
+                post_attention_layernorm: up32(
+                    &format!("{p}.post_attention_layernorm"),
+                    &weights.f32(&format!("{p}.post_attention_layernorm.weight"), &[h])?,
+                )?,
+                gate_up_proj: DevLinear {
+                    w: up16(&format!("{p} gate/up"), &gate_up)?,
+                    out: 2 * inter,
+                    inp: h,
+                    bias: None,
+                },
+                down_proj: DevLinear {
+                    w: up16(
+                        &format!("{p}.mlp.down_proj"),
+                        &mat(&format!("{p}.mlp.down_proj.weight"), &[h, inter])?,
+                    )?,
+                    out: h,
+                    inp: inter,
+                    bias: None,
+                },
+            });
+        }
+        let embed_tokens = up16(
+            "embed_tokens",
+            &mat("model.embed_tokens.weight", &[cfg.vocab_size, h])?,
+        )?;
+        let lm_head = if cfg.tie_word_embeddings || !weights.contains("lm_head.weight") {
+            None
+        } else {
+            Some(DevLinear {
+                w: up16("lm_head", &mat("lm_head.weight", &[cfg.vocab_size, h])?)?,
+                out: cfg.vocab_size,
+                inp: h,
+                bias: None,
+            })
+        };
+        let norm = up32("model.norm", &weights.f32("model.norm.weight", &[h])?)?;
+        let inv_freq = up32("rope frequencies", &cfg.rope_inv_freq())?;
+
+        let per_layer = num_blocks * block_size * kv;
+        let mut k_cache = Vec::with_capacity(cfg.num_layers);
+        let mut v_cache = Vec::with_capacity(cfg.num_layers);
+        for _ in 0..cfg.num_layers {
+            k_cache.push(
+                stream
+                    .alloc_zeros::<u16>(per_layer)
+                    .map_err(|e| oom("the KV cache", e))?,
+            );
+            v_cache.push(
+                stream
+                    .alloc_zeros::<u16>(per_layer)
+                    .map_err(|e| oom("the KV cache", e))?,
+            );
+        }
+        stream
+            .synchronize()
+            .map_err(|e| drv("finishing the upload", e))?;
+        tracing::info!(
+            device = ordinal,
+            arch = %arch,
+            weights_gib = weight_bytes as f64 / GIB,
+            kv_gib = kv_bytes as f64 / GIB,
+            "CUDA backend ready"
+        );
+        Ok(CudaBackend {
+            cfg: cfg.clone(),
+            ordinal,
+            ctx,
+            stream,
+            blas,
+            k,
+            embed_tokens,
+            layers,
+            norm,
+            lm_head,
+            inv_freq,
+            k_cache,
+            v_cache,
+            num_blocks,
+            block_size,
+            ws: None,
+            ls: None,
+        })
+    }
+
+    /// Device memory one block takes across all layers (K and V, bf16).
+    pub fn kv_bytes_per_block(cfg: &ModelConfig, block_size: usize) -> usize {
+        2 * cfg.num_layers * block_size * cfg.kv_dim() * 2
+    }
+
+    fn ensure_workspace(&mut self, t: usize) -> Result<()> {
+        if self.ws.as_ref().is_some_and(|w| w.tokens >= t) {
+            return Ok(());
+        }
+        // Drop the old buffers first so their memory can be reused.
+        self.ws = None;
+        let cap = t.next_power_of_two();
+        let c = &self.cfg;
+        let s = &self.stream;
+        let f = |n: usize| {
+            s.alloc_zeros::<f32>(n)
+                .map_err(|e| drv(&format!("activations for {cap} tokens"), e))
+        };
+        let b = |n: usize| {
+            s.alloc_zeros::<u16>(n)
+                .map_err(|e| drv(&format!("activations for {cap} tokens"), e))
+        };
+        self.ws = Some(Workspace {
+            tokens: cap,
+            x: f(cap * c.hidden_size)?,
+            xn: b(cap * c.hidden_size)?,
+            qkv: f(cap * (c.q_dim() + 2 * c.kv_dim()))?,
+            attn: b(cap * c.q_dim())?,
+            tmp: f(cap * c.hidden_size)?,
+            gate_up: f(cap * 2 * c.intermediate_size)?,
+            act: b(cap * c.intermediate_size)?,
+        });
+        Ok(())
+    }
+
+    fn ensure_logits_space(&mut self, rows: usize) -> Result<()> {
+        if self.ls.as_ref().is_some_and(|l| l.rows >= rows) {
+            return Ok(());
+        }
+        self.ls = None;
+        let cap = rows.next_power_of_two();
+        let s = &self.stream;
+        let e = |x| drv(&format!("logits for {cap} rows"), x);
+        self.ls = Some(LogitsSpace {
+            rows: cap,
+            xr: s
+                .alloc_zeros::<u16>(cap * self.cfg.hidden_size)
+                .map_err(e)?,
+            logits: s.alloc_zeros::<f32>(cap * self.cfg.vocab_size).map_err(e)?,
+            token: s.alloc_zeros::<i32>(cap).map_err(e)?,
+            logprob: s.alloc_zeros::<f32>(cap).map_err(e)?,
+        });
+        Ok(())
+    }
+
+    /// Runs the step up to the logits, which it leaves in `self.ls.logits` (rows in batch
+    /// order). Returns how many rows have logits.
+    fn run(&mut self, batch: &ForwardBatch) -> Result<usize> {
+        let t = batch.num_tokens();
+        if t == 0 {
+            return Ok(0);
+        }
+        let layout = batch::build(batch, self.block_size, self.num_blocks, self.cfg.vocab_size)?;
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| drv("binding the context", e))?;
+        self.ensure_workspace(t)?;
+        let n_logits = layout.logits_rows.len();
+        if n_logits > 0 {
+            self.ensure_logits_space(n_logits)?;
+        }
+
+        let Self {
+            cfg,
+            stream,
+            blas,
+            k,
+            embed_tokens,
+            layers,
+            norm,
+            lm_head,
+            inv_freq,
+            k_cache,
+            v_cache,
+            block_size,
+            ws,
+            ls,
+            ..
+        } = self;
+        let ws = ws
+            .as_mut()
+            .ok_or_else(|| EngineError::Backend("workspace missing".into()))?;
+        let up = |v: &[i32]| stream.clone_htod(v).map_err(|e| drv("batch upload", e));
+        let token_ids = up(&layout.token_ids)?;
+        let positions = up(&layout.positions)?;
+        let slots = up(&layout.slot_mapping)?;
+        let seq_starts = up(&layout.seq_starts)?;
+        let seq_lens = up(&layout.seq_lens)?;
+        let tables = up(&layout.block_tables)?;
+
+        let (h, d) = (cfg.hidden_size, cfg.head_dim);
+        let (nq, nkv) = (cfg.num_heads, cfg.num_kv_heads);
+        let row = cfg.q_dim() + 2 * cfg.kv_dim();
+        let num_seqs = layout.num_seqs();
+        let (h_i, d_i, nq_i, nkv_i, row_i) =
+            (h as i32, d as i32, nq as i32, nkv as i32, row as i32);
+        let inter_i = cfg.intermediate_size as i32;
+        let t_i = t as i32;
+        let bs_i = *block_size as i32;
+        let max_blocks_i = layout.max_blocks as i32;
+        let eps = cfg.rms_norm_eps;
+        let scale = 1.0f32 / (d as f32).sqrt();
+        let launch_err =
+            |name: &'static str| move |e: DriverError| drv(&format!("{name} launch"), e);
+
+        // SAFETY (all launches below): every buffer is sized for at least `t` tokens (the
+        // workspace) or for the whole pool (the caches), the batch indices were bounds-checked
+        // by `batch::build`, and the argument lists match the kernels' signatures in
+        // kernels.cu in order and type (pointers, i32, f32).
+        unsafe {
+            stream
+                .launch_builder(&k.embed_gather)
+                .arg(&*embed_tokens)
+                .arg(&token_ids)
+                .arg(&mut ws.x)
+                .arg(&h_i)
+                .launch(grid(t, 1, 1, 256))
+        }
+        .map_err(launch_err("embed_gather"))?;
+        if let Some(first) = layers.first() {
+            unsafe {
+                stream
+                    .launch_builder(&k.rmsnorm)
+                    .arg(&ws.x)
+                    .arg(&first.input_layernorm)
+                    .arg(&mut ws.xn)
+                    .arg(&h_i)
+                    .arg(&eps)
+                    .launch(grid(t, 1, 1, 256))
+            }
+            .map_err(launch_err("rmsnorm"))?;
+        }
+
+        for li in 0..layers.len() {
+            let layer = &layers[li];
+            linear(
+                blas,
+                stream,
+                &k.bias_add,
+                &layer.qkv_proj,
+                t,
+                &ws.xn,
+                &mut ws.qkv,
+            )?;
+            if let (Some(qn), Some(kn)) = (&layer.q_norm, &layer.k_norm) {
+                unsafe {
+                    stream
+                        .launch_builder(&k.qk_norm)
+                        .arg(&mut ws.qkv)
+                        .arg(qn)
+                        .arg(kn)
+                        .arg(&row_i)
+                        .arg(&nq_i)
+                        .arg(&d_i)
+                        .arg(&eps)
+                        .launch(grid(t, nq + nkv, 1, 32))
+                }
+                .map_err(launch_err("qk_norm"))?;
+            }
+            unsafe {
+                stream
+                    .launch_builder(&k.rope_kv_write)
+                    .arg(&mut ws.qkv)
+                    .arg(&positions)
+                    .arg(&*inv_freq)
+                    .arg(&slots)
+                    .arg(&mut k_cache[li])
+                    .arg(&mut v_cache[li])
+                    .arg(&row_i)
+                    .arg(&nq_i)
+                    .arg(&nkv_i)
+                    .arg(&d_i)
+                    .launch(grid(t, nq + nkv, 1, 64))
+            }
+            .map_err(launch_err("rope_kv_write"))?;
+            if layout.is_decode() {
+                unsafe {
+                    stream
+                        .launch_builder(&k.attention_decode)
+                        .arg(&ws.qkv)
+                        .arg(&row_i)
+                        .arg(&seq_starts)
+                        .arg(&seq_lens)
+                        .arg(&tables)
+                        .arg(&max_blocks_i)
+                        .arg(&k_cache[li])
+                        .arg(&v_cache[li])
+                        .arg(&mut ws.attn)
+                        .arg(&nq_i)
+                        .arg(&nkv_i)
+                        .arg(&d_i)
+                        .arg(&bs_i)
+                        .arg(&scale)
+                        .launch(grid(num_seqs, nq, 1, 128))
+                }
+                .map_err(launch_err("paged_attention_decode"))?;
+            } else {
+                let tiles = layout.max_query_len.div_ceil(4);
+                unsafe {
+                    stream
+                        .launch_builder(&k.attention_prefill)
+                        .arg(&ws.qkv)
+                        .arg(&row_i)
+                        .arg(&positions)
+                        .arg(&seq_starts)
+                        .arg(&seq_lens)
+                        .arg(&tables)
+                        .arg(&max_blocks_i)
+                        .arg(&k_cache[li])
+                        .arg(&v_cache[li])
+                        .arg(&mut ws.attn)
+                        .arg(&nq_i)
+                        .arg(&nkv_i)
+                        .arg(&d_i)
+                        .arg(&bs_i)
+                        .arg(&scale)
+                        .launch(grid(num_seqs, nq, tiles, 128))
+                }
+                .map_err(launch_err("paged_attention_prefill"))?;
+            }
+            linear(
+                blas,
+                stream,
+                &k.bias_add,
+                &layer.o_proj,
+                t,
+                &ws.attn,
+                &mut ws.tmp,
+            )?;
+            unsafe {
+                stream
+                    .launch_builder(&k.add_rmsnorm)
+                    .arg(&mut ws.x)
+                    .arg(&ws.tmp)
+                    .arg(&layer.post_attention_layernorm)
+                    .arg(&mut ws.xn)
+                    .arg(&h_i)
+                    .arg(&eps)
+                    .launch(grid(t, 1, 1, 256))
+            }
+            .map_err(launch_err("add_rmsnorm"))?;
+            linear(
+                blas,
+                stream,
+                &k.bias_add,
+                &layer.gate_up_proj,
+                t,
+                &ws.xn,
+                &mut ws.gate_up,
+            )?;
+            unsafe {
+                stream
+                    .launch_builder(&k.silu_mul)
+                    .arg(&ws.gate_up)
+                    .arg(&mut ws.act)
+                    .arg(&t_i)
+                    .arg(&inter_i)
+                    .launch(launch_1d(t * cfg.intermediate_size))
+            }
+            .map_err(launch_err("silu_mul"))?;
+            linear(
+                blas,
+                stream,
+                &k.bias_add,
+                &layer.down_proj,
+                t,
+                &ws.act,
+                &mut ws.tmp,
+            )?;
+            // The residual add, fused with the next layer's input norm, or with the final
+            // norm after the last layer.
+            let next_norm = match layers.get(li + 1) {
+                Some(next) => &next.input_layernorm,
+                None => &*norm,
+            };
+            unsafe {
+                stream
+                    .launch_builder(&k.add_rmsnorm)
+                    .arg(&mut ws.x)
+                    .arg(&ws.tmp)
+                    .arg(next_norm)
+                    .arg(&mut ws.xn)
+                    .arg(&h_i)
+                    .arg(&eps)
+                    .launch(grid(t, 1, 1, 256))
+            }
+            .map_err(launch_err("add_rmsnorm"))?;
+        }
+        if layers.is_empty() {
+            // No layer fused the final norm: apply it to the embeddings.
+            unsafe {
+                stream
+                    .launch_builder(&k.rmsnorm)
+                    .arg(&ws.x)
+                    .arg(&*norm)
+                    .arg(&mut ws.xn)
+                    .arg(&h_i)
+                    .arg(&eps)
+                    .launch(grid(t, 1, 1, 256))
+            }
+            .map_err(launch_err("rmsnorm"))?;
+        }
+
+        if n_logits == 0 {
+            return Ok(0);
+        }
+        let ls = ls
+            .as_mut()
+            .ok_or_else(|| EngineError::Backend("logits space missing".into()))?;
+        let rows = up(&layout.logits_rows)?;
+        unsafe {
+            stream
+                .launch_builder(&k.gather_rows)
+                .arg(&ws.xn)
+                .arg(&rows)
+                .arg(&mut ls.xr)
+                .arg(&h_i)
+                .launch(grid(n_logits, 1, 1, 256))
+        }
+        .map_err(launch_err("gather_rows_bf16"))?;
+        let head_w = match lm_head {
+            Some(l) => &l.w,
+            None => &*embed_tokens,
+        };
+        {
+            let (xp, _gx) = ls.xr.device_ptr(stream);
+            let (wp, _gw) = head_w.device_ptr(stream);
+            let (yp, _gy) = ls.logits.device_ptr_mut(stream);
+            // SAFETY: xr holds n_logits rows of h, the head is [vocab, h], logits holds
+            // n_logits rows of vocab.
+            unsafe { gemm_bf16_f32(blas, n_logits, cfg.vocab_size, h, xp, wp, yp, 0.0)? };
+        }
+        Ok(n_logits)
+    }
+
+    /// KV-transfer hook: the K and V of `blocks` in `layer`, as little-endian bf16 bytes,
+    /// block after block, each block its K `[block_size, num_kv_heads, head_dim]` then its V.
+    ///
+    /// The blocks are gathered on the device into one buffer and copied out in a single
+    /// transfer through page-locked (pinned) host memory, which the DMA engine reads
+    /// directly; the pinned buffer is allocated per call (not kept) for now.
+    pub fn copy_blocks_out(&mut self, layer: usize, blocks: &[BlockId]) -> Result<Vec<u8>> {
+        let per = self.block_elems();
+        self.check_blocks(layer, blocks)?;
+        if blocks.is_empty() {
+            return Ok(Vec::new());
+        }
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| drv("binding the context", e))?;
+        let n = blocks.len() * 2 * per;
+        let s = &self.stream;
+        let mut staging = s
+            .alloc_zeros::<u16>(n)
+            .map_err(|e| drv("KV staging buffer", e))?;
+        for (i, b) in blocks.iter().enumerate() {
+            let src = b.0 as usize * per;
+            let dst = i * 2 * per;
+            s.memcpy_dtod(
+                &self.k_cache[layer].slice(src..src + per),
+                &mut staging.slice_mut(dst..dst + per),
+            )
+            .map_err(|e| drv("KV block copy", e))?;
+            s.memcpy_dtod(
+                &self.v_cache[layer].slice(src..src + per),
+                &mut staging.slice_mut(dst + per..dst + 2 * per),
+            )
+            .map_err(|e| drv("KV block copy", e))?;
+        }
+        // SAFETY: the buffer is fully overwritten by the copy below before it is read.
+        let mut pinned = unsafe { self.ctx.alloc_pinned_with_flags::<u16>(n, 0) }
+            .map_err(|e| drv("pinned host buffer", e))?;
+        s.memcpy_dtoh(&staging, &mut pinned)
+            .map_err(|e| drv("KV copy to host", e))?;
+        s.synchronize().map_err(|e| drv("KV copy to host", e))?;
+        let host = pinned
+            .as_slice()
+            .map_err(|e| drv("reading the pinned buffer", e))?;
+        let mut out = Vec::with_capacity(2 * n);
+        for v in host {
+            out.extend_from_slice(&v.to_le_bytes());
+        }
+        Ok(out)
+    }
+
+    /// KV-transfer hook, the inverse of `copy_blocks_out`: writes `bytes` (the same layout)
+    /// into `blocks` of `layer`, through a pinned buffer and one host-to-device transfer.
+    pub fn copy_blocks_in(&mut self, layer: usize, blocks: &[BlockId], bytes: &[u8]) -> Result<()> {
+        let per = self.block_elems();
+        self.check_blocks(layer, blocks)?;
+        let n = blocks.len() * 2 * per;
+        if bytes.len() != 2 * n {
+            return Err(EngineError::Backend(format!(
+                "KV transfer for {} blocks expects {} bytes, got {}",
+                blocks.len(),
+                2 * n,
+                bytes.len()
+            )));
+        }
+        if blocks.is_empty() {
+            return Ok(());
+        }
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| drv("binding the context", e))?;
+        // SAFETY: every element is written below before the copy reads it.
+        let mut pinned = unsafe { self.ctx.alloc_pinned_with_flags::<u16>(n, 0) }
+            .map_err(|e| drv("pinned host buffer", e))?;
+        {
+            let host = pinned
+                .as_mut_slice()
+                .map_err(|e| drv("writing the pinned buffer", e))?;
+            for (dst, b) in host.iter_mut().zip(bytes.chunks_exact(2)) {
+                *dst = u16::from_le_bytes([b[0], b[1]]);
+            }
+        }
+        let s = &self.stream;
+        let mut staging = s
+            .alloc_zeros::<u16>(n)
+            .map_err(|e| drv("KV staging buffer", e))?;
+        s.memcpy_htod(&pinned, &mut staging)
+            .map_err(|e| drv("KV copy to device", e))?;
+        for (i, b) in blocks.iter().enumerate() {
+            let dst = b.0 as usize * per;
+            let src = i * 2 * per;
+            s.memcpy_dtod(
+                &staging.slice(src..src + per),
+                &mut self.k_cache[layer].slice_mut(dst..dst + per),
+            )
+            .map_err(|e| drv("KV block copy", e))?;
+            s.memcpy_dtod(
+                &staging.slice(src + per..src + 2 * per),
+                &mut self.v_cache[layer].slice_mut(dst..dst + per),
+            )
+            .map_err(|e| drv("KV block copy", e))?;
+        }
+        s.synchronize().map_err(|e| drv("KV copy to device", e))?;
+        Ok(())
+    }
+
+    /// bf16 elements of one block in one layer, for K or for V.
+    fn block_elems(&self) -> usize {
+        self.block_size * self.cfg.kv_dim()
+    }
+
+    fn check_blocks(&self, layer: usize, blocks: &[BlockId]) -> Result<()> {
+        if layer >= self.k_cache.len() {
+            return Err(EngineError::Backend(format!(
+                "layer {layer} does not exist (the model has {})",
+                self.k_cache.len()
+            )));
+        }
+        if let Some(b) = blocks.iter().find(|b| b.0 as usize >= self.num_blocks) {
+            return Err(EngineError::Backend(format!(
+                "block {} is outside the pool of {} blocks",
+                b.0, self.num_blocks
+            )));
+        }
+        Ok(())
+    }
+}
+
+impl Backend for CudaBackend {
+    fn device(&self) -> String {
+        format!("cuda:{}", self.ordinal)
+    }
+
+    fn num_blocks(&self) -> usize {
+        self.num_blocks
+    }
+
+    fn forward(&mut self, batch: &ForwardBatch) -> Result<Vec<Vec<f32>>> {
+        let n = self.run(batch)?;
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        let v = self.cfg.vocab_size;
+        let ls = self
+            .ls
+            .as_ref()
+            .ok_or_else(|| EngineError::Backend("logits space missing".into()))?;
+        let host = self
+            .stream
+            .clone_dtoh(&ls.logits.slice(0..n * v))
+            .map_err(|e| drv("logits copy", e))?;
+        // A copy to pageable memory completes before returning, but say so explicitly.
+        self.stream
+            .synchronize()
+            .map_err(|e| drv("logits copy", e))?;
+        Ok(host.chunks_exact(v).map(<[f32]>::to_vec).collect())
+    }
+
+    /// Greedy on the device: when every sequence samples greedily (temperature 0 or
+    /// top_k 1, as the CPU sampler decides) and asks for no top logprobs, the argmax and the
+    /// chosen token's logprob are computed on the GPU and only those two numbers per
+    /// sequence are copied back, not a vocabulary of logits. Anything else falls back to
+    /// copying the logits and sampling on the CPU with `sampler::sample`.
+    fn forward_sample(
+        &mut self,
+        batch: &ForwardBatch,
+        specs: &mut [SampleSpec],
+    ) -> Result<Vec<Sampled>> {
+        let greedy = specs.iter().all(|s| {
+            (s.params.temperature <= 1e-5 || s.params.top_k == 1)
+                && matches!(s.params.logprobs, None | Some(0))
+        });
+        if !greedy {
+            let logits = self.forward(batch)?;
+            return Ok(logits
+                .iter()
+                .zip(specs.iter_mut())
+                .map(|(l, s)| sample(l, s.params, s.rng))
+                .collect());
+        }
+        let n = self.run(batch)?;
+        if n != specs.len() {
+            return Err(EngineError::Backend(format!(
+                "{n} sequences want a token but {} sampling specs were given",
+                specs.len()
+            )));
+        }
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        let vocab_i = self.cfg.vocab_size as i32;
+        let ls = self
+            .ls
+            .as_mut()
+            .ok_or_else(|| EngineError::Backend("logits space missing".into()))?;
+        // SAFETY: logits holds n rows of vocab; token and logprob hold at least n entries.
+        unsafe {
+            self.stream
+                .launch_builder(&self.k.argmax_logprob)
+                .arg(&ls.logits)
+                .arg(&vocab_i)
+                .arg(&mut ls.token)
+                .arg(&mut ls.logprob)
+                .launch(grid(n, 1, 1, 256))
+        }
+        .map_err(|e| drv("argmax_logprob launch", e))?;
+        let tokens = self
+            .stream
+            .clone_dtoh(&ls.token.slice(0..n))
+            .map_err(|e| drv("token copy", e))?;
+        let logprobs = self
+            .stream
+            .clone_dtoh(&ls.logprob.slice(0..n))
+            .map_err(|e| drv("logprob copy", e))?;
+        self.stream
+            .synchronize()
+            .map_err(|e| drv("token copy", e))?;
+        Ok(tokens
+            .into_iter()
+            .zip(logprobs)
+            .map(|(t, lp)| Sampled {
+                token: t.max(0) as u32,
+                logprob: lp,
+                top: Vec::new(),
+            })
+            .collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `--device auto` probes this on every machine: without a driver it must say 0, not
+    /// panic inside the dynamic loader.
+    #[test]
+    fn device_count_never_panics() {
+        assert!(device_count().is_ok());
+    }
+
+    #[test]
+    fn kv_block_bytes_are_bf16_k_and_v_for_every_layer() {
+        let cfg = ModelConfig::from_json(
+            r#"{"architectures":["Qwen3ForCausalLM"],"vocab_size":10,"hidden_size":64,
+               "intermediate_size":8,"num_hidden_layers":3,"num_attention_heads":4,
+               "num_key_value_heads":2,"head_dim":32}"#,
+        )
+        .unwrap();
+        // 2 (K and V) * 3 layers * 16 tokens * 64 (2 kv heads * 32) * 2 bytes.
+        assert_eq!(
+            CudaBackend::kv_bytes_per_block(&cfg, 16),
+            2 * 3 * 16 * 64 * 2
+        );
+    }
+
+    #[test]
+    fn host_conversion_to_bf16_rounds_to_nearest_even() {
+        let v = to_bf16(TensorData::F32(vec![1.0, -2.5, 1.0 + 1.0 / 256.0]));
+        // 1 + 2^-8 is halfway between two bf16 values; the even one (1.0) wins.
+        assert_eq!(v, vec![0x3f80, 0xc020, 0x3f80]);
+        assert_eq!(to_bf16(TensorData::Bf16(vec![7, 8])), vec![7, 8]);
+    }
+}
