@@ -12,8 +12,11 @@
 //! host-side layout is unit-tested, but nothing here has run on a device yet. The first GPU
 //! run should compare `forward` against `CpuBackend` on a small checkpoint.
 //!
-//! Not done yet: CUDA graphs for decode steps (the batch-size buckets they would use are in
-//! `batch::bucket_for`), sampling other than greedy on the device, and a faster prefill
+//! Pure decode steps replay one CUDA graph per batch-size bucket (`batch::bucket_for`),
+//! captured on first use with fixed input buffers and padded to the bucket; every other step
+//! runs eagerly, and `KVMESH_CUDA_GRAPHS=0` turns graphs off (see `run_graph`).
+//!
+//! Not done yet: sampling other than greedy on the device, and a faster prefill
 //! attention (each 4-query tile re-reads the sequence's keys; fine for groundwork, quadratic
 //! in traffic for long prompts). Activations are sized for the step's token count, so the
 //! scheduler's per-step token budget bounds their memory.
@@ -21,13 +24,14 @@
 pub mod batch;
 pub mod ptx_cache;
 
+use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::Arc;
 
 use cudarc::cublas::{result as blas_result, sys as blas_sys, CudaBlas};
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DriverError,
-    LaunchConfig, PushKernelArg,
+    CudaContext, CudaFunction, CudaGraph, CudaSlice, CudaStream, DevicePtr, DevicePtrMut,
+    DriverError, LaunchConfig, PushKernelArg,
 };
 use cudarc::nvrtc::Ptx;
 
@@ -37,6 +41,7 @@ use crate::error::{EngineError, Result};
 use crate::kv_cache::BlockId;
 use crate::safetensors::{TensorData, WeightStore};
 use crate::sampler::{sample, Sampled};
+use batch::BatchLayout;
 
 /// The kernels' source, compiled by NVRTC on first use and then cached (see `ptx_cache`).
 const KERNELS_CU: &str = include_str!("kernels.cu");
@@ -124,6 +129,93 @@ struct LogitsSpace {
     logprob: CudaSlice<f32>,
 }
 
+/// A step's index arrays on the device, as `batch::BatchLayout` lays them out.
+struct StepInputs {
+    token_ids: CudaSlice<i32>,
+    positions: CudaSlice<i32>,
+    slots: CudaSlice<i32>,
+    seq_starts: CudaSlice<i32>,
+    seq_lens: CudaSlice<i32>,
+    tables: CudaSlice<i32>,
+    logits_rows: CudaSlice<i32>,
+}
+
+/// The sizes `enqueue` launches with; for a graph they are the bucket's, fixed at capture.
+struct StepDims {
+    tokens: usize,
+    seqs: usize,
+    /// Row width of `StepInputs::tables`.
+    max_blocks: usize,
+    max_query_len: usize,
+    logits: usize,
+}
+
+/// `CudaGraph` holds raw driver handles and so is not `Send`. The backend must be `Send`
+/// (the engine moves it to its own thread) and touches a graph only through `&mut self`,
+/// one thread at a time, which is all the driver asks: graphs must not be used
+/// concurrently, not never from another thread.
+struct SendGraph(CudaGraph);
+
+// SAFETY: see above; the graph is never shared, only moved with its owner.
+unsafe impl Send for SendGraph {}
+
+/// One decode bucket: the fixed device buffers its graph reads its inputs from (a replay
+/// sees whatever was copied into them just before), and the graph once captured.
+struct DecodeGraph {
+    inputs: StepInputs,
+    /// `None` until captured, and again whenever the workspace or logits buffers are
+    /// reallocated, since the captured launches hold their old addresses.
+    exec: Option<SendGraph>,
+}
+
+/// A pure decode step's inputs padded to a bucket of `bucket` sequences with block tables
+/// `width` wide, built on the host. The padding sequences each run one token at position 0
+/// whose K and V go to the scratch block (one block past the scheduler's pool), and attend
+/// over that one slot, so they touch no real sequence's cache; their logits rows are
+/// computed and ignored.
+#[derive(Debug, PartialEq, Eq)]
+struct GraphHostInputs {
+    token_ids: Vec<i32>,
+    positions: Vec<i32>,
+    slots: Vec<i32>,
+    seq_starts: Vec<i32>,
+    seq_lens: Vec<i32>,
+    tables: Vec<i32>,
+    logits_rows: Vec<i32>,
+}
+
+/// See `GraphHostInputs`. The caller guarantees `layout` is pure decode with every sequence
+/// wanting logits, `num_seqs <= bucket` and `max_blocks <= width`.
+fn graph_inputs(
+    layout: &BatchLayout,
+    bucket: usize,
+    width: usize,
+    scratch_block: i32,
+    block_size: usize,
+) -> GraphHostInputs {
+    let n = layout.num_seqs();
+    let pad = |v: &[i32], fill: i32| {
+        let mut v = v.to_vec();
+        v.resize(bucket, fill);
+        v
+    };
+    let mut tables = vec![scratch_block; bucket * width];
+    let mb = layout.max_blocks;
+    for s in 0..n {
+        tables[s * width..s * width + mb]
+            .copy_from_slice(&layout.block_tables[s * mb..(s + 1) * mb]);
+    }
+    GraphHostInputs {
+        token_ids: pad(&layout.token_ids, 0),
+        positions: pad(&layout.positions, 0),
+        slots: pad(&layout.slot_mapping, scratch_block * block_size as i32),
+        seq_starts: (0..=bucket as i32).collect(),
+        seq_lens: pad(&layout.seq_lens, 1),
+        tables,
+        logits_rows: (0..bucket as i32).collect(),
+    }
+}
+
 pub struct CudaBackend {
     cfg: ModelConfig,
     ordinal: usize,
@@ -143,6 +235,15 @@ pub struct CudaBackend {
     block_size: usize,
     ws: Option<Workspace>,
     ls: Option<LogitsSpace>,
+    /// Decode graphs by bucket size, captured on first use.
+    graphs: HashMap<usize, DecodeGraph>,
+    /// Off with `KVMESH_CUDA_GRAPHS=0`, or after a capture failed.
+    graphs_enabled: bool,
+    /// Block-table width of every graph: enough blocks for the model's context length
+    /// (or the whole pool, if smaller). Longer sequences decode eagerly.
+    graph_width: usize,
+    /// The extra KV block, outside the scheduler's pool, that padding sequences write to.
+    scratch_block: i32,
 }
 
 /// A checkpoint tensor as bf16 bits: bf16 as stored, f32 (and f16, which the loader widens
@@ -230,6 +331,16 @@ unsafe fn gemm_bf16_f32(
         blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
     )
     .map_err(|e| EngineError::Backend(format!("cuBLAS GEMM ({m}x{k} by {n}x{k}): {e:?}")))
+}
+
+fn oom_bw(bytes: usize, e: DriverError) -> EngineError {
+    drv(
+        &format!(
+            "allocating two {:.2} GiB buffers for the bandwidth test",
+            bytes as f64 / GIB
+        ),
+        e,
+    )
 }
 
 fn too_big(what: &str) -> EngineError {
@@ -476,7 +587,19 @@ impl CudaBackend {
         let norm = up32("model.norm", &weights.f32("model.norm.weight", &[h])?)?;
         let inv_freq = up32("rope frequencies", &cfg.rope_inv_freq())?;
 
-        let per_layer = num_blocks * block_size * kv;
+        // One block more than asked for: the scratch block decode graphs pad with.
+        // Graphs are on unless KVMESH_CUDA_GRAPHS=0, and need the scratch block's slots to
+        // fit the kernels' 32-bit indices.
+        let scratch_block = i32::try_from(num_blocks).unwrap_or(i32::MAX);
+        let graphs_enabled = std::env::var("KVMESH_CUDA_GRAPHS").map_or(true, |v| v.trim() != "0")
+            && (num_blocks + 1)
+                .checked_mul(block_size)
+                .is_some_and(|slots| i32::try_from(slots).is_ok());
+        let graph_width = cfg
+            .max_position_embeddings
+            .div_ceil(block_size)
+            .clamp(1, num_blocks);
+        let per_layer = (num_blocks + 1) * block_size * kv;
         let mut k_cache = Vec::with_capacity(cfg.num_layers);
         let mut v_cache = Vec::with_capacity(cfg.num_layers);
         for _ in 0..cfg.num_layers {
@@ -519,6 +642,10 @@ impl CudaBackend {
             block_size,
             ws: None,
             ls: None,
+            graphs: HashMap::new(),
+            graphs_enabled,
+            graph_width,
+            scratch_block,
         })
     }
 
@@ -527,12 +654,104 @@ impl CudaBackend {
         2 * cfg.num_layers * block_size * cfg.kv_dim() * 2
     }
 
+    /// The device's name as the driver reports it ("NVIDIA H100 80GB HBM3"), so benchmark
+    /// results say which GPU produced them.
+    pub fn device_name(&self) -> Result<String> {
+        self.ctx.name().map_err(|e| drv("device name query", e))
+    }
+
+    /// Whether pure decode steps replay CUDA graphs: false when `KVMESH_CUDA_GRAPHS=0` or
+    /// after a capture failed, so benchmarks can say which path they measured.
+    pub fn cuda_graphs_enabled(&self) -> bool {
+        self.graphs_enabled
+    }
+
+    /// Waits until everything queued on the backend's stream has finished. Steps return once
+    /// their results are copied back, but a caller timing work needs an explicit fence.
+    pub fn synchronize(&self) -> Result<()> {
+        self.stream
+            .synchronize()
+            .map_err(|e| drv("stream synchronisation", e))
+    }
+
+    /// Bytes of weights one decode step reads: every layer's matrices and norms, the final
+    /// norm and the output head (the embedding matrix when tied; the embedding gather itself
+    /// touches only the batch's rows and is not counted). This is the traffic that bounds
+    /// batch-1 decode, for comparing against the device's memory bandwidth.
+    pub fn weight_bytes_per_step(&self) -> usize {
+        let lin = |l: &DevLinear| 2 * l.w.len() + 4 * l.bias.as_ref().map_or(0, |b| b.len());
+        let norm_len = |n: &Option<CudaSlice<f32>>| n.as_ref().map_or(0, |s| s.len());
+        let layers: usize = self
+            .layers
+            .iter()
+            .map(|l| {
+                lin(&l.qkv_proj)
+                    + lin(&l.o_proj)
+                    + lin(&l.gate_up_proj)
+                    + lin(&l.down_proj)
+                    + 4 * (l.input_layernorm.len()
+                        + l.post_attention_layernorm.len()
+                        + norm_len(&l.q_norm)
+                        + norm_len(&l.k_norm))
+            })
+            .sum();
+        let head = match &self.lm_head {
+            Some(l) => lin(l),
+            None => 2 * self.embed_tokens.len(),
+        };
+        layers + head + 4 * self.norm.len()
+    }
+
+    /// Device-to-device copy bandwidth in bytes/s: the best of `reps` timed copies of a
+    /// `bytes`-byte buffer (after one untimed warm-up), timed with CUDA events on the
+    /// backend's stream. Each copy reads and writes `bytes`, so `2 * bytes / time` is
+    /// reported, the convention of NVIDIA's `bandwidthTest`: it is the DRAM traffic the
+    /// copy sustains, the figure a weight-streaming decode step is compared against.
+    pub fn copy_bandwidth(&self, bytes: usize, reps: usize) -> Result<f64> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| drv("binding the context", e))?;
+        let s = &self.stream;
+        let src = s.alloc_zeros::<u8>(bytes).map_err(|e| oom_bw(bytes, e))?;
+        let mut dst = s.alloc_zeros::<u8>(bytes).map_err(|e| oom_bw(bytes, e))?;
+        let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let mut best = 0f64;
+        for i in 0..=reps {
+            let start = s
+                .record_event(timing)
+                .map_err(|e| drv("bandwidth event", e))?;
+            s.memcpy_dtod(&src, &mut dst)
+                .map_err(|e| drv("bandwidth copy", e))?;
+            let end = s
+                .record_event(timing)
+                .map_err(|e| drv("bandwidth event", e))?;
+            let ms = start
+                .elapsed_ms(&end)
+                .map_err(|e| drv("bandwidth timing", e))?;
+            // The first copy pays for first-touch page mapping; it is not a measurement.
+            if i > 0 && ms > 0.0 {
+                best = best.max(2.0 * bytes as f64 / (f64::from(ms) * 1e-3));
+            }
+        }
+        Ok(best)
+    }
+
+    /// Forgets captured graphs (keeping their input buffers); the next decode step of each
+    /// bucket captures again.
+    fn drop_graphs(&mut self) {
+        for g in self.graphs.values_mut() {
+            g.exec = None;
+        }
+    }
+
     fn ensure_workspace(&mut self, t: usize) -> Result<()> {
         if self.ws.as_ref().is_some_and(|w| w.tokens >= t) {
             return Ok(());
         }
-        // Drop the old buffers first so their memory can be reused.
+        // Drop the old buffers first so their memory can be reused; graphs captured with
+        // them would launch on freed memory.
         self.ws = None;
+        self.drop_graphs();
         let cap = t.next_power_of_two();
         let c = &self.cfg;
         let s = &self.stream;
@@ -562,6 +781,7 @@ impl CudaBackend {
             return Ok(());
         }
         self.ls = None;
+        self.drop_graphs();
         let cap = rows.next_power_of_two();
         let s = &self.stream;
         let e = |x| drv(&format!("logits for {cap} rows"), x);
@@ -578,7 +798,8 @@ impl CudaBackend {
     }
 
     /// Runs the step up to the logits, which it leaves in `self.ls.logits` (rows in batch
-    /// order). Returns how many rows have logits.
+    /// order). Returns how many rows have logits. A pure decode step that fits a bucket
+    /// replays a captured CUDA graph (see `run_graph`); anything else is launched eagerly.
     fn run(&mut self, batch: &ForwardBatch) -> Result<usize> {
         let t = batch.num_tokens();
         if t == 0 {
@@ -588,12 +809,181 @@ impl CudaBackend {
         self.ctx
             .bind_to_thread()
             .map_err(|e| drv("binding the context", e))?;
+        if let Some(n) = self.run_graph(&layout)? {
+            return Ok(n);
+        }
         self.ensure_workspace(t)?;
         let n_logits = layout.logits_rows.len();
         if n_logits > 0 {
             self.ensure_logits_space(n_logits)?;
         }
+        let up = |v: &[i32]| {
+            // A zero-length allocation is an error in the driver; an unused array gets one
+            // dummy entry instead.
+            let v = if v.is_empty() { &[0][..] } else { v };
+            self.stream
+                .clone_htod(v)
+                .map_err(|e| drv("batch upload", e))
+        };
+        let inputs = StepInputs {
+            token_ids: up(&layout.token_ids)?,
+            positions: up(&layout.positions)?,
+            slots: up(&layout.slot_mapping)?,
+            seq_starts: up(&layout.seq_starts)?,
+            seq_lens: up(&layout.seq_lens)?,
+            tables: up(&layout.block_tables)?,
+            logits_rows: up(&layout.logits_rows)?,
+        };
+        let dims = StepDims {
+            tokens: t,
+            seqs: layout.num_seqs(),
+            max_blocks: layout.max_blocks,
+            max_query_len: layout.max_query_len,
+            logits: n_logits,
+        };
+        self.enqueue(&dims, &inputs)
+    }
 
+    /// The pure-decode fast path: copies the step's inputs, padded to the bucket, into the
+    /// bucket's fixed device buffers and replays its graph, capturing it first if there is
+    /// none yet (the first decode step of each bucket, and the first after the workspace
+    /// grew). Returns `None`, and the caller runs the step eagerly, when graphs are off or
+    /// the step does not qualify: not pure decode, a sequence that wants no logits, more
+    /// sequences than the largest bucket, or a block table wider than `graph_width`.
+    ///
+    /// Why graphs: a decode step is a few hundred small launches whose CPU-side cost is
+    /// comparable to the GPU work at small batch; a replay is one launch.
+    fn run_graph(&mut self, layout: &BatchLayout) -> Result<Option<usize>> {
+        let n = layout.num_seqs();
+        if !self.graphs_enabled
+            || !layout.is_decode()
+            || layout.num_tokens() != n
+            || layout.logits_rows.len() != n
+            || layout.max_blocks > self.graph_width
+        {
+            return Ok(None);
+        }
+        let Some(b) = batch::bucket_for(n) else {
+            return Ok(None);
+        };
+        self.ensure_workspace(b)?;
+        self.ensure_logits_space(b)?;
+        let w = self.graph_width;
+        let host = graph_inputs(layout, b, w, self.scratch_block, self.block_size);
+        if !self.graphs.contains_key(&b) {
+            let s = &self.stream;
+            let a = |len: usize| {
+                s.alloc_zeros::<i32>(len)
+                    .map_err(|e| drv("decode graph input buffers", e))
+            };
+            let inputs = StepInputs {
+                token_ids: a(b)?,
+                positions: a(b)?,
+                slots: a(b)?,
+                seq_starts: a(b + 1)?,
+                seq_lens: a(b)?,
+                tables: a(b * w)?,
+                logits_rows: a(b)?,
+            };
+            self.graphs.insert(b, DecodeGraph { inputs, exec: None });
+        }
+        let mut g = self
+            .graphs
+            .remove(&b)
+            .ok_or_else(|| EngineError::Backend("decode graph missing".into()))?;
+        let r = self.replay(&mut g, &host, b, w);
+        if self.graphs_enabled {
+            self.graphs.insert(b, g);
+        }
+        Ok(r?.map(|()| n))
+    }
+
+    /// Uploads `host` into `g`'s buffers, captures `g` if needed, and launches it.
+    /// `Ok(None)` when capture failed: graphs are then switched off for this backend (with a
+    /// warning) and the step runs eagerly, so a driver or library that cannot capture costs
+    /// speed, not correctness.
+    fn replay(
+        &mut self,
+        g: &mut DecodeGraph,
+        host: &GraphHostInputs,
+        b: usize,
+        w: usize,
+    ) -> Result<Option<()>> {
+        {
+            let s = &self.stream;
+            let i = &mut g.inputs;
+            let e = |e| drv("decode graph input upload", e);
+            // Pageable host memory: each copy has taken the data when it returns.
+            s.memcpy_htod(&host.token_ids, &mut i.token_ids)
+                .map_err(e)?;
+            s.memcpy_htod(&host.positions, &mut i.positions)
+                .map_err(e)?;
+            s.memcpy_htod(&host.slots, &mut i.slots).map_err(e)?;
+            s.memcpy_htod(&host.seq_starts, &mut i.seq_starts)
+                .map_err(e)?;
+            s.memcpy_htod(&host.seq_lens, &mut i.seq_lens).map_err(e)?;
+            s.memcpy_htod(&host.tables, &mut i.tables).map_err(e)?;
+            s.memcpy_htod(&host.logits_rows, &mut i.logits_rows)
+                .map_err(e)?;
+        }
+        if g.exec.is_none() {
+            let dims = StepDims {
+                tokens: b,
+                seqs: b,
+                max_blocks: w,
+                max_query_len: 1,
+                logits: b,
+            };
+            // SAFETY: the backend issues all its work on one stream, which orders it without
+            // cudarc's per-buffer events. Tracking is off only while capturing, because a
+            // capture may not wait on events recorded before it began.
+            unsafe { self.ctx.disable_event_tracking() };
+            let captured = match self.stream.begin_capture(
+                cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+            ) {
+                Err(e) => Err(drv("graph capture start", e)),
+                Ok(()) => {
+                    let r = self.enqueue(&dims, &g.inputs);
+                    // End the capture whatever happened, so the stream leaves capture mode.
+                    let end = self
+                        .stream
+                        .end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0))
+                        .map_err(|e| drv("graph capture", e));
+                    r.and(end).and_then(|graph| {
+                        graph.ok_or_else(|| {
+                            EngineError::Backend("graph capture recorded nothing".into())
+                        })
+                    })
+                }
+            };
+            // SAFETY: restores cudarc's default.
+            unsafe { self.ctx.enable_event_tracking() };
+            match captured {
+                Ok(graph) => g.exec = Some(SendGraph(graph)),
+                Err(e) => {
+                    tracing::warn!(
+                        error = %e,
+                        bucket = b,
+                        "CUDA graph capture failed; decode steps run eagerly from now on"
+                    );
+                    self.graphs_enabled = false;
+                    self.graphs.clear();
+                    return Ok(None);
+                }
+            }
+        }
+        if let Some(exec) = &g.exec {
+            exec.0.launch().map_err(|e| drv("decode graph launch", e))?;
+        }
+        Ok(Some(()))
+    }
+
+    /// Enqueues the whole forward pass for a step whose inputs are in `inp` (device arrays
+    /// laid out as `batch::BatchLayout` describes), leaving the logits in `self.ls`. It
+    /// neither allocates nor synchronises, so it can be recorded into a CUDA graph.
+    fn enqueue(&mut self, dims: &StepDims, inp: &StepInputs) -> Result<usize> {
+        let t = dims.tokens;
+        let n_logits = dims.logits;
         let Self {
             cfg,
             stream,
@@ -614,24 +1004,17 @@ impl CudaBackend {
         let ws = ws
             .as_mut()
             .ok_or_else(|| EngineError::Backend("workspace missing".into()))?;
-        let up = |v: &[i32]| stream.clone_htod(v).map_err(|e| drv("batch upload", e));
-        let token_ids = up(&layout.token_ids)?;
-        let positions = up(&layout.positions)?;
-        let slots = up(&layout.slot_mapping)?;
-        let seq_starts = up(&layout.seq_starts)?;
-        let seq_lens = up(&layout.seq_lens)?;
-        let tables = up(&layout.block_tables)?;
 
         let (h, d) = (cfg.hidden_size, cfg.head_dim);
         let (nq, nkv) = (cfg.num_heads, cfg.num_kv_heads);
         let row = cfg.q_dim() + 2 * cfg.kv_dim();
-        let num_seqs = layout.num_seqs();
+        let num_seqs = dims.seqs;
         let (h_i, d_i, nq_i, nkv_i, row_i) =
             (h as i32, d as i32, nq as i32, nkv as i32, row as i32);
         let inter_i = cfg.intermediate_size as i32;
         let t_i = t as i32;
         let bs_i = *block_size as i32;
-        let max_blocks_i = layout.max_blocks as i32;
+        let max_blocks_i = dims.max_blocks as i32;
         let eps = cfg.rms_norm_eps;
         let scale = 1.0f32 / (d as f32).sqrt();
         let launch_err =
@@ -645,7 +1028,7 @@ impl CudaBackend {
             stream
                 .launch_builder(&k.embed_gather)
                 .arg(&*embed_tokens)
-                .arg(&token_ids)
+                .arg(&inp.token_ids)
                 .arg(&mut ws.x)
                 .arg(&h_i)
                 .launch(grid(t, 1, 1, 256))
@@ -695,9 +1078,9 @@ impl CudaBackend {
                 stream
                     .launch_builder(&k.rope_kv_write)
                     .arg(&mut ws.qkv)
-                    .arg(&positions)
+                    .arg(&inp.positions)
                     .arg(&*inv_freq)
-                    .arg(&slots)
+                    .arg(&inp.slots)
                     .arg(&mut k_cache[li])
                     .arg(&mut v_cache[li])
                     .arg(&row_i)
@@ -707,15 +1090,15 @@ impl CudaBackend {
                     .launch(grid(t, nq + nkv, 1, 64))
             }
             .map_err(launch_err("rope_kv_write"))?;
-            if layout.is_decode() {
+            if dims.max_query_len == 1 {
                 unsafe {
                     stream
                         .launch_builder(&k.attention_decode)
                         .arg(&ws.qkv)
                         .arg(&row_i)
-                        .arg(&seq_starts)
-                        .arg(&seq_lens)
-                        .arg(&tables)
+                        .arg(&inp.seq_starts)
+                        .arg(&inp.seq_lens)
+                        .arg(&inp.tables)
                         .arg(&max_blocks_i)
                         .arg(&k_cache[li])
                         .arg(&v_cache[li])
@@ -729,16 +1112,16 @@ impl CudaBackend {
                 }
                 .map_err(launch_err("paged_attention_decode"))?;
             } else {
-                let tiles = layout.max_query_len.div_ceil(4);
+                let tiles = dims.max_query_len.div_ceil(4);
                 unsafe {
                     stream
                         .launch_builder(&k.attention_prefill)
                         .arg(&ws.qkv)
                         .arg(&row_i)
-                        .arg(&positions)
-                        .arg(&seq_starts)
-                        .arg(&seq_lens)
-                        .arg(&tables)
+                        .arg(&inp.positions)
+                        .arg(&inp.seq_starts)
+                        .arg(&inp.seq_lens)
+                        .arg(&inp.tables)
                         .arg(&max_blocks_i)
                         .arg(&k_cache[li])
                         .arg(&v_cache[li])
@@ -841,12 +1224,11 @@ impl CudaBackend {
         let ls = ls
             .as_mut()
             .ok_or_else(|| EngineError::Backend("logits space missing".into()))?;
-        let rows = up(&layout.logits_rows)?;
         unsafe {
             stream
                 .launch_builder(&k.gather_rows)
                 .arg(&ws.xn)
-                .arg(&rows)
+                .arg(&inp.logits_rows)
                 .arg(&mut ls.xr)
                 .arg(&h_i)
                 .launch(grid(n_logits, 1, 1, 256))
@@ -1119,6 +1501,41 @@ mod tests {
             CudaBackend::kv_bytes_per_block(&cfg, 16),
             2 * 3 * 16 * 64 * 2
         );
+    }
+
+    /// Padding must never point a real sequence's table or a padding token's KV write at a
+    /// block the scheduler owns: everything padded goes to the scratch block.
+    #[test]
+    fn decode_graph_inputs_pad_to_the_scratch_block() {
+        use crate::backend::SeqInput;
+        let (t0, t1) = ([BlockId(3), BlockId(4)], [BlockId(7)]);
+        let batch = ForwardBatch {
+            seqs: vec![
+                SeqInput {
+                    tokens: &[11],
+                    start_pos: 5,
+                    block_table: &t0,
+                    want_logits: true,
+                },
+                SeqInput {
+                    tokens: &[12],
+                    start_pos: 2,
+                    block_table: &t1,
+                    want_logits: true,
+                },
+            ],
+        };
+        let layout = batch::build(&batch, 4, 8, 100).unwrap();
+        let g = graph_inputs(&layout, 4, 3, 8, 4);
+        assert_eq!(g.token_ids, vec![11, 12, 0, 0]);
+        assert_eq!(g.positions, vec![5, 2, 0, 0]);
+        assert_eq!(g.slots, vec![4 * 4 + 1, 7 * 4 + 2, 32, 32]);
+        assert_eq!(g.seq_starts, vec![0, 1, 2, 3, 4]);
+        assert_eq!(g.seq_lens, vec![6, 3, 1, 1]);
+        // Sequence 1's row: its block, then the layout's padding (block 0, never read past
+        // seq_lens), then the scratch block.
+        assert_eq!(g.tables, vec![3, 4, 8, 7, 0, 8, 8, 8, 8, 8, 8, 8]);
+        assert_eq!(g.logits_rows, vec![0, 1, 2, 3]);
     }
 
     #[test]
