@@ -47,15 +47,7 @@ impl Server {
     }
 
     pub async fn post(&self, path: &str, body: Value) -> (u16, Value) {
-        let r = self
-            .http
-            .post(format!("{}{path}", self.base))
-            .json(&body)
-            .send()
-            .await
-            .expect("send");
-        let status = r.status().as_u16();
-        (status, r.json().await.expect("json body"))
+        self.post_raw(path, &body.to_string()).await
     }
 
     pub async fn post_raw(&self, path: &str, body: &str) -> (u16, Value) {
