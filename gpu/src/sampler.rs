@@ -155,54 +155,87 @@ pub fn sample(logits: &[f32], p: &SamplingParams, rng: &mut Rng) -> Sampled {
     }
 }
 
-fn sample_random(logits: &[f32], p: &SamplingParams, rng: &mut Rng) -> u32 {
-    let inv_t = 1.0 / p.temperature;
-    let truncate = p.top_k > 0 && p.top_k < logits.len() || p.top_p < 1.0;
-    if !truncate {
-        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let weights: Vec<f64> = logits
-            .iter()
-            .map(|&x| (((x - max) * inv_t) as f64).exp())
-            .collect();
-        return draw(&weights, rng) as u32;
-    }
-    let k = if p.top_k > 0 {
-        p.top_k.min(logits.len())
+/// A float's bits as an unsigned key with the same order (negatives reversed). The CUDA
+/// sampler finds its thresholds over these keys; the CPU uses the same keys so both keep
+/// exactly the same set.
+fn order_key(x: f32) -> u32 {
+    let b = x.to_bits();
+    if b & 0x8000_0000 != 0 {
+        !b
     } else {
-        logits.len()
-    };
-    let cands = top_n(logits, k);
-    let max = cands[0].1;
-    let mut weights: Vec<f64> = cands
-        .iter()
-        .map(|&(_, x)| (((x - max) * inv_t) as f64).exp())
-        .collect();
+        b | 0x8000_0000
+    }
+}
+
+/// The key threshold of the kept set `{x : order_key(x) >= threshold}` for top-k then
+/// top-p. Ties at a threshold are kept together, so the set can be a little larger than k.
+/// top-p keeps the smallest run of highest logits whose mass (at this temperature) reaches
+/// `top_p` of the top-k mass.
+fn keep_threshold(logits: &[f32], p: &SamplingParams, max: f32, inv_t: f32) -> u32 {
+    let mut keys: Vec<u32> = logits.iter().map(|&x| order_key(x)).collect();
+    let mut thr = 0u32;
+    if p.top_k > 0 && p.top_k < keys.len() {
+        let (_, kth, _) = keys.select_nth_unstable_by(p.top_k - 1, |a, b| b.cmp(a));
+        thr = *kth;
+    }
     if p.top_p < 1.0 {
-        let total: f64 = weights.iter().sum();
+        let mut kept: Vec<(u32, f64)> = logits
+            .iter()
+            .filter(|&&x| order_key(x) >= thr)
+            .map(|&x| (order_key(x), (((x - max) * inv_t) as f64).exp()))
+            .collect();
+        kept.sort_unstable_by_key(|k| std::cmp::Reverse(k.0));
+        let want = p.top_p as f64 * kept.iter().map(|k| k.1).sum::<f64>();
         let mut acc = 0.0;
-        let mut keep = weights.len();
-        for (i, w) in weights.iter().enumerate() {
-            acc += w / total;
-            if acc >= p.top_p as f64 {
-                keep = i + 1;
+        for &(key, w) in &kept {
+            acc += w;
+            if acc >= want {
+                thr = thr.max(key);
                 break;
             }
         }
-        weights.truncate(keep);
     }
-    cands[draw(&weights, rng)].0
+    thr
+}
+
+/// One draw from the kept weights, walked in vocabulary order (as the CUDA sampler walks
+/// them), so a seed picks the same token on either backend up to float rounding.
+fn sample_random(logits: &[f32], p: &SamplingParams, rng: &mut Rng) -> u32 {
+    let inv_t = 1.0 / p.temperature;
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let truncate = p.top_k > 0 && p.top_k < logits.len() || p.top_p < 1.0;
+    let thr = if truncate {
+        keep_threshold(logits, p, max, inv_t)
+    } else {
+        0
+    };
+    let weights: Vec<f64> = logits
+        .iter()
+        .map(|&x| {
+            if order_key(x) >= thr {
+                (((x - max) * inv_t) as f64).exp()
+            } else {
+                0.0
+            }
+        })
+        .collect();
+    draw(&weights, rng) as u32
 }
 
 fn draw(weights: &[f64], rng: &mut Rng) -> usize {
     let total: f64 = weights.iter().sum();
     let mut r = rng.next_f64() * total;
-    for (i, w) in weights.iter().enumerate() {
-        r -= w;
-        if r < 0.0 {
-            return i;
+    let mut last = 0;
+    for (i, &w) in weights.iter().enumerate() {
+        if w > 0.0 {
+            last = i;
+            r -= w;
+            if r < 0.0 {
+                return i;
+            }
         }
     }
-    weights.len() - 1
+    last
 }
 
 #[cfg(test)]
@@ -262,5 +295,68 @@ mod tests {
         assert_ne!(run(42), run(43));
         let distinct: std::collections::HashSet<_> = run(42).into_iter().collect();
         assert!(distinct.len() > 3);
+    }
+
+    #[test]
+    fn order_keys_sort_like_the_floats() {
+        let xs = [
+            f32::NEG_INFINITY,
+            -3.5,
+            -1e-30,
+            -0.0,
+            0.0,
+            1e-30,
+            2.0,
+            7.25,
+            f32::INFINITY,
+        ];
+        for w in xs.windows(2) {
+            assert!(order_key(w[0]) <= order_key(w[1]), "{} vs {}", w[0], w[1]);
+        }
+        assert!(order_key(-1.0) < order_key(1.0));
+    }
+
+    /// Frequencies over many draws match the truncated, renormalised softmax.
+    #[test]
+    fn truncated_draws_follow_the_renormalised_distribution() {
+        let logits = [2.0f32, 1.0, 0.5, 3.0, -1.0, 2.5];
+        let t = 0.8f32;
+        let w = |i: usize| (((logits[i] - 3.0) / t) as f64).exp();
+        // top_k 3 keeps ids 3, 5, 0; top_p 0.7 of that mass keeps 3 and 5.
+        let cases: [(usize, f32, &[usize]); 3] =
+            [(3, 1.0, &[3, 5, 0]), (0, 0.7, &[3, 5]), (3, 0.7, &[3, 5])];
+        for (k, top_p, kept) in cases {
+            let mass: f64 = logits.iter().map(|&x| (((x - 3.0) / t) as f64).exp()).sum();
+            let kmass: f64 = [3usize, 5, 0].iter().map(|&i| w(i)).sum();
+            assert!(w(3) / kmass < 0.7 && (w(3) + w(5)) / kmass >= 0.7);
+            assert!((w(3) + w(5)) / mass >= 0.7);
+            let mut rng = Rng::seeded(11);
+            let n = 40_000;
+            let mut counts = [0usize; 6];
+            for _ in 0..n {
+                counts[sample(&logits, &params(t, k, top_p), &mut rng).token as usize] += 1;
+            }
+            let total: f64 = kept.iter().map(|&i| w(i)).sum();
+            for i in 0..6 {
+                let want = if kept.contains(&i) { w(i) / total } else { 0.0 };
+                let got = counts[i] as f64 / n as f64;
+                assert!(
+                    (got - want).abs() < 0.01,
+                    "k={k} p={top_p} id {i}: {got} vs {want}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn ties_at_the_top_k_threshold_are_kept_together() {
+        let logits = [1.0f32, 4.0, 1.0, 1.0, 0.0];
+        let mut rng = Rng::seeded(3);
+        let mut seen = std::collections::HashSet::new();
+        for _ in 0..2000 {
+            seen.insert(sample(&logits, &params(5.0, 2, 1.0), &mut rng).token);
+        }
+        assert!(!seen.contains(&4), "below the threshold");
+        assert!(seen.contains(&0) && seen.contains(&2) && seen.contains(&3));
     }
 }

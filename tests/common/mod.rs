@@ -17,7 +17,10 @@ pub struct Server {
 impl Server {
     /// Starts `kvmesh serve` on a free loopback port with extra flags.
     pub fn start(args: &[&str]) -> Server {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_kvmesh"))
+        // KVMESH_BIN: a test binary carried to another machine runs the kvmesh found there.
+        let bin =
+            std::env::var("KVMESH_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_kvmesh").into());
+        let mut child = Command::new(bin)
             .args(["serve", "--host", "127.0.0.1", "--port", "0"])
             .args(args)
             .stdout(Stdio::piped())

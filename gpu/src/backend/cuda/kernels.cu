@@ -259,7 +259,7 @@ extern "C" __global__ void paged_attention_decode(
     }
 }
 
-#define PF_Q 4         // queries (warps) per block
+#define PF_Q 8         // queries (warps) per block: each tile of keys serves 8 queries
 #define PF_K 32        // keys per shared-memory tile
 #define PF_STRIDE (MAX_HEAD_DIM + 2)  // padded row: an odd number of 32-bit words
 
@@ -269,7 +269,8 @@ extern "C" __global__ void paged_attention_decode(
 // PF_K at a time in shared memory (bf16), each warp owns one query, lane j scores key j of
 // the tile, and an online softmax keeps the running max, sum and weighted V sum, so scores
 // are never materialised. GQA as in decode.
-// Grid (S, nq, ceil(max_query_len / PF_Q)), block 128 (PF_Q warps). Requires d <= 256.
+// Grid (S, nq, ceil(max_query_len / PF_Q)), block 256 (PF_Q warps). Requires d <= 256.
+// Shared memory: 8 KiB of queries + 2 x 16.1 KiB of key/value tiles, under the 48 KiB static cap.
 extern "C" __global__ void paged_attention_prefill(
     const float* __restrict__ qkv, int row_stride, const int* __restrict__ positions,
     const int* __restrict__ seq_starts, const int* __restrict__ seq_lens,
@@ -389,47 +390,160 @@ extern "C" __global__ void gather_rows_bf16(const bf16* __restrict__ src,
     for (int i = threadIdx.x; i < cols; i += blockDim.x) dst[o + i] = src[s + i];
 }
 
-// Greedy choice per row: the index of the largest logit (the lowest index on ties, NaN
-// never wins, as the CPU sampler's argmax) and its log-probability max - logsumexp.
-// Grid (rows), block 256.
-extern "C" __global__ void argmax_logprob(const float* __restrict__ logits, int vocab,
-                                         int* __restrict__ token, float* __restrict__ logprob) {
-    __shared__ float best_v[256];
-    __shared__ int best_i[256];
-    const float* x = logits + (long long)blockIdx.x * vocab;
+// A float's bits mapped to an unsigned key with the same order (negative values reversed),
+// so "the k-th largest logit" can be found by deciding the key one bit at a time.
+__device__ __forceinline__ unsigned int order_key(float x) {
+    unsigned int b = __float_as_uint(x);
+    return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+#define SAMPLE_THREADS 512
+
+// Sampling per row on the device, so only a token id and its logprob come back to the host.
+// Row r: temperature temps[r] (<= 1e-5 or top_k 1 means greedy), top_k top_ks[r] (0 = all),
+// top_p top_ps[r] (1 = all), and one uniform draw uniforms[r] in [0, 1) made by the
+// request's own seeded generator on the host (the CPU sampler also draws exactly one per
+// sampled token, so a seed consumes the same stream on either backend).
+//
+// No sort: the kept set is {x : key(x) >= threshold}. top-k's threshold is the k-th largest
+// key, found by bisection over the 32 key bits (a count per bit); top-p's is the largest key
+// whose kept mass still reaches top_p of the top-k mass, found the same way with sums. Ties
+// at a threshold are kept together. The draw walks the kept weights in vocabulary order:
+// each thread owns a contiguous chunk, thread 0 prefix-sums the chunk totals, and the thread
+// whose range holds u * total finds the token in its chunk. Same distribution as the CPU
+// sampler (which walks candidates by rank), not the same token for a given seed.
+// The logprob reported is of the raw model distribution, as the CPU sampler reports it.
+// Grid (rows), block SAMPLE_THREADS.
+extern "C" __global__ void sample_rows(const float* __restrict__ logits, int vocab,
+                                      const float* __restrict__ temps,
+                                      const int* __restrict__ top_ks,
+                                      const float* __restrict__ top_ps,
+                                      const float* __restrict__ uniforms,
+                                      int* __restrict__ token, float* __restrict__ logprob) {
+    __shared__ float best_v[SAMPLE_THREADS];
+    __shared__ int best_i[SAMPLE_THREADS];
+    __shared__ float chunk_start[SAMPLE_THREADS + 1];
+    __shared__ int chosen;
+    int r = blockIdx.x;
+    int tid = threadIdx.x;
+    const float* x = logits + (long long)r * vocab;
+
+    // Argmax (lowest index on ties, NaN never wins) and the log-sum-exp of the raw logits.
     float bv = NEG_INF;
     int bi = 0x7fffffff;
-    for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+    for (int i = tid; i < vocab; i += blockDim.x) {
         float v = x[i];
-        if (v > bv) {  // strictly greater, scanning upwards: the first of equal values stays
+        if (v > bv) {
             bv = v;
             bi = i;
         }
     }
-    best_v[threadIdx.x] = bv;
-    best_i[threadIdx.x] = bi;
+    best_v[tid] = bv;
+    best_i[tid] = bi;
     __syncthreads();
     for (int step = blockDim.x / 2; step > 0; step >>= 1) {
-        if (threadIdx.x < step) {
-            float ov = best_v[threadIdx.x + step];
-            int oi = best_i[threadIdx.x + step];
-            float mv = best_v[threadIdx.x];
-            int mi = best_i[threadIdx.x];
-            if (ov > mv || (ov == mv && oi < mi)) {
-                best_v[threadIdx.x] = ov;
-                best_i[threadIdx.x] = oi;
+        if (tid < step) {
+            float ov = best_v[tid + step];
+            int oi = best_i[tid + step];
+            if (ov > best_v[tid] || (ov == best_v[tid] && oi < best_i[tid])) {
+                best_v[tid] = ov;
+                best_i[tid] = oi;
             }
         }
         __syncthreads();
     }
     float mx = best_v[0];
     int arg = best_i[0] == 0x7fffffff ? 0 : best_i[0];
-    float sum = 0.0f;
-    for (int i = threadIdx.x; i < vocab; i += blockDim.x) sum += expf(x[i] - mx);
-    sum = block_sum(sum);
-    if (threadIdx.x == 0) {
-        token[blockIdx.x] = arg;
-        logprob[blockIdx.x] = x[arg] - (mx + logf(sum));
+    float se = 0.0f;
+    for (int i = tid; i < vocab; i += blockDim.x) se += expf(x[i] - mx);
+    float lse = mx + logf(block_sum(se));
+
+    float temp = temps[r];
+    int k = top_ks[r];
+    if (temp <= 1e-5f || k == 1) {
+        if (tid == 0) {
+            token[r] = arg;
+            logprob[r] = x[arg] - lse;
+        }
+        return;
+    }
+    float inv_t = 1.0f / temp;
+
+    // top-k: the largest key K with at least k logits at or above it.
+    unsigned int thr = 0u;
+    if (k > 0 && k < vocab) {
+        for (int bit = 31; bit >= 0; bit--) {
+            unsigned int cand = thr | (1u << bit);
+            float c = 0.0f;
+            for (int i = tid; i < vocab; i += blockDim.x) c += order_key(x[i]) >= cand ? 1.0f : 0.0f;
+            if (block_sum(c) >= (float)k) thr = cand;
+        }
+    }
+    // top-p: the largest key P whose kept mass still reaches top_p of the top-k mass.
+    float p = top_ps[r];
+    if (p < 1.0f) {
+        float m = 0.0f;
+        for (int i = tid; i < vocab; i += blockDim.x) {
+            float v = x[i];
+            if (order_key(v) >= thr) m += expf((v - mx) * inv_t);
+        }
+        float want = p * block_sum(m);
+        // Mass at key >= max(P, thr) only falls as P grows, so P is decided bit by bit
+        // from the top, starting from 0 (not from thr, whose bits need not be in P).
+        unsigned int pthr = 0u;
+        for (int bit = 31; bit >= 0; bit--) {
+            unsigned int cand = max(pthr | (1u << bit), thr);
+            float s = 0.0f;
+            for (int i = tid; i < vocab; i += blockDim.x) {
+                float v = x[i];
+                if (order_key(v) >= cand) s += expf((v - mx) * inv_t);
+            }
+            if (block_sum(s) >= want) pthr = pthr | (1u << bit);
+        }
+        thr = max(pthr, thr);
+    }
+
+    // The draw over the kept weights, in vocabulary order.
+    int chunk = (vocab + blockDim.x - 1) / blockDim.x;
+    int c0 = min(tid * chunk, vocab);
+    int c1 = min(c0 + chunk, vocab);
+    float cs = 0.0f;
+    for (int i = c0; i < c1; i++) {
+        float v = x[i];
+        if (order_key(v) >= thr) cs += expf((v - mx) * inv_t);
+    }
+    best_v[tid] = cs;  // reused as the chunk totals
+    if (tid == 0) chosen = -1;
+    __syncthreads();
+    if (tid == 0) {
+        float acc = 0.0f;
+        for (int t = 0; t < (int)blockDim.x; t++) {
+            chunk_start[t] = acc;
+            acc += best_v[t];
+        }
+        chunk_start[blockDim.x] = acc;
+    }
+    __syncthreads();
+    float target = uniforms[r] * chunk_start[blockDim.x];
+    if (cs > 0.0f && target >= chunk_start[tid] && target < chunk_start[tid] + cs) {
+        float acc = chunk_start[tid];
+        int pick = -1;
+        for (int i = c0; i < c1; i++) {
+            float v = x[i];
+            if (order_key(v) >= thr) {
+                pick = i;  // the last kept token so far: rounding never leaves the chunk empty
+                acc += expf((v - mx) * inv_t);
+                if (target < acc) break;
+            }
+        }
+        chosen = pick;
+    }
+    __syncthreads();
+    if (tid == 0) {
+        // Rounding can put target past every chunk; the argmax is always in the kept set.
+        int t = chosen >= 0 ? chosen : arg;
+        token[r] = t;
+        logprob[r] = x[t] - lse;
     }
 }
 

@@ -16,9 +16,10 @@
 //! captured on first use with fixed input buffers and padded to the bucket; every other step
 //! runs eagerly, and `KVMESH_CUDA_GRAPHS=0` turns graphs off (see `run_graph`).
 //!
-//! Not done yet: sampling other than greedy on the device, and a faster prefill
-//! attention (each 4-query tile re-reads the sequence's keys; fine for groundwork, quadratic
-//! in traffic for long prompts). Activations are sized for the step's token count, so the
+//! Sampling (greedy, temperature, top-k, top-p) runs on the device; only top logprobs fall
+//! back to copying logits. Prefill attention is flash-style over the paged cache with 8
+//! queries per key tile; a prompt's key traffic is still quadratic over 8, which a
+//! tensor-core (mma) version would cut further. Activations are sized for the step's token count, so the
 //! scheduler's per-step token budget bounds their memory.
 
 pub mod batch;
@@ -104,7 +105,7 @@ struct Kernels {
     attention_prefill: CudaFunction,
     silu_mul: CudaFunction,
     gather_rows: CudaFunction,
-    argmax_logprob: CudaFunction,
+    sample_rows: CudaFunction,
 }
 
 /// Activation buffers for up to `tokens` tokens, grown (never shrunk) as steps need, so a
@@ -127,6 +128,9 @@ struct LogitsSpace {
     logits: CudaSlice<f32>,
     token: CudaSlice<i32>,
     logprob: CudaSlice<f32>,
+    /// Per-row sampling parameters: temperatures, top_p and uniforms, three runs of `rows`.
+    params_f: CudaSlice<f32>,
+    top_k: CudaSlice<i32>,
 }
 
 /// A step's index arrays on the device, as `batch::BatchLayout` lays them out.
@@ -461,7 +465,7 @@ impl CudaBackend {
             attention_prefill: f("paged_attention_prefill")?,
             silu_mul: f("silu_mul")?,
             gather_rows: f("gather_rows_bf16")?,
-            argmax_logprob: f("argmax_logprob")?,
+            sample_rows: f("sample_rows")?,
         };
         let blas = CudaBlas::new(stream.clone())
             .map_err(|e| EngineError::Backend(format!("cuBLAS initialisation: {e:?}")))?;
@@ -793,6 +797,8 @@ impl CudaBackend {
             logits: s.alloc_zeros::<f32>(cap * self.cfg.vocab_size).map_err(e)?,
             token: s.alloc_zeros::<i32>(cap).map_err(e)?,
             logprob: s.alloc_zeros::<f32>(cap).map_err(e)?,
+            params_f: s.alloc_zeros::<f32>(3 * cap).map_err(e)?,
+            top_k: s.alloc_zeros::<i32>(cap).map_err(e)?,
         });
         Ok(())
     }
@@ -1112,7 +1118,7 @@ impl CudaBackend {
                 }
                 .map_err(launch_err("paged_attention_decode"))?;
             } else {
-                let tiles = dims.max_query_len.div_ceil(4);
+                let tiles = dims.max_query_len.div_ceil(PREFILL_QUERIES_PER_BLOCK);
                 unsafe {
                     stream
                         .launch_builder(&k.attention_prefill)
@@ -1131,7 +1137,12 @@ impl CudaBackend {
                         .arg(&d_i)
                         .arg(&bs_i)
                         .arg(&scale)
-                        .launch(grid(num_seqs, nq, tiles, 128))
+                        .launch(grid(
+                            num_seqs,
+                            nq,
+                            tiles,
+                            32 * PREFILL_QUERIES_PER_BLOCK as u32,
+                        ))
                 }
                 .map_err(launch_err("paged_attention_prefill"))?;
             }
@@ -1406,21 +1417,20 @@ impl Backend for CudaBackend {
         Ok(host.chunks_exact(v).map(<[f32]>::to_vec).collect())
     }
 
-    /// Greedy on the device: when every sequence samples greedily (temperature 0 or
-    /// top_k 1, as the CPU sampler decides) and asks for no top logprobs, the argmax and the
-    /// chosen token's logprob are computed on the GPU and only those two numbers per
-    /// sequence are copied back, not a vocabulary of logits. Anything else falls back to
-    /// copying the logits and sampling on the CPU with `sampler::sample`.
+    /// Sampling on the device (greedy, temperature, top-k, top-p; see `sample_rows` in
+    /// kernels.cu): only the chosen token and its logprob per sequence are copied back, not
+    /// a vocabulary of logits. Each non-greedy row takes one uniform draw from its request's
+    /// seeded generator here, as the CPU sampler does. A request that asks for top logprobs
+    /// falls back to copying the logits and sampling with `sampler::sample`.
     fn forward_sample(
         &mut self,
         batch: &ForwardBatch,
         specs: &mut [SampleSpec],
     ) -> Result<Vec<Sampled>> {
-        let greedy = specs.iter().all(|s| {
-            (s.params.temperature <= 1e-5 || s.params.top_k == 1)
-                && matches!(s.params.logprobs, None | Some(0))
-        });
-        if !greedy {
+        if specs
+            .iter()
+            .any(|s| !matches!(s.params.logprobs, None | Some(0)))
+        {
             let logits = self.forward(batch)?;
             return Ok(logits
                 .iter()
@@ -1443,17 +1453,32 @@ impl Backend for CudaBackend {
             .ls
             .as_mut()
             .ok_or_else(|| EngineError::Backend("logits space missing".into()))?;
-        // SAFETY: logits holds n rows of vocab; token and logprob hold at least n entries.
+        let host = sample_params(specs, ls.rows);
+        self.stream
+            .memcpy_htod(&host.floats, &mut ls.params_f)
+            .map_err(|e| drv("sampling parameters copy", e))?;
+        self.stream
+            .memcpy_htod(&host.top_k, &mut ls.top_k)
+            .map_err(|e| drv("sampling parameters copy", e))?;
+        let rows = ls.rows;
+        let temps = ls.params_f.slice(0..rows);
+        let top_ps = ls.params_f.slice(rows..2 * rows);
+        let uniforms = ls.params_f.slice(2 * rows..3 * rows);
+        // SAFETY: logits holds n rows of vocab; every per-row buffer holds `rows` >= n entries.
         unsafe {
             self.stream
-                .launch_builder(&self.k.argmax_logprob)
+                .launch_builder(&self.k.sample_rows)
                 .arg(&ls.logits)
                 .arg(&vocab_i)
+                .arg(&temps)
+                .arg(&ls.top_k)
+                .arg(&top_ps)
+                .arg(&uniforms)
                 .arg(&mut ls.token)
                 .arg(&mut ls.logprob)
-                .launch(grid(n, 1, 1, 256))
+                .launch(grid(n, 1, 1, SAMPLE_THREADS))
         }
-        .map_err(|e| drv("argmax_logprob launch", e))?;
+        .map_err(|e| drv("sample_rows launch", e))?;
         let tokens = self
             .stream
             .clone_dtoh(&ls.token.slice(0..n))
@@ -1475,6 +1500,41 @@ impl Backend for CudaBackend {
             })
             .collect())
     }
+}
+
+/// Queries per block of `paged_attention_prefill` (its PF_Q), one warp each: every key/value
+/// tile staged in shared memory serves this many queries, so the cache traffic of a prompt
+/// of L tokens is about L^2 / PREFILL_QUERIES_PER_BLOCK rows per head.
+const PREFILL_QUERIES_PER_BLOCK: usize = 8;
+
+/// Threads per block of the `sample_rows` kernel (its SAMPLE_THREADS).
+const SAMPLE_THREADS: u32 = 512;
+
+/// The host side of `sample_rows`'s parameters, padded to the buffers' `rows`.
+struct SampleParamsHost {
+    /// temperatures, then top_p, then uniforms: three runs of `rows`.
+    floats: Vec<f32>,
+    top_k: Vec<i32>,
+}
+
+/// Lays the sequences' sampling parameters out for `sample_rows`. Greedy rows (temperature
+/// about 0 or top_k 1, as the CPU sampler decides) draw nothing from their generator; every
+/// other row draws exactly one uniform, so a seed's stream advances as on the CPU.
+fn sample_params(specs: &mut [SampleSpec], rows: usize) -> SampleParamsHost {
+    let mut floats = vec![0.0f32; 3 * rows];
+    let mut top_k = vec![0i32; rows];
+    for (i, s) in specs.iter_mut().enumerate() {
+        let p = s.params;
+        let greedy = p.temperature <= 1e-5 || p.top_k == 1;
+        floats[i] = if greedy { 0.0 } else { p.temperature };
+        floats[rows + i] = p.top_p.clamp(0.0, 1.0);
+        top_k[i] = p.top_k.min(i32::MAX as usize) as i32;
+        if !greedy {
+            // Below 1 after rounding to f32, so the draw never lands past the total.
+            floats[2 * rows + i] = (s.rng.next_f64() as f32).min(1.0 - f32::EPSILON);
+        }
+    }
+    SampleParamsHost { floats, top_k }
 }
 
 #[cfg(test)]
@@ -1536,6 +1596,43 @@ mod tests {
         // seq_lens), then the scratch block.
         assert_eq!(g.tables, vec![3, 4, 8, 7, 0, 8, 8, 8, 8, 8, 8, 8]);
         assert_eq!(g.logits_rows, vec![0, 1, 2, 3]);
+    }
+
+    #[test]
+    fn sampling_parameters_draw_only_for_random_rows() {
+        use crate::sampler::{Rng, SamplingParams};
+        let greedy = SamplingParams {
+            temperature: 0.0,
+            ..Default::default()
+        };
+        let random = SamplingParams {
+            temperature: 0.7,
+            top_k: 40,
+            top_p: 0.9,
+            ..Default::default()
+        };
+        let (mut r0, mut r1) = (Rng::seeded(5), Rng::seeded(5));
+        let mut specs = [
+            SampleSpec {
+                params: &greedy,
+                rng: &mut r0,
+            },
+            SampleSpec {
+                params: &random,
+                rng: &mut r1,
+            },
+        ];
+        let h = sample_params(&mut specs, 4);
+        assert_eq!(h.floats.len(), 12);
+        assert_eq!(&h.floats[0..2], &[0.0, 0.7]);
+        assert_eq!(&h.floats[4..6], &[1.0, 0.9]);
+        assert_eq!(h.top_k[..2], [0, 40]);
+        let mut fresh = Rng::seeded(5);
+        assert_eq!(h.floats[8], 0.0);
+        assert_eq!(h.floats[9], fresh.next_f64() as f32);
+        // The greedy row's generator was not touched; the random row's advanced once.
+        assert_eq!(r0.next_u64(), Rng::seeded(5).next_u64());
+        assert_eq!(r1.next_u64(), fresh.next_u64());
     }
 
     #[test]

@@ -263,7 +263,7 @@ mod tests {
             "paged_attention_prefill",
             "silu_mul",
             "gather_rows_bf16",
-            "argmax_logprob",
+            "sample_rows",
             "f32_to_bf16",
             "bf16_to_f32",
         ] {

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Everything issue-level that needs an NVIDIA GPU, in one go, for a GPU machine that has no
+# Rust toolchain. Here (with Rust), build and stage the binaries into gpu-out/ (ignored):
+#
+#   bash scripts/gpu_verify.sh build
+#
+# then on the GPU machine, from the repository root, with gpu-out/ copied along:
+#
+#   bash scripts/gpu_verify.sh run      # parity tests, gpu-bench, transformers peer bench
+#
+# `run` writes its logs and JSON under ${OUT:-gpu-out/results}.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+case "${1:-}" in
+build)
+    export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-target}"
+    cargo build --release --features cuda --bin kvmesh --bin gpu-bench
+    exe=$(cargo test --release --features cuda --test cuda_parity --no-run --message-format=json 2>/dev/null |
+        python3 -c 'import json,sys
+for l in sys.stdin:
+    m=json.loads(l)
+    if m.get("reason")=="compiler-artifact" and m["target"]["name"]=="cuda_parity" and m.get("executable"): print(m["executable"])')
+    mkdir -p gpu-out
+    cp "$CARGO_TARGET_DIR/release/kvmesh" "$CARGO_TARGET_DIR/release/gpu-bench" gpu-out/
+    cp "$exe" gpu-out/cuda_parity
+    ls -la gpu-out
+    ;;
+run)
+    out="${OUT:-gpu-out/results}"
+    mkdir -p "$out"
+    nvidia-smi | tee "$out/nvidia-smi.txt" || true
+    # NVRTC and cuBLAS: the CUDA toolkit's, or the pip wheels' beside PyTorch.
+    for d in /usr/local/cuda/lib64 $(python3 -c 'import nvidia,os;p=os.path.dirname(nvidia.__path__[0]);print(" ".join(os.path.join(r) for r,_,f in os.walk(p) if any(x.startswith(("libnvrtc","libcublas")) for x in f)))' 2>/dev/null); do
+        LD_LIBRARY_PATH="${LD_LIBRARY_PATH:-}:$d"
+    done
+    export LD_LIBRARY_PATH
+    KVMESH_BIN="$PWD/gpu-out/kvmesh" gpu-out/cuda_parity --test-threads=1 --nocapture 2>&1 | tee "$out/parity.txt" ||
+        echo "PARITY TESTS FAILED (see $out/parity.txt); benchmarks follow anyway"
+    mkdir -p target
+    gpu-out/gpu-bench 2>&1 | tee "$out/gpu-bench.txt" || echo "gpu-bench FAILED"
+    python3 scripts/hf_peer_bench.py 2>&1 | tee "$out/hf-peer.txt" || true
+    cp bench/results/*.json "$out/" 2>/dev/null || true
+    ;;
+*)
+    echo "usage: $0 build|run" >&2
+    exit 2
+    ;;
+esac
