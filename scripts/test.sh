@@ -3,5 +3,18 @@
 # committed reference fixtures, and end-to-end tests that start real `kvmesh` processes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+# The discovery tests (and cluster end-to-end tests) start real etcd servers. Debian's
+# `etcd-server` package provides /usr/bin/etcd; set ETCD_BIN to use another binary.
+if [ -z "${ETCD_BIN:-}" ] && ! command -v etcd >/dev/null 2>&1; then
+    echo "test.sh: etcd not found; installing Debian's etcd-server" >&2
+    sudo=""
+    if [ "$(id -u)" -ne 0 ]; then
+        sudo="sudo"
+    fi
+    $sudo apt-get update -qq
+    $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server
+fi
+
 jobs="${CARGO_BUILD_JOBS:-$(nproc 2>/dev/null || echo 2)}"
 cargo test --workspace --all-targets -j"$jobs" "$@"

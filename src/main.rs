@@ -1,7 +1,9 @@
 //! `kvmesh`: one binary for every role of the serving mesh.
 
+mod bench;
 mod embedded;
 mod model_cmd;
+mod node;
 mod serve;
 
 use clap::{Parser, Subcommand};
@@ -21,11 +23,27 @@ struct Cli {
 enum Command {
     /// Serve a model over the OpenAI API, every role in this one process.
     Serve(serve::ServeArgs),
+    /// Join a cluster through etcd as a gateway, router and/or worker.
+    Node(node::NodeArgs),
+    /// Look at a cluster.
+    Cluster {
+        #[command(subcommand)]
+        command: ClusterCommand,
+    },
     /// Make and inspect model checkpoints.
     Model {
         #[command(subcommand)]
         command: model_cmd::ModelCommand,
     },
+    /// Measure a running OpenAI-compatible server: throughput and TTFT / TPOT / ITL / E2E
+    /// latency under a set concurrency or request rate, swept, tabled and charted.
+    Bench(bench::BenchArgs),
+}
+
+#[derive(Subcommand)]
+enum ClusterCommand {
+    /// The nodes registered in etcd: roles, addresses, model, device, capacity, load, uptime.
+    Status(node::ClusterStatusArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -37,6 +55,11 @@ fn main() -> anyhow::Result<()> {
         .init();
     match Cli::parse().command {
         Command::Serve(args) => serve::run(args),
+        Command::Node(args) => node::run(args),
+        Command::Cluster {
+            command: ClusterCommand::Status(args),
+        } => node::cluster_status(args),
         Command::Model { command } => model_cmd::run(command),
+        Command::Bench(args) => bench::run(args),
     }
 }

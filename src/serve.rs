@@ -10,20 +10,19 @@ pub enum BackendArg {
     Cpu,
     Sim,
 }
+use std::sync::Arc;
+
 use kvmesh_gateway::{AppState, ServedModel};
 use kvmesh_gpu::backend::sim::SimTiming;
 use kvmesh_gpu::engine::{self, EngineConfig};
 use kvmesh_gpu::model::{build_backend, resolve_device, BackendKind, KvBudget, LoadedModel};
 
-#[derive(Args, Debug)]
-pub struct ServeArgs {
+/// The model and engine flags `serve` and `node` share (vLLM spellings).
+#[derive(Args, Debug, Clone)]
+pub struct EngineArgs {
     /// A Hugging Face model folder; without it, the embedded Shakespeare model.
     #[arg(long)]
     pub model: Option<PathBuf>,
-    #[arg(long, default_value = "0.0.0.0")]
-    pub host: String,
-    #[arg(long, default_value_t = 8000)]
-    pub port: u16,
     /// The model's id in the API (default: the model folder's name).
     #[arg(long)]
     pub served_model_name: Option<String>,
@@ -39,9 +38,6 @@ pub struct ServeArgs {
     /// Tokens per KV block.
     #[arg(long, default_value_t = 16)]
     pub block_size: usize,
-    /// Require `Authorization: Bearer <key>` on /v1 routes.
-    #[arg(long, env = "KVMESH_API_KEY")]
-    pub api_key: Option<String>,
     /// Where the math runs: auto (CUDA when a GPU is present), cpu, cuda or cuda:N.
     #[arg(long, default_value = "auto")]
     pub device: String,
@@ -77,7 +73,30 @@ pub struct ServeArgs {
     pub threads: Option<usize>,
 }
 
-pub fn run(args: ServeArgs) -> anyhow::Result<()> {
+#[derive(Args, Debug)]
+pub struct ServeArgs {
+    #[command(flatten)]
+    pub engine: EngineArgs,
+    #[arg(long, default_value = "0.0.0.0")]
+    pub host: String,
+    #[arg(long, default_value_t = 8000)]
+    pub port: u16,
+    /// Require `Authorization: Bearer <key>` on /v1 routes.
+    #[arg(long, env = "KVMESH_API_KEY")]
+    pub api_key: Option<String>,
+}
+
+/// A running engine and what a gateway or worker needs to know about it.
+pub struct StartedEngine {
+    pub name: String,
+    pub tokenizer: Arc<kvmesh_gpu::tokenizer::TextTokenizer>,
+    pub handle: engine::EngineHandle,
+    pub max_model_len: usize,
+    pub device: String,
+    pub block_size: usize,
+}
+
+pub fn start_engine(args: &EngineArgs) -> anyhow::Result<StartedEngine> {
     anyhow::ensure!(args.block_size > 0, "--block-size must be positive");
     anyhow::ensure!(args.max_num_seqs > 0, "--max-num-seqs must be positive");
     anyhow::ensure!(
@@ -177,15 +196,28 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         model.config.num_params() as f64 / 1e6,
         args.block_size,
     );
+    Ok(StartedEngine {
+        name,
+        tokenizer: model.tokenizer.clone(),
+        handle,
+        max_model_len,
+        device,
+        block_size: args.block_size,
+    })
+}
+
+pub fn run(args: ServeArgs) -> anyhow::Result<()> {
+    let e = start_engine(&args.engine)?;
     let state = AppState::new(
         ServedModel {
-            name,
-            tokenizer: model.tokenizer.clone(),
-            engine: handle,
+            name: e.name,
+            tokenizer: e.tokenizer,
+            engine: Arc::new(e.handle.clone()),
+            default_max_model_len: e.max_model_len,
         },
         args.api_key.clone(),
     );
-    drop(model);
+    let handle = e.handle;
 
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -201,8 +233,8 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         tracing::info!("serving the OpenAI API on http://{local}");
         // A line tests and scripts can wait for.
         println!("kvmesh listening on http://{local}");
-        tokio::spawn(log_throughput(state.model.engine.clone()));
-        axum::serve(listener, kvmesh_gateway::router(state))
+        tokio::spawn(log_throughput(handle));
+        axum::serve(nodelay(listener), kvmesh_gateway::router(state))
             .with_graceful_shutdown(shutdown())
             .await
             .context("serving HTTP")?;
@@ -212,8 +244,21 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Streams are many small writes: without TCP_NODELAY a chunk can wait ~40 ms for the
+/// client's delayed ACK (Nagle), which shows up as time to first token.
+pub fn nodelay(
+    listener: tokio::net::TcpListener,
+) -> impl axum::serve::Listener<Io = tokio::net::TcpStream, Addr = std::net::SocketAddr> {
+    use axum::serve::ListenerExt;
+    listener.tap_io(|tcp| {
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::debug!("TCP_NODELAY: {e}");
+        }
+    })
+}
+
 /// Every 10 seconds while there is work, one line of throughput and load, as vLLM logs it.
-async fn log_throughput(engine: kvmesh_gpu::engine::EngineHandle) {
+pub async fn log_throughput(engine: kvmesh_gpu::engine::EngineHandle) {
     use std::sync::atomic::Ordering::Relaxed;
     let s = engine.stats.clone();
     let period = std::time::Duration::from_secs(10);
@@ -242,7 +287,7 @@ async fn log_throughput(engine: kvmesh_gpu::engine::EngineHandle) {
     }
 }
 
-async fn shutdown() {
+pub async fn shutdown() {
     let ctrl_c = tokio::signal::ctrl_c();
     #[cfg(unix)]
     {

@@ -85,6 +85,17 @@ impl ApiError {
         }
     }
 
+    /// Nothing can serve the request right now (a cluster gateway with no worker).
+    pub fn unavailable(message: impl Into<String>) -> ApiError {
+        ApiError {
+            status: StatusCode::SERVICE_UNAVAILABLE,
+            message: message.into(),
+            kind: "service_unavailable",
+            param: None,
+            code: Some("no_worker_available"),
+        }
+    }
+
     pub fn body(&self) -> serde_json::Value {
         serde_json::json!({"error": {
             "message": self.message,

@@ -1,6 +1,7 @@
 //! kvmesh's OpenAI-compatible HTTP gateway: validates requests, applies the chat template,
 //! tokenizes, hands token ids to an engine, and streams text back as vLLM serves it.
 
+pub mod dispatch;
 pub mod error;
 pub mod generate;
 pub mod metrics;
@@ -20,19 +21,22 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde_json::{json, Value};
 
-use kvmesh_gpu::engine::{EngineHandle, Request as EngineRequest};
+use kvmesh_gpu::engine::Request as EngineRequest;
 use kvmesh_gpu::tokenizer::TextTokenizer;
 
+pub use dispatch::Dispatch;
 use error::ApiError;
 use generate::{Chunk, Generation};
 use metrics::Metrics;
 use protocol::{ChatRequest, CompletionRequest, Prompt, Validated};
 
-/// The model a gateway serves and the engine that runs it.
+/// The model a gateway serves and where its requests go.
 pub struct ServedModel {
     pub name: String,
     pub tokenizer: Arc<TextTokenizer>,
-    pub engine: EngineHandle,
+    pub engine: Arc<dyn Dispatch>,
+    /// Used for `max_model_len` while no worker is there to say (cluster gateways).
+    pub default_max_model_len: usize,
 }
 
 pub struct AppState {
@@ -53,7 +57,10 @@ impl AppState {
     }
 
     fn max_model_len(&self) -> usize {
-        self.model.engine.info.config.max_model_len
+        self.model
+            .engine
+            .max_model_len()
+            .unwrap_or(self.model.default_max_model_len)
     }
 }
 
@@ -115,7 +122,7 @@ async fn count_requests(State(st): State<Arc<AppState>>, req: Request, next: Nex
 async fn metrics_page(State(st): State<Arc<AppState>>) -> Response {
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
-        st.metrics.render(&st.model.name, &st.model.engine),
+        st.metrics.render(&st.model.name, st.model.engine.as_ref()),
     )
         .into_response()
 }

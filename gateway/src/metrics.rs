@@ -6,6 +6,8 @@ use std::fmt::Write;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use kvmesh_gpu::engine::EngineHandle;
+
+use crate::Dispatch;
 use parking_lot::Mutex;
 
 pub struct Histogram {
@@ -87,84 +89,10 @@ impl Metrics {
         *self.finished.lock().entry(reason.to_string()).or_default() += 1;
     }
 
-    pub fn render(&self, model: &str, engine: &EngineHandle) -> String {
+    pub fn render(&self, model: &str, dispatch: &dyn Dispatch) -> String {
         let mut o = String::new();
         let l = format!("model_name=\"{model}\"");
-        let s = &engine.stats;
-        let gauge = |o: &mut String, name: &str, help: &str, v: f64| {
-            let _ = writeln!(
-                o,
-                "# HELP {name} {help}\n# TYPE {name} gauge\n{name}{{{l}}} {v}"
-            );
-        };
-        let counter = |o: &mut String, name: &str, help: &str, v: u64| {
-            let _ = writeln!(
-                o,
-                "# HELP {name} {help}\n# TYPE {name} counter\n{name}{{{l}}} {v}"
-            );
-        };
-        let total = engine.info.num_blocks.max(1) as f64;
-        let free = s.free_blocks.load(Ordering::Relaxed) as f64;
-        gauge(
-            &mut o,
-            "kvmesh:num_requests_running",
-            "Sequences in the running batch.",
-            s.running.load(Ordering::Relaxed) as f64,
-        );
-        gauge(
-            &mut o,
-            "kvmesh:num_requests_waiting",
-            "Sequences waiting to be scheduled.",
-            s.waiting.load(Ordering::Relaxed) as f64,
-        );
-        gauge(
-            &mut o,
-            "kvmesh:kv_cache_usage_perc",
-            "Fraction of KV blocks held by live sequences (1 = full).",
-            1.0 - free / total,
-        );
-        gauge(
-            &mut o,
-            "kvmesh:num_kv_blocks",
-            "KV blocks in the cache.",
-            total,
-        );
-        counter(
-            &mut o,
-            "kvmesh:prefix_cache_queries_total",
-            "Prompt tokens looked up in the prefix cache.",
-            s.prefix_queries.load(Ordering::Relaxed),
-        );
-        counter(
-            &mut o,
-            "kvmesh:prefix_cache_hits_total",
-            "Prompt tokens found in the prefix cache.",
-            s.prefix_hits.load(Ordering::Relaxed),
-        );
-        counter(
-            &mut o,
-            "kvmesh:num_preemptions_total",
-            "Sequences preempted for lack of KV blocks.",
-            s.preemptions.load(Ordering::Relaxed),
-        );
-        counter(
-            &mut o,
-            "kvmesh:prompt_tokens_total",
-            "Prompt tokens computed (prefix cache hits excluded).",
-            s.prompt_tokens.load(Ordering::Relaxed),
-        );
-        counter(
-            &mut o,
-            "kvmesh:generation_tokens_total",
-            "Tokens generated.",
-            s.generation_tokens.load(Ordering::Relaxed),
-        );
-        counter(
-            &mut o,
-            "kvmesh:engine_steps_total",
-            "Engine steps run.",
-            s.steps.load(Ordering::Relaxed),
-        );
+        dispatch.render_metrics(&mut o, model);
         self.ttft.render(
             &mut o,
             "kvmesh:time_to_first_token_seconds",
@@ -199,4 +127,80 @@ impl Metrics {
         }
         o
     }
+}
+
+/// The engine's gauges and counters, for a gateway whose engine runs in this process (and
+/// for a worker's own metrics page).
+pub fn render_engine(o: &mut String, model: &str, engine: &EngineHandle) {
+    let l = format!("model_name=\"{model}\"");
+    let s = &engine.stats;
+    let gauge = |o: &mut String, name: &str, help: &str, v: f64| {
+        let _ = writeln!(
+            o,
+            "# HELP {name} {help}\n# TYPE {name} gauge\n{name}{{{l}}} {v}"
+        );
+    };
+    let counter = |o: &mut String, name: &str, help: &str, v: u64| {
+        let _ = writeln!(
+            o,
+            "# HELP {name} {help}\n# TYPE {name} counter\n{name}{{{l}}} {v}"
+        );
+    };
+    let total = engine.info.num_blocks.max(1) as f64;
+    let free = s.free_blocks.load(Ordering::Relaxed) as f64;
+    gauge(
+        o,
+        "kvmesh:num_requests_running",
+        "Sequences in the running batch.",
+        s.running.load(Ordering::Relaxed) as f64,
+    );
+    gauge(
+        o,
+        "kvmesh:num_requests_waiting",
+        "Sequences waiting to be scheduled.",
+        s.waiting.load(Ordering::Relaxed) as f64,
+    );
+    gauge(
+        o,
+        "kvmesh:kv_cache_usage_perc",
+        "Fraction of KV blocks held by live sequences (1 = full).",
+        1.0 - free / total,
+    );
+    gauge(o, "kvmesh:num_kv_blocks", "KV blocks in the cache.", total);
+    counter(
+        o,
+        "kvmesh:prefix_cache_queries_total",
+        "Prompt tokens looked up in the prefix cache.",
+        s.prefix_queries.load(Ordering::Relaxed),
+    );
+    counter(
+        o,
+        "kvmesh:prefix_cache_hits_total",
+        "Prompt tokens found in the prefix cache.",
+        s.prefix_hits.load(Ordering::Relaxed),
+    );
+    counter(
+        o,
+        "kvmesh:num_preemptions_total",
+        "Sequences preempted for lack of KV blocks.",
+        s.preemptions.load(Ordering::Relaxed),
+    );
+    counter(
+        o,
+        "kvmesh:prompt_tokens_total",
+        "Prompt tokens computed (prefix cache hits excluded).",
+        s.prompt_tokens.load(Ordering::Relaxed),
+    );
+    counter(
+        o,
+        "kvmesh:generation_tokens_total",
+        "Tokens generated.",
+        s.generation_tokens.load(Ordering::Relaxed),
+    );
+    counter(
+        o,
+        "kvmesh:engine_steps_total",
+        "Engine steps run.",
+        s.steps.load(Ordering::Relaxed),
+    );
 }

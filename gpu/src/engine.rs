@@ -137,16 +137,54 @@ impl Submission {
     }
 }
 
+/// What dropping an unfinished submission cancels: a sequence in this process's engine, or
+/// something else that produces the events (a request streamed from a remote worker).
+enum AbortTarget {
+    Engine {
+        id: SeqId,
+        tx: crossbeam_channel::Sender<Command>,
+    },
+    External(Option<Box<dyn FnOnce() + Send>>),
+}
+
 struct AbortOnDrop {
-    id: SeqId,
-    tx: crossbeam_channel::Sender<Command>,
+    target: AbortTarget,
     armed: bool,
 }
 
 impl Drop for AbortOnDrop {
     fn drop(&mut self) {
-        if self.armed {
-            let _ = self.tx.send(Command::Abort(self.id));
+        if !self.armed {
+            return;
+        }
+        match &mut self.target {
+            AbortTarget::Engine { id, tx } => {
+                let _ = tx.send(Command::Abort(*id));
+            }
+            AbortTarget::External(f) => {
+                if let Some(f) = f.take() {
+                    f();
+                }
+            }
+        }
+    }
+}
+
+impl Submission {
+    /// A submission whose events come from elsewhere (a router forwarding a remote worker's
+    /// stream); `on_abort` runs if it is dropped before `finished()` is called.
+    pub fn external(
+        id: SeqId,
+        events: mpsc::UnboundedReceiver<SeqEvent>,
+        on_abort: impl FnOnce() + Send + 'static,
+    ) -> Submission {
+        Submission {
+            id,
+            events,
+            abort: AbortOnDrop {
+                target: AbortTarget::External(Some(Box::new(on_abort))),
+                armed: true,
+            },
         }
     }
 }
@@ -203,8 +241,10 @@ impl EngineHandle {
             id,
             events: erx,
             abort: AbortOnDrop {
-                id,
-                tx: self.tx.clone(),
+                target: AbortTarget::Engine {
+                    id,
+                    tx: self.tx.clone(),
+                },
                 armed: true,
             },
         })

@@ -1,0 +1,15 @@
+//! A node's roles: the router (membership, connections to workers, routing policy) and the
+//! worker (a local engine served over QUIC), each a ractor actor under the node supervisor.
+//! Control and lifecycle go through the actors; tokens go through channels and streams.
+
+pub mod policy;
+pub mod router;
+pub mod supervisor;
+pub mod worker;
+
+pub use policy::Policy;
+pub use router::{RouteError, RouterCore};
+pub use supervisor::{NodeMsg, NodeRoles, Role, RoleRestarts};
+pub use worker::WorkerCore;
+
+pub use ractor::ActorRef;

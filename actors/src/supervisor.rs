@@ -1,0 +1,279 @@
+//! The node's roles as ractor actors under one supervisor.
+//!
+//! Each role actor owns its role's long-running loop (the router's membership sync, the
+//! worker's accept loop) and nothing on the per-token path: requests flow through tokio
+//! tasks, channels and QUIC streams, whose state lives in `RouterCore` / `WorkerCore` and
+//! survives a role restart. When a role actor panics the supervisor starts it again with the
+//! same core, counts the restart, and the other roles never notice.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use kvmesh_discovery::Membership;
+use ractor::{Actor, ActorCell, ActorProcessingErr, ActorRef, SupervisionEvent};
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use crate::router::RouterCore;
+use crate::worker::WorkerCore;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Role {
+    Router,
+    Worker,
+}
+
+impl Role {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Router => "router",
+            Role::Worker => "worker",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Role> {
+        match s {
+            "router" => Some(Role::Router),
+            "worker" => Some(Role::Worker),
+            _ => None,
+        }
+    }
+}
+
+/// Messages a role actor takes.
+pub enum RoleMsg {
+    /// Panics inside the actor: how tests (and `--enable-fault-injection`) check that a
+    /// crashed role is restarted while the node keeps serving.
+    Crash,
+}
+
+/// Restart counts per role, read by the node's metrics.
+#[derive(Default)]
+pub struct RoleRestarts {
+    pub router: AtomicU64,
+    pub worker: AtomicU64,
+}
+
+impl RoleRestarts {
+    pub fn get(&self, role: Role) -> u64 {
+        match role {
+            Role::Router => self.router.load(Ordering::Relaxed),
+            Role::Worker => self.worker.load(Ordering::Relaxed),
+        }
+    }
+
+    fn bump(&self, role: Role) {
+        match role {
+            Role::Router => self.router.fetch_add(1, Ordering::Relaxed),
+            Role::Worker => self.worker.fetch_add(1, Ordering::Relaxed),
+        };
+    }
+}
+
+struct RouterActor;
+
+impl Actor for RouterActor {
+    type Msg = RoleMsg;
+    type State = JoinHandle<()>;
+    type Arguments = (Arc<RouterCore>, watch::Receiver<Membership>);
+
+    async fn pre_start(
+        &self,
+        _myself: ActorRef<Self::Msg>,
+        (core, mut members): Self::Arguments,
+    ) -> Result<Self::State, ActorProcessingErr> {
+        Ok(tokio::spawn(async move {
+            loop {
+                let m = members.borrow_and_update().clone();
+                core.apply_membership(&m);
+                if members.changed().await.is_err() {
+                    return;
+                }
+            }
+        }))
+    }
+
+    async fn handle(
+        &self,
+        _myself: ActorRef<Self::Msg>,
+        msg: Self::Msg,
+        _state: &mut Self::State,
+    ) -> Result<(), ActorProcessingErr> {
+        match msg {
+            RoleMsg::Crash => panic!("router role: crash requested (fault injection)"),
+        }
+    }
+
+    async fn post_stop(
+        &self,
+        _myself: ActorRef<Self::Msg>,
+        task: &mut Self::State,
+    ) -> Result<(), ActorProcessingErr> {
+        task.abort();
+        Ok(())
+    }
+}
+
+struct WorkerActor;
+
+impl Actor for WorkerActor {
+    type Msg = RoleMsg;
+    type State = JoinHandle<()>;
+    type Arguments = Arc<WorkerCore>;
+
+    async fn pre_start(
+        &self,
+        _myself: ActorRef<Self::Msg>,
+        core: Self::Arguments,
+    ) -> Result<Self::State, ActorProcessingErr> {
+        Ok(tokio::spawn(core.accept_loop()))
+    }
+
+    async fn handle(
+        &self,
+        _myself: ActorRef<Self::Msg>,
+        msg: Self::Msg,
+        _state: &mut Self::State,
+    ) -> Result<(), ActorProcessingErr> {
+        match msg {
+            RoleMsg::Crash => panic!("worker role: crash requested (fault injection)"),
+        }
+    }
+
+    async fn post_stop(
+        &self,
+        _myself: ActorRef<Self::Msg>,
+        task: &mut Self::State,
+    ) -> Result<(), ActorProcessingErr> {
+        task.abort();
+        Ok(())
+    }
+}
+
+/// What the supervisor starts: the cores of the roles this node takes.
+#[derive(Clone)]
+pub struct NodeRoles {
+    pub router: Option<(Arc<RouterCore>, watch::Receiver<Membership>)>,
+    pub worker: Option<Arc<WorkerCore>>,
+    pub restarts: Arc<RoleRestarts>,
+}
+
+pub enum NodeMsg {
+    /// Asks a role to crash (fault injection).
+    Crash(Role),
+}
+
+pub struct NodeSupervisor;
+
+pub struct SupervisorState {
+    roles: NodeRoles,
+    children: BTreeMap<Role, ActorRef<RoleMsg>>,
+}
+
+async fn start_role(
+    role: Role,
+    roles: &NodeRoles,
+    sup: ActorCell,
+) -> Result<ActorRef<RoleMsg>, ActorProcessingErr> {
+    let name = Some(format!("{}-{}", role.as_str(), ractor_unique()));
+    let r = match role {
+        Role::Router => {
+            let args = roles.router.clone().ok_or("this node has no router role")?;
+            Actor::spawn_linked(name, RouterActor, args, sup).await?.0
+        }
+        Role::Worker => {
+            let args = roles.worker.clone().ok_or("this node has no worker role")?;
+            Actor::spawn_linked(name, WorkerActor, args, sup).await?.0
+        }
+    };
+    Ok(r)
+}
+
+/// Actor names must be unique in the process; a restarted role gets a fresh one.
+fn ractor_unique() -> u64 {
+    static N: AtomicU64 = AtomicU64::new(0);
+    N.fetch_add(1, Ordering::Relaxed)
+}
+
+impl Actor for NodeSupervisor {
+    type Msg = NodeMsg;
+    type State = SupervisorState;
+    type Arguments = NodeRoles;
+
+    async fn pre_start(
+        &self,
+        myself: ActorRef<Self::Msg>,
+        roles: Self::Arguments,
+    ) -> Result<Self::State, ActorProcessingErr> {
+        let mut children = BTreeMap::new();
+        for role in [Role::Worker, Role::Router] {
+            let present = match role {
+                Role::Router => roles.router.is_some(),
+                Role::Worker => roles.worker.is_some(),
+            };
+            if present {
+                let r = start_role(role, &roles, myself.get_cell()).await?;
+                children.insert(role, r);
+            }
+        }
+        Ok(SupervisorState { roles, children })
+    }
+
+    async fn handle(
+        &self,
+        _myself: ActorRef<Self::Msg>,
+        msg: Self::Msg,
+        state: &mut Self::State,
+    ) -> Result<(), ActorProcessingErr> {
+        match msg {
+            NodeMsg::Crash(role) => {
+                if let Some(child) = state.children.get(&role) {
+                    let _ = child.cast(RoleMsg::Crash);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    async fn handle_supervisor_evt(
+        &self,
+        myself: ActorRef<Self::Msg>,
+        evt: SupervisionEvent,
+        state: &mut Self::State,
+    ) -> Result<(), ActorProcessingErr> {
+        let (cell, why) = match &evt {
+            SupervisionEvent::ActorFailed(cell, err) => (cell.clone(), err.to_string()),
+            SupervisionEvent::ActorTerminated(cell, _, reason) => (
+                cell.clone(),
+                reason.clone().unwrap_or_else(|| "stopped".into()),
+            ),
+            _ => return Ok(()),
+        };
+        let Some(role) = state
+            .children
+            .iter()
+            .find(|(_, r)| r.get_id() == cell.get_id())
+            .map(|(role, _)| *role)
+        else {
+            return Ok(());
+        };
+        tracing::error!("the {} role failed ({why}); restarting it", role.as_str());
+        state.roles.restarts.bump(role);
+        let r = start_role(role, &state.roles, myself.get_cell()).await?;
+        state.children.insert(role, r);
+        Ok(())
+    }
+}
+
+/// Starts the supervisor and its roles.
+pub async fn start(roles: NodeRoles) -> Result<ActorRef<NodeMsg>, String> {
+    let (sup, _join) = Actor::spawn(
+        Some(format!("node-{}", ractor_unique())),
+        NodeSupervisor,
+        roles,
+    )
+    .await
+    .map_err(|e| format!("starting the node supervisor: {e}"))?;
+    Ok(sup)
+}

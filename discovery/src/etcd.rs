@@ -1,0 +1,826 @@
+//! The etcd-backed registry.
+//!
+//! Layout: one JSON [`NodeRecord`] per node under [`node_key`], attached to a lease of the
+//! registry's TTL. Each [`Registration`] owns a keep-alive task; each [`EtcdRegistry`] owns one
+//! watch task that maintains the membership view. Every etcd request is bounded by a timeout:
+//! etcd-client's balanced channel can otherwise wait for an unreachable endpoint indefinitely.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::future::Future;
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use etcd_client::{Client, ConnectOptions, EventType, GetOptions, PutOptions, WatchOptions};
+use tokio::sync::{watch, Mutex, Notify};
+use tokio::task::JoinHandle;
+use tracing::{debug, info, warn};
+
+use crate::{
+    node_key, nodes_prefix, validate_cluster, validate_record, DiscoveryError, Membership,
+    NodeRecord, Registration, RegistrationInner, Registry,
+};
+
+/// `connect` gives up after this long (the brief allows ~5 s).
+const CONNECT_DEADLINE: Duration = Duration::from_secs(4);
+/// Bound on every other request (get, put, grant, revoke, opening a stream).
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(3);
+/// Reconnect backoff bounds for the watch and keep-alive tasks.
+const BACKOFF_MIN: Duration = Duration::from_millis(100);
+const BACKOFF_MAX: Duration = Duration::from_secs(2);
+
+type Nodes = BTreeMap<String, NodeRecord>;
+
+/// A [`Registry`] backed by etcd (v3 API; works with etcd 3.4 and later).
+pub struct EtcdRegistry {
+    client: Client,
+    endpoints: String,
+    cluster: String,
+    prefix: String,
+    ttl: i64,
+    rx: watch::Receiver<Membership>,
+    watcher: JoinHandle<()>,
+}
+
+impl EtcdRegistry {
+    /// Connects to etcd at `endpoints` (e.g. `http://127.0.0.1:2379`; several for an etcd
+    /// cluster), for the nodes of `cluster`, with leases of `ttl_secs` seconds
+    /// ([`DEFAULT_TTL_SECS`](crate::DEFAULT_TTL_SECS) is 3).
+    ///
+    /// Reads the current membership before returning, so [`subscribe`](Registry::subscribe)
+    /// starts from a complete view, and starts the task that keeps it up to date. Fails within
+    /// about 4 s, with an error naming the endpoints, if etcd does not answer.
+    pub async fn connect(
+        endpoints: &[String],
+        cluster: &str,
+        ttl_secs: i64,
+    ) -> Result<Arc<Self>, DiscoveryError> {
+        validate_cluster(cluster)?;
+        let eps: Vec<String> = endpoints
+            .iter()
+            .map(|e| e.trim().to_string())
+            .filter(|e| !e.is_empty())
+            .collect();
+        if eps.is_empty() {
+            return Err(DiscoveryError::InvalidConfig(
+                "no etcd endpoints given".into(),
+            ));
+        }
+        if ttl_secs < 1 {
+            return Err(DiscoveryError::InvalidConfig(format!(
+                "the lease TTL must be at least 1 s, got {ttl_secs}"
+            )));
+        }
+        let names = eps.join(",");
+        let unreachable = |reason: String| DiscoveryError::Unreachable {
+            endpoints: names.clone(),
+            reason,
+        };
+        let no_answer = || {
+            unreachable(format!(
+                "no answer within {} s (is etcd running and listening there?)",
+                CONNECT_DEADLINE.as_secs()
+            ))
+        };
+
+        let started = Instant::now();
+        let options = ConnectOptions::new()
+            .with_connect_timeout(Duration::from_secs(2))
+            // Detect dead connections that never saw a FIN/RST. etcd refuses pings more often
+            // than every 5 s (grpc-keepalive-min-time).
+            .with_keep_alive(Duration::from_secs(10), Duration::from_secs(5))
+            // Fail requests and streams on a member cut off from its cluster instead of
+            // letting a watch hang there silently.
+            .with_require_leader(true);
+        let client = match tokio::time::timeout(
+            CONNECT_DEADLINE,
+            Client::connect(&eps, Some(options)),
+        )
+        .await
+        {
+            Ok(Ok(client)) => client,
+            Ok(Err(
+                e @ (etcd_client::Error::InvalidUri(_) | etcd_client::Error::InvalidArgs(_)),
+            )) => {
+                return Err(DiscoveryError::InvalidConfig(format!(
+                    "etcd endpoints {names}: {e}"
+                )))
+            }
+            Ok(Err(e)) => return Err(unreachable(e.to_string())),
+            Err(_) => return Err(no_answer()),
+        };
+        let prefix = nodes_prefix(cluster);
+        let left = CONNECT_DEADLINE.saturating_sub(started.elapsed());
+        let (nodes, revision) = match tokio::time::timeout(left, load(&client, &prefix)).await {
+            Ok(Ok(loaded)) => loaded,
+            Ok(Err(e)) => return Err(unreachable(e.to_string())),
+            Err(_) => return Err(no_answer()),
+        };
+        info!(endpoints = %names, cluster, nodes = nodes.len(), revision, "connected to etcd");
+
+        let (tx, rx) = watch::channel(Arc::new(nodes.clone()));
+        let watcher = tokio::spawn(
+            Watcher {
+                client: client.clone(),
+                endpoints: names.clone(),
+                prefix: prefix.clone(),
+                tx,
+                nodes,
+                revision,
+            }
+            .run(),
+        );
+        Ok(Arc::new(Self {
+            client,
+            endpoints: names,
+            cluster: cluster.to_string(),
+            prefix,
+            ttl: ttl_secs,
+            rx,
+            watcher,
+        }))
+    }
+
+    /// The endpoints, comma-separated, as used in messages.
+    pub fn endpoints(&self) -> &str {
+        &self.endpoints
+    }
+
+    /// The cluster name.
+    pub fn cluster(&self) -> &str {
+        &self.cluster
+    }
+
+    /// The lease TTL asked for, in seconds.
+    pub fn ttl_secs(&self) -> i64 {
+        self.ttl
+    }
+
+    fn etcd_error(&self, op: &'static str, failure: Failure) -> DiscoveryError {
+        failure.into_error(op, &self.endpoints)
+    }
+}
+
+impl Drop for EtcdRegistry {
+    fn drop(&mut self) {
+        self.watcher.abort();
+    }
+}
+
+#[async_trait::async_trait]
+impl Registry for EtcdRegistry {
+    async fn register(&self, record: NodeRecord) -> Result<Registration, DiscoveryError> {
+        validate_record(&record, &self.cluster)?;
+        let value = serde_json::to_string(&record)?;
+        let key = node_key(&self.cluster, &record.node_id);
+        let (lease, granted_ttl) = grant(&self.client, self.ttl)
+            .await
+            .map_err(|f| self.etcd_error("lease grant", f))?;
+        if let Err(f) = put(&self.client, &key, &value, lease).await {
+            let _ = bounded(self.client.clone().lease_revoke(lease)).await;
+            return Err(self.etcd_error("put", f));
+        }
+        info!(
+            node_id = %record.node_id,
+            key,
+            lease = format_args!("{lease:x}"),
+            ttl = granted_ttl,
+            "registered node in etcd"
+        );
+
+        let shared = Arc::new(Shared {
+            client: self.client.clone(),
+            endpoints: self.endpoints.clone(),
+            cluster: self.cluster.clone(),
+            node_id: record.node_id,
+            key,
+            ttl: self.ttl,
+            interval: keep_alive_interval(granted_ttl),
+            published: Mutex::new(Published {
+                value,
+                lease,
+                dirty: false,
+            }),
+            lease: AtomicI64::new(lease),
+            reregistrations: AtomicU64::new(0),
+            lease_replaced: Notify::new(),
+        });
+        let keeper = tokio::spawn(keep_alive_loop(shared.clone()));
+        Ok(Registration {
+            inner: RegistrationInner::Etcd(EtcdRegistration { shared, keeper }),
+        })
+    }
+
+    async fn list(&self) -> Result<Vec<NodeRecord>, DiscoveryError> {
+        let (nodes, _) = bounded(load(&self.client, &self.prefix))
+            .await
+            .map_err(|f| self.etcd_error("get", f))?;
+        Ok(nodes.into_values().collect())
+    }
+
+    fn subscribe(&self) -> watch::Receiver<Membership> {
+        self.rx.clone()
+    }
+}
+
+/// Reads every record under `prefix`; returns them with the store revision they were read at.
+async fn load(client: &Client, prefix: &str) -> Result<(Nodes, i64), etcd_client::Error> {
+    let resp = client
+        .kv_client()
+        .get(prefix, Some(GetOptions::new().with_prefix()))
+        .await?;
+    let revision = resp.header().map_or(0, |h| h.revision());
+    let nodes = resp
+        .kvs()
+        .iter()
+        .filter_map(|kv| parse_record(prefix, kv.key(), kv.value()))
+        .collect();
+    Ok((nodes, revision))
+}
+
+/// Parses one value under the prefix; anything unusable is skipped with a warning.
+fn parse_record(prefix: &str, key: &[u8], value: &[u8]) -> Option<(String, NodeRecord)> {
+    let key = String::from_utf8_lossy(key);
+    let id = key.strip_prefix(prefix)?;
+    if id.is_empty() || id.contains('/') {
+        warn!(%key, "ignoring a key under the nodes prefix that is not <prefix><node_id>");
+        return None;
+    }
+    match serde_json::from_slice::<NodeRecord>(value) {
+        Ok(record) if record.node_id == id => Some((id.to_string(), record)),
+        Ok(record) => {
+            warn!(%key, record_node_id = %record.node_id, "skipping a node record whose node_id does not match its key");
+            None
+        }
+        Err(e) => {
+            warn!(%key, error = %e, "skipping a malformed node record");
+            None
+        }
+    }
+}
+
+/// Why an etcd request failed.
+enum Failure {
+    Etcd(etcd_client::Error),
+    Timeout,
+}
+
+impl Failure {
+    /// The lease no longer exists (expired, revoked, or etcd lost its data).
+    fn is_lease_not_found(&self) -> bool {
+        match self {
+            Failure::Etcd(etcd_client::Error::LeaseKeepAliveError(m)) => {
+                m.contains("lease not found")
+            }
+            Failure::Etcd(etcd_client::Error::GRpcStatus(s)) => {
+                s.message().contains("lease not found")
+            }
+            _ => false,
+        }
+    }
+
+    fn into_error(self, op: &'static str, endpoints: &str) -> DiscoveryError {
+        DiscoveryError::Etcd {
+            op,
+            endpoints: endpoints.to_string(),
+            reason: self.to_string(),
+        }
+    }
+}
+
+impl fmt::Display for Failure {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Failure::Etcd(e) => write!(f, "{e}"),
+            Failure::Timeout => write!(f, "no answer within {} s", REQUEST_TIMEOUT.as_secs()),
+        }
+    }
+}
+
+/// Runs one etcd request with [`REQUEST_TIMEOUT`].
+async fn bounded<T>(
+    fut: impl Future<Output = Result<T, etcd_client::Error>>,
+) -> Result<T, Failure> {
+    match tokio::time::timeout(REQUEST_TIMEOUT, fut).await {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(e)) => Err(Failure::Etcd(e)),
+        Err(_) => Err(Failure::Timeout),
+    }
+}
+
+/// Grants a lease; returns its id and the TTL etcd actually gave (it may raise small TTLs).
+async fn grant(client: &Client, ttl: i64) -> Result<(i64, i64), Failure> {
+    let resp = bounded(client.lease_client().grant(ttl, None)).await?;
+    Ok((resp.id(), resp.ttl()))
+}
+
+async fn put(client: &Client, key: &str, value: &str, lease: i64) -> Result<(), Failure> {
+    let options = PutOptions::new().with_lease(lease);
+    bounded(client.kv_client().put(key, value, Some(options))).await?;
+    Ok(())
+}
+
+fn keep_alive_interval(ttl_secs: i64) -> Duration {
+    Duration::from_millis((ttl_secs.max(1) as u64 * 1000 / 3).max(300))
+}
+
+/// Exponential backoff with jitter.
+struct Backoff {
+    next: Duration,
+    max: Duration,
+}
+
+impl Backoff {
+    fn new(max: Duration) -> Self {
+        Self {
+            next: BACKOFF_MIN,
+            max: max.max(BACKOFF_MIN),
+        }
+    }
+
+    fn reset(&mut self) {
+        self.next = BACKOFF_MIN;
+    }
+
+    /// The next delay: ±25 % around the current step, which then doubles up to the maximum.
+    fn next_delay(&mut self) -> Duration {
+        let base = self.next;
+        self.next = (self.next * 2).min(self.max);
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.subsec_nanos());
+        let factor = 0.75 + f64::from(nanos % 1000) / 2000.0;
+        base.mul_f64(factor)
+    }
+}
+
+// ----- the membership watch -------------------------------------------------------------------
+
+struct Watcher {
+    client: Client,
+    endpoints: String,
+    prefix: String,
+    tx: watch::Sender<Membership>,
+    nodes: Nodes,
+    /// Every change up to this revision is reflected in `nodes`.
+    revision: i64,
+}
+
+/// How one watch session ended.
+enum SessionEnd {
+    /// etcd went away or refused; retry with backoff, keeping the view.
+    Lost(String),
+    /// The view must be rebuilt from a fresh get (compaction, or etcd's store went back).
+    Resync(String),
+}
+
+impl Watcher {
+    async fn run(mut self) {
+        let mut backoff = Backoff::new(BACKOFF_MAX);
+        let mut resync = false;
+        let mut lost_since: Option<Instant> = None;
+        loop {
+            match self
+                .session(&mut resync, &mut lost_since, &mut backoff)
+                .await
+            {
+                SessionEnd::Resync(reason) => {
+                    info!(endpoints = %self.endpoints, prefix = %self.prefix, %reason, "re-reading the membership from etcd");
+                    resync = true;
+                }
+                SessionEnd::Lost(reason) => {
+                    if lost_since.is_none() {
+                        warn!(
+                            endpoints = %self.endpoints,
+                            %reason,
+                            nodes = self.nodes.len(),
+                            "lost the etcd watch on the membership; keeping the last known view and reconnecting"
+                        );
+                        lost_since = Some(Instant::now());
+                    } else {
+                        debug!(endpoints = %self.endpoints, %reason, "etcd still unavailable");
+                    }
+                    tokio::time::sleep(backoff.next_delay()).await;
+                }
+            }
+        }
+    }
+
+    fn publish(&self) {
+        self.tx.send_replace(Arc::new(self.nodes.clone()));
+    }
+
+    async fn session(
+        &mut self,
+        resync: &mut bool,
+        lost_since: &mut Option<Instant>,
+        backoff: &mut Backoff,
+    ) -> SessionEnd {
+        if *resync {
+            match bounded(load(&self.client, &self.prefix)).await {
+                Ok((nodes, revision)) => {
+                    if nodes != self.nodes {
+                        self.nodes = nodes;
+                        self.publish();
+                    }
+                    self.revision = revision;
+                    *resync = false;
+                }
+                Err(f) => return SessionEnd::Lost(format!("get: {f}")),
+            }
+        }
+        let options = WatchOptions::new()
+            .with_prefix()
+            .with_start_revision(self.revision + 1);
+        let mut client = self.client.clone();
+        let mut stream = match bounded(client.watch(self.prefix.as_str(), Some(options))).await {
+            Ok(stream) => stream,
+            Err(f) => return SessionEnd::Lost(format!("watch: {f}")),
+        };
+        loop {
+            let resp = match stream.message().await {
+                Ok(Some(resp)) => resp,
+                Ok(None) => return SessionEnd::Lost("the watch stream ended".into()),
+                Err(e) => return SessionEnd::Lost(e.to_string()),
+            };
+            if resp.canceled() {
+                if resp.compact_revision() > 0 {
+                    return SessionEnd::Resync(format!(
+                        "revision {} was compacted (oldest kept: {})",
+                        self.revision + 1,
+                        resp.compact_revision()
+                    ));
+                }
+                return SessionEnd::Lost(format!(
+                    "etcd canceled the watch: {}",
+                    resp.cancel_reason()
+                ));
+            }
+            if resp.created() {
+                let head = resp.header().map_or(0, |h| h.revision());
+                if head < self.revision {
+                    return SessionEnd::Resync(format!(
+                        "etcd's revision went back from {} to {head} (etcd restarted with other or no data)",
+                        self.revision
+                    ));
+                }
+                backoff.reset();
+                if let Some(since) = lost_since.take() {
+                    info!(
+                        endpoints = %self.endpoints,
+                        after = ?since.elapsed(),
+                        nodes = self.nodes.len(),
+                        "etcd is back; the membership watch resumed"
+                    );
+                }
+            }
+            let mut changed = false;
+            for event in resp.events() {
+                let Some(kv) = event.kv() else { continue };
+                self.revision = self.revision.max(kv.mod_revision());
+                let key = String::from_utf8_lossy(kv.key());
+                let Some(id) = key.strip_prefix(&self.prefix) else {
+                    continue;
+                };
+                match event.event_type() {
+                    EventType::Put => match parse_record(&self.prefix, kv.key(), kv.value()) {
+                        Some((id, record)) => {
+                            if self.nodes.get(&id) != Some(&record) {
+                                debug!(node_id = %id, "node record changed");
+                                self.nodes.insert(id, record);
+                                changed = true;
+                            }
+                        }
+                        // A record that no longer parses counts as absent.
+                        None => changed |= self.nodes.remove(id).is_some(),
+                    },
+                    EventType::Delete => {
+                        if self.nodes.remove(id).is_some() {
+                            debug!(node_id = %id, "node left");
+                            changed = true;
+                        }
+                    }
+                }
+            }
+            if changed {
+                self.publish();
+            }
+        }
+    }
+}
+
+// ----- registrations and their keep-alive ---------------------------------------------------
+
+pub(crate) struct EtcdRegistration {
+    shared: Arc<Shared>,
+    keeper: JoinHandle<()>,
+}
+
+struct Shared {
+    client: Client,
+    endpoints: String,
+    cluster: String,
+    node_id: String,
+    key: String,
+    ttl: i64,
+    interval: Duration,
+    /// What is (to be) in etcd. Held while publishing, so re-registration and `update` never
+    /// interleave.
+    published: Mutex<Published>,
+    /// Mirror of `published.lease` for the keep-alive task.
+    lease: AtomicI64,
+    reregistrations: AtomicU64,
+    /// Signalled when `update` replaced a lost lease, so the keep-alive task follows.
+    lease_replaced: Notify,
+}
+
+struct Published {
+    value: String,
+    lease: i64,
+    /// `value` has not reached etcd yet (an `update` while etcd was away).
+    dirty: bool,
+}
+
+impl Shared {
+    fn etcd_error(&self, op: &'static str, failure: Failure) -> DiscoveryError {
+        failure.into_error(op, &self.endpoints)
+    }
+
+    /// Publishes the record under a new lease after `lost` was lost. Returns false if etcd
+    /// could not be reached (the caller retries).
+    async fn reregister(&self, lost: i64) -> bool {
+        let mut published = self.published.lock().await;
+        if published.lease != lost {
+            return true; // somebody else already did
+        }
+        let lease = match grant(&self.client, self.ttl).await {
+            Ok((lease, _)) => lease,
+            Err(f) => {
+                warn!(node_id = %self.node_id, endpoints = %self.endpoints, error = %f, "lease lost and cannot grant a new one yet; retrying");
+                return false;
+            }
+        };
+        if let Err(f) = put(&self.client, &self.key, &published.value, lease).await {
+            warn!(node_id = %self.node_id, endpoints = %self.endpoints, error = %f, "lease lost and cannot re-publish the record yet; retrying");
+            return false;
+        }
+        published.lease = lease;
+        published.dirty = false;
+        self.lease.store(lease, Ordering::SeqCst);
+        let n = self.reregistrations.fetch_add(1, Ordering::SeqCst) + 1;
+        info!(
+            node_id = %self.node_id,
+            key = %self.key,
+            old_lease = format_args!("{lost:x}"),
+            new_lease = format_args!("{lease:x}"),
+            reregistrations = n,
+            "etcd lease was lost; re-registered the node under a new lease"
+        );
+        true
+    }
+
+    /// Publishes an update that could not reach etcd earlier. Skips if someone is publishing.
+    async fn flush_if_dirty(&self) {
+        let Ok(mut published) = self.published.try_lock() else {
+            return;
+        };
+        if !published.dirty {
+            return;
+        }
+        match put(&self.client, &self.key, &published.value, published.lease).await {
+            Ok(()) => {
+                published.dirty = false;
+                info!(node_id = %self.node_id, "published the node record updated while etcd was unreachable");
+            }
+            Err(f) => {
+                debug!(node_id = %self.node_id, error = %f, "still cannot publish the updated record")
+            }
+        }
+    }
+}
+
+/// How a keep-alive stream ended.
+enum KeepAliveEnd {
+    /// `update` moved the record to a new lease.
+    LeaseReplaced,
+    /// etcd says the lease is gone.
+    LeaseLost,
+    /// The stream broke (etcd down or unreachable).
+    Broken(String),
+}
+
+async fn keep_alive_loop(shared: Arc<Shared>) {
+    let mut backoff = Backoff::new(shared.interval.min(BACKOFF_MAX));
+    let mut lost_since: Option<Instant> = None;
+    loop {
+        let lease = shared.lease.load(Ordering::SeqCst);
+        let mut client = shared.client.clone();
+        let end = match bounded(client.lease_keep_alive(lease)).await {
+            Ok((mut keeper, mut stream)) => {
+                if let Some(since) = lost_since.take() {
+                    info!(node_id = %shared.node_id, after = ?since.elapsed(), "etcd is back; keep-alive resumed");
+                }
+                backoff.reset();
+                shared.flush_if_dirty().await;
+                loop {
+                    tokio::select! {
+                        _ = tokio::time::sleep(shared.interval) => {}
+                        _ = shared.lease_replaced.notified() => {}
+                    }
+                    if shared.lease.load(Ordering::SeqCst) != lease {
+                        break KeepAliveEnd::LeaseReplaced;
+                    }
+                    shared.flush_if_dirty().await;
+                    if let Err(e) = keeper.keep_alive().await {
+                        break KeepAliveEnd::Broken(e.to_string());
+                    }
+                    match tokio::time::timeout(REQUEST_TIMEOUT, stream.message()).await {
+                        Ok(Ok(Some(resp))) if resp.ttl() > 0 => {}
+                        Ok(Ok(Some(_))) => break KeepAliveEnd::LeaseLost,
+                        Ok(Ok(None)) => {
+                            break KeepAliveEnd::Broken("the keep-alive stream ended".into())
+                        }
+                        Ok(Err(e)) => break KeepAliveEnd::Broken(e.to_string()),
+                        Err(_) => {
+                            break KeepAliveEnd::Broken(format!(
+                                "no keep-alive answer within {} s",
+                                REQUEST_TIMEOUT.as_secs()
+                            ))
+                        }
+                    }
+                }
+            }
+            Err(f) if f.is_lease_not_found() => KeepAliveEnd::LeaseLost,
+            Err(f) => KeepAliveEnd::Broken(f.to_string()),
+        };
+        match end {
+            KeepAliveEnd::LeaseReplaced => {}
+            KeepAliveEnd::LeaseLost => {
+                if !shared.reregister(lease).await {
+                    tokio::time::sleep(backoff.next_delay()).await;
+                }
+            }
+            KeepAliveEnd::Broken(reason) => {
+                if lost_since.is_none() {
+                    warn!(
+                        node_id = %shared.node_id,
+                        endpoints = %shared.endpoints,
+                        %reason,
+                        "lost etcd while keeping the node's lease alive; retrying"
+                    );
+                    lost_since = Some(Instant::now());
+                } else {
+                    debug!(node_id = %shared.node_id, %reason, "etcd still unavailable");
+                }
+                tokio::time::sleep(backoff.next_delay()).await;
+            }
+        }
+    }
+}
+
+impl EtcdRegistration {
+    pub(crate) fn node_id(&self) -> &str {
+        &self.shared.node_id
+    }
+
+    pub(crate) fn reregistrations(&self) -> u64 {
+        self.shared.reregistrations.load(Ordering::SeqCst)
+    }
+
+    pub(crate) async fn update(&self, record: NodeRecord) -> Result<(), DiscoveryError> {
+        let shared = &self.shared;
+        validate_record(&record, &shared.cluster)?;
+        if record.node_id != shared.node_id {
+            return Err(DiscoveryError::InvalidRecord(format!(
+                "update changes node_id from {} to {}",
+                shared.node_id, record.node_id
+            )));
+        }
+        let value = serde_json::to_string(&record)?;
+        let mut published = shared.published.lock().await;
+        published.value = value;
+        published.dirty = true;
+        match put(
+            &shared.client,
+            &shared.key,
+            &published.value,
+            published.lease,
+        )
+        .await
+        {
+            Ok(()) => {
+                published.dirty = false;
+                Ok(())
+            }
+            Err(f) if f.is_lease_not_found() => {
+                // The lease is gone and the keep-alive task has not noticed yet.
+                let lost = published.lease;
+                drop(published);
+                if shared.reregister(lost).await {
+                    shared.lease_replaced.notify_one();
+                    Ok(())
+                } else {
+                    Err(shared.etcd_error("put", f))
+                }
+            }
+            Err(f) => Err(shared.etcd_error("put", f)),
+        }
+    }
+
+    pub(crate) async fn deregister(mut self) -> Result<(), DiscoveryError> {
+        self.keeper.abort();
+        let _ = (&mut self.keeper).await;
+        let shared = &self.shared;
+        let published = shared.published.lock().await;
+        match bounded(shared.client.lease_client().revoke(published.lease)).await {
+            Ok(_) => {
+                info!(node_id = %shared.node_id, key = %shared.key, "deregistered node (lease revoked)");
+                Ok(())
+            }
+            // Already expired, so the record is gone too.
+            Err(f) if f.is_lease_not_found() => Ok(()),
+            Err(f) => Err(DiscoveryError::Etcd {
+                op: "lease revoke",
+                endpoints: shared.endpoints.clone(),
+                reason: format!(
+                    "{f}; keep-alive has stopped, so the record expires within {} s",
+                    shared.ttl
+                ),
+            }),
+        }
+    }
+}
+
+impl Drop for EtcdRegistration {
+    fn drop(&mut self) {
+        self.keeper.abort();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parse_skips_bad_values() {
+        let prefix = nodes_prefix("c");
+        let good = serde_json::to_vec(&crate::test_record("c", "a")).unwrap();
+        assert!(parse_record(&prefix, b"/kvmesh/c/nodes/a", &good).is_some());
+        assert!(parse_record(&prefix, b"/kvmesh/c/nodes/b", &good).is_none());
+        assert!(parse_record(&prefix, b"/kvmesh/c/nodes/a", b"{not json").is_none());
+        assert!(parse_record(&prefix, b"/kvmesh/c/nodes/", &good).is_none());
+        assert!(parse_record(&prefix, b"/kvmesh/c/nodes/x/a", &good).is_none());
+        assert!(parse_record(&prefix, b"/other/a", &good).is_none());
+    }
+
+    #[test]
+    fn intervals_and_backoff() {
+        assert_eq!(keep_alive_interval(3), Duration::from_secs(1));
+        assert_eq!(keep_alive_interval(0), Duration::from_millis(333));
+        let mut b = Backoff::new(Duration::from_secs(1));
+        let delays: Vec<Duration> = (0..8).map(|_| b.next_delay()).collect();
+        assert!(delays[0] <= Duration::from_millis(125));
+        assert!(delays.iter().all(|d| *d <= Duration::from_millis(1250)));
+        b.reset();
+        assert!(b.next_delay() <= Duration::from_millis(125));
+    }
+
+    /// A watcher resuming from a compacted revision falls back to a fresh get.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn watcher_resyncs_after_compaction() {
+        let etcd = crate::testing::Etcd::start();
+        let mut client = Client::connect([etcd.url()], None).await.unwrap();
+        let prefix = nodes_prefix("c");
+        let a = serde_json::to_string(&crate::test_record("c", "a")).unwrap();
+        let b = serde_json::to_string(&crate::test_record("c", "b")).unwrap();
+        let first = client.put(node_key("c", "a"), a, None).await.unwrap();
+        let stale = first.header().unwrap().revision() - 1;
+        client.put(node_key("c", "b"), b, None).await.unwrap();
+        let head = client.put("/unrelated", "x", None).await.unwrap();
+        client
+            .compact(head.header().unwrap().revision(), None)
+            .await
+            .unwrap();
+
+        let (tx, mut rx) = watch::channel(Membership::default());
+        let task = tokio::spawn(
+            Watcher {
+                client: client.clone(),
+                endpoints: etcd.url(),
+                prefix,
+                tx,
+                nodes: Nodes::new(),
+                revision: stale,
+            }
+            .run(),
+        );
+        let view = tokio::time::timeout(Duration::from_secs(5), rx.wait_for(|m| m.len() == 2))
+            .await
+            .expect("the watcher did not resync after compaction")
+            .unwrap()
+            .clone();
+        assert_eq!(view.keys().collect::<Vec<_>>(), ["a", "b"]);
+        task.abort();
+    }
+}

@@ -1,0 +1,31 @@
+//! Where a gateway sends token ids: an engine in this process (`kvmesh serve`), or a router
+//! in front of workers on other nodes (`kvmesh node --roles gateway,router`). Either way the
+//! answer is a `Submission` of token events, and dropping it cancels the request.
+
+use kvmesh_gpu::engine::{EngineHandle, Request, Submission};
+
+use crate::error::ApiError;
+use crate::metrics::render_engine;
+
+pub trait Dispatch: Send + Sync + 'static {
+    /// Queues a request, or says why it cannot be (bad input, full queue, no worker).
+    fn submit(&self, req: Request) -> Result<Submission, ApiError>;
+    /// The longest prompt + completion accepted, in tokens; `None` while nothing can serve.
+    fn max_model_len(&self) -> Option<usize>;
+    /// Prometheus lines about the engine or the workers behind this gateway.
+    fn render_metrics(&self, out: &mut String, model: &str);
+}
+
+impl Dispatch for EngineHandle {
+    fn submit(&self, req: Request) -> Result<Submission, ApiError> {
+        EngineHandle::submit(self, req).map_err(ApiError::from)
+    }
+
+    fn max_model_len(&self) -> Option<usize> {
+        Some(self.info.config.max_model_len)
+    }
+
+    fn render_metrics(&self, out: &mut String, model: &str) {
+        render_engine(out, model, self)
+    }
+}

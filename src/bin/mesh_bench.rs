@@ -1,0 +1,504 @@
+//! Cluster-mode benchmarks, on `sim` workers so they measure the mesh and the routing, not
+//! the math. Each scenario starts its own etcd and `kvmesh` processes on loopback, runs a
+//! fixed workload through the OpenAI API, prints a table and writes JSON.
+//!
+//! 1. **Mesh overhead**: a zero-cost sim worker (no prefill or decode time) behind
+//!    gateway → router → QUIC → worker, against the same worker in-process (`kvmesh serve`):
+//!    requests/s and the added p50/p99 latency, at concurrency 1 and 16.
+//! 2. **Heterogeneous nodes**: two sim workers at 1x and 3x speed, `round-robin` against
+//!    `least-loaded`: output throughput and p99 TTFT.
+//! 3. **Prefix routing**: a multi-turn chat workload (each turn resends the conversation so
+//!    far) over 4 workers, `prefix` against `round-robin`: prefix-cache hit rate (cached
+//!    prompt tokens / prompt tokens, from the API's usage) and mean TTFT.
+//!
+//! `cargo build --release && target/release/mesh-bench [--quick] [--json PATH]`
+//! (needs `etcd` on PATH, as the tests do; `bash scripts/test.sh` installs it).
+
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvmesh_discovery::testing::Etcd;
+use serde_json::{json, Value};
+use tokio::sync::Semaphore;
+
+fn kvmesh_bin() -> PathBuf {
+    let me = std::env::current_exe().expect("current exe");
+    me.with_file_name("kvmesh")
+}
+
+struct Proc {
+    child: Child,
+    http: String,
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Starts `kvmesh <args>` and waits for the line naming its HTTP address.
+fn spawn(args: &[String]) -> Proc {
+    let mut child = Command::new(kvmesh_bin())
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap_or_else(|e| {
+            panic!(
+                "starting {}: {e} (build it: cargo build --release)",
+                kvmesh_bin().display()
+            )
+        });
+    let out = child.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(out).lines().map_while(Result::ok) {
+            if let Some(u) = line.strip_prefix("kvmesh listening on ") {
+                let _ = tx.send(u.to_string());
+            } else if let Some(rest) = line.split(" ready: ").nth(1) {
+                if let Some(u) = rest.split(" http ").nth(1) {
+                    let _ = tx.send(u.to_string());
+                }
+            }
+        }
+    });
+    let http = rx
+        .recv_timeout(Duration::from_secs(60))
+        .unwrap_or_else(|_| panic!("kvmesh {args:?} did not start"));
+    Proc { child, http }
+}
+
+fn s(v: &[&str]) -> Vec<String> {
+    v.iter().map(|x| x.to_string()).collect()
+}
+
+fn node(etcd: &Etcd, cluster: &str, id: &str, extra: &[&str]) -> Proc {
+    let mut a = s(&[
+        "node",
+        "--etcd",
+        &etcd.url(),
+        "--cluster",
+        cluster,
+        "--node-id",
+        id,
+    ]);
+    a.extend(s(extra));
+    spawn(&a)
+}
+
+fn gateway(etcd: &Etcd, cluster: &str, policy: &str) -> Proc {
+    node(
+        etcd,
+        cluster,
+        "gw",
+        &[
+            "--roles",
+            "gateway,router",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--policy",
+            policy,
+        ],
+    )
+}
+
+async fn wait_workers(http: &reqwest::Client, gw: &Proc, n: usize) {
+    let t = Instant::now();
+    loop {
+        let st: Value = http
+            .get(format!("{}/status", gw.http))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        let up = st["router"]["workers"]
+            .as_array()
+            .map_or(0, |w| w.iter().filter(|w| w["connected"] == true).count());
+        if up >= n {
+            return;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "workers did not connect"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// One streamed request's timings.
+#[derive(Clone, Debug, Default)]
+struct Sample {
+    ok: bool,
+    ttft: f64,
+    e2e: f64,
+    output_tokens: u64,
+    prompt_tokens: u64,
+    cached_tokens: u64,
+}
+
+async fn one(http: &reqwest::Client, base: &str, prompt: &str, max_tokens: u32) -> Sample {
+    let body = json!({"model": "shakespeare", "prompt": prompt, "max_tokens": max_tokens,
+        "temperature": 0, "ignore_eos": true, "stream": true,
+        "stream_options": {"include_usage": true}});
+    let t0 = Instant::now();
+    let Ok(mut r) = http
+        .post(format!("{base}/v1/completions"))
+        .json(&body)
+        .send()
+        .await
+    else {
+        return Sample::default();
+    };
+    if !r.status().is_success() {
+        return Sample::default();
+    }
+    let mut out = Sample::default();
+    let mut buf = String::new();
+    while let Ok(Some(chunk)) = r.chunk().await {
+        buf.push_str(&String::from_utf8_lossy(&chunk));
+        while let Some(i) = buf.find("\n\n") {
+            let ev: String = buf.drain(..i + 2).collect();
+            let data = ev.trim().trim_start_matches("data: ");
+            if data == "[DONE]" {
+                out.ok = true;
+                continue;
+            }
+            let v: Value = serde_json::from_str(data).unwrap_or(Value::Null);
+            if v["choices"][0]["text"].is_string() && out.ttft == 0.0 {
+                out.ttft = t0.elapsed().as_secs_f64();
+            }
+            if let Some(u) = v.get("usage").filter(|u| !u.is_null()) {
+                out.output_tokens = u["completion_tokens"].as_u64().unwrap_or(0);
+                out.prompt_tokens = u["prompt_tokens"].as_u64().unwrap_or(0);
+                out.cached_tokens = u["prompt_tokens_details"]["cached_tokens"]
+                    .as_u64()
+                    .unwrap_or(0);
+            }
+            if v.get("error").is_some() {
+                out.ok = false;
+                return out;
+            }
+        }
+    }
+    out.e2e = t0.elapsed().as_secs_f64();
+    out
+}
+
+fn pct(v: &[f64], p: f64) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    let mut v = v.to_vec();
+    v.sort_by(f64::total_cmp);
+    let x = p / 100.0 * (v.len() - 1) as f64;
+    let (lo, hi) = (x.floor() as usize, x.ceil() as usize);
+    v[lo] + (v[hi] - v[lo]) * (x - lo as f64)
+}
+
+fn mean(v: &[f64]) -> f64 {
+    v.iter().sum::<f64>() / v.len().max(1) as f64
+}
+
+/// Runs `prompts` at `concurrency`; returns (samples, wall seconds).
+async fn run_load(
+    http: &reqwest::Client,
+    base: &str,
+    prompts: Vec<String>,
+    max_tokens: u32,
+    concurrency: usize,
+) -> (Vec<Sample>, f64) {
+    let sem = Arc::new(Semaphore::new(concurrency));
+    let t0 = Instant::now();
+    let tasks: Vec<_> = prompts
+        .into_iter()
+        .map(|p| {
+            let (http, base, sem) = (http.clone(), base.to_string(), sem.clone());
+            tokio::spawn(async move {
+                let _permit = sem.acquire_owned().await.unwrap();
+                one(&http, &base, &p, max_tokens).await
+            })
+        })
+        .collect();
+    let mut out = Vec::new();
+    for t in tasks {
+        out.push(t.await.unwrap());
+    }
+    (out, t0.elapsed().as_secs_f64())
+}
+
+fn summary(label: &str, samples: &[Sample], wall: f64) -> Value {
+    let ok: Vec<&Sample> = samples.iter().filter(|s| s.ok).collect();
+    let ttft: Vec<f64> = ok.iter().map(|s| s.ttft * 1e3).collect();
+    let e2e: Vec<f64> = ok.iter().map(|s| s.e2e * 1e3).collect();
+    let out_tokens: u64 = ok.iter().map(|s| s.output_tokens).sum();
+    let prompt: u64 = ok.iter().map(|s| s.prompt_tokens).sum();
+    let cached: u64 = ok.iter().map(|s| s.cached_tokens).sum();
+    json!({
+        "label": label, "requests": samples.len(), "failed": samples.len() - ok.len(),
+        "wall_s": wall, "req_per_s": ok.len() as f64 / wall,
+        "output_tok_per_s": out_tokens as f64 / wall,
+        "ttft_ms": {"mean": mean(&ttft), "p50": pct(&ttft, 50.0), "p99": pct(&ttft, 99.0)},
+        "e2e_ms": {"mean": mean(&e2e), "p50": pct(&e2e, 50.0), "p99": pct(&e2e, 99.0)},
+        "prompt_tokens": prompt, "cached_tokens": cached,
+        "cache_hit_rate": if prompt == 0 { 0.0 } else { cached as f64 / prompt as f64 },
+    })
+}
+
+fn shakespeare_lines() -> Vec<String> {
+    include_str!("../../data/tinyshakespeare.txt")
+        .lines()
+        .filter(|l| l.len() > 20)
+        .map(str::to_string)
+        .collect()
+}
+
+const ZERO_COST: [&str; 8] = [
+    "--backend",
+    "sim",
+    "--sim-prefill-us-per-token",
+    "0",
+    "--sim-decode-ms",
+    "0",
+    "--sim-decode-us-per-seq",
+    "0",
+];
+
+async fn mesh_overhead(http: &reqwest::Client, quick: bool) -> Value {
+    let lines = shakespeare_lines();
+    let n = if quick { 200 } else { 1000 };
+    let prompts: Vec<String> = (0..n).map(|i| lines[i % lines.len()].clone()).collect();
+    let mut rows = Vec::new();
+    let serve = spawn(
+        &[
+            s(&["serve", "--host", "127.0.0.1", "--port", "0"]),
+            s(&ZERO_COST),
+        ]
+        .concat(),
+    );
+    let etcd = Etcd::start();
+    let _w = node(
+        &etcd,
+        "bench-mesh",
+        "w1",
+        &[&["--roles", "worker"][..], &ZERO_COST[..]].concat(),
+    );
+    let gw = gateway(&etcd, "bench-mesh", "round-robin");
+    wait_workers(http, &gw, 1).await;
+    for conc in [1usize, 16] {
+        // Warm both paths, then measure them back to back.
+        let _ = run_load(http, &serve.http, prompts[..20].to_vec(), 16, conc).await;
+        let _ = run_load(http, &gw.http, prompts[..20].to_vec(), 16, conc).await;
+        let (a, wa) = run_load(http, &serve.http, prompts.clone(), 16, conc).await;
+        let (b, wb) = run_load(http, &gw.http, prompts.clone(), 16, conc).await;
+        let sa = summary(&format!("in-process c={conc}"), &a, wa);
+        let sb = summary(&format!("mesh c={conc}"), &b, wb);
+        rows.push(json!({"concurrency": conc, "in_process": sa, "mesh": sb,
+            "added_p50_ms": sb["e2e_ms"]["p50"].as_f64().unwrap() - sa["e2e_ms"]["p50"].as_f64().unwrap(),
+            "added_p99_ms": sb["e2e_ms"]["p99"].as_f64().unwrap() - sa["e2e_ms"]["p99"].as_f64().unwrap(),
+            "req_per_s_ratio": sb["req_per_s"].as_f64().unwrap() / sa["req_per_s"].as_f64().unwrap()}));
+    }
+    println!("\n== mesh overhead: zero-cost sim worker, 16 output tokens, streamed ==");
+    println!(
+        "{:>5} {:>14} {:>14} {:>8} {:>12} {:>12} {:>12} {:>12}",
+        "conc",
+        "in-proc req/s",
+        "mesh req/s",
+        "ratio",
+        "in-proc p50",
+        "mesh p50",
+        "in-proc p99",
+        "mesh p99"
+    );
+    for r in &rows {
+        let (a, b) = (&r["in_process"], &r["mesh"]);
+        println!(
+            "{:>5} {:>14.1} {:>14.1} {:>8.2} {:>10.2}ms {:>10.2}ms {:>10.2}ms {:>10.2}ms",
+            r["concurrency"],
+            a["req_per_s"].as_f64().unwrap(),
+            b["req_per_s"].as_f64().unwrap(),
+            r["req_per_s_ratio"].as_f64().unwrap(),
+            a["e2e_ms"]["p50"].as_f64().unwrap(),
+            b["e2e_ms"]["p50"].as_f64().unwrap(),
+            a["e2e_ms"]["p99"].as_f64().unwrap(),
+            b["e2e_ms"]["p99"].as_f64().unwrap()
+        );
+    }
+    json!(rows)
+}
+
+async fn heterogeneous(http: &reqwest::Client, quick: bool) -> Value {
+    let lines = shakespeare_lines();
+    let n = if quick { 120 } else { 400 };
+    let prompts: Vec<String> = (0..n)
+        .map(|i| lines[(i * 7) % lines.len()].clone())
+        .collect();
+    let mut rows = Vec::new();
+    for policy in ["round-robin", "least-loaded"] {
+        let etcd = Etcd::start();
+        let cluster = format!("bench-het-{policy}");
+        let _slow = node(
+            &etcd,
+            &cluster,
+            "slow-1x",
+            &["--roles", "worker", "--backend", "sim", "--sim-speed", "1"],
+        );
+        let _fast = node(
+            &etcd,
+            &cluster,
+            "fast-3x",
+            &["--roles", "worker", "--backend", "sim", "--sim-speed", "3"],
+        );
+        let gw = gateway(&etcd, &cluster, policy);
+        wait_workers(http, &gw, 2).await;
+        let (samples, wall) = run_load(http, &gw.http, prompts.clone(), 64, 48).await;
+        let mut sum = summary(policy, &samples, wall);
+        let st: Value = http
+            .get(format!("{}/status", gw.http))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        sum["routed"] = st["router"]["workers"].clone();
+        rows.push(sum);
+    }
+    println!(
+        "\n== heterogeneous: sim workers at 1x and 3x, {n} requests x 64 tokens, concurrency 48 =="
+    );
+    println!(
+        "{:>13} {:>14} {:>12} {:>12} {:>22}",
+        "policy", "output tok/s", "p99 TTFT", "mean TTFT", "routed slow/fast"
+    );
+    for r in &rows {
+        let w = r["routed"].as_array().cloned().unwrap_or_default();
+        let get = |id: &str| {
+            w.iter()
+                .find(|x| x["node_id"] == id)
+                .map_or(0, |x| x["routed"].as_u64().unwrap_or(0))
+        };
+        println!(
+            "{:>13} {:>14.1} {:>10.1}ms {:>10.1}ms {:>22}",
+            r["label"].as_str().unwrap(),
+            r["output_tok_per_s"].as_f64().unwrap(),
+            r["ttft_ms"]["p99"].as_f64().unwrap(),
+            r["ttft_ms"]["mean"].as_f64().unwrap(),
+            format!("{}/{}", get("slow-1x"), get("fast-3x"))
+        );
+    }
+    json!(rows)
+}
+
+async fn prefix_routing(http: &reqwest::Client, quick: bool) -> Value {
+    let lines = shakespeare_lines();
+    let (conversations, turns) = if quick { (16, 4) } else { (32, 5) };
+    let mut rows = Vec::new();
+    for policy in ["round-robin", "prefix"] {
+        let etcd = Etcd::start();
+        let cluster = format!("bench-prefix-{policy}");
+        let worker_args = [
+            "--roles",
+            "worker",
+            "--backend",
+            "sim",
+            "--sim-prefill-us-per-token",
+            "400",
+        ];
+        let _ws: Vec<Proc> = (0..4)
+            .map(|i| node(&etcd, &cluster, &format!("w{i}"), &worker_args))
+            .collect();
+        let gw = gateway(&etcd, &cluster, policy);
+        wait_workers(http, &gw, 4).await;
+        // Each conversation: a long shared system part, then turns that append to it.
+        let t0 = Instant::now();
+        let tasks: Vec<_> = (0..conversations)
+            .map(|c| {
+                let (http, base) = (http.clone(), gw.http.clone());
+                let lines = lines.clone();
+                tokio::spawn(async move {
+                    let mut history: String = (0..12)
+                        .map(|k| lines[(c * 131 + k) % lines.len()].as_str())
+                        .collect::<Vec<_>>()
+                        .join("\n");
+                    let mut out = Vec::new();
+                    for t in 0..turns {
+                        history.push_str("\nQUESTIONER: ");
+                        history.push_str(&lines[(c * 17 + t * 5) % lines.len()]);
+                        history.push_str("\nKVMESH:");
+                        let s = one(&http, &base, &history, 24).await;
+                        // The reply is not known as text here; a fixed line stands in for it
+                        // in the next turn (the cache still matches the prompt part).
+                        history.push_str(&lines[(c * 29 + t) % lines.len()]);
+                        out.push(s);
+                    }
+                    out
+                })
+            })
+            .collect();
+        let mut samples = Vec::new();
+        for t in tasks {
+            samples.extend(t.await.unwrap());
+        }
+        let wall = t0.elapsed().as_secs_f64();
+        rows.push(summary(policy, &samples, wall));
+    }
+    println!(
+        "\n== prefix routing: {conversations} conversations x {turns} turns over 4 sim workers =="
+    );
+    println!(
+        "{:>12} {:>15} {:>12} {:>12} {:>10}",
+        "policy", "cache hit rate", "mean TTFT", "p99 TTFT", "req/s"
+    );
+    for r in &rows {
+        println!(
+            "{:>12} {:>14.1}% {:>10.1}ms {:>10.1}ms {:>10.1}",
+            r["label"].as_str().unwrap(),
+            100.0 * r["cache_hit_rate"].as_f64().unwrap(),
+            r["ttft_ms"]["mean"].as_f64().unwrap(),
+            r["ttft_ms"]["p99"].as_f64().unwrap(),
+            r["req_per_s"].as_f64().unwrap()
+        );
+    }
+    json!(rows)
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let quick = args.iter().any(|a| a == "--quick");
+    let json_path = args
+        .iter()
+        .position(|a| a == "--json")
+        .and_then(|i| args.get(i + 1))
+        .cloned()
+        .unwrap_or_else(|| "bench/results/mesh.json".into());
+    let http = reqwest::Client::builder()
+        .pool_max_idle_per_host(256)
+        .build()
+        .unwrap();
+    let overhead = mesh_overhead(&http, quick).await;
+    let het = heterogeneous(&http, quick).await;
+    let prefix = prefix_routing(&http, quick).await;
+    let cpus = std::thread::available_parallelism().map_or(0, |n| n.get());
+    let out = json!({
+        "machine": format!("{cpus} CPUs (shared VM); all processes on loopback"),
+        "quick": quick,
+        "mesh_overhead": overhead,
+        "heterogeneous": het,
+        "prefix_routing": prefix,
+    });
+    if let Some(dir) = std::path::Path::new(&json_path).parent() {
+        let _ = std::fs::create_dir_all(dir);
+    }
+    std::fs::write(&json_path, serde_json::to_string_pretty(&out).unwrap()).unwrap();
+    println!("\nwrote {json_path}");
+}

@@ -1,0 +1,554 @@
+//! `kvmesh node`: one member of a cluster. It publishes itself in etcd, watches the other
+//! members, and takes the roles it is given:
+//!
+//! - `worker`: runs the engine and serves requests from routers over QUIC;
+//! - `router`: connects to every worker of its model and picks one per request (`--policy`);
+//! - `gateway`: the OpenAI HTTP API in front of this node's router.
+//!
+//! Every node also serves `/status` (JSON: roles, load, uptime) and `/metrics` over HTTP,
+//! on the gateway's port or, for a node without a gateway, on `--status-port`. `kvmesh
+//! cluster status` reads the records in etcd and each node's `/status`.
+
+use std::net::SocketAddr;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use anyhow::{bail, Context};
+use axum::extract::{Path, State};
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use clap::Args;
+use serde_json::{json, Value};
+
+use kvmesh_actors::{NodeMsg, NodeRoles, Policy, Role, RoleRestarts, RouterCore, WorkerCore};
+use kvmesh_discovery::{EtcdRegistry, NodeRecord, Registry};
+use kvmesh_gateway::error::ApiError;
+use kvmesh_gateway::{AppState, Dispatch, ServedModel};
+use kvmesh_gpu::engine::{Request, Submission};
+use kvmesh_gpu::model::LoadedModel;
+use kvmesh_transport::{AllowList, NodeEndpoint, NodeIdentity};
+
+use crate::serve::{start_engine, BackendArg, EngineArgs};
+
+#[derive(Args, Debug)]
+pub struct NodeArgs {
+    /// Roles this node takes: any of gateway, router, worker (a gateway needs a router).
+    #[arg(long, value_delimiter = ',', default_value = "worker")]
+    pub roles: Vec<String>,
+    /// etcd endpoints, comma-separated (http://HOST:2379).
+    #[arg(long, value_delimiter = ',', required = true)]
+    pub etcd: Vec<String>,
+    /// The cluster's name: nodes see only members of their own cluster.
+    #[arg(long, default_value = "default")]
+    pub cluster: String,
+    /// This node's id in the cluster (default: host name and process id).
+    #[arg(long)]
+    pub node_id: Option<String>,
+    /// QUIC address to listen on (port 0 picks one).
+    #[arg(long, default_value = "127.0.0.1:0")]
+    pub listen: SocketAddr,
+    /// The address other nodes dial, when it differs from --listen (e.g. --listen 0.0.0.0:7000).
+    #[arg(long)]
+    pub advertise_addr: Option<SocketAddr>,
+    /// Gateway: HTTP host and port of the OpenAI API.
+    #[arg(long, default_value = "0.0.0.0")]
+    pub host: String,
+    #[arg(long, default_value_t = 8000)]
+    pub port: u16,
+    /// HTTP port of `/status` and `/metrics` on a node without a gateway (0 picks one).
+    #[arg(long, default_value_t = 0)]
+    pub status_port: u16,
+    /// Router: round-robin, least-loaded or prefix.
+    #[arg(long, default_value = "least-loaded")]
+    pub policy: Policy,
+    /// Worker: generated tokens per second one sequence gets here, until measured.
+    #[arg(long)]
+    pub capacity: Option<f64>,
+    /// Registry lease, in seconds: how long a node that vanished stays listed at most.
+    #[arg(long, default_value_t = kvmesh_discovery::DEFAULT_TTL_SECS)]
+    pub lease_ttl: i64,
+    /// Gateway: require `Authorization: Bearer <key>` on /v1 routes.
+    #[arg(long, env = "KVMESH_API_KEY")]
+    pub api_key: Option<String>,
+    /// Serve `POST /debug/crash/{router|worker}`, which makes that role panic (to check that
+    /// it is restarted). Off by default.
+    #[arg(long)]
+    pub enable_fault_injection: bool,
+    /// Publish this fingerprint instead of the node's own (tests: a record that does not
+    /// match the certificate must be refused by routers).
+    #[arg(long, hide = true)]
+    pub debug_advertise_fingerprint: Option<String>,
+    #[command(flatten)]
+    pub engine: EngineArgs,
+}
+
+/// The router as a gateway's dispatch target.
+struct RoutedDispatch(Arc<RouterCore>, Arc<RoleRestarts>);
+
+impl Dispatch for RoutedDispatch {
+    fn submit(&self, req: Request) -> Result<Submission, ApiError> {
+        self.0
+            .submit(req)
+            .map_err(|e| ApiError::unavailable(e.to_string()))
+    }
+
+    fn max_model_len(&self) -> Option<usize> {
+        self.0.max_model_len()
+    }
+
+    fn render_metrics(&self, out: &mut String, _model: &str) {
+        self.0.render_metrics(out);
+        render_restarts(out, &self.1);
+    }
+}
+
+struct NodeState {
+    record: NodeRecord,
+    started: Instant,
+    router: Option<Arc<RouterCore>>,
+    worker: Option<Arc<WorkerCore>>,
+    restarts: Arc<RoleRestarts>,
+    supervisor: kvmesh_actors::ActorRef<NodeMsg>,
+    fault_injection: bool,
+}
+
+impl NodeState {
+    fn status(&self) -> Value {
+        let mut v = json!({
+            "node_id": self.record.node_id,
+            "cluster": self.record.cluster,
+            "roles": self.record.roles,
+            "model": self.record.model,
+            "device": self.record.device,
+            "quic_addr": self.record.quic_addr,
+            "uptime_s": self.started.elapsed().as_secs_f64(),
+            "role_restarts": {
+                "router": self.restarts.get(Role::Router),
+                "worker": self.restarts.get(Role::Worker),
+            },
+        });
+        if let Some(w) = &self.worker {
+            let r = w.load_report();
+            v["load"] = json!({
+                "running": r.running,
+                "waiting": r.waiting,
+                "tokens_in_flight": r.tokens_in_flight,
+                "kv_usage": r.kv_usage,
+                "gen_tokens_per_s": r.gen_tokens_per_s,
+                "capacity_tokens_per_s": r.capacity_tokens_per_s,
+                "requests_served": w.requests_served.load(Ordering::Relaxed),
+            });
+        }
+        if let Some(r) = &self.router {
+            v["router"] = json!({
+                "policy": r.policy.as_str(),
+                "workers": r.workers().iter().map(|w| json!({
+                    "node_id": w.record.node_id,
+                    "connected": w.connected(),
+                    "load": w.load(),
+                    "capacity_tokens_per_s": w.capacity(),
+                    "routed": w.routed.load(Ordering::Relaxed),
+                })).collect::<Vec<_>>(),
+            });
+        }
+        v
+    }
+
+    fn metrics(&self) -> String {
+        let mut o = String::new();
+        render_restarts(&mut o, &self.restarts);
+        if let Some(w) = &self.worker {
+            kvmesh_gateway::metrics::render_engine(&mut o, &self.record.model, &w.engine);
+        }
+        o
+    }
+}
+
+fn render_restarts(o: &mut String, restarts: &RoleRestarts) {
+    use std::fmt::Write;
+    let _ = writeln!(
+        o,
+        "# HELP kvmesh:role_restarts_total Roles restarted by the node supervisor after a crash.\n\
+         # TYPE kvmesh:role_restarts_total counter"
+    );
+    for role in [Role::Router, Role::Worker] {
+        let _ = writeln!(
+            o,
+            "kvmesh:role_restarts_total{{role=\"{}\"}} {}",
+            role.as_str(),
+            restarts.get(role)
+        );
+    }
+}
+
+/// `/status`, `/metrics` (node-level lines), `/health`, and the fault-injection hook.
+fn node_routes(node: Arc<NodeState>, with_metrics: bool) -> Router {
+    let mut r = Router::new().route(
+        "/status",
+        get(|State(n): State<Arc<NodeState>>| async move { Json(n.status()) }),
+    );
+    if with_metrics {
+        r = r
+            .route(
+                "/metrics",
+                get(|State(n): State<Arc<NodeState>>| async move {
+                    (
+                        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+                        n.metrics(),
+                    )
+                }),
+            )
+            .route("/health", get(|| async { Json(json!({"status": "ok"})) }));
+    }
+    r.route("/debug/crash/{role}", post(crash)).with_state(node)
+}
+
+async fn crash(State(n): State<Arc<NodeState>>, Path(role): Path<String>) -> Response {
+    if !n.fault_injection {
+        return (
+            StatusCode::NOT_FOUND,
+            Json(
+                json!({"error": {"message": "fault injection is off (--enable-fault-injection)"}}),
+            ),
+        )
+            .into_response();
+    }
+    let Some(role) = Role::parse(&role) else {
+        return (
+            StatusCode::BAD_REQUEST,
+            Json(json!({"error": {"message": format!("unknown role '{role}' (router, worker)")}})),
+        )
+            .into_response();
+    };
+    let _ = n.supervisor.cast(NodeMsg::Crash(role));
+    Json(json!({"crashed": role.as_str()})).into_response()
+}
+
+fn unix_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+fn default_node_id() -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|s| s.trim().to_string())
+        .unwrap_or_else(|_| "node".into());
+    format!("{host}-{}", std::process::id())
+}
+
+/// What a worker declares before it has measured itself: one sequence's tokens/s.
+fn declared_capacity(args: &NodeArgs, device: &str) -> f64 {
+    if let Some(c) = args.capacity {
+        return c;
+    }
+    match args.engine.backend {
+        BackendArg::Sim => {
+            let e = &args.engine;
+            let step_s = (e.sim_decode_ms / 1e3 + e.sim_decode_us_per_seq / 1e6).max(1e-6);
+            e.sim_speed / step_s
+        }
+        BackendArg::Cpu if device.starts_with("cuda") => 100.0,
+        BackendArg::Cpu => 20.0,
+    }
+}
+
+pub fn run(args: NodeArgs) -> anyhow::Result<()> {
+    let roles: Vec<String> = args.roles.iter().map(|r| r.trim().to_string()).collect();
+    for r in &roles {
+        if !["gateway", "router", "worker"].contains(&r.as_str()) {
+            bail!("unknown role '{r}' in --roles (gateway, router, worker)");
+        }
+    }
+    let has = |r: &str| roles.iter().any(|x| x == r);
+    if has("gateway") && !has("router") {
+        bail!("the gateway role sends requests to a router in the same node: use --roles gateway,router");
+    }
+    anyhow::ensure!(
+        args.lease_ttl >= 2,
+        "--lease-ttl must be at least 2 seconds"
+    );
+    let node_id = args.node_id.clone().unwrap_or_else(default_node_id);
+
+    // The engine (worker) or just the model's tokenizer and name (gateway/router).
+    let engine = if has("worker") {
+        Some(start_engine(&args.engine)?)
+    } else {
+        None
+    };
+    let (model_name, tokenizer, max_model_len, block_size, device) = match &engine {
+        Some(e) => (
+            e.name.clone(),
+            e.tokenizer.clone(),
+            e.max_model_len,
+            e.block_size,
+            e.device.clone(),
+        ),
+        None => {
+            let m = match &args.engine.model {
+                Some(dir) => LoadedModel::from_dir(dir)
+                    .with_context(|| format!("loading {}", dir.display()))?,
+                None => LoadedModel::from_embedded(&crate::embedded::DEFAULT_MODEL)
+                    .context("loading the embedded model")?,
+            };
+            let name = args
+                .engine
+                .served_model_name
+                .clone()
+                .unwrap_or_else(|| m.name.clone());
+            let len = args
+                .engine
+                .max_model_len
+                .unwrap_or_else(|| m.config.max_context());
+            (
+                name,
+                m.tokenizer.clone(),
+                len,
+                args.engine.block_size,
+                "none".into(),
+            )
+        }
+    };
+    let capacity = declared_capacity(&args, &device);
+
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    rt.block_on(async move {
+        let has = |r: &str| roles.iter().any(|x| x == r);
+        let identity = NodeIdentity::generate(&node_id)?;
+        let allowed = AllowList::default();
+        let endpoint = NodeEndpoint::bind(args.listen, identity.clone(), allowed.clone())?;
+        let quic_addr = match args.advertise_addr {
+            Some(a) => a,
+            None => {
+                let a = endpoint.local_addr();
+                if a.ip().is_unspecified() {
+                    bail!("--listen {} is on every interface: say which address other nodes dial with --advertise-addr HOST:PORT", args.listen);
+                }
+                a
+            }
+        };
+        let registry = EtcdRegistry::connect(&args.etcd, &args.cluster, args.lease_ttl)
+            .await
+            .with_context(|| format!("joining cluster '{}'", args.cluster))?;
+
+        // HTTP: the gateway's listener, or a status listener.
+        let http_addr = if has("gateway") {
+            format!("{}:{}", args.host, args.port)
+        } else {
+            let host = if args.listen.ip().is_unspecified() {
+                "0.0.0.0".to_string()
+            } else {
+                args.listen.ip().to_string()
+            };
+            format!("{host}:{}", args.status_port)
+        };
+        let listener = tokio::net::TcpListener::bind(&http_addr)
+            .await
+            .with_context(|| format!("binding {http_addr}"))?;
+        let local_http = listener.local_addr()?;
+        let http_host = if local_http.ip().is_unspecified() {
+            quic_addr.ip()
+        } else {
+            local_http.ip()
+        };
+        let http_url = format!("http://{}", SocketAddr::new(http_host, local_http.port()));
+
+        let record = NodeRecord {
+            node_id: node_id.clone(),
+            cluster: args.cluster.clone(),
+            roles: roles.clone(),
+            quic_addr: quic_addr.to_string(),
+            http_url: Some(http_url.clone()),
+            model: model_name.clone(),
+            device: device.clone(),
+            capacity_tokens_per_s: capacity,
+            max_model_len,
+            block_size,
+            cert_sha256: args
+                .debug_advertise_fingerprint
+                .clone()
+                .unwrap_or_else(|| identity.fingerprint.clone()),
+            version: env!("CARGO_PKG_VERSION").into(),
+            started_unix_ms: unix_ms(),
+        };
+        let members = registry.subscribe();
+        let restarts = Arc::new(RoleRestarts::default());
+        // Members (and only members) may dial this node.
+        {
+            let mut members = members.clone();
+            let allowed = allowed.clone();
+            tokio::spawn(async move {
+                loop {
+                    let m = members.borrow_and_update().clone();
+                    allowed.set(m.values().map(|r| r.cert_sha256.clone()));
+                    if members.changed().await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+        let worker = engine.as_ref().map(|e| {
+            WorkerCore::new(node_id.clone(), e.handle.clone(), endpoint.clone(), capacity)
+        });
+        let router = has("router")
+            .then(|| RouterCore::new(node_id.clone(), model_name.clone(), args.policy, endpoint.clone()));
+        let supervisor = kvmesh_actors::supervisor::start(NodeRoles {
+            router: router.clone().map(|r| (r, members.clone())),
+            worker: worker.clone(),
+            restarts: restarts.clone(),
+        })
+        .await
+        .map_err(anyhow::Error::msg)?;
+        if let Some(e) = &engine {
+            tokio::spawn(crate::serve::log_throughput(e.handle.clone()));
+        }
+        let registration = registry.register(record.clone()).await?;
+
+        let node = Arc::new(NodeState {
+            record,
+            started: Instant::now(),
+            router: router.clone(),
+            worker,
+            restarts,
+            supervisor,
+            fault_injection: args.enable_fault_injection,
+        });
+        let app = match &router {
+            Some(r) if has("gateway") => {
+                let state = AppState::new(
+                    ServedModel {
+                        name: model_name.clone(),
+                        tokenizer,
+                        engine: Arc::new(RoutedDispatch(r.clone(), node.restarts.clone())),
+                        default_max_model_len: max_model_len,
+                    },
+                    args.api_key.clone(),
+                );
+                node_routes(node.clone(), false).merge(kvmesh_gateway::router(state))
+            }
+            _ => node_routes(node.clone(), true),
+        };
+        tracing::info!(
+            "node {node_id} joined cluster '{}' as {} (QUIC {quic_addr}, HTTP {http_url}, policy {})",
+            args.cluster,
+            roles.join(","),
+            args.policy.as_str()
+        );
+        if has("gateway") {
+            println!("kvmesh listening on {http_url}");
+        }
+        println!("kvmesh node {node_id} ready: quic {quic_addr} http {http_url}");
+        axum::serve(crate::serve::nodelay(listener), app)
+            .with_graceful_shutdown(crate::serve::shutdown())
+            .await
+            .context("serving HTTP")?;
+        tracing::info!("leaving the cluster");
+        if let Err(e) = registration.deregister().await {
+            tracing::warn!("{e}");
+        }
+        endpoint.close();
+        // Give the close frames a moment to leave.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        Ok::<_, anyhow::Error>(())
+    })
+}
+
+#[derive(Args, Debug)]
+pub struct ClusterStatusArgs {
+    #[arg(long, value_delimiter = ',', required = true)]
+    pub etcd: Vec<String>,
+    #[arg(long, default_value = "default")]
+    pub cluster: String,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub fn cluster_status(args: ClusterStatusArgs) -> anyhow::Result<()> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    rt.block_on(async move {
+        let registry = EtcdRegistry::connect(&args.etcd, &args.cluster, 3).await?;
+        let records = registry.list().await?;
+        let http = reqwest::Client::builder()
+            .timeout(Duration::from_secs(2))
+            .build()?;
+        let mut rows = Vec::new();
+        for r in records {
+            let status = match &r.http_url {
+                Some(u) => match http.get(format!("{u}/status")).send().await {
+                    Ok(resp) => resp.json::<Value>().await.ok(),
+                    Err(_) => None,
+                },
+                None => None,
+            };
+            rows.push((r, status));
+        }
+        if args.json {
+            let v: Vec<Value> = rows
+                .iter()
+                .map(|(r, s)| json!({"record": r, "status": s}))
+                .collect();
+            println!("{}", serde_json::to_string_pretty(&v)?);
+            return Ok(());
+        }
+        println!(
+            "cluster '{}': {} node{}",
+            args.cluster,
+            rows.len(),
+            if rows.len() == 1 { "" } else { "s" }
+        );
+        println!(
+            "{:<20} {:<21} {:<21} {:<14} {:<14} {:>9} {:>9} {:>7} {:>8}",
+            "NODE", "ROLES", "QUIC", "MODEL", "DEVICE", "CAP tok/s", "RUN/WAIT", "KV %", "UPTIME"
+        );
+        for (r, s) in rows {
+            let load = s
+                .as_ref()
+                .and_then(|s| s.get("load"))
+                .map(|l| format!("{}/{}", l["running"], l["waiting"]))
+                .unwrap_or_else(|| "-".into());
+            let worker = r.has_role("worker");
+            let cap = match s
+                .as_ref()
+                .and_then(|s| s["load"]["capacity_tokens_per_s"].as_f64())
+            {
+                Some(c) => format!("{c:.1}"),
+                None if worker => format!("{:.1}", r.capacity_tokens_per_s),
+                None => "-".into(),
+            };
+            let kv = s
+                .as_ref()
+                .and_then(|s| s["load"]["kv_usage"].as_f64())
+                .map(|k| format!("{:.1}", 100.0 * k))
+                .unwrap_or_else(|| "-".into());
+            let uptime = s
+                .as_ref()
+                .and_then(|s| s["uptime_s"].as_f64())
+                .map(|u| format!("{u:.0}s"))
+                .unwrap_or_else(|| "unreachable".into());
+            println!(
+                "{:<20} {:<21} {:<21} {:<14} {:<14} {:>9} {:>9} {:>7} {:>8}",
+                r.node_id,
+                r.roles.join(","),
+                r.quic_addr,
+                r.model,
+                r.device,
+                cap,
+                load,
+                kv,
+                uptime
+            );
+        }
+        Ok(())
+    })
+}

@@ -1,0 +1,464 @@
+//! Cluster mode end to end: a real etcd (Debian's `etcd-server`, started here) and real
+//! `kvmesh node` processes talking QUIC on loopback. Workers use the `sim` backend, so these
+//! tests measure nothing about speed; they check who gets which request and what happens
+//! when something dies.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use kvmesh_discovery::testing::Etcd;
+use serde_json::{json, Value};
+
+fn bin() -> String {
+    std::env::var("KVMESH_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_kvmesh").into())
+}
+
+/// A `kvmesh node` process; killed on drop.
+struct Node {
+    child: Child,
+    http: String,
+}
+
+impl Node {
+    fn start(etcd: &Etcd, cluster: &str, id: &str, args: &[&str]) -> Node {
+        let mut child = Command::new(bin())
+            .args([
+                "node",
+                "--etcd",
+                &etcd.url(),
+                "--cluster",
+                cluster,
+                "--node-id",
+                id,
+            ])
+            .args(["--lease-ttl", "2"])
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("start kvmesh node");
+        let stdout = child.stdout.take().unwrap();
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if let Some(rest) = line.split(" ready: ").nth(1) {
+                    let http = rest.split(" http ").nth(1).unwrap_or("").to_string();
+                    let _ = tx.send(http);
+                }
+            }
+        });
+        let http = rx
+            .recv_timeout(Duration::from_secs(60))
+            .unwrap_or_else(|_| {
+                let _ = child.kill();
+                panic!("node {id} did not become ready");
+            });
+        Node { child, http }
+    }
+
+    fn worker(etcd: &Etcd, cluster: &str, id: &str, extra: &[&str]) -> Node {
+        let mut args = vec!["--roles", "worker", "--backend", "sim"];
+        args.extend_from_slice(extra);
+        Node::start(etcd, cluster, id, &args)
+    }
+
+    fn gateway(etcd: &Etcd, cluster: &str, id: &str, policy: &str) -> Node {
+        Node::start(
+            etcd,
+            cluster,
+            id,
+            &[
+                "--roles",
+                "gateway,router",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "0",
+                "--policy",
+                policy,
+                "--enable-fault-injection",
+            ],
+        )
+    }
+
+    fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    fn terminate(&mut self) {
+        let _ = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+fn client() -> reqwest::Client {
+    reqwest::Client::builder()
+        .timeout(Duration::from_secs(60))
+        .build()
+        .unwrap()
+}
+
+fn completion(max_tokens: u32) -> Value {
+    json!({"model": "shakespeare", "prompt": "Now is the winter of our discontent",
+           "max_tokens": max_tokens, "temperature": 0, "ignore_eos": true})
+}
+
+async fn post(http: &reqwest::Client, base: &str, body: Value) -> (u16, Value) {
+    let r = http
+        .post(format!("{base}/v1/completions"))
+        .json(&body)
+        .send()
+        .await
+        .expect("gateway reachable");
+    let status = r.status().as_u16();
+    (status, r.json().await.unwrap_or(Value::Null))
+}
+
+/// A streamed completion: (tokens received, the error event's message if one came, done).
+async fn stream(
+    http: &reqwest::Client,
+    base: &str,
+    max_tokens: u32,
+) -> (usize, Option<String>, bool) {
+    let mut body = completion(max_tokens);
+    body["stream"] = json!(true);
+    let mut r = http
+        .post(format!("{base}/v1/completions"))
+        .json(&body)
+        .send()
+        .await
+        .expect("gateway reachable");
+    if r.status().as_u16() != 200 {
+        let s = r.status();
+        return (
+            0,
+            Some(format!("HTTP {s}: {}", r.text().await.unwrap_or_default())),
+            false,
+        );
+    }
+    let (mut tokens, mut error, mut done) = (0, None, false);
+    let mut buf = String::new();
+    while let Ok(Some(chunk)) = r.chunk().await {
+        buf.push_str(&String::from_utf8_lossy(&chunk));
+        while let Some(i) = buf.find("\n\n") {
+            let event: String = buf.drain(..i + 2).collect();
+            let data = event.trim().trim_start_matches("data: ");
+            if data == "[DONE]" {
+                done = true;
+                continue;
+            }
+            let v: Value = serde_json::from_str(data).unwrap_or(Value::Null);
+            if let Some(e) = v.get("error") {
+                error = Some(e["message"].as_str().unwrap_or("").to_string());
+            } else if v["choices"][0]["text"].is_string() {
+                tokens += 1;
+            }
+        }
+    }
+    (tokens, error, done)
+}
+
+async fn status(http: &reqwest::Client, node: &Node) -> Value {
+    http.get(format!("{}/status", node.http))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap()
+}
+
+/// How many requests the gateway's router sent to each worker.
+async fn routed(http: &reqwest::Client, gw: &Node) -> std::collections::BTreeMap<String, u64> {
+    let s = status(http, gw).await;
+    s["router"]["workers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|w| {
+            (
+                w["node_id"].as_str().unwrap().to_string(),
+                w["routed"].as_u64().unwrap(),
+            )
+        })
+        .collect()
+}
+
+async fn connected_workers(http: &reqwest::Client, gw: &Node) -> Vec<String> {
+    let s = status(http, gw).await;
+    s["router"]["workers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|w| w["connected"].as_bool() == Some(true))
+        .map(|w| w["node_id"].as_str().unwrap().to_string())
+        .collect()
+}
+
+async fn wait_for(what: &str, secs: u64, mut cond: impl AsyncFnMut() -> bool) -> Duration {
+    let t = Instant::now();
+    while t.elapsed() < Duration::from_secs(secs) {
+        if cond().await {
+            return t.elapsed();
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("{what}: not within {secs} s");
+}
+
+fn cluster_status(etcd: &Etcd, cluster: &str) -> String {
+    let out = Command::new(bin())
+        .args([
+            "cluster",
+            "status",
+            "--etcd",
+            &etcd.url(),
+            "--cluster",
+            cluster,
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+/// Membership, spreading, 503 without workers, a crashed role restarted, a node with a
+/// certificate that does not match its record refused, SIGTERM leaving at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_forms_spreads_requests_and_refuses_impostors() {
+    let etcd = Etcd::start();
+    let http = client();
+    let gw = Node::gateway(&etcd, "c1", "gw", "round-robin");
+
+    // No worker yet: 503 with a clear error, not a hang.
+    let (st, body) = post(&http, &gw.http, completion(4)).await;
+    assert_eq!(st, 503, "{body}");
+    assert_eq!(body["error"]["code"], "no_worker_available");
+
+    let w1 = Node::worker(&etcd, "c1", "w1", &[]);
+    let mut w2 = Node::worker(&etcd, "c1", "w2", &[]);
+    // An impostor: its record names a certificate it does not hold.
+    let _bad = Node::worker(
+        &etcd,
+        "c1",
+        "bad",
+        &["--debug-advertise-fingerprint", &"ab".repeat(32)],
+    );
+    let joined = wait_for("both workers routable", 10, async || {
+        connected_workers(&http, &gw).await.len() == 2
+    })
+    .await;
+    println!("workers routable {joined:?} after start");
+
+    let reqs = (0..8).map(|_| post(&http, &gw.http, completion(6)));
+    for (st, body) in futures::future::join_all(reqs).await {
+        assert_eq!(st, 200, "{body}");
+        assert_eq!(body["usage"]["completion_tokens"], 6);
+    }
+    let r = routed(&http, &gw).await;
+    assert_eq!(r.get("w1"), Some(&4), "round-robin split: {r:?}");
+    assert_eq!(r.get("w2"), Some(&4), "round-robin split: {r:?}");
+    assert_eq!(r.get("bad"), Some(&0), "the impostor got traffic: {r:?}");
+    assert!(!connected_workers(&http, &gw)
+        .await
+        .contains(&"bad".to_string()));
+    let served = status(&http, &w1).await["load"]["requests_served"].as_u64();
+    assert_eq!(served, Some(4));
+
+    let table = cluster_status(&etcd, "c1");
+    println!("{table}");
+    for id in ["gw", "w1", "w2", "bad"] {
+        assert!(
+            table.lines().any(|l| l.starts_with(id)),
+            "{id} missing:\n{table}"
+        );
+    }
+    assert!(
+        table.contains("gateway,router") && table.contains("sim"),
+        "{table}"
+    );
+
+    // The router role panics; the supervisor restarts it and requests keep working.
+    let r = http
+        .post(format!("{}/debug/crash/router", gw.http))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    wait_for("router restart counted", 10, async || {
+        status(&http, &gw).await["role_restarts"]["router"] == 1
+    })
+    .await;
+    let (st, body) = post(&http, &gw.http, completion(3)).await;
+    assert_eq!(st, 200, "after the router restart: {body}");
+    let metrics = http
+        .get(format!("{}/metrics", gw.http))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        metrics.contains("kvmesh:role_restarts_total{role=\"router\"} 1"),
+        "{metrics}"
+    );
+
+    // SIGTERM: w2 revokes its lease and leaves the table before its TTL could expire.
+    w2.terminate();
+    let t = Instant::now();
+    while cluster_status(&etcd, "c1")
+        .lines()
+        .any(|l| l.starts_with("w2"))
+    {
+        assert!(t.elapsed() < Duration::from_millis(1500), "w2 still listed");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    drop(w1);
+}
+
+/// A worker killed under load: requests it had not started go elsewhere; those it was
+/// streaming end with an error event; nothing hangs. Then a worker added under load gets
+/// traffic.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_worker_loses_no_unstarted_request_and_new_worker_gets_traffic() {
+    let etcd = Etcd::start();
+    let http = client();
+    let gw = Node::gateway(&etcd, "c2", "gw", "least-loaded");
+    // Two sequences at a time, 40 ms per step: most requests wait in the queue.
+    let slow = ["--max-num-seqs", "2", "--sim-decode-ms", "40"];
+    let mut w1 = Node::worker(&etcd, "c2", "w1", &slow);
+    let w2 = Node::worker(&etcd, "c2", "w2", &slow);
+    wait_for("both workers routable", 10, async || {
+        connected_workers(&http, &gw).await.len() == 2
+    })
+    .await;
+
+    let n = 12;
+    let tasks: Vec<_> = (0..n)
+        .map(|_| {
+            let (http, base) = (http.clone(), gw.http.clone());
+            tokio::spawn(async move { stream(&http, &base, 20).await })
+        })
+        .collect();
+    // Let w1 start two and queue the rest of its share, then kill it.
+    wait_for("w1 busy", 10, async || {
+        status(&http, &w1).await["load"]["running"].as_u64() == Some(2)
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let killed_at = Instant::now();
+    w1.kill();
+    let mut finished = 0;
+    let mut cut = 0;
+    for t in tasks {
+        let (tokens, error, done) = t.await.unwrap();
+        match error {
+            None => {
+                assert!(done, "a stream ended without [DONE]");
+                assert_eq!(tokens, 20);
+                finished += 1;
+            }
+            Some(e) => {
+                assert!(tokens > 0, "a request that never started was lost: {e}");
+                assert!(e.contains("w1") && e.contains("lost"), "unclear error: {e}");
+                cut += 1;
+            }
+        }
+    }
+    println!(
+        "{finished} finished, {cut} cut mid-stream; all done {:?} after the kill",
+        killed_at.elapsed()
+    );
+    assert!(cut <= 2, "only w1's two running requests could be cut");
+    assert!(finished >= n - 2);
+    let st = status(&http, &gw).await;
+    println!("router after kill: {}", st["router"]);
+    assert!(!connected_workers(&http, &gw)
+        .await
+        .contains(&"w1".to_string()));
+
+    // Under steady load, a new worker joins and gets traffic within about a second.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let load: Vec<_> = (0..6)
+        .map(|_| {
+            let (http, base, stop) = (http.clone(), gw.http.clone(), stop.clone());
+            tokio::spawn(async move {
+                let mut bad = Vec::new();
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    let (st, body) = post(&http, &base, completion(10)).await;
+                    if st != 200 {
+                        bad.push(body);
+                    }
+                }
+                bad
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let w3 = Node::worker(&etcd, "c2", "w3", &slow);
+    let took = wait_for("w3 gets traffic", 10, async || {
+        status(&http, &w3).await["load"]["requests_served"].as_u64() > Some(0)
+    })
+    .await;
+    println!("w3 served its first request {took:?} after it registered");
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    for t in load {
+        let bad = t.await.unwrap();
+        assert!(bad.is_empty(), "requests failed under load: {bad:?}");
+    }
+    let r = routed(&http, &gw).await;
+    println!("routed after the join: {r:?}");
+    drop(w2);
+}
+
+/// etcd goes away and comes back: serving continues meanwhile, and membership works after.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_restart_is_survived_without_restarting_nodes() {
+    let mut etcd = Etcd::start();
+    let http = client();
+    let gw = Node::gateway(&etcd, "c3", "gw", "least-loaded");
+    let _w1 = Node::worker(&etcd, "c3", "w1", &[]);
+    wait_for("w1 routable", 10, async || {
+        connected_workers(&http, &gw).await.len() == 1
+    })
+    .await;
+
+    etcd.kill();
+    // Connections are the truth while the registry is gone.
+    for _ in 0..3 {
+        let (st, body) = post(&http, &gw.http, completion(4)).await;
+        assert_eq!(st, 200, "with etcd down: {body}");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    etcd.restart();
+    let _w2 = Node::worker(&etcd, "c3", "w2", &[]);
+    wait_for("w2 (joined after the restart) routable", 15, async || {
+        connected_workers(&http, &gw).await.len() == 2
+    })
+    .await;
+    let table = cluster_status(&etcd, "c3");
+    for id in ["gw", "w1", "w2"] {
+        assert!(
+            table.lines().any(|l| l.starts_with(id)),
+            "{id} missing:\n{table}"
+        );
+    }
+    let (st, body) = post(&http, &gw.http, completion(4)).await;
+    assert_eq!(st, 200, "{body}");
+}

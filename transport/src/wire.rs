@@ -1,0 +1,207 @@
+//! What travels between nodes, and how it is framed: each message is a little-endian `u32`
+//! length and an rkyv archive. Archives are validated (bytecheck) before use, so a bad peer
+//! gets an error, never undefined behaviour.
+//!
+//! A request is one bi-directional stream: the router writes one [`GenerateRequest`], the
+//! worker answers with [`TokenEvent`]s until the last token or a failure. The router stops
+//! reading (STOP_SENDING) to cancel. Load flows the other way on a uni-directional stream
+//! the worker opens on each router connection: a [`LoadReport`] every few hundred ms.
+
+use rkyv::rancor;
+use rkyv::util::AlignedVec;
+
+use crate::TransportError;
+
+/// Frames larger than this are refused (a token event or request is far smaller; KV payloads
+/// use their own streams).
+pub const MAX_FRAME: usize = 64 << 20;
+
+#[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Clone, Debug, PartialEq)]
+pub struct GenerateRequest {
+    pub request_id: u64,
+    pub prompt: Vec<u32>,
+    pub temperature: f32,
+    pub top_k: u32,
+    pub top_p: f32,
+    pub seed: Option<u64>,
+    pub max_tokens: u32,
+    pub stop_token_ids: Vec<u32>,
+    pub ignore_eos: bool,
+    pub logprobs: Option<u32>,
+    /// W3C trace context of the caller's span.
+    pub traceparent: Option<String>,
+}
+
+#[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Clone, Debug, PartialEq)]
+pub struct TopLogprob {
+    pub token: u32,
+    pub logprob: f32,
+}
+
+#[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Clone, Copy, Debug, PartialEq)]
+pub enum Finish {
+    Stop,
+    Length,
+}
+
+#[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Clone, Debug, PartialEq)]
+pub enum TokenEvent {
+    Token {
+        token: u32,
+        logprob: f32,
+        top: Vec<TopLogprob>,
+        finish: Option<Finish>,
+        cached_tokens: u32,
+    },
+    /// The worker could not take the request (full queue, bad input): nothing was generated,
+    /// so `retryable` says whether another worker may succeed.
+    Rejected { message: String, retryable: bool },
+    /// Generation failed after it started.
+    Failed { message: String },
+}
+
+/// A worker's live load, pushed to every router connected to it.
+#[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Clone, Debug, Default, PartialEq)]
+pub struct LoadReport {
+    pub running: u32,
+    pub waiting: u32,
+    /// Prompt and generated tokens of the sequences the worker holds.
+    pub tokens_in_flight: u64,
+    pub kv_usage: f32,
+    pub total_blocks: u32,
+    /// Generated tokens per second over the last report interval.
+    pub gen_tokens_per_s: f32,
+    /// Tokens per second one running sequence gets, smoothed over busy intervals (the
+    /// declared capacity until the node has been busy).
+    pub capacity_tokens_per_s: f32,
+}
+
+/// Serializes a message to its frame payload.
+pub fn encode<T>(msg: &T) -> Result<AlignedVec, TransportError>
+where
+    T: for<'a> rkyv::Serialize<
+        rkyv::api::high::HighSerializer<
+            AlignedVec,
+            rkyv::ser::allocator::ArenaHandle<'a>,
+            rancor::Error,
+        >,
+    >,
+{
+    rkyv::to_bytes::<rancor::Error>(msg).map_err(|e| TransportError::Codec(e.to_string()))
+}
+
+/// Validates and deserializes a frame payload.
+pub fn decode<T>(bytes: &[u8]) -> Result<T, TransportError>
+where
+    T: rkyv::Archive,
+    T::Archived: for<'a> rkyv::bytecheck::CheckBytes<rkyv::api::high::HighValidator<'a, rancor::Error>>
+        + rkyv::Deserialize<T, rkyv::api::high::HighDeserializer<rancor::Error>>,
+{
+    rkyv::from_bytes::<T, rancor::Error>(bytes).map_err(|e| TransportError::Codec(e.to_string()))
+}
+
+/// Writes one message as a frame.
+pub async fn write_msg<T>(send: &mut quinn::SendStream, msg: &T) -> Result<(), TransportError>
+where
+    T: for<'a> rkyv::Serialize<
+        rkyv::api::high::HighSerializer<
+            AlignedVec,
+            rkyv::ser::allocator::ArenaHandle<'a>,
+            rancor::Error,
+        >,
+    >,
+{
+    let body = encode(msg)?;
+    let mut frame = Vec::with_capacity(4 + body.len());
+    frame.extend_from_slice(&(body.len() as u32).to_le_bytes());
+    frame.extend_from_slice(&body);
+    send.write_all(&frame).await.map_err(TransportError::from)
+}
+
+/// Reads one frame; `Ok(None)` when the peer finished the stream cleanly between frames.
+pub async fn read_msg<T>(recv: &mut quinn::RecvStream) -> Result<Option<T>, TransportError>
+where
+    T: rkyv::Archive,
+    T::Archived: for<'a> rkyv::bytecheck::CheckBytes<rkyv::api::high::HighValidator<'a, rancor::Error>>
+        + rkyv::Deserialize<T, rkyv::api::high::HighDeserializer<rancor::Error>>,
+{
+    let mut len = [0u8; 4];
+    match recv.read_exact(&mut len).await {
+        Ok(()) => {}
+        Err(quinn::ReadExactError::FinishedEarly(0)) => return Ok(None),
+        Err(quinn::ReadExactError::FinishedEarly(_)) => {
+            return Err(TransportError::Codec(
+                "the stream ended inside a frame header".into(),
+            ))
+        }
+        Err(quinn::ReadExactError::ReadError(e)) => return Err(e.into()),
+    }
+    let n = u32::from_le_bytes(len) as usize;
+    if n > MAX_FRAME {
+        return Err(TransportError::Codec(format!(
+            "a {n}-byte frame is over the {MAX_FRAME}-byte limit"
+        )));
+    }
+    // Aligned, so the archive can be validated and read in place.
+    let mut body = AlignedVec::<16>::with_capacity(n);
+    body.resize(n, 0);
+    recv.read_exact(&mut body).await.map_err(|e| match e {
+        quinn::ReadExactError::FinishedEarly(_) => {
+            TransportError::Codec("the stream ended inside a frame".into())
+        }
+        quinn::ReadExactError::ReadError(e) => e.into(),
+    })?;
+    decode(&body).map(Some)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn messages_round_trip() {
+        let r = GenerateRequest {
+            request_id: 7,
+            prompt: vec![1, 2, 3],
+            temperature: 0.5,
+            top_k: 4,
+            top_p: 0.9,
+            seed: Some(9),
+            max_tokens: 16,
+            stop_token_ids: vec![2],
+            ignore_eos: true,
+            logprobs: Some(2),
+            traceparent: Some("00-abc-def-01".into()),
+        };
+        assert_eq!(decode::<GenerateRequest>(&encode(&r).unwrap()).unwrap(), r);
+        let e = TokenEvent::Token {
+            token: 5,
+            logprob: -0.25,
+            top: vec![TopLogprob {
+                token: 5,
+                logprob: -0.25,
+            }],
+            finish: Some(Finish::Length),
+            cached_tokens: 16,
+        };
+        assert_eq!(decode::<TokenEvent>(&encode(&e).unwrap()).unwrap(), e);
+    }
+
+    #[test]
+    fn garbage_is_an_error_not_a_crash() {
+        let good = encode(&TokenEvent::Failed {
+            message: "x".into(),
+        })
+        .unwrap();
+        let mut bad = AlignedVec::<16>::new();
+        bad.extend_from_slice(&good);
+        for b in bad.iter_mut() {
+            *b = 0xff; // no such variant, lengths pointing out of the buffer
+        }
+        assert!(decode::<TokenEvent>(&bad).is_err());
+        let mut short = AlignedVec::<16>::new();
+        short.extend_from_slice(&good[..good.len() / 2]);
+        assert!(decode::<TokenEvent>(&short).is_err());
+        assert!(decode::<GenerateRequest>(&[1, 2, 3]).is_err());
+    }
+}
