@@ -28,12 +28,14 @@ pub struct WorkerCore {
     pub requests_served: AtomicU64,
 }
 
-/// Generation rate over report intervals. Capacity is the rate one running sequence gets
-/// (total rate / running, smoothed over busy intervals): it falls as a node fills, so a
-/// router weighting by it settles where each node's sequences progress equally fast, which
-/// gives a node three times faster about three times the work.
+/// Generation rate over report intervals. Capacity is the rate one running sequence gets:
+/// engine steps per second of busy time (smoothed). It falls as a node fills, so a router
+/// weighting by it settles where each node's sequences progress equally fast, which gives a
+/// node three times faster about three times the work.
 struct Meter {
     last_tokens: u64,
+    last_steps: u64,
+    last_busy_us: u64,
     last_at: Instant,
     rate: f64,
     per_seq: f64,
@@ -46,18 +48,21 @@ impl WorkerCore {
         endpoint: NodeEndpoint,
         declared_capacity: f64,
     ) -> Arc<WorkerCore> {
-        let tokens = engine.stats.generation_tokens.load(Ordering::Relaxed);
+        let s = &engine.stats;
+        let meter = Meter {
+            last_tokens: s.generation_tokens.load(Ordering::Relaxed),
+            last_steps: s.steps.load(Ordering::Relaxed),
+            last_busy_us: s.busy_us.load(Ordering::Relaxed),
+            last_at: Instant::now(),
+            rate: 0.0,
+            per_seq: 0.0,
+        };
         Arc::new(WorkerCore {
             node_id,
             engine,
             endpoint,
             declared_capacity,
-            meter: Mutex::new(Meter {
-                last_tokens: tokens,
-                last_at: Instant::now(),
-                rate: 0.0,
-                per_seq: 0.0,
-            }),
+            meter: Mutex::new(meter),
             requests_served: AtomicU64::new(0),
         })
     }
@@ -76,9 +81,14 @@ impl WorkerCore {
         if dt >= LOAD_REPORT_INTERVAL.as_secs_f64() / 2.0 {
             let tokens = s.generation_tokens.load(Ordering::Relaxed);
             m.rate = (tokens - m.last_tokens) as f64 / dt;
-            // Only a busy interval says what the node can do; an idle one says nothing.
-            if running >= 1 && m.rate > 0.0 {
-                let sample = m.rate / running as f64;
+            let steps = s.steps.load(Ordering::Relaxed);
+            let busy_us = s.busy_us.load(Ordering::Relaxed);
+            let (d_steps, d_busy) = (steps - m.last_steps, busy_us - m.last_busy_us);
+            m.last_steps = steps;
+            m.last_busy_us = busy_us;
+            // Only busy time says what the node can do; an idle interval says nothing.
+            if d_steps > 0 && d_busy > 0 {
+                let sample = d_steps as f64 / (d_busy as f64 / 1e6);
                 m.per_seq = if m.per_seq == 0.0 {
                     sample
                 } else {

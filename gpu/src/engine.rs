@@ -91,6 +91,9 @@ pub struct EngineStats {
     pub prefix_hits: AtomicU64,
     pub preemptions: AtomicU64,
     pub steps: AtomicU64,
+    /// Wall time spent in steps, in microseconds: steps / busy time is how fast one running
+    /// sequence advances while the engine works (what a router weighs nodes by).
+    pub busy_us: AtomicU64,
     pub prompt_tokens: AtomicU64,
     pub generation_tokens: AtomicU64,
 }
@@ -530,6 +533,9 @@ impl Engine {
         let prompt_tokens: usize = batch.num_tokens() - sampling.len();
         drop(batch);
         self.stats.steps.fetch_add(1, Ordering::Relaxed);
+        self.stats
+            .busy_us
+            .fetch_add(started.elapsed().as_micros() as u64, Ordering::Relaxed);
         self.stats
             .prompt_tokens
             .fetch_add(prompt_tokens as u64, Ordering::Relaxed);
