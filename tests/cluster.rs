@@ -462,3 +462,48 @@ async fn etcd_restart_is_survived_without_restarting_nodes() {
     let (st, body) = post(&http, &gw.http, completion(4)).await;
     assert_eq!(st, 200, "{body}");
 }
+
+/// The only worker dies with a request queued (not started): the request waits for a worker
+/// and completes on the one that replaces it, instead of failing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unstarted_request_waits_for_a_replacement_worker() {
+    let etcd = Etcd::start();
+    let http = client();
+    let gw = Node::gateway(&etcd, "c4", "gw", "least-loaded");
+    let one_at_a_time = ["--max-num-seqs", "1", "--sim-decode-ms", "40"];
+    let mut w1 = Node::worker(&etcd, "c4", "w1", &one_at_a_time);
+    wait_for("w1 routable", 10, async || {
+        connected_workers(&http, &gw).await.len() == 1
+    })
+    .await;
+    let (h1, b1) = (http.clone(), gw.http.clone());
+    let running = tokio::spawn(async move { stream(&h1, &b1, 100).await });
+    wait_for("first request running", 10, async || {
+        status(&http, &w1).await["load"]["running"].as_u64() == Some(1)
+    })
+    .await;
+    let (h2, b2) = (http.clone(), gw.http.clone());
+    let queued = tokio::spawn(async move { stream(&h2, &b2, 10).await });
+    wait_for("second request queued", 10, async || {
+        status(&http, &w1).await["load"]["waiting"].as_u64() == Some(1)
+    })
+    .await;
+    w1.kill();
+    // Only once the router has dropped w1 (and so had nowhere to send the request) does a
+    // replacement start.
+    wait_for("w1 out of routing", 10, async || {
+        connected_workers(&http, &gw).await.is_empty()
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let _w2 = Node::worker(&etcd, "c4", "w2", &one_at_a_time);
+    let (tokens, error, _) = running.await.unwrap();
+    assert!(
+        tokens > 0 && error.is_some(),
+        "the running request must end with an error event"
+    );
+    let (tokens, error, done) = queued.await.unwrap();
+    assert_eq!(error, None, "the queued request was lost");
+    assert!(done);
+    assert_eq!(tokens, 10);
+}

@@ -23,6 +23,10 @@ use tokio::sync::mpsc;
 
 use crate::policy::{pick, Candidate, Policy, PrefixIndex, RequestShape};
 
+/// How long a request that has produced nothing waits for some worker to take it, after
+/// every worker it tried failed or refused it.
+const UNSTARTED_PATIENCE: Duration = Duration::from_secs(10);
+
 /// Prompt block hashes remembered per worker for prefix routing.
 const PREFIX_HASHES_PER_WORKER: usize = 65_536;
 
@@ -323,12 +327,20 @@ impl RouterCore {
         };
         let mut tried = HashSet::new();
         let mut last_error = String::from("no worker was connected");
+        let give_up = Instant::now() + UNSTARTED_PATIENCE;
         loop {
             let Some(link) = self.choose(&hashes, &tried) else {
+                // Nothing has reached the client yet, so the request can still wait for a
+                // worker: one restarting, one joining, or a full one draining its queue.
+                if Instant::now() < give_up && !tx.is_closed() {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    tried.clear();
+                    continue;
+                }
                 self.stats.no_worker.fetch_add(1, Ordering::Relaxed);
                 let _ = tx.send(SeqEvent::Failed(format!(
-                    "no worker could take the request (tried {}): {last_error}",
-                    tried.len()
+                    "no worker could take the request within {} s: {last_error}",
+                    UNSTARTED_PATIENCE.as_secs()
                 )));
                 return;
             };
