@@ -87,15 +87,39 @@ pub(crate) fn provider() -> Arc<CryptoProvider> {
     Arc::new(rustls::crypto::ring::default_provider())
 }
 
-fn algorithms() -> WebPkiSupportedAlgorithms {
-    provider().signature_verification_algorithms
+/// The handshake-signature checks both verifiers share: trust comes from the fingerprint,
+/// but the peer must still prove it holds the certificate's key (TLS 1.3 only).
+#[derive(Debug)]
+struct Signatures(WebPkiSupportedAlgorithms);
+
+impl Signatures {
+    fn new() -> Signatures {
+        Signatures(provider().signature_verification_algorithms)
+    }
+
+    fn tls12() -> Result<HandshakeSignatureValid, rustls::Error> {
+        Err(rustls::Error::General("TLS 1.2 is not used".into()))
+    }
+
+    fn tls13(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        verify_tls13_signature(message, cert, dss, &self.0)
+    }
+
+    fn schemes(&self) -> Vec<SignatureScheme> {
+        self.0.supported_schemes()
+    }
 }
 
 /// Accepts exactly one certificate: the one whose fingerprint the registry published.
 #[derive(Debug)]
 struct PinnedServer {
     expected: String,
-    algs: WebPkiSupportedAlgorithms,
+    sigs: Signatures,
 }
 
 impl ServerCertVerifier for PinnedServer {
@@ -124,7 +148,7 @@ impl ServerCertVerifier for PinnedServer {
         _cert: &CertificateDer<'_>,
         _dss: &DigitallySignedStruct,
     ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        Err(rustls::Error::General("TLS 1.2 is not used".into()))
+        Signatures::tls12()
     }
 
     fn verify_tls13_signature(
@@ -133,11 +157,11 @@ impl ServerCertVerifier for PinnedServer {
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        verify_tls13_signature(message, cert, dss, &self.algs)
+        self.sigs.tls13(message, cert, dss)
     }
 
     fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        self.algs.supported_schemes()
+        self.sigs.schemes()
     }
 }
 
@@ -145,7 +169,7 @@ impl ServerCertVerifier for PinnedServer {
 #[derive(Debug)]
 struct MembersOnly {
     allowed: AllowList,
-    algs: WebPkiSupportedAlgorithms,
+    sigs: Signatures,
 }
 
 impl ClientCertVerifier for MembersOnly {
@@ -175,7 +199,7 @@ impl ClientCertVerifier for MembersOnly {
         _cert: &CertificateDer<'_>,
         _dss: &DigitallySignedStruct,
     ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        Err(rustls::Error::General("TLS 1.2 is not used".into()))
+        Signatures::tls12()
     }
 
     fn verify_tls13_signature(
@@ -184,11 +208,11 @@ impl ClientCertVerifier for MembersOnly {
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        verify_tls13_signature(message, cert, dss, &self.algs)
+        self.sigs.tls13(message, cert, dss)
     }
 
     fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        self.algs.supported_schemes()
+        self.sigs.schemes()
     }
 }
 
@@ -198,7 +222,7 @@ pub(crate) fn server_config(
 ) -> Result<rustls::ServerConfig, TransportError> {
     let verifier = Arc::new(MembersOnly {
         allowed,
-        algs: algorithms(),
+        sigs: Signatures::new(),
     });
     let mut cfg = rustls::ServerConfig::builder_with_provider(provider())
         .with_protocol_versions(&[&rustls::version::TLS13])
@@ -216,7 +240,7 @@ pub(crate) fn client_config(
 ) -> Result<rustls::ClientConfig, TransportError> {
     let verifier = Arc::new(PinnedServer {
         expected: expected_fingerprint.to_string(),
-        algs: algorithms(),
+        sigs: Signatures::new(),
     });
     let mut cfg = rustls::ClientConfig::builder_with_provider(provider())
         .with_protocol_versions(&[&rustls::version::TLS13])
