@@ -22,6 +22,7 @@ fn last_logits(dir: &Path) -> Vec<f32> {
     let seqs = vec![SeqInput {
         tokens: &ids,
         start_pos: 0,
+        context_len: 0,
         block_table: &table,
         want_logits: true,
     }];

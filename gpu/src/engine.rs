@@ -281,6 +281,14 @@ pub fn spawn(
     eos_ids: Vec<u32>,
     vocab_size: usize,
 ) -> EngineHandle {
+    let mut cfg = cfg;
+    if cfg.enable_prefix_caching && backend.kv_depends_on_context() {
+        tracing::info!(
+            "prefix caching is off: this model's K/V depend on the sequence's length (dynamic \
+             RoPE), so cached blocks cannot be shared between sequences"
+        );
+        cfg.enable_prefix_caching = false;
+    }
     let (tx, rx) = crossbeam_channel::unbounded();
     let num_blocks = backend.num_blocks();
     let stats = Arc::new(EngineStats::default());
@@ -503,6 +511,7 @@ impl Engine {
                     SeqInput {
                         tokens: &s.tokens[s.num_computed..s.num_computed + n],
                         start_pos: s.num_computed,
+                        context_len: s.tokens.len(),
                         block_table: &s.blocks,
                         want_logits: s.num_computed + n == s.tokens.len(),
                     }

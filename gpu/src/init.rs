@@ -3,7 +3,7 @@
 
 use std::path::Path;
 
-use crate::config::{Arch, Llama3RopeScaling, ModelConfig};
+use crate::config::{Arch, ModelConfig, Rope, RopeScaling};
 use crate::error::{EngineError, Result};
 use crate::safetensors::{write_file, DType};
 use crate::sampler::Rng;
@@ -23,15 +23,19 @@ fn base(arch: Arch) -> ModelConfig {
         num_kv_heads: 2,
         head_dim: 16,
         rms_norm_eps: 1e-6,
-        rope_theta: 10000.0,
-        rope_scaling: None,
+        rope: Rope::plain(10_000.0),
         max_position_embeddings: 512,
         tie_word_embeddings: false,
         qkv_bias: arch == Arch::Qwen2,
+        o_bias: false,
+        mlp_bias: false,
         qk_norm: arch == Arch::Qwen3,
         sliding_window: None,
+        sliding_layers: None,
         bos_token_id: None,
         eos_token_ids: Vec::new(),
+        declared_dtype: None,
+        ignored_fields: Vec::new(),
     }
 }
 
@@ -69,7 +73,7 @@ pub fn preset(arch: Option<Arch>, name: &str) -> Result<ModelConfig> {
             c.num_heads = 14;
             c.num_kv_heads = 2;
             c.head_dim = 64;
-            c.rope_theta = 1_000_000.0;
+            c.rope = Rope::plain(1_000_000.0);
             c.max_position_embeddings = 32_768;
             c.tie_word_embeddings = true;
         }
@@ -82,13 +86,15 @@ pub fn preset(arch: Option<Arch>, name: &str) -> Result<ModelConfig> {
             c.num_kv_heads = 8;
             c.head_dim = 64;
             c.rms_norm_eps = 1e-5;
-            c.rope_theta = 500_000.0;
-            c.rope_scaling = Some(Llama3RopeScaling {
-                factor: 32.0,
-                low_freq_factor: 1.0,
-                high_freq_factor: 4.0,
-                original_max_position_embeddings: 8192.0,
-            });
+            c.rope = Rope {
+                scaling: RopeScaling::Llama3 {
+                    factor: 32.0,
+                    low_freq_factor: 1.0,
+                    high_freq_factor: 4.0,
+                    original_max_position_embeddings: 8192.0,
+                },
+                ..Rope::plain(500_000.0)
+            };
             c.max_position_embeddings = 131_072;
             c.tie_word_embeddings = true;
         }
@@ -100,19 +106,19 @@ pub fn preset(arch: Option<Arch>, name: &str) -> Result<ModelConfig> {
             c.num_heads = 16;
             c.num_kv_heads = 8;
             c.head_dim = 128;
-            c.rope_theta = 1_000_000.0;
+            c.rope = Rope::plain(1_000_000.0);
             c.max_position_embeddings = 40_960;
             c.tie_word_embeddings = true;
         }
         _ => match arch {
             // Small shapes that still exercise what makes each family different.
             Arch::Llama => {
-                c.rope_scaling = Some(Llama3RopeScaling {
+                c.rope.scaling = RopeScaling::Llama3 {
                     factor: 4.0,
                     low_freq_factor: 1.0,
                     high_freq_factor: 4.0,
                     original_max_position_embeddings: 64.0,
-                });
+                };
             }
             Arch::Qwen2 => c.tie_word_embeddings = true,
             Arch::Qwen3 => {
@@ -198,6 +204,13 @@ pub fn write_random_checkpoint(
             vec![h, q],
             normal(h * q, dense(q)),
         ));
+        if cfg.o_bias {
+            t.push((
+                format!("{p}.self_attn.o_proj.bias"),
+                vec![h],
+                normal(h, 0.1),
+            ));
+        }
         t.push((
             format!("{p}.post_attention_layernorm.weight"),
             vec![h],
@@ -218,6 +231,15 @@ pub fn write_random_checkpoint(
             vec![h, inter],
             normal(h * inter, dense(inter)),
         ));
+        if cfg.mlp_bias {
+            for (name, rows) in [("gate_proj", inter), ("up_proj", inter), ("down_proj", h)] {
+                t.push((
+                    format!("{p}.mlp.{name}.bias"),
+                    vec![rows],
+                    normal(rows, 0.1),
+                ));
+            }
+        }
     }
     t.push(("model.norm.weight".into(), vec![h], vec![1.0; h]));
     if !cfg.tie_word_embeddings {
@@ -230,7 +252,7 @@ pub fn write_random_checkpoint(
     write_file(&out.join("model.safetensors"), &t, dtype)?;
 
     let mut config = cfg.to_hf_json();
-    config["torch_dtype"] = match dtype {
+    config["dtype"] = match dtype {
         DType::F32 => "float32",
         DType::F16 => "float16",
         DType::BF16 => "bfloat16",

@@ -81,6 +81,7 @@ impl LoadedModel {
     }
 
     fn checked(m: LoadedModel) -> Result<LoadedModel> {
+        check_tensors(&m.config, &m.weights)?;
         if m.tokenizer.vocab_size() > m.config.vocab_size {
             tracing::warn!(
                 "tokenizer has {} tokens but the model's vocabulary is {}; ids past it are refused",
@@ -90,6 +91,64 @@ impl LoadedModel {
         }
         Ok(m)
     }
+}
+
+/// Refuses weights that do not match the config: a tensor the config implies is missing, or
+/// one it does not account for is present (a bias the config turned off, a layer beyond
+/// `num_hidden_layers`, a head for another task). Either means the config does not describe
+/// these weights, and running them anyway would compute something else than the model.
+pub fn check_tensors(cfg: &ModelConfig, w: &WeightStore) -> Result<()> {
+    let expected = cfg.expected_tensors();
+    let missing: Vec<&str> = expected
+        .iter()
+        .map(String::as_str)
+        .filter(|n| !w.contains(n))
+        .collect();
+    if !missing.is_empty() {
+        return Err(EngineError::BadModel(format!(
+            "weights: {} tensor(s) the config implies are missing: {}{}",
+            missing.len(),
+            missing[..missing.len().min(4)].join(", "),
+            if missing.len() > 4 { ", …" } else { "" }
+        )));
+    }
+    let known: std::collections::HashSet<&str> = expected.iter().map(String::as_str).collect();
+    let extra: Vec<&str> = w
+        .names()
+        .into_iter()
+        // Rotary tables some old checkpoints carry; recomputed from the config, as
+        // transformers does.
+        .filter(|n| !known.contains(n) && !n.ends_with("rotary_emb.inv_freq"))
+        .collect();
+    for name in extra {
+        if name == "lm_head.weight" && cfg.tie_word_embeddings {
+            let same = match (w.raw(name), w.raw("model.embed_tokens.weight")) {
+                (Some((a, ab)), Some((b, bb))) => {
+                    a.dtype == b.dtype && a.shape == b.shape && ab == bb
+                }
+                _ => false,
+            };
+            if same {
+                continue;
+            }
+            return Err(EngineError::BadModel(
+                "config.json says tie_word_embeddings is true, but the weights hold an                  lm_head.weight that differs from model.embed_tokens.weight; set                  tie_word_embeddings to false if the separate head is meant"
+                    .into(),
+            ));
+        }
+        let why = if name.ends_with(".bias") {
+            " (a bias the config does not turn on: attention_bias / mlp_bias)"
+        } else if name.starts_with("model.layers.") {
+            " (more layers or parts than the config describes)"
+        } else {
+            ""
+        };
+        return Err(EngineError::BadModel(format!(
+            "weights: tensor `{name}` is in the checkpoint but not in the {} model its              config.json describes{why}; refusing rather than ignoring it",
+            cfg.arch.architecture_name()
+        )));
+    }
+    Ok(())
 }
 
 /// Which backend runs the math.

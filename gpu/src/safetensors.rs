@@ -284,6 +284,17 @@ impl WeightStore {
         }
     }
 
+    /// A tensor's stored bytes, as they are in the file.
+    pub fn raw(&self, name: &str) -> Option<(&TensorInfo, &[u8])> {
+        let &i = self.index.get(name)?;
+        let file = &self.files[i];
+        let t = &file.tensors[name];
+        Some((
+            t,
+            &file.bytes.as_slice()[file.data_start + t.start..file.data_start + t.end],
+        ))
+    }
+
     /// Total bytes of tensor data, as stored.
     pub fn stored_bytes(&self) -> usize {
         self.files

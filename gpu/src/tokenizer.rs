@@ -19,6 +19,9 @@ pub struct TextTokenizer {
     bos_id: Option<u32>,
     eos_ids: Vec<u32>,
     defaults: SamplingDefaults,
+    /// Where the chat template and the eos ids were read from, for `model inspect`.
+    template_source: Option<&'static str>,
+    eos_source: &'static str,
 }
 
 /// Sampling settings the model's `generation_config.json` recommends; requests that leave a
@@ -85,21 +88,25 @@ impl TextTokenizer {
         };
         let bos_token = token_content(tc.get("bos_token"));
         let eos_token = token_content(tc.get("eos_token"));
-        let template_text =
-            files
-                .chat_template_jinja
-                .clone()
-                .or_else(|| match tc.get("chat_template") {
-                    Some(Value::String(s)) => Some(s.clone()),
-                    Some(Value::Array(list)) => list
-                        .iter()
+        let (template_text, template_source) = match files.chat_template_jinja.clone() {
+            Some(t) => (Some(t), Some("chat_template.jinja")),
+            None => match tc.get("chat_template") {
+                Some(Value::String(s)) => (
+                    Some(s.clone()),
+                    Some("tokenizer_config.json (chat_template)"),
+                ),
+                Some(Value::Array(list)) => (
+                    list.iter()
                         .find(|t| t.get("name").and_then(Value::as_str) == Some("default"))
                         .or(list.first())
                         .and_then(|t| t.get("template"))
                         .and_then(Value::as_str)
                         .map(String::from),
-                    _ => None,
-                });
+                    Some("tokenizer_config.json (chat_template list, the default entry)"),
+                ),
+                _ => (None, None),
+            },
+        };
         let chat_template = match template_text {
             Some(t) => Some(Self::compile_template(t)?),
             None => None,
@@ -115,12 +122,19 @@ impl TextTokenizer {
             top_k: gen.get("top_k").and_then(Value::as_i64),
         };
         let mut eos_ids: Vec<u32> = gen.get("eos_token_id").map(token_ids).unwrap_or_default();
+        let mut eos_source = "generation_config.json";
         if eos_ids.is_empty() {
             eos_ids = config_eos.to_vec();
+            eos_source = "config.json";
         }
         if let Some(id) = eos_token.as_deref().and_then(|t| inner.token_to_id(t)) {
             if !eos_ids.contains(&id) {
                 eos_ids.push(id);
+                eos_source = if eos_ids.len() == 1 {
+                    "tokenizer_config.json (eos_token)"
+                } else {
+                    "generation_config.json / config.json, plus tokenizer_config.json's eos_token"
+                };
             }
         }
         let bos_id = bos_token.as_deref().and_then(|t| inner.token_to_id(t));
@@ -129,6 +143,7 @@ impl TextTokenizer {
                 .get("add_bos_token")
                 .and_then(Value::as_bool)
                 .unwrap_or(false),
+            template_source: chat_template.is_some().then_some(template_source).flatten(),
             inner,
             chat_template,
             bos_token,
@@ -136,6 +151,7 @@ impl TextTokenizer {
             bos_id,
             eos_ids,
             defaults,
+            eos_source,
         })
     }
 
@@ -152,6 +168,16 @@ impl TextTokenizer {
         env.add_template_owned("chat", text)
             .map_err(template_error)?;
         Ok(env)
+    }
+
+    /// Which file the chat template came from, if there is one.
+    pub fn chat_template_source(&self) -> Option<&'static str> {
+        self.template_source
+    }
+
+    /// Which file the eos ids came from.
+    pub fn eos_source(&self) -> &'static str {
+        self.eos_source
     }
 
     pub fn has_chat_template(&self) -> bool {

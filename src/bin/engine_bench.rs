@@ -107,6 +107,7 @@ fn batch1_decode(
         seqs: vec![SeqInput {
             tokens: &prompt,
             start_pos: 0,
+            context_len: 0,
             block_table: &table,
             want_logits: false,
         }],
@@ -119,6 +120,7 @@ fn batch1_decode(
             seqs: vec![SeqInput {
                 tokens: &tok,
                 start_pos: prompt_len + step,
+                context_len: 0,
                 block_table: &table,
                 want_logits: true,
             }],
@@ -181,6 +183,7 @@ fn main() -> anyhow::Result<()> {
             seqs: vec![SeqInput {
                 tokens: &prompt,
                 start_pos: 0,
+                context_len: 0,
                 block_table: &table,
                 want_logits: true,
             }],
@@ -208,6 +211,7 @@ fn main() -> anyhow::Result<()> {
                 .map(|s| SeqInput {
                     tokens: &prompts[s],
                     start_pos: 0,
+                    context_len: 0,
                     block_table: &tables[s],
                     want_logits: false,
                 })
@@ -222,6 +226,7 @@ fn main() -> anyhow::Result<()> {
                     .map(|s| SeqInput {
                         tokens: &toks[s],
                         start_pos: args.prompt_len + step,
+                        context_len: 0,
                         block_table: &tables[s],
                         want_logits: true,
                     })

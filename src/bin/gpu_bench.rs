@@ -265,6 +265,7 @@ fn bench_model(
             seqs: vec![SeqInput {
                 tokens: &prompt,
                 start_pos: 0,
+                context_len: 0,
                 block_table: &table,
                 want_logits: true,
             }],
@@ -305,6 +306,7 @@ fn bench_model(
                     .map(|s| SeqInput {
                         tokens: &prompts[s],
                         start_pos: 0,
+                        context_len: 0,
                         block_table: &tables[s],
                         want_logits: false,
                     })
@@ -326,6 +328,7 @@ fn bench_model(
                     .map(|s| SeqInput {
                         tokens: &toks[s],
                         start_pos: args.prompt_len + step,
+                        context_len: 0,
                         block_table: &tables[s],
                         want_logits: true,
                     })

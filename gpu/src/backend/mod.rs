@@ -21,6 +21,12 @@ pub struct SeqInput<'a> {
     pub tokens: &'a [u32],
     /// Position of `tokens[0]`; positions before it are already in the cache.
     pub start_pos: usize,
+    /// The sequence's length as the engine knows it this step (prompt plus the tokens
+    /// generated so far): at least `start_pos + tokens.len()`, more for a prompt chunk.
+    /// Only RoPE that depends on the length (dynamic NTK) reads it, so that every chunk of
+    /// a prompt is rotated as the whole prompt would be in one pass. Values below
+    /// `start_pos + tokens.len()` (0, say) mean exactly that.
+    pub context_len: usize,
     /// Blocks holding positions `0..start_pos + tokens.len()`, in order.
     pub block_table: &'a [BlockId],
     /// Whether the step must produce a next token for this sequence (its last known token
@@ -50,6 +56,13 @@ pub trait Backend: Send {
 
     /// KV blocks the backend allocated.
     fn num_blocks(&self) -> usize;
+
+    /// Whether a block's K/V depend on more than its tokens and positions (dynamic RoPE
+    /// rotates keys by the sequence's length), which rules out sharing cached blocks between
+    /// sequences; the engine then turns prefix caching off.
+    fn kv_depends_on_context(&self) -> bool {
+        false
+    }
 
     /// Next-token logits for each sequence with `want_logits`, in batch order.
     fn forward(&mut self, batch: &ForwardBatch) -> Result<Vec<Vec<f32>>>;

@@ -56,8 +56,10 @@ impl CpuModel {
             cfg.kv_dim(),
             cfg.intermediate_size,
         );
-        let opt_bias = |name: &str, n: usize| -> Result<Option<Vec<f32>>> {
-            if cfg.qkv_bias || w.contains(name) {
+        // Biases exactly as the config says; `model::check_tensors` refuses a checkpoint
+        // whose tensors disagree with it.
+        let opt_bias = |on: bool, name: &str, n: usize| -> Result<Option<Vec<f32>>> {
+            if on {
                 w.f32(name, &[n]).map(Some)
             } else {
                 Ok(None)
@@ -72,17 +74,17 @@ impl CpuModel {
                     (
                         mat(&format!("{a}.q_proj.weight"), &[q, h])?,
                         q,
-                        opt_bias(&format!("{a}.q_proj.bias"), q)?,
+                        opt_bias(cfg.qkv_bias, &format!("{a}.q_proj.bias"), q)?,
                     ),
                     (
                         mat(&format!("{a}.k_proj.weight"), &[kv, h])?,
                         kv,
-                        opt_bias(&format!("{a}.k_proj.bias"), kv)?,
+                        opt_bias(cfg.qkv_bias, &format!("{a}.k_proj.bias"), kv)?,
                     ),
                     (
                         mat(&format!("{a}.v_proj.weight"), &[kv, h])?,
                         kv,
-                        opt_bias(&format!("{a}.v_proj.bias"), kv)?,
+                        opt_bias(cfg.qkv_bias, &format!("{a}.v_proj.bias"), kv)?,
                     ),
                 ],
                 h,
@@ -92,12 +94,12 @@ impl CpuModel {
                     (
                         mat(&format!("{p}.mlp.gate_proj.weight"), &[inter, h])?,
                         inter,
-                        None,
+                        opt_bias(cfg.mlp_bias, &format!("{p}.mlp.gate_proj.bias"), inter)?,
                     ),
                     (
                         mat(&format!("{p}.mlp.up_proj.weight"), &[inter, h])?,
                         inter,
-                        None,
+                        opt_bias(cfg.mlp_bias, &format!("{p}.mlp.up_proj.bias"), inter)?,
                     ),
                 ],
                 h,
@@ -116,7 +118,12 @@ impl CpuModel {
                 } else {
                     None
                 },
-                o_proj: Linear::new(mat(&format!("{a}.o_proj.weight"), &[h, q])?, h, q, None),
+                o_proj: Linear::new(
+                    mat(&format!("{a}.o_proj.weight"), &[h, q])?,
+                    h,
+                    q,
+                    opt_bias(cfg.o_bias, &format!("{a}.o_proj.bias"), h)?,
+                ),
                 post_attention_layernorm: w
                     .f32(&format!("{p}.post_attention_layernorm.weight"), &[h])?,
                 gate_up_proj,
@@ -124,12 +131,12 @@ impl CpuModel {
                     mat(&format!("{p}.mlp.down_proj.weight"), &[h, inter])?,
                     h,
                     inter,
-                    None,
+                    opt_bias(cfg.mlp_bias, &format!("{p}.mlp.down_proj.bias"), h)?,
                 ),
             });
         }
         let embed_tokens = mat("model.embed_tokens.weight", &[cfg.vocab_size, h])?;
-        let lm_head = if cfg.tie_word_embeddings || !w.contains("lm_head.weight") {
+        let lm_head = if cfg.tie_word_embeddings {
             Linear {
                 w: embed_tokens.clone(),
                 out: cfg.vocab_size,
@@ -243,6 +250,10 @@ impl Backend for CpuBackend {
         self.kv.num_blocks
     }
 
+    fn kv_depends_on_context(&self) -> bool {
+        self.model.cfg.rope_depends_on_length()
+    }
+
     fn forward(&mut self, batch: &ForwardBatch) -> Result<Vec<Vec<f32>>> {
         let cfg = &self.model.cfg;
         let (h, d) = (cfg.hidden_size, cfg.head_dim);
@@ -278,12 +289,23 @@ impl Backend for CpuBackend {
             }
         }
 
-        // Rotary tables for each token's position.
+        // Rotary tables for each token's position. Dynamic RoPE's frequencies depend on the
+        // sequence's length, so each sequence gets its own.
         let half = d / 2;
+        let per_seq: Option<Vec<Vec<f32>>> = cfg.rope_depends_on_length().then(|| {
+            batch
+                .seqs
+                .iter()
+                .map(|s| cfg.rope_inv_freq_for_len(s.context_len.max(s.start_pos + s.tokens.len())))
+                .collect()
+        });
         let mut cos = vec![0f32; t * half];
         let mut sin = vec![0f32; t * half];
         for (i, ts) in slots.iter().enumerate() {
-            for (j, f) in self.model.inv_freq.iter().enumerate() {
+            let inv_freq = per_seq
+                .as_ref()
+                .map_or(&self.model.inv_freq, |v| &v[ts.seq]);
+            for (j, f) in inv_freq.iter().enumerate() {
                 let a = ts.pos as f32 * f;
                 cos[i * half + j] = a.cos();
                 sin[i * half + j] = a.sin();
@@ -297,7 +319,7 @@ impl Backend for CpuBackend {
                 .read(tok as usize * h, &mut x[i * h..(i + 1) * h]);
         }
 
-        let scale = 1.0 / (d as f32).sqrt();
+        let scale = cfg.attention_scale();
         let group = nq / nkv;
         for (li, layer) in self.model.layers.iter().enumerate() {
             let xn = ops::rms_norm(&x, &layer.input_layernorm, cfg.rms_norm_eps);
@@ -326,8 +348,10 @@ impl Backend for CpuBackend {
                 vc[ts.slot * kvd..(ts.slot + 1) * kvd].copy_from_slice(&r[qd + kvd..]);
             }
 
-            // Attention: each (token, head) over the sequence's positions up to its own.
+            // Attention: each (token, head) over the sequence's positions up to its own, or,
+            // in a layer with a sliding window, over the last `window` of them.
             let (kc, vc) = (&self.kv.k[li], &self.kv.v[li]);
+            let window = cfg.layer_window(li);
             let mut attn = vec![0f32; t * qd];
             attn.par_chunks_mut(d).enumerate().for_each(|(idx, out)| {
                 let (i, head) = (idx / nq, idx % nq);
@@ -336,9 +360,10 @@ impl Backend for CpuBackend {
                 let g = head / group;
                 let q = &qkv[i * row + head * d..i * row + (head + 1) * d];
                 let n = ts.pos + 1;
-                let mut scores = Vec::with_capacity(n);
+                let lo = window.map_or(0, |w| n.saturating_sub(w));
+                let mut scores = Vec::with_capacity(n - lo);
                 let mut max = f32::NEG_INFINITY;
-                for p in 0..n {
+                for p in lo..n {
                     let slot = table[p / bs].0 as usize * bs + p % bs;
                     let kv_off = slot * kvd + g * d;
                     let s = ops::dot(q, &kc[kv_off..kv_off + d]) * scale;
@@ -351,7 +376,7 @@ impl Backend for CpuBackend {
                     sum += *s;
                 }
                 let inv = 1.0 / sum;
-                for (p, &s) in scores.iter().enumerate() {
+                for (p, &s) in (lo..n).zip(&scores) {
                     let slot = table[p / bs].0 as usize * bs + p % bs;
                     let kv_off = slot * kvd + g * d;
                     ops::axpy(out, s * inv, &vc[kv_off..kv_off + d]);

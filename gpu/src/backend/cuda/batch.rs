@@ -189,12 +189,14 @@ mod tests {
                 SeqInput {
                     tokens: &toks0,
                     start_pos: 6,
+                    context_len: 0,
                     block_table: &t0,
                     want_logits: true,
                 },
                 SeqInput {
                     tokens: &toks1,
                     start_pos: 2,
+                    context_len: 0,
                     block_table: &t1,
                     want_logits: false,
                 },
@@ -223,12 +225,14 @@ mod tests {
                 SeqInput {
                     tokens: &[1],
                     start_pos: 0,
+                    context_len: 0,
                     block_table: &t0,
                     want_logits: true,
                 },
                 SeqInput {
                     tokens: &[2],
                     start_pos: 8,
+                    context_len: 0,
                     block_table: &t1,
                     want_logits: true,
                 },
@@ -248,6 +252,7 @@ mod tests {
             seqs: vec![SeqInput {
                 tokens: &[1, 2],
                 start_pos: 0,
+                context_len: 0,
                 block_table: &t0,
                 want_logits: true,
             }],
@@ -265,18 +270,21 @@ mod tests {
                 SeqInput {
                     tokens: &[1, 2, 3],
                     start_pos: 0,
+                    context_len: 0,
                     block_table: &t[..1],
                     want_logits: false,
                 },
                 SeqInput {
                     tokens: &[4, 5],
                     start_pos: 0,
+                    context_len: 0,
                     block_table: &t[1..2],
                     want_logits: true,
                 },
                 SeqInput {
                     tokens: &[6],
                     start_pos: 3,
+                    context_len: 0,
                     block_table: &t[2..3],
                     want_logits: true,
                 },
@@ -294,6 +302,7 @@ mod tests {
             SeqInput {
                 tokens: tok,
                 start_pos: 0,
+                context_len: 0,
                 block_table: table,
                 want_logits: true,
             }

@@ -179,12 +179,14 @@ extern "C" __global__ void rope_kv_write(float* __restrict__ qkv,
 // warps take every fourth position; each keeps an online softmax (running max m, sum l,
 // weighted V sum spread over the lanes), and the four partial results are merged at the end.
 // GQA: q head h reads kv head h / (nq / nkv). Output bf16 [T, nq * d] for o_proj.
+// window > 0: a sliding-window layer; the query sees only the last `window` positions
+// (itself included), as transformers' mask `kv > q - window` has it. 0: the whole history.
 // Grid (S, nq), block 128. Requires d <= 256.
 extern "C" __global__ void paged_attention_decode(
     const float* __restrict__ qkv, int row_stride, const int* __restrict__ seq_starts,
     const int* __restrict__ seq_lens, const int* __restrict__ block_tables, int max_blocks,
     const bf16* __restrict__ k_cache, const bf16* __restrict__ v_cache, bf16* __restrict__ out,
-    int nq, int nkv, int d, int block_size, float scale) {
+    int nq, int nkv, int d, int block_size, float scale, int window) {
     __shared__ float q_s[MAX_HEAD_DIM];
     __shared__ float part_m[4];
     __shared__ float part_l[4];
@@ -210,7 +212,8 @@ extern "C" __global__ void paged_attention_decode(
 #pragma unroll
     for (int j = 0; j < HEAD_SLOTS; j++) acc[j] = 0.0f;
 
-    for (int p = warp; p < len; p += 4) {
+    int lo = window > 0 ? max(0, len - window) : 0;
+    for (int p = lo + warp; p < len; p += 4) {
         long long base = ((long long)table[p / block_size] * block_size + p % block_size) * kvd
                          + (long long)g * d;
         float sc = 0.0f;
@@ -268,7 +271,8 @@ extern "C" __global__ void paged_attention_decode(
 // position p sees positions 0..=p of its sequence. Flash-style: keys and values are staged
 // PF_K at a time in shared memory (bf16), each warp owns one query, lane j scores key j of
 // the tile, and an online softmax keeps the running max, sum and weighted V sum, so scores
-// are never materialised. GQA as in decode.
+// are never materialised. GQA as in decode. window > 0: the query at position p sees only
+// positions p - window + 1 ..= p (sliding-window layers).
 // Grid (S, nq, ceil(max_query_len / PF_Q)), block 256 (PF_Q warps). Requires d <= 256.
 // Shared memory: 8 KiB of queries + 2 x 16.1 KiB of key/value tiles, under the 48 KiB static cap.
 extern "C" __global__ void paged_attention_prefill(
@@ -276,7 +280,7 @@ extern "C" __global__ void paged_attention_prefill(
     const int* __restrict__ seq_starts, const int* __restrict__ seq_lens,
     const int* __restrict__ block_tables, int max_blocks, const bf16* __restrict__ k_cache,
     const bf16* __restrict__ v_cache, bf16* __restrict__ out, int nq, int nkv, int d,
-    int block_size, float scale) {
+    int block_size, float scale, int window) {
     __shared__ float q_s[PF_Q][MAX_HEAD_DIM];
     __shared__ bf16 k_s[PF_K * PF_STRIDE];
     __shared__ bf16 v_s[PF_K * PF_STRIDE];
@@ -298,8 +302,10 @@ extern "C" __global__ void paged_attention_prefill(
     int row = first + warp;
     bool active = row <= last;
     int my_pos = active ? positions[row] : -1;
-    // Keys needed by the block: up to the last query's position (within the sequence).
+    // Keys needed by the block: up to the last query's position (within the sequence), and
+    // with a window, from the first query's window start.
     int kv_end = min(positions[last] + 1, len);
+    int kv_lo = window > 0 ? max(0, positions[first] - window + 1) : 0;
 
     if (active) {
         const float* q = qkv + (long long)row * row_stride + (long long)h * d;
@@ -312,7 +318,7 @@ extern "C" __global__ void paged_attention_prefill(
 #pragma unroll
     for (int j = 0; j < HEAD_SLOTS; j++) acc[j] = 0.0f;
 
-    for (int k0 = 0; k0 < kv_end; k0 += PF_K) {
+    for (int k0 = kv_lo; k0 < kv_end; k0 += PF_K) {
         __syncthreads();  // the previous tile is no longer read
         int n = min(PF_K, kv_end - k0);
         for (int e = threadIdx.x; e < n * d; e += blockDim.x) {
@@ -330,14 +336,17 @@ extern "C" __global__ void paged_attention_prefill(
         // Lane j scores key k0 + j.
         float sc = NEG_INF;
         int p = k0 + lane;
-        if (lane < n && p <= my_pos) {
+        if (lane < n && p <= my_pos && (window <= 0 || p > my_pos - window)) {
             float dot = 0.0f;
             const bf16* kr = k_s + lane * PF_STRIDE;
             for (int i = 0; i < d; i++) dot += q_s[warp][i] * bf2f(kr[i]);
             sc = dot;
         }
         float tile_max = warp_max(sc);
-        float m_new = fmaxf(m, tile_max);  // finite: key k0 <= my_pos is always valid
+        float m_new = fmaxf(m, tile_max);
+        // No key of this tile is in the query's window and none was before: nothing to add
+        // (and exp(-inf - -inf) would be NaN). Uniform across the warp.
+        if (m_new == NEG_INF) continue;
         float corr = expf(m - m_new);
         float pr = (sc == NEG_INF) ? 0.0f : expf(sc - m_new);
         l = l * corr + warp_sum(pr);

@@ -416,6 +416,15 @@ impl CudaBackend {
                 "the KV cache needs at least one block of at least one token".into(),
             ));
         }
+        if cfg.rope_depends_on_length() {
+            // The kernels rotate by one frequency table for the whole batch; dynamic NTK
+            // needs one per sequence length. Refused rather than rotated wrongly.
+            return Err(EngineError::Backend(format!(
+                "RoPE type `{}` (frequencies that change with the sequence length) is not \
+                 implemented by the CUDA backend; run this model with --device cpu",
+                cfg.rope.scaling.type_name()
+            )));
+        }
         let ctx = CudaContext::new(ordinal).map_err(|e| drv("context creation", e))?;
         let stream = ctx.new_stream().map_err(|e| drv("stream creation", e))?;
 
@@ -487,12 +496,17 @@ impl CudaBackend {
             cfg.kv_dim(),
             cfg.intermediate_size,
         );
-        let opt_bias = |name: &str, n: usize| -> Result<Option<Vec<f32>>> {
-            if cfg.qkv_bias || weights.contains(name) {
+        // Biases exactly as the config says (`model::check_tensors` refuses weights that
+        // disagree with it).
+        let opt_bias = |on: bool, name: &str, n: usize| -> Result<Option<Vec<f32>>> {
+            if on {
                 weights.f32(name, &[n]).map(Some)
             } else {
                 Ok(None)
             }
+        };
+        let up_bias = |name: &str, b: Option<Vec<f32>>| -> Result<Option<CudaSlice<f32>>> {
+            b.map(|b| up32(name, &b)).transpose()
         };
 
         let mut layers = Vec::with_capacity(cfg.num_layers);
@@ -503,9 +517,9 @@ impl CudaBackend {
             qkv.extend(mat(&format!("{a}.k_proj.weight"), &[kv, h])?);
             qkv.extend(mat(&format!("{a}.v_proj.weight"), &[kv, h])?);
             let biases = [
-                opt_bias(&format!("{a}.q_proj.bias"), q)?,
-                opt_bias(&format!("{a}.k_proj.bias"), kv)?,
-                opt_bias(&format!("{a}.v_proj.bias"), kv)?,
+                opt_bias(cfg.qkv_bias, &format!("{a}.q_proj.bias"), q)?,
+                opt_bias(cfg.qkv_bias, &format!("{a}.k_proj.bias"), kv)?,
+                opt_bias(cfg.qkv_bias, &format!("{a}.v_proj.bias"), kv)?,
             ];
             // Any bias present: stack them, zeros standing in for a missing part.
             let qkv_bias = if biases.iter().any(Option::is_some) {
@@ -519,6 +533,16 @@ impl CudaBackend {
             };
             let mut gate_up = mat(&format!("{p}.mlp.gate_proj.weight"), &[inter, h])?;
             gate_up.extend(mat(&format!("{p}.mlp.up_proj.weight"), &[inter, h])?);
+            let gate_up_bias = match (
+                opt_bias(cfg.mlp_bias, &format!("{p}.mlp.gate_proj.bias"), inter)?,
+                opt_bias(cfg.mlp_bias, &format!("{p}.mlp.up_proj.bias"), inter)?,
+            ) {
+                (Some(mut g), Some(u)) => {
+                    g.extend(u);
+                    Some(g)
+                }
+                _ => None,
+            };
             let norm = |name: String| -> Result<CudaSlice<f32>> {
                 let v = weights.f32(&name, &[d])?;
                 up32(&name, &v)
@@ -551,7 +575,10 @@ impl CudaBackend {
                     )?,
                     out: h,
                     inp: q,
-                    bias: None,
+                    bias: up_bias(
+                        &format!("{a}.o_proj.bias"),
+                        opt_bias(cfg.o_bias, &format!("{a}.o_proj.bias"), h)?,
+                    )?,
                 },
                 post_attention_layernorm: up32(
                     &format!("{p}.post_attention_layernorm"),
@@ -561,7 +588,7 @@ impl CudaBackend {
                     w: up16(&format!("{p} gate/up"), &gate_up)?,
                     out: 2 * inter,
                     inp: h,
-                    bias: None,
+                    bias: up_bias(&format!("{p} gate/up bias"), gate_up_bias)?,
                 },
                 down_proj: DevLinear {
                     w: up16(
@@ -570,7 +597,10 @@ impl CudaBackend {
                     )?,
                     out: h,
                     inp: inter,
-                    bias: None,
+                    bias: up_bias(
+                        &format!("{p}.mlp.down_proj.bias"),
+                        opt_bias(cfg.mlp_bias, &format!("{p}.mlp.down_proj.bias"), h)?,
+                    )?,
                 },
             });
         }
@@ -578,7 +608,7 @@ impl CudaBackend {
             "embed_tokens",
             &mat("model.embed_tokens.weight", &[cfg.vocab_size, h])?,
         )?;
-        let lm_head = if cfg.tie_word_embeddings || !weights.contains("lm_head.weight") {
+        let lm_head = if cfg.tie_word_embeddings {
             None
         } else {
             Some(DevLinear {
@@ -599,10 +629,7 @@ impl CudaBackend {
             && (num_blocks + 1)
                 .checked_mul(block_size)
                 .is_some_and(|slots| i32::try_from(slots).is_ok());
-        let graph_width = cfg
-            .max_position_embeddings
-            .div_ceil(block_size)
-            .clamp(1, num_blocks);
+        let graph_width = cfg.max_context().div_ceil(block_size).clamp(1, num_blocks);
         let per_layer = (num_blocks + 1) * block_size * kv;
         let mut k_cache = Vec::with_capacity(cfg.num_layers);
         let mut v_cache = Vec::with_capacity(cfg.num_layers);
@@ -1022,7 +1049,7 @@ impl CudaBackend {
         let bs_i = *block_size as i32;
         let max_blocks_i = dims.max_blocks as i32;
         let eps = cfg.rms_norm_eps;
-        let scale = 1.0f32 / (d as f32).sqrt();
+        let scale = cfg.attention_scale();
         let launch_err =
             |name: &'static str| move |e: DriverError| drv(&format!("{name} launch"), e);
 
@@ -1096,6 +1123,10 @@ impl CudaBackend {
                     .launch(grid(t, nq + nkv, 1, 64))
             }
             .map_err(launch_err("rope_kv_write"))?;
+            // 0: the layer attends over the whole sequence.
+            let window_i = cfg
+                .layer_window(li)
+                .map_or(0, |w| w.min(i32::MAX as usize) as i32);
             if dims.max_query_len == 1 {
                 unsafe {
                     stream
@@ -1114,6 +1145,7 @@ impl CudaBackend {
                         .arg(&d_i)
                         .arg(&bs_i)
                         .arg(&scale)
+                        .arg(&window_i)
                         .launch(grid(num_seqs, nq, 1, 128))
                 }
                 .map_err(launch_err("paged_attention_decode"))?;
@@ -1137,6 +1169,7 @@ impl CudaBackend {
                         .arg(&d_i)
                         .arg(&bs_i)
                         .arg(&scale)
+                        .arg(&window_i)
                         .launch(grid(
                             num_seqs,
                             nq,
@@ -1574,12 +1607,14 @@ mod tests {
                 SeqInput {
                     tokens: &[11],
                     start_pos: 5,
+                    context_len: 0,
                     block_table: &t0,
                     want_logits: true,
                 },
                 SeqInput {
                     tokens: &[12],
                     start_pos: 2,
+                    context_len: 0,
                     block_table: &t1,
                     want_logits: true,
                 },

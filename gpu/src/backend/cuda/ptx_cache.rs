@@ -269,6 +269,16 @@ mod tests {
         ] {
             assert!(ptx.contains(&format!(".entry {name}(")), "{name} missing");
         }
+        // The attention kernels' parameter counts, as `CudaBackend::enqueue` passes them (a
+        // launch with a missing argument reads garbage rather than failing).
+        for (name, params) in [
+            ("paged_attention_decode", 15),
+            ("paged_attention_prefill", 16),
+        ] {
+            let start = ptx.find(&format!(".entry {name}(")).expect("entry");
+            let end = start + ptx[start..].find(')').expect("parameter list end");
+            assert_eq!(ptx[start..end].matches(".param").count(), params, "{name}");
+        }
     }
 
     #[test]
