@@ -1,12 +1,15 @@
-//! `kvmesh model ...`: checkpoints for tests and benchmarks.
+//! `kvmesh model ...`: what the engine makes of a checkpoint, and random checkpoints for tests
+//! and benchmarks.
 
 use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::{Subcommand, ValueEnum};
-use kvmesh_gpu::config::Arch;
+use kvmesh_gpu::config::{Arch, RopeScaling};
 use kvmesh_gpu::init::{preset, write_random_checkpoint};
+use kvmesh_gpu::model::LoadedModel;
 use kvmesh_gpu::safetensors::DType;
+use serde_json::{json, Value};
 
 #[derive(Clone, Copy, ValueEnum)]
 pub enum ArchArg {
@@ -25,6 +28,16 @@ pub enum DTypeArg {
 
 #[derive(Subcommand)]
 pub enum ModelCommand {
+    /// What the engine will use from a model folder: family, shapes, dtype, RoPE, attention
+    /// window, biases, eos ids, chat template, context and KV bytes per token. Refuses, with
+    /// the same message as `serve`, what kvmesh does not understand.
+    Inspect {
+        /// Model folder (the embedded model when left out).
+        dir: Option<PathBuf>,
+        /// Print JSON instead of the table.
+        #[arg(long)]
+        json: bool,
+    },
     /// Write a checkpoint with random weights in the Hugging Face layout.
     InitRandom {
         /// Model family.
@@ -61,6 +74,22 @@ pub enum ModelCommand {
 
 pub fn run(cmd: ModelCommand) -> anyhow::Result<()> {
     match cmd {
+        ModelCommand::Inspect { dir, json } => {
+            let model = match &dir {
+                Some(d) => {
+                    LoadedModel::from_dir(d).with_context(|| format!("loading {}", d.display()))?
+                }
+                None => LoadedModel::from_embedded(&crate::embedded::DEFAULT_MODEL)
+                    .context("loading the embedded model")?,
+            };
+            let report = inspect(&model, dir.as_deref());
+            if json {
+                println!("{}", serde_json::to_string_pretty(&report)?);
+            } else {
+                print!("{}", render(&report));
+            }
+            Ok(())
+        }
         ModelCommand::InitRandom {
             arch,
             preset: name,
@@ -145,4 +174,294 @@ pub fn run(cmd: ModelCommand) -> anyhow::Result<()> {
             Ok(())
         }
     }
+}
+
+/// Everything `model inspect` reports, as JSON (the text view is rendered from it).
+fn inspect(m: &LoadedModel, dir: Option<&std::path::Path>) -> Value {
+    let c = &m.config;
+    let mut dtypes: std::collections::BTreeMap<&str, usize> = Default::default();
+    let names = m.weights.names();
+    for n in &names {
+        if let Some(i) = m.weights.info(n) {
+            *dtypes.entry(i.dtype.name()).or_default() += 1;
+        }
+    }
+    let rope = &c.rope;
+    let mut rope_json = json!({
+        "type": rope.scaling.type_name(),
+        "theta": rope.theta,
+        "read_from": rope.layout.describe(),
+        "attention_factor": c.rope_attention_factor(),
+        "depends_on_sequence_length": c.rope_depends_on_length(),
+    });
+    let params = c.rope_parameters_json();
+    if let (Some(o), Some(p)) = (rope_json.as_object_mut(), params.as_object()) {
+        for (k, v) in p {
+            if k != "rope_type" && k != "rope_theta" {
+                o.insert(k.clone(), v.clone());
+            }
+        }
+    }
+    let windows: Vec<Value> = (0..c.num_layers)
+        .map(|i| c.layer_window(i).map_or(Value::Null, |w| w.into()))
+        .collect();
+    let kv_elems = 2 * c.num_layers * c.kv_dim();
+    let context_from = match &c.rope.scaling {
+        RopeScaling::Linear { factor } | RopeScaling::Dynamic { factor } => format!(
+            "max_position_embeddings {} x {} factor {factor}",
+            c.max_position_embeddings,
+            rope.scaling.type_name()
+        ),
+        RopeScaling::Yarn {
+            factor,
+            original_max_position_embeddings,
+            ..
+        } => format!(
+            "original_max_position_embeddings {original_max_position_embeddings} x yarn factor {factor}"
+        ),
+        RopeScaling::Default | RopeScaling::Llama3 { .. } => {
+            format!("max_position_embeddings {}", c.max_position_embeddings)
+        }
+    };
+    let mut notes = Vec::new();
+    if c.rope_depends_on_length() {
+        notes.push(format!(
+            "dynamic RoPE: past {} tokens the frequencies follow the sequence's length, so keys \
+             keep the rotation of the length they were computed at (as in transformers' cached \
+             generation); the cpu backend runs it, the cuda backend refuses it, and prefix \
+             caching is off",
+            c.max_position_embeddings
+        ));
+    }
+    if m.tokenizer.vocab_size() > c.vocab_size {
+        notes.push(format!(
+            "the tokenizer has {} tokens, the model {}: ids past the model's are refused",
+            m.tokenizer.vocab_size(),
+            c.vocab_size
+        ));
+    }
+    json!({
+        "path": dir.map(|d| d.display().to_string()),
+        "name": m.name,
+        "family": c.arch.model_type(),
+        "architecture": c.arch.architecture_name(),
+        "vocab_size": c.vocab_size,
+        "tokenizer_vocab_size": m.tokenizer.vocab_size(),
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_layers": c.num_layers,
+        "num_heads": c.num_heads,
+        "num_kv_heads": c.num_kv_heads,
+        "head_dim": c.head_dim,
+        "parameters": c.num_params(),
+        "declared_dtype": c.declared_dtype,
+        "weights": {
+            "tensors": names.len(),
+            "bytes": m.weights.stored_bytes(),
+            "dtypes": dtypes,
+        },
+        "rms_norm_eps": shortest(c.rms_norm_eps),
+        "activation": "silu",
+        "tie_word_embeddings": c.tie_word_embeddings,
+        "qkv_bias": c.qkv_bias,
+        "o_bias": c.o_bias,
+        "mlp_bias": c.mlp_bias,
+        "qk_norm": c.qk_norm,
+        "rope": rope_json,
+        "attention_scale": shortest(c.attention_scale()),
+        "sliding_window": c.sliding_window,
+        "layer_windows": windows,
+        "max_position_embeddings": c.max_position_embeddings,
+        "max_context": c.max_context(),
+        "max_context_from": context_from,
+        "notes": notes,
+        "bos_token_id": m.tokenizer.bos_id().or(c.bos_token_id),
+        "eos_token_ids": m.tokenizer.eos_ids(),
+        "eos_source": m.tokenizer.eos_source(),
+        "chat_template": m.tokenizer.chat_template_source(),
+        "kv_bytes_per_token": {
+            "bf16": kv_elems * 2,
+            "f32": kv_elems * 4,
+        },
+        "ignored_config_fields": c.ignored_fields,
+    })
+}
+
+/// An f32 as JSON through its shortest decimal form (1e-5, not 9.999999747378752e-6).
+fn shortest(x: f32) -> Value {
+    x.to_string().parse::<f64>().map_or(Value::Null, Value::from)
+}
+
+fn render(r: &Value) -> String {
+    let s = |k: &str| r[k].as_str().unwrap_or("-").to_string();
+    let n = |k: &str| r[k].as_u64().unwrap_or(0);
+    let yes = |k: &str| {
+        if r[k].as_bool() == Some(true) {
+            "yes"
+        } else {
+            "no"
+        }
+    };
+    let mut out = String::new();
+    let mut line = |k: &str, v: String| out.push_str(&format!("{k:<15}{v}\n"));
+    line(
+        "model",
+        match r["path"].as_str() {
+            Some(p) => format!("{} ({p})", s("name")),
+            None => format!("{} (embedded)", s("name")),
+        },
+    );
+    line("family", format!("{} ({})", s("family"), s("architecture")));
+    line(
+        "shape",
+        format!(
+            "{} layers, hidden {}, intermediate {}, {} heads / {} kv heads of {}, vocab {} (tokenizer {})",
+            n("num_layers"),
+            n("hidden_size"),
+            n("intermediate_size"),
+            n("num_heads"),
+            n("num_kv_heads"),
+            n("head_dim"),
+            n("vocab_size"),
+            n("tokenizer_vocab_size")
+        ),
+    );
+    let w = &r["weights"];
+    let dtypes: Vec<String> = w["dtypes"]
+        .as_object()
+        .map(|o| o.iter().map(|(k, v)| format!("{k} x{v}")).collect())
+        .unwrap_or_default();
+    line(
+        "parameters",
+        format!(
+            "{:.2}M; {} tensors, {:.1} MB stored ({}); config dtype {}",
+            n("parameters") as f64 / 1e6,
+            w["tensors"],
+            w["bytes"].as_u64().unwrap_or(0) as f64 / 1e6,
+            dtypes.join(", "),
+            r["declared_dtype"].as_str().unwrap_or("not given")
+        ),
+    );
+    line(
+        "layers",
+        format!(
+            "RMSNorm eps {}, silu MLP; q/k/v bias {}, o_proj bias {}, mlp bias {}, q/k norm {}; tied embeddings {}",
+            r["rms_norm_eps"],
+            yes("qkv_bias"),
+            yes("o_bias"),
+            yes("mlp_bias"),
+            yes("qk_norm"),
+            yes("tie_word_embeddings")
+        ),
+    );
+    let rope = &r["rope"];
+    let extras: Vec<String> = rope
+        .as_object()
+        .map(|o| {
+            o.iter()
+                .filter(|(k, _)| {
+                    ![
+                        "type",
+                        "theta",
+                        "read_from",
+                        "attention_factor",
+                        "depends_on_sequence_length",
+                    ]
+                    .contains(&k.as_str())
+                })
+                .map(|(k, v)| format!("{k} {v}"))
+                .collect()
+        })
+        .unwrap_or_default();
+    line(
+        "rope",
+        format!(
+            "{}, theta {}{}; attention factor {} (read from {})",
+            rope["type"].as_str().unwrap_or("?"),
+            rope["theta"],
+            if extras.is_empty() {
+                String::new()
+            } else {
+                format!(", {}", extras.join(", "))
+            },
+            rope["attention_factor"],
+            rope["read_from"].as_str().unwrap_or("?")
+        ),
+    );
+    let windows = r["layer_windows"].as_array().cloned().unwrap_or_default();
+    let sliding: Vec<String> = windows
+        .iter()
+        .enumerate()
+        .filter(|(_, w)| !w.is_null())
+        .map(|(i, _)| i.to_string())
+        .collect();
+    line(
+        "attention",
+        if sliding.is_empty() {
+            format!(
+                "causal over the whole context on every layer; scale {}",
+                r["attention_scale"]
+            )
+        } else if sliding.len() == windows.len() {
+            format!(
+                "sliding window of {} tokens on every layer; scale {}",
+                r["sliding_window"], r["attention_scale"]
+            )
+        } else {
+            format!(
+                "sliding window of {} tokens on layers {}, whole context on the others; scale {}",
+                r["sliding_window"],
+                sliding.join(","),
+                r["attention_scale"]
+            )
+        },
+    );
+    line(
+        "max context",
+        format!("{} tokens ({})", n("max_context"), s("max_context_from")),
+    );
+    line(
+        "tokens",
+        format!(
+            "bos {}, eos {} (from {})",
+            r["bos_token_id"],
+            r["eos_token_ids"],
+            s("eos_source")
+        ),
+    );
+    line(
+        "chat template",
+        r["chat_template"]
+            .as_str()
+            .unwrap_or("none (chat completions are refused)")
+            .to_string(),
+    );
+    let kv = &r["kv_bytes_per_token"];
+    line(
+        "KV per token",
+        format!(
+            "{} bytes as bf16 (cuda, sim), {} bytes as f32 (cpu)",
+            kv["bf16"], kv["f32"]
+        ),
+    );
+    let ignored: Vec<String> = r["ignored_config_fields"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .filter_map(|v| v.as_str().map(String::from))
+                .collect()
+        })
+        .unwrap_or_default();
+    line(
+        "ignored",
+        if ignored.is_empty() {
+            "nothing".into()
+        } else {
+            format!("{} (they do not change the math)", ignored.join(", "))
+        },
+    );
+    for note in r["notes"].as_array().into_iter().flatten() {
+        out.push_str(&format!("{:<15}{}\n", "note", note.as_str().unwrap_or("")));
+    }
+    out
 }
