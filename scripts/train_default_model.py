@@ -237,7 +237,7 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, ids):
         t = ids.shape[1]
-        cos, sin = rope_cos_sin(self.cfg["head_dim"], self.cfg["rope_theta"], torch.arange(t))
+        cos, sin = rope_cos_sin(self.cfg["head_dim"], self.cfg["rope_parameters"]["rope_theta"], torch.arange(t))
         x = self.model.embed_tokens(ids)
         for layer in self.model.layers:
             x = layer(x, cos, sin)
@@ -279,7 +279,7 @@ def numpy_forward(w, cfg, ids):
         return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * weight
 
     half = hd // 2
-    inv_freq = 1.0 / (cfg["rope_theta"] ** (np.arange(half, dtype=np.float64) * 2 / hd))
+    inv_freq = 1.0 / (cfg["rope_parameters"]["rope_theta"] ** (np.arange(half, dtype=np.float64) * 2 / hd))
     ang = np.arange(t, dtype=np.float64)[:, None] * inv_freq[None, :]
     cos = np.concatenate([np.cos(ang)] * 2, -1).astype(np.float32)
     sin = np.concatenate([np.sin(ang)] * 2, -1).astype(np.float32)
@@ -327,8 +327,7 @@ def make_config(args, vocab_size, bos_id, end_id, pad_id):
         "head_dim": args.hidden // args.heads,
         "max_position_embeddings": 512,
         "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0,
-        "rope_scaling": None,
+        "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
         "hidden_act": "silu",
         "attention_bias": False,
         "attention_dropout": 0.0,
@@ -340,7 +339,7 @@ def make_config(args, vocab_size, bos_id, end_id, pad_id):
         "bos_token_id": bos_id,
         "eos_token_id": end_id,
         "pad_token_id": pad_id,
-        "torch_dtype": "bfloat16",
+        "dtype": "bfloat16",
     }
 
 
@@ -619,7 +618,7 @@ test and demo model, not an assistant.
 | hidden_size / intermediate_size | {cfg['hidden_size']} / {cfg['intermediate_size']} (SwiGLU) |
 | layers | {cfg['num_hidden_layers']} |
 | attention heads / kv heads / head_dim | {cfg['num_attention_heads']} / {cfg['num_key_value_heads']} / {cfg['head_dim']} (GQA) |
-| rope_theta / rms_norm_eps | {cfg['rope_theta']} / {cfg['rms_norm_eps']} |
+| rope_theta / rms_norm_eps | {cfg['rope_parameters']['rope_theta']} / {cfg['rms_norm_eps']} |
 | vocab | {cfg['vocab_size']} (byte-level BPE), untied embeddings |
 | max_position_embeddings | {cfg['max_position_embeddings']} |
 

@@ -11,7 +11,9 @@
 //! would claim a parity nobody measured.
 //!
 //! For each tiny checkpoint (one per family) and the trained default model:
-//! - prefill logits and eight teacher-forced decode steps within bf16 tolerance of the CPU;
+//! - prefill logits and eight teacher-forced decode steps within bf16 tolerance of the CPU
+//!   (also for the transformers-written `hf-*` checkpoints: sliding windows, yarn's attention
+//!   factor, linear RoPE, attention and MLP biases);
 //! - greedy generation through the engine token-identical to the CPU, with CUDA graphs on
 //!   and off;
 //! - seeded sampling (temperature, top-k, top-p) on the device: every token inside the CPU's
@@ -40,6 +42,18 @@ const MODELS: [&str; 5] = [
     "tiny-mistral",
     "shakespeare",
 ];
+
+/// Checkpoints `save_pretrained` wrote (scripts/reference_logits.py) that the CUDA backend
+/// runs: every `hf-*` fixture but those with dynamic RoPE, which it refuses.
+fn hf_models() -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(repo().join("tests/fixtures/models"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("hf-") && !load(n).config.rope_depends_on_length())
+        .collect();
+    v.sort();
+    v
+}
 
 /// The repository root: the working directory when it holds the fixtures (a carried test
 /// binary on another machine), else where this crate was built.
@@ -99,6 +113,7 @@ fn forward(be: &mut dyn Backend, tokens: &[u32], start: usize, table: &[BlockId]
         seqs: vec![SeqInput {
             tokens,
             start_pos: start,
+            context_len: 0,
             block_table: table,
             want_logits: true,
         }],
@@ -130,7 +145,8 @@ fn assert_close(ctx: &str, gpu: &[f32], cpu: &[f32]) -> f32 {
 
 #[test]
 fn logits_match_the_cpu_within_bf16_tolerance() {
-    for name in MODELS {
+    let hf = hf_models();
+    for name in MODELS.iter().copied().chain(hf.iter().map(String::as_str)) {
         let m = load(name);
         for (pi, prompt) in prompts(name).iter().enumerate() {
             let (mut cpu, mut gpu) = backends(&m, 16);
@@ -311,6 +327,16 @@ fn kv_blocks_copied_out_and_in_decode_the_same() {
         gpu.copy_blocks_out(0, &[BlockId(16)]).is_err(),
         "block out of range"
     );
+}
+
+#[test]
+fn dynamic_rope_is_refused_by_name() {
+    let m = load("hf-llama-dynamic-f32");
+    let e = build_backend(BackendKind::Cuda(0), &m, BLOCK_SIZE, KvBudget::Blocks(16))
+        .err()
+        .expect("the CUDA backend must refuse dynamic RoPE")
+        .to_string();
+    assert!(e.contains("dynamic") && e.contains("--device cpu"), "{e}");
 }
 
 #[test]

@@ -1,24 +1,34 @@
-//! The CPU forward pass against an independent reference: Hugging Face transformers.
+//! The CPU forward pass and the config reader against an independent reference: Hugging Face
+//! transformers.
 //!
-//! `scripts/reference_logits.py` ran each model folder below through `transformers` (f32,
-//! eager attention) and committed what it saw to `tests/fixtures/reference/<model>.json`:
-//! two prompts (5 and 45 tokens, the longer spanning three 16-token KV blocks), the logits
-//! at the last prompt position, the argmax at every position, and the greedy continuation.
-//! Here kvmesh's own code answers the same questions, with no PyTorch involved:
+//! `scripts/reference_logits.py` ran each model folder below through transformers (f32,
+//! eager attention) and committed what it saw to `tests/fixtures/reference/<model>.json`.
+//! The `hf-*` folders were written by transformers' own `save_pretrained` (the current
+//! `rope_parameters` layout); the script also wrote each config in the legacy layout
+//! (top-level `rope_theta` + `rope_scaling`, `torch_dtype`) to
+//! `tests/fixtures/legacy-configs/` and checked transformers reads both alike. Here kvmesh's
+//! own code answers the same questions for both layouts, with no PyTorch involved:
 //!
-//! - one prefill over a shuffled, non-contiguous block table (paging);
-//! - the same prompt as chunked prefill (7-token chunks), and as token-by-token decode;
+//! - the RoPE tables (inverse frequencies, attention factor; for dynamic RoPE at each length);
+//! - one prefill over a shuffled, non-contiguous block table (paging), the same prompt as
+//!   chunked prefill (7-token chunks), and token by token;
 //! - both prompts in one batch (sequences must not mix);
-//! - greedy generation through the real engine, one request at a time and two at once.
+//! - the teacher-forced sequence (prompt + transformers' greedy continuation) at every
+//!   position: logits at 24 fixed columns, the top 8, the log-sum-exp and the argmax;
+//! - greedy generation through the real engine, the prompts together and one at a time.
 //!
-//! The four `tiny-*` folders are random-weight checkpoints made by `kvmesh model
-//! init-random` (one per architecture); `models/shakespeare` is the trained default model.
-//! Regenerate the fixtures whenever one of those folders changes (see the script's docstring).
+//! Floats are compared within `2e-3 + 2e-3 * |reference|`; an argmax may differ only where
+//! the reference's best two logits are within `TIE_GAP`.
 
+mod common;
+
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
+use common::ModelWithConfig;
 use kvmesh_gpu::backend::cpu::{CpuBackend, CpuModel};
 use kvmesh_gpu::backend::{Backend, ForwardBatch, SeqInput};
+use kvmesh_gpu::config::RopeLayout;
 use kvmesh_gpu::engine::{self, EngineConfig, EngineHandle, FinishReason, Request, SeqEvent};
 use kvmesh_gpu::kv_cache::BlockId;
 use kvmesh_gpu::model::LoadedModel;
@@ -26,7 +36,8 @@ use kvmesh_gpu::sampler::SamplingParams;
 use serde::Deserialize;
 
 const BLOCK_SIZE: usize = 16;
-/// Blocks in the backend of the direct forward checks.
+/// Blocks in the backend of the direct forward checks (the 68-token teacher-forced sequence
+/// needs 5).
 const DIRECT_BLOCKS: usize = 8;
 /// The order block ids are handed out in: shuffled, so a prompt's blocks are neither
 /// contiguous nor ascending, and do not start at 0.
@@ -38,13 +49,26 @@ const TIE_GAP: f32 = 1e-3;
 
 #[derive(Deserialize)]
 struct Fixture {
+    format: u32,
     model: String,
     architecture: String,
     transformers_version: String,
     torch_version: String,
     safetensors_fnv1a64: String,
+    legacy_config: String,
+    rope: RopeRef,
     new_tokens: usize,
+    columns: Vec<usize>,
     prompts: Vec<Prompt>,
+}
+
+#[derive(Deserialize)]
+struct RopeRef {
+    rope_type: String,
+    inv_freq: Vec<f64>,
+    attention_scaling: f64,
+    #[serde(default)]
+    inv_freq_at_length: BTreeMap<String, Vec<f64>>,
 }
 
 #[derive(Deserialize)]
@@ -55,6 +79,18 @@ struct Prompt {
     argmax: Vec<u32>,
     argmax_top2_gap: Vec<f32>,
     greedy: Vec<u32>,
+    steps: Steps,
+}
+
+/// The teacher-forced sequence, position by position.
+#[derive(Deserialize)]
+struct Steps {
+    argmax: Vec<u32>,
+    gap: Vec<f32>,
+    lse: Vec<f32>,
+    top_ids: Vec<Vec<usize>>,
+    top_logits: Vec<Vec<f32>>,
+    columns: Vec<Vec<f32>>,
 }
 
 fn repo() -> PathBuf {
@@ -66,7 +102,15 @@ fn fixture(name: &str) -> Fixture {
         .join("tests/fixtures/reference")
         .join(format!("{name}.json"));
     let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+    let fx: Fixture =
+        serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    assert_eq!(
+        fx.format,
+        2,
+        "{}: rerun scripts/reference_logits.py",
+        path.display()
+    );
+    fx
 }
 
 /// 64-bit FNV-1a, as the script computes it over `model.safetensors`.
@@ -107,7 +151,11 @@ fn argmax(v: &[f32]) -> u32 {
     best as u32
 }
 
-/// Every entry within `2e-3 + 2e-3 * |reference|`; returns the largest absolute difference.
+fn close(a: f32, b: f32) -> bool {
+    (a - b).abs() <= 2e-3 + 2e-3 * b.abs()
+}
+
+/// Every entry within tolerance; returns the largest absolute difference.
 fn assert_close(ctx: &str, got: &[f32], want: &[f32]) -> f32 {
     assert_eq!(
         got.len(),
@@ -118,26 +166,37 @@ fn assert_close(ctx: &str, got: &[f32], want: &[f32]) -> f32 {
     );
     let mut max = 0f32;
     for (i, (&a, &b)) in got.iter().zip(want).enumerate() {
-        let d = (a - b).abs();
         assert!(
-            d <= 2e-3 + 2e-3 * b.abs(),
-            "{ctx}: logit {i} is {a}, reference {b} (diff {d})"
+            close(a, b),
+            "{ctx}: logit {i} is {a}, reference {b} (diff {})",
+            (a - b).abs()
         );
-        max = max.max(d);
+        max = max.max((a - b).abs());
     }
     max
 }
 
-fn assert_argmax(ctx: &str, got: &[f32], p: &Prompt, pos: usize) {
-    let (g, w) = (argmax(got), p.argmax[pos]);
-    if p.argmax_top2_gap[pos] >= TIE_GAP {
-        assert_eq!(
-            g, w,
-            "{ctx}: argmax at position {pos} is {g}, reference {w}"
-        );
-    } else if g != w {
-        eprintln!("{ctx}: position {pos}: argmax {g} vs reference {w} on a near-tie, not counted");
+fn assert_argmax_at(ctx: &str, got: &[f32], want: u32, gap: f32) {
+    let g = argmax(got);
+    if gap >= TIE_GAP {
+        assert_eq!(g, want, "{ctx}: argmax is {g}, reference {want}");
+    } else if g != want {
+        eprintln!("{ctx}: argmax {g} vs reference {want} on a near-tie (gap {gap}), not counted");
     }
+}
+
+fn assert_argmax(ctx: &str, got: &[f32], p: &Prompt, pos: usize) {
+    assert_argmax_at(
+        &format!("{ctx} position {pos}"),
+        got,
+        p.argmax[pos],
+        p.argmax_top2_gap[pos],
+    );
+}
+
+fn log_sum_exp(v: &[f32]) -> f32 {
+    let m = v.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    m + v.iter().map(|x| ((x - m) as f64).exp()).sum::<f64>().ln() as f32
 }
 
 /// Takes `n` block ids from `order`, starting at `*next`.
@@ -154,6 +213,7 @@ fn one(
     backend: &mut CpuBackend,
     tokens: &[u32],
     start_pos: usize,
+    context_len: usize,
     table: &[BlockId],
     want: bool,
 ) -> Option<Vec<f32>> {
@@ -161,6 +221,7 @@ fn one(
         seqs: vec![SeqInput {
             tokens,
             start_pos,
+            context_len,
             block_table: table,
             want_logits: want,
         }],
@@ -174,48 +235,80 @@ fn one(
     out.pop()
 }
 
-/// The forward pass alone: whole-prompt prefill, chunked prefill, token-by-token decode,
+/// kvmesh's RoPE tables against the ones transformers built.
+fn check_rope(ctx: &str, model: &LoadedModel, fx: &Fixture) {
+    let c = &model.config;
+    assert_eq!(
+        c.rope.scaling.type_name(),
+        fx.rope.rope_type,
+        "{ctx}: rope type"
+    );
+    let same = |what: &str, got: &[f32], want: &[f64]| {
+        assert_eq!(got.len(), want.len(), "{ctx}: {what} length");
+        for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+            assert!(
+                (g as f64 - w).abs() <= 2e-6 * w.abs(),
+                "{ctx}: {what}[{i}] is {g}, transformers has {w}"
+            );
+        }
+    };
+    same("inv_freq", &c.rope_inv_freq(), &fx.rope.inv_freq);
+    assert!(
+        (c.rope_attention_factor() - fx.rope.attention_scaling).abs() < 1e-6,
+        "{ctx}: attention factor {} vs transformers' {}",
+        c.rope_attention_factor(),
+        fx.rope.attention_scaling
+    );
+    for (len, want) in &fx.rope.inv_freq_at_length {
+        let n: usize = len.parse().expect("length");
+        same(
+            &format!("inv_freq at length {n}"),
+            &c.rope_inv_freq_for_len(n),
+            want,
+        );
+    }
+}
+
+/// The forward pass alone: whole-prompt prefill, chunked prefill, token-by-token prefill,
 /// and a two-sequence batch, each on a fresh backend so no stale cache can help.
-fn check_forward(model: &LoadedModel, fx: &Fixture) -> f32 {
+fn check_prompts(model: &LoadedModel, fx: &Fixture, ctx: &str) -> f32 {
     let mut worst = 0f32;
     for p in &fx.prompts {
-        let ctx = format!("{} {}", fx.model, p.name);
+        let ctx = format!("{ctx} {}", p.name);
         let n = p.ids.len();
         let table = blocks(&mut 0, n.div_ceil(BLOCK_SIZE));
 
         // One prefill over the shuffled block table.
         let mut be = backend(model, DIRECT_BLOCKS);
-        let got = one(&mut be, &p.ids, 0, &table, true).expect("logits");
+        let got = one(&mut be, &p.ids, 0, n, &table, true).expect("logits");
         let d = assert_close(&format!("{ctx} prefill"), &got, &p.last_logits);
         assert_argmax(&format!("{ctx} prefill"), &got, p, n - 1);
-        println!(
-            "{ctx}: prefill over blocks {:?}: max |logit diff| {d:.2e}",
-            table.iter().map(|b| b.0).collect::<Vec<_>>()
-        );
         worst = worst.max(d);
 
-        // Chunked prefill: logits only from the last chunk.
+        // Chunked prefill: logits only from the last chunk. Every chunk is told the prompt's
+        // length, as the engine tells it, so length-dependent RoPE rotates them alike.
         let mut be = backend(model, DIRECT_BLOCKS);
         let mut last = None;
         for start in (0..n).step_by(CHUNK) {
             let end = (start + CHUNK).min(n);
-            last = one(&mut be, &p.ids[start..end], start, &table, end == n);
+            last = one(&mut be, &p.ids[start..end], start, n, &table, end == n);
         }
         let got = last.expect("logits from the last chunk");
         let d = assert_close(&format!("{ctx} chunked prefill"), &got, &p.last_logits);
         assert_argmax(&format!("{ctx} chunked prefill"), &got, p, n - 1);
-        println!("{ctx}: chunked prefill ({CHUNK}-token chunks): max |logit diff| {d:.2e}");
         worst = worst.max(d);
 
-        // Token by token, as decode runs: the argmax at every position.
+        // Token by token: the argmax at every prompt position.
         let mut be = backend(model, DIRECT_BLOCKS);
         for pos in 0..n {
-            let got = one(&mut be, &p.ids[pos..pos + 1], pos, &table, true).expect("logits");
-            assert_argmax(&format!("{ctx} decode"), &got, p, pos);
+            let got = one(&mut be, &p.ids[pos..pos + 1], pos, n, &table, true).expect("logits");
+            assert_argmax(&format!("{ctx} token by token"), &got, p, pos);
             if pos == n - 1 {
-                let d = assert_close(&format!("{ctx} decode"), &got, &p.last_logits);
-                println!("{ctx}: token-by-token: argmax matches at all {n} positions, max |logit diff| {d:.2e}");
-                worst = worst.max(d);
+                worst = worst.max(assert_close(
+                    &format!("{ctx} token by token"),
+                    &got,
+                    &p.last_logits,
+                ));
             }
         }
     }
@@ -235,6 +328,7 @@ fn check_forward(model: &LoadedModel, fx: &Fixture) -> f32 {
             .map(|(p, t)| SeqInput {
                 tokens: &p.ids,
                 start_pos: 0,
+                context_len: p.ids.len(),
                 block_table: t,
                 want_logits: true,
             })
@@ -244,11 +338,54 @@ fn check_forward(model: &LoadedModel, fx: &Fixture) -> f32 {
     let out = be.forward(&batch).expect("batched forward");
     assert_eq!(out.len(), fx.prompts.len());
     for (p, got) in fx.prompts.iter().zip(&out) {
-        let ctx = format!("{} {} batched", fx.model, p.name);
-        let d = assert_close(&ctx, got, &p.last_logits);
+        let ctx = format!("{ctx} {} batched", p.name);
+        worst = worst.max(assert_close(&ctx, got, &p.last_logits));
         assert_argmax(&ctx, got, p, p.ids.len() - 1);
-        println!("{ctx}: max |logit diff| {d:.2e}");
-        worst = worst.max(d);
+    }
+    worst
+}
+
+/// The prompt and transformers' continuation fed token by token as generation feeds them
+/// (prompt tokens told the prompt's length, continuation tokens their own), checked at every
+/// position. Returns the largest difference seen.
+fn check_teacher_forced(model: &LoadedModel, fx: &Fixture, ctx: &str) -> f32 {
+    let mut worst = 0f32;
+    for p in &fx.prompts {
+        let ctx = format!("{ctx} {} teacher-forced", p.name);
+        let seq: Vec<u32> = p.ids.iter().chain(&p.greedy).copied().collect();
+        let positions = seq.len() - 1;
+        assert_eq!(p.steps.argmax.len(), positions, "{ctx}: fixture length");
+        let table = blocks(&mut 0, seq.len().div_ceil(BLOCK_SIZE));
+        let mut be = backend(model, DIRECT_BLOCKS);
+        for pos in 0..positions {
+            let context_len = (pos + 1).max(p.ids.len());
+            let got =
+                one(&mut be, &seq[pos..pos + 1], pos, context_len, &table, true).expect("logits");
+            let at = format!("{ctx} position {pos}");
+            for (&col, &want) in fx.columns.iter().zip(&p.steps.columns[pos]) {
+                assert!(
+                    close(got[col], want),
+                    "{at}: logit of token {col} is {}, transformers {want}",
+                    got[col]
+                );
+                worst = worst.max((got[col] - want).abs());
+            }
+            for (&id, &want) in p.steps.top_ids[pos].iter().zip(&p.steps.top_logits[pos]) {
+                assert!(
+                    close(got[id], want),
+                    "{at}: logit of top token {id} is {}, transformers {want}",
+                    got[id]
+                );
+                worst = worst.max((got[id] - want).abs());
+            }
+            let lse = log_sum_exp(&got);
+            assert!(
+                close(lse, p.steps.lse[pos]),
+                "{at}: log-sum-exp {lse}, transformers {}",
+                p.steps.lse[pos]
+            );
+            assert_argmax_at(&at, &got, p.steps.argmax[pos], p.steps.gap[pos]);
+        }
     }
     worst
 }
@@ -302,15 +439,34 @@ fn submit(h: &EngineHandle, p: &Prompt, new_tokens: usize) -> engine::Submission
     .expect("submit")
 }
 
+/// A greedy continuation against transformers': equal, or equal up to a position where the
+/// reference's best two logits were within `TIE_GAP` (after which the two may part).
+fn assert_greedy(ctx: &str, got: &[u32], p: &Prompt) {
+    for (k, (&g, &w)) in got.iter().zip(&p.greedy).enumerate() {
+        if g != w {
+            let gap = p.steps.gap[p.ids.len() - 1 + k];
+            assert!(
+                gap < TIE_GAP,
+                "{ctx}: token {k} is {g}, transformers chose {w} (their gap {gap}); \
+                 got {got:?}, want {:?}",
+                p.greedy
+            );
+            eprintln!("{ctx}: parts from transformers at token {k} on a near-tie (gap {gap})");
+            return;
+        }
+    }
+    assert_eq!(got.len(), p.greedy.len(), "{ctx}: length");
+}
+
 /// Greedy generation through the engine: every prompt at once first (one batch of
 /// different sequences), then each alone (the second run of a prompt reuses its cached
-/// prefix blocks).
-fn check_engine(model: &LoadedModel, fx: &Fixture) {
+/// prefix blocks, where the model allows it).
+fn check_engine(model: &LoadedModel, fx: &Fixture, ctx: &str) {
     let be = backend(model, 64);
     let h = engine::spawn(
         Box::new(be),
         EngineConfig {
-            max_model_len: 512,
+            max_model_len: model.config.max_context().min(512),
             block_size: BLOCK_SIZE,
             ..Default::default()
         },
@@ -323,25 +479,20 @@ fn check_engine(model: &LoadedModel, fx: &Fixture) {
         .map(|p| submit(&h, p, fx.new_tokens))
         .collect();
     for (p, sub) in fx.prompts.iter().zip(subs) {
-        let ctx = format!("{} {} engine (concurrent)", fx.model, p.name);
+        let ctx = format!("{ctx} {} engine (concurrent)", p.name);
         let (got, _) = drain(&ctx, sub, fx.new_tokens);
-        assert_eq!(
-            got, p.greedy,
-            "{ctx}: greedy continuation differs from transformers"
-        );
-        println!("{ctx}: {} greedy tokens match", got.len());
+        assert_greedy(&ctx, &got, p);
     }
     for p in &fx.prompts {
-        let ctx = format!("{} {} engine (alone)", fx.model, p.name);
+        let ctx = format!("{ctx} {} engine (alone)", p.name);
         let (got, cached) = drain(&ctx, submit(&h, p, fx.new_tokens), fx.new_tokens);
-        assert_eq!(
-            got, p.greedy,
-            "{ctx}: greedy continuation differs from transformers"
-        );
-        println!(
-            "{ctx}: {} greedy tokens match ({cached} prompt tokens from the prefix cache)",
-            got.len()
-        );
+        assert_greedy(&ctx, &got, p);
+        if model.config.rope_depends_on_length() {
+            assert_eq!(
+                cached, 0,
+                "{ctx}: dynamic RoPE must not reuse cached blocks"
+            );
+        }
     }
 }
 
@@ -352,33 +503,55 @@ fn check(dir: &str, name: &str) {
         "{name}: reference from transformers {} / torch {}",
         fx.transformers_version, fx.torch_version
     );
-    let model = load(&repo().join(dir), &fx);
-    let worst = check_forward(&model, &fx);
-    println!("{name}: max |logit diff| over all forward checks: {worst:.2e}");
-    check_engine(&model, &fx);
+    let dir = repo().join(dir);
+    let legacy = ModelWithConfig::new(&dir, &repo().join(&fx.legacy_config));
+    for (layout, path, want) in [
+        ("config.json", dir.as_path(), RopeLayout::Parameters),
+        ("legacy config", legacy.path.as_path(), RopeLayout::Legacy),
+    ] {
+        let ctx = format!("{name} ({layout})");
+        let model = load(path, &fx);
+        assert_eq!(model.config.rope.layout, want, "{ctx}: layout read");
+        check_rope(&ctx, &model, &fx);
+        let a = check_prompts(&model, &fx, &ctx);
+        let b = check_teacher_forced(&model, &fx, &ctx);
+        check_engine(&model, &fx, &ctx);
+        println!(
+            "{ctx}: rope {} matches; prompts max |diff| {a:.2e}; {} teacher-forced positions \
+             max |diff| {b:.2e}; engine greedy matches",
+            fx.rope.rope_type,
+            fx.prompts
+                .iter()
+                .map(|p| p.steps.argmax.len())
+                .sum::<usize>()
+        );
+    }
 }
 
-#[test]
-fn tiny_llama_matches_transformers() {
-    check("tests/fixtures/models/tiny-llama", "tiny-llama");
+macro_rules! reference_tests {
+    ($($test:ident: $dir:literal,)*) => {$(
+        #[test]
+        fn $test() {
+            let dir: &str = $dir;
+            let name = dir.rsplit('/').next().expect("name");
+            check(dir, name);
+        }
+    )*};
 }
 
-#[test]
-fn tiny_qwen2_matches_transformers() {
-    check("tests/fixtures/models/tiny-qwen2", "tiny-qwen2");
-}
-
-#[test]
-fn tiny_qwen3_matches_transformers() {
-    check("tests/fixtures/models/tiny-qwen3", "tiny-qwen3");
-}
-
-#[test]
-fn tiny_mistral_matches_transformers() {
-    check("tests/fixtures/models/tiny-mistral", "tiny-mistral");
-}
-
-#[test]
-fn shakespeare_matches_transformers() {
-    check("models/shakespeare", "shakespeare");
+reference_tests! {
+    hf_llama_llama3_f32: "tests/fixtures/models/hf-llama-llama3-f32",
+    hf_llama_linear_bias_bf16: "tests/fixtures/models/hf-llama-linear-bias-bf16",
+    hf_llama_dynamic_f32: "tests/fixtures/models/hf-llama-dynamic-f32",
+    hf_qwen2_bf16: "tests/fixtures/models/hf-qwen2-bf16",
+    hf_qwen2_yarn_window_f32: "tests/fixtures/models/hf-qwen2-yarn-window-f32",
+    hf_qwen3_yarn_bf16: "tests/fixtures/models/hf-qwen3-yarn-bf16",
+    hf_qwen3_bias_f32: "tests/fixtures/models/hf-qwen3-bias-f32",
+    hf_mistral_window_f32: "tests/fixtures/models/hf-mistral-window-f32",
+    hf_mistral_bf16: "tests/fixtures/models/hf-mistral-bf16",
+    tiny_llama: "tests/fixtures/models/tiny-llama",
+    tiny_qwen2: "tests/fixtures/models/tiny-qwen2",
+    tiny_qwen3: "tests/fixtures/models/tiny-qwen3",
+    tiny_mistral: "tests/fixtures/models/tiny-mistral",
+    shakespeare: "models/shakespeare",
 }

@@ -152,3 +152,40 @@ pub fn text_of(v: &Value) -> String {
         .expect("text")
         .to_string()
 }
+
+/// A model folder seen through another config.json: a temporary folder with links to every
+/// file of `dir` but its config, and `config` in its place. Removed on drop.
+pub struct ModelWithConfig {
+    pub path: std::path::PathBuf,
+}
+
+impl ModelWithConfig {
+    pub fn new(dir: &std::path::Path, config: &std::path::Path) -> ModelWithConfig {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        static NEXT: AtomicUsize = AtomicUsize::new(0);
+        let name = dir.file_name().expect("folder name").to_string_lossy();
+        let path = std::env::temp_dir().join(format!(
+            "kvmesh-test-{}-{}/{name}",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        ));
+        std::fs::create_dir_all(&path).expect("create temp model folder");
+        for e in std::fs::read_dir(dir).expect("read model folder") {
+            let e = e.expect("entry");
+            if e.file_name() != "config.json" {
+                let src = std::fs::canonicalize(e.path()).expect("canonical path");
+                std::os::unix::fs::symlink(src, path.join(e.file_name())).expect("link");
+            }
+        }
+        std::fs::copy(config, path.join("config.json")).expect("copy config");
+        ModelWithConfig { path }
+    }
+}
+
+impl Drop for ModelWithConfig {
+    fn drop(&mut self) {
+        if let Some(parent) = self.path.parent() {
+            let _ = std::fs::remove_dir_all(parent);
+        }
+    }
+}
