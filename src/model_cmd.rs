@@ -289,7 +289,9 @@ fn inspect(m: &LoadedModel, dir: Option<&std::path::Path>) -> Value {
 
 /// An f32 as JSON through its shortest decimal form (1e-5, not 9.999999747378752e-6).
 fn shortest(x: f32) -> Value {
-    x.to_string().parse::<f64>().map_or(Value::Null, Value::from)
+    x.to_string()
+        .parse::<f64>()
+        .map_or(Value::Null, Value::from)
 }
 
 fn render(r: &Value) -> String {

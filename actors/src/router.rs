@@ -16,7 +16,9 @@ use kvmesh_discovery::{Membership, NodeRecord};
 use kvmesh_gpu::engine::{FinishReason, Request, SeqEvent, SeqId, Submission};
 use kvmesh_gpu::kv_cache::block_hashes;
 use kvmesh_gpu::sampler::Sampled;
-use kvmesh_transport::wire::{self, Finish, GenerateRequest, LoadReport, TokenEvent};
+use kvmesh_transport::wire::{
+    self, Finish, GenerateRequest, LoadReport, StreamRequest, TokenEvent, UniHeader,
+};
 use kvmesh_transport::{Connection, NodeEndpoint};
 use parking_lot::{Mutex, RwLock};
 use tokio::sync::mpsc;
@@ -467,6 +469,14 @@ async fn read_reports(link: Arc<WorkerLink>, conn: Connection) {
     while let Ok(mut recv) = conn.accept_uni().await {
         let link = link.clone();
         tokio::spawn(async move {
+            match wire::read_msg::<UniHeader>(&mut recv).await {
+                Ok(Some(UniHeader::Load)) => {}
+                _ => {
+                    // Not a load stream (nothing else is sent to a router).
+                    let _ = recv.stop(0u32.into());
+                    return;
+                }
+            }
             while let Ok(Some(r)) = wire::read_msg::<LoadReport>(&mut recv).await {
                 *link.report.lock() = Some((r, Instant::now()));
             }
@@ -486,7 +496,7 @@ async fn stream_from(
         Ok(s) => s,
         Err(e) => return Outcome::NotStarted(e.to_string()),
     };
-    if let Err(e) = wire::write_msg(&mut send, req).await {
+    if let Err(e) = wire::write_msg(&mut send, &StreamRequest::Generate(req.clone())).await {
         return Outcome::NotStarted(e.to_string());
     }
     let _ = send.finish();

@@ -11,7 +11,9 @@ use std::time::{Duration, Instant};
 use kvmesh_gpu::engine::{EngineHandle, FinishReason, Request, SeqEvent};
 use kvmesh_gpu::error::EngineError;
 use kvmesh_gpu::sampler::SamplingParams;
-use kvmesh_transport::wire::{self, Finish, GenerateRequest, LoadReport, TokenEvent, TopLogprob};
+use kvmesh_transport::wire::{
+    self, Finish, GenerateRequest, LoadReport, StreamRequest, TokenEvent, TopLogprob, UniHeader,
+};
 use kvmesh_transport::{peer_fingerprint, Connection, NodeEndpoint};
 use parking_lot::Mutex;
 
@@ -161,7 +163,18 @@ impl WorkerCore {
 
     async fn serve_request(&self, mut send: wire_send::Send, mut recv: wire_send::Recv) {
         let req: GenerateRequest = match wire::read_msg(&mut recv).await {
-            Ok(Some(r)) => r,
+            Ok(Some(StreamRequest::Generate(r))) => r,
+            Ok(Some(StreamRequest::Prefill(_))) => {
+                let _ = wire::write_msg(
+                    &mut send,
+                    &TokenEvent::Rejected {
+                        message: "this worker does not take prefill requests".into(),
+                        retryable: false,
+                    },
+                )
+                .await;
+                return;
+            }
             Ok(None) => return,
             Err(e) => {
                 let _ = wire::write_msg(
@@ -270,6 +283,9 @@ async fn report_load(core: Arc<WorkerCore>, conn: Connection) {
     let Ok(mut send) = conn.open_uni().await else {
         return;
     };
+    if wire::write_msg(&mut send, &UniHeader::Load).await.is_err() {
+        return;
+    }
     let mut tick = tokio::time::interval(LOAD_REPORT_INTERVAL);
     loop {
         tick.tick().await;

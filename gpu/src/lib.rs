@@ -7,6 +7,7 @@ pub mod engine;
 pub mod error;
 pub mod init;
 pub mod kv_cache;
+pub mod kv_pool;
 pub mod model;
 pub mod safetensors;
 pub mod sampler;

@@ -9,6 +9,7 @@ use crate::backend::sim::SimBackend;
 use crate::backend::Backend;
 use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
+use crate::kv_pool::{KvDtype, KvSpec};
 use crate::safetensors::WeightStore;
 use crate::tokenizer::{TextTokenizer, TokenizerFiles};
 
@@ -248,7 +249,14 @@ pub fn build_backend(
         )),
         BackendKind::Sim(timing) => {
             // Budgeted as a GPU would hold it: bf16 K and V for every layer.
-            let per_block = CpuBackend::kv_bytes_per_block(&model.config, block_size) / 2;
+            let spec = KvSpec {
+                num_layers: model.config.num_layers,
+                block_size,
+                num_kv_heads: model.config.num_kv_heads,
+                head_dim: model.config.head_dim,
+                dtype: KvDtype::Bf16,
+            };
+            let per_block = spec.bytes_per_token() * block_size;
             let blocks = match kv {
                 KvBudget::Blocks(n) => n,
                 KvBudget::Bytes(b) => (b / per_block).max(1),
@@ -264,11 +272,12 @@ pub fn build_backend(
             let span = model.tokenizer.vocab_size().min(model.config.vocab_size);
             Ok(Box::new(SimBackend::new(
                 timing,
+                spec,
                 blocks,
                 model.config.vocab_size,
                 span,
                 avoid,
-            )))
+            )?))
         }
     }
 }

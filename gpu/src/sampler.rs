@@ -68,6 +68,16 @@ impl Rng {
         )
     }
 
+    /// The generator's state, so another process can continue the same sequence (a decode
+    /// worker taking over from the prefill worker that drew a request's first token).
+    pub fn state(&self) -> [u64; 4] {
+        self.s
+    }
+
+    pub fn from_state(s: [u64; 4]) -> Rng {
+        Rng { s }
+    }
+
     pub fn next_u64(&mut self) -> u64 {
         let r = self.s[1].wrapping_mul(5).rotate_left(7).wrapping_mul(9);
         let t = self.s[1] << 17;

@@ -6,6 +6,7 @@
 //! without closing (SIGKILL, a pulled cable) breaks its connection within a few seconds,
 //! before its registry lease (the backstop) expires.
 
+pub mod kv;
 pub mod tls;
 pub mod wire;
 
@@ -56,15 +57,33 @@ impl From<quinn::ReadError> for TransportError {
     }
 }
 
+/// Window sizes for KV transfers: a layer's piece of a long prompt is megabytes, and the
+/// defaults (a 1.25 MB stream window) would stall each stream once per window per round
+/// trip. 16 MiB per stream and 64 MiB per connection keep several streams busy at once on a
+/// fast link; memory is only used while data is in flight.
+const STREAM_WINDOW: u32 = 16 << 20;
+const CONNECTION_WINDOW: u32 = 64 << 20;
+
 fn transport_config() -> Arc<quinn::TransportConfig> {
     let mut t = quinn::TransportConfig::default();
     t.keep_alive_interval(Some(Duration::from_millis(500)));
     t.max_idle_timeout(Some(
         quinn::IdleTimeout::try_from(Duration::from_secs(3)).expect("3 s is a valid idle timeout"),
     ));
-    // One stream per in-flight request: allow many at once.
+    // One stream per in-flight request: allow many at once; KV transfers use a few
+    // unidirectional streams each.
     t.max_concurrent_bidi_streams(16_384u32.into());
-    t.max_concurrent_uni_streams(64u32.into());
+    t.max_concurrent_uni_streams(4_096u32.into());
+    t.stream_receive_window(STREAM_WINDOW.into());
+    t.receive_window(CONNECTION_WINDOW.into());
+    t.send_window(CONNECTION_WINDOW as u64);
+    // Inside a data centre round trips are short: start from a small estimate so the first
+    // bulk transfer is not paced for a WAN, and grow the congestion window with BBR, which
+    // does not wait for loss to find the link's rate.
+    t.initial_rtt(Duration::from_millis(1));
+    t.congestion_controller_factory(Arc::new(quinn::congestion::BbrConfig::default()));
+    // Large UDP sends through GSO where the kernel offers it (quinn checks at run time).
+    t.enable_segmentation_offload(true);
     Arc::new(t)
 }
 

@@ -60,6 +60,25 @@ pub enum TokenEvent {
     Failed { message: String },
 }
 
+/// The first message on a bidirectional stream to a worker.
+#[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Clone, Debug, PartialEq)]
+pub enum StreamRequest {
+    /// A router's request to generate; answered with [`TokenEvent`]s.
+    Generate(GenerateRequest),
+    /// A decode worker's request to prefill into its blocks; answered with
+    /// [`crate::kv::PrefillEvent`]s, the KV itself on data streams.
+    Prefill(crate::kv::PrefillRequest),
+}
+
+/// The first message on a unidirectional stream, saying what it carries.
+#[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Clone, Debug, PartialEq)]
+pub enum UniHeader {
+    /// [`LoadReport`]s, from a worker to a router.
+    Load,
+    /// A KV transfer's data (see [`crate::kv`]).
+    Kv(crate::kv::KvStreamHello),
+}
+
 /// A worker's live load, pushed to every router connected to it.
 #[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Clone, Debug, Default, PartialEq)]
 pub struct LoadReport {
@@ -111,11 +130,70 @@ where
         >,
     >,
 {
+    send.write_all(&frame(msg)?)
+        .await
+        .map_err(TransportError::from)
+}
+
+/// A message as a frame: its length, then its archive.
+pub fn frame<T>(msg: &T) -> Result<Vec<u8>, TransportError>
+where
+    T: for<'a> rkyv::Serialize<
+        rkyv::api::high::HighSerializer<
+            AlignedVec,
+            rkyv::ser::allocator::ArenaHandle<'a>,
+            rancor::Error,
+        >,
+    >,
+{
     let body = encode(msg)?;
     let mut frame = Vec::with_capacity(4 + body.len());
     frame.extend_from_slice(&(body.len() as u32).to_le_bytes());
     frame.extend_from_slice(&body);
-    send.write_all(&frame).await.map_err(TransportError::from)
+    Ok(frame)
+}
+
+/// Reads one frame from any byte stream (TCP, or a QUIC stream through tokio's traits);
+/// `Ok(None)` when the stream ended cleanly between frames.
+pub async fn read_frame<T, R>(r: &mut R) -> Result<Option<T>, TransportError>
+where
+    R: tokio::io::AsyncRead + Unpin,
+    T: rkyv::Archive,
+    T::Archived: for<'a> rkyv::bytecheck::CheckBytes<rkyv::api::high::HighValidator<'a, rancor::Error>>
+        + rkyv::Deserialize<T, rkyv::api::high::HighDeserializer<rancor::Error>>,
+{
+    use tokio::io::AsyncReadExt;
+    let io = |e: std::io::Error| TransportError::Stream(e.to_string());
+    let mut len = [0u8; 4];
+    let mut got = 0;
+    while got < 4 {
+        let n = r.read(&mut len[got..]).await.map_err(io)?;
+        if n == 0 {
+            return if got == 0 {
+                Ok(None)
+            } else {
+                Err(TransportError::Codec(
+                    "the stream ended inside a frame header".into(),
+                ))
+            };
+        }
+        got += n;
+    }
+    let n = u32::from_le_bytes(len) as usize;
+    if n > MAX_FRAME {
+        return Err(TransportError::Codec(format!(
+            "a {n}-byte frame is over the {MAX_FRAME}-byte limit"
+        )));
+    }
+    let mut body = AlignedVec::<16>::with_capacity(n);
+    body.resize(n, 0);
+    r.read_exact(&mut body).await.map_err(|e| match e.kind() {
+        std::io::ErrorKind::UnexpectedEof => {
+            TransportError::Codec("the stream ended inside a frame".into())
+        }
+        _ => io(e),
+    })?;
+    decode(&body).map(Some)
 }
 
 /// Reads one frame; `Ok(None)` when the peer finished the stream cleanly between frames.

@@ -11,8 +11,11 @@ pub mod cpu;
 pub mod cuda;
 pub mod sim;
 
+use std::sync::Arc;
+
 use crate::error::Result;
 use crate::kv_cache::BlockId;
+use crate::kv_pool::{HostKvPool, KvSpec};
 use crate::sampler::{sample, Rng, Sampled, SamplingParams};
 
 /// One sequence's share of a step.
@@ -75,10 +78,43 @@ pub trait Backend: Send {
         specs: &mut [SampleSpec],
     ) -> Result<Vec<Sampled>> {
         let logits = self.forward(batch)?;
-        Ok(logits
-            .iter()
-            .zip(specs.iter_mut())
-            .map(|(l, s)| sample(l, s.params, s.rng))
-            .collect())
+        Ok(sample_all(&logits, specs))
     }
+
+    /// The shape and element type of the KV cache; `None` for a backend that cannot say.
+    fn kv_spec(&self) -> Option<KvSpec> {
+        None
+    }
+
+    /// The KV pool, when it lives in host memory where a transfer can read and write blocks
+    /// directly while the engine runs (`cpu`, `sim`). `None`: this backend cannot take part
+    /// in KV transfers.
+    fn host_kv(&self) -> Option<Arc<HostKvPool>> {
+        None
+    }
+
+    /// Like `forward_sample`, and calls `kv_ready(layer)` once that layer's K and V of every
+    /// token in the batch are in the cache, so a transfer can send a layer while the next
+    /// ones compute. This default reports every layer after the whole step.
+    fn forward_sample_streaming(
+        &mut self,
+        batch: &ForwardBatch,
+        specs: &mut [SampleSpec],
+        kv_ready: &(dyn Fn(usize) + Sync),
+    ) -> Result<Vec<Sampled>> {
+        let out = self.forward_sample(batch, specs)?;
+        for layer in 0..self.kv_spec().map_or(0, |s| s.num_layers) {
+            kv_ready(layer);
+        }
+        Ok(out)
+    }
+}
+
+/// Samples one token per row of logits.
+pub(crate) fn sample_all(logits: &[Vec<f32>], specs: &mut [SampleSpec]) -> Vec<Sampled> {
+    logits
+        .iter()
+        .zip(specs.iter_mut())
+        .map(|(l, s)| sample(l, s.params, s.rng))
+        .collect()
 }

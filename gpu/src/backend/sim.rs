@@ -5,11 +5,17 @@
 //! It lets routing, batching and cluster behaviour be tested and benchmarked at scale on a
 //! machine without a GPU: the engine, scheduler, KV block budget and prefix cache are the
 //! real ones; only the forward pass is modelled.
+//!
+//! The KV cache is real memory of the size the model's shape needs (bf16, as a GPU holds
+//! it), though nothing is computed into it: KV transfers move the bytes a real model would
+//! move, so their sizes and times are what a real deployment sees.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use super::{Backend, ForwardBatch, SampleSpec};
 use crate::error::Result;
+use crate::kv_pool::{HostKvPool, KvSpec};
 use crate::sampler::Sampled;
 
 /// How long a step takes, at speed 1.
@@ -59,7 +65,7 @@ impl SimTiming {
 
 pub struct SimBackend {
     timing: SimTiming,
-    num_blocks: usize,
+    kv: Arc<HostKvPool>,
     vocab: usize,
     /// Ids never produced (eos and other special tokens), so sequences run to max_tokens.
     avoid: Vec<u32>,
@@ -68,22 +74,24 @@ pub struct SimBackend {
 }
 
 impl SimBackend {
-    /// `vocab` is the model's; `span` (at most `vocab`) the ids outputs are drawn from.
+    /// `vocab` is the model's; `span` (at most `vocab`) the ids outputs are drawn from;
+    /// `kv` the cache's shape (its memory is allocated, zeroed, and resident once written).
     pub fn new(
         timing: SimTiming,
+        kv: KvSpec,
         num_blocks: usize,
         vocab: usize,
         span: usize,
         avoid: Vec<u32>,
-    ) -> SimBackend {
+    ) -> Result<SimBackend> {
         let span = span.clamp(1, vocab.max(1)) as u32;
-        SimBackend {
+        Ok(SimBackend {
             timing,
-            num_blocks,
+            kv: Arc::new(HostKvPool::new(kv, num_blocks)?),
             vocab,
             avoid,
             span,
-        }
+        })
     }
 
     /// The token that follows `last` at position `pos`.
@@ -101,7 +109,9 @@ impl SimBackend {
         t
     }
 
-    fn run(&self, batch: &ForwardBatch) -> Vec<u32> {
+    /// Sleeps the step's modelled time, split evenly over the layers when `kv_ready` wants
+    /// to hear of each layer (so a transfer overlaps the rest of the step, as on a device).
+    fn run(&self, batch: &ForwardBatch, kv_ready: Option<&(dyn Fn(usize) + Sync)>) -> Vec<u32> {
         let decode = batch
             .seqs
             .iter()
@@ -109,8 +119,19 @@ impl SimBackend {
             .count();
         let prefill = batch.num_tokens() - decode;
         let t = self.timing.step(prefill, decode);
-        if !t.is_zero() {
-            std::thread::sleep(t);
+        match kv_ready {
+            Some(ready) => {
+                let layers = self.kv.spec().num_layers.max(1);
+                let per_layer = t / layers as u32;
+                for layer in 0..layers {
+                    if !per_layer.is_zero() {
+                        std::thread::sleep(per_layer);
+                    }
+                    ready(layer);
+                }
+            }
+            None if !t.is_zero() => std::thread::sleep(t),
+            None => {}
         }
         batch
             .seqs
@@ -124,6 +145,17 @@ impl SimBackend {
             })
             .collect()
     }
+
+    fn sampled(tokens: Vec<u32>) -> Vec<Sampled> {
+        tokens
+            .into_iter()
+            .map(|token| Sampled {
+                token,
+                logprob: 0.0,
+                top: Vec::new(),
+            })
+            .collect()
+    }
 }
 
 impl Backend for SimBackend {
@@ -132,12 +164,20 @@ impl Backend for SimBackend {
     }
 
     fn num_blocks(&self) -> usize {
-        self.num_blocks
+        self.kv.num_blocks()
+    }
+
+    fn kv_spec(&self) -> Option<KvSpec> {
+        Some(self.kv.spec().clone())
+    }
+
+    fn host_kv(&self) -> Option<Arc<HostKvPool>> {
+        Some(self.kv.clone())
     }
 
     fn forward(&mut self, batch: &ForwardBatch) -> Result<Vec<Vec<f32>>> {
         Ok(self
-            .run(batch)
+            .run(batch, None)
             .into_iter()
             .map(|t| {
                 let mut l = vec![0f32; self.vocab];
@@ -153,15 +193,16 @@ impl Backend for SimBackend {
         batch: &ForwardBatch,
         _specs: &mut [SampleSpec],
     ) -> Result<Vec<Sampled>> {
-        Ok(self
-            .run(batch)
-            .into_iter()
-            .map(|token| Sampled {
-                token,
-                logprob: 0.0,
-                top: Vec::new(),
-            })
-            .collect())
+        Ok(Self::sampled(self.run(batch, None)))
+    }
+
+    fn forward_sample_streaming(
+        &mut self,
+        batch: &ForwardBatch,
+        _specs: &mut [SampleSpec],
+        kv_ready: &(dyn Fn(usize) + Sync),
+    ) -> Result<Vec<Sampled>> {
+        Ok(Self::sampled(self.run(batch, Some(kv_ready))))
     }
 }
 
@@ -185,7 +226,14 @@ mod tests {
 
     #[test]
     fn tokens_are_deterministic_and_skip_special_ids() {
-        let b = SimBackend::new(SimTiming::zero(), 8, 120, 100, vec![0, 1, 2, 3]);
+        let spec = KvSpec {
+            num_layers: 2,
+            block_size: 4,
+            num_kv_heads: 1,
+            head_dim: 8,
+            dtype: crate::kv_pool::KvDtype::Bf16,
+        };
+        let b = SimBackend::new(SimTiming::zero(), spec, 8, 120, 100, vec![0, 1, 2, 3]).unwrap();
         for last in 0..50 {
             for pos in 0..50 {
                 let t = b.next_token(last, pos);

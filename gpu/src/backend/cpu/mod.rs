@@ -10,10 +10,14 @@ use rayon::prelude::*;
 
 pub use ops::{Linear, Matrix};
 
-use super::{Backend, ForwardBatch};
+use std::sync::Arc;
+
+use super::{sample_all, Backend, ForwardBatch, SampleSpec};
 use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
+use crate::kv_pool::{HostKvPool, KvDtype, KvSpec};
 use crate::safetensors::WeightStore;
+use crate::sampler::Sampled;
 
 struct Layer {
     input_layernorm: Vec<f32>,
@@ -179,54 +183,34 @@ impl CpuModel {
     }
 }
 
-/// The KV pool: per layer, `[num_blocks, block_size, num_kv_heads, head_dim]` for K and V.
-struct KvPool {
-    k: Vec<Vec<f32>>,
-    v: Vec<Vec<f32>>,
-    block_size: usize,
-    num_blocks: usize,
-}
-
 pub struct CpuBackend {
     model: CpuModel,
-    kv: KvPool,
+    /// K and V in f32, shared with KV transfers (see `kv_pool` for who may touch what).
+    kv: Arc<HostKvPool>,
 }
 
 impl CpuBackend {
     pub fn new(model: CpuModel, num_blocks: usize, block_size: usize) -> Result<CpuBackend> {
-        let per_layer = num_blocks * block_size * model.cfg.kv_dim();
-        let mut k = Vec::new();
-        let mut v = Vec::new();
-        for _ in 0..model.cfg.num_layers {
-            let mut kl = Vec::new();
-            let mut vl = Vec::new();
-            if kl.try_reserve_exact(per_layer).is_err() || vl.try_reserve_exact(per_layer).is_err()
-            {
-                return Err(EngineError::Backend(format!(
-                    "cannot allocate a KV cache of {num_blocks} blocks ({:.2} GiB); ask for fewer",
-                    Self::kv_bytes_per_block(&model.cfg, block_size) as f64 * num_blocks as f64
-                        / (1u64 << 30) as f64
-                )));
-            }
-            kl.resize(per_layer, 0.0);
-            vl.resize(per_layer, 0.0);
-            k.push(kl);
-            v.push(vl);
-        }
+        let kv = HostKvPool::new(Self::kv_spec_for(&model.cfg, block_size), num_blocks)?;
         Ok(CpuBackend {
             model,
-            kv: KvPool {
-                k,
-                v,
-                block_size,
-                num_blocks,
-            },
+            kv: Arc::new(kv),
         })
+    }
+
+    fn kv_spec_for(cfg: &ModelConfig, block_size: usize) -> KvSpec {
+        KvSpec {
+            num_layers: cfg.num_layers,
+            block_size,
+            num_kv_heads: cfg.num_kv_heads,
+            head_dim: cfg.head_dim,
+            dtype: KvDtype::F32,
+        }
     }
 
     /// Memory one block takes across all layers (K and V, f32).
     pub fn kv_bytes_per_block(cfg: &ModelConfig, block_size: usize) -> usize {
-        2 * cfg.num_layers * block_size * cfg.kv_dim() * 4
+        Self::kv_spec_for(cfg, block_size).bytes_per_token() * block_size
     }
 
     pub fn model(&self) -> &CpuModel {
@@ -247,7 +231,15 @@ impl Backend for CpuBackend {
     }
 
     fn num_blocks(&self) -> usize {
-        self.kv.num_blocks
+        self.kv.num_blocks()
+    }
+
+    fn kv_spec(&self) -> Option<KvSpec> {
+        Some(self.kv.spec().clone())
+    }
+
+    fn host_kv(&self) -> Option<Arc<HostKvPool>> {
+        Some(self.kv.clone())
     }
 
     fn kv_depends_on_context(&self) -> bool {
@@ -255,11 +247,33 @@ impl Backend for CpuBackend {
     }
 
     fn forward(&mut self, batch: &ForwardBatch) -> Result<Vec<Vec<f32>>> {
+        self.run(batch, None)
+    }
+
+    fn forward_sample_streaming(
+        &mut self,
+        batch: &ForwardBatch,
+        specs: &mut [SampleSpec],
+        kv_ready: &(dyn Fn(usize) + Sync),
+    ) -> Result<Vec<Sampled>> {
+        let logits = self.run(batch, Some(kv_ready))?;
+        Ok(sample_all(&logits, specs))
+    }
+}
+
+impl CpuBackend {
+    /// The forward pass; `kv_ready(layer)` is called as soon as each layer's K and V of the
+    /// whole batch are in the cache.
+    fn run(
+        &mut self,
+        batch: &ForwardBatch,
+        kv_ready: Option<&(dyn Fn(usize) + Sync)>,
+    ) -> Result<Vec<Vec<f32>>> {
         let cfg = &self.model.cfg;
         let (h, d) = (cfg.hidden_size, cfg.head_dim);
         let (nq, nkv) = (cfg.num_heads, cfg.num_kv_heads);
         let (qd, kvd) = (cfg.q_dim(), cfg.kv_dim());
-        let bs = self.kv.block_size;
+        let bs = self.kv.spec().block_size;
         let t = batch.num_tokens();
         if t == 0 {
             return Ok(Vec::new());
@@ -269,6 +283,8 @@ impl Backend for CpuBackend {
         let mut slots = Vec::with_capacity(t);
         let mut tokens = Vec::with_capacity(t);
         for (si, s) in batch.seqs.iter().enumerate() {
+            // Raw slot access below relies on every block being in the pool.
+            self.kv.check_table(s.block_table)?;
             for (j, &tok) in s.tokens.iter().enumerate() {
                 if tok as usize >= cfg.vocab_size {
                     return Err(EngineError::InvalidRequest(format!(
@@ -341,16 +357,23 @@ impl Backend for CpuBackend {
                     ops::rope(head, c, s);
                 }
             });
-            let (kc, vc) = (&mut self.kv.k[li], &mut self.kv.v[li]);
+            // SAFETY: an f32 pool; this step writes only the slots of the positions it
+            // computes and reads only blocks of sequences in its batch, which the engine
+            // gives to no one else meanwhile (see `kv_pool`).
+            let cache = unsafe { self.kv.f32_layer(li) };
             for (i, ts) in slots.iter().enumerate() {
                 let r = &qkv[i * row..(i + 1) * row];
-                kc[ts.slot * kvd..(ts.slot + 1) * kvd].copy_from_slice(&r[qd..qd + kvd]);
-                vc[ts.slot * kvd..(ts.slot + 1) * kvd].copy_from_slice(&r[qd + kvd..]);
+                // SAFETY: as above.
+                unsafe { cache.write(ts.slot, &r[qd..qd + kvd], &r[qd + kvd..]) };
+            }
+            // This layer's K and V of every token in the step are final: a transfer may send
+            // them while the remaining layers compute.
+            if let Some(notify) = kv_ready {
+                notify(li);
             }
 
             // Attention: each (token, head) over the sequence's positions up to its own, or,
             // in a layer with a sliding window, over the last `window` of them.
-            let (kc, vc) = (&self.kv.k[li], &self.kv.v[li]);
             let window = cfg.layer_window(li);
             let mut attn = vec![0f32; t * qd];
             attn.par_chunks_mut(d).enumerate().for_each(|(idx, out)| {
@@ -365,8 +388,9 @@ impl Backend for CpuBackend {
                 let mut max = f32::NEG_INFINITY;
                 for p in lo..n {
                     let slot = table[p / bs].0 as usize * bs + p % bs;
-                    let kv_off = slot * kvd + g * d;
-                    let s = ops::dot(q, &kc[kv_off..kv_off + d]) * scale;
+                    // SAFETY: the sequence's own computed positions (see above).
+                    let k = unsafe { cache.k(slot, g * d, d) };
+                    let s = ops::dot(q, k) * scale;
                     max = max.max(s);
                     scores.push(s);
                 }
@@ -378,8 +402,8 @@ impl Backend for CpuBackend {
                 let inv = 1.0 / sum;
                 for (p, &s) in (lo..n).zip(&scores) {
                     let slot = table[p / bs].0 as usize * bs + p % bs;
-                    let kv_off = slot * kvd + g * d;
-                    ops::axpy(out, s * inv, &vc[kv_off..kv_off + d]);
+                    // SAFETY: as for K.
+                    ops::axpy(out, s * inv, unsafe { cache.v(slot, g * d, d) });
                 }
             });
             let o = layer.o_proj.forward(&attn, t);

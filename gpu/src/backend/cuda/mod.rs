@@ -1429,6 +1429,19 @@ impl Backend for CudaBackend {
         self.num_blocks
     }
 
+    /// bf16 K and V in device memory. There is no host view of it (`host_kv` is `None`), so
+    /// this backend does not take part in KV transfers yet: requests that ask for one are
+    /// refused with a message and the decode side prefills locally.
+    fn kv_spec(&self) -> Option<crate::kv_pool::KvSpec> {
+        Some(crate::kv_pool::KvSpec {
+            num_layers: self.cfg.num_layers,
+            block_size: self.block_size,
+            num_kv_heads: self.cfg.num_kv_heads,
+            head_dim: self.cfg.head_dim,
+            dtype: crate::kv_pool::KvDtype::Bf16,
+        })
+    }
+
     fn forward(&mut self, batch: &ForwardBatch) -> Result<Vec<Vec<f32>>> {
         let n = self.run(batch)?;
         if n == 0 {

@@ -7,17 +7,31 @@
 //! blocks allow. When blocks run out, the latest-arrived running sequence is preempted: its
 //! blocks are freed and it goes back to the head of the queue to be recomputed (its full
 //! blocks stay in the prefix cache, so the recompute is mostly a cache hit).
+//!
+//! Disaggregated requests (see [`lease`]) take two other paths through the same scheduler.
+//! A decode worker's remote-prefill sequence is admitted by reserving blocks for its whole
+//! prompt and lending them to a transfer; it waits, in no batch, until the KV has landed
+//! (it then decodes) or the transfer gave up (it then prefills here). A prefill worker's
+//! export sequence reserves its whole prompt at admission too, is never preempted, and
+//! reports each layer as it is computed so the transfer overlaps the rest of the step.
 
-use std::collections::VecDeque;
+mod lease;
+#[cfg(test)]
+mod transfer_tests;
+
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
+
+pub use lease::{ExportEvent, KvLease, Landed};
 
 use crate::backend::{Backend, ForwardBatch, SampleSpec, SeqInput};
 use crate::error::{EngineError, Result};
 use crate::kv_cache::{block_hashes, BlockHash, BlockId, BlockManager};
+use crate::kv_pool::{HostKvPool, KvSpec};
 use crate::sampler::{Rng, Sampled, SamplingParams};
 
 /// Identifies a request inside the engine.
@@ -96,6 +110,10 @@ pub struct EngineStats {
     pub busy_us: AtomicU64,
     pub prompt_tokens: AtomicU64,
     pub generation_tokens: AtomicU64,
+    /// Sequences holding reserved blocks while their prompt's KV arrives from elsewhere.
+    pub awaiting_kv: AtomicUsize,
+    /// Blocks of finished sequences still lent to a transfer.
+    pub held_blocks: AtomicUsize,
 }
 
 /// What a gateway needs to know about an engine.
@@ -106,6 +124,10 @@ pub struct EngineInfo {
     pub config: EngineConfig,
     pub eos_ids: Vec<u32>,
     pub vocab_size: usize,
+    /// The KV cache's shape, when the backend can say.
+    pub kv_spec: Option<KvSpec>,
+    /// Whether the backend's KV can be moved in and out by transfers (host memory).
+    pub kv_transfer: bool,
 }
 
 enum Command {
@@ -113,8 +135,33 @@ enum Command {
         id: SeqId,
         req: Request,
         events: mpsc::UnboundedSender<SeqEvent>,
+        mode: Mode,
     },
     Abort(SeqId),
+    /// A remote-prefill sequence's KV has landed.
+    KvOutcome {
+        id: SeqId,
+        landed: Landed,
+    },
+    /// The last clone of a sequence's lease is gone.
+    LeaseDropped(SeqId),
+}
+
+/// How a sequence gets its prompt's KV.
+enum Mode {
+    /// Computed here.
+    Local,
+    /// Decode side: from a prefill worker, when at least `min_uncached` prompt tokens are not
+    /// in the prefix cache here (otherwise computed here). The reservation goes to `lease_tx`.
+    Remote {
+        min_uncached: usize,
+        lease_tx: Option<oneshot::Sender<KvLease>>,
+    },
+    /// Prefill side: computed here and sent elsewhere from position `from_pos` on.
+    Export {
+        from_pos: usize,
+        tx: mpsc::UnboundedSender<ExportEvent>,
+    },
 }
 
 /// A cloneable way in to the engine thread.
@@ -195,6 +242,64 @@ impl Submission {
 impl EngineHandle {
     /// Checks the request against the engine's limits and queues it.
     pub fn submit(&self, req: Request) -> Result<Submission> {
+        self.enqueue(req, Mode::Local)
+    }
+
+    /// Decode side of a disaggregated request: when admitted, the engine reserves blocks for
+    /// the whole prompt and sends their lease on the returned channel, unless fewer than
+    /// `min_uncached` prompt tokens are missing from its prefix cache: then it prefills
+    /// itself, drops the channel, and tokens simply arrive on the submission.
+    pub fn submit_remote_prefill(
+        &self,
+        req: Request,
+        min_uncached: usize,
+    ) -> Result<(Submission, oneshot::Receiver<KvLease>)> {
+        self.check_transfer()?;
+        let (tx, rx) = oneshot::channel();
+        let sub = self.enqueue(
+            req,
+            Mode::Remote {
+                min_uncached,
+                lease_tx: Some(tx),
+            },
+        )?;
+        Ok((sub, rx))
+    }
+
+    /// Prefill side of a disaggregated request: the prompt is computed here and its K and V
+    /// from position `from_pos` on are reported layer by layer on the returned channel (after
+    /// an [`ExportEvent::Ready`] with the blocks' lease). Its first token arrives on the
+    /// submission as usual.
+    pub fn submit_export(
+        &self,
+        req: Request,
+        from_pos: usize,
+    ) -> Result<(Submission, mpsc::UnboundedReceiver<ExportEvent>)> {
+        self.check_transfer()?;
+        if from_pos >= req.prompt.len() {
+            return Err(EngineError::InvalidRequest(format!(
+                "the transfer starts at position {from_pos} but the prompt has {} tokens",
+                req.prompt.len()
+            )));
+        }
+        let (tx, rx) = mpsc::unbounded_channel();
+        let sub = self.enqueue(req, Mode::Export { from_pos, tx })?;
+        Ok((sub, rx))
+    }
+
+    fn check_transfer(&self) -> Result<()> {
+        if self.info.kv_transfer {
+            Ok(())
+        } else {
+            Err(EngineError::InvalidRequest(format!(
+                "the {} backend keeps its KV cache where transfers cannot reach it; \
+                 disaggregated prefill is not available on it",
+                self.info.device
+            )))
+        }
+    }
+
+    fn enqueue(&self, req: Request, mode: Mode) -> Result<Submission> {
         let cfg = &self.info.config;
         if req.prompt.is_empty() {
             return Err(EngineError::InvalidRequest("the prompt is empty".into()));
@@ -238,6 +343,7 @@ impl EngineHandle {
                 id,
                 req,
                 events: etx,
+                mode,
             })
             .map_err(|_| EngineError::Stopped)?;
         Ok(Submission {
@@ -266,12 +372,21 @@ struct Seq {
     events: mpsc::UnboundedSender<SeqEvent>,
     cached_tokens: usize,
     admitted_once: bool,
+    mode: Mode,
+    /// A lease on this sequence's blocks is out: they are freed only when it comes back.
+    lease_out: bool,
 }
 
 impl Seq {
     fn generated(&self) -> usize {
         self.tokens.len() - self.prompt_len
     }
+}
+
+/// A decode sequence whose blocks are lent to a transfer, and what it landed with (if it did).
+struct Awaiting {
+    seq: Seq,
+    landed: Option<Landed>,
 }
 
 /// Starts the engine thread.
@@ -293,12 +408,15 @@ pub fn spawn(
     let num_blocks = backend.num_blocks();
     let stats = Arc::new(EngineStats::default());
     stats.free_blocks.store(num_blocks, Ordering::Relaxed);
+    let pool = backend.host_kv();
     let info = Arc::new(EngineInfo {
         device: backend.device(),
         num_blocks,
         config: cfg.clone(),
         eos_ids: eos_ids.clone(),
         vocab_size,
+        kv_spec: backend.kv_spec(),
+        kv_transfer: pool.is_some(),
     });
     let mut engine = Engine {
         blocks: BlockManager::new(num_blocks, cfg.block_size),
@@ -307,8 +425,12 @@ pub fn spawn(
         eos_ids,
         running: Vec::new(),
         waiting: VecDeque::new(),
+        awaiting: Vec::new(),
+        held: HashMap::new(),
+        pool,
         stats: stats.clone(),
         rx,
+        tx: tx.clone(),
     };
     std::thread::Builder::new()
         .name("kvmesh-engine".into())
@@ -329,8 +451,15 @@ struct Engine {
     eos_ids: Vec<u32>,
     running: Vec<Seq>,
     waiting: VecDeque<Seq>,
+    /// Decode sequences whose prompt's KV is being transferred in.
+    awaiting: Vec<Awaiting>,
+    /// Blocks of sequences that ended while a lease on them was out.
+    held: HashMap<SeqId, Vec<BlockId>>,
+    pool: Option<Arc<HostKvPool>>,
     stats: Arc<EngineStats>,
     rx: crossbeam_channel::Receiver<Command>,
+    /// For leases, which report back through the command channel.
+    tx: crossbeam_channel::Sender<Command>,
 }
 
 impl Engine {
@@ -345,21 +474,38 @@ impl Engine {
             while let Ok(c) = self.rx.try_recv() {
                 self.handle(c);
             }
-            if let Err(e) = self.step() {
-                // A failed step fails the sequences in it; the engine keeps serving.
-                tracing::error!("engine step failed: {e}");
-                for s in self.running.drain(..) {
-                    let _ = s.events.send(SeqEvent::Failed(e.to_string()));
-                    self.blocks.release(&s.blocks);
+            let idle = match self.step() {
+                Ok(ran) => !ran,
+                Err(e) => {
+                    // A failed step fails the sequences in it; the engine keeps serving.
+                    tracing::error!("engine step failed: {e}");
+                    for s in std::mem::take(&mut self.running) {
+                        let _ = s.events.send(SeqEvent::Failed(e.to_string()));
+                        self.retire(s);
+                    }
+                    false
+                }
+            };
+            self.publish();
+            if idle {
+                // Nothing could run: what waits needs blocks that are lent out, or a lease
+                // to come back. Sleep until a command changes that.
+                match self.rx.recv() {
+                    Ok(c) => self.handle(c),
+                    Err(_) => return,
                 }
             }
-            self.publish();
         }
     }
 
     fn handle(&mut self, c: Command) {
         match c {
-            Command::Add { id, req, events } => {
+            Command::Add {
+                id,
+                req,
+                events,
+                mode,
+            } => {
                 let prompt_len = req.prompt.len();
                 let rng = match req.params.seed {
                     Some(s) => Rng::seeded(s),
@@ -377,19 +523,80 @@ impl Engine {
                     events,
                     cached_tokens: 0,
                     admitted_once: false,
+                    mode,
+                    lease_out: false,
                 });
             }
             Command::Abort(id) => {
                 if let Some(i) = self.waiting.iter().position(|s| s.id == id) {
                     let s = self.waiting.remove(i).expect("index");
-                    self.blocks.release(&s.blocks);
+                    self.retire(s);
                 } else if let Some(i) = self.running.iter().position(|s| s.id == id) {
                     let s = self.running.remove(i);
-                    self.blocks.release(&s.blocks);
+                    self.retire(s);
+                } else if let Some(i) = self.awaiting.iter().position(|a| a.seq.id == id) {
+                    let a = self.awaiting.remove(i);
+                    self.retire(a.seq);
                 }
             }
+            Command::KvOutcome { id, landed } => {
+                if let Some(a) = self.awaiting.iter_mut().find(|a| a.seq.id == id) {
+                    a.landed = Some(landed);
+                }
+            }
+            Command::LeaseDropped(id) => self.lease_returned(id),
         }
         self.publish();
+    }
+
+    /// Every clone of a sequence's lease is gone: nothing else touches its blocks now.
+    fn lease_returned(&mut self, id: SeqId) {
+        if let Some(blocks) = self.held.remove(&id) {
+            self.blocks.release(&blocks);
+        } else if let Some(i) = self.awaiting.iter().position(|a| a.seq.id == id) {
+            let Awaiting { mut seq, landed } = self.awaiting.remove(i);
+            seq.lease_out = false;
+            seq.mode = Mode::Local;
+            match landed {
+                Some(l) => self.land(seq, l),
+                // The transfer failed or was given up: prefill here, from the cached prefix;
+                // the blocks reserved past it are simply computed into.
+                None => self.waiting.push_front(seq),
+            }
+        } else if let Some(s) = self
+            .running
+            .iter_mut()
+            .chain(self.waiting.iter_mut())
+            .find(|s| s.id == id)
+        {
+            s.lease_out = false;
+        }
+    }
+
+    /// A decode sequence's prompt KV is in its blocks: it continues from the first token.
+    fn land(&mut self, mut s: Seq, l: Landed) {
+        s.num_computed = s.prompt_len;
+        Self::register_full_blocks(&mut self.blocks, &self.cfg, &mut s);
+        s.cached_tokens = s.cached_tokens.max(l.cached_tokens);
+        if let Some(state) = l.rng {
+            s.rng = Rng::from_state(state);
+        }
+        if emit(&self.stats, &self.eos_ids, &self.cfg, &mut s, l.first) {
+            self.retire(s);
+        } else if self.running.len() < self.cfg.max_num_seqs {
+            self.running.push(s);
+        } else {
+            self.waiting.push_front(s);
+        }
+    }
+
+    /// A sequence is done with its blocks: they are freed, or kept while a lease is out.
+    fn retire(&mut self, s: Seq) {
+        if s.lease_out {
+            self.held.insert(s.id, s.blocks);
+        } else {
+            self.blocks.release(&s.blocks);
+        }
     }
 
     fn publish(&self) {
@@ -402,6 +609,12 @@ impl Engine {
         self.stats
             .free_blocks
             .store(self.blocks.num_free(), Ordering::Relaxed);
+        self.stats
+            .awaiting_kv
+            .store(self.awaiting.len(), Ordering::Relaxed);
+        self.stats
+            .held_blocks
+            .store(self.held.values().map(Vec::len).sum(), Ordering::Relaxed);
     }
 
     fn blocks_needed(&self, s: &Seq, n: usize) -> usize {
@@ -419,6 +632,34 @@ impl Engine {
         self.waiting.push_front(s);
     }
 
+    /// Records every block of `s` that is now full and computed in the prefix cache.
+    fn register_full_blocks(blocks: &mut BlockManager, cfg: &EngineConfig, s: &mut Seq) {
+        let bs = cfg.block_size;
+        while (s.hashes.len() + 1) * bs <= s.num_computed {
+            let k = s.hashes.len();
+            let h = BlockHash::chain(s.hashes.last().copied(), &s.tokens[k * bs..(k + 1) * bs]);
+            s.hashes.push(h);
+            if cfg.enable_prefix_caching {
+                blocks.register(s.blocks[k], h);
+            }
+        }
+    }
+
+    /// Lends a sequence's blocks out.
+    fn lease(&self, s: &mut Seq, from_pos: usize) -> KvLease {
+        s.lease_out = true;
+        KvLease::new(
+            s.id,
+            self.pool
+                .clone()
+                .expect("transfers are refused without a host pool"),
+            s.blocks.clone(),
+            s.prompt_len,
+            from_pos,
+            self.tx.clone(),
+        )
+    }
+
     /// Picks this step's work: `(index into running, tokens to run)`.
     fn schedule(&mut self) -> Vec<(usize, usize)> {
         let mut budget = self.cfg.max_num_batched_tokens;
@@ -428,13 +669,30 @@ impl Engine {
         while i < self.running.len() && budget > 0 {
             let n = (self.running[i].tokens.len() - self.running[i].num_computed).min(budget);
             let need = self.blocks_needed(&self.running[i], n);
-            while self.blocks.num_free() < need && i < self.running.len() {
-                let victim = self.running.pop().expect("non-empty");
+            let mut runnable = true;
+            while self.blocks.num_free() < need {
+                // The latest arrival goes first; sequences whose blocks are lent out stay.
+                let Some(v) = (i..self.running.len())
+                    .rev()
+                    .find(|&j| !self.running[j].lease_out)
+                else {
+                    runnable = false;
+                    break;
+                };
+                let victim = self.running.remove(v);
                 self.preempt(victim);
                 preempted = true;
+                if v == i {
+                    runnable = false;
+                    break;
+                }
             }
             if i >= self.running.len() {
                 break;
+            }
+            if !runnable || self.blocks.num_free() < need {
+                i += 1;
+                continue;
             }
             for _ in 0..need {
                 let b = self.blocks.allocate().expect("checked free blocks");
@@ -459,8 +717,22 @@ impl Engine {
                 s.num_computed = s.blocks.len() * self.cfg.block_size;
                 s.hashes = hashes[..s.blocks.len()].to_vec();
             }
+            if let Mode::Remote { min_uncached, .. } = s.mode {
+                if s.prompt_len - s.num_computed < min_uncached {
+                    // Cached well enough here: no transfer (the lease channel closes).
+                    s.mode = Mode::Local;
+                }
+            }
             let n = (s.tokens.len() - s.num_computed).min(budget);
-            let need = self.blocks_needed(&s, n);
+            // A transfer needs the whole prompt's blocks from the start, so that it never
+            // waits for (or is preempted by) a later allocation.
+            let need = match s.mode {
+                Mode::Local => self.blocks_needed(&s, n),
+                _ => s
+                    .prompt_len
+                    .div_ceil(self.cfg.block_size)
+                    .saturating_sub(s.blocks.len()),
+            };
             if self.blocks.num_free() < need {
                 self.blocks.release(&s.blocks);
                 s.blocks.clear();
@@ -483,6 +755,30 @@ impl Engine {
                     .prefix_hits
                     .fetch_add(s.num_computed as u64, Ordering::Relaxed);
             }
+            match &mut s.mode {
+                Mode::Remote { lease_tx, .. } => {
+                    // Lent to the transfer; it waits outside every batch until the lease
+                    // comes back. If the requester is gone, so is the lease, at once.
+                    let tx = lease_tx.take();
+                    let from = s.num_computed;
+                    let lease = self.lease(&mut s, from);
+                    if let Some(tx) = tx {
+                        let _ = tx.send(lease);
+                    }
+                    self.awaiting.push(Awaiting {
+                        seq: s,
+                        landed: None,
+                    });
+                    continue;
+                }
+                Mode::Export { from_pos, tx } => {
+                    let (from, tx) = (*from_pos, tx.clone());
+                    let computed = s.num_computed;
+                    let lease = self.lease(&mut s, from);
+                    let _ = tx.send(ExportEvent::Ready { lease, computed });
+                }
+                Mode::Local => {}
+            }
             self.running.push(s);
             plan.push((self.running.len() - 1, n));
             budget -= n;
@@ -490,17 +786,24 @@ impl Engine {
         plan
     }
 
-    fn step(&mut self) -> Result<()> {
+    /// Runs one step; `false` when nothing could run.
+    fn step(&mut self) -> Result<bool> {
         let plan = self.schedule();
         if plan.is_empty() {
-            if !self.waiting.is_empty() && self.running.is_empty() {
+            if !self.waiting.is_empty()
+                && self.running.is_empty()
+                && self.awaiting.is_empty()
+                && self.held.is_empty()
+            {
                 // Cannot happen for requests that passed `submit`'s size check; never spin.
                 let s = self.waiting.pop_front().expect("non-empty");
                 let _ = s.events.send(SeqEvent::Failed(
                     "the request does not fit in the KV cache".into(),
                 ));
+                self.retire(s);
+                return Ok(true);
             }
-            return Ok(());
+            return Ok(false);
         }
         let started = Instant::now();
         let batch = ForwardBatch {
@@ -518,6 +821,14 @@ impl Engine {
                 })
                 .collect(),
         };
+        // Exported sequences in this step hear of each layer as its K and V are in place.
+        let exports: Vec<(mpsc::UnboundedSender<ExportEvent>, usize)> = plan
+            .iter()
+            .filter_map(|&(i, n)| match &self.running[i].mode {
+                Mode::Export { tx, .. } => Some((tx.clone(), self.running[i].num_computed + n)),
+                _ => None,
+            })
+            .collect();
         let sampling: Vec<usize> = plan
             .iter()
             .filter(|&&(i, n)| self.running[i].num_computed + n == self.running[i].tokens.len())
@@ -537,7 +848,17 @@ impl Engine {
             .zip(rngs.iter_mut())
             .map(|(params, rng)| SampleSpec { params, rng })
             .collect();
-        let out = self.backend.forward_sample(&batch, &mut specs)?;
+        let out = if exports.is_empty() {
+            self.backend.forward_sample(&batch, &mut specs)?
+        } else {
+            let ready = |layer: usize| {
+                for (tx, upto) in &exports {
+                    let _ = tx.send(ExportEvent::Layer { layer, upto: *upto });
+                }
+            };
+            self.backend
+                .forward_sample_streaming(&batch, &mut specs, &ready)?
+        };
         drop(specs);
         let prompt_tokens: usize = batch.num_tokens() - sampling.len();
         drop(batch);
@@ -551,53 +872,54 @@ impl Engine {
         tracing::trace!(tokens = prompt_tokens + sampling.len(), elapsed = ?started.elapsed(), "step");
 
         for &(i, n) in &plan {
-            let bs = self.cfg.block_size;
             let s = &mut self.running[i];
             s.num_computed += n;
-            // Register every block that is now full and computed.
-            while (s.hashes.len() + 1) * bs <= s.num_computed {
-                let k = s.hashes.len();
-                let h = BlockHash::chain(s.hashes.last().copied(), &s.tokens[k * bs..(k + 1) * bs]);
-                s.hashes.push(h);
-                if self.cfg.enable_prefix_caching {
-                    self.blocks.register(s.blocks[k], h);
-                }
-            }
+            Self::register_full_blocks(&mut self.blocks, &self.cfg, s);
         }
         let mut done = Vec::new();
         for ((&i, sampled), rng) in sampling.iter().zip(out).zip(rngs) {
             let s = &mut self.running[i];
             s.rng = rng;
-            let tok = sampled.token;
-            s.tokens.push(tok);
-            self.stats.generation_tokens.fetch_add(1, Ordering::Relaxed);
-            let finish = if (!s.params.ignore_eos && self.eos_ids.contains(&tok))
-                || s.params.stop_token_ids.contains(&tok)
-            {
-                Some(FinishReason::Stop)
-            } else if s.generated() >= s.params.max_tokens
-                || s.tokens.len() >= self.cfg.max_model_len
-            {
-                Some(FinishReason::Length)
-            } else {
-                None
-            };
-            let sent = s.events.send(SeqEvent::Token {
-                sampled,
-                finish,
-                cached_tokens: s.cached_tokens,
-            });
-            if finish.is_some() || sent.is_err() {
+            if emit(&self.stats, &self.eos_ids, &self.cfg, s, sampled) {
                 done.push(i);
             }
         }
         done.sort_unstable();
         for i in done.into_iter().rev() {
             let s = self.running.remove(i);
-            self.blocks.release(&s.blocks);
+            self.retire(s);
         }
-        Ok(())
+        Ok(true)
     }
+}
+
+/// Appends a generated token and sends it; whether the sequence is finished (or its receiver
+/// gone).
+fn emit(
+    stats: &EngineStats,
+    eos_ids: &[u32],
+    cfg: &EngineConfig,
+    s: &mut Seq,
+    sampled: Sampled,
+) -> bool {
+    let tok = sampled.token;
+    s.tokens.push(tok);
+    stats.generation_tokens.fetch_add(1, Ordering::Relaxed);
+    let finish = if (!s.params.ignore_eos && eos_ids.contains(&tok))
+        || s.params.stop_token_ids.contains(&tok)
+    {
+        Some(FinishReason::Stop)
+    } else if s.generated() >= s.params.max_tokens || s.tokens.len() >= cfg.max_model_len {
+        Some(FinishReason::Length)
+    } else {
+        None
+    };
+    let sent = s.events.send(SeqEvent::Token {
+        sampled,
+        finish,
+        cached_tokens: s.cached_tokens,
+    });
+    finish.is_some() || sent.is_err()
 }
 
 #[cfg(test)]
@@ -672,6 +994,21 @@ mod tests {
                 }
                 SeqEvent::Failed(m) => panic!("{m}"),
             }
+        }
+    }
+
+    /// A backend that keeps no host-visible KV.
+    pub(super) struct NoHostKv;
+
+    impl Backend for NoHostKv {
+        fn device(&self) -> String {
+            "nohost".into()
+        }
+        fn num_blocks(&self) -> usize {
+            8
+        }
+        fn forward(&mut self, _: &ForwardBatch) -> Result<Vec<Vec<f32>>> {
+            Ok(vec![])
         }
     }
 

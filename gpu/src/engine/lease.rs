@@ -1,0 +1,117 @@
+//! Blocks lent to a KV transfer.
+//!
+//! A disaggregated request has two sides. On the decode worker the engine reserves blocks
+//! for the whole prompt and lends them ([`KvLease`]) to the transfer that fills them; on the
+//! prefill worker it lends the blocks a prompt is computed into to the transfer that sends
+//! them ([`ExportEvent::Ready`]), and says as each layer is done ([`ExportEvent::Layer`]).
+//!
+//! Whoever holds a clone of the lease may touch those blocks' memory (the rules are in
+//! `kv_pool`); the engine frees or reuses them only after the last clone is dropped, which
+//! it hears of as a command. So a transfer that is cancelled, times out or loses its peer can
+//! never write into a block that was given to another sequence: the blocks stay put until
+//! the writer is gone. A decode sequence whose lease ends without [`KvLease::landed`] is
+//! prefilled locally from its cached prefix; one whose lease ends after it has landed goes
+//! on decoding from the first token it was given.
+
+use std::sync::Arc;
+
+use super::{Command, SeqId};
+use crate::kv_cache::BlockId;
+use crate::kv_pool::{HostKvPool, KvSpec};
+use crate::sampler::Sampled;
+
+/// A sequence's blocks, lent to a transfer. Cheap to clone; every clone keeps them lent.
+#[derive(Clone)]
+pub struct KvLease(Arc<LeaseInner>);
+
+struct LeaseInner {
+    seq: SeqId,
+    pool: Arc<HostKvPool>,
+    blocks: Vec<BlockId>,
+    prompt_len: usize,
+    from_pos: usize,
+    tx: crossbeam_channel::Sender<Command>,
+}
+
+impl Drop for LeaseInner {
+    fn drop(&mut self) {
+        let _ = self.tx.send(Command::LeaseDropped(self.seq));
+    }
+}
+
+/// What a decode sequence continues from once its prompt's KV is in place.
+#[derive(Clone, Debug)]
+pub struct Landed {
+    /// The first generated token, sampled by the prefill worker.
+    pub first: Sampled,
+    /// The request's random generator after that draw, so seeded sampling goes on as it
+    /// would have in one engine.
+    pub rng: Option<[u64; 4]>,
+    /// Prompt tokens that needed no compute (cached here or on the prefill worker).
+    pub cached_tokens: usize,
+}
+
+/// What the prefill side hears about a sequence it exports.
+pub enum ExportEvent {
+    /// The sequence was admitted; its blocks cover the whole prompt. Positions below
+    /// `computed` came from the prefix cache and are final already.
+    Ready { lease: KvLease, computed: usize },
+    /// K and V of `layer` are final for every position below `upto`.
+    Layer { layer: usize, upto: usize },
+}
+
+impl KvLease {
+    pub(super) fn new(
+        seq: SeqId,
+        pool: Arc<HostKvPool>,
+        blocks: Vec<BlockId>,
+        prompt_len: usize,
+        from_pos: usize,
+        tx: crossbeam_channel::Sender<Command>,
+    ) -> KvLease {
+        KvLease(Arc::new(LeaseInner {
+            seq,
+            pool,
+            blocks,
+            prompt_len,
+            from_pos,
+            tx,
+        }))
+    }
+
+    pub fn seq(&self) -> SeqId {
+        self.0.seq
+    }
+
+    pub fn pool(&self) -> &Arc<HostKvPool> {
+        &self.0.pool
+    }
+
+    pub fn spec(&self) -> &KvSpec {
+        self.0.pool.spec()
+    }
+
+    /// The sequence's block table: block `i` holds positions `i * block_size ..`.
+    pub fn blocks(&self) -> &[BlockId] {
+        &self.0.blocks
+    }
+
+    pub fn prompt_len(&self) -> usize {
+        self.0.prompt_len
+    }
+
+    /// The first position the transfer moves: on the decode side, the first one not found
+    /// in its prefix cache; on the prefill side, the first one the decode side asked for.
+    pub fn from_pos(&self) -> usize {
+        self.0.from_pos
+    }
+
+    /// Decode side: every position from `from_pos` on has landed. The sequence decodes from
+    /// `landed` once the last clone of the lease is gone.
+    pub fn landed(self, landed: Landed) {
+        let _ = self.0.tx.send(Command::KvOutcome {
+            id: self.0.seq,
+            landed,
+        });
+    }
+}

@@ -1,0 +1,258 @@
+//! The engine's two transfer paths, on `sim` backends (host KV pools, deterministic tokens):
+//! what a prefill engine reports and lends, what a decode engine does with a lease that lands,
+//! fails or outlives its sequence, and that every block comes back.
+
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use super::*;
+use crate::backend::sim::{SimBackend, SimTiming};
+use crate::kv_pool::KvDtype;
+
+const VOCAB: usize = 64;
+const BLOCKS: usize = 32;
+
+fn engine(max_num_batched_tokens: usize) -> EngineHandle {
+    let spec = KvSpec {
+        num_layers: 3,
+        block_size: 4,
+        num_kv_heads: 1,
+        head_dim: 4,
+        dtype: KvDtype::Bf16,
+    };
+    let backend = SimBackend::new(SimTiming::zero(), spec, BLOCKS, VOCAB, VOCAB, vec![]).unwrap();
+    spawn(
+        Box::new(backend),
+        EngineConfig {
+            max_model_len: 100,
+            block_size: 4,
+            max_num_batched_tokens,
+            ..Default::default()
+        },
+        vec![],
+        VOCAB,
+    )
+}
+
+fn greedy(max_tokens: usize) -> SamplingParams {
+    SamplingParams {
+        temperature: 0.0,
+        max_tokens,
+        ignore_eos: true,
+        ..Default::default()
+    }
+}
+
+fn prompt(n: usize) -> Vec<u32> {
+    (0..n as u32).map(|t| (t * 7 + 3) % 60).collect()
+}
+
+fn tokens(sub: &mut Submission) -> Vec<u32> {
+    let mut out = Vec::new();
+    loop {
+        match sub.events.blocking_recv().expect("event") {
+            SeqEvent::Token {
+                sampled, finish, ..
+            } => {
+                out.push(sampled.token);
+                if finish.is_some() {
+                    sub.finished();
+                    return out;
+                }
+            }
+            SeqEvent::Failed(m) => panic!("{m}"),
+        }
+    }
+}
+
+/// Whether `cond` holds within 2 s.
+fn eventually(cond: impl Fn() -> bool) -> bool {
+    let deadline = Instant::now() + Duration::from_secs(2);
+    while Instant::now() < deadline {
+        if cond() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    false
+}
+
+/// Waits until every block of `h` is free again.
+fn all_free(h: &EngineHandle) -> bool {
+    eventually(|| h.stats.free_blocks.load(Ordering::Relaxed) == BLOCKS)
+}
+
+fn local_run(p: &[u32], n: usize) -> Vec<u32> {
+    let h = engine(64);
+    let mut s = h
+        .submit(Request {
+            prompt: p.to_vec(),
+            params: greedy(n),
+        })
+        .unwrap();
+    tokens(&mut s)
+}
+
+#[test]
+fn export_reports_every_layer_in_chunks_and_holds_blocks_until_the_lease_returns() {
+    // Chunks of 8 tokens: a 21-token prompt is computed in three steps.
+    let h = engine(8);
+    let p = prompt(21);
+    let (mut sub, mut ev) = h
+        .submit_export(
+            Request {
+                prompt: p.clone(),
+                params: greedy(1),
+            },
+            4,
+        )
+        .unwrap();
+    let first = tokens(&mut sub);
+    let ExportEvent::Ready { lease, computed } = ev.blocking_recv().unwrap() else {
+        panic!("Ready comes first");
+    };
+    assert_eq!((computed, lease.from_pos(), lease.prompt_len()), (0, 4, 21));
+    assert_eq!(lease.blocks().len(), 6, "the whole prompt is reserved");
+    let mut seen = vec![Vec::new(); 3];
+    while let Ok(e) = ev.try_recv() {
+        let ExportEvent::Layer { layer, upto } = e else {
+            panic!("only layers follow")
+        };
+        seen[layer].push(upto);
+    }
+    for s in &seen {
+        assert_eq!(s, &[8, 16, 21], "each layer reported after each chunk");
+    }
+    assert_eq!(first, local_run(&p, 1));
+    // Finished, but the blocks stay lent until the lease is dropped.
+    assert!(eventually(
+        || h.stats.held_blocks.load(Ordering::Relaxed) == 6
+    ));
+    drop(lease);
+    assert!(all_free(&h), "blocks came back with the lease");
+}
+
+#[test]
+fn a_landed_lease_decodes_exactly_as_a_local_run() {
+    let h = engine(64);
+    let p = prompt(19);
+    let want = local_run(&p, 6);
+    let (mut sub, lease) = h
+        .submit_remote_prefill(
+            Request {
+                prompt: p.clone(),
+                params: greedy(6),
+            },
+            1,
+        )
+        .unwrap();
+    let lease = lease.blocking_recv().expect("a lease, not a local prefill");
+    assert_eq!((lease.from_pos(), lease.prompt_len()), (0, 19));
+    assert!(eventually(
+        || h.stats.awaiting_kv.load(Ordering::Relaxed) == 1
+    ));
+    // A clone outlives `landed`: decoding waits for it.
+    let clone = lease.clone();
+    lease.landed(Landed {
+        first: Sampled {
+            token: want[0],
+            logprob: 0.0,
+            top: vec![],
+        },
+        rng: None,
+        cached_tokens: 3,
+    });
+    std::thread::sleep(Duration::from_millis(20));
+    assert!(
+        sub.events.try_recv().is_err(),
+        "nothing before the last clone is gone"
+    );
+    drop(clone);
+    assert_eq!(tokens(&mut sub), want);
+    assert!(all_free(&h));
+}
+
+#[test]
+fn a_lease_returned_without_landing_prefills_locally() {
+    let h = engine(64);
+    let p = prompt(13);
+    let (mut sub, lease) = h
+        .submit_remote_prefill(
+            Request {
+                prompt: p.clone(),
+                params: greedy(5),
+            },
+            1,
+        )
+        .unwrap();
+    drop(lease.blocking_recv().unwrap());
+    assert_eq!(tokens(&mut sub), local_run(&p, 5));
+    assert!(all_free(&h));
+}
+
+#[test]
+fn a_cached_prompt_prefills_locally_and_an_abort_waits_for_the_lease() {
+    let h = engine(64);
+    let p = prompt(21);
+    let mut warm = h
+        .submit(Request {
+            prompt: p.clone(),
+            params: greedy(2),
+        })
+        .unwrap();
+    tokens(&mut warm);
+    // 20 of 21 tokens cached: fewer than 8 uncached, so no transfer.
+    let (mut sub, lease) = h
+        .submit_remote_prefill(
+            Request {
+                prompt: p.clone(),
+                params: greedy(2),
+            },
+            8,
+        )
+        .unwrap();
+    assert_eq!(tokens(&mut sub), local_run(&p, 2));
+    assert!(lease.blocking_recv().is_err(), "the lease channel closed");
+
+    // A request dropped while its lease is out: blocks are held until the lease returns.
+    let q: Vec<u32> = (0..30).map(|t| (t * 5 + 1) % 60).collect();
+    let (sub, lease) = h
+        .submit_remote_prefill(
+            Request {
+                prompt: q,
+                params: greedy(2),
+            },
+            1,
+        )
+        .unwrap();
+    let lease = lease.blocking_recv().unwrap();
+    assert_eq!(lease.from_pos(), 0);
+    drop(sub);
+    assert!(eventually(
+        || h.stats.held_blocks.load(Ordering::Relaxed) == 8
+    ));
+    drop(lease);
+    assert!(all_free(&h));
+}
+
+#[test]
+fn transfers_are_refused_by_a_backend_without_host_memory() {
+    let h = spawn(
+        Box::new(super::tests::NoHostKv),
+        EngineConfig::default(),
+        vec![],
+        10,
+    );
+    let e = h
+        .submit_export(
+            Request {
+                prompt: vec![1, 2],
+                params: greedy(1),
+            },
+            0,
+        )
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("disaggregated prefill is not available"), "{e}");
+}

@@ -1,0 +1,547 @@
+//! KV transfers: a prefill worker's K and V, moved layer by layer into blocks a decode worker
+//! reserved for them.
+//!
+//! # The exchange
+//!
+//! 1. The decode worker reserves blocks for the whole prompt (its own prefix cache covers the
+//!    first `from_pos` positions), registers a transfer id, and sends a [`PrefillRequest`] on
+//!    a QUIC stream to the prefill worker: the prompt, the sampling parameters, `from_pos`,
+//!    its block table, its [`KvLayout`], and where the bytes should go ([`DataPath`]).
+//! 2. The prefill worker refuses a layout unlike its own (a message naming both), else runs
+//!    the prompt. As each layer's K and V are computed (chunk by chunk for long prompts) it
+//!    sends that layer's new positions as one piece, on one of several data streams.
+//! 3. When every layer is sent it closes the data streams and answers on the request stream
+//!    with [`PrefillEvent::Done`]: the first token, the sampler's state, its cache hits.
+//! 4. The decode worker starts decoding once every position of every layer has landed and
+//!    `Done` has arrived. Anything else (a closed stream, a gap, a stall past the timeout)
+//!    ends the transfer; the decode worker then prefills locally.
+//!
+//! # Framing
+//!
+//! Every data stream opens with a [`KvStreamHello`] frame (transfer id, a per-transfer secret,
+//! stream index). Then pieces: a [`KvPiece`] header frame (an rkyv archive behind a `u32`
+//! length, as every message in `wire`) followed by `payload_bytes` raw bytes: the K of
+//! positions `first_pos .. first_pos + num_pos` of `layer`, then their V. Pieces of one layer
+//! always travel on the same stream (layer `l` on stream `l % streams`), in order, so the
+//! receiver checks that each starts where the previous one ended.
+//!
+//! # Memory
+//!
+//! Both sides name memory through a [`HostRegion`]: for each layer the base address of its K
+//! and of its V buffer (`[num_blocks, block_size, kv_heads, head_dim]`, so one block's
+//! positions are contiguous), the sequence's block table, and the range of positions the
+//! transfer owns. The receiver reads each payload **straight into the destination blocks**:
+//! every run of positions inside one block is one `read_exact` into that block's bytes, with
+//! no buffer in between. The sender writes from its own cache the same way.
+//!
+//! # Transports
+//!
+//! One pair of traits, [`KvSender`] and [`KvReceiver`], over:
+//! - QUIC (`streams`): several unidirectional streams on the connection the decode worker
+//!   opened, with windows sized for bulk transfer (see `transport_config`);
+//! - TCP (`streams`, the same code): plain connections from the prefill worker to the decode
+//!   worker's KV listener, for trusted networks, as a baseline;
+//! - in-process (`local`): both roles in one process; the sender copies each piece from one
+//!   pool into the other (a single `memcpy`), no framing, no socket.
+//!
+//! RDMA slots in beside them without changing either side's logic: the decode worker
+//! registers its pool as memory regions at start-up and puts, in the `DataPath`, the remote
+//! address and key of each destination block instead of a stream address. A `KvSender` for
+//! RDMA posts one-sided RDMA WRITEs from the source segments (also registered) to those
+//! addresses, one per run of positions, exactly where `local` calls `memcpy`; `finish` posts a
+//! WRITE-with-immediate (or a SEND) carrying the transfer id, and the decode worker's
+//! `KvReceiver` completes when that completion arrives on its queue pair. Coverage needs no
+//! per-piece check there: the writes cannot land outside the registered blocks.
+
+pub mod local;
+pub mod streams;
+
+use std::any::Any;
+use std::ops::Range;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+
+use crate::wire::GenerateRequest;
+use crate::TransportError;
+
+/// What a prefill worker and a decode worker must share for KV to mean the same on both.
+#[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Clone, Debug, PartialEq, Eq)]
+pub struct KvLayout {
+    /// The model's fingerprint (architecture, shapes, vocabulary, weights).
+    pub model: String,
+    /// Element type and backend family, e.g. "f32" (cpu), "bf16" (cuda), "sim-bf16".
+    pub dtype: String,
+    pub num_layers: u32,
+    pub block_size: u32,
+    pub num_kv_heads: u32,
+    pub head_dim: u32,
+}
+
+impl KvLayout {
+    /// Bytes of K (or V) for one position of one layer.
+    pub fn bytes_per_pos(&self) -> usize {
+        let elem = if self.dtype.ends_with("f32") { 4 } else { 2 };
+        self.num_kv_heads as usize * self.head_dim as usize * elem
+    }
+
+    pub fn describe(&self) -> String {
+        format!(
+            "model {}, KV {} with {} layers x {} KV heads x {} dims, block size {}",
+            self.model,
+            self.dtype,
+            self.num_layers,
+            self.num_kv_heads,
+            self.head_dim,
+            self.block_size
+        )
+    }
+
+    /// `None` when the two agree; otherwise what differs, naming both sides.
+    pub fn mismatch(&self, mine: &str, other: &KvLayout, theirs: &str) -> Option<String> {
+        (self != other).then(|| {
+            format!(
+                "KV layouts differ: {mine} has {}; {theirs} has {}",
+                self.describe(),
+                other.describe()
+            )
+        })
+    }
+}
+
+/// Where the prefill worker sends the bytes.
+#[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Clone, Debug, PartialEq)]
+pub enum DataPath {
+    /// Unidirectional QUIC streams opened back on the request's connection.
+    Quic { streams: u32 },
+    /// TCP connections to the decode worker's KV listener.
+    Tcp { addr: String, connections: u32 },
+}
+
+/// The decode worker asks a prefill worker to compute a prompt into its blocks.
+#[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Clone, Debug, PartialEq)]
+pub struct PrefillRequest {
+    pub transfer_id: u64,
+    /// Proves a data stream belongs to this transfer (TCP has no other authentication).
+    pub secret: u64,
+    /// The decode worker's node id, for messages.
+    pub decode_node: String,
+    /// The prompt and how to sample its first token.
+    pub request: GenerateRequest,
+    /// Positions below this are cached on the decode worker and not sent.
+    pub from_pos: u32,
+    /// The decode worker's block table for the prompt.
+    pub dest_blocks: Vec<u32>,
+    pub layout: KvLayout,
+    pub data: DataPath,
+}
+
+/// The prefill worker's answers on the request stream.
+#[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Clone, Debug, PartialEq)]
+pub enum PrefillEvent {
+    /// Admitted: computing now (`cached` positions were in its prefix cache).
+    Started { cached: u32 },
+    /// Every piece is sent; the first token and the sampler's state after drawing it.
+    Done {
+        token: u32,
+        logprob: f32,
+        top: Vec<crate::wire::TopLogprob>,
+        rng: Option<[u64; 4]>,
+        cached: u32,
+        bytes: u64,
+    },
+    /// Not done, and nothing more will come; `retryable` when another worker may succeed.
+    Failed { message: String, retryable: bool },
+}
+
+/// The first frame of every KV data stream.
+#[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Clone, Debug, PartialEq)]
+pub struct KvStreamHello {
+    pub transfer_id: u64,
+    pub secret: u64,
+    pub stream: u32,
+}
+
+/// One piece's header; `payload_bytes` of K then V follow it.
+#[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Clone, Debug, PartialEq)]
+pub struct KvPiece {
+    pub transfer_id: u64,
+    pub layer: u32,
+    pub first_pos: u32,
+    pub num_pos: u32,
+    /// The destination blocks these positions fall in, in order (checked by the receiver
+    /// against its own table).
+    pub blocks: Vec<u32>,
+    pub bytes_per_pos: u32,
+    pub payload_bytes: u64,
+}
+
+/// K or V.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    K,
+    V,
+}
+
+/// A sequence's KV memory as a transfer sees it. See the module docs.
+pub struct HostRegion {
+    k: Vec<usize>,
+    v: Vec<usize>,
+    layer_bytes: usize,
+    bytes_per_pos: usize,
+    block_size: usize,
+    blocks: Vec<u32>,
+    positions: Range<usize>,
+    /// Keeps the memory (and the blocks' ownership) alive as long as the region.
+    _keepalive: Arc<dyn Any + Send + Sync>,
+}
+
+impl HostRegion {
+    /// # Safety
+    /// For every layer, `k[l]` and `v[l]` must point to `layer_bytes` bytes laid out as
+    /// `[blocks, block_size, bytes_per_pos]`, valid while `keepalive` lives; every block in
+    /// `blocks` must lie inside them; and the positions in `positions` of those blocks must be
+    /// this region's alone to read (sender) or write (receiver) while it lives.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn new(
+        k: Vec<*mut u8>,
+        v: Vec<*mut u8>,
+        layer_bytes: usize,
+        bytes_per_pos: usize,
+        block_size: usize,
+        blocks: Vec<u32>,
+        positions: Range<usize>,
+        keepalive: Arc<dyn Any + Send + Sync>,
+    ) -> HostRegion {
+        HostRegion {
+            k: k.into_iter().map(|p| p as usize).collect(),
+            v: v.into_iter().map(|p| p as usize).collect(),
+            layer_bytes,
+            bytes_per_pos,
+            block_size,
+            blocks,
+            positions,
+            _keepalive: keepalive,
+        }
+    }
+
+    pub fn num_layers(&self) -> usize {
+        self.k.len()
+    }
+
+    pub fn bytes_per_pos(&self) -> usize {
+        self.bytes_per_pos
+    }
+
+    pub fn positions(&self) -> Range<usize> {
+        self.positions.clone()
+    }
+
+    pub fn blocks(&self) -> &[u32] {
+        &self.blocks
+    }
+
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    /// The blocks positions `first .. first + n` fall in.
+    pub fn blocks_of(&self, first: usize, n: usize) -> &[u32] {
+        blocks_of(&self.blocks, self.block_size, first, n)
+    }
+
+    /// The memory of `kind` for positions `first .. first + n` of `layer`: one
+    /// `(address, length)` per block touched, in position order.
+    pub fn segments(
+        &self,
+        layer: usize,
+        kind: Kind,
+        first: usize,
+        n: usize,
+    ) -> Result<Vec<(usize, usize)>, TransportError> {
+        if layer >= self.k.len() {
+            return Err(TransportError::Codec(format!(
+                "layer {layer} does not exist (the region has {})",
+                self.k.len()
+            )));
+        }
+        if first < self.positions.start || first + n > self.positions.end {
+            return Err(TransportError::Codec(format!(
+                "positions {first}..{} are outside the transfer's {}..{}",
+                first + n,
+                self.positions.start,
+                self.positions.end
+            )));
+        }
+        let base = match kind {
+            Kind::K => self.k[layer],
+            Kind::V => self.v[layer],
+        };
+        let mut out = Vec::new();
+        let mut p = first;
+        while p < first + n {
+            let bi = p / self.block_size;
+            let block = *self
+                .blocks
+                .get(bi)
+                .ok_or_else(|| TransportError::Codec(format!("no block for position {p}")))?
+                as usize;
+            let off = p % self.block_size;
+            let run = (self.block_size - off).min(first + n - p);
+            let start = (block * self.block_size + off) * self.bytes_per_pos;
+            let len = run * self.bytes_per_pos;
+            if start + len > self.layer_bytes {
+                return Err(TransportError::Codec(format!(
+                    "block {block} is outside the KV pool"
+                )));
+            }
+            out.push((base + start, len));
+            p += run;
+        }
+        Ok(out)
+    }
+}
+
+/// The entries of a block table that positions `first .. first + n` fall in.
+pub fn blocks_of(table: &[u32], block_size: usize, first: usize, n: usize) -> &[u32] {
+    if n == 0 || block_size == 0 {
+        return &[];
+    }
+    let (a, b) = (first / block_size, (first + n - 1) / block_size);
+    &table[a.min(table.len())..(b + 1).min(table.len())]
+}
+
+/// Byte and piece counts of a finished transfer.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TransferTotals {
+    pub bytes: u64,
+    pub pieces: u64,
+}
+
+/// The sending half of a transfer (prefill side).
+#[async_trait::async_trait]
+pub trait KvSender: Send {
+    /// Sends positions `first .. first + n` of `layer` from the source region. May return
+    /// before the bytes left (queued on a stream); `finish` waits for everything.
+    async fn send(&mut self, layer: usize, first: usize, n: usize) -> Result<(), TransportError>;
+    /// Every piece has been handed to the transport (or copied, in process).
+    async fn finish(&mut self) -> Result<TransferTotals, TransportError>;
+}
+
+/// The receiving half (decode side).
+#[async_trait::async_trait]
+pub trait KvReceiver: Send {
+    /// Resolves once every position of every layer in the region has landed.
+    async fn complete(&mut self) -> Result<TransferTotals, TransportError>;
+    /// Bytes landed so far, for noticing a stalled sender.
+    fn landed_bytes(&self) -> u64;
+}
+
+/// What has landed of a transfer, checked piece by piece.
+pub struct Landing {
+    pub region: HostRegion,
+    pub transfer_id: u64,
+    /// Per layer, the next position expected.
+    next: Mutex<Vec<usize>>,
+    bytes: AtomicU64,
+    pieces: AtomicU64,
+}
+
+impl Landing {
+    pub fn new(region: HostRegion, transfer_id: u64) -> Landing {
+        let start = region.positions().start;
+        let layers = region.num_layers();
+        Landing {
+            region,
+            transfer_id,
+            next: Mutex::new(vec![start; layers]),
+            bytes: AtomicU64::new(0),
+            pieces: AtomicU64::new(0),
+        }
+    }
+
+    /// Checks a piece's header against the region and what already landed; the segments
+    /// its payload goes to (K's, then V's).
+    fn accept(&self, p: &KvPiece) -> Result<Vec<(usize, usize)>, TransportError> {
+        let bad = |m: String| Err(TransportError::Codec(m));
+        if p.transfer_id != self.transfer_id {
+            return bad(format!(
+                "a piece of transfer {} arrived on transfer {}",
+                p.transfer_id, self.transfer_id
+            ));
+        }
+        if p.bytes_per_pos as usize != self.region.bytes_per_pos {
+            return bad(format!(
+                "the piece has {} bytes per position, the destination {}",
+                p.bytes_per_pos, self.region.bytes_per_pos
+            ));
+        }
+        let (layer, first, n) = (p.layer as usize, p.first_pos as usize, p.num_pos as usize);
+        if p.payload_bytes != (2 * n * self.region.bytes_per_pos) as u64 {
+            return bad(format!(
+                "a piece of {n} positions carries {} bytes",
+                p.payload_bytes
+            ));
+        }
+        {
+            let next = self.next.lock();
+            let Some(&expected) = next.get(layer) else {
+                return bad(format!("layer {layer} does not exist"));
+            };
+            if first != expected {
+                return bad(format!(
+                    "layer {layer}: a piece starts at position {first}, expected {expected}"
+                ));
+            }
+        }
+        if p.blocks.as_slice() != self.region.blocks_of(first, n) {
+            return bad(format!(
+                "layer {layer}: the piece names blocks {:?}, the reservation has {:?}",
+                p.blocks,
+                self.region.blocks_of(first, n)
+            ));
+        }
+        let mut segs = self.region.segments(layer, Kind::K, first, n)?;
+        segs.extend(self.region.segments(layer, Kind::V, first, n)?);
+        Ok(segs)
+    }
+
+    fn landed(&self, p: &KvPiece) {
+        self.next.lock()[p.layer as usize] += p.num_pos as usize;
+        self.pieces.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn landed_bytes(&self) -> u64 {
+        self.bytes.load(Ordering::Relaxed)
+    }
+
+    /// Whether every layer has every position.
+    pub fn is_complete(&self) -> bool {
+        let end = self.region.positions().end;
+        self.next.lock().iter().all(|&n| n == end)
+    }
+
+    /// What is missing, for an error message.
+    pub fn missing(&self) -> String {
+        let end = self.region.positions().end;
+        let next = self.next.lock();
+        let short: Vec<String> = next
+            .iter()
+            .enumerate()
+            .filter(|(_, &n)| n != end)
+            .take(4)
+            .map(|(l, &n)| format!("layer {l} has positions up to {n} of {end}"))
+            .collect();
+        short.join(", ")
+    }
+
+    pub fn totals(&self) -> TransferTotals {
+        TransferTotals {
+            bytes: self.bytes.load(Ordering::Relaxed),
+            pieces: self.pieces.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// A fresh random 64-bit value (transfer ids and secrets), from the standard library's
+/// randomly keyed hasher.
+pub fn random_u64() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(COUNTER.fetch_add(1, Ordering::Relaxed));
+    h.finish()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A region over plain vectors: 2 layers, block size 4, 8 bytes per position.
+    pub(crate) fn region(
+        mem: &mut [Vec<u8>],
+        blocks: Vec<u32>,
+        positions: Range<usize>,
+    ) -> HostRegion {
+        let layer_bytes = mem[0].len();
+        let ptrs: Vec<*mut u8> = mem.iter_mut().map(|m| m.as_mut_ptr()).collect();
+        let (k, v) = (vec![ptrs[0], ptrs[1]], vec![ptrs[2], ptrs[3]]);
+        // SAFETY: the test keeps `mem` alive and unaliased while the region is used.
+        unsafe { HostRegion::new(k, v, layer_bytes, 8, 4, blocks, positions, Arc::new(())) }
+    }
+
+    #[test]
+    fn segments_split_at_block_boundaries_and_stay_inside() {
+        let mut mem = vec![vec![0u8; 5 * 4 * 8]; 4];
+        let r = region(&mut mem, vec![3, 0, 4], 2..11);
+        let base = mem[0].as_ptr() as usize;
+        // Positions 2..7: block 3 offsets 2..4, then block 0 offsets 0..3.
+        let s = r.segments(0, Kind::K, 2, 5).unwrap();
+        assert_eq!(s, vec![(base + (12 + 2) * 8, 16), (base, 24)]);
+        assert_eq!(r.blocks_of(2, 5), &[3, 0]);
+        assert!(r.segments(0, Kind::K, 1, 2).is_err(), "before the range");
+        assert!(r.segments(0, Kind::K, 10, 2).is_err(), "past the range");
+        assert!(r.segments(2, Kind::K, 2, 1).is_err(), "no such layer");
+    }
+
+    #[test]
+    fn landing_checks_order_sizes_and_blocks() {
+        let mut mem = vec![vec![0u8; 5 * 4 * 8]; 4];
+        let l = Landing::new(region(&mut mem, vec![3, 0, 4], 4..10), 9);
+        let piece = |layer, first, n: u32, blocks: Vec<u32>| KvPiece {
+            transfer_id: 9,
+            layer,
+            first_pos: first,
+            num_pos: n,
+            blocks,
+            bytes_per_pos: 8,
+            payload_bytes: 2 * n as u64 * 8,
+        };
+        let p = piece(0, 4, 3, vec![0]);
+        assert_eq!(l.accept(&p).unwrap().len(), 2);
+        l.landed(&p);
+        assert!(l.accept(&piece(0, 4, 3, vec![0])).is_err(), "a repeat");
+        assert!(l.accept(&piece(0, 8, 2, vec![4])).is_err(), "a gap");
+        assert!(l.accept(&piece(0, 7, 3, vec![0])).is_err(), "wrong blocks");
+        let mut wrong_size = piece(1, 4, 1, vec![0]);
+        wrong_size.payload_bytes = 3;
+        assert!(l.accept(&wrong_size).is_err());
+        let mut other = piece(1, 4, 1, vec![0]);
+        other.transfer_id = 8;
+        assert!(l.accept(&other).is_err());
+        assert!(!l.is_complete());
+        for p in [piece(0, 7, 3, vec![0, 4]), piece(1, 4, 6, vec![0, 4])] {
+            l.accept(&p).unwrap();
+            l.landed(&p);
+        }
+        assert!(l.is_complete(), "{}", l.missing());
+    }
+
+    #[test]
+    fn layouts_name_both_sides_when_they_differ() {
+        let a = KvLayout {
+            model: "m".into(),
+            dtype: "f32".into(),
+            num_layers: 2,
+            block_size: 16,
+            num_kv_heads: 2,
+            head_dim: 8,
+        };
+        assert_eq!(a.bytes_per_pos(), 64);
+        assert!(a.mismatch("p", &a.clone(), "d").is_none());
+        let b = KvLayout {
+            block_size: 32,
+            dtype: "bf16".into(),
+            ..a.clone()
+        };
+        let m = a
+            .mismatch("prefill worker p1", &b, "decode worker d1")
+            .unwrap();
+        assert!(
+            m.contains("p1") && m.contains("d1") && m.contains("block size 32"),
+            "{m}"
+        );
+        assert_ne!(random_u64(), random_u64());
+    }
+}

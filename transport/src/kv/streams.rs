@@ -1,0 +1,460 @@
+//! KV over byte streams: QUIC unidirectional streams or TCP connections, the same framing
+//! and the same code on both (see the parent module for the format).
+//!
+//! The sender runs one writer task per stream; layer `l` goes to stream `l % streams`, so a
+//! layer's pieces stay in order while different layers move in parallel. The receiver runs
+//! one reader per stream, each reading payloads directly into the destination blocks.
+
+use std::collections::HashMap;
+use std::io::IoSlice;
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::mpsc;
+use tokio::task::JoinSet;
+
+use super::{
+    blocks_of, HostRegion, Kind, KvPiece, KvReceiver, KvSender, KvStreamHello, Landing,
+    TransferTotals,
+};
+use crate::wire::{self, UniHeader};
+use crate::TransportError;
+
+/// A KV data stream as the receiver gets it, after its hello.
+pub type KvInbound = Box<dyn AsyncRead + Send + Unpin>;
+
+type Job = (usize, usize, usize);
+
+/// Sends a transfer over several byte streams.
+pub struct StreamSender {
+    jobs: Vec<mpsc::UnboundedSender<Job>>,
+    writers: JoinSet<Result<TransferTotals, TransportError>>,
+}
+
+impl StreamSender {
+    /// Starts a writer on each stream; each first writes `preamble` (its framed hello).
+    fn start<W>(target: Target, streams: Vec<(W, Vec<u8>)>) -> Self
+    where
+        W: AsyncWrite + Send + Unpin + 'static,
+    {
+        let target = Arc::new(target);
+        let mut jobs = Vec::new();
+        let mut writers = JoinSet::new();
+        for (w, preamble) in streams {
+            let (tx, rx) = mpsc::unbounded_channel();
+            jobs.push(tx);
+            writers.spawn(write_stream(w, preamble, target.clone(), rx));
+        }
+        StreamSender { jobs, writers }
+    }
+
+    /// Opens `streams` unidirectional streams on `conn` (the connection the decode worker
+    /// opened to this prefill worker).
+    pub async fn quic(
+        conn: &quinn::Connection,
+        target: Target,
+        secret: u64,
+        streams: usize,
+    ) -> Result<StreamSender, TransportError> {
+        let transfer_id = target.transfer_id;
+        let mut out = Vec::new();
+        for stream in 0..streams.max(1) {
+            let s = conn.open_uni().await?;
+            let hello = UniHeader::Kv(KvStreamHello {
+                transfer_id,
+                secret,
+                stream: stream as u32,
+            });
+            out.push((s, wire::frame(&hello)?));
+        }
+        Ok(Self::start(target, out))
+    }
+
+    /// Connects `connections` times to the decode worker's KV listener at `addr`.
+    pub async fn tcp(
+        addr: SocketAddr,
+        target: Target,
+        secret: u64,
+        connections: usize,
+    ) -> Result<StreamSender, TransportError> {
+        let transfer_id = target.transfer_id;
+        let mut out = Vec::new();
+        for stream in 0..connections.max(1) {
+            let s = TcpStream::connect(addr)
+                .await
+                .map_err(|e| TransportError::Connect {
+                    addr,
+                    reason: e.to_string(),
+                })?;
+            let _ = s.set_nodelay(true);
+            let hello = KvStreamHello {
+                transfer_id,
+                secret,
+                stream: stream as u32,
+            };
+            out.push((s, wire::frame(&hello)?));
+        }
+        Ok(Self::start(target, out))
+    }
+}
+
+/// What a stream sender reads from and where the pieces go.
+pub struct Target {
+    /// The prefill side's memory of the sequence.
+    pub source: Arc<HostRegion>,
+    pub transfer_id: u64,
+    /// The decode side's block table, named in each piece's header.
+    pub dest_blocks: Vec<u32>,
+}
+
+#[async_trait::async_trait]
+impl KvSender for StreamSender {
+    async fn send(&mut self, layer: usize, first: usize, n: usize) -> Result<(), TransportError> {
+        if n == 0 {
+            return Ok(());
+        }
+        let k = layer % self.jobs.len();
+        if self.jobs[k].send((layer, first, n)).is_err() {
+            // The writer stopped: its error comes out of `finish`.
+            return Err(self.finish().await.err().unwrap_or(TransportError::Stopped));
+        }
+        Ok(())
+    }
+
+    async fn finish(&mut self) -> Result<TransferTotals, TransportError> {
+        self.jobs.clear();
+        let mut totals = TransferTotals::default();
+        while let Some(r) = self.writers.join_next().await {
+            let t = r.map_err(|e| TransportError::Stream(format!("KV writer: {e}")))??;
+            totals.bytes += t.bytes;
+            totals.pieces += t.pieces;
+        }
+        Ok(totals)
+    }
+}
+
+async fn write_stream<W: AsyncWrite + Unpin>(
+    mut w: W,
+    preamble: Vec<u8>,
+    target: Arc<Target>,
+    mut jobs: mpsc::UnboundedReceiver<Job>,
+) -> Result<TransferTotals, TransportError> {
+    let region = &target.source;
+    let io = |e: std::io::Error| TransportError::Stream(e.to_string());
+    w.write_all(&preamble).await.map_err(io)?;
+    let mut totals = TransferTotals::default();
+    while let Some((layer, first, n)) = jobs.recv().await {
+        let mut segs = region.segments(layer, Kind::K, first, n)?;
+        segs.extend(region.segments(layer, Kind::V, first, n)?);
+        let payload: usize = segs.iter().map(|s| s.1).sum();
+        let header = KvPiece {
+            transfer_id: target.transfer_id,
+            layer: layer as u32,
+            first_pos: first as u32,
+            num_pos: n as u32,
+            blocks: blocks_of(&target.dest_blocks, region.block_size(), first, n).to_vec(),
+            bytes_per_pos: region.bytes_per_pos() as u32,
+            payload_bytes: payload as u64,
+        };
+        w.write_all(&wire::frame(&header)?).await.map_err(io)?;
+        // SAFETY: the region's contract: these positions are computed and ours to read.
+        let slices: Vec<&[u8]> = segs
+            .iter()
+            .map(|&(addr, len)| unsafe { std::slice::from_raw_parts(addr as *const u8, len) })
+            .collect();
+        write_all_vectored(&mut w, &slices).await.map_err(io)?;
+        totals.bytes += payload as u64;
+        totals.pieces += 1;
+    }
+    w.flush().await.map_err(io)?;
+    w.shutdown().await.map_err(io)?;
+    Ok(totals)
+}
+
+/// Writes every slice, as few calls as the writer allows.
+async fn write_all_vectored<W: AsyncWrite + Unpin>(
+    w: &mut W,
+    slices: &[&[u8]],
+) -> std::io::Result<()> {
+    let mut bufs: Vec<IoSlice> = slices.iter().map(|s| IoSlice::new(s)).collect();
+    let mut rest: &mut [IoSlice] = &mut bufs;
+    IoSlice::advance_slices(&mut rest, 0);
+    while !rest.is_empty() {
+        let n = w.write_vectored(rest).await?;
+        if n == 0 {
+            return Err(std::io::ErrorKind::WriteZero.into());
+        }
+        IoSlice::advance_slices(&mut rest, n);
+    }
+    Ok(())
+}
+
+/// Receives a transfer from the streams delivered to it (see [`KvInbox`]).
+pub struct StreamReceiver {
+    landing: Arc<Landing>,
+    incoming: mpsc::UnboundedReceiver<KvInbound>,
+    expected: usize,
+}
+
+impl StreamReceiver {
+    pub fn new(
+        landing: Arc<Landing>,
+        incoming: mpsc::UnboundedReceiver<KvInbound>,
+        expected: usize,
+    ) -> StreamReceiver {
+        StreamReceiver {
+            landing,
+            incoming,
+            expected: expected.max(1),
+        }
+    }
+}
+
+#[async_trait::async_trait]
+impl KvReceiver for StreamReceiver {
+    async fn complete(&mut self) -> Result<TransferTotals, TransportError> {
+        let mut readers = JoinSet::new();
+        let (mut arrived, mut finished) = (0, 0);
+        while finished < self.expected {
+            tokio::select! {
+                s = self.incoming.recv(), if arrived < self.expected => match s {
+                    Some(s) => {
+                        arrived += 1;
+                        readers.spawn(read_stream(s, self.landing.clone()));
+                    }
+                    None => return Err(TransportError::Stream(
+                        "the transfer was closed before its streams arrived".into())),
+                },
+                Some(r) = readers.join_next(), if !readers.is_empty() => {
+                    r.map_err(|e| TransportError::Stream(format!("KV reader: {e}")))??;
+                    finished += 1;
+                }
+            }
+        }
+        if !self.landing.is_complete() {
+            return Err(TransportError::Stream(format!(
+                "the KV streams ended early: {}",
+                self.landing.missing()
+            )));
+        }
+        Ok(self.landing.totals())
+    }
+
+    fn landed_bytes(&self) -> u64 {
+        self.landing.landed_bytes()
+    }
+}
+
+async fn read_stream(mut s: KvInbound, landing: Arc<Landing>) -> Result<(), TransportError> {
+    let io = |e: std::io::Error| TransportError::Stream(e.to_string());
+    while let Some(piece) = wire::read_frame::<KvPiece, _>(&mut s).await? {
+        for (addr, len) in landing.accept(&piece)? {
+            // SAFETY: `accept` checked the positions are inside the region, which owns them
+            // for writing while it lives (the lease held by `landing`).
+            let dst = unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, len) };
+            s.read_exact(dst).await.map_err(io)?;
+            landing
+                .bytes
+                .fetch_add(len as u64, std::sync::atomic::Ordering::Relaxed);
+        }
+        landing.landed(&piece);
+    }
+    Ok(())
+}
+
+/// Where a decode worker's incoming KV streams find their transfer: transfers register
+/// (id, secret) before asking for KV; streams that name an unknown transfer or the wrong
+/// secret are refused.
+#[derive(Clone, Default)]
+pub struct KvInbox {
+    /// transfer id → (secret, where its streams go)
+    inner: Arc<Mutex<HashMap<u64, Waiting>>>,
+}
+
+type Waiting = (u64, mpsc::UnboundedSender<KvInbound>);
+
+/// A registration; removed from the inbox when dropped.
+pub struct InboxEntry {
+    inbox: KvInbox,
+    transfer_id: u64,
+}
+
+impl Drop for InboxEntry {
+    fn drop(&mut self) {
+        self.inbox.inner.lock().remove(&self.transfer_id);
+    }
+}
+
+impl KvInbox {
+    pub fn register(
+        &self,
+        transfer_id: u64,
+        secret: u64,
+    ) -> (InboxEntry, mpsc::UnboundedReceiver<KvInbound>) {
+        let (tx, rx) = mpsc::unbounded_channel();
+        self.inner.lock().insert(transfer_id, (secret, tx));
+        (
+            InboxEntry {
+                inbox: self.clone(),
+                transfer_id,
+            },
+            rx,
+        )
+    }
+
+    /// Hands a stream to its transfer.
+    pub fn deliver(&self, hello: &KvStreamHello, s: KvInbound) -> Result<(), String> {
+        let inner = self.inner.lock();
+        match inner.get(&hello.transfer_id) {
+            Some((secret, tx)) if *secret == hello.secret => tx
+                .send(s)
+                .map_err(|_| format!("transfer {} has ended", hello.transfer_id)),
+            Some(_) => Err(format!(
+                "a stream for transfer {} had the wrong secret",
+                hello.transfer_id
+            )),
+            None => Err(format!("no transfer {} is waiting", hello.transfer_id)),
+        }
+    }
+
+    /// How many transfers are registered.
+    pub fn len(&self) -> usize {
+        self.inner.lock().len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Accepts KV connections on a TCP listener until it fails; each must open with a hello
+    /// within 5 s.
+    pub async fn serve_tcp(self, listener: Arc<TcpListener>) {
+        loop {
+            let (mut s, peer) = match listener.accept().await {
+                Ok(x) => x,
+                Err(e) => {
+                    tracing::warn!("KV listener: {e}");
+                    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                    continue;
+                }
+            };
+            let _ = s.set_nodelay(true);
+            let inbox = self.clone();
+            tokio::spawn(async move {
+                let hello = tokio::time::timeout(
+                    std::time::Duration::from_secs(5),
+                    wire::read_frame::<KvStreamHello, _>(&mut s),
+                )
+                .await;
+                match hello {
+                    Ok(Ok(Some(h))) => {
+                        if let Err(e) = inbox.deliver(&h, Box::new(s)) {
+                            tracing::warn!("KV connection from {peer} refused: {e}");
+                        }
+                    }
+                    _ => tracing::warn!("KV connection from {peer} sent no hello"),
+                }
+            });
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kv::tests::region;
+
+    fn fill(mem: &mut [Vec<u8>]) {
+        for (i, m) in mem.iter_mut().enumerate() {
+            for (j, b) in m.iter_mut().enumerate() {
+                *b = (i * 31 + j * 7) as u8;
+            }
+        }
+    }
+
+    /// A transfer over TCP on loopback lands exactly the source's bytes at the destination's
+    /// blocks, and nothing outside the transfer's positions.
+    #[tokio::test]
+    async fn tcp_transfer_lands_every_byte_in_place() {
+        let mut src = vec![vec![0u8; 6 * 4 * 8]; 4];
+        fill(&mut src);
+        let mut dst = vec![vec![0u8; 6 * 4 * 8]; 4];
+        // Source holds positions 0..14 in blocks 5,1,2,0; destination in 3,4,0,1.
+        let (from, to) = (4, 14);
+        let src_region = Arc::new(region(&mut src, vec![5, 1, 2, 0], from..to));
+        let dst_region = region(&mut dst, vec![3, 4, 0, 1], from..to);
+        let landing = Arc::new(Landing::new(dst_region, 77));
+
+        let inbox = KvInbox::default();
+        let (_entry, rx) = inbox.register(77, 1234);
+        let listener = Arc::new(TcpListener::bind("127.0.0.1:0").await.unwrap());
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(inbox.clone().serve_tcp(listener));
+        let mut recv = StreamReceiver::new(landing.clone(), rx, 2);
+        let receiving = tokio::spawn(async move { recv.complete().await });
+
+        let target = Target {
+            source: src_region,
+            transfer_id: 77,
+            dest_blocks: vec![3, 4, 0, 1],
+        };
+        let mut send = StreamSender::tcp(addr, target, 1234, 2).await.unwrap();
+        // Layer 0 in two chunks, layer 1 in one.
+        send.send(0, 4, 5).await.unwrap();
+        send.send(1, 4, 10).await.unwrap();
+        send.send(0, 9, 5).await.unwrap();
+        let sent = send.finish().await.unwrap();
+        let got = receiving.await.unwrap().unwrap();
+        assert_eq!(sent, got);
+        assert_eq!(got.bytes, 2 * 2 * 10 * 8);
+        assert_eq!(got.pieces, 3);
+        let (sb, db) = ([5usize, 1, 2, 0], [3usize, 4, 0, 1]);
+        for buf in 0..4 {
+            for pos in 0..16 {
+                let s = (sb[pos / 4] * 4 + pos % 4) * 8;
+                let d = (db[pos / 4] * 4 + pos % 4) * 8;
+                let want = if (from..to).contains(&pos) {
+                    &src[buf][s..s + 8]
+                } else {
+                    &[0u8; 8][..]
+                };
+                assert_eq!(&dst[buf][d..d + 8], want, "buffer {buf} position {pos}");
+            }
+        }
+    }
+
+    #[tokio::test]
+    async fn a_short_transfer_and_a_wrong_secret_are_errors() {
+        let mut src = vec![vec![1u8; 4 * 4 * 8]; 4];
+        let mut dst = vec![vec![0u8; 4 * 4 * 8]; 4];
+        let src_region = Arc::new(region(&mut src, vec![0, 1, 2], 0..12));
+        let landing = Arc::new(Landing::new(region(&mut dst, vec![0, 1, 2], 0..12), 5));
+        let inbox = KvInbox::default();
+        let (_entry, rx) = inbox.register(5, 42);
+        let listener = Arc::new(TcpListener::bind("127.0.0.1:0").await.unwrap());
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(inbox.clone().serve_tcp(listener));
+        // The wrong secret is refused at the inbox.
+        let bad = KvStreamHello {
+            transfer_id: 5,
+            secret: 41,
+            stream: 0,
+        };
+        assert!(inbox.deliver(&bad, Box::new(tokio::io::empty())).is_err());
+        let mut recv = StreamReceiver::new(landing, rx, 1);
+        let receiving = tokio::spawn(async move { recv.complete().await });
+        let target = Target {
+            source: src_region,
+            transfer_id: 5,
+            dest_blocks: vec![0, 1, 2],
+        };
+        let mut send = StreamSender::tcp(addr, target, 42, 1).await.unwrap();
+        send.send(0, 0, 12).await.unwrap(); // layer 1 never sent
+        send.finish().await.unwrap();
+        let e = receiving.await.unwrap().unwrap_err().to_string();
+        assert!(e.contains("layer 1"), "{e}");
+    }
+}
