@@ -2,8 +2,16 @@
 //! members, and takes the roles it is given:
 //!
 //! - `worker`: runs the engine and serves requests from routers over QUIC;
-//! - `router`: connects to every worker of its model and picks one per request (`--policy`);
+//! - `prefill`: runs an engine that computes prompts for decode workers and streams them
+//!   the KV, layer by layer;
+//! - `decode`: runs an engine that decodes, taking long prompts' KV from a prefill worker
+//!   when the router says so (and prefilling short or cached ones itself);
+//! - `router`: connects to every worker of its model and picks one per request (`--policy`),
+//!   and a prefill worker for a decode worker's long prompts;
 //! - `gateway`: the OpenAI HTTP API in front of this node's router.
+//!
+//! `--roles prefill,decode` runs both engines in one process; their KV moves by a copy from
+//! one pool into the other.
 //!
 //! Every node also serves `/status` (JSON: roles, load, uptime) and `/metrics` over HTTP,
 //! on the gateway's port or, for a node without a gateway, on `--status-port`. `kvmesh
@@ -23,19 +31,25 @@ use axum::{Json, Router};
 use clap::Args;
 use serde_json::{json, Value};
 
-use kvmesh_actors::{NodeMsg, NodeRoles, Policy, Role, RoleRestarts, RouterCore, WorkerCore};
+use kvmesh_actors::disagg::{KvSide, KvTransport};
+use kvmesh_actors::router::DisaggConfig;
+use kvmesh_actors::{
+    CoreRole, NodeMsg, NodeRoles, Policy, Role, RoleRestarts, RouterCore, Serving, WorkerCore,
+};
 use kvmesh_discovery::{EtcdRegistry, NodeRecord, Registry};
 use kvmesh_gateway::error::ApiError;
 use kvmesh_gateway::{AppState, Dispatch, ServedModel};
 use kvmesh_gpu::engine::{Request, Submission};
 use kvmesh_gpu::model::LoadedModel;
+use kvmesh_transport::kv::KvLayout;
 use kvmesh_transport::{AllowList, NodeEndpoint, NodeIdentity};
 
-use crate::serve::{start_engine, BackendArg, EngineArgs};
+use crate::serve::{start_engine, BackendArg, EngineArgs, StartedEngine};
 
 #[derive(Args, Debug)]
 pub struct NodeArgs {
-    /// Roles this node takes: any of gateway, router, worker (a gateway needs a router).
+    /// Roles this node takes: any of gateway, router, worker, prefill, decode (a gateway
+    /// needs a router; a worker prefills itself, so it goes without prefill and decode).
     #[arg(long, value_delimiter = ',', default_value = "worker")]
     pub roles: Vec<String>,
     /// etcd endpoints, comma-separated (http://HOST:2379).
@@ -67,14 +81,37 @@ pub struct NodeArgs {
     /// Worker: generated tokens per second one sequence gets here, until measured.
     #[arg(long)]
     pub capacity: Option<f64>,
+    /// Router: prefill on a prefill node only prompts with at least this many tokens the
+    /// decode node does not cache; shorter ones are prefilled by the decode node.
+    #[arg(long, default_value_t = 256)]
+    pub disagg_min_tokens: usize,
+    /// Router: a prefill node with this many prompts queued has no room; the decode node
+    /// then prefills itself.
+    #[arg(long, default_value_t = 8)]
+    pub disagg_max_queue: usize,
+    /// Decode: how KV arrives from prefill nodes: quic (streams on the node's QUIC
+    /// connection) or tcp (plain TCP to --kv-listen, for trusted networks).
+    #[arg(long, value_enum, default_value = "quic")]
+    pub kv_transport: KvTransportArg,
+    /// Decode: parallel streams (QUIC) or connections (TCP) per transfer.
+    #[arg(long, default_value_t = 4)]
+    pub kv_streams: usize,
+    /// Decode with --kv-transport tcp: the KV listener (default: the QUIC address's host,
+    /// a free port).
+    #[arg(long)]
+    pub kv_listen: Option<SocketAddr>,
+    /// Decode: a transfer that makes no progress for this many seconds is abandoned and
+    /// the prompt prefilled locally.
+    #[arg(long, default_value_t = 5.0)]
+    pub kv_transfer_timeout: f64,
     /// Registry lease, in seconds: how long a node that vanished stays listed at most.
     #[arg(long, default_value_t = kvmesh_discovery::DEFAULT_TTL_SECS)]
     pub lease_ttl: i64,
     /// Gateway: require `Authorization: Bearer <key>` on /v1 routes.
     #[arg(long, env = "KVMESH_API_KEY")]
     pub api_key: Option<String>,
-    /// Serve `POST /debug/crash/{router|worker}`, which makes that role panic (to check that
-    /// it is restarted). Off by default.
+    /// Serve `POST /debug/crash/{router|worker|prefill|decode}`, which makes that role panic
+    /// (to check that it is restarted). Off by default.
     #[arg(long)]
     pub enable_fault_injection: bool,
     /// Publish this fingerprint instead of the node's own (tests: a record that does not
@@ -83,6 +120,12 @@ pub struct NodeArgs {
     pub debug_advertise_fingerprint: Option<String>,
     #[command(flatten)]
     pub engine: EngineArgs,
+}
+
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+pub enum KvTransportArg {
+    Quic,
+    Tcp,
 }
 
 /// The router as a gateway's dispatch target.
@@ -109,7 +152,9 @@ struct NodeState {
     record: NodeRecord,
     started: Instant,
     router: Option<Arc<RouterCore>>,
-    worker: Option<Arc<WorkerCore>>,
+    serving: Option<Arc<Serving>>,
+    /// The node's worker-type cores: worker, decode, prefill.
+    cores: Vec<Arc<WorkerCore>>,
     restarts: Arc<RoleRestarts>,
     supervisor: kvmesh_actors::ActorRef<NodeMsg>,
     fault_injection: bool,
@@ -125,13 +170,12 @@ impl NodeState {
             "device": self.record.device,
             "quic_addr": self.record.quic_addr,
             "uptime_s": self.started.elapsed().as_secs_f64(),
-            "role_restarts": {
-                "router": self.restarts.get(Role::Router),
-                "worker": self.restarts.get(Role::Worker),
-            },
+            "role_restarts": Role::ALL
+                .iter()
+                .map(|r| (r.as_str().to_string(), json!(self.restarts.get(*r))))
+                .collect::<serde_json::Map<_, _>>(),
         });
-        if let Some(w) = &self.worker {
-            let r = w.load_report();
+        if let Some(r) = self.serving.as_ref().and_then(|s| s.load_report()) {
             v["load"] = json!({
                 "running": r.running,
                 "waiting": r.waiting,
@@ -139,8 +183,37 @@ impl NodeState {
                 "kv_usage": r.kv_usage,
                 "gen_tokens_per_s": r.gen_tokens_per_s,
                 "capacity_tokens_per_s": r.capacity_tokens_per_s,
-                "requests_served": w.requests_served.load(Ordering::Relaxed),
+                "requests_served": self
+                    .cores
+                    .iter()
+                    .map(|c| c.requests_served.load(Ordering::Relaxed))
+                    .sum::<u64>(),
             });
+            if let Some(p) = r.prefill {
+                v["load"]["prefill"] = json!({
+                    "running": p.running,
+                    "waiting": p.waiting,
+                    "tokens_in_flight": p.tokens_in_flight,
+                    "kv_usage": p.kv_usage,
+                    "tokens_per_s": p.tokens_per_s,
+                });
+            }
+        }
+        if let Some(kv) = self.cores.iter().find_map(|c| c.kv.as_ref()) {
+            {
+                let st = &kv.stats;
+                v["kv"] = json!({
+                    "transport": kv.transport.name(),
+                    "layout": kv.layout.describe(),
+                    "remote": st.remote.load(Ordering::Relaxed),
+                    "cached_locally": st.cached_locally.load(Ordering::Relaxed),
+                    "fallback": st.fallback.load(Ordering::Relaxed),
+                    "sent": st.served.load(Ordering::Relaxed),
+                    "failed": st.failed.load(Ordering::Relaxed),
+                    "bytes_in": st.bytes_in.load(Ordering::Relaxed),
+                    "bytes_out": st.bytes_out.load(Ordering::Relaxed),
+                });
+            }
         }
         if let Some(r) = &self.router {
             v["router"] = json!({
@@ -160,8 +233,18 @@ impl NodeState {
     fn metrics(&self) -> String {
         let mut o = String::new();
         render_restarts(&mut o, &self.restarts);
-        if let Some(w) = &self.worker {
-            kvmesh_gateway::metrics::render_engine(&mut o, &self.record.model, &w.engine);
+        let labelled = self.cores.len() > 1;
+        let engines: Vec<(Option<&str>, &kvmesh_gpu::engine::EngineHandle)> = self
+            .cores
+            .iter()
+            .map(|c| (labelled.then(|| c.role.as_str()), &c.engine))
+            .collect();
+        if !engines.is_empty() {
+            kvmesh_gateway::metrics::render_engines(&mut o, &self.record.model, &engines);
+        }
+        // A node's prefill and decode cores share one KV side.
+        if let Some(kv) = self.cores.iter().find_map(|c| c.kv.as_ref()) {
+            kv.render_metrics(&mut o);
         }
         o
     }
@@ -174,7 +257,7 @@ fn render_restarts(o: &mut String, restarts: &RoleRestarts) {
         "# HELP kvmesh:role_restarts_total Roles restarted by the node supervisor after a crash.\n\
          # TYPE kvmesh:role_restarts_total counter"
     );
-    for role in [Role::Router, Role::Worker] {
+    for role in Role::ALL {
         let _ = writeln!(
             o,
             "kvmesh:role_restarts_total{{role=\"{}\"}} {}",
@@ -219,7 +302,7 @@ async fn crash(State(n): State<Arc<NodeState>>, Path(role): Path<String>) -> Res
     let Some(role) = Role::parse(&role) else {
         return (
             StatusCode::BAD_REQUEST,
-            Json(json!({"error": {"message": format!("unknown role '{role}' (router, worker)")}})),
+            Json(json!({"error": {"message": format!("unknown role '{role}' (router, worker, prefill, decode)")}})),
         )
             .into_response();
     };
@@ -257,62 +340,157 @@ fn declared_capacity(args: &NodeArgs, device: &str) -> f64 {
     }
 }
 
-pub fn run(args: NodeArgs) -> anyhow::Result<()> {
-    let roles: Vec<String> = args.roles.iter().map(|r| r.trim().to_string()).collect();
-    for r in &roles {
-        if !["gateway", "router", "worker"].contains(&r.as_str()) {
-            bail!("unknown role '{r}' in --roles (gateway, router, worker)");
+/// Checks a node's roles.
+fn check_roles(roles: &[String]) -> anyhow::Result<()> {
+    const KNOWN: [&str; 5] = ["gateway", "router", "worker", "prefill", "decode"];
+    for r in roles {
+        if !KNOWN.contains(&r.as_str()) {
+            bail!("unknown role '{r}' in --roles ({})", KNOWN.join(", "));
         }
     }
     let has = |r: &str| roles.iter().any(|x| x == r);
     if has("gateway") && !has("router") {
         bail!("the gateway role sends requests to a router in the same node: use --roles gateway,router");
     }
+    if has("worker") && (has("prefill") || has("decode")) {
+        bail!(
+            "a worker prefills and decodes its own requests: use --roles worker, or \
+             --roles prefill,decode for the two roles on separate engines"
+        );
+    }
+    Ok(())
+}
+
+/// What a prefill and a decode engine must share for KV to mean the same on both.
+fn kv_layout(e: &StartedEngine) -> anyhow::Result<KvLayout> {
+    let spec = e
+        .handle
+        .info
+        .kv_spec
+        .clone()
+        .context("the backend has no KV layout")?;
+    anyhow::ensure!(
+        e.handle.info.kv_transfer,
+        "the {} backend keeps its KV cache in device memory, which KV transfers cannot reach \
+         yet: the prefill and decode roles need the cpu or sim backend",
+        e.device
+    );
+    // The backend family matters beyond the element type: sim KV holds no real values.
+    let family = e.device.split([' ', ':']).next().unwrap_or("");
+    let dtype = match family {
+        "sim" => format!("sim-{}", spec.dtype.as_str()),
+        _ => spec.dtype.as_str().to_string(),
+    };
+    Ok(KvLayout {
+        model: e.fingerprint.clone(),
+        dtype,
+        num_layers: spec.num_layers as u32,
+        block_size: spec.block_size as u32,
+        num_kv_heads: spec.num_kv_heads as u32,
+        head_dim: spec.head_dim as u32,
+    })
+}
+
+/// Refuses to join next to a prefill or decode node of the same model whose KV layout
+/// differs from ours: one could never fill the other's blocks.
+fn check_kv_partners(
+    node_id: &str,
+    roles: &[String],
+    model: &str,
+    layout: &str,
+    members: &[NodeRecord],
+) -> anyhow::Result<()> {
+    let mine: Vec<&str> = ["prefill", "decode"]
+        .into_iter()
+        .filter(|r| roles.iter().any(|x| x == r))
+        .collect();
+    for m in members {
+        if m.node_id == node_id || m.model != model {
+            continue;
+        }
+        let partner = (mine.contains(&"prefill") && m.has_role("decode"))
+            || (mine.contains(&"decode") && m.has_role("prefill"));
+        if partner && m.kv_layout.as_deref() != Some(layout) {
+            bail!(
+                "refusing to join: this {} node {node_id} has {layout}; its partner {} node {} has {}",
+                mine.join(","),
+                if m.has_role("prefill") { "prefill" } else { "decode" },
+                m.node_id,
+                m.kv_layout.as_deref().unwrap_or("no KV layout (an older version?)")
+            );
+        }
+    }
+    Ok(())
+}
+
+pub fn run(args: NodeArgs) -> anyhow::Result<()> {
+    let roles: Vec<String> = args.roles.iter().map(|r| r.trim().to_string()).collect();
+    check_roles(&roles)?;
+    let has = |r: &str| roles.iter().any(|x| x == r);
     anyhow::ensure!(
         args.lease_ttl >= 2,
         "--lease-ttl must be at least 2 seconds"
     );
+    anyhow::ensure!(
+        args.kv_transfer_timeout > 0.0,
+        "--kv-transfer-timeout must be positive"
+    );
+    anyhow::ensure!(
+        (1..=16).contains(&args.kv_streams),
+        "--kv-streams must be between 1 and 16"
+    );
     let node_id = args.node_id.clone().unwrap_or_else(default_node_id);
 
-    // The engine (worker) or just the model's tokenizer and name (gateway/router).
-    let engine = if has("worker") {
+    // The engines (worker or decode, and prefill), or just the model's tokenizer and name
+    // (gateway/router).
+    let generate = if has("worker") || has("decode") {
         Some(start_engine(&args.engine)?)
     } else {
         None
     };
-    let (model_name, tokenizer, max_model_len, block_size, device) = match &engine {
-        Some(e) => (
-            e.name.clone(),
-            e.tokenizer.clone(),
-            e.max_model_len,
-            e.block_size,
-            e.device.clone(),
-        ),
-        None => {
-            let m = match &args.engine.model {
-                Some(dir) => LoadedModel::from_dir(dir)
-                    .with_context(|| format!("loading {}", dir.display()))?,
-                None => LoadedModel::from_embedded(&crate::embedded::DEFAULT_MODEL)
-                    .context("loading the embedded model")?,
-            };
-            let name = args
-                .engine
-                .served_model_name
-                .clone()
-                .unwrap_or_else(|| m.name.clone());
-            let len = args
-                .engine
-                .max_model_len
-                .unwrap_or_else(|| m.config.max_context());
-            (
-                name,
-                m.tokenizer.clone(),
-                len,
-                args.engine.block_size,
-                "none".into(),
-            )
-        }
+    let prefill = if has("prefill") {
+        Some(start_engine(&args.engine)?)
+    } else {
+        None
     };
+    let layout = match generate.as_ref().or(prefill.as_ref()) {
+        Some(e) if has("prefill") || has("decode") => Some(kv_layout(e)?),
+        _ => None,
+    };
+    let (model_name, tokenizer, max_model_len, block_size, device) =
+        match generate.as_ref().or(prefill.as_ref()) {
+            Some(e) => (
+                e.name.clone(),
+                e.tokenizer.clone(),
+                e.max_model_len,
+                e.block_size,
+                e.device.clone(),
+            ),
+            None => {
+                let m = match &args.engine.model {
+                    Some(dir) => LoadedModel::from_dir(dir)
+                        .with_context(|| format!("loading {}", dir.display()))?,
+                    None => LoadedModel::from_embedded(&crate::embedded::DEFAULT_MODEL)
+                        .context("loading the embedded model")?,
+                };
+                let name = args
+                    .engine
+                    .served_model_name
+                    .clone()
+                    .unwrap_or_else(|| m.name.clone());
+                let len = args
+                    .engine
+                    .max_model_len
+                    .unwrap_or_else(|| m.config.max_context());
+                (
+                    name,
+                    m.tokenizer.clone(),
+                    len,
+                    args.engine.block_size,
+                    "none".into(),
+                )
+            }
+        };
     let capacity = declared_capacity(&args, &device);
 
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -361,6 +539,30 @@ pub fn run(args: NodeArgs) -> anyhow::Result<()> {
         };
         let http_url = format!("http://{}", SocketAddr::new(http_host, local_http.port()));
 
+        // A decode node taking KV over TCP listens for it.
+        let kv_listener = match (&layout, args.kv_transport) {
+            (Some(_), KvTransportArg::Tcp) if has("decode") => {
+                let addr = args
+                    .kv_listen
+                    .unwrap_or_else(|| SocketAddr::new(quic_addr.ip(), 0));
+                let l = tokio::net::TcpListener::bind(addr)
+                    .await
+                    .with_context(|| format!("binding the KV listener on {addr}"))?;
+                Some(Arc::new(l))
+            }
+            _ => None,
+        };
+        let kv_tcp_addr = match &kv_listener {
+            Some(l) => {
+                let a = l.local_addr()?;
+                Some(if a.ip().is_unspecified() {
+                    SocketAddr::new(quic_addr.ip(), a.port())
+                } else {
+                    a
+                })
+            }
+            None => None,
+        };
         let record = NodeRecord {
             node_id: node_id.clone(),
             cluster: args.cluster.clone(),
@@ -378,7 +580,13 @@ pub fn run(args: NodeArgs) -> anyhow::Result<()> {
                 .unwrap_or_else(|| identity.fingerprint.clone()),
             version: env!("CARGO_PKG_VERSION").into(),
             started_unix_ms: unix_ms(),
+            kv_layout: layout.as_ref().map(KvLayout::describe),
+            kv_tcp_addr: kv_tcp_addr.map(|a| a.to_string()),
         };
+        if let Some(l) = &record.kv_layout {
+            let members = registry.list().await?;
+            check_kv_partners(&node_id, &roles, &model_name, l, &members)?;
+        }
         let members = registry.subscribe();
         let restarts = Arc::new(RoleRestarts::default());
         // Members (and only members) may dial this node.
@@ -395,19 +603,62 @@ pub fn run(args: NodeArgs) -> anyhow::Result<()> {
                 }
             });
         }
-        let worker = engine.as_ref().map(|e| {
-            WorkerCore::new(node_id.clone(), e.handle.clone(), endpoint.clone(), capacity)
+        // One KV side for the node's prefill and decode cores.
+        let kv = layout.clone().map(|l| {
+            let transport = match kv_tcp_addr {
+                Some(addr) => KvTransport::Tcp {
+                    addr,
+                    connections: args.kv_streams,
+                },
+                None => KvTransport::Quic {
+                    streams: args.kv_streams,
+                },
+            };
+            KvSide::new(
+                l,
+                transport,
+                Duration::from_secs_f64(args.kv_transfer_timeout),
+                endpoint.clone(),
+                kv_listener.clone(),
+            )
         });
-        let router = has("router")
-            .then(|| RouterCore::new(node_id.clone(), model_name.clone(), args.policy, endpoint.clone()));
+        let generate_core = generate.as_ref().map(|e| {
+            let role = if has("decode") { CoreRole::Decode } else { CoreRole::Worker };
+            WorkerCore::new(node_id.clone(), role, e.handle.clone(), capacity, kv.clone())
+        });
+        let prefill_core = prefill.as_ref().map(|e| {
+            WorkerCore::new(node_id.clone(), CoreRole::Prefill, e.handle.clone(), capacity, kv.clone())
+        });
+        if let (Some(kv), Some(p)) = (&kv, &prefill_core) {
+            if has("decode") {
+                *kv.local_prefill.write() = Some(p.clone());
+            }
+        }
+        let cores: Vec<Arc<WorkerCore>> =
+            generate_core.iter().chain(prefill_core.iter()).cloned().collect();
+        let serving = (!cores.is_empty()).then(|| Serving::new(endpoint.clone()));
+        let router = has("router").then(|| {
+            RouterCore::new(
+                node_id.clone(),
+                model_name.clone(),
+                args.policy,
+                DisaggConfig {
+                    min_tokens: args.disagg_min_tokens,
+                    max_queue: args.disagg_max_queue,
+                },
+                endpoint.clone(),
+            )
+        });
         let supervisor = kvmesh_actors::supervisor::start(NodeRoles {
             router: router.clone().map(|r| (r, members.clone())),
-            worker: worker.clone(),
+            serving: serving.clone(),
+            generate: generate_core.clone(),
+            prefill: prefill_core.clone(),
             restarts: restarts.clone(),
         })
         .await
         .map_err(anyhow::Error::msg)?;
-        if let Some(e) = &engine {
+        for e in generate.iter().chain(prefill.iter()) {
             tokio::spawn(crate::serve::log_throughput(e.handle.clone()));
         }
         let registration = registry.register(record.clone()).await?;
@@ -416,7 +667,8 @@ pub fn run(args: NodeArgs) -> anyhow::Result<()> {
             record,
             started: Instant::now(),
             router: router.clone(),
-            worker,
+            serving,
+            cores,
             restarts,
             supervisor,
             fault_injection: args.enable_fault_injection,
@@ -442,6 +694,13 @@ pub fn run(args: NodeArgs) -> anyhow::Result<()> {
             roles.join(","),
             args.policy.as_str()
         );
+        if let Some(l) = &layout {
+            tracing::info!(
+                "KV transfers: {}{}",
+                l.describe(),
+                kv_tcp_addr.map_or(String::new(), |a| format!(", TCP listener {a}"))
+            );
+        }
         if has("gateway") {
             println!("kvmesh listening on {http_url}");
         }
@@ -517,7 +776,9 @@ pub fn cluster_status(args: ClusterStatusArgs) -> anyhow::Result<()> {
                 .and_then(|s| s.get("load"))
                 .map(|l| format!("{}/{}", l["running"], l["waiting"]))
                 .unwrap_or_else(|| "-".into());
-            let worker = r.has_role("worker");
+            let worker = ["worker", "prefill", "decode"]
+                .iter()
+                .any(|x| r.has_role(x));
             let cap = match s
                 .as_ref()
                 .and_then(|s| s["load"]["capacity_tokens_per_s"].as_f64())

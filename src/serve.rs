@@ -94,6 +94,8 @@ pub struct StartedEngine {
     pub max_model_len: usize,
     pub device: String,
     pub block_size: usize,
+    /// The model's fingerprint (see `LoadedModel::fingerprint`).
+    pub fingerprint: String,
 }
 
 pub fn start_engine(args: &EngineArgs) -> anyhow::Result<StartedEngine> {
@@ -130,10 +132,15 @@ pub fn start_engine(args: &EngineArgs) -> anyhow::Result<StartedEngine> {
         }
     };
     if let Some(t) = args.threads {
-        rayon::ThreadPoolBuilder::new()
-            .num_threads(t)
-            .build_global()
-            .context("--threads")?;
+        // A node with two engines (prefill and decode roles) shares one compute pool.
+        static POOL: std::sync::Once = std::sync::Once::new();
+        let mut built = Ok(());
+        POOL.call_once(|| {
+            built = rayon::ThreadPoolBuilder::new()
+                .num_threads(t)
+                .build_global();
+        });
+        built.context("--threads")?;
     }
     let model = match &args.model {
         Some(dir) => {
@@ -146,6 +153,7 @@ pub fn start_engine(args: &EngineArgs) -> anyhow::Result<StartedEngine> {
         .served_model_name
         .clone()
         .unwrap_or_else(|| model.name.clone());
+    let fingerprint = model.fingerprint();
     let budget = match args.num_kv_blocks {
         Some(n) => KvBudget::Blocks(n),
         None => KvBudget::Bytes((args.kv_cache_gib * (1u64 << 30) as f64) as usize),
@@ -203,6 +211,7 @@ pub fn start_engine(args: &EngineArgs) -> anyhow::Result<StartedEngine> {
         max_model_len,
         device,
         block_size: args.block_size,
+        fingerprint,
     })
 }
 

@@ -3,126 +3,17 @@
 //! tests measure nothing about speed; they check who gets which request and what happens
 //! when something dies.
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
+mod common;
+
 use std::time::{Duration, Instant};
 
+use common::cluster::{client, cluster_status, post, status, wait_for, Node};
 use kvmesh_discovery::testing::Etcd;
 use serde_json::{json, Value};
-
-fn bin() -> String {
-    std::env::var("KVMESH_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_kvmesh").into())
-}
-
-/// A `kvmesh node` process; killed on drop.
-struct Node {
-    child: Child,
-    http: String,
-}
-
-impl Node {
-    fn start(etcd: &Etcd, cluster: &str, id: &str, args: &[&str]) -> Node {
-        let mut child = Command::new(bin())
-            .args([
-                "node",
-                "--etcd",
-                &etcd.url(),
-                "--cluster",
-                cluster,
-                "--node-id",
-                id,
-            ])
-            .args(["--lease-ttl", "2"])
-            .args(args)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("start kvmesh node");
-        let stdout = child.stdout.take().unwrap();
-        let (tx, rx) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                if let Some(rest) = line.split(" ready: ").nth(1) {
-                    let http = rest.split(" http ").nth(1).unwrap_or("").to_string();
-                    let _ = tx.send(http);
-                }
-            }
-        });
-        let http = rx
-            .recv_timeout(Duration::from_secs(60))
-            .unwrap_or_else(|_| {
-                let _ = child.kill();
-                panic!("node {id} did not become ready");
-            });
-        Node { child, http }
-    }
-
-    fn worker(etcd: &Etcd, cluster: &str, id: &str, extra: &[&str]) -> Node {
-        let mut args = vec!["--roles", "worker", "--backend", "sim"];
-        args.extend_from_slice(extra);
-        Node::start(etcd, cluster, id, &args)
-    }
-
-    fn gateway(etcd: &Etcd, cluster: &str, id: &str, policy: &str) -> Node {
-        Node::start(
-            etcd,
-            cluster,
-            id,
-            &[
-                "--roles",
-                "gateway,router",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                "0",
-                "--policy",
-                policy,
-                "--enable-fault-injection",
-            ],
-        )
-    }
-
-    fn kill(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-
-    fn terminate(&mut self) {
-        let _ = Command::new("kill")
-            .args(["-TERM", &self.child.id().to_string()])
-            .status();
-        let _ = self.child.wait();
-    }
-}
-
-impl Drop for Node {
-    fn drop(&mut self) {
-        self.kill();
-    }
-}
-
-fn client() -> reqwest::Client {
-    reqwest::Client::builder()
-        .timeout(Duration::from_secs(60))
-        .build()
-        .unwrap()
-}
 
 fn completion(max_tokens: u32) -> Value {
     json!({"model": "shakespeare", "prompt": "Now is the winter of our discontent",
            "max_tokens": max_tokens, "temperature": 0, "ignore_eos": true})
-}
-
-async fn post(http: &reqwest::Client, base: &str, body: Value) -> (u16, Value) {
-    let r = http
-        .post(format!("{base}/v1/completions"))
-        .json(&body)
-        .send()
-        .await
-        .expect("gateway reachable");
-    let status = r.status().as_u16();
-    (status, r.json().await.unwrap_or(Value::Null))
 }
 
 /// A streamed completion: (tokens received, the error event's message if one came, done).
@@ -169,16 +60,6 @@ async fn stream(
     (tokens, error, done)
 }
 
-async fn status(http: &reqwest::Client, node: &Node) -> Value {
-    http.get(format!("{}/status", node.http))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap()
-}
-
 /// How many requests the gateway's router sent to each worker.
 async fn routed(http: &reqwest::Client, gw: &Node) -> std::collections::BTreeMap<String, u64> {
     let s = status(http, gw).await;
@@ -204,37 +85,6 @@ async fn connected_workers(http: &reqwest::Client, gw: &Node) -> Vec<String> {
         .filter(|w| w["connected"].as_bool() == Some(true))
         .map(|w| w["node_id"].as_str().unwrap().to_string())
         .collect()
-}
-
-async fn wait_for(what: &str, secs: u64, mut cond: impl AsyncFnMut() -> bool) -> Duration {
-    let t = Instant::now();
-    while t.elapsed() < Duration::from_secs(secs) {
-        if cond().await {
-            return t.elapsed();
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    panic!("{what}: not within {secs} s");
-}
-
-fn cluster_status(etcd: &Etcd, cluster: &str) -> String {
-    let out = Command::new(bin())
-        .args([
-            "cluster",
-            "status",
-            "--etcd",
-            &etcd.url(),
-            "--cluster",
-            cluster,
-        ])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout).unwrap()
 }
 
 /// Membership, spreading, 503 without workers, a crashed role restarted, a node with a

@@ -2,6 +2,7 @@
 //! worker (a local engine served over QUIC), each a ractor actor under the node supervisor.
 //! Control and lifecycle go through the actors; tokens go through channels and streams.
 
+pub mod disagg;
 pub mod policy;
 pub mod router;
 pub mod supervisor;
@@ -10,6 +11,6 @@ pub mod worker;
 pub use policy::Policy;
 pub use router::{RouteError, RouterCore};
 pub use supervisor::{NodeMsg, NodeRoles, Role, RoleRestarts};
-pub use worker::WorkerCore;
+pub use worker::{CoreRole, Serving, WorkerCore};
 
 pub use ractor::ActorRef;

@@ -82,6 +82,44 @@ pub fn pick(policy: Policy, cands: &[Candidate], req: RequestShape, turn: u64) -
     }
 }
 
+/// A prefill node as the disaggregation choice sees it.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct PrefillCandidate {
+    /// Prompts queued there (its report, plus those this router sent since).
+    pub queued: f64,
+    /// Prompt tokens it holds or has been sent and not finished.
+    pub tokens_queued: f64,
+    /// Prompt tokens per second it computes when busy (0 until measured).
+    pub tokens_per_s: f64,
+    /// KV room, in tokens.
+    pub free_tokens: f64,
+}
+
+/// Before a prefill node has been measured, its rate is taken as this (prompt tokens per
+/// second); the least expected wait then falls back to the fewest queued tokens.
+const UNMEASURED_PREFILL_RATE: f64 = 1000.0;
+
+/// The prefill node with the least expected wait for a prompt of `tokens` uncached tokens,
+/// among those with room: fewer than `max_queue` prompts queued and KV for the prompt.
+pub fn pick_prefill(cands: &[PrefillCandidate], tokens: usize, max_queue: usize) -> Option<usize> {
+    let mut best: Option<(usize, f64)> = None;
+    for (i, c) in cands.iter().enumerate() {
+        if c.queued >= max_queue as f64 || c.free_tokens < tokens as f64 {
+            continue;
+        }
+        let rate = if c.tokens_per_s > 0.0 {
+            c.tokens_per_s
+        } else {
+            UNMEASURED_PREFILL_RATE
+        };
+        let wait = (c.tokens_queued + tokens as f64) / rate;
+        if best.is_none_or(|(_, b)| wait < b) {
+            best = Some((i, wait));
+        }
+    }
+    best.map(|(i, _)| i)
+}
+
 /// The lowest cost; ties broken by starting the scan at `turn`, so equal workers share.
 fn argmin(cands: &[Candidate], turn: u64, cost: impl Fn(&Candidate) -> f64) -> Option<usize> {
     let n = cands.len();
@@ -241,6 +279,25 @@ mod tests {
         // The cached worker is swamped: the idle one wins despite the prefill.
         let cs = vec![c(0.0, 100.0, 0), c(4.0, 100.0, 8)];
         assert_eq!(pick(Policy::Prefix, &cs, SHAPE, 0), Some(0));
+    }
+
+    #[test]
+    fn prefill_goes_to_the_least_expected_wait_among_those_with_room() {
+        let c = |queued: f64, tokens_queued: f64, rate: f64, free: f64| PrefillCandidate {
+            queued,
+            tokens_queued,
+            tokens_per_s: rate,
+            free_tokens: free,
+        };
+        // Twice as fast with twice the queue: equal waits; the faster one with less wins.
+        let cs = vec![c(1.0, 1000.0, 1000.0, 1e6), c(2.0, 1500.0, 2000.0, 1e6)];
+        assert_eq!(pick_prefill(&cs, 500, 8), Some(1));
+        // A full queue or no KV room rules a node out.
+        let cs = vec![c(8.0, 0.0, 1000.0, 1e6), c(0.0, 5000.0, 1000.0, 1e6)];
+        assert_eq!(pick_prefill(&cs, 500, 8), Some(1));
+        let cs = vec![c(0.0, 0.0, 1000.0, 400.0)];
+        assert_eq!(pick_prefill(&cs, 500, 8), None);
+        assert_eq!(pick_prefill(&[], 500, 8), None);
     }
 
     #[test]

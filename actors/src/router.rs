@@ -2,6 +2,12 @@
 //! (pinned to the certificate fingerprint in its record), reads their load reports, and
 //! sends each request to the worker the policy picks.
 //!
+//! Disaggregation is decode-first: the policy picks a worker or decode node; for a decode
+//! node, when the part of the prompt it is not known to cache is at least
+//! `--disagg-min-tokens` and a prefill node with a compatible KV layout has room, the
+//! request names that prefill node (the least expected wait), and the decode node fetches
+//! the prompt's KV from it. Every decision is counted by its reason.
+//!
 //! A worker whose connection breaks is out of routing at once; the registry lease is the
 //! backstop. A request that has not produced a token when its worker fails is retried on
 //! another worker; one already streaming ends with a clear error event.
@@ -17,13 +23,15 @@ use kvmesh_gpu::engine::{FinishReason, Request, SeqEvent, SeqId, Submission};
 use kvmesh_gpu::kv_cache::block_hashes;
 use kvmesh_gpu::sampler::Sampled;
 use kvmesh_transport::wire::{
-    self, Finish, GenerateRequest, LoadReport, StreamRequest, TokenEvent, UniHeader,
+    self, Finish, GenerateRequest, LoadReport, PrefillPeer, StreamRequest, TokenEvent, UniHeader,
 };
 use kvmesh_transport::{Connection, NodeEndpoint};
 use parking_lot::{Mutex, RwLock};
 use tokio::sync::mpsc;
 
-use crate::policy::{pick, Candidate, Policy, PrefixIndex, RequestShape};
+use crate::policy::{
+    pick, pick_prefill, Candidate, Policy, PrefillCandidate, PrefixIndex, RequestShape,
+};
 
 /// How long a request that has produced nothing waits for some worker to take it, after
 /// every worker it tried failed or refused it.
@@ -46,7 +54,13 @@ pub struct WorkerLink {
     /// Requests this router has in flight there, and their tokens (prompt + max_tokens).
     outstanding: AtomicI64,
     outstanding_tokens: AtomicI64,
+    /// Prompts this router sent there to prefill whose first token has not come yet, and
+    /// their uncached tokens.
+    prefills: AtomicI64,
+    prefill_tokens: AtomicI64,
     pub routed: AtomicU64,
+    /// Prompts sent there to prefill.
+    pub prefilled: AtomicU64,
     gone: AtomicBool,
 }
 
@@ -75,6 +89,16 @@ impl WorkerLink {
         own.max(reported)
     }
 
+    /// Takes generate requests (a worker or decode role).
+    pub fn generates(&self) -> bool {
+        self.record.has_role("worker") || self.record.has_role("decode")
+    }
+
+    /// Prefills for decode workers.
+    pub fn prefills(&self) -> bool {
+        self.record.has_role("prefill")
+    }
+
     pub fn capacity(&self) -> f64 {
         self.last_report()
             .map(|r| r.capacity_tokens_per_s as f64)
@@ -90,12 +114,66 @@ pub struct RouterStats {
     pub retries: AtomicU64,
     pub failed_midstream: AtomicU64,
     pub no_worker: AtomicU64,
+    /// Requests routed to decode nodes, by disaggregation decision.
+    pub disagg: [AtomicU64; Decision::COUNT],
+}
+
+/// What the router decided about prefilling a request routed to a decode node.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Decision {
+    /// A prefill node computes the prompt and streams its KV to the decode node.
+    Remote,
+    /// Too little of the prompt is uncached: the decode node prefills it.
+    ShortPrompt,
+    /// No prefill node with this model and KV layout is connected.
+    NoPrefillWorker,
+    /// Every such prefill node has a full queue or no KV room for the prompt.
+    PrefillBusy,
+}
+
+impl Decision {
+    const COUNT: usize = 4;
+    const ALL: [Decision; 4] = [
+        Decision::Remote,
+        Decision::ShortPrompt,
+        Decision::NoPrefillWorker,
+        Decision::PrefillBusy,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Decision::Remote => "remote",
+            Decision::ShortPrompt => "short_prompt",
+            Decision::NoPrefillWorker => "no_prefill_worker",
+            Decision::PrefillBusy => "prefill_busy",
+        }
+    }
+}
+
+/// When to disaggregate.
+#[derive(Clone, Copy, Debug)]
+pub struct DisaggConfig {
+    /// Prefill remotely only prompts with at least this many uncached tokens.
+    pub min_tokens: usize,
+    /// A prefill node with this many prompts queued (reported, or sent by this router and
+    /// not yet started) has no room.
+    pub max_queue: usize,
+}
+
+impl Default for DisaggConfig {
+    fn default() -> Self {
+        DisaggConfig {
+            min_tokens: 256,
+            max_queue: 8,
+        }
+    }
 }
 
 pub struct RouterCore {
     pub node_id: String,
     pub model: String,
     pub policy: Policy,
+    pub disagg: DisaggConfig,
     endpoint: NodeEndpoint,
     workers: RwLock<BTreeMap<String, Arc<WorkerLink>>>,
     prefix: Mutex<PrefixIndex>,
@@ -120,12 +198,14 @@ impl RouterCore {
         node_id: String,
         model: String,
         policy: Policy,
+        disagg: DisaggConfig,
         endpoint: NodeEndpoint,
     ) -> Arc<Self> {
         Arc::new(RouterCore {
             node_id,
             model,
             policy,
+            disagg,
             endpoint,
             workers: RwLock::new(BTreeMap::new()),
             prefix: Mutex::new(PrefixIndex::new(PREFIX_HASHES_PER_WORKER)),
@@ -140,10 +220,11 @@ impl RouterCore {
         self.workers.read().values().cloned().collect()
     }
 
+    /// Connected nodes that take generate requests.
     pub fn routable(&self) -> Vec<Arc<WorkerLink>> {
         self.workers()
             .into_iter()
-            .filter(|w| w.connected())
+            .filter(|w| w.connected() && w.generates())
             .collect()
     }
 
@@ -158,7 +239,12 @@ impl RouterCore {
     pub fn apply_membership(self: &Arc<Self>, members: &Membership) {
         let wanted: BTreeMap<&String, &NodeRecord> = members
             .iter()
-            .filter(|(_, r)| r.roles.iter().any(|x| x == "worker") && r.model == self.model)
+            .filter(|(_, r)| {
+                r.model == self.model
+                    && ["worker", "decode", "prefill"]
+                        .iter()
+                        .any(|role| r.has_role(role))
+            })
             .collect();
         let mut workers = self.workers.write();
         let departed: Vec<String> = workers
@@ -190,7 +276,10 @@ impl RouterCore {
                 report: Mutex::new(None),
                 outstanding: AtomicI64::new(0),
                 outstanding_tokens: AtomicI64::new(0),
+                prefills: AtomicI64::new(0),
+                prefill_tokens: AtomicI64::new(0),
                 routed: AtomicU64::new(0),
+                prefilled: AtomicU64::new(0),
                 gone: AtomicBool::new(false),
             });
             workers.insert(id.clone(), link.clone());
@@ -258,7 +347,54 @@ impl RouterCore {
         Ok(Submission::external(SeqId(id), rx, move || task.abort()))
     }
 
-    fn choose(&self, hashes: &[u64], tried: &HashSet<String>) -> Option<Arc<WorkerLink>> {
+    /// Decides whether a request routed to `decode` is prefilled elsewhere, and where.
+    fn prefill_for(
+        &self,
+        decode: &WorkerLink,
+        prompt_len: usize,
+        cached_blocks: usize,
+    ) -> (Decision, Option<Arc<WorkerLink>>) {
+        let uncached = prompt_len.saturating_sub(cached_blocks * decode.record.block_size);
+        let links: Vec<_> = self
+            .workers()
+            .into_iter()
+            .filter(|w| {
+                w.prefills()
+                    && w.connected()
+                    && w.record.kv_layout.is_some()
+                    && w.record.kv_layout == decode.record.kv_layout
+            })
+            .collect();
+        if links.is_empty() {
+            return (Decision::NoPrefillWorker, None);
+        }
+        if uncached < self.disagg.min_tokens {
+            return (Decision::ShortPrompt, None);
+        }
+        let cands: Vec<PrefillCandidate> = links
+            .iter()
+            .map(|w| {
+                let r = w.last_report().and_then(|r| r.prefill).unwrap_or_default();
+                let total = w
+                    .last_report()
+                    .map_or(0, |r| r.total_blocks as usize * w.record.block_size);
+                PrefillCandidate {
+                    queued: r.waiting as f64 + w.prefills.load(Ordering::Relaxed).max(0) as f64,
+                    tokens_queued: r.tokens_in_flight as f64
+                        + w.prefill_tokens.load(Ordering::Relaxed).max(0) as f64,
+                    tokens_per_s: r.tokens_per_s as f64,
+                    free_tokens: (1.0 - r.kv_usage as f64) * total as f64,
+                }
+            })
+            .collect();
+        match pick_prefill(&cands, uncached, self.disagg.max_queue) {
+            Some(i) => (Decision::Remote, Some(links[i].clone())),
+            None => (Decision::PrefillBusy, None),
+        }
+    }
+
+    /// Picks a node for a request, and how many of its blocks the node is believed to cache.
+    fn choose(&self, hashes: &[u64], tried: &HashSet<String>) -> Option<(Arc<WorkerLink>, usize)> {
         let links: Vec<_> = self
             .routable()
             .into_iter()
@@ -297,7 +433,7 @@ impl RouterCore {
         if self.policy == Policy::Prefix {
             self.prefix.lock().record(&links[i].record.node_id, hashes);
         }
-        Some(links[i].clone())
+        Some((links[i].clone(), cands[i].cached_blocks))
     }
 
     async fn run(self: Arc<Self>, id: u64, req: Request, tx: mpsc::UnboundedSender<SeqEvent>) {
@@ -326,12 +462,13 @@ impl RouterCore {
             ignore_eos: p.ignore_eos,
             logprobs: p.logprobs.map(|n| n as u32),
             traceparent: None,
+            prefill: None,
         };
         let mut tried = HashSet::new();
         let mut last_error = String::from("no worker was connected");
         let give_up = Instant::now() + UNSTARTED_PATIENCE;
         loop {
-            let Some(link) = self.choose(&hashes, &tried) else {
+            let Some((link, cached_blocks)) = self.choose(&hashes, &tried) else {
                 // Nothing has reached the client yet, so the request can still wait for a
                 // worker: one restarting, one joining, or a full one draining its queue.
                 if Instant::now() < give_up && !tx.is_closed() {
@@ -350,7 +487,27 @@ impl RouterCore {
             link.routed.fetch_add(1, Ordering::Relaxed);
             self.stats.routed.fetch_add(1, Ordering::Relaxed);
             let guard = InFlight::new(&link, (req.prompt.len() + p.max_tokens) as i64);
-            let outcome = stream_from(&link, &wire_req, &tx).await;
+            let mut attempt = wire_req.clone();
+            let mut prefill_guard = None;
+            if link.record.has_role("decode") {
+                let (decision, prefill) = self.prefill_for(&link, req.prompt.len(), cached_blocks);
+                self.stats.disagg[decision as usize].fetch_add(1, Ordering::Relaxed);
+                if let Some(pl) = prefill {
+                    let uncached = req
+                        .prompt
+                        .len()
+                        .saturating_sub(cached_blocks * link.record.block_size);
+                    pl.prefilled.fetch_add(1, Ordering::Relaxed);
+                    attempt.prefill = Some(PrefillPeer {
+                        node_id: pl.record.node_id.clone(),
+                        quic_addr: pl.record.quic_addr.clone(),
+                        cert_sha256: pl.record.cert_sha256.clone(),
+                        min_tokens: self.disagg.min_tokens as u32,
+                    });
+                    prefill_guard = Some(PrefillInFlight::new(pl, uncached as i64));
+                }
+            }
+            let outcome = stream_from(&link, &attempt, &tx, &mut prefill_guard).await;
             drop(guard);
             match outcome {
                 Outcome::Done | Outcome::ClientGone => return,
@@ -404,13 +561,44 @@ impl RouterCore {
             "Requests refused because no worker could take them.",
             s.no_worker.load(Ordering::Relaxed),
         );
+        let _ = writeln!(
+            out,
+            "# HELP kvmesh:disagg_decisions_total Requests routed to decode nodes, by whether \
+             and why their prompt was prefilled elsewhere.\n# TYPE kvmesh:disagg_decisions_total counter"
+        );
+        for d in Decision::ALL {
+            let _ = writeln!(
+                out,
+                "kvmesh:disagg_decisions_total{{reason=\"{}\"}} {}",
+                d.as_str(),
+                s.disagg[d as usize].load(Ordering::Relaxed)
+            );
+        }
         let workers = self.workers();
         let _ = writeln!(
             out,
             "# HELP kvmesh:router_workers_routable Workers connected and in routing.\n\
              # TYPE kvmesh:router_workers_routable gauge\nkvmesh:router_workers_routable {}",
-            workers.iter().filter(|w| w.connected()).count()
+            workers
+                .iter()
+                .filter(|w| w.connected() && w.generates())
+                .count()
         );
+        let _ = writeln!(
+            out,
+            "# HELP kvmesh:router_prefill_workers_connected Prefill nodes connected, available to decode nodes.\n\
+             # TYPE kvmesh:router_prefill_workers_connected gauge\nkvmesh:router_prefill_workers_connected {}",
+            workers.iter().filter(|w| w.connected() && w.prefills()).count()
+        );
+        let _ = writeln!(out, "# TYPE kvmesh:prefill_routed_total counter");
+        for w in workers.iter().filter(|w| w.prefills()) {
+            let _ = writeln!(
+                out,
+                "kvmesh:prefill_routed_total{{worker=\"{}\"}} {}",
+                w.record.node_id,
+                w.prefilled.load(Ordering::Relaxed)
+            );
+        }
         let _ = writeln!(out, "# TYPE kvmesh:worker_routed_total counter");
         for w in &workers {
             let _ = writeln!(
@@ -438,6 +626,29 @@ impl RouterCore {
                 w.capacity()
             );
         }
+    }
+}
+
+/// Counts a prompt against a prefill node until its first token comes (or the request ends).
+struct PrefillInFlight {
+    link: Arc<WorkerLink>,
+    tokens: i64,
+}
+
+impl PrefillInFlight {
+    fn new(link: Arc<WorkerLink>, tokens: i64) -> Self {
+        link.prefills.fetch_add(1, Ordering::Relaxed);
+        link.prefill_tokens.fetch_add(tokens, Ordering::Relaxed);
+        PrefillInFlight { link, tokens }
+    }
+}
+
+impl Drop for PrefillInFlight {
+    fn drop(&mut self) {
+        self.link.prefills.fetch_sub(1, Ordering::Relaxed);
+        self.link
+            .prefill_tokens
+            .fetch_sub(self.tokens, Ordering::Relaxed);
     }
 }
 
@@ -488,6 +699,7 @@ async fn stream_from(
     link: &WorkerLink,
     req: &GenerateRequest,
     tx: &mpsc::UnboundedSender<SeqEvent>,
+    prefill: &mut Option<PrefillInFlight>,
 ) -> Outcome {
     let Some(conn) = link.connection() else {
         return Outcome::NotStarted("not connected".into());
@@ -518,6 +730,8 @@ async fn stream_from(
                 cached_tokens,
             })) => {
                 tokens += 1;
+                // The prompt is prefilled: the prefill node no longer holds it.
+                prefill.take();
                 let ev = SeqEvent::Token {
                     sampled: Sampled {
                         token,

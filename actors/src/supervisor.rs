@@ -16,27 +16,37 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use crate::router::RouterCore;
-use crate::worker::WorkerCore;
+use crate::worker::{CoreRole, Serving, WorkerCore};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Role {
     Router,
     Worker,
+    Prefill,
+    Decode,
 }
 
 impl Role {
+    pub const ALL: [Role; 4] = [Role::Router, Role::Worker, Role::Prefill, Role::Decode];
+
     pub fn as_str(self) -> &'static str {
         match self {
             Role::Router => "router",
             Role::Worker => "worker",
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
         }
     }
 
     pub fn parse(s: &str) -> Option<Role> {
-        match s {
-            "router" => Some(Role::Router),
-            "worker" => Some(Role::Worker),
-            _ => None,
+        Role::ALL.into_iter().find(|r| r.as_str() == s)
+    }
+
+    fn of(core: CoreRole) -> Role {
+        match core {
+            CoreRole::Worker => Role::Worker,
+            CoreRole::Prefill => Role::Prefill,
+            CoreRole::Decode => Role::Decode,
         }
     }
 }
@@ -51,23 +61,16 @@ pub enum RoleMsg {
 /// Restart counts per role, read by the node's metrics.
 #[derive(Default)]
 pub struct RoleRestarts {
-    pub router: AtomicU64,
-    pub worker: AtomicU64,
+    counts: [AtomicU64; 4],
 }
 
 impl RoleRestarts {
     pub fn get(&self, role: Role) -> u64 {
-        match role {
-            Role::Router => self.router.load(Ordering::Relaxed),
-            Role::Worker => self.worker.load(Ordering::Relaxed),
-        }
+        self.counts[role as usize].load(Ordering::Relaxed)
     }
 
     fn bump(&self, role: Role) {
-        match role {
-            Role::Router => self.router.fetch_add(1, Ordering::Relaxed),
-            Role::Worker => self.worker.fetch_add(1, Ordering::Relaxed),
-        };
+        self.counts[role as usize].fetch_add(1, Ordering::Relaxed);
     }
 }
 
@@ -115,38 +118,63 @@ impl Actor for RouterActor {
     }
 }
 
-struct WorkerActor;
+/// A worker, prefill or decode role: while it runs, its core takes requests on the node's
+/// endpoint; a decode role taking KV over TCP also runs its KV listener.
+struct CoreActor;
 
-impl Actor for WorkerActor {
+struct CoreState {
+    serving: Arc<Serving>,
+    core: Arc<WorkerCore>,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl Actor for CoreActor {
     type Msg = RoleMsg;
-    type State = JoinHandle<()>;
-    type Arguments = Arc<WorkerCore>;
+    type State = CoreState;
+    type Arguments = (Arc<Serving>, Arc<WorkerCore>);
 
     async fn pre_start(
         &self,
         _myself: ActorRef<Self::Msg>,
-        core: Self::Arguments,
+        (serving, core): Self::Arguments,
     ) -> Result<Self::State, ActorProcessingErr> {
-        Ok(tokio::spawn(core.accept_loop()))
+        let mut tasks = Vec::new();
+        if let Some(kv) = &core.kv {
+            if let Some(l) = &kv.tcp_listener {
+                tasks.push(tokio::spawn(kv.inbox.clone().serve_tcp(l.clone())));
+            }
+        }
+        serving.set(core.role, Some(core.clone()));
+        Ok(CoreState {
+            serving,
+            core,
+            tasks,
+        })
     }
 
     async fn handle(
         &self,
         _myself: ActorRef<Self::Msg>,
         msg: Self::Msg,
-        _state: &mut Self::State,
+        state: &mut Self::State,
     ) -> Result<(), ActorProcessingErr> {
         match msg {
-            RoleMsg::Crash => panic!("worker role: crash requested (fault injection)"),
+            RoleMsg::Crash => panic!(
+                "{} role: crash requested (fault injection)",
+                state.core.role.as_str()
+            ),
         }
     }
 
     async fn post_stop(
         &self,
         _myself: ActorRef<Self::Msg>,
-        task: &mut Self::State,
+        state: &mut Self::State,
     ) -> Result<(), ActorProcessingErr> {
-        task.abort();
+        state.serving.set(state.core.role, None);
+        for t in &state.tasks {
+            t.abort();
+        }
         Ok(())
     }
 }
@@ -155,8 +183,22 @@ impl Actor for WorkerActor {
 #[derive(Clone)]
 pub struct NodeRoles {
     pub router: Option<(Arc<RouterCore>, watch::Receiver<Membership>)>,
-    pub worker: Option<Arc<WorkerCore>>,
+    /// The node's endpoint and the worker-type roles serving on it.
+    pub serving: Option<Arc<Serving>>,
+    /// The worker or decode role's core.
+    pub generate: Option<Arc<WorkerCore>>,
+    pub prefill: Option<Arc<WorkerCore>>,
     pub restarts: Arc<RoleRestarts>,
+}
+
+impl NodeRoles {
+    fn core(&self, role: Role) -> Option<Arc<WorkerCore>> {
+        [&self.generate, &self.prefill]
+            .into_iter()
+            .flatten()
+            .find(|c| Role::of(c.role) == role)
+            .cloned()
+    }
 }
 
 pub enum NodeMsg {
@@ -169,6 +211,7 @@ pub struct NodeSupervisor;
 pub struct SupervisorState {
     roles: NodeRoles,
     children: BTreeMap<Role, ActorRef<RoleMsg>>,
+    accept: Option<JoinHandle<()>>,
 }
 
 async fn start_role(
@@ -182,9 +225,17 @@ async fn start_role(
             let args = roles.router.clone().ok_or("this node has no router role")?;
             Actor::spawn_linked(name, RouterActor, args, sup).await?.0
         }
-        Role::Worker => {
-            let args = roles.worker.clone().ok_or("this node has no worker role")?;
-            Actor::spawn_linked(name, WorkerActor, args, sup).await?.0
+        _ => {
+            let core = roles
+                .core(role)
+                .ok_or_else(|| format!("this node has no {} role", role.as_str()))?;
+            let serving = roles
+                .serving
+                .clone()
+                .ok_or("a worker role needs an endpoint")?;
+            Actor::spawn_linked(name, CoreActor, (serving, core), sup)
+                .await?
+                .0
         }
     };
     Ok(r)
@@ -207,17 +258,34 @@ impl Actor for NodeSupervisor {
         roles: Self::Arguments,
     ) -> Result<Self::State, ActorProcessingErr> {
         let mut children = BTreeMap::new();
-        for role in [Role::Worker, Role::Router] {
+        // Serving roles first, so a router never finds its own node's roles missing.
+        for role in [Role::Prefill, Role::Decode, Role::Worker, Role::Router] {
             let present = match role {
                 Role::Router => roles.router.is_some(),
-                Role::Worker => roles.worker.is_some(),
+                other => roles.core(other).is_some(),
             };
             if present {
                 let r = start_role(role, &roles, myself.get_cell()).await?;
                 children.insert(role, r);
             }
         }
-        Ok(SupervisorState { roles, children })
+        let accept = roles.serving.clone().map(|s| tokio::spawn(s.accept_loop()));
+        Ok(SupervisorState {
+            roles,
+            children,
+            accept,
+        })
+    }
+
+    async fn post_stop(
+        &self,
+        _myself: ActorRef<Self::Msg>,
+        state: &mut Self::State,
+    ) -> Result<(), ActorProcessingErr> {
+        if let Some(a) = &state.accept {
+            a.abort();
+        }
+        Ok(())
     }
 
     async fn handle(

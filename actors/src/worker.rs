@@ -1,8 +1,10 @@
-//! The worker role's data path: accepts routers' QUIC connections, runs each request stream
-//! through the local engine, and pushes load reports on every connection.
+//! The worker roles' data path. A node's QUIC endpoint accepts routers' and decode workers'
+//! connections ([`Serving`]); each request stream goes to the role that takes it: a
+//! generate request to the node's worker or decode role, a prefill request to its prefill
+//! role. Load reports go out on every connection.
 //!
-//! Per-token traffic goes engine channel → QUIC stream directly; the worker actor only owns
-//! the accept loop's lifecycle (see `supervisor.rs`).
+//! Per-token traffic goes engine channel → QUIC stream directly; the role actors only decide
+//! which roles are serving (see `supervisor.rs`).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -12,60 +14,101 @@ use kvmesh_gpu::engine::{EngineHandle, FinishReason, Request, SeqEvent};
 use kvmesh_gpu::error::EngineError;
 use kvmesh_gpu::sampler::SamplingParams;
 use kvmesh_transport::wire::{
-    self, Finish, GenerateRequest, LoadReport, StreamRequest, TokenEvent, TopLogprob, UniHeader,
+    self, Finish, GenerateRequest, LoadReport, PrefillLoad, StreamRequest, TokenEvent, TopLogprob,
+    UniHeader,
 };
-use kvmesh_transport::{peer_fingerprint, Connection, NodeEndpoint};
-use parking_lot::Mutex;
+use kvmesh_transport::{peer_fingerprint, Connection, NodeEndpoint, RecvStream, SendStream};
+use parking_lot::{Mutex, RwLock};
+
+use crate::disagg::{self, KvSide};
 
 /// How often a worker pushes its load to each connected router.
 pub const LOAD_REPORT_INTERVAL: Duration = Duration::from_millis(200);
 
+/// What a worker core does with its engine.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CoreRole {
+    /// Prefills and decodes its own requests (aggregated).
+    Worker,
+    /// Computes prompts for decode workers and sends them the KV.
+    Prefill,
+    /// Decodes; takes prompts' KV from prefill workers when the router says so.
+    Decode,
+}
+
+impl CoreRole {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CoreRole::Worker => "worker",
+            CoreRole::Prefill => "prefill",
+            CoreRole::Decode => "decode",
+        }
+    }
+}
+
 pub struct WorkerCore {
     pub node_id: String,
+    pub role: CoreRole,
     pub engine: EngineHandle,
-    pub endpoint: NodeEndpoint,
     /// Declared capacity (tokens/s) until a measurement replaces it.
     pub declared_capacity: f64,
     meter: Mutex<Meter>,
     pub requests_served: AtomicU64,
+    /// Prefill and decode roles: KV transfer settings, peers and counters.
+    pub kv: Option<Arc<KvSide>>,
 }
 
 /// Generation rate over report intervals. Capacity is the rate one running sequence gets:
 /// engine steps per second of busy time (smoothed). It falls as a node fills, so a router
 /// weighting by it settles where each node's sequences progress equally fast, which gives a
-/// node three times faster about three times the work.
+/// node three times faster about three times the work. The prefill rate is prompt tokens
+/// per second of busy time.
 struct Meter {
     last_tokens: u64,
     last_steps: u64,
     last_busy_us: u64,
+    last_prompt: u64,
     last_at: Instant,
     rate: f64,
     per_seq: f64,
+    prefill_rate: f64,
+}
+
+fn smooth(old: f64, sample: f64) -> f64 {
+    if old == 0.0 {
+        sample
+    } else {
+        0.7 * old + 0.3 * sample
+    }
 }
 
 impl WorkerCore {
     pub fn new(
         node_id: String,
+        role: CoreRole,
         engine: EngineHandle,
-        endpoint: NodeEndpoint,
         declared_capacity: f64,
+        kv: Option<Arc<KvSide>>,
     ) -> Arc<WorkerCore> {
         let s = &engine.stats;
         let meter = Meter {
             last_tokens: s.generation_tokens.load(Ordering::Relaxed),
             last_steps: s.steps.load(Ordering::Relaxed),
             last_busy_us: s.busy_us.load(Ordering::Relaxed),
+            last_prompt: s.prompt_tokens.load(Ordering::Relaxed),
             last_at: Instant::now(),
             rate: 0.0,
             per_seq: 0.0,
+            prefill_rate: 0.0,
         };
         Arc::new(WorkerCore {
             node_id,
+            role,
             engine,
-            endpoint,
             declared_capacity,
             meter: Mutex::new(meter),
             requests_served: AtomicU64::new(0),
+            kv,
         })
     }
 
@@ -73,7 +116,9 @@ impl WorkerCore {
     /// router connections asking at once share one measurement.
     pub fn load_report(&self) -> LoadReport {
         let s = &self.engine.stats;
-        let running = s.running.load(Ordering::Relaxed) as u32;
+        // Sequences waiting for their KV to arrive hold blocks and will decode here.
+        let running =
+            (s.running.load(Ordering::Relaxed) + s.awaiting_kv.load(Ordering::Relaxed)) as u32;
         let waiting = s.waiting.load(Ordering::Relaxed) as u32;
         let total = self.engine.info.num_blocks as u32;
         let free = s.free_blocks.load(Ordering::Relaxed) as u32;
@@ -85,32 +130,36 @@ impl WorkerCore {
             m.rate = (tokens - m.last_tokens) as f64 / dt;
             let steps = s.steps.load(Ordering::Relaxed);
             let busy_us = s.busy_us.load(Ordering::Relaxed);
+            let prompt = s.prompt_tokens.load(Ordering::Relaxed);
             let (d_steps, d_busy) = (steps - m.last_steps, busy_us - m.last_busy_us);
+            let d_prompt = prompt - m.last_prompt;
             m.last_steps = steps;
             m.last_busy_us = busy_us;
+            m.last_prompt = prompt;
             // Only busy time says what the node can do; an idle interval says nothing.
             if d_steps > 0 && d_busy > 0 {
-                let sample = d_steps as f64 / (d_busy as f64 / 1e6);
-                m.per_seq = if m.per_seq == 0.0 {
-                    sample
-                } else {
-                    0.7 * m.per_seq + 0.3 * sample
-                };
+                let busy_s = d_busy as f64 / 1e6;
+                m.per_seq = smooth(m.per_seq, d_steps as f64 / busy_s);
+                if d_prompt > 0 {
+                    m.prefill_rate = smooth(m.prefill_rate, d_prompt as f64 / busy_s);
+                }
             }
             m.last_tokens = tokens;
             m.last_at = now;
         }
+        let kv_usage = if total == 0 {
+            0.0
+        } else {
+            1.0 - free as f32 / total as f32
+        };
+        // KV blocks in use, in tokens: what the sequences hold.
+        let tokens_in_flight =
+            (total.saturating_sub(free) as u64) * self.engine.info.config.block_size as u64;
         LoadReport {
             running,
             waiting,
-            // KV blocks in use, in tokens: what the running sequences hold.
-            tokens_in_flight: (total.saturating_sub(free) as u64)
-                * self.engine.info.config.block_size as u64,
-            kv_usage: if total == 0 {
-                0.0
-            } else {
-                1.0 - free as f32 / total as f32
-            },
+            tokens_in_flight,
+            kv_usage,
             total_blocks: total,
             gen_tokens_per_s: m.rate as f32,
             capacity_tokens_per_s: if m.per_seq > 0.0 {
@@ -118,77 +167,30 @@ impl WorkerCore {
             } else {
                 self.declared_capacity as f32
             },
+            prefill: (self.role == CoreRole::Prefill).then(|| PrefillLoad {
+                running,
+                waiting,
+                tokens_in_flight,
+                kv_usage,
+                tokens_per_s: m.prefill_rate as f32,
+            }),
         }
     }
 
-    /// Accepts connections until the endpoint closes.
-    pub async fn accept_loop(self: Arc<Self>) {
-        while let Some(incoming) = self.endpoint.accept().await {
-            let core = self.clone();
-            tokio::spawn(async move {
-                match incoming.await {
-                    Ok(conn) => core.serve_connection(conn).await,
-                    // Outsiders (unknown certificates) end here.
-                    Err(e) => tracing::warn!("refused a QUIC connection: {e}"),
-                }
-            });
-        }
-    }
-
-    async fn serve_connection(self: Arc<Self>, conn: Connection) {
-        let peer = peer_fingerprint(&conn).unwrap_or_default();
-        tracing::info!(
-            "router {} connected from {}",
-            &peer[..peer.len().min(12)],
-            conn.remote_address()
-        );
-        let reporter = tokio::spawn(report_load(self.clone(), conn.clone()));
-        loop {
-            match conn.accept_bi().await {
-                Ok((send, recv)) => {
-                    let core = self.clone();
-                    tokio::spawn(async move { core.serve_request(send, recv).await });
-                }
-                Err(e) => {
-                    tracing::info!(
-                        "router connection from {} ended: {e}",
-                        conn.remote_address()
-                    );
-                    break;
+    /// A router's generate request: runs it through the engine, streaming token events. A
+    /// decode role first takes the prompt's KV from the prefill worker the router named.
+    pub async fn serve_generate(self: Arc<Self>, mut send: SendStream, req: GenerateRequest) {
+        let mut router_gone = Box::pin(send.stopped());
+        let sub = match (&req.prefill, &self.kv) {
+            (Some(peer), Some(kv)) if self.role == CoreRole::Decode => {
+                match disagg::decode(&self, kv, &req, peer, &mut router_gone).await {
+                    Ok(Some(sub)) => Ok(sub),
+                    Ok(None) => return,
+                    Err(e) => Err(e),
                 }
             }
-        }
-        reporter.abort();
-    }
-
-    async fn serve_request(&self, mut send: wire_send::Send, mut recv: wire_send::Recv) {
-        let req: GenerateRequest = match wire::read_msg(&mut recv).await {
-            Ok(Some(StreamRequest::Generate(r))) => r,
-            Ok(Some(StreamRequest::Prefill(_))) => {
-                let _ = wire::write_msg(
-                    &mut send,
-                    &TokenEvent::Rejected {
-                        message: "this worker does not take prefill requests".into(),
-                        retryable: false,
-                    },
-                )
-                .await;
-                return;
-            }
-            Ok(None) => return,
-            Err(e) => {
-                let _ = wire::write_msg(
-                    &mut send,
-                    &TokenEvent::Rejected {
-                        message: format!("unreadable request: {e}"),
-                        retryable: false,
-                    },
-                )
-                .await;
-                return;
-            }
+            _ => self.engine.submit(to_engine_request(&req)),
         };
-        let sub = self.engine.submit(to_engine_request(&req));
         let mut sub = match sub {
             Ok(s) => s,
             Err(e) => {
@@ -210,7 +212,7 @@ impl WorkerCore {
             let ev = tokio::select! {
                 ev = sub.events.recv() => ev,
                 // The router stopped reading: its client went away. Dropping `sub` aborts.
-                _ = send.stopped() => return,
+                _ = &mut router_gone => return,
             };
             let (msg, last) = match ev {
                 Some(SeqEvent::Token {
@@ -256,13 +258,7 @@ impl WorkerCore {
     }
 }
 
-/// Stream types, named once.
-mod wire_send {
-    pub type Send = kvmesh_transport::SendStream;
-    pub type Recv = kvmesh_transport::RecvStream;
-}
-
-fn to_engine_request(r: &GenerateRequest) -> Request {
+pub(crate) fn to_engine_request(r: &GenerateRequest) -> Request {
     Request {
         prompt: r.prompt.clone(),
         params: SamplingParams {
@@ -278,8 +274,140 @@ fn to_engine_request(r: &GenerateRequest) -> Request {
     }
 }
 
-/// Pushes load reports to one router until its connection ends.
-async fn report_load(core: Arc<WorkerCore>, conn: Connection) {
+/// A node's QUIC endpoint and the roles serving on it: requests are handed to whichever
+/// role takes them, while its actor has it registered.
+pub struct Serving {
+    pub endpoint: NodeEndpoint,
+    /// The worker or decode role: takes generate requests.
+    generate: RwLock<Option<Arc<WorkerCore>>>,
+    /// The prefill role: takes prefill requests.
+    prefill: RwLock<Option<Arc<WorkerCore>>>,
+}
+
+impl Serving {
+    pub fn new(endpoint: NodeEndpoint) -> Arc<Serving> {
+        Arc::new(Serving {
+            endpoint,
+            generate: RwLock::new(None),
+            prefill: RwLock::new(None),
+        })
+    }
+
+    /// Puts a role's core in service (`Some`) or out of it (`None`).
+    pub fn set(&self, role: CoreRole, core: Option<Arc<WorkerCore>>) {
+        match role {
+            CoreRole::Prefill => *self.prefill.write() = core,
+            CoreRole::Worker | CoreRole::Decode => *self.generate.write() = core,
+        }
+    }
+
+    /// The node's load, as routers see it: the generating role's, with the prefill role's
+    /// beside it.
+    pub fn load_report(&self) -> Option<LoadReport> {
+        let gen = self.generate.read().clone();
+        let pre = self.prefill.read().clone();
+        match (gen, pre) {
+            (Some(g), Some(p)) => {
+                let mut r = g.load_report();
+                r.prefill = p.load_report().prefill;
+                Some(r)
+            }
+            (Some(c), None) | (None, Some(c)) => Some(c.load_report()),
+            (None, None) => None,
+        }
+    }
+
+    /// Accepts connections until the endpoint closes.
+    pub async fn accept_loop(self: Arc<Self>) {
+        while let Some(incoming) = self.endpoint.accept().await {
+            let serving = self.clone();
+            tokio::spawn(async move {
+                match incoming.await {
+                    Ok(conn) => serving.serve_connection(conn).await,
+                    // Outsiders (unknown certificates) end here.
+                    Err(e) => tracing::warn!("refused a QUIC connection: {e}"),
+                }
+            });
+        }
+    }
+
+    async fn serve_connection(self: Arc<Self>, conn: Connection) {
+        let peer = peer_fingerprint(&conn).unwrap_or_default();
+        tracing::info!(
+            "peer {} connected from {}",
+            &peer[..peer.len().min(12)],
+            conn.remote_address()
+        );
+        let reporter = tokio::spawn(report_load(self.clone(), conn.clone()));
+        loop {
+            match conn.accept_bi().await {
+                Ok((send, recv)) => {
+                    let serving = self.clone();
+                    let conn = conn.clone();
+                    tokio::spawn(async move { serving.serve_stream(conn, send, recv).await });
+                }
+                Err(e) => {
+                    tracing::info!("connection from {} ended: {e}", conn.remote_address());
+                    break;
+                }
+            }
+        }
+        reporter.abort();
+    }
+
+    async fn serve_stream(&self, conn: Connection, mut send: SendStream, mut recv: RecvStream) {
+        let reject = |message: String, retryable: bool| TokenEvent::Rejected { message, retryable };
+        let msg = match wire::read_msg::<StreamRequest>(&mut recv).await {
+            Ok(Some(m)) => m,
+            Ok(None) => return,
+            Err(e) => {
+                let _ = wire::write_msg(
+                    &mut send,
+                    &reject(format!("unreadable request: {e}"), false),
+                )
+                .await;
+                return;
+            }
+        };
+        match msg {
+            StreamRequest::Generate(req) => {
+                let core = self.generate.read().clone();
+                match core {
+                    Some(c) => c.serve_generate(send, req).await,
+                    None => {
+                        let why = if self.prefill.read().is_some() {
+                            "this node only prefills"
+                        } else {
+                            "this node's worker role is restarting"
+                        };
+                        let _ = wire::write_msg(&mut send, &reject(why.into(), true)).await;
+                        let _ = send.finish();
+                    }
+                }
+            }
+            StreamRequest::Prefill(req) => {
+                let core = self.prefill.read().clone();
+                match core {
+                    Some(c) => c.serve_prefill(conn, send, req).await,
+                    None => {
+                        let _ = wire::write_msg(
+                            &mut send,
+                            &kvmesh_transport::kv::PrefillEvent::Failed {
+                                message: "this node has no prefill role".into(),
+                                retryable: false,
+                            },
+                        )
+                        .await;
+                        let _ = send.finish();
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Pushes load reports on one connection until it ends.
+async fn report_load(serving: Arc<Serving>, conn: Connection) {
     let Ok(mut send) = conn.open_uni().await else {
         return;
     };
@@ -289,10 +417,10 @@ async fn report_load(core: Arc<WorkerCore>, conn: Connection) {
     let mut tick = tokio::time::interval(LOAD_REPORT_INTERVAL);
     loop {
         tick.tick().await;
-        if wire::write_msg(&mut send, &core.load_report())
-            .await
-            .is_err()
-        {
+        let Some(report) = serving.load_report() else {
+            continue;
+        };
+        if wire::write_msg(&mut send, &report).await.is_err() {
             return;
         }
     }

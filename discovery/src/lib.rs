@@ -49,6 +49,13 @@ pub struct NodeRecord {
     pub cert_sha256: String,
     pub version: String,
     pub started_unix_ms: u64,
+    /// Prefill and decode roles: the KV cache's layout (model fingerprint, dtype, shapes,
+    /// block size), which both ends of a KV transfer must share.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_layout: Option<String>,
+    /// A decode worker taking KV over TCP: its KV listener.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_tcp_addr: Option<String>,
 }
 
 impl NodeRecord {
@@ -230,6 +237,8 @@ pub(crate) fn test_record(cluster: &str, node_id: &str) -> NodeRecord {
         cert_sha256: "00".repeat(32),
         version: "0.1.0".into(),
         started_unix_ms: 1,
+        kv_layout: None,
+        kv_tcp_addr: None,
     }
 }
 

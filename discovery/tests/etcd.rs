@@ -34,6 +34,8 @@ fn record(cluster: &str, node_id: &str) -> NodeRecord {
         cert_sha256: "ab".repeat(32),
         version: env!("CARGO_PKG_VERSION").into(),
         started_unix_ms: 1_700_000_000_000,
+        kv_layout: None,
+        kv_tcp_addr: None,
     }
 }
 

@@ -132,75 +132,103 @@ impl Metrics {
 /// The engine's gauges and counters, for a gateway whose engine runs in this process (and
 /// for a worker's own metrics page).
 pub fn render_engine(o: &mut String, model: &str, engine: &EngineHandle) {
-    let l = format!("model_name=\"{model}\"");
-    let s = &engine.stats;
-    let gauge = |o: &mut String, name: &str, help: &str, v: f64| {
-        let _ = writeln!(
-            o,
-            "# HELP {name} {help}\n# TYPE {name} gauge\n{name}{{{l}}} {v}"
-        );
-    };
-    let counter = |o: &mut String, name: &str, help: &str, v: u64| {
-        let _ = writeln!(
-            o,
-            "# HELP {name} {help}\n# TYPE {name} counter\n{name}{{{l}}} {v}"
-        );
-    };
-    let total = engine.info.num_blocks.max(1) as f64;
-    let free = s.free_blocks.load(Ordering::Relaxed) as f64;
-    gauge(
+    render_engines(o, model, &[(None, engine)]);
+}
+
+/// Several engines of one node (a prefill and a decode role), one series each, told apart
+/// by a `role` label.
+pub fn render_engines(o: &mut String, model: &str, engines: &[(Option<&str>, &EngineHandle)]) {
+    let labels: Vec<String> = engines
+        .iter()
+        .map(|(role, _)| match role {
+            Some(r) => format!("model_name=\"{model}\",role=\"{r}\""),
+            None => format!("model_name=\"{model}\""),
+        })
+        .collect();
+    let family =
+        |o: &mut String, kind: &str, name: &str, help: &str, v: &dyn Fn(&EngineHandle) -> f64| {
+            let _ = writeln!(o, "# HELP {name} {help}\n# TYPE {name} {kind}");
+            for (l, (_, e)) in labels.iter().zip(engines) {
+                let _ = writeln!(o, "{name}{{{l}}} {}", v(e));
+            }
+        };
+    let load = |a: &std::sync::atomic::AtomicUsize| a.load(Ordering::Relaxed) as f64;
+    let count = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed) as f64;
+    family(
         o,
+        "gauge",
         "kvmesh:num_requests_running",
         "Sequences in the running batch.",
-        s.running.load(Ordering::Relaxed) as f64,
+        &|e| load(&e.stats.running),
     );
-    gauge(
+    family(
         o,
+        "gauge",
         "kvmesh:num_requests_waiting",
         "Sequences waiting to be scheduled.",
-        s.waiting.load(Ordering::Relaxed) as f64,
+        &|e| load(&e.stats.waiting),
     );
-    gauge(
+    family(
         o,
+        "gauge",
+        "kvmesh:num_requests_awaiting_kv",
+        "Sequences holding blocks while their prompt's KV arrives from a prefill worker.",
+        &|e| load(&e.stats.awaiting_kv),
+    );
+    family(
+        o,
+        "gauge",
         "kvmesh:kv_cache_usage_perc",
-        "Fraction of KV blocks held by live sequences (1 = full).",
-        1.0 - free / total,
+        "Fraction of KV blocks held by live sequences or lent to transfers (1 = full).",
+        &|e| 1.0 - load(&e.stats.free_blocks) / e.info.num_blocks.max(1) as f64,
     );
-    gauge(o, "kvmesh:num_kv_blocks", "KV blocks in the cache.", total);
-    counter(
+    family(
         o,
+        "gauge",
+        "kvmesh:num_kv_blocks",
+        "KV blocks in the cache.",
+        &|e| e.info.num_blocks.max(1) as f64,
+    );
+    family(
+        o,
+        "counter",
         "kvmesh:prefix_cache_queries_total",
         "Prompt tokens looked up in the prefix cache.",
-        s.prefix_queries.load(Ordering::Relaxed),
+        &|e| count(&e.stats.prefix_queries),
     );
-    counter(
+    family(
         o,
+        "counter",
         "kvmesh:prefix_cache_hits_total",
         "Prompt tokens found in the prefix cache.",
-        s.prefix_hits.load(Ordering::Relaxed),
+        &|e| count(&e.stats.prefix_hits),
     );
-    counter(
+    family(
         o,
+        "counter",
         "kvmesh:num_preemptions_total",
         "Sequences preempted for lack of KV blocks.",
-        s.preemptions.load(Ordering::Relaxed),
+        &|e| count(&e.stats.preemptions),
     );
-    counter(
+    family(
         o,
+        "counter",
         "kvmesh:prompt_tokens_total",
         "Prompt tokens computed (prefix cache hits excluded).",
-        s.prompt_tokens.load(Ordering::Relaxed),
+        &|e| count(&e.stats.prompt_tokens),
     );
-    counter(
+    family(
         o,
+        "counter",
         "kvmesh:generation_tokens_total",
         "Tokens generated.",
-        s.generation_tokens.load(Ordering::Relaxed),
+        &|e| count(&e.stats.generation_tokens),
     );
-    counter(
+    family(
         o,
+        "counter",
         "kvmesh:engine_steps_total",
         "Engine steps run.",
-        s.steps.load(Ordering::Relaxed),
+        &|e| count(&e.stats.steps),
     );
 }

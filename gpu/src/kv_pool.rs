@@ -144,10 +144,12 @@ impl HostKvPool {
                     k.push(a);
                     v.push(b);
                 }
-                _ => return Err(EngineError::Backend(format!(
+                _ => {
+                    return Err(EngineError::Backend(format!(
                     "cannot allocate a KV cache of {num_blocks} blocks ({:.2} GiB); ask for fewer",
                     2.0 * spec.num_layers as f64 * per as f64 / (1u64 << 30) as f64
-                ))),
+                )))
+                }
             }
         }
         Ok(HostKvPool {

@@ -81,6 +81,34 @@ impl LoadedModel {
         })
     }
 
+    /// A short fingerprint of what makes two copies of a model compute the same numbers:
+    /// the parsed config, the vocabulary's size and end ids, every tensor's name, dtype and
+    /// shape, and a sample of every tensor's bytes (its start, middle and end). Two workers
+    /// that disagree on it must not exchange KV.
+    pub fn fingerprint(&self) -> String {
+        let mut h = Fnv::default();
+        h.write(format!("{:?}", self.config).as_bytes());
+        h.write(&(self.tokenizer.vocab_size() as u64).to_le_bytes());
+        for id in self.tokenizer.eos_ids() {
+            h.write(&id.to_le_bytes());
+        }
+        let mut names = self.weights.names();
+        names.sort_unstable();
+        for name in names {
+            let Some((info, bytes)) = self.weights.raw(name) else {
+                continue;
+            };
+            h.write(name.as_bytes());
+            h.write(format!("{:?}{:?}", info.dtype, info.shape).as_bytes());
+            const SAMPLE: usize = 256;
+            let n = bytes.len();
+            for start in [0, n / 2, n.saturating_sub(SAMPLE)] {
+                h.write(&bytes[start.min(n)..(start + SAMPLE).min(n)]);
+            }
+        }
+        format!("{:016x}", h.0)
+    }
+
     fn checked(m: LoadedModel) -> Result<LoadedModel> {
         check_tensors(&m.config, &m.weights)?;
         if m.tokenizer.vocab_size() > m.config.vocab_size {
@@ -278,6 +306,25 @@ pub fn build_backend(
                 span,
                 avoid,
             )?))
+        }
+    }
+}
+
+/// 64-bit FNV-1a: small and stable across machines and versions (the standard library's
+/// hashers are neither promised to be).
+struct Fnv(u64);
+
+impl Default for Fnv {
+    fn default() -> Self {
+        Fnv(0xcbf2_9ce4_8422_2325)
+    }
+}
+
+impl Fnv {
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 ^= b as u64;
+            self.0 = self.0.wrapping_mul(0x0000_0100_0000_01b3);
         }
     }
 }

@@ -30,6 +30,19 @@ pub struct GenerateRequest {
     pub logprobs: Option<u32>,
     /// W3C trace context of the caller's span.
     pub traceparent: Option<String>,
+    /// The prefill worker to take the prompt's KV from, when the router disaggregates.
+    pub prefill: Option<PrefillPeer>,
+}
+
+/// A prefill worker as a decode worker needs to reach it.
+#[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Clone, Debug, PartialEq)]
+pub struct PrefillPeer {
+    pub node_id: String,
+    pub quic_addr: String,
+    pub cert_sha256: String,
+    /// Prefill remotely only when at least this many prompt tokens are not cached on the
+    /// decode worker (which knows its cache exactly; the router only estimates it).
+    pub min_tokens: u32,
 }
 
 #[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Clone, Debug, PartialEq)]
@@ -93,6 +106,18 @@ pub struct LoadReport {
     /// Tokens per second one running sequence gets, smoothed over busy intervals (the
     /// declared capacity until the node has been busy).
     pub capacity_tokens_per_s: f32,
+    /// The node's prefill role, when it has one: requests queued and prompt tokens held,
+    /// KV use, and prompt tokens per busy second.
+    pub prefill: Option<PrefillLoad>,
+}
+
+#[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Clone, Debug, Default, PartialEq)]
+pub struct PrefillLoad {
+    pub running: u32,
+    pub waiting: u32,
+    pub tokens_in_flight: u64,
+    pub kv_usage: f32,
+    pub tokens_per_s: f32,
 }
 
 /// Serializes a message to its frame payload.
@@ -250,6 +275,12 @@ mod tests {
             ignore_eos: true,
             logprobs: Some(2),
             traceparent: Some("00-abc-def-01".into()),
+            prefill: Some(PrefillPeer {
+                node_id: "p1".into(),
+                quic_addr: "127.0.0.1:7000".into(),
+                cert_sha256: "00".repeat(32),
+                min_tokens: 64,
+            }),
         };
         assert_eq!(decode::<GenerateRequest>(&encode(&r).unwrap()).unwrap(), r);
         let e = TokenEvent::Token {

@@ -58,6 +58,9 @@ pub enum ExportEvent {
     Ready { lease: KvLease, computed: usize },
     /// K and V of `layer` are final for every position below `upto`.
     Layer { layer: usize, upto: usize },
+    /// The first token was drawn; the request's generator is now in this state (sent
+    /// before the token itself arrives on the submission).
+    Sampled { rng: [u64; 4] },
 }
 
 impl KvLease {

@@ -880,6 +880,9 @@ impl Engine {
         for ((&i, sampled), rng) in sampling.iter().zip(out).zip(rngs) {
             let s = &mut self.running[i];
             s.rng = rng;
+            if let Mode::Export { tx, .. } = &s.mode {
+                let _ = tx.send(ExportEvent::Sampled { rng: s.rng.state() });
+            }
             if emit(&self.stats, &self.eos_ids, &self.cfg, s, sampled) {
                 done.push(i);
             }

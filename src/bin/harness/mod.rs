@@ -1,0 +1,286 @@
+//! What the cluster benchmark programs share: starting `kvmesh` processes, driving streamed
+//! requests through the OpenAI API with per-token timestamps, and summarising them.
+
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvmesh_discovery::testing::Etcd;
+use serde_json::{json, Value};
+use tokio::sync::Semaphore;
+
+pub fn kvmesh_bin() -> PathBuf {
+    let me = std::env::current_exe().expect("current exe");
+    me.with_file_name("kvmesh")
+}
+
+pub struct Proc {
+    pub child: Child,
+    pub http: String,
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Starts `kvmesh <args>` and waits for the line naming its HTTP address.
+pub fn spawn(args: &[String]) -> Proc {
+    let mut child = Command::new(kvmesh_bin())
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap_or_else(|e| {
+            panic!(
+                "starting {}: {e} (build it: cargo build --release)",
+                kvmesh_bin().display()
+            )
+        });
+    let out = child.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(out).lines().map_while(Result::ok) {
+            if let Some(u) = line.strip_prefix("kvmesh listening on ") {
+                let _ = tx.send(u.to_string());
+            } else if let Some(rest) = line.split(" ready: ").nth(1) {
+                if let Some(u) = rest.split(" http ").nth(1) {
+                    let _ = tx.send(u.to_string());
+                }
+            }
+        }
+    });
+    let http = rx
+        .recv_timeout(Duration::from_secs(60))
+        .unwrap_or_else(|_| panic!("kvmesh {args:?} did not start"));
+    Proc { child, http }
+}
+
+pub fn s(v: &[&str]) -> Vec<String> {
+    v.iter().map(|x| x.to_string()).collect()
+}
+
+pub fn node(etcd: &Etcd, cluster: &str, id: &str, extra: &[&str]) -> Proc {
+    let mut a = s(&[
+        "node",
+        "--etcd",
+        &etcd.url(),
+        "--cluster",
+        cluster,
+        "--node-id",
+        id,
+    ]);
+    a.extend(s(extra));
+    spawn(&a)
+}
+
+pub fn gateway(etcd: &Etcd, cluster: &str, policy: &str) -> Proc {
+    gateway_with(etcd, cluster, policy, &[])
+}
+
+pub fn gateway_with(etcd: &Etcd, cluster: &str, policy: &str, extra: &[&str]) -> Proc {
+    let mut a = vec![
+        "--roles",
+        "gateway,router",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--policy",
+        policy,
+    ];
+    a.extend_from_slice(extra);
+    node(etcd, cluster, "gw", &a)
+}
+
+/// Waits until the gateway's router is connected to `n` nodes (of any worker role).
+pub async fn wait_workers(http: &reqwest::Client, gw: &Proc, n: usize) {
+    let t = Instant::now();
+    loop {
+        let st: Value = http
+            .get(format!("{}/status", gw.http))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        let up = st["router"]["workers"]
+            .as_array()
+            .map_or(0, |w| w.iter().filter(|w| w["connected"] == true).count());
+        if up >= n {
+            return;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "workers did not connect"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// One streamed request's timings.
+#[derive(Clone, Debug, Default)]
+pub struct Sample {
+    pub ok: bool,
+    pub ttft: f64,
+    pub e2e: f64,
+    pub output_tokens: u64,
+    pub prompt_tokens: u64,
+    pub cached_tokens: u64,
+    /// When each chunk with text arrived, in seconds from the start.
+    pub token_times: Vec<f64>,
+}
+
+impl Sample {
+    /// Time per output token after the first: (E2E - TTFT) / (n - 1).
+    pub fn tpot(&self) -> Option<f64> {
+        (self.output_tokens > 1).then(|| (self.e2e - self.ttft) / (self.output_tokens - 1) as f64)
+    }
+
+    /// Gaps between consecutive text chunks.
+    pub fn itls(&self) -> impl Iterator<Item = f64> + '_ {
+        self.token_times.windows(2).map(|w| w[1] - w[0])
+    }
+}
+
+/// A streamed completion request for `prompt` (text or token ids).
+pub fn completion(prompt: Value, max_tokens: u32) -> Value {
+    json!({"model": "shakespeare", "prompt": prompt, "max_tokens": max_tokens,
+        "temperature": 0, "ignore_eos": true, "stream": true,
+        "stream_options": {"include_usage": true}})
+}
+
+pub async fn one(http: &reqwest::Client, base: &str, prompt: &str, max_tokens: u32) -> Sample {
+    one_body(http, base, completion(json!(prompt), max_tokens)).await
+}
+
+pub async fn one_body(http: &reqwest::Client, base: &str, body: Value) -> Sample {
+    let t0 = Instant::now();
+    let Ok(mut r) = http
+        .post(format!("{base}/v1/completions"))
+        .json(&body)
+        .send()
+        .await
+    else {
+        return Sample::default();
+    };
+    if !r.status().is_success() {
+        return Sample::default();
+    }
+    let mut out = Sample::default();
+    let mut buf = String::new();
+    while let Ok(Some(chunk)) = r.chunk().await {
+        buf.push_str(&String::from_utf8_lossy(&chunk));
+        while let Some(i) = buf.find("\n\n") {
+            let ev: String = buf.drain(..i + 2).collect();
+            let data = ev.trim().trim_start_matches("data: ");
+            if data == "[DONE]" {
+                out.ok = true;
+                continue;
+            }
+            let v: Value = serde_json::from_str(data).unwrap_or(Value::Null);
+            if v["choices"][0]["text"].is_string() {
+                let t = t0.elapsed().as_secs_f64();
+                if out.token_times.is_empty() {
+                    out.ttft = t;
+                }
+                out.token_times.push(t);
+            }
+            if let Some(u) = v.get("usage").filter(|u| !u.is_null()) {
+                out.output_tokens = u["completion_tokens"].as_u64().unwrap_or(0);
+                out.prompt_tokens = u["prompt_tokens"].as_u64().unwrap_or(0);
+                out.cached_tokens = u["prompt_tokens_details"]["cached_tokens"]
+                    .as_u64()
+                    .unwrap_or(0);
+            }
+            if v.get("error").is_some() {
+                out.ok = false;
+                return out;
+            }
+        }
+    }
+    out.e2e = t0.elapsed().as_secs_f64();
+    out
+}
+
+pub fn pct(v: &[f64], p: f64) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    let mut v = v.to_vec();
+    v.sort_by(f64::total_cmp);
+    let x = p / 100.0 * (v.len() - 1) as f64;
+    let (lo, hi) = (x.floor() as usize, x.ceil() as usize);
+    v[lo] + (v[hi] - v[lo]) * (x - lo as f64)
+}
+
+pub fn mean(v: &[f64]) -> f64 {
+    v.iter().sum::<f64>() / v.len().max(1) as f64
+}
+
+/// Runs `prompts` at `concurrency`; returns (samples, wall seconds).
+pub async fn run_load(
+    http: &reqwest::Client,
+    base: &str,
+    prompts: Vec<String>,
+    max_tokens: u32,
+    concurrency: usize,
+) -> (Vec<Sample>, f64) {
+    let sem = Arc::new(Semaphore::new(concurrency));
+    let t0 = Instant::now();
+    let tasks: Vec<_> = prompts
+        .into_iter()
+        .map(|p| {
+            let (http, base, sem) = (http.clone(), base.to_string(), sem.clone());
+            tokio::spawn(async move {
+                let _permit = sem.acquire_owned().await.unwrap();
+                one(&http, &base, &p, max_tokens).await
+            })
+        })
+        .collect();
+    let mut out = Vec::new();
+    for t in tasks {
+        out.push(t.await.unwrap());
+    }
+    (out, t0.elapsed().as_secs_f64())
+}
+
+pub fn summary(label: &str, samples: &[Sample], wall: f64) -> Value {
+    let ok: Vec<&Sample> = samples.iter().filter(|s| s.ok).collect();
+    let ttft: Vec<f64> = ok.iter().map(|s| s.ttft * 1e3).collect();
+    let e2e: Vec<f64> = ok.iter().map(|s| s.e2e * 1e3).collect();
+    let tpot: Vec<f64> = ok
+        .iter()
+        .filter_map(|s| s.tpot())
+        .map(|t| t * 1e3)
+        .collect();
+    let itl: Vec<f64> = ok.iter().flat_map(|s| s.itls()).map(|t| t * 1e3).collect();
+    let out_tokens: u64 = ok.iter().map(|s| s.output_tokens).sum();
+    let prompt: u64 = ok.iter().map(|s| s.prompt_tokens).sum();
+    let cached: u64 = ok.iter().map(|s| s.cached_tokens).sum();
+    let stats = |v: &[f64]| json!({"mean": mean(v), "p50": pct(v, 50.0), "p99": pct(v, 99.0)});
+    json!({
+        "label": label, "requests": samples.len(), "failed": samples.len() - ok.len(),
+        "wall_s": wall, "req_per_s": ok.len() as f64 / wall,
+        "output_tok_per_s": out_tokens as f64 / wall,
+        "ttft_ms": stats(&ttft), "e2e_ms": stats(&e2e), "tpot_ms": stats(&tpot),
+        "itl_ms": stats(&itl),
+        "prompt_tokens": prompt, "cached_tokens": cached,
+        "cache_hit_rate": if prompt == 0 { 0.0 } else { cached as f64 / prompt as f64 },
+    })
+}
+
+pub fn shakespeare_lines() -> Vec<String> {
+    include_str!("../../../data/tinyshakespeare.txt")
+        .lines()
+        .filter(|l| l.len() > 20)
+        .map(str::to_string)
+        .collect()
+}

@@ -1,0 +1,465 @@
+//! Disaggregated prefill and decode, end to end: a real etcd, real `kvmesh node` processes
+//! with prefill, decode and gateway roles, and the KV moving between them over QUIC, TCP or
+//! in process.
+//!
+//! - Greedy output through a prefill and a decode worker is token for token what one
+//!   aggregated `kvmesh serve` gives, for every model family, with prompts longer than one
+//!   prefill chunk.
+//! - A prefill worker killed or frozen mid-transfer: the decode worker gives up on it and
+//!   prefills itself; a decode worker killed or frozen mid-transfer: the prefill worker stops
+//!   and frees its blocks, and the router retries the request elsewhere. No request hangs,
+//!   no block leaks (KV usage back to 0 on every survivor).
+//! - Workers whose KV layouts differ are refused at join, with both sides named.
+
+mod common;
+
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use common::cluster::{bin, client, post, wait_for, Node};
+use common::Server;
+use kvmesh_discovery::testing::Etcd;
+use serde_json::{json, Value};
+
+fn fixture_model(name: &str) -> String {
+    format!(
+        "{}/tests/fixtures/models/{name}",
+        env!("CARGO_MANIFEST_DIR")
+    )
+}
+
+/// Prompt token ids, all inside every test model's vocabulary and away from special ids.
+fn prompt_ids(n: usize, salt: u64) -> Vec<u64> {
+    (0..n as u64)
+        .map(|i| 5 + (i * 37 + salt * 11) % 90)
+        .collect()
+}
+
+fn greedy(prompt: &[u64], max_tokens: usize) -> Value {
+    json!({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+           "ignore_eos": true, "return_token_ids": true})
+}
+
+fn token_ids(v: &Value) -> Vec<u64> {
+    serde_json::from_value(v["choices"][0]["token_ids"].clone())
+        .unwrap_or_else(|_| panic!("no token ids in {v}"))
+}
+
+/// A prefill, a decode and a gateway node for one model, in their own cluster.
+struct Trio {
+    gateway: Node,
+    decode: Node,
+    _prefill: Option<Node>,
+}
+
+impl Trio {
+    /// `engine` flags go to every node; `decode` flags only to the decode node. With
+    /// `in_process` one node takes both roles.
+    fn start(
+        etcd: &Etcd,
+        cluster: &str,
+        engine: &[&str],
+        decode: &[&str],
+        in_process: bool,
+    ) -> Trio {
+        let with = |roles: &str, extra: &[&str]| -> Vec<String> {
+            let mut v: Vec<String> = ["--roles", roles].iter().map(|s| s.to_string()).collect();
+            v.extend(engine.iter().map(|s| s.to_string()));
+            v.extend(extra.iter().map(|s| s.to_string()));
+            v
+        };
+        let start = |id: &str, args: Vec<String>| {
+            let a: Vec<&str> = args.iter().map(String::as_str).collect();
+            Node::start(etcd, cluster, id, &a)
+        };
+        let (prefill, decode) = if in_process {
+            (None, start("pd", with("prefill,decode", decode)))
+        } else {
+            (
+                Some(start("p1", with("prefill", &[]))),
+                start("d1", with("decode", decode)),
+            )
+        };
+        let gateway = start(
+            "gw",
+            with(
+                "gateway,router",
+                &[
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    "0",
+                    "--disagg-min-tokens",
+                    "8",
+                ],
+            ),
+        );
+        Trio {
+            gateway,
+            decode,
+            _prefill: prefill,
+        }
+    }
+
+    /// Waits until the gateway's router has the decode and the prefill role connected.
+    async fn ready(&self, http: &reqwest::Client) {
+        ready(http, &self.gateway, 1, 1).await;
+    }
+}
+
+/// Waits until a gateway's router is connected to `decode` decode nodes and `prefill`
+/// prefill nodes.
+async fn ready(http: &reqwest::Client, gw: &Node, decode: usize, prefill: usize) {
+    wait_for("the router connected to every role", 20, async || {
+        gw.metric(http, "kvmesh:router_workers_routable").await == decode as f64
+            && gw
+                .metric(http, "kvmesh:router_prefill_workers_connected")
+                .await
+                == prefill as f64
+    })
+    .await;
+}
+
+/// Greedy continuations through prefill + decode equal `kvmesh serve`'s, for each family and
+/// for prompts several prefill chunks long, over each transport.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn disaggregated_greedy_output_equals_aggregated_for_every_family() {
+    let etcd = Etcd::start();
+    let http = client();
+    // (model folder or None for the embedded model, prompt length, transport)
+    let cases: Vec<(Option<String>, usize, &str)> = vec![
+        (None, 70, "quic"),
+        (Some(fixture_model("hf-llama-llama3-f32")), 70, "quic"),
+        (Some(fixture_model("hf-qwen2-bf16")), 70, "quic"),
+        (Some(fixture_model("hf-qwen3-bias-f32")), 70, "quic"),
+        (Some(fixture_model("hf-mistral-window-f32")), 70, "quic"),
+        (Some(fixture_model("hf-llama-dynamic-f32")), 20, "quic"),
+        (None, 70, "tcp"),
+        (
+            Some(fixture_model("hf-qwen2-yarn-window-f32")),
+            70,
+            "in-process",
+        ),
+    ];
+    for (i, (model, len, transport)) in cases.iter().enumerate() {
+        let mut engine = vec![
+            "--backend",
+            "cpu",
+            "--max-num-batched-tokens",
+            "16",
+            "--num-kv-blocks",
+            "96",
+        ];
+        if let Some(m) = model {
+            engine.extend(["--model", m.as_str()]);
+        }
+        let decode_flags: Vec<&str> = match *transport {
+            "tcp" => vec!["--kv-transport", "tcp", "--kv-streams", "2"],
+            _ => vec!["--kv-streams", "3"],
+        };
+        let cluster = format!("same-{i}");
+        let trio = Trio::start(
+            &etcd,
+            &cluster,
+            &engine,
+            &decode_flags,
+            *transport == "in-process",
+        );
+        let serve_args: Vec<&str> = engine.to_vec();
+        let agg = Server::start(&serve_args);
+        trio.ready(&http).await;
+        let name = model.as_deref().unwrap_or("shakespeare");
+        for salt in 0..2 {
+            let p = prompt_ids(*len, salt);
+            let (st, want) = post(&http, &agg.base, greedy(&p, 8)).await;
+            assert_eq!(st, 200, "{want}");
+            let (st, got) = post(&http, &trio.gateway.http, greedy(&p, 8)).await;
+            assert_eq!(st, 200, "{name} over {transport}: {got}");
+            assert_eq!(
+                token_ids(&got),
+                token_ids(&want),
+                "{name} over {transport}: disaggregated tokens differ from aggregated"
+            );
+        }
+        let remote = trio
+            .decode
+            .metric(&http, "kvmesh:disagg_prefills_total{outcome=\"remote\"}")
+            .await;
+        assert_eq!(
+            remote, 2.0,
+            "{name} over {transport}: both prompts prefilled remotely"
+        );
+        let bytes = trio
+            .decode
+            .metric(&http, "kvmesh:kv_transfer_bytes_total{direction=\"in\"}")
+            .await;
+        assert!(bytes > 0.0, "{name}: KV bytes arrived");
+        println!("{name} over {transport}: same tokens as aggregated, {bytes} KV bytes moved");
+    }
+}
+
+/// Sim workers whose prefill takes long enough (4 ms a token, chunks of 64) that a 400-token
+/// prompt is mid-transfer for over a second.
+const SLOW_PREFILL: [&str; 8] = [
+    "--backend",
+    "sim",
+    "--sim-prefill-us-per-token",
+    "4000",
+    "--max-num-batched-tokens",
+    "64",
+    "--num-kv-blocks",
+    "256",
+];
+
+fn sim_node(etcd: &Etcd, cluster: &str, id: &str, roles: &str, extra: &[&str]) -> Node {
+    let mut args = vec!["--roles", roles];
+    args.extend(SLOW_PREFILL);
+    args.extend(extra);
+    Node::start(etcd, cluster, id, &args)
+}
+
+fn sim_gateway(etcd: &Etcd, cluster: &str) -> Node {
+    let mut args = vec![
+        "--roles",
+        "gateway,router",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--policy",
+        "round-robin",
+        "--disagg-min-tokens",
+        "32",
+    ];
+    args.extend(SLOW_PREFILL);
+    Node::start(etcd, cluster, "gw", &args)
+}
+
+/// What an undisturbed sim worker answers (tokens depend only on the sequence).
+async fn sim_reference(prompt: &[u64], max_tokens: usize) -> Vec<u64> {
+    let s = Server::start(&["--backend", "sim", "--num-kv-blocks", "256"]);
+    let (st, v) = s.post("/v1/completions", greedy(prompt, max_tokens)).await;
+    assert_eq!(st, 200, "{v}");
+    token_ids(&v)
+}
+
+const KV_USAGE: &str = "kvmesh:kv_cache_usage_perc{";
+
+async fn kv_back_to_zero(http: &reqwest::Client, node: &Node, who: &str) {
+    wait_for(&format!("{who}'s KV usage back to 0"), 15, async || {
+        node.metric(http, KV_USAGE).await == 0.0
+    })
+    .await;
+}
+
+/// Waits until a transfer is under way: the prefill node computing, the decode node holding
+/// blocks for it.
+async fn mid_transfer(http: &reqwest::Client, prefill: &Node, decode: &Node) {
+    wait_for("a transfer under way", 20, async || {
+        prefill.metric(http, "kvmesh:num_requests_running{").await >= 1.0
+            && decode
+                .metric(http, "kvmesh:num_requests_awaiting_kv{")
+                .await
+                >= 1.0
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+}
+
+/// A prefill worker SIGKILLed, then another SIGSTOPped, in the middle of a transfer: the
+/// decode worker notices, prefills the prompt itself, and the client gets the same tokens
+/// an undisturbed run gives. Blocks come back on every survivor.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefill_worker_lost_mid_transfer_costs_no_request_and_no_block() {
+    let etcd = Etcd::start();
+    let http = client();
+    let decode = sim_node(&etcd, "pf", "d1", "decode", &["--kv-transfer-timeout", "1"]);
+    let mut p1 = sim_node(&etcd, "pf", "p1", "prefill", &[]);
+    let gw = sim_gateway(&etcd, "pf");
+    ready(&http, &gw, 1, 1).await;
+
+    // A short prompt is not worth a transfer.
+    let short = prompt_ids(12, 3);
+    let (st, v) = post(&http, &gw.http, greedy(&short, 4)).await;
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(
+        gw.metric(
+            &http,
+            "kvmesh:disagg_decisions_total{reason=\"short_prompt\"}"
+        )
+        .await,
+        1.0
+    );
+
+    for (round, how) in ["KILL", "STOP"].into_iter().enumerate() {
+        let p = prompt_ids(400, round as u64 + 10);
+        let want = sim_reference(&p, 6).await;
+        ready(&http, &gw, 1, 1).await;
+        let req = {
+            let (http, base, body) = (http.clone(), gw.http.clone(), greedy(&p, 6));
+            tokio::spawn(async move { post(&http, &base, body).await })
+        };
+        mid_transfer(&http, &p1, &decode).await;
+        let frozen = if how == "KILL" {
+            p1.kill();
+            None
+        } else {
+            p1.signal("STOP");
+            Some(&p1)
+        };
+        let (st, v) = tokio::time::timeout(Duration::from_secs(30), req)
+            .await
+            .expect("the request completed")
+            .unwrap();
+        assert_eq!(st, 200, "after SIG{how} of the prefill worker: {v}");
+        assert_eq!(token_ids(&v), want, "after SIG{how}: the same tokens");
+        assert_eq!(
+            decode
+                .metric(&http, "kvmesh:disagg_prefills_total{outcome=\"fallback\"}")
+                .await,
+            round as f64 + 1.0,
+            "the decode worker prefilled it itself"
+        );
+        kv_back_to_zero(&http, &decode, "the decode worker").await;
+        match frozen {
+            Some(p) => {
+                // Thawed, it finds its peer gone and frees the blocks it computed into.
+                p.signal("CONT");
+                kv_back_to_zero(&http, p, "the thawed prefill worker").await;
+            }
+            None => p1 = sim_node(&etcd, "pf", "p2", "prefill", &[]),
+        }
+    }
+}
+
+/// A decode worker SIGKILLed, then another SIGSTOPped, while its prompt's KV streams in: the
+/// prefill worker stops and frees its blocks, and the router sends the request (which has
+/// produced nothing yet) to the other decode worker, where it completes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decode_worker_lost_mid_transfer_frees_the_prefill_worker() {
+    let etcd = Etcd::start();
+    let http = client();
+    let prefill = sim_node(&etcd, "df", "p1", "prefill", &[]);
+    let mut d1 = sim_node(&etcd, "df", "d1", "decode", &[]);
+    let mut d2 = sim_node(&etcd, "df", "d2", "decode", &[]);
+    let gw = sim_gateway(&etcd, "df");
+    ready(&http, &gw, 2, 1).await;
+
+    for (round, how) in ["KILL", "STOP"].into_iter().enumerate() {
+        let p = prompt_ids(400, round as u64 + 20);
+        let want = sim_reference(&p, 6).await;
+        let req = {
+            let (http, base, body) = (http.clone(), gw.http.clone(), greedy(&p, 6));
+            tokio::spawn(async move { post(&http, &base, body).await })
+        };
+        // Whichever decode worker took it is the one to lose.
+        let mut victim = None;
+        wait_for(
+            "a decode worker holding blocks for the transfer",
+            20,
+            async || {
+                for (i, d) in [&d1, &d2].into_iter().enumerate() {
+                    if d.metric(&http, "kvmesh:num_requests_awaiting_kv{").await >= 1.0 {
+                        victim = Some(i);
+                        return true;
+                    }
+                }
+                false
+            },
+        )
+        .await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let (lost, survivor) = if victim == Some(0) {
+            (&mut d1, &d2)
+        } else {
+            (&mut d2, &d1)
+        };
+        if how == "KILL" {
+            lost.kill();
+        } else {
+            lost.signal("STOP");
+        }
+        let (st, v) = tokio::time::timeout(Duration::from_secs(40), req)
+            .await
+            .expect("the request completed")
+            .unwrap();
+        assert_eq!(st, 200, "after SIG{how} of the decode worker: {v}");
+        assert_eq!(token_ids(&v), want, "after SIG{how}: the same tokens");
+        kv_back_to_zero(&http, &prefill, "the prefill worker").await;
+        kv_back_to_zero(&http, survivor, "the other decode worker").await;
+        if how == "STOP" {
+            lost.signal("CONT");
+            kv_back_to_zero(&http, lost, "the thawed decode worker").await;
+        } else {
+            // Replace the killed one for the next round.
+            let id = if victim == Some(0) { "d3" } else { "d4" };
+            *lost = sim_node(&etcd, "df", id, "decode", &[]);
+            ready(&http, &gw, 2, 1).await;
+        }
+    }
+}
+
+/// A decode worker whose KV layout differs from a prefill worker's (another block size) is
+/// refused at join, naming both nodes and both layouts.
+#[test]
+fn a_kv_layout_mismatch_is_refused_at_join() {
+    let etcd = Etcd::start();
+    let _p = Node::start(
+        &etcd,
+        "mm",
+        "p1",
+        &[
+            "--roles",
+            "prefill",
+            "--backend",
+            "sim",
+            "--block-size",
+            "16",
+        ],
+    );
+    let mut child = Command::new(bin())
+        .args([
+            "node",
+            "--etcd",
+            &etcd.url(),
+            "--cluster",
+            "mm",
+            "--node-id",
+            "d1",
+        ])
+        .args([
+            "--roles",
+            "decode",
+            "--backend",
+            "sim",
+            "--block-size",
+            "32",
+        ])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the node did not refuse"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let mut err = String::new();
+    std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut err).unwrap();
+    assert!(!status.success());
+    for want in [
+        "refusing to join",
+        "d1",
+        "p1",
+        "block size 16",
+        "block size 32",
+    ] {
+        assert!(err.contains(want), "missing {want:?} in:\n{err}");
+    }
+}
