@@ -21,9 +21,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use harness::{
-    completion, gateway_with, kvmesh_bin, mean, node, one_body, pct, wait_workers, Proc, Sample,
-};
+use harness::{gateway_with, kvmesh_bin, mean, node, one_body, pct, wait_workers, Proc, Sample};
 use kvmesh_discovery::testing::Etcd;
 use rand::{Rng, SeedableRng};
 use rand_distr::{Distribution, Exp};
@@ -64,6 +62,13 @@ fn sim_model(dir: &Path) -> PathBuf {
     out
 }
 
+/// A streamed completion for whatever model the cluster serves.
+fn completion(prompt: Value, max_tokens: u32) -> Value {
+    let mut b = harness::completion(prompt, max_tokens);
+    b.as_object_mut().expect("a JSON object").remove("model");
+    b
+}
+
 fn ids(rng: &mut rand::rngs::StdRng, n: usize) -> Value {
     json!((0..n)
         .map(|_| rng.random_range(5..2000u32))
@@ -77,7 +82,14 @@ struct Cluster {
     _etcd: Etcd,
 }
 
-fn start(label: &str, model: &Path, aggregated: usize, prefill: usize, decode: usize) -> Cluster {
+fn start(
+    label: &str,
+    model: &Path,
+    kv_transport: &str,
+    aggregated: usize,
+    prefill: usize,
+    decode: usize,
+) -> Cluster {
     let etcd = Etcd::start();
     let cluster = format!("disagg-{}", label.replace(' ', "-"));
     let m = model.to_str().unwrap();
@@ -104,7 +116,9 @@ fn start(label: &str, model: &Path, aggregated: usize, prefill: usize, decode: u
         add(format!("p{i}"), "prefill");
     }
     for i in 0..decode {
-        add(format!("d{i}"), "decode");
+        let mut a = vec!["--roles", "decode", "--kv-transport", kv_transport];
+        a.extend_from_slice(&engine);
+        nodes.push(node(&etcd, &cluster, &format!("d{i}"), &a));
     }
     let gw = gateway_with(
         &etcd,
@@ -230,8 +244,12 @@ fn decisions(m: &str) -> Value {
 
 async fn isolated_ttft(http: &reqwest::Client, model: &Path, lens: &[usize], reps: usize) -> Value {
     let mut rows = Vec::new();
-    for (label, agg, pre, dec) in [("aggregated", 1, 0, 0), ("1P+1D", 0, 1, 1)] {
-        let c = start(&format!("iso-{label}"), model, agg, pre, dec);
+    for (label, transport, agg, pre, dec) in [
+        ("aggregated", "-", 1, 0, 0),
+        ("1P+1D tcp", "tcp", 0, 1, 1),
+        ("1P+1D quic", "quic", 0, 1, 1),
+    ] {
+        let c = start(&format!("iso-{label}"), model, transport, agg, pre, dec);
         wait_workers(http, &c.gw, agg + pre + dec).await;
         let mut rng = rand::rngs::StdRng::seed_from_u64(5);
         for &len in lens {
@@ -311,21 +329,27 @@ async fn main() {
             },
         ]
     };
-    let scales: &[(usize, &str, usize, usize, usize)] = if quick {
-        &[(1, "2 aggregated", 2, 0, 0), (1, "1P+1D", 0, 1, 1)]
+    // (scale, label, KV transport, aggregated, prefill, decode nodes)
+    let scales: &[(usize, &str, &str, usize, usize, usize)] = if quick {
+        &[
+            (1, "2 aggregated", "-", 2, 0, 0),
+            (1, "1P+1D tcp", "tcp", 0, 1, 1),
+            (1, "1P+1D quic", "quic", 0, 1, 1),
+        ]
     } else {
         &[
-            (1, "2 aggregated", 2, 0, 0),
-            (1, "1P+1D", 0, 1, 1),
-            (2, "4 aggregated", 4, 0, 0),
-            (2, "2P+2D", 0, 2, 2),
+            (1, "2 aggregated", "-", 2, 0, 0),
+            (1, "1P+1D tcp", "tcp", 0, 1, 1),
+            (1, "1P+1D quic", "quic", 0, 1, 1),
+            (2, "4 aggregated", "-", 4, 0, 0),
+            (2, "2P+2D tcp", "tcp", 0, 2, 2),
         ]
     };
     let streams_per = 24; // chat streams per decode-capable machine pair
     let long_count = if quick { 30 } else { 60 };
     let mut rows = Vec::new();
-    for &(scale, label, agg, pre, dec) in scales {
-        let c = start(label, &model, agg, pre, dec);
+    for &(scale, label, transport, agg, pre, dec) in scales {
+        let c = start(label, &model, transport, agg, pre, dec);
         wait_workers(&http, &c.gw, agg + pre + dec).await;
         for p in &points {
             let point = Point {

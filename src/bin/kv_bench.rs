@@ -369,6 +369,9 @@ async fn main() {
         format!("whole layers ({} KiB)", (tokens * per_pos_layer) >> 10),
         tokens,
     ));
+    // KV_BENCH_ONLY=quic (or tcp, in-process) runs one transport, for profiling.
+    let only = std::env::var("KV_BENCH_ONLY").ok();
+    let wanted = |t: &str| only.as_deref().is_none_or(|o| t.starts_with(o));
     for (label, piece_tokens) in &shapes {
         let plan = pieces(tokens, *piece_tokens);
         let piece_bytes = piece_tokens * per_pos_layer;
@@ -378,14 +381,20 @@ async fn main() {
                 "gb_per_s": gbps(bytes, secs), "ms": secs * 1e3}),
             );
         };
-        row("in-process", best(reps, || in_process(&s, &plan)).await);
-        s.verify();
-        row("tcp x1", best(reps, || tcp(&s, &plan, 1)).await);
-        row("tcp x4", best(reps, || tcp(&s, &plan, 4)).await);
-        s.verify();
-        row("quic x1", best(reps, || quic(&q, &s, &plan, 1)).await);
-        row("quic x4", best(reps, || quic(&q, &s, &plan, 4)).await);
-        s.verify();
+        if wanted("in-process") {
+            row("in-process", best(reps, || in_process(&s, &plan)).await);
+            s.verify();
+        }
+        if wanted("tcp") {
+            row("tcp x1", best(reps, || tcp(&s, &plan, 1)).await);
+            row("tcp x4", best(reps, || tcp(&s, &plan, 4)).await);
+            s.verify();
+        }
+        if wanted("quic") {
+            row("quic x1", best(reps, || quic(&q, &s, &plan, 1)).await);
+            row("quic x4", best(reps, || quic(&q, &s, &plan, 4)).await);
+            s.verify();
+        }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     let raw = gbps(bytes, raw_s);

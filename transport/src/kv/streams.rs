@@ -2,7 +2,9 @@
 //! and the same code on both (see the parent module for the format).
 //!
 //! The sender runs one writer task per stream; layer `l` goes to stream `l % streams`, so a
-//! layer's pieces stay in order while different layers move in parallel. The receiver runs
+//! layer's pieces stay in order while different layers move in parallel. Payloads leave the
+//! prefill worker's KV pool without a copy in user space: QUIC takes each run of positions
+//! as a buffer that borrows the pool, TCP hands the runs to one `writev`. The receiver runs
 //! one reader per stream, each reading payloads directly into the destination blocks.
 
 use std::collections::HashMap;
@@ -36,10 +38,7 @@ pub struct StreamSender {
 
 impl StreamSender {
     /// Starts a writer on each stream; each first writes `preamble` (its framed hello).
-    fn start<W>(target: Target, streams: Vec<(W, Vec<u8>)>) -> Self
-    where
-        W: AsyncWrite + Send + Unpin + 'static,
-    {
+    fn start<W: PieceWriter + 'static>(target: Target, streams: Vec<(W, Vec<u8>)>) -> Self {
         let target = Arc::new(target);
         let mut jobs = Vec::new();
         let mut writers = JoinSet::new();
@@ -68,7 +67,7 @@ impl StreamSender {
                 secret,
                 stream: stream as u32,
             });
-            out.push((s, wire::frame(&hello)?));
+            out.push((QuicWriter(s), wire::frame(&hello)?));
         }
         Ok(Self::start(target, out))
     }
@@ -95,7 +94,7 @@ impl StreamSender {
                 secret,
                 stream: stream as u32,
             };
-            out.push((s, wire::frame(&hello)?));
+            out.push((TcpWriter(s), wire::frame(&hello)?));
         }
         Ok(Self::start(target, out))
     }
@@ -136,7 +135,99 @@ impl KvSender for StreamSender {
     }
 }
 
-async fn write_stream<W: AsyncWrite + Unpin>(
+/// One data stream's writing end.
+#[async_trait::async_trait]
+trait PieceWriter: Send {
+    /// Framing: copied.
+    async fn bytes(&mut self, b: &[u8]) -> std::io::Result<()>;
+    /// A payload: runs of the source region's memory.
+    async fn segments(
+        &mut self,
+        region: &Arc<HostRegion>,
+        segs: &[(usize, usize)],
+    ) -> std::io::Result<()>;
+    async fn close(&mut self) -> std::io::Result<()>;
+}
+
+struct TcpWriter(TcpStream);
+
+#[async_trait::async_trait]
+impl PieceWriter for TcpWriter {
+    async fn bytes(&mut self, b: &[u8]) -> std::io::Result<()> {
+        self.0.write_all(b).await
+    }
+
+    /// One `writev` for many runs: the kernel copies straight from the KV pool.
+    async fn segments(
+        &mut self,
+        _region: &Arc<HostRegion>,
+        segs: &[(usize, usize)],
+    ) -> std::io::Result<()> {
+        // SAFETY: the region's contract: these positions are computed and ours to read.
+        let slices: Vec<&[u8]> = segs
+            .iter()
+            .map(|&(addr, len)| unsafe { std::slice::from_raw_parts(addr as *const u8, len) })
+            .collect();
+        write_all_vectored(&mut self.0, &slices).await
+    }
+
+    async fn close(&mut self) -> std::io::Result<()> {
+        self.0.flush().await?;
+        self.0.shutdown().await
+    }
+}
+
+struct QuicWriter(quinn::SendStream);
+
+/// A run of a KV region's memory handed to QUIC without a copy. It keeps the region (and
+/// so the blocks' lease) alive until QUIC lets go of it, after the peer acknowledged it, so
+/// a retransmission always reads the same bytes.
+struct Segment {
+    _region: Arc<HostRegion>,
+    addr: usize,
+    len: usize,
+}
+
+impl AsRef<[u8]> for Segment {
+    fn as_ref(&self) -> &[u8] {
+        // SAFETY: the region's contract: computed positions, readable while it lives.
+        unsafe { std::slice::from_raw_parts(self.addr as *const u8, self.len) }
+    }
+}
+
+#[async_trait::async_trait]
+impl PieceWriter for QuicWriter {
+    async fn bytes(&mut self, b: &[u8]) -> std::io::Result<()> {
+        self.0.write_all(b).await.map_err(std::io::Error::other)
+    }
+
+    async fn segments(
+        &mut self,
+        region: &Arc<HostRegion>,
+        segs: &[(usize, usize)],
+    ) -> std::io::Result<()> {
+        let mut chunks: Vec<bytes::Bytes> = segs
+            .iter()
+            .map(|&(addr, len)| {
+                bytes::Bytes::from_owner(Segment {
+                    _region: region.clone(),
+                    addr,
+                    len,
+                })
+            })
+            .collect();
+        self.0
+            .write_all_chunks(&mut chunks)
+            .await
+            .map_err(std::io::Error::other)
+    }
+
+    async fn close(&mut self) -> std::io::Result<()> {
+        self.0.finish().map_err(std::io::Error::other)
+    }
+}
+
+async fn write_stream<W: PieceWriter>(
     mut w: W,
     preamble: Vec<u8>,
     target: Arc<Target>,
@@ -144,7 +235,7 @@ async fn write_stream<W: AsyncWrite + Unpin>(
 ) -> Result<TransferTotals, TransportError> {
     let region = &target.source;
     let io = |e: std::io::Error| TransportError::Stream(e.to_string());
-    w.write_all(&preamble).await.map_err(io)?;
+    w.bytes(&preamble).await.map_err(io)?;
     let mut totals = TransferTotals::default();
     while let Some((layer, first, n)) = jobs.recv().await {
         let mut segs = region.segments(layer, Kind::K, first, n)?;
@@ -159,18 +250,12 @@ async fn write_stream<W: AsyncWrite + Unpin>(
             bytes_per_pos: region.bytes_per_pos() as u32,
             payload_bytes: payload as u64,
         };
-        w.write_all(&wire::frame(&header)?).await.map_err(io)?;
-        // SAFETY: the region's contract: these positions are computed and ours to read.
-        let slices: Vec<&[u8]> = segs
-            .iter()
-            .map(|&(addr, len)| unsafe { std::slice::from_raw_parts(addr as *const u8, len) })
-            .collect();
-        write_all_vectored(&mut w, &slices).await.map_err(io)?;
+        w.bytes(&wire::frame(&header)?).await.map_err(io)?;
+        w.segments(region, &segs).await.map_err(io)?;
         totals.bytes += payload as u64;
         totals.pieces += 1;
     }
-    w.flush().await.map_err(io)?;
-    w.shutdown().await.map_err(io)?;
+    w.close().await.map_err(io)?;
     Ok(totals)
 }
 
