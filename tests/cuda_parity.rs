@@ -18,7 +18,9 @@
 //!   and off;
 //! - seeded sampling (temperature, top-k, top-p) on the device: every token inside the CPU's
 //!   kept set, and mostly the same token per seed (same uniform, same walk order);
-//! - the KV-transfer hooks: blocks copied out and into other blocks decode the same;
+//! - the KV-transfer hooks: blocks copied out and into other blocks decode the same, and a
+//!   prompt exported by one CUDA engine through host staging decodes on another exactly as
+//!   on one engine (disaggregated prefill on the GPU backend);
 //! - a KV budget larger than the GPU is a clear error, and HTTP answers match the CPU's.
 #![cfg(feature = "cuda")]
 
@@ -391,4 +393,100 @@ fn http_answers_match_the_cpu() {
             .await;
         assert_eq!(common::streamed_text(&events), common::text_of(&c));
     });
+}
+
+/// Disaggregation through host staging: one CUDA engine exports a prompt (chunked), the
+/// test copies its staged K and V into a second CUDA engine's lease, and the second decodes
+/// from it exactly as one engine does end to end.
+#[test]
+fn staged_kv_transfer_between_cuda_engines_decodes_the_same() {
+    use kvmesh_gpu::engine::{ExportEvent, Landed};
+    use kvmesh_gpu::kv_pool::KvKind;
+    for name in MODELS {
+        let m = load(name);
+        let vocab = m.config.vocab_size;
+        let spawn = |budget: usize| {
+            let be = build_backend(BackendKind::Cuda(0), &m, BLOCK_SIZE, KvBudget::Blocks(64))
+                .expect("a CUDA device");
+            engine::spawn(
+                be,
+                EngineConfig {
+                    max_model_len: 512,
+                    block_size: BLOCK_SIZE,
+                    max_num_batched_tokens: budget,
+                    ..Default::default()
+                },
+                vec![],
+                vocab,
+            )
+        };
+        let reqs = greedy_requests(name, 12);
+        let (_, gpu) = backends(&m, 64);
+        let want = run_engine(gpu, vocab, greedy_requests(name, 12));
+        let (p, d) = (spawn(16), spawn(2048));
+        assert!(p.info.kv_transfer, "cuda stages KV transfers");
+        for (req, want) in reqs.into_iter().zip(want) {
+            let n = req.prompt.len();
+            let mut first_req = req.clone();
+            first_req.params.max_tokens = 1;
+            let (mut psub, mut pev) = p.submit_export(first_req, 0).unwrap();
+            let Some(ExportEvent::Ready { lease: plo, .. }) = pev.blocking_recv() else {
+                panic!("{name}: no Ready")
+            };
+            let first = match psub.events.blocking_recv() {
+                Some(SeqEvent::Token { sampled, .. }) => sampled,
+                other => panic!("{name}: {other:?}"),
+            };
+            psub.finished();
+            let (mut dsub, dl) = d.submit_remote_prefill(req, 1).unwrap();
+            let dlo = dl.blocking_recv().expect("a lease");
+            let spec = plo.spec().clone();
+            let bpp = spec.bytes_per_pos();
+            for layer in 0..spec.num_layers {
+                for kind in [KvKind::K, KvKind::V] {
+                    for pos in 0..n {
+                        let at = |blocks: &[BlockId]| {
+                            (blocks[pos / BLOCK_SIZE].0 as usize * BLOCK_SIZE + pos % BLOCK_SIZE)
+                                * bpp
+                        };
+                        // SAFETY: both staging pools hold these positions; the export is
+                        // finished and the decode side is waiting for them.
+                        unsafe {
+                            std::ptr::copy_nonoverlapping(
+                                plo.pool().base(layer, kind).add(at(plo.blocks())),
+                                dlo.pool().base(layer, kind).add(at(dlo.blocks())),
+                                bpp,
+                            )
+                        };
+                    }
+                }
+            }
+            drop(plo);
+            dlo.landed(Landed {
+                first,
+                rng: None,
+                cached_tokens: 0,
+            });
+            let mut got = Vec::new();
+            loop {
+                match dsub.events.blocking_recv() {
+                    Some(SeqEvent::Token {
+                        sampled, finish, ..
+                    }) => {
+                        got.push(sampled.token);
+                        if finish.is_some() {
+                            dsub.finished();
+                            break;
+                        }
+                    }
+                    other => panic!("{name}: {other:?}"),
+                }
+            }
+            assert_eq!(
+                got, want,
+                "{name}: staged disaggregation changed the tokens"
+            );
+        }
+        println!("{name}: staged KV transfer between CUDA engines decodes identically");
+    }
 }

@@ -93,6 +93,45 @@ pub trait Backend: Send {
         None
     }
 
+    /// For a backend whose KV is not in host memory (`host_kv` is `None`): whether it can
+    /// copy K and V to and from a host pool of the same shape, so that transfers go through
+    /// host staging buffers.
+    fn kv_staging(&self) -> bool {
+        false
+    }
+
+    /// Copies K and V of `positions` (every layer) from the sequence whose blocks are `table`
+    /// into a host pool, at the same positions of `dst_table`. Only those positions' bytes
+    /// are written: a transfer may be reading the positions before them.
+    fn kv_to_host(
+        &mut self,
+        _table: &[BlockId],
+        _positions: std::ops::Range<usize>,
+        _dst: &HostKvPool,
+        _dst_table: &[BlockId],
+    ) -> Result<()> {
+        Err(crate::error::EngineError::Backend(format!(
+            "the {} backend cannot copy its KV to host memory",
+            self.device()
+        )))
+    }
+
+    /// The reverse of `kv_to_host`: K and V of `positions` from a host pool into the
+    /// sequence's blocks. Whole blocks may be written; `positions` starts on a block boundary
+    /// and the blocks past its end hold nothing yet.
+    fn kv_from_host(
+        &mut self,
+        _src: &HostKvPool,
+        _src_table: &[BlockId],
+        _positions: std::ops::Range<usize>,
+        _table: &[BlockId],
+    ) -> Result<()> {
+        Err(crate::error::EngineError::Backend(format!(
+            "the {} backend cannot copy KV from host memory",
+            self.device()
+        )))
+    }
+
     /// Like `forward_sample`, and calls `kv_ready(layer)` once that layer's K and V of every
     /// token in the batch are in the cache, so a transfer can send a layer while the next
     /// ones compute. This default reports every layer after the whole step.

@@ -20,6 +20,7 @@ mod lease;
 mod transfer_tests;
 
 use std::collections::{HashMap, VecDeque};
+use std::ops::Range;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
@@ -90,6 +91,7 @@ pub enum SeqEvent {
     Failed(String),
 }
 
+#[derive(Clone, Debug)]
 pub struct Request {
     pub prompt: Vec<u32>,
     pub params: SamplingParams,
@@ -375,6 +377,9 @@ struct Seq {
     mode: Mode,
     /// A lease on this sequence's blocks is out: they are freed only when it comes back.
     lease_out: bool,
+    /// On a backend without host-visible KV: the host copy of this sequence's blocks that
+    /// its transfer reads from or lands in (block `i` mirrors `blocks[i]`).
+    stage: Option<Arc<HostKvPool>>,
 }
 
 impl Seq {
@@ -409,14 +414,15 @@ pub fn spawn(
     let stats = Arc::new(EngineStats::default());
     stats.free_blocks.store(num_blocks, Ordering::Relaxed);
     let pool = backend.host_kv();
+    let kv_spec = backend.kv_spec();
     let info = Arc::new(EngineInfo {
         device: backend.device(),
         num_blocks,
         config: cfg.clone(),
         eos_ids: eos_ids.clone(),
         vocab_size,
-        kv_spec: backend.kv_spec(),
-        kv_transfer: pool.is_some(),
+        kv_spec: kv_spec.clone(),
+        kv_transfer: pool.is_some() || (backend.kv_staging() && kv_spec.is_some()),
     });
     let mut engine = Engine {
         blocks: BlockManager::new(num_blocks, cfg.block_size),
@@ -525,6 +531,7 @@ impl Engine {
                     admitted_once: false,
                     mode,
                     lease_out: false,
+                    stage: None,
                 });
             }
             Command::Abort(id) => {
@@ -557,6 +564,27 @@ impl Engine {
             let Awaiting { mut seq, landed } = self.awaiting.remove(i);
             seq.lease_out = false;
             seq.mode = Mode::Local;
+            // Staged KV goes to the device before the sequence may use it.
+            let landed = landed.filter(|_| match seq.stage.take() {
+                None => true,
+                Some(stage) => {
+                    let from = seq.cached_tokens;
+                    let k = from / self.cfg.block_size;
+                    let local = mirror(seq.blocks.len());
+                    match self.backend.kv_from_host(
+                        &stage,
+                        &local[k..],
+                        from..seq.prompt_len,
+                        &seq.blocks[k..],
+                    ) {
+                        Ok(()) => true,
+                        Err(e) => {
+                            tracing::warn!("landing staged KV failed ({e}); prefilling locally");
+                            false
+                        }
+                    }
+                }
+            });
             match landed {
                 Some(l) => self.land(seq, l),
                 // The transfer failed or was given up: prefill here, from the cached prefix;
@@ -645,19 +673,34 @@ impl Engine {
         }
     }
 
-    /// Lends a sequence's blocks out.
-    fn lease(&self, s: &mut Seq, from_pos: usize) -> KvLease {
+    /// Lends a sequence's blocks out: the pool's own blocks, or on a backend without host
+    /// KV a host mirror of them (filled with positions `stage_fill` first).
+    fn lease(&mut self, s: &mut Seq, from_pos: usize, stage_fill: Range<usize>) -> Result<KvLease> {
+        let (pool, blocks) = match &self.pool {
+            Some(p) => (p.clone(), s.blocks.clone()),
+            None => {
+                let spec = self.backend.kv_spec().ok_or_else(|| {
+                    EngineError::Backend("the backend has no KV layout to stage".into())
+                })?;
+                let stage = Arc::new(HostKvPool::new(spec, s.blocks.len())?);
+                let local = mirror(s.blocks.len());
+                if !stage_fill.is_empty() {
+                    self.backend
+                        .kv_to_host(&s.blocks, stage_fill, &stage, &local)?;
+                }
+                s.stage = Some(stage.clone());
+                (stage, local)
+            }
+        };
         s.lease_out = true;
-        KvLease::new(
+        Ok(KvLease::new(
             s.id,
-            self.pool
-                .clone()
-                .expect("transfers are refused without a host pool"),
-            s.blocks.clone(),
+            pool,
+            blocks,
             s.prompt_len,
             from_pos,
             self.tx.clone(),
-        )
+        ))
     }
 
     /// Picks this step's work: `(index into running, tokens to run)`.
@@ -761,21 +804,40 @@ impl Engine {
                     // comes back. If the requester is gone, so is the lease, at once.
                     let tx = lease_tx.take();
                     let from = s.num_computed;
-                    let lease = self.lease(&mut s, from);
-                    if let Some(tx) = tx {
-                        let _ = tx.send(lease);
+                    match self.lease(&mut s, from, 0..0) {
+                        Ok(lease) => {
+                            if let Some(tx) = tx {
+                                let _ = tx.send(lease);
+                            }
+                            self.awaiting.push(Awaiting {
+                                seq: s,
+                                landed: None,
+                            });
+                            continue;
+                        }
+                        // No transfer then: prefill here.
+                        Err(e) => {
+                            tracing::warn!("cannot lend KV blocks ({e}); prefilling locally");
+                            s.mode = Mode::Local;
+                        }
                     }
-                    self.awaiting.push(Awaiting {
-                        seq: s,
-                        landed: None,
-                    });
-                    continue;
                 }
                 Mode::Export { from_pos, tx } => {
                     let (from, tx) = (*from_pos, tx.clone());
                     let computed = s.num_computed;
-                    let lease = self.lease(&mut s, from);
-                    let _ = tx.send(ExportEvent::Ready { lease, computed });
+                    // What the prefix cache already holds goes out first.
+                    match self.lease(&mut s, from, from.min(computed)..computed) {
+                        Ok(lease) => {
+                            let _ = tx.send(ExportEvent::Ready { lease, computed });
+                        }
+                        Err(e) => {
+                            let _ = s
+                                .events
+                                .send(SeqEvent::Failed(format!("cannot lend KV blocks: {e}")));
+                            self.retire(s);
+                            continue;
+                        }
+                    }
                 }
                 Mode::Local => {}
             }
@@ -821,14 +883,21 @@ impl Engine {
                 })
                 .collect(),
         };
-        // Exported sequences in this step hear of each layer as its K and V are in place.
-        let exports: Vec<(mpsc::UnboundedSender<ExportEvent>, usize)> = plan
+        // Exported sequences in this step hear of each layer as its K and V are in place:
+        // (index, channel, first position computed now, position after the last).
+        let exports: Vec<Export> = plan
             .iter()
             .filter_map(|&(i, n)| match &self.running[i].mode {
-                Mode::Export { tx, .. } => Some((tx.clone(), self.running[i].num_computed + n)),
+                Mode::Export { tx, .. } => {
+                    let at = self.running[i].num_computed;
+                    Some((i, tx.clone(), at, at + n))
+                }
                 _ => None,
             })
             .collect();
+        // A backend with host KV says as each layer lands; a staging one is copied out after
+        // the step.
+        let streaming = !exports.is_empty() && self.pool.is_some();
         let sampling: Vec<usize> = plan
             .iter()
             .filter(|&&(i, n)| self.running[i].num_computed + n == self.running[i].tokens.len())
@@ -848,16 +917,16 @@ impl Engine {
             .zip(rngs.iter_mut())
             .map(|(params, rng)| SampleSpec { params, rng })
             .collect();
-        let out = if exports.is_empty() {
-            self.backend.forward_sample(&batch, &mut specs)?
-        } else {
-            let ready = |layer: usize| {
-                for (tx, upto) in &exports {
-                    let _ = tx.send(ExportEvent::Layer { layer, upto: *upto });
-                }
-            };
+        let ready = |layer: usize| {
+            for (_, tx, _, upto) in &exports {
+                let _ = tx.send(ExportEvent::Layer { layer, upto: *upto });
+            }
+        };
+        let out = if streaming {
             self.backend
                 .forward_sample_streaming(&batch, &mut specs, &ready)?
+        } else {
+            self.backend.forward_sample(&batch, &mut specs)?
         };
         drop(specs);
         let prompt_tokens: usize = batch.num_tokens() - sampling.len();
@@ -870,6 +939,9 @@ impl Engine {
             .prompt_tokens
             .fetch_add(prompt_tokens as u64, Ordering::Relaxed);
         tracing::trace!(tokens = prompt_tokens + sampling.len(), elapsed = ?started.elapsed(), "step");
+        if !exports.is_empty() && !streaming {
+            self.stage_out(&exports)?;
+        }
 
         for &(i, n) in &plan {
             let s = &mut self.running[i];
@@ -893,6 +965,35 @@ impl Engine {
             self.retire(s);
         }
         Ok(true)
+    }
+}
+
+/// An exported sequence in a step: its index in `running`, its channel, and the positions
+/// the step computes.
+type Export = (usize, mpsc::UnboundedSender<ExportEvent>, usize, usize);
+
+/// Block ids `0..n`: a staging pool's blocks, mirroring a sequence's table in order.
+fn mirror(n: usize) -> Vec<BlockId> {
+    (0..n as u32).map(BlockId).collect()
+}
+
+impl Engine {
+    /// After a step on a backend without host KV: copies what each exported sequence
+    /// computed into its staging pool, then reports every layer.
+    fn stage_out(&mut self, exports: &[Export]) -> Result<()> {
+        let layers = self.backend.kv_spec().map_or(0, |k| k.num_layers);
+        for (i, tx, from, upto) in exports {
+            let s = &self.running[*i];
+            if let Some(stage) = &s.stage {
+                let local = mirror(s.blocks.len());
+                self.backend
+                    .kv_to_host(&s.blocks, *from..*upto, stage, &local)?;
+            }
+            for layer in 0..layers {
+                let _ = tx.send(ExportEvent::Layer { layer, upto: *upto });
+            }
+        }
+        Ok(())
     }
 }
 

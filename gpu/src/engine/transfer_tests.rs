@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use super::*;
 use crate::backend::sim::{SimBackend, SimTiming};
-use crate::kv_pool::KvDtype;
+use crate::kv_pool::{KvDtype, KvKind};
 
 const VOCAB: usize = 64;
 const BLOCKS: usize = 32;
@@ -258,4 +258,207 @@ fn transfers_are_refused_by_a_backend_without_host_memory() {
         .unwrap()
         .to_string();
     assert!(e.contains("disaggregated prefill is not available"), "{e}");
+}
+
+/// A backend whose KV the engine cannot see (like `cuda`): it stages transfers through host
+/// pools. Its forward writes a pattern of (position, layer) into every computed slot and
+/// checks, before computing, that every earlier position of each sequence holds it, so a
+/// sequence decoding on KV that did not arrive intact fails.
+struct Staged {
+    inner: SimBackend,
+    pool: Arc<HostKvPool>,
+}
+
+impl Staged {
+    fn new() -> Staged {
+        let spec = KvSpec {
+            num_layers: 3,
+            block_size: 4,
+            num_kv_heads: 1,
+            head_dim: 4,
+            dtype: KvDtype::Bf16,
+        };
+        let inner = SimBackend::new(SimTiming::zero(), spec, BLOCKS, VOCAB, VOCAB, vec![]).unwrap();
+        let pool = inner.host_kv().unwrap();
+        Staged { inner, pool }
+    }
+
+    fn pattern(pos: usize, layer: usize, kind: KvKind) -> u8 {
+        (pos * 7 + layer * 13 + (kind == KvKind::V) as usize * 101) as u8
+    }
+
+    /// The bytes of one position of one layer in a pool.
+    #[allow(clippy::mut_from_ref)]
+    fn slot<'a>(
+        pool: &'a HostKvPool,
+        table: &[BlockId],
+        pos: usize,
+        layer: usize,
+        kind: KvKind,
+    ) -> &'a mut [u8] {
+        let s = pool.spec();
+        let b = table[pos / s.block_size].0 as usize;
+        let off = (b * s.block_size + pos % s.block_size) * s.bytes_per_pos();
+        // SAFETY: test code; the engine gives the backend these slots alone.
+        unsafe {
+            std::slice::from_raw_parts_mut(pool.base(layer, kind).add(off), s.bytes_per_pos())
+        }
+    }
+}
+
+impl Backend for Staged {
+    fn device(&self) -> String {
+        "staged".into()
+    }
+    fn num_blocks(&self) -> usize {
+        BLOCKS
+    }
+    fn kv_spec(&self) -> Option<KvSpec> {
+        self.inner.kv_spec()
+    }
+    fn kv_staging(&self) -> bool {
+        true
+    }
+    fn forward(&mut self, batch: &ForwardBatch) -> Result<Vec<Vec<f32>>> {
+        for s in &batch.seqs {
+            for layer in 0..3 {
+                for kind in [KvKind::K, KvKind::V] {
+                    for pos in 0..s.start_pos {
+                        let v = Self::slot(&self.pool, s.block_table, pos, layer, kind);
+                        if v.iter().any(|&x| x != Self::pattern(pos, layer, kind)) {
+                            return Err(EngineError::Backend(format!(
+                                "position {pos} layer {layer} holds the wrong KV"
+                            )));
+                        }
+                    }
+                    for pos in s.start_pos..s.start_pos + s.tokens.len() {
+                        Self::slot(&self.pool, s.block_table, pos, layer, kind)
+                            .fill(Self::pattern(pos, layer, kind));
+                    }
+                }
+            }
+        }
+        self.inner.forward(batch)
+    }
+    fn kv_to_host(
+        &mut self,
+        table: &[BlockId],
+        positions: std::ops::Range<usize>,
+        dst: &HostKvPool,
+        dst_table: &[BlockId],
+    ) -> Result<()> {
+        for pos in positions {
+            for layer in 0..3 {
+                for kind in [KvKind::K, KvKind::V] {
+                    let v = Self::slot(&self.pool, table, pos, layer, kind).to_vec();
+                    Self::slot(dst, dst_table, pos, layer, kind).copy_from_slice(&v);
+                }
+            }
+        }
+        Ok(())
+    }
+    fn kv_from_host(
+        &mut self,
+        src: &HostKvPool,
+        src_table: &[BlockId],
+        positions: std::ops::Range<usize>,
+        table: &[BlockId],
+    ) -> Result<()> {
+        let first_block = positions.start / 4;
+        for pos in positions {
+            let i = pos / 4 - first_block;
+            let (st, t) = (&src_table[i..=i], &table[i..=i]);
+            let local = pos % 4;
+            for layer in 0..3 {
+                for kind in [KvKind::K, KvKind::V] {
+                    let v = Self::slot(src, st, local, layer, kind).to_vec();
+                    Self::slot(&self.pool, t, local, layer, kind).copy_from_slice(&v);
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Through host staging (a backend without host-visible KV, like `cuda`): the prefill side's
+/// staged copy holds what it computed, layer reports follow each chunk, and a decode side
+/// that lands those bytes decodes on them (its backend checks every position it attends to).
+#[test]
+fn staged_transfers_carry_the_kv_intact() {
+    let spawn_staged = |budget| {
+        spawn(
+            Box::new(Staged::new()),
+            EngineConfig {
+                max_model_len: 100,
+                block_size: 4,
+                max_num_batched_tokens: budget,
+                ..Default::default()
+            },
+            vec![],
+            VOCAB,
+        )
+    };
+    let (p, d) = (spawn_staged(8), spawn_staged(64));
+    assert!(p.info.kv_transfer);
+    let prompt = prompt(21);
+    let (mut psub, mut pev) = p
+        .submit_export(
+            Request {
+                prompt: prompt.clone(),
+                params: greedy(1),
+            },
+            0,
+        )
+        .unwrap();
+    let first = tokens(&mut psub);
+    let ExportEvent::Ready { lease: plo, .. } = pev.blocking_recv().unwrap() else {
+        panic!("Ready first")
+    };
+    let mut reported = vec![0; 3];
+    while let Ok(e) = pev.try_recv() {
+        if let ExportEvent::Layer { layer, upto } = e {
+            reported[layer] = upto;
+        }
+    }
+    assert_eq!(
+        reported,
+        vec![21; 3],
+        "every layer reported up to the prompt's end"
+    );
+
+    let (mut dsub, dlease) = d
+        .submit_remote_prefill(
+            Request {
+                prompt: prompt.clone(),
+                params: greedy(5),
+            },
+            1,
+        )
+        .unwrap();
+    let dlo = dlease.blocking_recv().unwrap();
+    for pos in 0..21 {
+        for layer in 0..3 {
+            for kind in [KvKind::K, KvKind::V] {
+                let v = Staged::slot(plo.pool(), plo.blocks(), pos, layer, kind).to_vec();
+                assert_eq!(
+                    v[0],
+                    Staged::pattern(pos, layer, kind),
+                    "staged on the prefill side"
+                );
+                Staged::slot(dlo.pool(), dlo.blocks(), pos, layer, kind).copy_from_slice(&v);
+            }
+        }
+    }
+    drop(plo);
+    dlo.landed(Landed {
+        first: Sampled {
+            token: first[0],
+            logprob: 0.0,
+            top: vec![],
+        },
+        rng: None,
+        cached_tokens: 0,
+    });
+    assert_eq!(tokens(&mut dsub), local_run(&prompt, 5));
+    assert!(all_free(&p) && all_free(&d));
 }

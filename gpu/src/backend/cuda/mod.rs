@@ -1403,6 +1403,18 @@ impl CudaBackend {
         self.block_size * self.cfg.kv_dim()
     }
 
+    /// A staging pool must have this cache's shape.
+    fn check_stage(&self, pool: &crate::kv_pool::HostKvPool) -> Result<()> {
+        let own = crate::backend::Backend::kv_spec(self);
+        if own.as_ref() != Some(pool.spec()) {
+            return Err(EngineError::Backend(format!(
+                "a staging pool of shape {:?} does not match the cache's {own:?}",
+                pool.spec()
+            )));
+        }
+        Ok(())
+    }
+
     fn check_blocks(&self, layer: usize, blocks: &[BlockId]) -> Result<()> {
         if layer >= self.k_cache.len() {
             return Err(EngineError::Backend(format!(
@@ -1429,9 +1441,8 @@ impl Backend for CudaBackend {
         self.num_blocks
     }
 
-    /// bf16 K and V in device memory. There is no host view of it (`host_kv` is `None`), so
-    /// this backend does not take part in KV transfers yet: requests that ask for one are
-    /// refused with a message and the decode side prefills locally.
+    /// bf16 K and V in device memory. There is no host view of it (`host_kv` is `None`): KV
+    /// transfers go through host staging pools (`kv_staging`).
     fn kv_spec(&self) -> Option<crate::kv_pool::KvSpec> {
         Some(crate::kv_pool::KvSpec {
             num_layers: self.cfg.num_layers,
@@ -1440,6 +1451,100 @@ impl Backend for CudaBackend {
             head_dim: self.cfg.head_dim,
             dtype: crate::kv_pool::KvDtype::Bf16,
         })
+    }
+
+    /// Transfers go through host staging pools: `copy_blocks_out`/`copy_blocks_in` move
+    /// whole blocks through a pinned buffer, and only the asked-for positions are written on
+    /// the host side.
+    fn kv_staging(&self) -> bool {
+        true
+    }
+
+    fn kv_to_host(
+        &mut self,
+        table: &[BlockId],
+        positions: std::ops::Range<usize>,
+        dst: &crate::kv_pool::HostKvPool,
+        dst_table: &[BlockId],
+    ) -> Result<()> {
+        if positions.is_empty() {
+            return Ok(());
+        }
+        self.check_stage(dst)?;
+        let bs = self.block_size;
+        let bpp = self.cfg.kv_dim() * 2;
+        let block_bytes = bs * bpp;
+        let (b0, b1) = (positions.start / bs, (positions.end - 1) / bs + 1);
+        let blocks = table.get(b0..b1).ok_or_else(|| {
+            EngineError::Backend(format!("no blocks for positions {positions:?}"))
+        })?;
+        dst.check_table(dst_table)?;
+        for layer in 0..self.cfg.num_layers {
+            // Per block: its K, then its V.
+            let bytes = self.copy_blocks_out(layer, blocks)?;
+            for pos in positions.clone() {
+                let (i, off) = (pos / bs - b0, pos % bs);
+                let dst_block = dst_table
+                    .get(pos / bs)
+                    .ok_or_else(|| EngineError::Backend(format!("no staging block for {pos}")))?;
+                let at = (dst_block.0 as usize * bs + off) * bpp;
+                for (kind, src_at) in [
+                    (crate::kv_pool::KvKind::K, i * 2 * block_bytes + off * bpp),
+                    (
+                        crate::kv_pool::KvKind::V,
+                        i * 2 * block_bytes + block_bytes + off * bpp,
+                    ),
+                ] {
+                    // SAFETY: `check_stage` and `check_table` put the slot inside the staging
+                    // pool, which the engine lends to no one for positions not yet reported.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            bytes[src_at..src_at + bpp].as_ptr(),
+                            dst.base(layer, kind).add(at),
+                            bpp,
+                        )
+                    };
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn kv_from_host(
+        &mut self,
+        src: &crate::kv_pool::HostKvPool,
+        src_table: &[BlockId],
+        positions: std::ops::Range<usize>,
+        table: &[BlockId],
+    ) -> Result<()> {
+        if positions.is_empty() {
+            return Ok(());
+        }
+        self.check_stage(src)?;
+        src.check_table(src_table)?;
+        let bs = self.block_size;
+        let block_bytes = bs * self.cfg.kv_dim() * 2;
+        let n = (positions.end - positions.start).div_ceil(bs);
+        if src_table.len() < n || table.len() < n {
+            return Err(EngineError::Backend(format!(
+                "positions {positions:?} need {n} blocks"
+            )));
+        }
+        for layer in 0..self.cfg.num_layers {
+            let mut bytes = Vec::with_capacity(n * 2 * block_bytes);
+            for b in &src_table[..n] {
+                let at = b.0 as usize * block_bytes;
+                for kind in [crate::kv_pool::KvKind::K, crate::kv_pool::KvKind::V] {
+                    // SAFETY: inside the staging pool (checked), which the landed transfer no
+                    // longer writes.
+                    bytes.extend_from_slice(unsafe {
+                        std::slice::from_raw_parts(src.base(layer, kind).add(at), block_bytes)
+                    });
+                }
+            }
+            self.copy_blocks_in(layer, &table[..n], &bytes)?;
+        }
+        Ok(())
     }
 
     fn forward(&mut self, batch: &ForwardBatch) -> Result<Vec<Vec<f32>>> {
