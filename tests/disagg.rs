@@ -73,7 +73,9 @@ impl Trio {
             Node::start(etcd, cluster, id, &a)
         };
         let (prefill, decode) = if in_process {
-            (None, start("pd", with("prefill,decode", decode)))
+            let mut extra = decode.to_vec();
+            extra.push("--enable-fault-injection");
+            (None, start("pd", with("prefill,decode", &extra)))
         } else {
             (
                 Some(start("p1", with("prefill", &[]))),
@@ -195,6 +197,33 @@ async fn disaggregated_greedy_output_equals_aggregated_for_every_family() {
             .await;
         assert!(bytes > 0.0, "{name}: KV bytes arrived");
         println!("{name} over {transport}: same tokens as aggregated, {bytes} KV bytes moved");
+        if *transport == "in-process" {
+            // Each role is a supervised actor: a crashed prefill role is restarted and the
+            // node prefills for itself again.
+            let r = http
+                .post(format!("{}/debug/crash/prefill", trio.decode.http))
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(r.status().as_u16(), 200);
+            wait_for("the prefill role restarted", 10, async || {
+                trio.decode
+                    .metric(&http, "kvmesh:role_restarts_total{role=\"prefill\"}")
+                    .await
+                    == 1.0
+            })
+            .await;
+            let p = prompt_ids(*len, 7);
+            let (_, want) = post(&http, &agg.base, greedy(&p, 8)).await;
+            let (st, got) = post(&http, &trio.gateway.http, greedy(&p, 8)).await;
+            assert_eq!(st, 200, "{got}");
+            assert_eq!(token_ids(&got), token_ids(&want), "after the restart");
+            let remote = trio
+                .decode
+                .metric(&http, "kvmesh:disagg_prefills_total{outcome=\"remote\"}")
+                .await;
+            assert_eq!(remote, 3.0, "prefilled by the restarted role");
+        }
     }
 }
 

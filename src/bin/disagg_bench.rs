@@ -86,6 +86,7 @@ fn start(
     label: &str,
     model: &Path,
     kv_transport: &str,
+    max_queue: usize,
     aggregated: usize,
     prefill: usize,
     decode: usize,
@@ -120,11 +121,19 @@ fn start(
         a.extend_from_slice(&engine);
         nodes.push(node(&etcd, &cluster, &format!("d{i}"), &a));
     }
+    let queue = max_queue.to_string();
     let gw = gateway_with(
         &etcd,
         &cluster,
         "least-loaded",
-        &["--model", m, "--disagg-min-tokens", "256"],
+        &[
+            "--model",
+            m,
+            "--disagg-min-tokens",
+            "256",
+            "--disagg-max-queue",
+            &queue,
+        ],
     );
     Cluster {
         gw,
@@ -249,7 +258,7 @@ async fn isolated_ttft(http: &reqwest::Client, model: &Path, lens: &[usize], rep
         ("1P+1D tcp", "tcp", 0, 1, 1),
         ("1P+1D quic", "quic", 0, 1, 1),
     ] {
-        let c = start(&format!("iso-{label}"), model, transport, agg, pre, dec);
+        let c = start(&format!("iso-{label}"), model, transport, 8, agg, pre, dec);
         wait_workers(http, &c.gw, agg + pre + dec).await;
         let mut rng = rand::rngs::StdRng::seed_from_u64(5);
         for &len in lens {
@@ -302,56 +311,74 @@ async fn main() {
     let iso = isolated_ttft(&http, &model, &[512, 2048, 4096], if quick { 3 } else { 5 }).await;
 
     // Long prompts per second, for the 2-machine cluster (the 4-machine one gets twice as
-    // many). At 20 µs a token a 4096-token prompt is 82 ms of prefill, so 6/s keeps an
-    // aggregated worker prefilling about a quarter of the time, 12/s half the time.
+    // many). At 20 µs a token a 4096-token prompt is 82 ms of prefill: 6/s keeps an
+    // aggregated worker prefilling a quarter of the time, 12/s (what one prefill node can
+    // just keep up with) half the time.
     let points: Vec<Point> = if quick {
         vec![Point {
             prompt_len: 4096,
             rate: 10.0,
         }]
     } else {
-        vec![
-            Point {
-                prompt_len: 1024,
-                rate: 12.0,
-            },
-            Point {
-                prompt_len: 1024,
-                rate: 36.0,
-            },
-            Point {
-                prompt_len: 4096,
-                rate: 4.0,
-            },
-            Point {
-                prompt_len: 4096,
-                rate: 10.0,
-            },
+        [
+            (1024, 12.0),
+            (1024, 36.0),
+            (2048, 12.0),
+            (2048, 22.0),
+            (4096, 4.0),
+            (4096, 10.0),
+            (4096, 12.0),
         ]
+        .into_iter()
+        .map(|(prompt_len, rate)| Point { prompt_len, rate })
+        .collect()
     };
-    // (scale, label, KV transport, aggregated, prefill, decode nodes)
-    let scales: &[(usize, &str, &str, usize, usize, usize)] = if quick {
+    // (scale, label, KV transport, --disagg-max-queue, aggregated, prefill, decode nodes,
+    // every point or the lightest): QUIC, CPU-bound on a small machine, runs the lightest
+    // point only. "queue on P" never falls back to prefilling on the decode node (a queue of
+    // 64), trading long prompts' TTFT for the chat streams' TPOT.
+    type Setup = (
+        usize,
+        &'static str,
+        &'static str,
+        usize,
+        usize,
+        usize,
+        usize,
+        bool,
+    );
+    let scales: &[Setup] = if quick {
         &[
-            (1, "2 aggregated", "-", 2, 0, 0),
-            (1, "1P+1D tcp", "tcp", 0, 1, 1),
-            (1, "1P+1D quic", "quic", 0, 1, 1),
+            (1, "2 aggregated", "-", 8, 2, 0, 0, true),
+            (1, "1P+1D tcp", "tcp", 8, 0, 1, 1, true),
+            (1, "1P+1D quic", "quic", 8, 0, 1, 1, true),
         ]
     } else {
         &[
-            (1, "2 aggregated", "-", 2, 0, 0),
-            (1, "1P+1D tcp", "tcp", 0, 1, 1),
-            (1, "1P+1D quic", "quic", 0, 1, 1),
-            (2, "4 aggregated", "-", 4, 0, 0),
-            (2, "2P+2D tcp", "tcp", 0, 2, 2),
+            (1, "2 aggregated", "-", 8, 2, 0, 0, true),
+            (1, "1P+1D tcp", "tcp", 8, 0, 1, 1, true),
+            (1, "1P+1D tcp, queue on P", "tcp", 64, 0, 1, 1, true),
+            (1, "1P+1D quic", "quic", 8, 0, 1, 1, false),
+            (2, "4 aggregated", "-", 8, 4, 0, 0, true),
+            (2, "2P+2D tcp", "tcp", 8, 0, 2, 2, true),
         ]
     };
     let streams_per = 24; // chat streams per decode-capable machine pair
-    let long_count = if quick { 30 } else { 60 };
+    let long_count = if quick { 30 } else { 80 };
     let mut rows = Vec::new();
-    for &(scale, label, transport, agg, pre, dec) in scales {
-        let c = start(label, &model, transport, agg, pre, dec);
+    for &(scale, label, transport, queue, agg, pre, dec, all_points) in scales {
+        let c = start(label, &model, transport, queue, agg, pre, dec);
         wait_workers(&http, &c.gw, agg + pre + dec).await;
-        for p in &points {
+        let lightest = points
+            .iter()
+            .min_by(|a, b| {
+                (a.prompt_len as f64 * a.rate).total_cmp(&(b.prompt_len as f64 * b.rate))
+            })
+            .expect("points");
+        for p in points
+            .iter()
+            .filter(|p| all_points || std::ptr::eq(*p, lightest))
+        {
             let point = Point {
                 prompt_len: p.prompt_len,
                 rate: p.rate * scale as f64,
@@ -369,8 +396,15 @@ async fn main() {
             r["machines"] = json!(agg + pre + dec);
             r["decisions_before"] = before;
             r["decisions"] = decisions(&metrics(&http, &c.gw).await);
+            // Long prompts a decode node prefilled itself (no prefill node had room).
+            let busy = |d: &Value| d["prefill_busy"].as_f64().unwrap_or(0.0);
+            r["long_on_decode"] = if agg > 0 {
+                json!("-")
+            } else {
+                json!(busy(&r["decisions"]) - busy(&r["decisions_before"]))
+            };
             println!(
-                "{label:>13} L={:>5} rate={:>4}/s: P99 TPOT {:>6.1} ms, P99 ITL {:>6.1} ms, chat P99 TTFT {:>7.1} ms, long P99 TTFT {:>7.1} ms",
+                "{label:>22} L={:>5} rate={:>4}/s: P99 TPOT {:>6.1} ms, P99 ITL {:>6.1} ms, chat P99 TTFT {:>7.1} ms, long P99 TTFT {:>7.1} ms",
                 point.prompt_len,
                 point.rate,
                 r["tpot_ms"]["p99"].as_f64().unwrap_or(f64::NAN),
@@ -383,7 +417,7 @@ async fn main() {
     }
     println!("\n== mixed load: chat streams (128 in, 64 out) while long prompts (8 out) arrive ==");
     println!(
-        "{:>13} {:>6} {:>7} {:>9} {:>9} {:>10} {:>11} {:>11} {:>9}",
+        "{:>22} {:>6} {:>7} {:>9} {:>9} {:>10} {:>11} {:>11} {:>9} {:>8}",
         "setup",
         "prompt",
         "rate/s",
@@ -392,7 +426,8 @@ async fn main() {
         "chat P99",
         "long P99",
         "long mean",
-        "TPOT x"
+        "TPOT x",
+        "on D"
     );
     for r in &rows {
         // TPOT ratio against the aggregated setup of the same size at the same point.
@@ -407,7 +442,7 @@ async fn main() {
                 / r["tpot_ms"]["p99"].as_f64().unwrap_or(f64::NAN)
         });
         println!(
-            "{:>13} {:>6} {:>7} {:>7.1}ms {:>7.1}ms {:>8.1}ms {:>9.1}ms {:>9.1}ms {:>8.2}x",
+            "{:>22} {:>6} {:>7} {:>7.1}ms {:>7.1}ms {:>8.1}ms {:>9.1}ms {:>9.1}ms {:>8.2}x {:>8}",
             r["setup"].as_str().unwrap(),
             r["prompt_len"],
             r["rate"],
@@ -416,7 +451,8 @@ async fn main() {
             r["chat_ttft_ms"]["p99"].as_f64().unwrap_or(f64::NAN),
             r["long_ttft_ms"]["p99"].as_f64().unwrap_or(f64::NAN),
             r["long_ttft_ms"]["mean"].as_f64().unwrap_or(f64::NAN),
-            ratio
+            ratio,
+            r["long_on_decode"]
         );
     }
     let cpus = std::thread::available_parallelism().map_or(0, |n| n.get());

@@ -82,12 +82,12 @@ impl StreamSender {
         let transfer_id = target.transfer_id;
         let mut out = Vec::new();
         for stream in 0..connections.max(1) {
-            let s = TcpStream::connect(addr)
-                .await
-                .map_err(|e| TransportError::Connect {
-                    addr,
-                    reason: e.to_string(),
-                })?;
+            let fail = |reason: String| TransportError::Connect { addr, reason };
+            let s =
+                tokio::time::timeout(std::time::Duration::from_secs(5), TcpStream::connect(addr))
+                    .await
+                    .map_err(|_| fail("no connection within 5 s".into()))?
+                    .map_err(|e| fail(e.to_string()))?;
             let _ = s.set_nodelay(true);
             let hello = KvStreamHello {
                 transfer_id,
