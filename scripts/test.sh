@@ -16,5 +16,16 @@ if [ -z "${ETCD_BIN:-}" ] && ! command -v etcd >/dev/null 2>&1; then
     $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server
 fi
 
+# The trace viewer is tested in a real browser: Debian's Chromium, headless.
+if ! command -v chromium >/dev/null 2>&1 && [ ! -x /usr/bin/chromium ]; then
+    echo "test.sh: chromium not found; installing Debian's chromium" >&2
+    sudo=""
+    if [ "$(id -u)" -ne 0 ]; then
+        sudo="sudo"
+    fi
+    $sudo apt-get update -qq
+    $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium
+fi
+
 jobs="${CARGO_BUILD_JOBS:-$(nproc 2>/dev/null || echo 2)}"
 cargo test --workspace --all-targets -j"$jobs" "$@"

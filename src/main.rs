@@ -5,6 +5,7 @@ mod embedded;
 mod model_cmd;
 mod node;
 mod serve;
+mod trace_cmd;
 
 use clap::{Parser, Subcommand};
 
@@ -38,6 +39,8 @@ enum Command {
     /// Measure a running OpenAI-compatible server: throughput and TTFT / TPOT / ITL / E2E
     /// latency under a set concurrency or request rate, swept, tabled and charted.
     Bench(bench::BenchArgs),
+    /// A request's trace across the mesh as a text waterfall (or the recent requests).
+    Trace(trace_cmd::TraceArgs),
 }
 
 #[derive(Subcommand)]
@@ -47,15 +50,19 @@ enum ClusterCommand {
 }
 
 fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
-        )
-        .with_writer(std::io::stderr)
-        .init();
-    match Cli::parse().command {
+    let cli = Cli::parse();
+    // serve and node set up tracing themselves (they know their node's name); the other
+    // commands only log.
+    if !matches!(cli.command, Command::Serve(_) | Command::Node(_)) {
+        tracing_subscriber::fmt()
+            .with_env_filter(kvmesh_telemetry::log_filter())
+            .with_writer(std::io::stderr)
+            .init();
+    }
+    match cli.command {
         Command::Serve(args) => serve::run(args),
         Command::Node(args) => node::run(args),
+        Command::Trace(args) => trace_cmd::run(args),
         Command::Cluster {
             command: ClusterCommand::Status(args),
         } => node::cluster_status(args),

@@ -120,6 +120,8 @@ pub struct NodeArgs {
     pub debug_advertise_fingerprint: Option<String>,
     #[command(flatten)]
     pub engine: EngineArgs,
+    #[command(flatten)]
+    pub trace: crate::serve::TraceFlags,
 }
 
 #[derive(Clone, Copy, Debug, clap::ValueEnum)]
@@ -149,6 +151,8 @@ impl Dispatch for RoutedDispatch {
 }
 
 struct NodeState {
+    /// This node's recent spans (served to gateways gathering a trace).
+    spans: Arc<kvmesh_telemetry::SpanStore>,
     record: NodeRecord,
     started: Instant,
     router: Option<Arc<RouterCore>>,
@@ -267,13 +271,22 @@ fn render_restarts(o: &mut String, restarts: &RoleRestarts) {
     }
 }
 
-/// `/status`, `/metrics` (node-level lines), `/health`, and the fault-injection hook.
+/// `/status`, `/metrics` (node-level lines), `/health`, the node's spans of a trace, and
+/// the fault-injection hook. A gateway serves the API's, metrics and trace routes itself.
 fn node_routes(node: Arc<NodeState>, with_metrics: bool) -> Router {
     let mut r = Router::new().route(
         "/status",
         get(|State(n): State<Arc<NodeState>>| async move { Json(n.status()) }),
     );
     if with_metrics {
+        r = r.route(
+            "/traces/api/spans/{trace}",
+            get(
+                |State(n): State<Arc<NodeState>>, Path(t): Path<String>| async move {
+                    Json(n.spans.trace(&t))
+                },
+            ),
+        );
         r = r
             .route(
                 "/metrics",
@@ -440,6 +453,8 @@ pub fn run(args: NodeArgs) -> anyhow::Result<()> {
         "--kv-streams must be between 1 and 16"
     );
     let node_id = args.node_id.clone().unwrap_or_else(default_node_id);
+    let telemetry = args.trace.init(&node_id)?;
+    let spans = telemetry.store.clone();
 
     // The engines (worker or decode, and prefill), or just the model's tokenizer and name
     // (gateway/router).
@@ -664,6 +679,7 @@ pub fn run(args: NodeArgs) -> anyhow::Result<()> {
         let registration = registry.register(record.clone()).await?;
 
         let node = Arc::new(NodeState {
+            spans: spans.clone(),
             record,
             started: Instant::now(),
             router: router.clone(),
@@ -675,6 +691,19 @@ pub fn run(args: NodeArgs) -> anyhow::Result<()> {
         });
         let app = match &router {
             Some(r) if has("gateway") => {
+                // A trace's spans are on every node it crossed: the viewer asks them all.
+                let peers = {
+                    let members = members.clone();
+                    let me = node_id.clone();
+                    Box::new(move || {
+                        members
+                            .borrow()
+                            .values()
+                            .filter(|r| r.node_id != me)
+                            .filter_map(|r| r.http_url.clone())
+                            .collect::<Vec<_>>()
+                    })
+                };
                 let state = AppState::new(
                     ServedModel {
                         name: model_name.clone(),
@@ -683,6 +712,7 @@ pub fn run(args: NodeArgs) -> anyhow::Result<()> {
                         default_max_model_len: max_model_len,
                     },
                     args.api_key.clone(),
+                    Some(kvmesh_gateway::traces::Traces::new(spans.clone(), peers)),
                 );
                 node_routes(node.clone(), false).merge(kvmesh_gateway::router(state))
             }
@@ -717,7 +747,9 @@ pub fn run(args: NodeArgs) -> anyhow::Result<()> {
         // Give the close frames a moment to leave.
         tokio::time::sleep(Duration::from_millis(100)).await;
         Ok::<_, anyhow::Error>(())
-    })
+    })?;
+    telemetry.shutdown();
+    Ok(())
 }
 
 #[derive(Args, Debug)]

@@ -73,10 +73,44 @@ pub struct EngineArgs {
     pub threads: Option<usize>,
 }
 
+/// Tracing flags `serve` and `node` share.
+#[derive(Args, Debug, Clone)]
+pub struct TraceFlags {
+    /// Also send spans to an OpenTelemetry collector by OTLP/HTTP (Jaeger, Tempo, …), e.g.
+    /// http://localhost:4318.
+    #[arg(long, env = "KVMESH_OTLP_ENDPOINT")]
+    pub otlp_endpoint: Option<String>,
+    /// Fraction of requests starting here that are traced (0 to 1); a request that arrives
+    /// with a sampled `traceparent` is traced whatever this says.
+    #[arg(long, default_value_t = 1.0)]
+    pub trace_sample_ratio: f64,
+    /// Spans kept in memory for the trace viewer, at most.
+    #[arg(long, default_value_t = 50_000)]
+    pub trace_store_spans: usize,
+    /// Memory for kept spans, in MiB, at most.
+    #[arg(long, default_value_t = 32)]
+    pub trace_store_mib: usize,
+}
+
+impl TraceFlags {
+    /// Sets up logging and tracing for a process named `node_id` in spans.
+    pub fn init(&self, node_id: &str) -> anyhow::Result<kvmesh_telemetry::Telemetry> {
+        Ok(kvmesh_telemetry::init(kvmesh_telemetry::TelemetryConfig {
+            node_id: node_id.to_string(),
+            otlp_endpoint: self.otlp_endpoint.clone(),
+            sample_ratio: self.trace_sample_ratio,
+            store_spans: self.trace_store_spans,
+            store_bytes: self.trace_store_mib << 20,
+        })?)
+    }
+}
+
 #[derive(Args, Debug)]
 pub struct ServeArgs {
     #[command(flatten)]
     pub engine: EngineArgs,
+    #[command(flatten)]
+    pub trace: TraceFlags,
     #[arg(long, default_value = "0.0.0.0")]
     pub host: String,
     #[arg(long, default_value_t = 8000)]
@@ -216,6 +250,7 @@ pub fn start_engine(args: &EngineArgs) -> anyhow::Result<StartedEngine> {
 }
 
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
+    let telemetry = args.trace.init("serve")?;
     let e = start_engine(&args.engine)?;
     let state = AppState::new(
         ServedModel {
@@ -225,6 +260,10 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             default_max_model_len: e.max_model_len,
         },
         args.api_key.clone(),
+        Some(kvmesh_gateway::traces::Traces::new(
+            telemetry.store.clone(),
+            Box::new(Vec::new),
+        )),
     );
     let handle = e.handle;
 
@@ -250,6 +289,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         tracing::info!("shut down");
         Ok::<_, anyhow::Error>(())
     })?;
+    telemetry.shutdown();
     Ok(())
 }
 

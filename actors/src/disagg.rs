@@ -25,6 +25,7 @@ use kvmesh_gpu::engine::{ExportEvent, KvLease, Landed, SeqEvent, Submission};
 use kvmesh_gpu::error::EngineError;
 use kvmesh_gpu::kv_pool::KvKind;
 use kvmesh_gpu::sampler::Sampled;
+use kvmesh_telemetry::TARGET;
 use kvmesh_transport::kv::local::{self, LocalSender, LocalTarget};
 use kvmesh_transport::kv::streams::{KvInbox, StreamReceiver, StreamSender, Target};
 use kvmesh_transport::kv::{
@@ -37,6 +38,7 @@ use kvmesh_transport::wire::{
 use kvmesh_transport::{Connection, NodeEndpoint};
 use parking_lot::RwLock;
 use tokio::sync::mpsc;
+use tracing::{field::Empty, Instrument};
 
 use crate::worker::{to_engine_request, WorkerCore};
 
@@ -214,33 +216,58 @@ pub async fn decode(
     let (sub, lease) = core
         .engine
         .submit_remote_prefill(to_engine_request(req), peer.min_tokens as usize)?;
+    let queue = tracing::info_span!(target: TARGET, "queue", reserved = true);
     let lease = tokio::select! {
         l = lease => match l {
             Ok(l) => l,
             // The engine found enough of the prompt cached here and prefills it.
             Err(_) => {
+                queue.record("reserved", false);
                 kv.stats.cached_locally.fetch_add(1, Ordering::Relaxed);
                 return Ok(Some(sub));
             }
         },
         _ = &mut *router_gone => return Ok(None),
     };
+    drop(queue);
+    let span = tracing::info_span!(
+        target: TARGET,
+        "kv.pull",
+        prefill_worker = peer.node_id.as_str(),
+        transport = kv.transport.name(),
+        from_pos = lease.from_pos(),
+        tokens = lease.prompt_len() - lease.from_pos(),
+        bytes = Empty,
+        ms = Empty,
+        gb_per_s = Empty,
+        outcome = Empty,
+        otel.status_code = Empty,
+        otel.status_message = Empty,
+    );
     let started = Instant::now();
     let outcome = tokio::select! {
-        r = pull(core, kv, req, peer, &lease) => r,
+        r = pull(core, kv, req, peer, &lease).instrument(span.clone()) => r,
         _ = &mut *router_gone => return Ok(None),
     };
+    let secs = started.elapsed().as_secs_f64();
+    span.record("ms", secs * 1e3);
     match outcome {
         Ok((landed, totals)) => {
             kv.stats.remote.fetch_add(1, Ordering::Relaxed);
             kv.stats.bytes_in.fetch_add(totals.bytes, Ordering::Relaxed);
             kv.stats
                 .transfer_us
-                .fetch_add(started.elapsed().as_micros() as u64, Ordering::Relaxed);
+                .fetch_add((secs * 1e6) as u64, Ordering::Relaxed);
+            span.record("outcome", "remote");
+            span.record("bytes", totals.bytes);
+            span.record("gb_per_s", totals.bytes as f64 / secs.max(1e-9) / 1e9);
             lease.landed(landed);
         }
         Err(e) => {
             kv.stats.fallback.fetch_add(1, Ordering::Relaxed);
+            span.record("outcome", "fallback");
+            span.record("otel.status_code", "ERROR");
+            span.record("otel.status_message", e.as_str());
             tracing::warn!(
                 "prefill on {} failed ({e}); prefilling {} tokens here",
                 peer.node_id,
@@ -269,8 +296,10 @@ async fn pull(
         transfer_id,
         secret,
         decode_node: core.node_id.clone(),
+        // The prefill worker's spans continue this transfer's.
         request: GenerateRequest {
             prefill: None,
+            traceparent: kvmesh_telemetry::traceparent(&tracing::Span::current()),
             ..req.clone()
         },
         from_pos: from as u32,
@@ -419,11 +448,45 @@ impl WorkerCore {
         via: SendVia,
         events: mpsc::UnboundedSender<PrefillEvent>,
     ) {
+        let span = tracing::info_span!(
+            target: TARGET,
+            "prefill.remote",
+            otel.kind = "server",
+            node = self.node_id.as_str(),
+            decode_worker = req.decode_node.as_str(),
+            via = match (&via, &req.data) {
+                (SendVia::Local(_), _) => "in-process",
+                (_, DataPath::Quic { .. }) => "quic",
+                (_, DataPath::Tcp { .. }) => "tcp",
+            },
+            prompt_tokens = req.request.prompt.len(),
+            from_pos = req.from_pos,
+            cached_tokens = Empty,
+            bytes = Empty,
+            ms = Empty,
+            gb_per_s = Empty,
+            otel.status_code = Empty,
+            otel.status_message = Empty,
+        );
+        kvmesh_telemetry::set_remote_parent(&span, req.request.traceparent.as_deref());
         let closed = events.clone();
+        let started = Instant::now();
         let r = tokio::select! {
-            r = self.export(&req, via, &events) => r,
+            r = self.export(&req, via, &events).instrument(span.clone()) => r,
             _ = closed.closed() => Err(("the decode worker went away".into(), false)),
         };
+        let secs = started.elapsed().as_secs_f64();
+        span.record("ms", secs * 1e3);
+        match &r {
+            Ok(bytes) => {
+                span.record("bytes", *bytes);
+                span.record("gb_per_s", *bytes as f64 / secs.max(1e-9) / 1e9);
+            }
+            Err((m, _)) => {
+                span.record("otel.status_code", "ERROR");
+                span.record("otel.status_message", m.as_str());
+            }
+        }
         let kv = self.kv.as_ref().expect("a prefill role has a KV side");
         match r {
             Ok(bytes) => {
@@ -470,6 +533,8 @@ impl WorkerCore {
             (e.to_string(), retryable)
         })?;
         self.requests_served.fetch_add(1, Ordering::Relaxed);
+        let span = tracing::Span::current();
+        let queue = tracing::info_span!(target: TARGET, "queue");
         let (lease, computed) = tokio::select! {
             e = ev.recv() => match e {
                 Some(ExportEvent::Ready { lease, computed }) => (lease, computed),
@@ -477,6 +542,8 @@ impl WorkerCore {
             },
             e = sub.events.recv() => return Err((failure(e), true)),
         };
+        drop(queue);
+        span.record("cached_tokens", computed);
         let _ = events.send(PrefillEvent::Started {
             cached: computed as u32,
         });
@@ -494,6 +561,7 @@ impl WorkerCore {
             source: Arc::new(region(&lease, from..to)),
             transfer_id: req.transfer_id,
             dest_blocks: req.dest_blocks.clone(),
+            span: span.clone(),
         };
         drop(lease);
         let net = |e: kvmesh_transport::TransportError| (format!("sending KV: {e}"), true);
@@ -533,10 +601,22 @@ impl WorkerCore {
             }
         }
         let mut rng = None;
+        // A chunk of the prompt is computed once its last layer is reported.
+        let chunk_span =
+            || tracing::info_span!(target: TARGET, parent: &span, "prefill.chunk", upto = Empty);
+        let mut chunk = Some(chunk_span());
         let mut on_export = |e: ExportEvent, sender_jobs: &mut Vec<(usize, usize, usize)>| match e {
             ExportEvent::Layer { layer, upto } if layer < layers && upto > sent[layer] => {
                 sender_jobs.push((layer, sent[layer], upto - sent[layer]));
                 sent[layer] = upto;
+                if layer + 1 == layers {
+                    if let Some(c) = chunk.take() {
+                        c.record("upto", upto);
+                    }
+                    if upto < to {
+                        chunk = Some(chunk_span());
+                    }
+                }
             }
             ExportEvent::Sampled { rng: r } => rng = Some(r),
             _ => {}

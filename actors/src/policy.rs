@@ -74,11 +74,19 @@ pub fn pick(policy: Policy, cands: &[Candidate], req: RequestShape, turn: u64) -
     }
     match policy {
         Policy::RoundRobin => Some((turn % cands.len() as u64) as usize),
-        Policy::LeastLoaded => argmin(cands, turn, |c| (c.load + 1.0) / c.capacity.max(1e-9)),
-        Policy::Prefix => argmin(cands, turn, |c| {
+        _ => argmin(cands, turn, |c| cost(policy, c, req)),
+    }
+}
+
+/// What a policy minimises for a candidate (round-robin has no cost: 0).
+pub fn cost(policy: Policy, c: &Candidate, req: RequestShape) -> f64 {
+    match policy {
+        Policy::RoundRobin => 0.0,
+        Policy::LeastLoaded => (c.load + 1.0) / c.capacity.max(1e-9),
+        Policy::Prefix => {
             let uncached = req.prompt_blocks.saturating_sub(c.cached_blocks) * req.block_size;
             (uncached as f64 + c.tokens_in_flight) / c.capacity.max(1e-9)
-        }),
+        }
     }
 }
 

@@ -29,8 +29,11 @@ use kvmesh_transport::{Connection, NodeEndpoint};
 use parking_lot::{Mutex, RwLock};
 use tokio::sync::mpsc;
 
+use kvmesh_telemetry::TARGET;
+use tracing::{field::Empty, Instrument};
+
 use crate::policy::{
-    pick, pick_prefill, Candidate, Policy, PrefillCandidate, PrefixIndex, RequestShape,
+    cost, pick, pick_prefill, Candidate, Policy, PrefillCandidate, PrefixIndex, RequestShape,
 };
 
 /// How long a request that has produced nothing waits for some worker to take it, after
@@ -343,7 +346,18 @@ impl RouterCore {
         }
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = mpsc::unbounded_channel();
-        let task = tokio::spawn(self.clone().run(id, req, tx));
+        // A child of the caller's span (the gateway's request).
+        let span = tracing::info_span!(
+            target: TARGET,
+            "route",
+            node = self.node_id.as_str(),
+            policy = self.policy.as_str(),
+            prompt_tokens = req.prompt.len(),
+            attempts = Empty,
+            otel.status_code = Empty,
+            otel.status_message = Empty,
+        );
+        let task = tokio::spawn(self.clone().run(id, req, tx).instrument(span));
         Ok(Submission::external(SeqId(id), rx, move || task.abort()))
     }
 
@@ -393,8 +407,14 @@ impl RouterCore {
         }
     }
 
-    /// Picks a node for a request, and how many of its blocks the node is believed to cache.
-    fn choose(&self, hashes: &[u64], tried: &HashSet<String>) -> Option<(Arc<WorkerLink>, usize)> {
+    /// Picks a node for a request, and how many of its blocks the node is believed to cache;
+    /// for a traced request, also the candidates and their costs as text.
+    fn choose(
+        &self,
+        hashes: &[u64],
+        tried: &HashSet<String>,
+        describe: bool,
+    ) -> Option<(Arc<WorkerLink>, usize, String)> {
         let links: Vec<_> = self
             .routable()
             .into_iter()
@@ -433,7 +453,26 @@ impl RouterCore {
         if self.policy == Policy::Prefix {
             self.prefix.lock().record(&links[i].record.node_id, hashes);
         }
-        Some((links[i].clone(), cands[i].cached_blocks))
+        let candidates = if describe {
+            links
+                .iter()
+                .zip(&cands)
+                .map(|(w, c)| {
+                    format!(
+                        "{}: cost {:.4} (load {:.0}, capacity {:.1} tok/s, cached blocks {})",
+                        w.record.node_id,
+                        cost(self.policy, c, shape),
+                        c.load,
+                        c.capacity,
+                        c.cached_blocks
+                    )
+                })
+                .collect::<Vec<_>>()
+                .join("; ")
+        } else {
+            String::new()
+        };
+        Some((links[i].clone(), cands[i].cached_blocks, candidates))
     }
 
     async fn run(self: Arc<Self>, id: u64, req: Request, tx: mpsc::UnboundedSender<SeqEvent>) {
@@ -467,8 +506,12 @@ impl RouterCore {
         let mut tried = HashSet::new();
         let mut last_error = String::from("no worker was connected");
         let give_up = Instant::now() + UNSTARTED_PATIENCE;
+        let route = tracing::Span::current();
+        let traced = kvmesh_telemetry::is_sampled(&route);
+        let mut attempts = 0u32;
         loop {
-            let Some((link, cached_blocks)) = self.choose(&hashes, &tried) else {
+            let Some((link, cached_blocks, candidates)) = self.choose(&hashes, &tried, traced)
+            else {
                 // Nothing has reached the client yet, so the request can still wait for a
                 // worker: one restarting, one joining, or a full one draining its queue.
                 if Instant::now() < give_up && !tx.is_closed() {
@@ -477,28 +520,49 @@ impl RouterCore {
                     continue;
                 }
                 self.stats.no_worker.fetch_add(1, Ordering::Relaxed);
-                let _ = tx.send(SeqEvent::Failed(format!(
+                let message = format!(
                     "no worker could take the request within {} s: {last_error}",
                     UNSTARTED_PATIENCE.as_secs()
-                )));
+                );
+                route.record("otel.status_code", "ERROR");
+                route.record("otel.status_message", message.as_str());
+                let _ = tx.send(SeqEvent::Failed(message));
                 return;
             };
+            attempts += 1;
+            route.record("attempts", attempts);
+            // Each try is its own span, a child of the route; the worker continues it.
+            let attempt = tracing::info_span!(
+                target: TARGET,
+                "attempt",
+                n = attempts,
+                worker = link.record.node_id.as_str(),
+                candidates = candidates.as_str(),
+                cached_blocks,
+                disagg = Empty,
+                prefill_worker = Empty,
+                outcome = Empty,
+                otel.status_code = Empty,
+                otel.status_message = Empty,
+            );
             tried.insert(link.record.node_id.clone());
             link.routed.fetch_add(1, Ordering::Relaxed);
             self.stats.routed.fetch_add(1, Ordering::Relaxed);
             let guard = InFlight::new(&link, (req.prompt.len() + p.max_tokens) as i64);
-            let mut attempt = wire_req.clone();
+            let mut wire = wire_req.clone();
             let mut prefill_guard = None;
             if link.record.has_role("decode") {
                 let (decision, prefill) = self.prefill_for(&link, req.prompt.len(), cached_blocks);
                 self.stats.disagg[decision as usize].fetch_add(1, Ordering::Relaxed);
+                attempt.record("disagg", decision.as_str());
                 if let Some(pl) = prefill {
                     let uncached = req
                         .prompt
                         .len()
                         .saturating_sub(cached_blocks * link.record.block_size);
                     pl.prefilled.fetch_add(1, Ordering::Relaxed);
-                    attempt.prefill = Some(PrefillPeer {
+                    attempt.record("prefill_worker", pl.record.node_id.as_str());
+                    wire.prefill = Some(PrefillPeer {
                         node_id: pl.record.node_id.clone(),
                         quic_addr: pl.record.quic_addr.clone(),
                         cert_sha256: pl.record.cert_sha256.clone(),
@@ -507,8 +571,22 @@ impl RouterCore {
                     prefill_guard = Some(PrefillInFlight::new(pl, uncached as i64));
                 }
             }
-            let outcome = stream_from(&link, &attempt, &tx, &mut prefill_guard).await;
+            wire.traceparent = kvmesh_telemetry::traceparent(&attempt);
+            let outcome = stream_from(&link, &wire, &tx, &mut prefill_guard)
+                .instrument(attempt.clone())
+                .await;
             drop(guard);
+            let (what, error) = match &outcome {
+                Outcome::Done => ("done", None),
+                Outcome::ClientGone => ("client_gone", None),
+                Outcome::NotStarted(r) => ("not_started", Some(r.clone())),
+                Outcome::Broken { reason, .. } => ("broken", Some(reason.clone())),
+            };
+            attempt.record("outcome", what);
+            if let Some(e) = error {
+                attempt.record("otel.status_code", "ERROR");
+                attempt.record("otel.status_message", e.as_str());
+            }
             match outcome {
                 Outcome::Done | Outcome::ClientGone => return,
                 Outcome::NotStarted(reason) => {
@@ -521,10 +599,13 @@ impl RouterCore {
                 }
                 Outcome::Broken { tokens, reason } => {
                     self.stats.failed_midstream.fetch_add(1, Ordering::Relaxed);
-                    let _ = tx.send(SeqEvent::Failed(format!(
+                    let message = format!(
                         "worker {} was lost after {tokens} generated tokens: {reason}",
                         link.record.node_id
-                    )));
+                    );
+                    route.record("otel.status_code", "ERROR");
+                    route.record("otel.status_message", message.as_str());
+                    let _ = tx.send(SeqEvent::Failed(message));
                     return;
                 }
             }

@@ -10,15 +10,18 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvmesh_gpu::engine::{EngineHandle, FinishReason, Request, SeqEvent};
+use kvmesh_gpu::engine::{EngineHandle, FinishReason, Progress, Request, SeqEvent};
 use kvmesh_gpu::error::EngineError;
 use kvmesh_gpu::sampler::SamplingParams;
+use kvmesh_telemetry::phases::Phases;
+use kvmesh_telemetry::TARGET;
 use kvmesh_transport::wire::{
     self, Finish, GenerateRequest, LoadReport, PrefillLoad, StreamRequest, TokenEvent, TopLogprob,
     UniHeader,
 };
 use kvmesh_transport::{peer_fingerprint, Connection, NodeEndpoint, RecvStream, SendStream};
 use parking_lot::{Mutex, RwLock};
+use tracing::{field::Empty, Instrument};
 
 use crate::disagg::{self, KvSide};
 
@@ -179,8 +182,32 @@ impl WorkerCore {
 
     /// A router's generate request: runs it through the engine, streaming token events. A
     /// decode role first takes the prompt's KV from the prefill worker the router named.
-    pub async fn serve_generate(self: Arc<Self>, mut send: SendStream, req: GenerateRequest) {
+    pub async fn serve_generate(self: Arc<Self>, send: SendStream, req: GenerateRequest) {
+        // Continues the router's attempt span.
+        let span = tracing::info_span!(
+            target: TARGET,
+            "worker",
+            otel.kind = "server",
+            node = self.node_id.as_str(),
+            role = self.role.as_str(),
+            prompt_tokens = req.prompt.len(),
+            max_tokens = req.max_tokens,
+            queued_ms = Empty,
+            cached_tokens = Empty,
+            generated = Empty,
+            finish = Empty,
+            otel.status_code = Empty,
+            otel.status_message = Empty,
+        );
+        kvmesh_telemetry::set_remote_parent(&span, req.traceparent.as_deref());
+        self.generate(send, req).instrument(span).await
+    }
+
+    async fn generate(self: Arc<Self>, mut send: SendStream, req: GenerateRequest) {
+        let span = tracing::Span::current();
         let mut router_gone = Box::pin(send.stopped());
+        let remote =
+            matches!((&req.prefill, &self.kv), (Some(_), Some(_))) && self.role == CoreRole::Decode;
         let sub = match (&req.prefill, &self.kv) {
             (Some(peer), Some(kv)) if self.role == CoreRole::Decode => {
                 match disagg::decode(&self, kv, &req, peer, &mut router_gone).await {
@@ -195,6 +222,8 @@ impl WorkerCore {
             Ok(s) => s,
             Err(e) => {
                 let retryable = matches!(e, EngineError::QueueFull { .. });
+                span.record("otel.status_code", "ERROR");
+                span.record("otel.status_message", e.to_string().as_str());
                 let _ = wire::write_msg(
                     &mut send,
                     &TokenEvent::Rejected {
@@ -208,12 +237,48 @@ impl WorkerCore {
             }
         };
         self.requests_served.fetch_add(1, Ordering::Relaxed);
+        // Queue, prefill (chunk by chunk) and decode as spans, for a sampled request whose
+        // prompt is computed here.
+        let mut phases = Phases::new(&span, !remote, req.prompt.len());
         loop {
             let ev = tokio::select! {
+                biased;
+                Some(p) = sub.progress.recv() => {
+                    match p {
+                        Progress::Scheduled { queued, cached_tokens } => {
+                            phases.scheduled(queued, cached_tokens)
+                        }
+                        Progress::Prefilled { tokens, upto, step } => {
+                            phases.prefilled(tokens, upto, step)
+                        }
+                    }
+                    continue;
+                }
                 ev = sub.events.recv() => ev,
                 // The router stopped reading: its client went away. Dropping `sub` aborts.
-                _ = &mut router_gone => return,
+                _ = &mut router_gone => {
+                    span.record("otel.status_code", "ERROR");
+                    span.record("otel.status_message", "the router went away");
+                    return;
+                }
             };
+            if let Some(SeqEvent::Token {
+                sampled,
+                finish,
+                cached_tokens,
+            }) = &ev
+            {
+                phases.token(sampled.token);
+                if let Some(f) = finish {
+                    span.record("finish", f.as_str());
+                    span.record("generated", phases.tokens());
+                    span.record("cached_tokens", *cached_tokens);
+                }
+            }
+            if let Some(SeqEvent::Failed(m)) = &ev {
+                span.record("otel.status_code", "ERROR");
+                span.record("otel.status_message", m.as_str());
+            }
             let (msg, last) = match ev {
                 Some(SeqEvent::Token {
                     sampled,

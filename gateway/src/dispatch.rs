@@ -14,6 +14,11 @@ pub trait Dispatch: Send + Sync + 'static {
     fn max_model_len(&self) -> Option<usize>;
     /// Prometheus lines about the engine or the workers behind this gateway.
     fn render_metrics(&self, out: &mut String, model: &str);
+    /// Whether the engine runs in this process, so the gateway traces its phases (queue,
+    /// prefill, decode) itself; a remote worker traces its own.
+    fn is_local(&self) -> bool {
+        false
+    }
 }
 
 impl Dispatch for EngineHandle {
@@ -27,5 +32,9 @@ impl Dispatch for EngineHandle {
 
     fn render_metrics(&self, out: &mut String, model: &str) {
         render_engine(out, model, self)
+    }
+
+    fn is_local(&self) -> bool {
+        true
     }
 }

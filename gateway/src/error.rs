@@ -137,6 +137,10 @@ impl From<EngineError> for ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
+        // On the request's span when there is one (the gateway's trace middleware).
+        let span = tracing::Span::current();
+        span.record("otel.status_code", "ERROR");
+        span.record("otel.status_message", self.message.as_str());
         (self.status, Json(self.body())).into_response()
     }
 }

@@ -4,8 +4,9 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use kvmesh_gpu::engine::{SeqEvent, Submission};
+use kvmesh_gpu::engine::{Progress, SeqEvent, Submission};
 use kvmesh_gpu::tokenizer::{TextStream, TextTokenizer};
+use kvmesh_telemetry::phases::Phases;
 
 use crate::error::ApiError;
 use crate::metrics::Metrics;
@@ -38,6 +39,13 @@ impl Chunk {
 
 pub struct Generation {
     sub: Submission,
+    /// The request's span: TTFT, token counts and the outcome are recorded on it; it ends
+    /// when the generation is dropped (after the last chunk was streamed).
+    span: tracing::Span,
+    /// From the first token to the last: detokenizing and streaming.
+    stream_span: Option<tracing::Span>,
+    /// An engine in this process: its queue, prefill and decode as spans.
+    phases: Option<Phases>,
     text: TextStream,
     tok: Arc<TextTokenizer>,
     metrics: Arc<Metrics>,
@@ -49,6 +57,14 @@ pub struct Generation {
     done: bool,
 }
 
+/// A span's end is its last exit: entering it once more as the generation goes (after the
+/// last chunk was streamed) makes the request's span cover the whole response.
+impl Drop for Generation {
+    fn drop(&mut self) {
+        let _ = self.span.enter();
+    }
+}
+
 impl Generation {
     pub fn new(
         sub: Submission,
@@ -57,9 +73,13 @@ impl Generation {
         tok: Arc<TextTokenizer>,
         metrics: Arc<Metrics>,
         start: Instant,
+        span: tracing::Span,
     ) -> Generation {
         Generation {
+            phases: None,
             sub,
+            span,
+            stream_span: None,
             text: TextStream::new(prompt, stops),
             tok,
             metrics,
@@ -79,16 +99,30 @@ impl Generation {
         }
         let event = self.sub.events.recv().await;
         let now = Instant::now();
+        // An engine reports a step's progress before the step's tokens.
+        if let Some(ph) = &mut self.phases {
+            while let Ok(p) = self.sub.progress.try_recv() {
+                match p {
+                    Progress::Scheduled {
+                        queued,
+                        cached_tokens,
+                    } => ph.scheduled(queued, cached_tokens),
+                    Progress::Prefilled { tokens, upto, step } => ph.prefilled(tokens, upto, step),
+                }
+            }
+        }
         match event {
             None => {
                 self.done = true;
-                Some(Err(ApiError::internal(
+                Some(Err(self.failed(ApiError::internal(
                     "the engine stopped before the request finished",
-                )))
+                ))))
             }
             Some(SeqEvent::Failed(m)) => {
                 self.done = true;
-                Some(Err(ApiError::internal(format!("generation failed: {m}"))))
+                Some(Err(self.failed(ApiError::internal(format!(
+                    "generation failed: {m}"
+                )))))
             }
             Some(SeqEvent::Token {
                 sampled,
@@ -96,12 +130,25 @@ impl Generation {
                 cached_tokens,
             }) => {
                 match self.last {
-                    None => self.metrics.ttft.observe((now - self.start).as_secs_f64()),
+                    None => {
+                        let ttft = (now - self.start).as_secs_f64();
+                        self.metrics.ttft.observe(ttft);
+                        self.span.record("ttft_ms", ttft * 1e3);
+                        self.stream_span = Some(tracing::info_span!(
+                            target: kvmesh_telemetry::TARGET,
+                            parent: &self.span,
+                            "detokenize_stream",
+                            tokens = tracing::field::Empty,
+                        ));
+                    }
                     Some(t) => self.metrics.itl.observe((now - t).as_secs_f64()),
                 }
                 self.last = Some(now);
                 self.cached_tokens = cached_tokens;
                 self.completion_tokens += 1;
+                if let Some(ph) = &mut self.phases {
+                    ph.token(sampled.token);
+                }
                 let mut chunk = Chunk {
                     token_ids: vec![sampled.token],
                     logprobs: vec![TokenLogprob {
@@ -137,10 +184,34 @@ impl Generation {
                     self.done = true;
                     self.metrics.e2e.observe((now - self.start).as_secs_f64());
                     self.metrics.finished(reason);
+                    self.span.record("finish_reason", reason);
+                    self.span
+                        .record("completion_tokens", self.completion_tokens);
+                    self.span.record("cached_tokens", self.cached_tokens);
+                    if let Some(s) = self.stream_span.take() {
+                        s.record("tokens", self.completion_tokens);
+                    }
                 }
                 Some(Ok(chunk))
             }
         }
+    }
+
+    /// For an engine in this process: traces its phases (queue, prefill, decode) under the
+    /// request's span.
+    pub fn with_engine_phases(mut self) -> Generation {
+        self.phases = Some(Phases::new(&self.span, true, self.prompt_tokens));
+        self
+    }
+
+    /// Records a failure on the request's span.
+    fn failed(&mut self, e: ApiError) -> ApiError {
+        self.stream_span = None;
+        self.span.record("otel.status_code", "ERROR");
+        self.span.record("otel.status_message", e.message.as_str());
+        self.span
+            .record("completion_tokens", self.completion_tokens);
+        e
     }
 
     pub fn usage(&self) -> serde_json::Value {

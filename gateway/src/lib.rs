@@ -6,6 +6,7 @@ pub mod error;
 pub mod generate;
 pub mod metrics;
 pub mod protocol;
+pub mod traces;
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -44,15 +45,22 @@ pub struct AppState {
     pub api_key: Option<String>,
     pub metrics: Arc<Metrics>,
     pub created: u64,
+    /// The trace viewer's sources, when tracing is on.
+    pub traces: Option<Arc<traces::Traces>>,
 }
 
 impl AppState {
-    pub fn new(model: ServedModel, api_key: Option<String>) -> Arc<AppState> {
+    pub fn new(
+        model: ServedModel,
+        api_key: Option<String>,
+        traces: Option<Arc<traces::Traces>>,
+    ) -> Arc<AppState> {
         Arc::new(AppState {
             model,
             api_key,
             metrics: Arc::new(Metrics::default()),
             created: unix_now(),
+            traces,
         })
     }
 
@@ -61,6 +69,16 @@ impl AppState {
             .engine
             .max_model_len()
             .unwrap_or(self.model.default_max_model_len)
+    }
+}
+
+/// A child span of the request's, for one phase of the gateway's work.
+fn span(name: &'static str) -> tracing::Span {
+    use kvmesh_telemetry::TARGET;
+    match name {
+        "validate" => tracing::info_span!(target: TARGET, "validate"),
+        "chat_template" => tracing::info_span!(target: TARGET, "chat_template"),
+        _ => tracing::info_span!(target: TARGET, "tokenize"),
     }
 }
 
@@ -76,9 +94,11 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
-        .route_layer(middleware::from_fn_with_state(state.clone(), require_key));
+        .route_layer(middleware::from_fn_with_state(state.clone(), require_key))
+        .route_layer(middleware::from_fn(traces::trace_request));
     Router::new()
         .merge(v1)
+        .merge(traces::routes())
         .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
         .route(
             "/version",
@@ -155,18 +175,23 @@ struct Prepared {
 async fn chat(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
     let start = Instant::now();
     let prepared = (|| {
-        let body = protocol::parse_body(&body)?;
-        let req: ChatRequest = protocol::fields(&body)?;
-        let top = protocol::chat_logprobs(req.logprobs, req.top_logprobs)?;
-        let v = protocol::validate_common(
-            &protocol::fields(&body)?,
-            &st.model.name,
-            st.model.tokenizer.sampling_defaults(),
-            top,
-        )?;
-        let messages = protocol::template_messages(&req.messages)?;
-        let text = st.model.tokenizer.apply_chat_template(&messages, true)?;
-        let prompt = st.model.tokenizer.encode(&text, false)?;
+        let (req, v) = span("validate").in_scope(|| {
+            let body = protocol::parse_body(&body)?;
+            let req: ChatRequest = protocol::fields(&body)?;
+            let top = protocol::chat_logprobs(req.logprobs, req.top_logprobs)?;
+            let v = protocol::validate_common(
+                &protocol::fields(&body)?,
+                &st.model.name,
+                st.model.tokenizer.sampling_defaults(),
+                top,
+            )?;
+            Ok::<_, ApiError>((req, v))
+        })?;
+        let text = span("chat_template").in_scope(|| {
+            let messages = protocol::template_messages(&req.messages)?;
+            Ok::<_, ApiError>(st.model.tokenizer.apply_chat_template(&messages, true)?)
+        })?;
+        let prompt = span("tokenize").in_scope(|| st.model.tokenizer.encode(&text, false))?;
         Ok::<_, ApiError>(Prepared {
             endpoint: Endpoint::Chat,
             prompt,
@@ -180,15 +205,18 @@ async fn chat(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
 async fn completions(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
     let start = Instant::now();
     let prepared = (|| {
-        let body = protocol::parse_body(&body)?;
-        let req: CompletionRequest = protocol::fields(&body)?;
-        let top = protocol::completion_logprobs(req.logprobs)?;
-        let v = protocol::validate_common(
-            &protocol::fields(&body)?,
-            &st.model.name,
-            st.model.tokenizer.sampling_defaults(),
-            top,
-        )?;
+        let (req, v) = span("validate").in_scope(|| {
+            let body = protocol::parse_body(&body)?;
+            let req: CompletionRequest = protocol::fields(&body)?;
+            let top = protocol::completion_logprobs(req.logprobs)?;
+            let v = protocol::validate_common(
+                &protocol::fields(&body)?,
+                &st.model.name,
+                st.model.tokenizer.sampling_defaults(),
+                top,
+            )?;
+            Ok::<_, ApiError>((req, v))
+        })?;
         let tok = &st.model.tokenizer;
         let one = |n: usize| {
             if n == 1 {
@@ -209,23 +237,25 @@ async fn completions(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
         if empty {
             return Err(ApiError::param("prompt", "The prompt is empty."));
         }
-        let (prompt, text) = match req.prompt {
-            Prompt::Text(t) => (tok.encode(&t, true)?, t),
-            Prompt::Texts(ts) => {
-                one(ts.len())?;
-                (tok.encode(&ts[0], true)?, ts[0].clone())
-            }
-            Prompt::Tokens(ids) => {
-                let t = tok.decode(&ids, false)?;
-                (ids, t)
-            }
-            Prompt::TokenLists(mut l) => {
-                one(l.len())?;
-                let ids = l.remove(0);
-                let t = tok.decode(&ids, false)?;
-                (ids, t)
-            }
-        };
+        let (prompt, text) = span("tokenize").in_scope(|| {
+            Ok::<_, ApiError>(match req.prompt {
+                Prompt::Text(t) => (tok.encode(&t, true)?, t),
+                Prompt::Texts(ts) => {
+                    one(ts.len())?;
+                    (tok.encode(&ts[0], true)?, ts[0].clone())
+                }
+                Prompt::Tokens(ids) => {
+                    let t = tok.decode(&ids, false)?;
+                    (ids, t)
+                }
+                Prompt::TokenLists(mut l) => {
+                    one(l.len())?;
+                    let ids = l.remove(0);
+                    let t = tok.decode(&ids, false)?;
+                    (ids, t)
+                }
+            })
+        })?;
         let echo = req.echo.unwrap_or(false).then_some(text);
         Ok::<_, ApiError>(Prepared {
             endpoint: Endpoint::Completion,
@@ -288,14 +318,24 @@ async fn run(
         sub.id.0,
         start.elapsed().subsec_nanos() ^ (unix_now() as u32)
     );
-    let gen = Generation::new(
+    let span = tracing::Span::current();
+    span.record("request_id", id.as_str());
+    span.record("model", st.model.name.as_str());
+    span.record("prompt_tokens", plen);
+    span.record("max_tokens", max_tokens);
+    span.record("stream", v.stream);
+    let mut gen = Generation::new(
         sub,
         &prompt,
         v.stops.clone(),
         st.model.tokenizer.clone(),
         st.metrics.clone(),
         start,
+        span,
     );
+    if st.model.engine.is_local() {
+        gen = gen.with_engine_phases();
+    }
     let out = Output {
         endpoint,
         id,

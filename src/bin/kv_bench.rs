@@ -256,6 +256,7 @@ async fn tcp(s: &Setup, plan: &[(usize, usize, usize)], conns: usize) -> f64 {
         source: s.source(),
         transfer_id: id,
         dest_blocks: s.dst_table.clone(),
+        span: tracing::Span::none(),
     };
     let t = Instant::now();
     let sender = StreamSender::tcp(addr, target, 5, conns)
@@ -318,6 +319,7 @@ async fn quic(q: &QuicPair, s: &Setup, plan: &[(usize, usize, usize)], streams: 
         source: s.source(),
         transfer_id: id,
         dest_blocks: s.dst_table.clone(),
+        span: tracing::Span::none(),
     };
     let t = Instant::now();
     let sender = StreamSender::quic(&q.prefill_conn, target, 6, streams)

@@ -143,9 +143,13 @@ impl NodeEndpoint {
             .map_err(|e| TransportError::Tls(e.to_string()))?;
         let mut client = quinn::ClientConfig::new(Arc::new(quic));
         client.transport_config(transport_config());
-        let connecting = self
-            .endpoint
-            .connect_with(client, addr, "kvmesh")
+        // quinn runs the connection in a task that keeps the caller's tracing span open for
+        // as long as the connection lives; a request's span must not be that caller, so the
+        // connection starts from a task of its own.
+        let endpoint = self.endpoint.clone();
+        let connecting = tokio::spawn(async move { endpoint.connect_with(client, addr, "kvmesh") })
+            .await
+            .map_err(|e| fail(e.to_string()))?
             .map_err(|e| fail(e.to_string()))?;
         match tokio::time::timeout(Duration::from_secs(5), connecting).await {
             Ok(Ok(c)) => Ok(c),

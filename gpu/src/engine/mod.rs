@@ -23,7 +23,7 @@ use std::collections::{HashMap, VecDeque};
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use tokio::sync::{mpsc, oneshot};
 
@@ -97,6 +97,24 @@ pub struct Request {
     pub params: SamplingParams,
 }
 
+/// How a sequence is getting on inside the engine, for tracing (see [`Submission::progress`]).
+#[derive(Clone, Debug, PartialEq)]
+pub enum Progress {
+    /// Admitted to a batch after waiting `queued`; `cached_tokens` of the prompt were found
+    /// in the prefix cache.
+    Scheduled {
+        queued: Duration,
+        cached_tokens: usize,
+    },
+    /// A step computed `tokens` prompt tokens of this sequence, up to position `upto`; the
+    /// step (with every other sequence in it) took `step`.
+    Prefilled {
+        tokens: usize,
+        upto: usize,
+        step: Duration,
+    },
+}
+
 /// Counters and gauges the engine keeps for `/metrics`.
 #[derive(Default)]
 pub struct EngineStats {
@@ -137,6 +155,7 @@ enum Command {
         id: SeqId,
         req: Request,
         events: mpsc::UnboundedSender<SeqEvent>,
+        progress: mpsc::UnboundedSender<Progress>,
         mode: Mode,
     },
     Abort(SeqId),
@@ -179,6 +198,9 @@ pub struct EngineHandle {
 pub struct Submission {
     pub id: SeqId,
     pub events: mpsc::UnboundedReceiver<SeqEvent>,
+    /// When it was scheduled and how its prompt was computed; whoever traces the request
+    /// reads it, the rest may ignore it.
+    pub progress: mpsc::UnboundedReceiver<Progress>,
     abort: AbortOnDrop,
 }
 
@@ -233,6 +255,7 @@ impl Submission {
         Submission {
             id,
             events,
+            progress: mpsc::unbounded_channel().1,
             abort: AbortOnDrop {
                 target: AbortTarget::External(Some(Box::new(on_abort))),
                 armed: true,
@@ -339,18 +362,21 @@ impl EngineHandle {
         }
         let id = SeqId(self.next_id.fetch_add(1, Ordering::Relaxed));
         let (etx, erx) = mpsc::unbounded_channel();
+        let (ptx, prx) = mpsc::unbounded_channel();
         self.stats.waiting.fetch_add(1, Ordering::Relaxed);
         self.tx
             .send(Command::Add {
                 id,
                 req,
                 events: etx,
+                progress: ptx,
                 mode,
             })
             .map_err(|_| EngineError::Stopped)?;
         Ok(Submission {
             id,
             events: erx,
+            progress: prx,
             abort: AbortOnDrop {
                 target: AbortTarget::Engine {
                     id,
@@ -380,6 +406,8 @@ struct Seq {
     /// On a backend without host-visible KV: the host copy of this sequence's blocks that
     /// its transfer reads from or lands in (block `i` mirrors `blocks[i]`).
     stage: Option<Arc<HostKvPool>>,
+    progress: mpsc::UnboundedSender<Progress>,
+    enqueued: Instant,
 }
 
 impl Seq {
@@ -510,6 +538,7 @@ impl Engine {
                 id,
                 req,
                 events,
+                progress,
                 mode,
             } => {
                 let prompt_len = req.prompt.len();
@@ -532,6 +561,8 @@ impl Engine {
                     mode,
                     lease_out: false,
                     stage: None,
+                    progress,
+                    enqueued: Instant::now(),
                 });
             }
             Command::Abort(id) => {
@@ -791,6 +822,10 @@ impl Engine {
             if !s.admitted_once {
                 s.admitted_once = true;
                 s.cached_tokens = s.num_computed;
+                let _ = s.progress.send(Progress::Scheduled {
+                    queued: s.enqueued.elapsed(),
+                    cached_tokens: s.num_computed,
+                });
                 self.stats
                     .prefix_queries
                     .fetch_add(s.prompt_len as u64, Ordering::Relaxed);
@@ -943,8 +978,16 @@ impl Engine {
             self.stage_out(&exports)?;
         }
 
+        let step = started.elapsed();
         for &(i, n) in &plan {
             let s = &mut self.running[i];
+            if s.num_computed < s.prompt_len {
+                let _ = s.progress.send(Progress::Prefilled {
+                    tokens: n,
+                    upto: s.num_computed + n,
+                    step,
+                });
+            }
             s.num_computed += n;
             Self::register_full_blocks(&mut self.blocks, &self.cfg, s);
         }

@@ -107,6 +107,8 @@ pub struct Target {
     pub transfer_id: u64,
     /// The decode side's block table, named in each piece's header.
     pub dest_blocks: Vec<u32>,
+    /// The transfer's span: each layer's sending gets a `kv.layer` span under it.
+    pub span: tracing::Span,
 }
 
 #[async_trait::async_trait]
@@ -237,7 +239,14 @@ async fn write_stream<W: PieceWriter>(
     let io = |e: std::io::Error| TransportError::Stream(e.to_string());
     w.bytes(&preamble).await.map_err(io)?;
     let mut totals = TransferTotals::default();
+    // Each layer of this stream, from its first piece to its last: a span with its bytes
+    // and rate (only for sampled transfers).
+    let traced = kvmesh_telemetry::is_sampled(&target.span);
+    let mut layers: std::collections::HashMap<usize, LayerSpan> = Default::default();
     while let Some((layer, first, n)) = jobs.recv().await {
+        if traced && !layers.contains_key(&layer) {
+            layers.insert(layer, LayerSpan::open(&target.span, layer));
+        }
         let mut segs = region.segments(layer, Kind::K, first, n)?;
         segs.extend(region.segments(layer, Kind::V, first, n)?);
         let payload: usize = segs.iter().map(|s| s.1).sum();
@@ -250,13 +259,62 @@ async fn write_stream<W: PieceWriter>(
             bytes_per_pos: region.bytes_per_pos() as u32,
             payload_bytes: payload as u64,
         };
+        let writing = std::time::Instant::now();
         w.bytes(&wire::frame(&header)?).await.map_err(io)?;
         w.segments(region, &segs).await.map_err(io)?;
         totals.bytes += payload as u64;
         totals.pieces += 1;
+        if let Some(l) = layers.get_mut(&layer) {
+            l.bytes += payload as u64;
+            l.pieces += 1;
+            l.writing += writing.elapsed();
+            if first + n >= region.positions().end {
+                if let Some(l) = layers.remove(&layer) {
+                    l.close();
+                }
+            }
+        }
     }
     w.close().await.map_err(io)?;
     Ok(totals)
+}
+
+/// One layer's sending, as a span: from its first piece to its last (the layer's chunks
+/// are computed meanwhile), with the time spent writing and the rate while writing.
+struct LayerSpan {
+    span: tracing::Span,
+    bytes: u64,
+    pieces: u64,
+    writing: std::time::Duration,
+}
+
+impl LayerSpan {
+    fn open(parent: &tracing::Span, layer: usize) -> LayerSpan {
+        LayerSpan {
+            span: tracing::info_span!(
+                target: kvmesh_telemetry::TARGET,
+                parent: parent,
+                "kv.layer",
+                layer,
+                bytes = tracing::field::Empty,
+                pieces = tracing::field::Empty,
+                write_ms = tracing::field::Empty,
+                gb_per_s = tracing::field::Empty,
+            ),
+            bytes: 0,
+            pieces: 0,
+            writing: std::time::Duration::ZERO,
+        }
+    }
+
+    fn close(self) {
+        let secs = self.writing.as_secs_f64();
+        self.span.record("bytes", self.bytes);
+        self.span.record("pieces", self.pieces);
+        self.span.record("write_ms", secs * 1e3);
+        self.span
+            .record("gb_per_s", self.bytes as f64 / secs.max(1e-9) / 1e9);
+    }
 }
 
 /// Writes every slice, as few calls as the writer allows.
@@ -485,6 +543,7 @@ mod tests {
             source: src_region,
             transfer_id: 77,
             dest_blocks: vec![3, 4, 0, 1],
+            span: tracing::Span::none(),
         };
         let mut send = StreamSender::tcp(addr, target, 1234, 2).await.unwrap();
         // Layer 0 in two chunks, layer 1 in one.
@@ -535,6 +594,7 @@ mod tests {
             source: src_region,
             transfer_id: 5,
             dest_blocks: vec![0, 1, 2],
+            span: tracing::Span::none(),
         };
         let mut send = StreamSender::tcp(addr, target, 42, 1).await.unwrap();
         send.send(0, 0, 12).await.unwrap(); // layer 1 never sent
