@@ -239,7 +239,6 @@ pub async fn decode(
         tokens = lease.prompt_len() - lease.from_pos(),
         bytes = Empty,
         ms = Empty,
-        gb_per_s = Empty,
         outcome = Empty,
         otel.status_code = Empty,
         otel.status_message = Empty,
@@ -260,7 +259,6 @@ pub async fn decode(
                 .fetch_add((secs * 1e6) as u64, Ordering::Relaxed);
             span.record("outcome", "remote");
             span.record("bytes", totals.bytes);
-            span.record("gb_per_s", totals.bytes as f64 / secs.max(1e-9) / 1e9);
             lease.landed(landed);
         }
         Err(e) => {
@@ -464,7 +462,6 @@ impl WorkerCore {
             cached_tokens = Empty,
             bytes = Empty,
             ms = Empty,
-            gb_per_s = Empty,
             otel.status_code = Empty,
             otel.status_message = Empty,
         );
@@ -480,7 +477,6 @@ impl WorkerCore {
         match &r {
             Ok(bytes) => {
                 span.record("bytes", *bytes);
-                span.record("gb_per_s", *bytes as f64 / secs.max(1e-9) / 1e9);
             }
             Err((m, _)) => {
                 span.record("otel.status_code", "ERROR");

@@ -29,7 +29,6 @@ use opentelemetry_sdk::Resource;
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 use tracing_subscriber::filter::Targets;
 use tracing_subscriber::layer::SubscriberExt;
-use tracing_subscriber::util::SubscriberInitExt;
 use tracing_subscriber::{EnvFilter, Layer};
 
 pub use store::{SpanRecord, SpanStore};
@@ -135,13 +134,25 @@ pub fn init(cfg: TelemetryConfig) -> Result<Telemetry, TelemetryError> {
         .with_threads(false)
         .with_tracked_inactivity(false)
         .with_filter(Targets::new().with_target(TARGET, tracing::Level::TRACE));
+    let filter = log_filter();
+    // Libraries that log through the `log` crate are bridged at the level the log filter
+    // wants, not at the request spans' TRACE (which would turn every debug line of every
+    // library into a filtered-out event: a measurable cost per request).
+    let log_level = {
+        use tracing_log::AsLog;
+        filter
+            .max_level_hint()
+            .unwrap_or(tracing_subscriber::filter::LevelFilter::TRACE)
+            .as_log()
+    };
     let logs = tracing_subscriber::fmt::layer()
         .with_writer(std::io::stderr)
-        .with_filter(log_filter());
-    tracing_subscriber::registry()
-        .with(logs)
-        .with(spans)
-        .try_init()
+        .with_filter(filter);
+    tracing::subscriber::set_global_default(tracing_subscriber::registry().with(logs).with(spans))
+        .map_err(|e| TelemetryError::Installed(e.to_string()))?;
+    tracing_log::LogTracer::builder()
+        .with_max_level(log_level)
+        .init()
         .map_err(|e| TelemetryError::Installed(e.to_string()))?;
     Ok(Telemetry { store, provider })
 }

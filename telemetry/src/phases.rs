@@ -5,7 +5,9 @@
 
 use std::time::Duration;
 
+use opentelemetry::KeyValue;
 use tracing::field::Empty;
+use tracing_opentelemetry::OpenTelemetrySpanExt;
 
 use crate::TARGET;
 
@@ -109,7 +111,22 @@ impl Phases {
             ));
         }
         if let Some(d) = &self.decode {
-            tracing::trace!(target: TARGET, parent: d, i = self.tokens, id = token, "token");
+            // Straight to the OpenTelemetry span: a token is on the hot path, and a tracing
+            // event would go through every layer's filters and visitors.
+            d.add_event(
+                "token",
+                vec![
+                    KeyValue::new("i", self.tokens as i64),
+                    KeyValue::new("id", token as i64),
+                ],
+            );
+        }
+    }
+}
+
+impl Drop for Phases {
+    fn drop(&mut self) {
+        if let Some(d) = &self.decode {
             d.record("tokens", self.tokens as u64);
         }
     }

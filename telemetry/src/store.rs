@@ -1,10 +1,13 @@
 //! Recent spans in memory, bounded by count and by bytes: what the trace viewer reads.
-//! Oldest spans go first when either bound is reached.
+//! Oldest spans go first when either bound is reached. Spans are kept as the SDK hands
+//! them over and turned into [`SpanRecord`]s only when someone asks, so a request pays for a
+//! move into a queue, not for a conversion.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use opentelemetry::trace::TraceId;
 use opentelemetry::{KeyValue, Value};
 use opentelemetry_sdk::error::OTelSdkResult;
 use opentelemetry_sdk::trace::{Span, SpanData, SpanProcessor};
@@ -41,32 +44,6 @@ pub struct EventRecord {
 impl SpanRecord {
     pub fn duration_us(&self) -> u64 {
         self.end_us.saturating_sub(self.start_us)
-    }
-
-    /// Roughly what it takes in memory.
-    fn size(&self) -> usize {
-        let map = |m: &serde_json::Map<String, Json>| {
-            m.iter()
-                .map(|(k, v)| k.len() + 16 + json_size(v))
-                .sum::<usize>()
-        };
-        200 + self.name.len()
-            + self.node.len()
-            + self.error.as_ref().map_or(0, String::len)
-            + map(&self.attrs)
-            + self
-                .events
-                .iter()
-                .map(|e| 48 + e.name.len() + map(&e.attrs))
-                .sum::<usize>()
-    }
-}
-
-fn json_size(v: &Json) -> usize {
-    match v {
-        Json::String(s) => 24 + s.len(),
-        Json::Array(a) => 24 + a.iter().map(json_size).sum::<usize>(),
-        _ => 16,
     }
 }
 
@@ -149,10 +126,45 @@ pub struct RequestSummary {
     pub nodes: Vec<String>,
 }
 
+/// A finished span as kept: the SDK's data and what it costs.
+struct Kept {
+    data: SpanData,
+    size: usize,
+}
+
+impl Kept {
+    fn new(data: SpanData) -> Kept {
+        let kv = |kvs: &[KeyValue]| {
+            kvs.iter()
+                .map(|kv| {
+                    48 + kv.key.as_str().len()
+                        + match &kv.value {
+                            Value::String(s) => s.as_str().len(),
+                            _ => 0,
+                        }
+                })
+                .sum::<usize>()
+        };
+        let size = 320
+            + data.name.len()
+            + kv(&data.attributes)
+            + data
+                .events
+                .iter()
+                .map(|e| 64 + e.name.len() + kv(&e.attributes))
+                .sum::<usize>();
+        Kept { data, size }
+    }
+
+    fn trace_id(&self) -> TraceId {
+        self.data.span_context.trace_id()
+    }
+}
+
 #[derive(Default)]
 struct Inner {
-    spans: VecDeque<Arc<SpanRecord>>,
-    by_trace: HashMap<String, Vec<Arc<SpanRecord>>>,
+    spans: VecDeque<Arc<Kept>>,
+    by_trace: HashMap<TraceId, Vec<Arc<Kept>>>,
     bytes: usize,
 }
 
@@ -177,23 +189,20 @@ impl SpanStore {
         &self.node
     }
 
-    pub fn push(&self, r: SpanRecord) {
-        let size = r.size();
-        let r = Arc::new(r);
+    fn push(&self, data: SpanData) {
+        let k = Arc::new(Kept::new(data));
         let mut g = self.inner.lock();
-        g.bytes += size;
-        g.by_trace
-            .entry(r.trace_id.clone())
-            .or_default()
-            .push(r.clone());
-        g.spans.push_back(r);
+        g.bytes += k.size;
+        g.by_trace.entry(k.trace_id()).or_default().push(k.clone());
+        g.spans.push_back(k);
         while g.spans.len() > self.max_spans || (g.bytes > self.max_bytes && g.spans.len() > 1) {
             let old = g.spans.pop_front().expect("non-empty");
-            g.bytes = g.bytes.saturating_sub(old.size());
-            if let Some(v) = g.by_trace.get_mut(&old.trace_id) {
+            g.bytes = g.bytes.saturating_sub(old.size);
+            let t = old.trace_id();
+            if let Some(v) = g.by_trace.get_mut(&t) {
                 v.retain(|s| !Arc::ptr_eq(s, &old));
                 if v.is_empty() {
-                    g.by_trace.remove(&old.trace_id);
+                    g.by_trace.remove(&t);
                 }
             }
         }
@@ -207,12 +216,20 @@ impl SpanStore {
 
     /// This node's spans of one trace, in start order.
     pub fn trace(&self, trace_id: &str) -> Vec<SpanRecord> {
-        let g = self.inner.lock();
-        let mut v: Vec<SpanRecord> = g
+        let Ok(t) = TraceId::from_hex(trace_id) else {
+            return Vec::new();
+        };
+        let kept: Vec<Arc<Kept>> = self
+            .inner
+            .lock()
             .by_trace
-            .get(&trace_id.to_ascii_lowercase())
-            .map(|v| v.iter().map(|s| (**s).clone()).collect())
+            .get(&t)
+            .cloned()
             .unwrap_or_default();
+        let mut v: Vec<SpanRecord> = kept
+            .iter()
+            .map(|k| SpanRecord::from_data(&k.data, &self.node))
+            .collect();
         v.sort_by_key(|s| s.start_us);
         v
     }
@@ -220,48 +237,70 @@ impl SpanStore {
     /// The newest requests (root `request` spans recorded here), newest first: at most
     /// `limit`, at least `min_ms` long, only failed ones when `failed_only`.
     pub fn recent(&self, limit: usize, min_ms: f64, failed_only: bool) -> Vec<RequestSummary> {
-        let g = self.inner.lock();
-        let mut out = Vec::new();
-        for s in g.spans.iter().rev() {
-            if out.len() >= limit {
-                break;
+        // The candidates and their traces' spans under the lock; the conversion after.
+        let picked: Vec<(Arc<Kept>, Vec<Arc<Kept>>)> = {
+            let g = self.inner.lock();
+            let mut out = Vec::new();
+            for k in g.spans.iter().rev() {
+                if out.len() >= limit {
+                    break;
+                }
+                if k.data.name != "request" {
+                    continue;
+                }
+                let ms = k
+                    .data
+                    .end_time
+                    .duration_since(k.data.start_time)
+                    .unwrap_or_default()
+                    .as_secs_f64()
+                    * 1e3;
+                let failed = matches!(k.data.status, opentelemetry::trace::Status::Error { .. })
+                    || k.data.attributes.iter().any(|kv| {
+                        kv.key.as_str() == "http.status_code"
+                            && kv.value.as_str().parse::<u16>().is_ok_and(|c| c >= 400)
+                    });
+                if ms < min_ms || (failed_only && !failed) {
+                    continue;
+                }
+                let others = g.by_trace.get(&k.trace_id()).cloned().unwrap_or_default();
+                out.push((k.clone(), others));
             }
-            if s.name != "request" {
-                continue;
-            }
-            let ms = s.duration_us() as f64 / 1e3;
-            let status = s.attrs.get("http.status_code").and_then(Json::as_i64);
-            let failed = s.error.is_some() || status.is_some_and(|c| c >= 400);
-            if ms < min_ms || (failed_only && !failed) {
-                continue;
-            }
-            let mut nodes = vec![s.node.clone()];
-            for other in g.by_trace.get(&s.trace_id).into_iter().flatten() {
-                for key in ["worker", "prefill_worker"] {
-                    if let Some(n) = other.attrs.get(key).and_then(Json::as_str) {
-                        if !n.is_empty() && !nodes.iter().any(|x| x == n) {
-                            nodes.push(n.to_string());
+            out
+        };
+        picked
+            .into_iter()
+            .map(|(k, others)| {
+                let s = SpanRecord::from_data(&k.data, &self.node);
+                let mut nodes = vec![s.node.clone()];
+                for o in &others {
+                    for kv in &o.data.attributes {
+                        if matches!(kv.key.as_str(), "worker" | "prefill_worker") {
+                            let n = kv.value.as_str();
+                            if !n.is_empty() && !nodes.iter().any(|x| x.as_str() == n) {
+                                nodes.push(n.to_string());
+                            }
                         }
                     }
                 }
-            }
-            let str_attr = |k: &str| s.attrs.get(k).and_then(Json::as_str).map(String::from);
-            out.push(RequestSummary {
-                trace_id: s.trace_id.clone(),
-                start_us: s.start_us,
-                duration_ms: ms,
-                name: s.name.clone(),
-                request_id: str_attr("request_id"),
-                model: str_attr("model"),
-                endpoint: str_attr("endpoint"),
-                status,
-                ttft_ms: s.attrs.get("ttft_ms").and_then(Json::as_f64),
-                tokens: s.attrs.get("completion_tokens").and_then(Json::as_i64),
-                error: s.error.clone(),
-                nodes,
-            });
-        }
-        out
+                let str_attr =
+                    |key: &str| s.attrs.get(key).and_then(Json::as_str).map(String::from);
+                RequestSummary {
+                    trace_id: s.trace_id.clone(),
+                    start_us: s.start_us,
+                    duration_ms: s.duration_us() as f64 / 1e3,
+                    name: s.name.clone(),
+                    request_id: str_attr("request_id"),
+                    model: str_attr("model"),
+                    endpoint: str_attr("endpoint"),
+                    status: s.attrs.get("http.status_code").and_then(Json::as_i64),
+                    ttft_ms: s.attrs.get("ttft_ms").and_then(Json::as_f64),
+                    tokens: s.attrs.get("completion_tokens").and_then(Json::as_i64),
+                    error: s.error.clone(),
+                    nodes,
+                }
+            })
+            .collect()
     }
 }
 
@@ -281,7 +320,7 @@ impl SpanProcessor for StoreProcessor {
 
     fn on_end(&self, span: SpanData) {
         if span.span_context.is_sampled() {
-            self.0.push(SpanRecord::from_data(&span, &self.0.node));
+            self.0.push(span);
         }
     }
 
@@ -297,61 +336,133 @@ impl SpanProcessor for StoreProcessor {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use opentelemetry::trace::{SpanContext, SpanId, SpanKind, Status, TraceFlags, TraceState};
+    use std::time::{Duration, UNIX_EPOCH};
 
-    pub(crate) fn rec(trace: &str, span: &str, parent: Option<&str>, name: &str) -> SpanRecord {
-        SpanRecord {
-            trace_id: trace.into(),
-            span_id: span.into(),
-            parent_id: parent.map(String::from),
-            name: name.into(),
-            node: "n".into(),
-            start_us: 1_000,
-            end_us: 3_000,
-            error: None,
-            attrs: Default::default(),
-            events: vec![],
+    fn data(
+        trace: u128,
+        span: u64,
+        parent: u64,
+        name: &str,
+        ms: u64,
+        attrs: Vec<KeyValue>,
+    ) -> SpanData {
+        let start = UNIX_EPOCH + Duration::from_secs(1_000);
+        SpanData {
+            span_context: SpanContext::new(
+                TraceId::from(trace),
+                SpanId::from(span),
+                TraceFlags::SAMPLED,
+                false,
+                TraceState::default(),
+            ),
+            parent_span_id: SpanId::from(parent),
+            parent_span_is_remote: false,
+            span_kind: SpanKind::Internal,
+            name: name.to_string().into(),
+            start_time: start,
+            end_time: start + Duration::from_millis(ms),
+            attributes: attrs,
+            dropped_attributes_count: 0,
+            events: Default::default(),
+            links: Default::default(),
+            status: Status::Unset,
+            instrumentation_scope: Default::default(),
         }
+    }
+
+    fn hex(t: u128) -> String {
+        TraceId::from(t).to_string()
     }
 
     #[test]
     fn bounded_by_count_and_bytes_oldest_first() {
         let s = SpanStore::new("n".into(), 3, usize::MAX);
-        for i in 0..5 {
-            s.push(rec(&format!("t{i}"), "s", None, "x"));
+        for i in 1..=5 {
+            s.push(data(i, 1, 0, "x", 1, vec![]));
         }
         assert_eq!(s.usage().0, 3);
-        assert!(s.trace("t0").is_empty() && s.trace("t1").is_empty());
-        assert_eq!(s.trace("t4").len(), 1);
-        let one = rec("a", "s", None, "x").size();
+        assert!(s.trace(&hex(1)).is_empty() && s.trace(&hex(2)).is_empty());
+        assert_eq!(s.trace(&hex(5)).len(), 1);
+        let one = Kept::new(data(9, 1, 0, "x", 1, vec![])).size;
         let s = SpanStore::new("n".into(), 100, one * 2 + 1);
-        for i in 0..5 {
-            s.push(rec(&format!("t{i}"), "s", None, "x"));
+        for i in 1..=5 {
+            s.push(data(i, 1, 0, "x", 1, vec![]));
         }
         assert_eq!(s.usage().0, 2);
         assert!(s.usage().1 <= one * 2 + 1);
     }
 
     #[test]
+    fn records_carry_numbers_and_parents() {
+        let s = SpanStore::new("gw".into(), 100, usize::MAX);
+        s.push(data(
+            7,
+            2,
+            1,
+            "attempt",
+            3,
+            vec![
+                KeyValue::new("tokens", "42"),
+                KeyValue::new("id", "0042"),
+                KeyValue::new("worker", "d1"),
+            ],
+        ));
+        let r = &s.trace(&hex(7))[0];
+        assert_eq!(
+            r.attrs["tokens"],
+            Json::from(42),
+            "unsigned numbers come back as numbers"
+        );
+        assert_eq!(
+            r.attrs["id"],
+            Json::from("0042"),
+            "but not ids with leading zeros"
+        );
+        assert_eq!(
+            r.parent_id.as_deref(),
+            Some(SpanId::from(1).to_string().as_str())
+        );
+        assert_eq!((r.node.as_str(), r.duration_us()), ("gw", 3_000));
+        assert!(s.trace("not hex").is_empty());
+    }
+
+    #[test]
     fn recent_requests_filter_and_name_the_nodes() {
         let s = SpanStore::new("gw".into(), 100, usize::MAX);
-        let mut ok = rec("t1", "r1", None, "request");
-        ok.attrs.insert("http.status_code".into(), Json::from(200));
-        let mut attempt = rec("t1", "a1", Some("r1"), "attempt");
-        attempt.attrs.insert("worker".into(), Json::from("d1"));
-        attempt
-            .attrs
-            .insert("prefill_worker".into(), Json::from("p1"));
-        let mut bad = rec("t2", "r2", None, "request");
-        bad.attrs.insert("http.status_code".into(), Json::from(503));
-        bad.end_us = 500_000;
-        for r in [ok, attempt, bad] {
-            s.push(r);
-        }
+        s.push(data(
+            1,
+            1,
+            0,
+            "request",
+            2,
+            vec![KeyValue::new("http.status_code", "200")],
+        ));
+        s.push(data(
+            1,
+            2,
+            1,
+            "attempt",
+            1,
+            vec![
+                KeyValue::new("worker", "d1"),
+                KeyValue::new("prefill_worker", "p1"),
+            ],
+        ));
+        s.push(data(
+            2,
+            3,
+            0,
+            "request",
+            500,
+            vec![KeyValue::new("http.status_code", "503")],
+        ));
         let all = s.recent(10, 0.0, false);
         assert_eq!(all.len(), 2);
-        assert_eq!(all[0].trace_id, "t2", "newest first");
-        assert_eq!(all[1].nodes, vec!["n", "d1", "p1"]);
+        assert_eq!(all[0].trace_id, hex(2), "newest first");
+        assert_eq!(all[0].status, Some(503));
+        assert_eq!(all[1].nodes, vec!["gw", "d1", "p1"]);
         assert_eq!(s.recent(10, 0.0, true).len(), 1);
-        assert_eq!(s.recent(10, 100.0, false)[0].trace_id, "t2");
+        assert_eq!(s.recent(10, 100.0, false)[0].trace_id, hex(2));
     }
 }
