@@ -21,7 +21,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use harness::{gateway_with, kvmesh_bin, mean, node, one_body, pct, wait_workers, Proc, Sample};
+use harness::{
+    gateway_with, kvmesh_bin, load_client, mean, node, one_body, pct, wait_workers, BenchArgs,
+    Proc, Sample,
+};
 use kvmesh_discovery::testing::Etcd;
 use rand::{Rng, SeedableRng};
 use rand_distr::{Distribution, Exp};
@@ -291,19 +294,9 @@ async fn isolated_ttft(http: &reqwest::Client, model: &Path, lens: &[usize], rep
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let quick = args.iter().any(|a| a == "--quick");
-    let json_path = args
-        .iter()
-        .position(|a| a == "--json")
-        .and_then(|i| args.get(i + 1))
-        .cloned()
-        .unwrap_or_else(|| "bench/results/disagg.json".into());
-    let http = reqwest::Client::builder()
-        .pool_max_idle_per_host(512)
-        .timeout(Duration::from_secs(120))
-        .build()
-        .unwrap();
+    let args = BenchArgs::parse("bench/results/disagg.json");
+    let quick = args.quick;
+    let http = load_client(Duration::from_secs(120));
     let tmp = std::env::temp_dir().join("kvmesh-disagg-bench");
     std::fs::create_dir_all(&tmp).unwrap();
     let model = sim_model(&tmp);
@@ -455,18 +448,10 @@ async fn main() {
             r["long_on_decode"]
         );
     }
-    let cpus = std::thread::available_parallelism().map_or(0, |n| n.get());
-    let out = json!({
-        "machine": format!("{cpus} CPUs (shared VM); all processes on loopback"),
-        "quick": quick,
+    args.write(json!({
         "sim": {"prefill_us_per_token": 20, "decode_ms": 8, "decode_us_per_seq": 100,
                  "kv_bytes_per_token": 32768, "max_num_batched_tokens": 2048},
         "isolated_ttft": iso,
         "mixed": rows,
-    });
-    if let Some(dir) = Path::new(&json_path).parent() {
-        let _ = std::fs::create_dir_all(dir);
-    }
-    std::fs::write(&json_path, serde_json::to_string_pretty(&out).unwrap()).unwrap();
-    println!("\nwrote {json_path}");
+    }));
 }

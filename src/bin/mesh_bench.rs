@@ -18,8 +18,11 @@ mod harness;
 
 use std::time::Instant;
 
+use std::time::Duration;
+
 use harness::{
-    gateway, node, one, run_load, s, shakespeare_lines, spawn, summary, wait_workers, Proc,
+    gateway, load_client, node, one, run_load, s, shakespeare_lines, spawn, status, summary,
+    wait_workers, BenchArgs, Proc,
 };
 use kvmesh_discovery::testing::Etcd;
 use serde_json::{json, Value};
@@ -124,15 +127,7 @@ async fn heterogeneous(http: &reqwest::Client, quick: bool) -> Value {
         wait_workers(http, &gw, 2).await;
         let (samples, wall) = run_load(http, &gw.http, prompts.clone(), 64, 48).await;
         let mut sum = summary(policy, &samples, wall);
-        let st: Value = http
-            .get(format!("{}/status", gw.http))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
-        sum["routed"] = st["router"]["workers"].clone();
+        sum["routed"] = status(http, &gw).await["router"]["workers"].clone();
         rows.push(sum);
     }
     println!(
@@ -236,32 +231,15 @@ async fn prefix_routing(http: &reqwest::Client, quick: bool) -> Value {
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let quick = args.iter().any(|a| a == "--quick");
-    let json_path = args
-        .iter()
-        .position(|a| a == "--json")
-        .and_then(|i| args.get(i + 1))
-        .cloned()
-        .unwrap_or_else(|| "bench/results/mesh.json".into());
-    let http = reqwest::Client::builder()
-        .pool_max_idle_per_host(256)
-        .build()
-        .unwrap();
+    let args = BenchArgs::parse("bench/results/mesh.json");
+    let quick = args.quick;
+    let http = load_client(Duration::from_secs(120));
     let overhead = mesh_overhead(&http, quick).await;
     let het = heterogeneous(&http, quick).await;
     let prefix = prefix_routing(&http, quick).await;
-    let cpus = std::thread::available_parallelism().map_or(0, |n| n.get());
-    let out = json!({
-        "machine": format!("{cpus} CPUs (shared VM); all processes on loopback"),
-        "quick": quick,
+    args.write(json!({
         "mesh_overhead": overhead,
         "heterogeneous": het,
         "prefix_routing": prefix,
-    });
-    if let Some(dir) = std::path::Path::new(&json_path).parent() {
-        let _ = std::fs::create_dir_all(dir);
-    }
-    std::fs::write(&json_path, serde_json::to_string_pretty(&out).unwrap()).unwrap();
-    println!("\nwrote {json_path}");
+    }));
 }

@@ -10,8 +10,11 @@
 
 mod harness;
 
+use std::time::Duration;
+
 use harness::{
-    gateway_with, mean, node, run_load, s, shakespeare_lines, spawn, summary, wait_workers,
+    gateway_with, load_client, mean, node, run_load, s, shakespeare_lines, spawn, summary,
+    wait_workers, BenchArgs,
 };
 use kvmesh_discovery::testing::Etcd;
 use serde_json::{json, Value};
@@ -33,18 +36,9 @@ fn ratio_flag(on: bool) -> [&'static str; 2] {
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let quick = args.iter().any(|a| a == "--quick");
-    let json_path = args
-        .iter()
-        .position(|a| a == "--json")
-        .and_then(|i| args.get(i + 1))
-        .cloned()
-        .unwrap_or_else(|| "bench/results/tracing.json".into());
-    let http = reqwest::Client::builder()
-        .pool_max_idle_per_host(256)
-        .build()
-        .unwrap();
+    let args = BenchArgs::parse("bench/results/tracing.json");
+    let quick = args.quick;
+    let http = load_client(Duration::from_secs(120));
     let lines = shakespeare_lines();
     let n = if quick { 300 } else { 1500 };
     let conc = 16;
@@ -133,14 +127,5 @@ async fn main() {
             100.0 * r["ratio"].as_f64().unwrap()
         );
     }
-    let cpus = std::thread::available_parallelism().map_or(0, |n| n.get());
-    let out = json!({
-        "machine": format!("{cpus} CPUs (shared VM); all processes on loopback"),
-        "quick": quick, "requests": n, "concurrency": conc, "rows": rows,
-    });
-    if let Some(dir) = std::path::Path::new(&json_path).parent() {
-        let _ = std::fs::create_dir_all(dir);
-    }
-    std::fs::write(&json_path, serde_json::to_string_pretty(&out).unwrap()).unwrap();
-    println!("\nwrote {json_path}");
+    args.write(json!({"requests": n, "concurrency": conc, "rows": rows}));
 }

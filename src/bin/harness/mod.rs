@@ -284,3 +284,58 @@ pub fn shakespeare_lines() -> Vec<String> {
         .map(str::to_string)
         .collect()
 }
+
+/// A benchmark program's command line: `--quick` and `--json PATH`.
+pub struct BenchArgs {
+    pub quick: bool,
+    pub json_path: String,
+}
+
+impl BenchArgs {
+    pub fn parse(default_json: &str) -> BenchArgs {
+        let args: Vec<String> = std::env::args().skip(1).collect();
+        BenchArgs {
+            quick: args.iter().any(|a| a == "--quick"),
+            json_path: args
+                .iter()
+                .position(|a| a == "--json")
+                .and_then(|i| args.get(i + 1))
+                .cloned()
+                .unwrap_or_else(|| default_json.into()),
+        }
+    }
+
+    /// Writes the results, with the machine they were measured on.
+    pub fn write(&self, mut out: Value) {
+        let cpus = std::thread::available_parallelism().map_or(0, |n| n.get());
+        out["machine"] = json!(format!(
+            "{cpus} CPUs (shared VM); all processes on loopback"
+        ));
+        out["quick"] = json!(self.quick);
+        if let Some(dir) = std::path::Path::new(&self.json_path).parent() {
+            let _ = std::fs::create_dir_all(dir);
+        }
+        std::fs::write(&self.json_path, serde_json::to_string_pretty(&out).unwrap()).unwrap();
+        println!("\nwrote {}", self.json_path);
+    }
+}
+
+/// An HTTP client for load: many idle connections kept per host.
+pub fn load_client(timeout: Duration) -> reqwest::Client {
+    reqwest::Client::builder()
+        .pool_max_idle_per_host(512)
+        .timeout(timeout)
+        .build()
+        .unwrap()
+}
+
+/// A node's `/status`.
+pub async fn status(http: &reqwest::Client, p: &Proc) -> Value {
+    http.get(format!("{}/status", p.http))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap()
+}
