@@ -32,7 +32,7 @@ use clap::Args;
 use serde_json::{json, Value};
 
 use kvmesh_actors::disagg::{KvSide, KvTransport};
-use kvmesh_actors::router::DisaggConfig;
+use kvmesh_actors::router::{DisaggConfig, RouterConfig};
 use kvmesh_actors::{
     CoreRole, NodeMsg, NodeRoles, Policy, Role, RoleRestarts, RouterCore, Serving, WorkerCore,
 };
@@ -89,6 +89,11 @@ pub struct NodeArgs {
     /// then prefills itself.
     #[arg(long, default_value_t = 8)]
     pub disagg_max_queue: usize,
+    /// Router: how many times a request whose worker is lost mid-stream moves to another
+    /// worker (which continues the sequence from the tokens already streamed) before it
+    /// ends with an error event. 0 turns migration off.
+    #[arg(long, default_value_t = 3)]
+    pub migration_limit: u32,
     /// Decode: how KV arrives from prefill nodes: quic (streams on the node's QUIC
     /// connection) or tcp (plain TCP to --kv-listen, for trusted networks).
     #[arg(long, value_enum, default_value = "quic")]
@@ -657,9 +662,12 @@ pub fn run(args: NodeArgs) -> anyhow::Result<()> {
                 node_id.clone(),
                 model_name.clone(),
                 args.policy,
-                DisaggConfig {
-                    min_tokens: args.disagg_min_tokens,
-                    max_queue: args.disagg_max_queue,
+                RouterConfig {
+                    disagg: DisaggConfig {
+                        min_tokens: args.disagg_min_tokens,
+                        max_queue: args.disagg_max_queue,
+                    },
+                    migration_limit: args.migration_limit,
                 },
                 endpoint.clone(),
             )

@@ -60,6 +60,44 @@ async fn stream(
     (tokens, error, done)
 }
 
+/// A streamed greedy completion of `prompt` with its token ids: (ids, error, done).
+async fn stream_ids(
+    http: &reqwest::Client,
+    base: &str,
+    prompt: &str,
+    max_tokens: u32,
+) -> (Vec<u64>, Option<String>, bool) {
+    let body = json!({"model": "shakespeare", "prompt": prompt, "max_tokens": max_tokens,
+        "temperature": 0, "ignore_eos": true, "stream": true, "return_token_ids": true});
+    let mut r = http
+        .post(format!("{base}/v1/completions"))
+        .json(&body)
+        .send()
+        .await
+        .expect("gateway reachable");
+    assert_eq!(r.status().as_u16(), 200);
+    let (mut ids, mut error, mut done) = (Vec::new(), None, false);
+    let mut buf = String::new();
+    while let Ok(Some(chunk)) = r.chunk().await {
+        buf.push_str(&String::from_utf8_lossy(&chunk));
+        while let Some(i) = buf.find("\n\n") {
+            let event: String = buf.drain(..i + 2).collect();
+            let data = event.trim().trim_start_matches("data: ");
+            if data == "[DONE]" {
+                done = true;
+                continue;
+            }
+            let v: Value = serde_json::from_str(data).unwrap_or(Value::Null);
+            if let Some(e) = v.get("error") {
+                error = Some(e["message"].as_str().unwrap_or("").to_string());
+            } else if let Some(t) = v["choices"][0]["token_ids"].as_array() {
+                ids.extend(t.iter().filter_map(|x| x.as_u64()));
+            }
+        }
+    }
+    (ids, error, done)
+}
+
 /// How many requests the gateway's router sent to each worker.
 async fn routed(http: &reqwest::Client, gw: &Node) -> std::collections::BTreeMap<String, u64> {
     let s = status(http, gw).await;
@@ -183,10 +221,10 @@ async fn a_cluster_forms_spreads_requests_and_refuses_impostors() {
 }
 
 /// A worker killed under load: requests it had not started go elsewhere; those it was
-/// streaming end with an error event; nothing hangs. Then a worker added under load gets
-/// traffic.
+/// streaming move to the other worker and finish; nothing hangs. Then a worker added under
+/// load gets traffic.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn killed_worker_loses_no_unstarted_request_and_new_worker_gets_traffic() {
+async fn killed_worker_loses_no_request_and_new_worker_gets_traffic() {
     let etcd = Etcd::start();
     let http = client();
     let gw = Node::gateway(&etcd, "c2", "gw", "least-loaded");
@@ -215,28 +253,23 @@ async fn killed_worker_loses_no_unstarted_request_and_new_worker_gets_traffic() 
     let killed_at = Instant::now();
     w1.kill();
     let mut finished = 0;
-    let mut cut = 0;
     for t in tasks {
         let (tokens, error, done) = t.await.unwrap();
-        match error {
-            None => {
-                assert!(done, "a stream ended without [DONE]");
-                assert_eq!(tokens, 20);
-                finished += 1;
-            }
-            Some(e) => {
-                assert!(tokens > 0, "a request that never started was lost: {e}");
-                assert!(e.contains("w1") && e.contains("lost"), "unclear error: {e}");
-                cut += 1;
-            }
-        }
+        assert_eq!(error, None, "a request was lost with its worker");
+        assert!(done, "a stream ended without [DONE]");
+        assert_eq!(tokens, 20);
+        finished += 1;
     }
+    let migrated = gw.metric(&http, "kvmesh:migrations_total").await;
+    assert!(
+        (1.0..=2.0).contains(&migrated),
+        "w1's running requests (1 or 2 of them) migrate: {migrated}"
+    );
     println!(
-        "{finished} finished, {cut} cut mid-stream; all done {:?} after the kill",
+        "{finished} finished ({migrated} migrated); all done {:?} after the kill",
         killed_at.elapsed()
     );
-    assert!(cut <= 2, "only w1's two running requests could be cut");
-    assert!(finished >= n - 2);
+    assert_eq!(finished, n);
     let st = status(&http, &gw).await;
     println!("router after kill: {}", st["router"]);
     assert!(!connected_workers(&http, &gw)
@@ -313,8 +346,9 @@ async fn etcd_restart_is_survived_without_restarting_nodes() {
     assert_eq!(st, 200, "{body}");
 }
 
-/// The only worker dies with a request queued (not started): the request waits for a worker
-/// and completes on the one that replaces it, instead of failing.
+/// The only worker dies with one request running and one queued: both wait for a worker
+/// and complete on the one that replaces it (the running one continuing where it was cut),
+/// instead of failing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unstarted_request_waits_for_a_replacement_worker() {
     let etcd = Etcd::start();
@@ -327,7 +361,9 @@ async fn an_unstarted_request_waits_for_a_replacement_worker() {
     })
     .await;
     let (h1, b1) = (http.clone(), gw.http.clone());
-    let running = tokio::spawn(async move { stream(&h1, &b1, 100).await });
+    let prompt = "Now is the winter of our discontent";
+    let (reference, ..) = stream_ids(&http, &gw.http, prompt, 100).await;
+    let running = tokio::spawn(async move { stream_ids(&h1, &b1, prompt, 100).await });
     wait_for("first request running", 10, async || {
         status(&http, &w1).await["load"]["running"].as_u64() == Some(1)
     })
@@ -347,13 +383,101 @@ async fn an_unstarted_request_waits_for_a_replacement_worker() {
     .await;
     tokio::time::sleep(Duration::from_millis(300)).await;
     let _w2 = Node::worker(&etcd, "c4", "w2", &one_at_a_time);
-    let (tokens, error, _) = running.await.unwrap();
-    assert!(
-        tokens > 0 && error.is_some(),
-        "the running request must end with an error event"
-    );
+    // The running request moves to the replacement and goes on where it stopped.
+    let (ids, error, done) = running.await.unwrap();
+    assert_eq!(error, None, "the running request was lost");
+    assert!(done);
+    assert_eq!(ids, reference);
     let (tokens, error, done) = queued.await.unwrap();
     assert_eq!(error, None, "the queued request was lost");
     assert!(done);
     assert_eq!(tokens, 10);
+}
+
+/// Eight greedy streams running on one worker when it is SIGKILLed: every stream moves to
+/// the other worker and completes with exactly the tokens of an undisturbed run; the
+/// migrations are counted. With `--migration-limit 0` a stream cut the same way ends with
+/// an error event instead.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_on_a_killed_worker_migrate_and_finish_token_identical() {
+    let etcd = Etcd::start();
+    let http = client();
+    let gw = Node::gateway(&etcd, "c5", "gw", "least-loaded");
+    let strict = Node::start(
+        &etcd,
+        "c5",
+        "gw0",
+        &[
+            "--roles",
+            "gateway,router",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--migration-limit",
+            "0",
+        ],
+    );
+    let steps = ["--max-num-seqs", "16", "--sim-decode-ms", "20"];
+    let mut w1 = Node::worker(&etcd, "c5", "w1", &steps);
+    wait_for("w1 routable", 10, async || {
+        connected_workers(&http, &gw).await.len() == 1
+            && connected_workers(&http, &strict).await.len() == 1
+    })
+    .await;
+    let prompts: Vec<String> = (0..8)
+        .map(|i| format!("To be, or not to be, that is question number {i}:"))
+        .collect();
+    let max_tokens = 60;
+    // Undisturbed: the reference tokens.
+    let mut reference = Vec::new();
+    for p in &prompts {
+        let (ids, error, done) = stream_ids(&http, &gw.http, p, max_tokens).await;
+        assert!(error.is_none() && done);
+        assert_eq!(ids.len(), max_tokens as usize);
+        reference.push(ids);
+    }
+    // All eight (and one through the strict gateway) run on w1, the only worker.
+    let tasks: Vec<_> = prompts
+        .iter()
+        .map(|p| {
+            let (http, base, p) = (http.clone(), gw.http.clone(), p.clone());
+            tokio::spawn(async move { stream_ids(&http, &base, &p, max_tokens).await })
+        })
+        .collect();
+    let (h, b, p0) = (http.clone(), strict.http.clone(), prompts[0].clone());
+    let strict_task = tokio::spawn(async move { stream_ids(&h, &b, &p0, max_tokens).await });
+    wait_for("nine streams running on w1", 10, async || {
+        status(&http, &w1).await["load"]["running"].as_u64() == Some(9)
+    })
+    .await;
+    let _w2 = Node::worker(&etcd, "c5", "w2", &steps);
+    wait_for("w2 routable", 10, async || {
+        connected_workers(&http, &gw).await.len() == 2
+    })
+    .await;
+    // Some tokens have been streamed, most are still to come (60 steps of 20 ms).
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    w1.kill();
+    for (t, want) in tasks.into_iter().zip(&reference) {
+        let (ids, error, done) = t.await.unwrap();
+        assert_eq!(error, None, "a stream was cut");
+        assert!(done);
+        assert_eq!(&ids, want, "a migrated stream differs from the undisturbed run");
+    }
+    assert_eq!(gw.metric(&http, "kvmesh:migrations_total").await, 8.0);
+    let (ids, error, _) = strict_task.await.unwrap();
+    let error = error.expect("with --migration-limit 0 the cut stream ends with an error");
+    assert!(!ids.is_empty() && ids.len() < max_tokens as usize);
+    assert!(
+        error.contains("w1") && error.contains("limit"),
+        "unclear error: {error}"
+    );
+    assert_eq!(strict.metric(&http, "kvmesh:migrations_total").await, 0.0);
+    assert_eq!(
+        strict
+            .metric(&http, "kvmesh:router_midstream_failures_total")
+            .await,
+        1.0
+    );
 }

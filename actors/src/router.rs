@@ -10,7 +10,11 @@
 //!
 //! A worker whose connection breaks is out of routing at once; the registry lease is the
 //! backstop. A request that has not produced a token when its worker fails is retried on
-//! another worker; one already streaming ends with a clear error event.
+//! another worker. One already streaming **migrates**: the router resubmits the prompt plus
+//! the tokens already streamed (and the seeded generator's draws spent on them) to another
+//! worker, which continues the sequence; the client's stream goes on with no repeated or
+//! missing token. A request migrates at most `migration_limit` times, then ends with an
+//! error event naming the worker.
 
 use std::collections::{BTreeMap, HashSet};
 use std::net::SocketAddr;
@@ -116,6 +120,8 @@ pub struct RouterStats {
     pub routed: AtomicU64,
     pub retries: AtomicU64,
     pub failed_midstream: AtomicU64,
+    /// Requests moved to another worker after tokens were streamed.
+    pub migrations: AtomicU64,
     pub no_worker: AtomicU64,
     /// Requests routed to decode nodes, by disaggregation decision.
     pub disagg: [AtomicU64; Decision::COUNT],
@@ -172,11 +178,30 @@ impl Default for DisaggConfig {
     }
 }
 
+/// How a router routes, beyond its policy.
+#[derive(Clone, Copy, Debug)]
+pub struct RouterConfig {
+    pub disagg: DisaggConfig,
+    /// How many times one request may move to another worker after tokens were streamed
+    /// (its worker lost mid-stream); past that it ends with an error event.
+    pub migration_limit: u32,
+}
+
+impl Default for RouterConfig {
+    fn default() -> Self {
+        RouterConfig {
+            disagg: DisaggConfig::default(),
+            migration_limit: 3,
+        }
+    }
+}
+
 pub struct RouterCore {
     pub node_id: String,
     pub model: String,
     pub policy: Policy,
     pub disagg: DisaggConfig,
+    pub migration_limit: u32,
     endpoint: NodeEndpoint,
     workers: RwLock<BTreeMap<String, Arc<WorkerLink>>>,
     prefix: Mutex<PrefixIndex>,
@@ -201,14 +226,15 @@ impl RouterCore {
         node_id: String,
         model: String,
         policy: Policy,
-        disagg: DisaggConfig,
+        config: RouterConfig,
         endpoint: NodeEndpoint,
     ) -> Arc<Self> {
         Arc::new(RouterCore {
             node_id,
             model,
             policy,
-            disagg,
+            disagg: config.disagg,
+            migration_limit: config.migration_limit,
             endpoint,
             workers: RwLock::new(BTreeMap::new()),
             prefix: Mutex::new(PrefixIndex::new(PREFIX_HASHES_PER_WORKER)),
@@ -354,6 +380,7 @@ impl RouterCore {
             policy = self.policy.as_str(),
             prompt_tokens = req.prompt.len(),
             attempts = Empty,
+            migrations = Empty,
             otel.status_code = Empty,
             otel.status_message = Empty,
         );
@@ -480,15 +507,19 @@ impl RouterCore {
             .routable()
             .first()
             .map_or(16, |w| w.record.block_size.max(1));
-        let hashes: Vec<u64> = if self.policy == Policy::Prefix {
-            block_hashes(&req.prompt, block_size)
-                .into_iter()
-                .map(|h| h.0)
-                .collect()
-        } else {
-            Vec::new()
+        let prompt_hashes = |prompt: &[u32]| -> Vec<u64> {
+            if self.policy == Policy::Prefix {
+                block_hashes(prompt, block_size)
+                    .into_iter()
+                    .map(|h| h.0)
+                    .collect()
+            } else {
+                Vec::new()
+            }
         };
+        let mut hashes = prompt_hashes(&req.prompt);
         let p = &req.params;
+        let greedy = p.temperature <= 1e-5 || p.top_k == 1;
         let wire_req = GenerateRequest {
             request_id: id,
             prompt: req.prompt.clone(),
@@ -500,20 +531,25 @@ impl RouterCore {
             stop_token_ids: p.stop_token_ids.clone(),
             ignore_eos: p.ignore_eos,
             logprobs: p.logprobs.map(|n| n as u32),
+            resume_draws: p.resume_draws,
             traceparent: None,
             prefill: None,
         };
+        // What the client has been sent: a migration continues from here.
+        let mut sent = Streamed::default();
+        let mut migrations = 0u32;
         let mut tried = HashSet::new();
         let mut last_error = String::from("no worker was connected");
-        let give_up = Instant::now() + UNSTARTED_PATIENCE;
+        let mut give_up = Instant::now() + UNSTARTED_PATIENCE;
         let route = tracing::Span::current();
         let traced = kvmesh_telemetry::is_sampled(&route);
         let mut attempts = 0u32;
         loop {
             let Some((link, cached_blocks, candidates)) = self.choose(&hashes, &tried, traced)
             else {
-                // Nothing has reached the client yet, so the request can still wait for a
-                // worker: one restarting, one joining, or a full one draining its queue.
+                // Nothing more has reached the client since the last worker failed, so the
+                // request can still wait for a worker: one restarting, one joining, or a
+                // full one draining its queue.
                 if Instant::now() < give_up && !tx.is_closed() {
                     tokio::time::sleep(Duration::from_millis(100)).await;
                     tried.clear();
@@ -531,7 +567,8 @@ impl RouterCore {
             };
             attempts += 1;
             route.record("attempts", attempts);
-            // Each try is its own span, a child of the route; the worker continues it.
+            // Each try is its own span, a child of the route; the worker continues it. A
+            // migration's try names the tokens it resumes after.
             let attempt = tracing::info_span!(
                 target: TARGET,
                 "attempt",
@@ -539,6 +576,8 @@ impl RouterCore {
                 worker = link.record.node_id.as_str(),
                 candidates = candidates.as_str(),
                 cached_blocks,
+                migration = migrations,
+                resumed_after_tokens = sent.tokens.len(),
                 disagg = Empty,
                 prefill_worker = Empty,
                 outcome = Empty,
@@ -548,15 +587,24 @@ impl RouterCore {
             tried.insert(link.record.node_id.clone());
             link.routed.fetch_add(1, Ordering::Relaxed);
             self.stats.routed.fetch_add(1, Ordering::Relaxed);
-            let guard = InFlight::new(&link, (req.prompt.len() + p.max_tokens) as i64);
             let mut wire = wire_req.clone();
+            if !sent.tokens.is_empty() {
+                // The sequence so far is the new prompt; the worker generates the rest.
+                wire.prompt.extend_from_slice(&sent.tokens);
+                wire.max_tokens = wire.max_tokens.saturating_sub(sent.tokens.len() as u32);
+                if !greedy {
+                    wire.resume_draws += sent.tokens.len() as u64;
+                }
+            }
+            let guard = InFlight::new(&link, (wire.prompt.len() + wire.max_tokens as usize) as i64);
             let mut prefill_guard = None;
             if link.record.has_role("decode") {
-                let (decision, prefill) = self.prefill_for(&link, req.prompt.len(), cached_blocks);
+                let (decision, prefill) =
+                    self.prefill_for(&link, wire.prompt.len(), cached_blocks);
                 self.stats.disagg[decision as usize].fetch_add(1, Ordering::Relaxed);
                 attempt.record("disagg", decision.as_str());
                 if let Some(pl) = prefill {
-                    let uncached = req
+                    let uncached = wire
                         .prompt
                         .len()
                         .saturating_sub(cached_blocks * link.record.block_size);
@@ -572,7 +620,7 @@ impl RouterCore {
                 }
             }
             wire.traceparent = kvmesh_telemetry::traceparent(&attempt);
-            let outcome = stream_from(&link, &wire, &tx, &mut prefill_guard)
+            let outcome = stream_from(&link, &wire, &tx, &mut prefill_guard, &mut sent)
                 .instrument(attempt.clone())
                 .await;
             drop(guard);
@@ -598,9 +646,27 @@ impl RouterCore {
                     last_error = format!("{}: {reason}", link.record.node_id);
                 }
                 Outcome::Broken { tokens, reason } => {
+                    let total = sent.tokens.len();
+                    if migrations < self.migration_limit {
+                        migrations += 1;
+                        self.stats.migrations.fetch_add(1, Ordering::Relaxed);
+                        route.record("migrations", migrations);
+                        tracing::warn!(
+                            "request {id}: worker {} was lost after {tokens} tokens ({reason}); \
+                             continuing after token {total} elsewhere (migration {migrations} of \
+                             at most {})",
+                            link.record.node_id,
+                            self.migration_limit
+                        );
+                        last_error = format!("{}: {reason}", link.record.node_id);
+                        hashes = prompt_hashes(&[&req.prompt[..], &sent.tokens[..]].concat());
+                        give_up = Instant::now() + UNSTARTED_PATIENCE;
+                        continue;
+                    }
                     self.stats.failed_midstream.fetch_add(1, Ordering::Relaxed);
                     let message = format!(
-                        "worker {} was lost after {tokens} generated tokens: {reason}",
+                        "worker {} was lost after {total} generated tokens: {reason} (the \
+                         request had moved {migrations} times, the limit)",
                         link.record.node_id
                     );
                     route.record("otel.status_code", "ERROR");
@@ -634,8 +700,14 @@ impl RouterCore {
         );
         counter(
             "kvmesh:router_midstream_failures_total",
-            "Requests whose worker was lost after tokens had been sent.",
+            "Requests that ended with an error because their worker was lost mid-stream and the \
+             migration limit was reached.",
             s.failed_midstream.load(Ordering::Relaxed),
+        );
+        counter(
+            "kvmesh:migrations_total",
+            "Requests moved to another worker after tokens were streamed (their worker lost).",
+            s.migrations.load(Ordering::Relaxed),
         );
         counter(
             "kvmesh:router_no_worker_total",
@@ -776,11 +848,21 @@ async fn read_reports(link: Arc<WorkerLink>, conn: Connection) {
     }
 }
 
+/// What a request has streamed to its client so far, across workers.
+#[derive(Default)]
+struct Streamed {
+    tokens: Vec<u32>,
+    /// The first worker's cached prompt tokens: what the client's usage reports, however
+    /// many workers the sequence passed through.
+    cached_tokens: Option<usize>,
+}
+
 async fn stream_from(
     link: &WorkerLink,
     req: &GenerateRequest,
     tx: &mpsc::UnboundedSender<SeqEvent>,
     prefill: &mut Option<PrefillInFlight>,
+    sent: &mut Streamed,
 ) -> Outcome {
     let Some(conn) = link.connection() else {
         return Outcome::NotStarted("not connected".into());
@@ -813,6 +895,8 @@ async fn stream_from(
                 tokens += 1;
                 // The prompt is prefilled: the prefill node no longer holds it.
                 prefill.take();
+                sent.tokens.push(token);
+                let cached_tokens = *sent.cached_tokens.get_or_insert(cached_tokens as usize);
                 let ev = SeqEvent::Token {
                     sampled: Sampled {
                         token,
@@ -823,7 +907,7 @@ async fn stream_from(
                         Finish::Stop => FinishReason::Stop,
                         Finish::Length => FinishReason::Length,
                     }),
-                    cached_tokens: cached_tokens as usize,
+                    cached_tokens,
                 };
                 if tx.send(ev).is_err() {
                     return Outcome::ClientGone;

@@ -335,6 +335,7 @@ pub(crate) fn to_engine_request(r: &GenerateRequest) -> Request {
             stop_token_ids: r.stop_token_ids.clone(),
             ignore_eos: r.ignore_eos,
             logprobs: r.logprobs.map(|n| n as usize),
+            resume_draws: r.resume_draws,
         },
     }
 }

@@ -233,6 +233,7 @@ pub fn validate_common(
             stop_token_ids: c.stop_token_ids.clone().unwrap_or_default(),
             ignore_eos: c.ignore_eos.unwrap_or(false),
             logprobs: top_logprobs,
+            resume_draws: 0,
         },
         max_tokens: max_tokens.map(|(_, v)| v as usize),
         stops,

@@ -15,6 +15,10 @@ pub struct SamplingParams {
     pub ignore_eos: bool,
     /// How many top alternatives to report with each token; `None` reports no logprobs.
     pub logprobs: Option<usize>,
+    /// Draws of the seeded generator already spent on this sequence's tokens elsewhere (a
+    /// sequence continued on another worker after its first one was lost): the generator
+    /// skips them, so a seeded request goes on exactly as it would have.
+    pub resume_draws: u64,
 }
 
 impl Default for SamplingParams {
@@ -28,6 +32,7 @@ impl Default for SamplingParams {
             stop_token_ids: Vec::new(),
             ignore_eos: false,
             logprobs: None,
+            resume_draws: 0,
         }
     }
 }
@@ -66,6 +71,13 @@ impl Rng {
                 .fetch_add(1, Ordering::Relaxed)
                 .wrapping_mul(0x2545_f491_4f6c_dd1d),
         )
+    }
+
+    /// Spends `n` draws, as sampling `n` tokens at a temperature does.
+    pub fn skip(&mut self, n: u64) {
+        for _ in 0..n {
+            self.next_u64();
+        }
     }
 
     /// The generator's state, so another process can continue the same sequence (a decode

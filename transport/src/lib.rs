@@ -219,6 +219,7 @@ mod tests {
             stop_token_ids: vec![],
             ignore_eos: false,
             logprobs: None,
+            resume_draws: 0,
             traceparent: None,
             prefill: None,
         }

@@ -28,6 +28,9 @@ pub struct GenerateRequest {
     pub stop_token_ids: Vec<u32>,
     pub ignore_eos: bool,
     pub logprobs: Option<u32>,
+    /// Seeded draws already spent on tokens another worker generated: set when a request
+    /// is continued after its worker was lost (the prompt then ends with those tokens).
+    pub resume_draws: u64,
     /// W3C trace context of the caller's span.
     pub traceparent: Option<String>,
     /// The prefill worker to take the prompt's KV from, when the router disaggregates.
@@ -274,6 +277,7 @@ mod tests {
             stop_token_ids: vec![2],
             ignore_eos: true,
             logprobs: Some(2),
+            resume_draws: 5,
             traceparent: Some("00-abc-def-01".into()),
             prefill: Some(PrefillPeer {
                 node_id: "p1".into(),

@@ -543,7 +543,11 @@ impl Engine {
             } => {
                 let prompt_len = req.prompt.len();
                 let rng = match req.params.seed {
-                    Some(s) => Rng::seeded(s),
+                    Some(s) => {
+                        let mut r = Rng::seeded(s);
+                        r.skip(req.params.resume_draws);
+                        r
+                    }
                     None => Rng::from_entropy(),
                 };
                 self.waiting.push_back(Seq {
@@ -1142,6 +1146,74 @@ mod tests {
                 SeqEvent::Failed(m) => panic!("{m}"),
             }
         }
+    }
+
+    /// Logits that leave sampling at temperature 1 genuinely random: a small wave over the
+    /// vocabulary that shifts with the last token and the position.
+    struct Flat {
+        vocab: usize,
+    }
+
+    impl Backend for Flat {
+        fn device(&self) -> String {
+            "flat".into()
+        }
+        fn num_blocks(&self) -> usize {
+            64
+        }
+        fn forward(&mut self, batch: &ForwardBatch) -> Result<Vec<Vec<f32>>> {
+            Ok(batch
+                .seqs
+                .iter()
+                .filter(|s| s.want_logits)
+                .map(|s| {
+                    let last = *s.tokens.last().unwrap() as usize;
+                    let pos = s.start_pos + s.tokens.len() - 1;
+                    (0..self.vocab)
+                        .map(|i| ((i * 7 + last * 3 + pos) % 11) as f32 * 0.1)
+                        .collect()
+                })
+                .collect())
+        }
+    }
+
+    /// A seeded sequence continued elsewhere (its tokens so far appended to the prompt and
+    /// the generator's spent draws skipped) goes on exactly as it would have.
+    #[test]
+    fn a_seeded_sequence_resumed_with_its_draws_continues_identically() {
+        let vocab = 50;
+        let h = spawn(
+            Box::new(Flat { vocab }),
+            EngineConfig {
+                max_model_len: 128,
+                block_size: 4,
+                ..Default::default()
+            },
+            vec![],
+            vocab,
+        );
+        let params = |max_tokens: usize, resume_draws: u64| SamplingParams {
+            temperature: 1.0,
+            seed: Some(42),
+            max_tokens,
+            ignore_eos: true,
+            resume_draws,
+            ..Default::default()
+        };
+        let prompt: Vec<u32> = vec![3, 1, 4, 1, 5, 9, 2, 6];
+        let run = |prompt: Vec<u32>, p: SamplingParams| {
+            let mut sub = h.submit(Request { prompt, params: p }).unwrap();
+            drain(&mut sub)
+        };
+        let whole = run(prompt.clone(), params(30, 0));
+        assert_eq!(whole, run(prompt.clone(), params(30, 0)), "seeded runs repeat");
+        let cut = 12;
+        let resumed_prompt = [&prompt[..], &whole[..cut]].concat();
+        let rest = run(resumed_prompt.clone(), params(30 - cut, cut as u64));
+        assert_eq!(rest, whole[cut..]);
+        // Without skipping the draws the continuation is another one: the test can fail.
+        let naive = run(resumed_prompt, params(30 - cut, 0));
+        assert_ne!(naive, whole[cut..]);
     }
 
     /// A backend that keeps no host-visible KV.
