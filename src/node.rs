@@ -32,6 +32,7 @@ use clap::Args;
 use serde_json::{json, Value};
 
 use kvmesh_actors::disagg::{KvSide, KvTransport};
+use kvmesh_actors::policy::PrefixTuning;
 use kvmesh_actors::router::{DisaggConfig, RouterConfig};
 use kvmesh_actors::{
     CoreRole, NodeMsg, NodeRoles, Policy, Role, RoleRestarts, RouterCore, Serving, WorkerCore,
@@ -94,6 +95,10 @@ pub struct NodeArgs {
     /// ends with an error event. 0 turns migration off.
     #[arg(long, default_value_t = 3)]
     pub migration_limit: u32,
+    /// Router, prefix policy: a cache hit may not send a request to a worker whose
+    /// least-loaded cost is more than (1 + this) times the lowest.
+    #[arg(long, default_value_t = PrefixTuning::default().max_imbalance)]
+    pub prefix_max_imbalance: f64,
     /// Decode: how KV arrives from prefill nodes: quic (streams on the node's QUIC
     /// connection) or tcp (plain TCP to --kv-listen, for trusted networks).
     #[arg(long, value_enum, default_value = "quic")]
@@ -232,8 +237,17 @@ impl NodeState {
                     "connected": w.connected(),
                     "load": w.load(),
                     "capacity_tokens_per_s": w.capacity(),
+                    "prompt_tokens_per_s": w.prompt_rate(),
                     "routed": w.routed.load(Ordering::Relaxed),
+                    "kv_blocks_reported": w.kv.lock().held(),
+                    "kv_events_synced": w.kv.lock().synced,
                 })).collect::<Vec<_>>(),
+                "migrations": r.stats.migrations.load(Ordering::Relaxed),
+                "prefix_predictions": {
+                    "exact": r.stats.predictions[0].load(Ordering::Relaxed),
+                    "fewer": r.stats.predictions[1].load(Ordering::Relaxed),
+                    "more": r.stats.predictions[2].load(Ordering::Relaxed),
+                },
             });
         }
         v
@@ -668,6 +682,9 @@ pub fn run(args: NodeArgs) -> anyhow::Result<()> {
                         max_queue: args.disagg_max_queue,
                     },
                     migration_limit: args.migration_limit,
+                    prefix: PrefixTuning {
+                        max_imbalance: args.prefix_max_imbalance,
+                    },
                 },
                 endpoint.clone(),
             )

@@ -361,3 +361,149 @@ fn no_server_a_wrong_model_and_a_missing_dataset_fail_clearly() {
         "{stderr}"
     );
 }
+
+#[test]
+fn conversations_carry_their_history_and_later_turns_hit_the_prefix_cache() {
+    let s = sim_server();
+    let dir = TempDir::new("conversation");
+    let results = dir.join("results");
+    let (conversations, turns) = (3, 3);
+    let out = bench(&[
+        "--base-url",
+        &s.base,
+        "--dataset",
+        "conversation",
+        "--conversations",
+        "3",
+        "--turns",
+        "3",
+        "--input-len",
+        "48",
+        "--turn-input-len",
+        "16",
+        "--output-len",
+        "8",
+        "--max-concurrency",
+        "2",
+        "--label",
+        "conv",
+        "--result-dir",
+        results.to_str().unwrap(),
+    ]);
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "stdout:\n{stdout}\nstderr:\n{stderr}");
+    for want in [
+        "Concurrency:                                     2",
+        "Successful requests:                             9",
+        "Failed requests:                                 0",
+        "Total generated tokens:                         72",
+        "----------------- Conversations ------------------",
+        "Conversations:                                   3",
+        "Turns per conversation:                          3",
+        "Prefix cache hit rate, turn 1:",
+        "Prefix cache hit rate, later turns:",
+    ] {
+        assert!(stdout.contains(want), "{want:?} not in\n{stdout}");
+    }
+    assert!(
+        !stdout.contains("n/a"),
+        "kvmesh reports cached tokens:\n{stdout}"
+    );
+    // The benchmark counts each turn's prompt with the served model's tokenizer and chat
+    // template, replies included: the server counted the same.
+    assert!(!stdout.contains("as the server counted"), "{stdout}");
+    assert!(
+        stderr.contains("3 conversations of 3 turns (9 requests)"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("concurrency 2: 9 ok, 0 failed"), "{stderr}");
+
+    let r = json(&results.join("conv-c2.json"));
+    assert_eq!(r["dataset"], "conversation");
+    assert_eq!(r["endpoint"], "chat", "conversations default to chat");
+    assert_eq!(r["conversations"], conversations);
+    assert_eq!(r["turns"], turns);
+    assert_eq!(r["turn_input_len"], 16);
+    assert_eq!(r["num_prompts"], conversations * turns);
+    assert_eq!(r["load"]["mode"], "concurrency");
+    assert_eq!(r["load"]["concurrency"], 2);
+    let m = &r["metrics"];
+    assert_eq!(m["completed"], conversations * turns);
+    assert_eq!(m["failed"], 0);
+    assert_eq!(m["total_output_tokens"], 9 * 8);
+    assert_eq!(m["server_input_tokens"], m["total_input_tokens"]);
+    assert!(m["ttft_ms"]["mean"].as_f64().unwrap() > 0.0, "{m}");
+    let overall = m["prefix_cache_hit_rate"]
+        .as_f64()
+        .unwrap_or_else(|| panic!("no hit rate: {m}"));
+    let c = &m["conversation"];
+    assert_eq!(c["conversations"], conversations);
+    assert_eq!(c["turns"], turns);
+    assert_eq!(c["first_turn"]["completed"], 3);
+    assert_eq!(c["later_turns"]["completed"], 6);
+    let first = c["first_turn"]["prefix_cache_hit_rate"]
+        .as_f64()
+        .unwrap_or_else(|| panic!("no turn-1 hit rate: {c}"));
+    let later = c["later_turns"]["prefix_cache_hit_rate"]
+        .as_f64()
+        .unwrap_or_else(|| panic!("no later-turn hit rate: {c}"));
+    // Each later turn resends the history the engine just computed; first turns open with
+    // different passages and share at most the chat template's few tokens (under a block).
+    assert!(later > 0.3, "later turns' hit rate {later}: {c}");
+    assert!(first < later, "turn 1 {first} vs later {later}: {c}");
+    assert!(first < 0.2, "turn 1 {first}: {c}");
+    assert!(
+        first < overall && overall < later,
+        "{first} {overall} {later}"
+    );
+    assert_eq!(c["per_turn"].as_array().unwrap().len(), 3);
+
+    // Per request, conversation by conversation: each turn's prompt is the last one plus its
+    // reply and a new message, and finds more of itself cached.
+    let q = &r["requests"];
+    let num = |k: &str, i: usize| q[k][i].as_u64().unwrap_or_else(|| panic!("{k}[{i}]: {q}"));
+    assert_eq!(q["prompt_len"].as_array().unwrap().len(), 9);
+    for conv in 0..3 {
+        let i = conv * 3;
+        assert!(q["error"][i].is_null());
+        for t in 1..3 {
+            assert!(
+                num("prompt_len", i + t) >= num("prompt_len", i + t - 1) + 8 + 16,
+                "conversation {conv}: {q}"
+            );
+            assert!(
+                num("cached_tokens", i + t) > num("cached_tokens", i + t - 1),
+                "conversation {conv}: {q}"
+            );
+        }
+    }
+
+    let summary = json(&results.join("conv-summary.json"));
+    let row = &summary["runs"][0];
+    assert_eq!(row["prefix_cache_hit_rate"].as_f64(), Some(overall));
+    assert_eq!(
+        row["conversation"]["later_turns_hit_rate"].as_f64(),
+        Some(later)
+    );
+    assert_eq!(
+        row["conversation"]["first_turn_hit_rate"].as_f64(),
+        Some(first)
+    );
+
+    // A request-rate schedule does not drive conversations; the error names the flags.
+    let out = bench(&[
+        "--base-url",
+        &s.base,
+        "--dataset",
+        "conversation",
+        "--request-rate",
+        "5",
+    ]);
+    let (_, stderr) = text(&out);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("--request-rate does not apply to --dataset conversation")
+            && stderr.contains("--max-concurrency"),
+        "{stderr}"
+    );
+}

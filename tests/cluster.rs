@@ -463,7 +463,10 @@ async fn streams_on_a_killed_worker_migrate_and_finish_token_identical() {
         let (ids, error, done) = t.await.unwrap();
         assert_eq!(error, None, "a stream was cut");
         assert!(done);
-        assert_eq!(&ids, want, "a migrated stream differs from the undisturbed run");
+        assert_eq!(
+            &ids, want,
+            "a migrated stream differs from the undisturbed run"
+        );
     }
     assert_eq!(gw.metric(&http, "kvmesh:migrations_total").await, 8.0);
     let (ids, error, _) = strict_task.await.unwrap();
@@ -480,4 +483,78 @@ async fn streams_on_a_killed_worker_migrate_and_finish_token_identical() {
             .await,
         1.0
     );
+}
+
+/// Prefix routing from the workers' own account: each worker streams the blocks it stores
+/// and evicts, the router's view matches what the worker then reports as cached, and a
+/// conversation's next turn goes where its history is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefix_routing_follows_the_workers_kv_events() {
+    let etcd = Etcd::start();
+    let http = client();
+    let gw = Node::gateway(&etcd, "c6", "gw", "prefix");
+    let _w1 = Node::worker(&etcd, "c6", "w1", &[]);
+    let _w2 = Node::worker(&etcd, "c6", "w2", &[]);
+    wait_for("both workers routable and synced", 10, async || {
+        let s = status(&http, &gw).await;
+        let ws = s["router"]["workers"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
+        ws.len() == 2
+            && ws
+                .iter()
+                .all(|w| w["connected"] == json!(true) && w["kv_events_synced"] == json!(true))
+    })
+    .await;
+    let history =
+        "First Citizen: Before we proceed any further, hear me speak. All: Speak, speak. \
+                   First Citizen: You are all resolved rather to die than to famish?";
+    let ask = |prompt: String| {
+        let (http, base) = (http.clone(), gw.http.clone());
+        async move {
+            let (st, body) = post(
+                &http,
+                &base,
+                json!({"model": "shakespeare", "prompt": prompt, "max_tokens": 8,
+                       "temperature": 0, "ignore_eos": true}),
+            )
+            .await;
+            assert_eq!(st, 200, "{body}");
+            body["usage"]["prompt_tokens_details"]["cached_tokens"]
+                .as_u64()
+                .unwrap()
+        }
+    };
+    assert_eq!(ask(history.to_string()).await, 0);
+    // The worker reports the blocks it stored; wait for the router to have them.
+    wait_for("the first worker's blocks reported", 10, async || {
+        let s = status(&http, &gw).await;
+        s["router"]["workers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|w| w["kv_blocks_reported"].as_u64() > Some(0))
+    })
+    .await;
+    let mut turn = history.to_string();
+    for k in 0..4 {
+        turn.push_str(&format!(" All: Resolved, resolved, turn {k}."));
+        let cached = ask(turn.clone()).await;
+        assert!(
+            cached > 16,
+            "turn {k} missed its history: {cached} cached tokens"
+        );
+    }
+    let s = status(&http, &gw).await;
+    let p = &s["router"]["prefix_predictions"];
+    println!("predictions: {p}");
+    assert_eq!(
+        p["exact"].as_u64().unwrap(),
+        5,
+        "the router's view matches the worker's account: {p}"
+    );
+    // All turns went to one worker.
+    let r = routed(&http, &gw).await;
+    assert!(r.values().any(|&n| n == 5), "{r:?}");
 }

@@ -27,7 +27,8 @@ use kvmesh_gpu::engine::{FinishReason, Request, SeqEvent, SeqId, Submission};
 use kvmesh_gpu::kv_cache::block_hashes;
 use kvmesh_gpu::sampler::Sampled;
 use kvmesh_transport::wire::{
-    self, Finish, GenerateRequest, LoadReport, PrefillPeer, StreamRequest, TokenEvent, UniHeader,
+    self, Finish, GenerateRequest, KvEventBatch, LoadReport, PrefillPeer, StreamRequest,
+    TokenEvent, UniHeader,
 };
 use kvmesh_transport::{Connection, NodeEndpoint};
 use parking_lot::{Mutex, RwLock};
@@ -37,15 +38,16 @@ use kvmesh_telemetry::TARGET;
 use tracing::{field::Empty, Instrument};
 
 use crate::policy::{
-    cost, pick, pick_prefill, Candidate, Policy, PrefillCandidate, PrefixIndex, RequestShape,
+    cost, pick, pick_prefill, two_choices, Candidate, KvView, Policy, PrefillCandidate,
+    PrefixTuning, RequestShape,
 };
 
 /// How long a request that has produced nothing waits for some worker to take it, after
 /// every worker it tried failed or refused it.
 const UNSTARTED_PATIENCE: Duration = Duration::from_secs(10);
 
-/// Prompt block hashes remembered per worker for prefix routing.
-const PREFIX_HASHES_PER_WORKER: usize = 65_536;
+/// A worker's prompt rate until it has measured one (prompt tokens per second).
+const UNMEASURED_PROMPT_RATE: f64 = 10_000.0;
 
 #[derive(Debug, thiserror::Error)]
 pub enum RouteError {
@@ -58,6 +60,10 @@ pub struct WorkerLink {
     pub record: NodeRecord,
     conn: Mutex<Option<Connection>>,
     report: Mutex<Option<(LoadReport, Instant)>>,
+    /// What its prefix cache holds, from its events.
+    pub kv: Mutex<KvView>,
+    /// Uncached prompt tokens of requests this router sent there with no first token yet.
+    queued_prompt: AtomicI64,
     /// Requests this router has in flight there, and their tokens (prompt + max_tokens).
     outstanding: AtomicI64,
     outstanding_tokens: AtomicI64,
@@ -106,6 +112,14 @@ impl WorkerLink {
         self.record.has_role("prefill")
     }
 
+    /// Prompt tokens per second it computes.
+    pub fn prompt_rate(&self) -> f64 {
+        self.last_report()
+            .map(|r| r.prompt_tokens_per_s as f64)
+            .filter(|&r| r > 0.0)
+            .unwrap_or(UNMEASURED_PROMPT_RATE)
+    }
+
     pub fn capacity(&self) -> f64 {
         self.last_report()
             .map(|r| r.capacity_tokens_per_s as f64)
@@ -122,6 +136,9 @@ pub struct RouterStats {
     pub failed_midstream: AtomicU64,
     /// Requests moved to another worker after tokens were streamed.
     pub migrations: AtomicU64,
+    /// Prefix routing: the cached prompt tokens the router expected from the worker's
+    /// events against what the worker reported: equal, more, fewer.
+    pub predictions: [AtomicU64; 3],
     pub no_worker: AtomicU64,
     /// Requests routed to decode nodes, by disaggregation decision.
     pub disagg: [AtomicU64; Decision::COUNT],
@@ -185,6 +202,7 @@ pub struct RouterConfig {
     /// How many times one request may move to another worker after tokens were streamed
     /// (its worker lost mid-stream); past that it ends with an error event.
     pub migration_limit: u32,
+    pub prefix: PrefixTuning,
 }
 
 impl Default for RouterConfig {
@@ -192,6 +210,7 @@ impl Default for RouterConfig {
         RouterConfig {
             disagg: DisaggConfig::default(),
             migration_limit: 3,
+            prefix: PrefixTuning::default(),
         }
     }
 }
@@ -202,9 +221,9 @@ pub struct RouterCore {
     pub policy: Policy,
     pub disagg: DisaggConfig,
     pub migration_limit: u32,
+    pub tuning: PrefixTuning,
     endpoint: NodeEndpoint,
     workers: RwLock<BTreeMap<String, Arc<WorkerLink>>>,
-    prefix: Mutex<PrefixIndex>,
     turn: AtomicU64,
     next_id: AtomicU64,
     pub stats: RouterStats,
@@ -235,9 +254,9 @@ impl RouterCore {
             policy,
             disagg: config.disagg,
             migration_limit: config.migration_limit,
+            tuning: config.prefix,
             endpoint,
             workers: RwLock::new(BTreeMap::new()),
-            prefix: Mutex::new(PrefixIndex::new(PREFIX_HASHES_PER_WORKER)),
             turn: AtomicU64::new(0),
             next_id: AtomicU64::new(1),
             stats: RouterStats::default(),
@@ -291,7 +310,6 @@ impl RouterCore {
                 if let Some(c) = link.connection() {
                     c.close(0u32.into(), b"left the cluster");
                 }
-                self.prefix.lock().forget(&id);
                 tracing::info!("worker {id} left the routing set");
             }
         }
@@ -303,6 +321,8 @@ impl RouterCore {
                 record: rec.clone(),
                 conn: Mutex::new(None),
                 report: Mutex::new(None),
+                kv: Mutex::new(KvView::default()),
+                queued_prompt: AtomicI64::new(0),
                 outstanding: AtomicI64::new(0),
                 outstanding_tokens: AtomicI64::new(0),
                 prefills: AtomicI64::new(0),
@@ -344,6 +364,7 @@ impl RouterCore {
                     reports.abort();
                     *link.conn.lock() = None;
                     *link.report.lock() = None;
+                    link.kv.lock().clear();
                     if link.gone.load(Ordering::Relaxed) {
                         break;
                     }
@@ -434,15 +455,16 @@ impl RouterCore {
         }
     }
 
-    /// Picks a node for a request, and how many of its blocks the node is believed to cache;
-    /// for a traced request, also the candidates and their costs as text.
+    /// Picks a node for a request (with `hashes` its prompt's reusable block hashes), and
+    /// for a traced request, the candidates and their costs as text.
     fn choose(
         &self,
         hashes: &[u64],
+        prompt_tokens: usize,
         tried: &HashSet<String>,
         describe: bool,
-    ) -> Option<(Arc<WorkerLink>, usize, String)> {
-        let links: Vec<_> = self
+    ) -> Option<Choice> {
+        let mut links: Vec<_> = self
             .routable()
             .into_iter()
             .filter(|w| !tried.contains(&w.record.node_id))
@@ -450,35 +472,45 @@ impl RouterCore {
         if links.is_empty() {
             return None;
         }
+        let turn = self.turn.fetch_add(1, Ordering::Relaxed);
+        if self.policy == Policy::PowerOfTwo {
+            // Only the two drawn are looked at.
+            links = two_choices(links.len(), turn)
+                .into_iter()
+                .map(|i| links[i].clone())
+                .collect();
+        }
         let block_size = links[0].record.block_size.max(1);
-        let cands: Vec<Candidate> = {
-            let prefix = self.prefix.lock();
-            links
-                .iter()
-                .map(|w| Candidate {
+        let now = Instant::now();
+        let prefix = self.policy == Policy::Prefix;
+        let mut reported = vec![0; links.len()];
+        let cands: Vec<Candidate> = links
+            .iter()
+            .enumerate()
+            .map(|(i, w)| {
+                let cached_blocks = if prefix {
+                    let (held, with_pending) = w.kv.lock().leading_hits(hashes, now);
+                    reported[i] = held;
+                    with_pending
+                } else {
+                    0
+                };
+                Candidate {
                     load: w.load(),
                     capacity: w.capacity(),
-                    cached_blocks: if self.policy == Policy::Prefix {
-                        prefix.leading_hits(&w.record.node_id, hashes)
-                    } else {
-                        0
-                    },
-                    tokens_in_flight: w.outstanding_tokens.load(Ordering::Relaxed).max(0) as f64,
-                })
-                .collect()
-        };
+                    cached_blocks,
+                    queued_prompt_tokens: w.queued_prompt.load(Ordering::Relaxed).max(0) as f64,
+                    prefill_rate: w.prompt_rate(),
+                }
+            })
+            .collect();
         let shape = RequestShape {
-            prompt_blocks: hashes.len(),
+            prompt_tokens,
             block_size,
         };
-        let i = pick(
-            self.policy,
-            &cands,
-            shape,
-            self.turn.fetch_add(1, Ordering::Relaxed),
-        )?;
-        if self.policy == Policy::Prefix {
-            self.prefix.lock().record(&links[i].record.node_id, hashes);
+        let i = pick(self.policy, &cands, shape, turn, self.tuning)?;
+        if prefix {
+            links[i].kv.lock().expect(hashes, now);
         }
         let candidates = if describe {
             links
@@ -486,12 +518,15 @@ impl RouterCore {
                 .zip(&cands)
                 .map(|(w, c)| {
                     format!(
-                        "{}: cost {:.4} (load {:.0}, capacity {:.1} tok/s, cached blocks {})",
+                        "{}: cost {:.4} (load {:.0}, capacity {:.1} tok/s, cached blocks {}, \
+                         queued prompt tokens {:.0}, prompt rate {:.0} tok/s)",
                         w.record.node_id,
                         cost(self.policy, c, shape),
                         c.load,
                         c.capacity,
-                        c.cached_blocks
+                        c.cached_blocks,
+                        c.queued_prompt_tokens,
+                        c.prefill_rate
                     )
                 })
                 .collect::<Vec<_>>()
@@ -499,7 +534,13 @@ impl RouterCore {
         } else {
             String::new()
         };
-        Some((links[i].clone(), cands[i].cached_blocks, candidates))
+        Some(Choice {
+            link: links[i].clone(),
+            cached_blocks: cands[i].cached_blocks,
+            reported_blocks: reported[i],
+            uncached: prompt_tokens.saturating_sub(cands[i].cached_blocks * block_size),
+            candidates,
+        })
     }
 
     async fn run(self: Arc<Self>, id: u64, req: Request, tx: mpsc::UnboundedSender<SeqEvent>) {
@@ -507,9 +548,12 @@ impl RouterCore {
             .routable()
             .first()
             .map_or(16, |w| w.record.block_size.max(1));
+        // The blocks a worker can reuse: all full ones but the last token's (which is
+        // always computed, to give the first token's logits).
         let prompt_hashes = |prompt: &[u32]| -> Vec<u64> {
             if self.policy == Policy::Prefix {
-                block_hashes(prompt, block_size)
+                let reusable = prompt.len().saturating_sub(1) / block_size * block_size;
+                block_hashes(&prompt[..reusable], block_size)
                     .into_iter()
                     .map(|h| h.0)
                     .collect()
@@ -545,8 +589,8 @@ impl RouterCore {
         let traced = kvmesh_telemetry::is_sampled(&route);
         let mut attempts = 0u32;
         loop {
-            let Some((link, cached_blocks, candidates)) = self.choose(&hashes, &tried, traced)
-            else {
+            let prompt_len = req.prompt.len() + sent.tokens.len();
+            let Some(choice) = self.choose(&hashes, prompt_len, &tried, traced) else {
                 // Nothing more has reached the client since the last worker failed, so the
                 // request can still wait for a worker: one restarting, one joining, or a
                 // full one draining its queue.
@@ -565,6 +609,13 @@ impl RouterCore {
                 let _ = tx.send(SeqEvent::Failed(message));
                 return;
             };
+            let Choice {
+                link,
+                cached_blocks,
+                reported_blocks,
+                uncached,
+                candidates,
+            } = choice;
             attempts += 1;
             route.record("attempts", attempts);
             // Each try is its own span, a child of the route; the worker continues it. A
@@ -576,6 +627,7 @@ impl RouterCore {
                 worker = link.record.node_id.as_str(),
                 candidates = candidates.as_str(),
                 cached_blocks,
+                predicted_cached_tokens = Empty,
                 migration = migrations,
                 resumed_after_tokens = sent.tokens.len(),
                 disagg = Empty,
@@ -597,10 +649,12 @@ impl RouterCore {
                 }
             }
             let guard = InFlight::new(&link, (wire.prompt.len() + wire.max_tokens as usize) as i64);
+            // Until its first token, the prompt is work queued there (or on its prefill node).
             let mut prefill_guard = None;
+            let mut queued = Some(QueuedPrompt::new(link.clone(), uncached as i64));
             if link.record.has_role("decode") {
                 let (decision, prefill) =
-                    self.prefill_for(&link, wire.prompt.len(), cached_blocks);
+                    self.prefill_for(&link, wire.prompt.len(), reported_blocks);
                 self.stats.disagg[decision as usize].fetch_add(1, Ordering::Relaxed);
                 attempt.record("disagg", decision.as_str());
                 if let Some(pl) = prefill {
@@ -617,13 +671,35 @@ impl RouterCore {
                         min_tokens: self.disagg.min_tokens as u32,
                     });
                     prefill_guard = Some(PrefillInFlight::new(pl, uncached as i64));
+                    queued = None;
                 }
             }
             wire.traceparent = kvmesh_telemetry::traceparent(&attempt);
-            let outcome = stream_from(&link, &wire, &tx, &mut prefill_guard, &mut sent)
-                .instrument(attempt.clone())
-                .await;
+            let before = sent.tokens.len();
+            let outcome = stream_from(
+                &link,
+                &wire,
+                &tx,
+                &mut prefill_guard,
+                &mut queued,
+                &mut sent,
+            )
+            .instrument(attempt.clone())
+            .await;
             drop(guard);
+            if self.policy == Policy::Prefix && sent.tokens.len() > before {
+                // How well the worker's own account predicted its hit.
+                let block_size = link.record.block_size.max(1);
+                let expected = reported_blocks * block_size;
+                let got = sent.attempt_cached;
+                let k = match got.cmp(&expected) {
+                    std::cmp::Ordering::Equal => 0,
+                    std::cmp::Ordering::Less => 1,
+                    std::cmp::Ordering::Greater => 2,
+                };
+                self.stats.predictions[k].fetch_add(1, Ordering::Relaxed);
+                attempt.record("predicted_cached_tokens", expected);
+            }
             let (what, error) = match &outcome {
                 Outcome::Done => ("done", None),
                 Outcome::ClientGone => ("client_gone", None),
@@ -727,6 +803,19 @@ impl RouterCore {
                 s.disagg[d as usize].load(Ordering::Relaxed)
             );
         }
+        let _ = writeln!(
+            out,
+            "# HELP kvmesh:router_prefix_predictions_total Prefix routing: the cached prompt \
+             tokens expected from the worker's KV events against those it reported.\n\
+             # TYPE kvmesh:router_prefix_predictions_total counter"
+        );
+        for (k, outcome) in ["exact", "fewer", "more"].iter().enumerate() {
+            let _ = writeln!(
+                out,
+                "kvmesh:router_prefix_predictions_total{{outcome=\"{outcome}\"}} {}",
+                s.predictions[k].load(Ordering::Relaxed)
+            );
+        }
         let workers = self.workers();
         let _ = writeln!(
             out,
@@ -782,6 +871,39 @@ impl RouterCore {
     }
 }
 
+/// A node picked for a request.
+struct Choice {
+    link: Arc<WorkerLink>,
+    /// Leading prompt blocks it holds or is about to (prompts just sent there).
+    cached_blocks: usize,
+    /// Leading prompt blocks it reported holding.
+    reported_blocks: usize,
+    /// Prompt tokens it has to compute, as far as the router knows.
+    uncached: usize,
+    candidates: String,
+}
+
+/// Counts a prompt's uncached tokens against a node until its first token comes.
+struct QueuedPrompt {
+    link: Arc<WorkerLink>,
+    tokens: i64,
+}
+
+impl QueuedPrompt {
+    fn new(link: Arc<WorkerLink>, tokens: i64) -> Self {
+        link.queued_prompt.fetch_add(tokens, Ordering::Relaxed);
+        QueuedPrompt { link, tokens }
+    }
+}
+
+impl Drop for QueuedPrompt {
+    fn drop(&mut self) {
+        self.link
+            .queued_prompt
+            .fetch_sub(self.tokens, Ordering::Relaxed);
+    }
+}
+
 /// Counts a prompt against a prefill node until its first token comes (or the request ends).
 struct PrefillInFlight {
     link: Arc<WorkerLink>,
@@ -834,15 +956,22 @@ async fn read_reports(link: Arc<WorkerLink>, conn: Connection) {
         let link = link.clone();
         tokio::spawn(async move {
             match wire::read_msg::<UniHeader>(&mut recv).await {
-                Ok(Some(UniHeader::Load)) => {}
-                _ => {
-                    // Not a load stream (nothing else is sent to a router).
-                    let _ = recv.stop(0u32.into());
-                    return;
+                Ok(Some(UniHeader::Load)) => {
+                    while let Ok(Some(r)) = wire::read_msg::<LoadReport>(&mut recv).await {
+                        *link.report.lock() = Some((r, Instant::now()));
+                    }
                 }
-            }
-            while let Ok(Some(r)) = wire::read_msg::<LoadReport>(&mut recv).await {
-                *link.report.lock() = Some((r, Instant::now()));
+                Ok(Some(UniHeader::KvEvents)) => {
+                    while let Ok(Some(b)) = wire::read_msg::<KvEventBatch>(&mut recv).await {
+                        link.kv.lock().apply(b.snapshot, &b.stored, &b.removed);
+                    }
+                    // The stream broke with the connection still up: its view is stale.
+                    link.kv.lock().clear();
+                }
+                _ => {
+                    // Nothing else is sent to a router.
+                    let _ = recv.stop(0u32.into());
+                }
             }
         });
     }
@@ -855,6 +984,8 @@ struct Streamed {
     /// The first worker's cached prompt tokens: what the client's usage reports, however
     /// many workers the sequence passed through.
     cached_tokens: Option<usize>,
+    /// The cached tokens the latest attempt's worker reported with its first token.
+    attempt_cached: usize,
 }
 
 async fn stream_from(
@@ -862,6 +993,7 @@ async fn stream_from(
     req: &GenerateRequest,
     tx: &mpsc::UnboundedSender<SeqEvent>,
     prefill: &mut Option<PrefillInFlight>,
+    queued: &mut Option<QueuedPrompt>,
     sent: &mut Streamed,
 ) -> Outcome {
     let Some(conn) = link.connection() else {
@@ -895,6 +1027,10 @@ async fn stream_from(
                 tokens += 1;
                 // The prompt is prefilled: the prefill node no longer holds it.
                 prefill.take();
+                queued.take();
+                if tokens == 1 {
+                    sent.attempt_cached = cached_tokens as usize;
+                }
                 sent.tokens.push(token);
                 let cached_tokens = *sent.cached_tokens.get_or_insert(cached_tokens as usize);
                 let ev = SeqEvent::Token {

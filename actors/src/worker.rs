@@ -12,12 +12,13 @@ use std::time::{Duration, Instant};
 
 use kvmesh_gpu::engine::{EngineHandle, FinishReason, Progress, Request, SeqEvent};
 use kvmesh_gpu::error::EngineError;
+use kvmesh_gpu::kv_cache::KvEvent;
 use kvmesh_gpu::sampler::SamplingParams;
 use kvmesh_telemetry::phases::Phases;
 use kvmesh_telemetry::TARGET;
 use kvmesh_transport::wire::{
-    self, Finish, GenerateRequest, LoadReport, PrefillLoad, StreamRequest, TokenEvent, TopLogprob,
-    UniHeader,
+    self, Finish, GenerateRequest, KvEventBatch, LoadReport, PrefillLoad, StreamRequest,
+    TokenEvent, TopLogprob, UniHeader,
 };
 use kvmesh_transport::{peer_fingerprint, Connection, NodeEndpoint, RecvStream, SendStream};
 use parking_lot::{Mutex, RwLock};
@@ -62,14 +63,19 @@ pub struct WorkerCore {
 }
 
 /// Generation rate over report intervals. Capacity is the rate one running sequence gets:
-/// engine steps per second of busy time (smoothed). It falls as a node fills, so a router
-/// weighting by it settles where each node's sequences progress equally fast, which gives a
-/// node three times faster about three times the work. The prefill rate is prompt tokens
-/// per second of busy time.
+/// steps per second of the steps that computed no prompt (smoothed; all steps until there
+/// has been a decode-only one), so the prompts a node happens to be computing do not make
+/// it look slow to a router that also counts them as queued work. It falls as a node fills,
+/// so a router weighting by it settles where each node's sequences progress equally fast,
+/// which gives a node three times faster about three times the work. The prefill rate is
+/// prompt tokens per second of the steps that computed prompts.
 struct Meter {
     last_tokens: u64,
     last_steps: u64,
     last_busy_us: u64,
+    last_decode_steps: u64,
+    last_decode_busy_us: u64,
+    last_prefill_busy_us: u64,
     last_prompt: u64,
     last_at: Instant,
     rate: f64,
@@ -98,6 +104,9 @@ impl WorkerCore {
             last_tokens: s.generation_tokens.load(Ordering::Relaxed),
             last_steps: s.steps.load(Ordering::Relaxed),
             last_busy_us: s.busy_us.load(Ordering::Relaxed),
+            last_decode_steps: s.decode_steps.load(Ordering::Relaxed),
+            last_decode_busy_us: s.decode_busy_us.load(Ordering::Relaxed),
+            last_prefill_busy_us: s.prefill_busy_us.load(Ordering::Relaxed),
             last_prompt: s.prompt_tokens.load(Ordering::Relaxed),
             last_at: Instant::now(),
             rate: 0.0,
@@ -136,16 +145,28 @@ impl WorkerCore {
             let prompt = s.prompt_tokens.load(Ordering::Relaxed);
             let (d_steps, d_busy) = (steps - m.last_steps, busy_us - m.last_busy_us);
             let d_prompt = prompt - m.last_prompt;
+            let decode_steps = s.decode_steps.load(Ordering::Relaxed);
+            let decode_busy = s.decode_busy_us.load(Ordering::Relaxed);
+            let prefill_busy = s.prefill_busy_us.load(Ordering::Relaxed);
+            let (d_dsteps, d_dbusy) = (
+                decode_steps - m.last_decode_steps,
+                decode_busy - m.last_decode_busy_us,
+            );
+            let d_pbusy = prefill_busy - m.last_prefill_busy_us;
             m.last_steps = steps;
             m.last_busy_us = busy_us;
             m.last_prompt = prompt;
+            m.last_decode_steps = decode_steps;
+            m.last_decode_busy_us = decode_busy;
+            m.last_prefill_busy_us = prefill_busy;
             // Only busy time says what the node can do; an idle interval says nothing.
-            if d_steps > 0 && d_busy > 0 {
-                let busy_s = d_busy as f64 / 1e6;
-                m.per_seq = smooth(m.per_seq, d_steps as f64 / busy_s);
-                if d_prompt > 0 {
-                    m.prefill_rate = smooth(m.prefill_rate, d_prompt as f64 / busy_s);
-                }
+            if d_dsteps > 0 && d_dbusy > 0 {
+                m.per_seq = smooth(m.per_seq, d_dsteps as f64 / (d_dbusy as f64 / 1e6));
+            } else if m.per_seq == 0.0 && d_steps > 0 && d_busy > 0 {
+                m.per_seq = d_steps as f64 / (d_busy as f64 / 1e6);
+            }
+            if d_prompt > 0 && d_pbusy > 0 {
+                m.prefill_rate = smooth(m.prefill_rate, d_prompt as f64 / (d_pbusy as f64 / 1e6));
             }
             m.last_tokens = tokens;
             m.last_at = now;
@@ -170,6 +191,7 @@ impl WorkerCore {
             } else {
                 self.declared_capacity as f32
             },
+            prompt_tokens_per_s: m.prefill_rate as f32,
             prefill: (self.role == CoreRole::Prefill).then(|| PrefillLoad {
                 running,
                 waiting,
@@ -405,6 +427,7 @@ impl Serving {
             conn.remote_address()
         );
         let reporter = tokio::spawn(report_load(self.clone(), conn.clone()));
+        let kv_reporter = tokio::spawn(report_kv_events(self.clone(), conn.clone()));
         loop {
             match conn.accept_bi().await {
                 Ok((send, recv)) => {
@@ -419,6 +442,7 @@ impl Serving {
             }
         }
         reporter.abort();
+        kv_reporter.abort();
     }
 
     async fn serve_stream(&self, conn: Connection, mut send: SendStream, mut recv: RecvStream) {
@@ -467,6 +491,69 @@ impl Serving {
                         let _ = send.finish();
                     }
                 }
+            }
+        }
+    }
+}
+
+/// Pushes the generating engine's prefix-cache stores and evictions on one connection
+/// until it ends: a snapshot, then each batch as it comes (those that queued while the
+/// last was written go as one). A node without a generating role sends none.
+async fn report_kv_events(serving: Arc<Serving>, conn: Connection) {
+    let hub = loop {
+        if let Some(c) = serving.generate.read().as_ref() {
+            break c.engine.kv_events.clone();
+        }
+        if serving.prefill.read().is_some() {
+            return;
+        }
+        // The role is starting or restarting.
+        tokio::time::sleep(LOAD_REPORT_INTERVAL).await;
+    };
+    let Ok(mut send) = conn.open_uni().await else {
+        return;
+    };
+    if wire::write_msg(&mut send, &UniHeader::KvEvents)
+        .await
+        .is_err()
+    {
+        return;
+    }
+    loop {
+        let (held, mut rx) = hub.subscribe();
+        let snapshot = KvEventBatch {
+            snapshot: true,
+            stored: held,
+            removed: Vec::new(),
+        };
+        if wire::write_msg(&mut send, &snapshot).await.is_err() {
+            return;
+        }
+        // Ends when the hub dropped this subscriber for falling behind: resubscribe.
+        while let Some(first) = rx.recv().await {
+            let mut latest: std::collections::HashMap<u64, bool> = Default::default();
+            let mut add = |batch: &[KvEvent]| {
+                for e in batch {
+                    match *e {
+                        KvEvent::Stored(h) => latest.insert(h.0, true),
+                        KvEvent::Removed(h) => latest.insert(h.0, false),
+                    };
+                }
+            };
+            add(&first);
+            while let Ok(more) = rx.try_recv() {
+                add(&more);
+            }
+            let mut batch = KvEventBatch::default();
+            for (h, stored) in latest {
+                if stored {
+                    batch.stored.push(h);
+                } else {
+                    batch.removed.push(h);
+                }
+            }
+            if wire::write_msg(&mut send, &batch).await.is_err() {
+                return;
             }
         }
     }

@@ -52,7 +52,16 @@ struct Block {
     freed_at: Option<u64>,
 }
 
+/// A change to which prefixes a worker's cache holds, for routers that route by it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KvEvent {
+    Stored(BlockHash),
+    Removed(BlockHash),
+}
+
 pub struct BlockManager {
+    /// Cache changes since the engine last took them.
+    events: Vec<KvEvent>,
     block_size: usize,
     blocks: Vec<Block>,
     /// Unreferenced blocks, oldest first; cached ones among them still hold their contents.
@@ -64,6 +73,7 @@ pub struct BlockManager {
 impl BlockManager {
     pub fn new(num_blocks: usize, block_size: usize) -> BlockManager {
         let mut m = BlockManager {
+            events: Vec::new(),
             block_size,
             blocks: vec![Block::default(); num_blocks],
             free: BTreeMap::new(),
@@ -112,6 +122,7 @@ impl BlockManager {
         if let Some(h) = blk.hash.take() {
             if self.cached.get(&h) == Some(&b) {
                 self.cached.remove(&h);
+                self.events.push(KvEvent::Removed(h));
             }
         }
         Some(b)
@@ -149,7 +160,13 @@ impl BlockManager {
         if let std::collections::hash_map::Entry::Vacant(e) = self.cached.entry(h) {
             blk.hash = Some(h);
             e.insert(b);
+            self.events.push(KvEvent::Stored(h));
         }
+    }
+
+    /// The prefixes stored and evicted since the last call, in order.
+    pub fn take_events(&mut self) -> Vec<KvEvent> {
+        std::mem::take(&mut self.events)
     }
 
     /// Drops a sequence's blocks; the last blocks go first when space is needed again, so a
@@ -205,6 +222,35 @@ mod tests {
         let _ = m.allocate().unwrap();
         assert_eq!(m.cached_prefix_len(&hs), 0);
         assert!(m.allocate().is_none());
+    }
+
+    #[test]
+    fn stores_and_evictions_are_reported_in_order() {
+        let mut m = BlockManager::new(3, 4);
+        let hs = block_hashes(&[1, 2, 3, 4, 5, 6, 7, 8], 4);
+        let (a, b, c) = (
+            m.allocate().unwrap(),
+            m.allocate().unwrap(),
+            m.allocate().unwrap(),
+        );
+        m.register(a, hs[0]);
+        m.register(b, hs[1]);
+        // Another block with an already cached prefix is not a new store.
+        m.register(c, hs[0]);
+        m.release(&[c]);
+        m.release(&[a, b]);
+        // The tail (b) was freed before the head (a), right after c.
+        assert_eq!(m.allocate(), Some(c));
+        assert_eq!(m.allocate(), Some(b));
+        assert_eq!(
+            m.take_events(),
+            [
+                KvEvent::Stored(hs[0]),
+                KvEvent::Stored(hs[1]),
+                KvEvent::Removed(hs[1])
+            ]
+        );
+        assert!(m.take_events().is_empty());
     }
 
     #[test]

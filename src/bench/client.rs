@@ -51,19 +51,34 @@ impl Target {
     /// Greedy, exactly `max_tokens` long (eos ignored), streamed with usage at the end: every
     /// request does the same work on every run.
     pub fn body(&self, prompt: &str, max_tokens: usize) -> Value {
-        let mut body = json!({
+        match self.endpoint {
+            Endpoint::Completions => {
+                let mut body = self.common(max_tokens);
+                body["prompt"] = json!(prompt);
+                body
+            }
+            Endpoint::Chat => {
+                self.chat_body(&[json!({"role": "user", "content": prompt})], max_tokens)
+            }
+        }
+    }
+
+    /// A chat request with the whole conversation so far, asked like [`Target::body`].
+    pub fn chat_body(&self, messages: &[Value], max_tokens: usize) -> Value {
+        let mut body = self.common(max_tokens);
+        body["messages"] = json!(messages);
+        body
+    }
+
+    fn common(&self, max_tokens: usize) -> Value {
+        json!({
             "model": self.model,
             "max_tokens": max_tokens,
             "temperature": 0,
             "ignore_eos": true,
             "stream": true,
             "stream_options": {"include_usage": true},
-        });
-        match self.endpoint {
-            Endpoint::Completions => body["prompt"] = json!(prompt),
-            Endpoint::Chat => body["messages"] = json!([{"role": "user", "content": prompt}]),
-        }
-        body
+        })
     }
 }
 
@@ -161,11 +176,15 @@ pub async fn send(
     sample: &Sample,
     max_tokens: usize,
 ) -> Outcome {
+    send_body(http, target, &target.body(&sample.prompt, max_tokens)).await
+}
+
+/// Sends a request body built by [`Target::body`] or [`Target::chat_body`] and times its
+/// stream; the outcome keeps the streamed text.
+pub async fn send_body(http: &reqwest::Client, target: &Target, body: &Value) -> Outcome {
     let start = Instant::now();
     let secs = || start.elapsed().as_secs_f64();
-    let mut req = http
-        .post(target.url())
-        .json(&target.body(&sample.prompt, max_tokens));
+    let mut req = http.post(target.url()).json(body);
     if let Some(k) = &target.api_key {
         req = req.bearer_auth(k);
     }
@@ -261,6 +280,8 @@ pub struct Timeline {
     content_chunks: usize,
     completion_tokens: Option<usize>,
     prompt_tokens: Option<usize>,
+    cached_tokens: Option<usize>,
+    text: String,
     error: Option<String>,
     done: bool,
 }
@@ -293,11 +314,16 @@ impl Timeline {
             }
             self.last = at;
             self.content_chunks += 1;
+            self.text.push_str(text);
         }
         if let Some(u) = v.get("usage").filter(|u| u.is_object()) {
-            let n = |k: &str| u[k].as_u64().map(|n| n as usize);
-            self.completion_tokens = n("completion_tokens").or(self.completion_tokens);
-            self.prompt_tokens = n("prompt_tokens").or(self.prompt_tokens);
+            let n = |v: &Value| v.as_u64().map(|n| n as usize);
+            self.completion_tokens = n(&u["completion_tokens"]).or(self.completion_tokens);
+            self.prompt_tokens = n(&u["prompt_tokens"]).or(self.prompt_tokens);
+            // Servers that do not track their prefix cache leave this out (or null): unknown,
+            // which is not the same as nothing cached.
+            self.cached_tokens =
+                n(&u["prompt_tokens_details"]["cached_tokens"]).or(self.cached_tokens);
         }
     }
 
@@ -323,6 +349,8 @@ impl Timeline {
             e2el: end,
             output_tokens: self.completion_tokens.unwrap_or(self.content_chunks),
             server_prompt_tokens: self.prompt_tokens,
+            cached_tokens: self.cached_tokens,
+            text: self.text,
             error,
         }
     }
@@ -376,6 +404,40 @@ mod tests {
         // Usage wins over the chunk count (one chunk may carry several tokens).
         assert_eq!(o.output_tokens, 6);
         assert_eq!(o.server_prompt_tokens, Some(12));
+    }
+
+    #[test]
+    fn the_streamed_text_and_the_cached_tokens_are_kept() {
+        let mut t = Timeline::default();
+        t.event(0.1, &chat_chunk("Good"));
+        t.event(0.2, &chat_chunk(" morrow,  "));
+        t.event(0.2, &chat_chunk("cousin"));
+        t.event(
+            0.3,
+            &json!({"choices": [], "usage": {"prompt_tokens": 80, "completion_tokens": 3,
+                "prompt_tokens_details": {"cached_tokens": 64}}})
+            .to_string(),
+        );
+        t.event(0.3, "[DONE]");
+        let o = t.finish(0.3);
+        assert_eq!(o.text, "Good morrow,  cousin");
+        assert_eq!(
+            (o.server_prompt_tokens, o.cached_tokens),
+            (Some(80), Some(64))
+        );
+
+        // No details, or null ones: unknown, never 0.
+        for usage in [
+            json!({"prompt_tokens": 5, "completion_tokens": 1}),
+            json!({"prompt_tokens": 5, "completion_tokens": 1, "prompt_tokens_details": null}),
+        ] {
+            let mut t = Timeline::default();
+            t.event(0.1, &completion_chunk("x"));
+            t.event(0.1, &json!({"choices": [], "usage": usage}).to_string());
+            t.event(0.1, "[DONE]");
+            let o = t.finish(0.1);
+            assert_eq!((o.server_prompt_tokens, o.cached_tokens), (Some(5), None));
+        }
     }
 
     #[test]
@@ -473,6 +535,23 @@ mod tests {
         let b = t.body("hi", 7);
         assert_eq!(b["messages"][0]["content"], "hi");
         assert!(b.get("prompt").is_none());
+        let history = [
+            json!({"role": "user", "content": "hi"}),
+            json!({"role": "assistant", "content": "hello"}),
+            json!({"role": "user", "content": "more"}),
+        ];
+        let c = t.chat_body(&history, 9);
+        assert_eq!(c["messages"], json!(history));
+        for k in [
+            "model",
+            "temperature",
+            "ignore_eos",
+            "stream",
+            "stream_options",
+        ] {
+            assert_eq!(c[k], b[k], "{k}");
+        }
+        assert_eq!(c["max_tokens"], 9);
     }
 
     #[test]

@@ -1,5 +1,6 @@
 //! The prompts a benchmark sends: random text of exact token lengths, passages of Shakespeare,
-//! or the opening human turns of a ShareGPT conversation file.
+//! or the opening human turns of a ShareGPT conversation file. (`conversation`, multi-turn
+//! chats, is built in `conversation.rs` from the passages here.)
 //!
 //! A prompt's length is counted the way `/v1/completions` counts it: the served model's
 //! tokenizer with its special tokens (a leading bos, for most models). So a completions run
@@ -26,6 +27,8 @@ const SHAKESPEARE: &str = include_str!("../../data/tinyshakespeare.txt");
 pub enum DatasetArg {
     Random,
     Shakespeare,
+    /// Multi-turn chats of Shakespeare passages, each turn sending the whole history.
+    Conversation,
     ShareGpt(PathBuf),
 }
 
@@ -36,10 +39,11 @@ impl FromStr for DatasetArg {
         match s {
             "random" => Ok(DatasetArg::Random),
             "shakespeare" => Ok(DatasetArg::Shakespeare),
+            "conversation" => Ok(DatasetArg::Conversation),
             _ => match s.strip_prefix("sharegpt:") {
                 Some(p) if !p.is_empty() => Ok(DatasetArg::ShareGpt(PathBuf::from(p))),
                 _ => Err(format!(
-                    "unknown dataset {s:?}: use random, shakespeare or sharegpt:PATH"
+                    "unknown dataset {s:?}: use random, shakespeare, conversation or sharegpt:PATH"
                 )),
             },
         }
@@ -51,6 +55,7 @@ impl fmt::Display for DatasetArg {
         match self {
             DatasetArg::Random => write!(f, "random"),
             DatasetArg::Shakespeare => write!(f, "shakespeare"),
+            DatasetArg::Conversation => write!(f, "conversation"),
             DatasetArg::ShareGpt(p) => write!(f, "sharegpt:{}", p.display()),
         }
     }
@@ -135,6 +140,9 @@ pub fn build(tok: &TextTokenizer, spec: &Spec) -> Result<(Vec<Sample>, Option<St
         DatasetArg::ShareGpt(path) => {
             sharegpt(tok, path, spec, &mut rng).map(|(s, n)| (s, Some(n)))
         }
+        DatasetArg::Conversation => {
+            bail!("--dataset conversation makes conversations, not single prompts")
+        }
     }
 }
 
@@ -144,7 +152,7 @@ pub fn count(tok: &TextTokenizer, text: &str) -> Result<usize> {
 }
 
 /// `len` widened by `ratio` either way, as an inclusive range.
-fn length_range(len: usize, ratio: f64) -> std::ops::RangeInclusive<usize> {
+pub(super) fn length_range(len: usize, ratio: f64) -> std::ops::RangeInclusive<usize> {
     let lo = (len as f64 * (1.0 - ratio)).floor() as usize;
     let hi = (len as f64 * (1.0 + ratio)).floor() as usize;
     lo..=hi.max(lo)
@@ -203,9 +211,46 @@ fn random_prompt(
 
 /// Consecutive text from a random line of the plays, wrapping at the end.
 fn shakespeare_prompt(tok: &TextTokenizer, target: usize, rng: &mut StdRng) -> Result<String> {
+    shakespeare_from(tok, target, random_line(rng))
+}
+
+/// The start of a random line of the plays.
+fn random_line(rng: &mut StdRng) -> usize {
     let text = SHAKESPEARE;
     let guess = rng.random_range(0..text.len());
-    let mut pos = text[guess..].find('\n').map_or(0, |i| guess + i + 1);
+    text[guess..].find('\n').map_or(0, |i| guess + i + 1)
+}
+
+/// A passage of the plays for a chat message, of `content_tokens` tokens without the
+/// tokenizer's special tokens (a chat template adds its own), starting at a line of a speech
+/// of at least `min_line` characters: not at a blank line or a speaker's name, which recur.
+/// Returns the passage and its first line.
+pub(super) fn dialogue_passage(
+    tok: &TextTokenizer,
+    content_tokens: usize,
+    min_line: usize,
+    rng: &mut StdRng,
+) -> Result<(String, String)> {
+    let text = SHAKESPEARE;
+    let mut pos = random_line(rng);
+    // Some line qualifies within a few speeches; the bound only guards against a bad text.
+    for _ in 0..text.len() {
+        let end = text[pos..].find('\n').map_or(text.len(), |i| pos + i);
+        let line = &text[pos..end];
+        if line.len() >= min_line && !line.ends_with(':') {
+            let specials = count(tok, "")?;
+            let passage = shakespeare_from(tok, content_tokens + specials, pos)?;
+            return Ok((passage, line.to_string()));
+        }
+        pos = if end + 1 >= text.len() { 0 } else { end + 1 };
+    }
+    bail!("no line of the plays is {min_line} characters long")
+}
+
+/// Consecutive text from byte `pos` of the plays (a line start), wrapping at the end, of
+/// exactly `target` tokens as the completions endpoint counts them.
+fn shakespeare_from(tok: &TextTokenizer, target: usize, mut pos: usize) -> Result<String> {
+    let text = SHAKESPEARE;
     fit(tok, target, &mut |n| {
         // Plenty of characters for n tokens; `fit` cuts what is over.
         let mut want = n * 8 + 16;
@@ -412,6 +457,8 @@ mod tests {
     #[test]
     fn dataset_names_parse() {
         assert_eq!("random".parse(), Ok(DatasetArg::Random));
+        assert_eq!("conversation".parse(), Ok(DatasetArg::Conversation));
+        assert_eq!(DatasetArg::Conversation.to_string(), "conversation");
         assert_eq!(
             "sharegpt:/x/y.json".parse(),
             Ok(DatasetArg::ShareGpt("/x/y.json".into()))

@@ -23,6 +23,11 @@ pub struct Outcome {
     pub output_tokens: usize,
     /// The prompt length the server reported in its usage, where it did.
     pub server_prompt_tokens: Option<usize>,
+    /// Prompt tokens the server found in its prefix cache
+    /// (`usage.prompt_tokens_details.cached_tokens`), where it reported them.
+    pub cached_tokens: Option<usize>,
+    /// The generated text as streamed (a conversation sends it back in the next turn).
+    pub text: String,
     pub error: Option<String>,
 }
 
@@ -110,6 +115,13 @@ pub struct Metrics {
     /// The same, as the server's usage reported it (chat templates add tokens), where it did.
     pub server_input_tokens: Option<usize>,
     pub total_output_tokens: usize,
+    /// Prompt tokens the server served from its prefix cache, summed over the successful
+    /// requests; `None` unless the server reported it for every one of them.
+    #[serde(default)]
+    pub cached_tokens: Option<usize>,
+    /// `cached_tokens / server_input_tokens`; `None` (JSON null) where either is unknown.
+    #[serde(default)]
+    pub prefix_cache_hit_rate: Option<f64>,
     pub request_throughput: f64,
     pub output_throughput: f64,
     pub total_token_throughput: f64,
@@ -117,6 +129,111 @@ pub struct Metrics {
     pub tpot_ms: Stats,
     pub itl_ms: Stats,
     pub e2el_ms: Stats,
+    /// A `--dataset conversation` run: the same figures split by turn.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub conversation: Option<ConversationMetrics>,
+}
+
+/// What the server reported of its prompts and its prefix cache over some requests.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct CacheUse {
+    /// Σ usage.prompt_tokens, `None` unless every successful request reported it.
+    pub prompt_tokens: Option<usize>,
+    /// Σ usage.prompt_tokens_details.cached_tokens, likewise.
+    pub cached_tokens: Option<usize>,
+}
+
+impl CacheUse {
+    /// Over the successful ones of `outcomes`; with none, everything is unknown.
+    pub fn of<'a>(outcomes: impl IntoIterator<Item = &'a Outcome>) -> CacheUse {
+        let (mut prompt, mut cached, mut any) = (Some(0), Some(0), false);
+        for o in outcomes.into_iter().filter(|o| o.ok) {
+            any = true;
+            prompt = prompt.zip(o.server_prompt_tokens).map(|(a, b)| a + b);
+            cached = cached.zip(o.cached_tokens).map(|(a, b)| a + b);
+        }
+        if !any {
+            return CacheUse::default();
+        }
+        CacheUse {
+            prompt_tokens: prompt,
+            cached_tokens: cached,
+        }
+    }
+
+    /// The share of prompt tokens served from the cache; unknown unless both sums are.
+    pub fn hit_rate(&self) -> Option<f64> {
+        match (self.prompt_tokens, self.cached_tokens) {
+            (Some(p), Some(c)) if p > 0 => Some(c as f64 / p as f64),
+            _ => None,
+        }
+    }
+}
+
+/// One group of a conversation run's requests (a turn, or several).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct TurnMetrics {
+    pub completed: usize,
+    pub failed: usize,
+    /// Σ usage.prompt_tokens of the successful requests; null where the server did not say.
+    pub server_input_tokens: Option<usize>,
+    /// Σ usage.prompt_tokens_details.cached_tokens; null where the server did not say.
+    pub cached_tokens: Option<usize>,
+    /// `cached_tokens / server_input_tokens`; null where either is unknown.
+    pub prefix_cache_hit_rate: Option<f64>,
+    pub ttft_ms: Stats,
+}
+
+impl TurnMetrics {
+    fn of(outcomes: &[&Outcome], percentiles: &[f64]) -> TurnMetrics {
+        let cache = CacheUse::of(outcomes.iter().copied());
+        let ttft: Vec<f64> = outcomes.iter().filter(|o| o.ok).map(|o| o.ttft).collect();
+        TurnMetrics {
+            completed: ttft.len(),
+            failed: outcomes.len() - ttft.len(),
+            server_input_tokens: cache.prompt_tokens,
+            cached_tokens: cache.cached_tokens,
+            prefix_cache_hit_rate: cache.hit_rate(),
+            ttft_ms: Stats::of_seconds(&ttft, percentiles),
+        }
+    }
+}
+
+/// A conversation run split by turn: the first turn (a fresh prompt) against the later ones
+/// (the history so far plus a new message), where a prefix cache should hit.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct ConversationMetrics {
+    pub conversations: usize,
+    pub turns: usize,
+    pub first_turn: TurnMetrics,
+    /// Turns 2 and on; empty (null hit rate) with one turn per conversation.
+    pub later_turns: TurnMetrics,
+    /// Turn by turn, from the first.
+    pub per_turn: Vec<TurnMetrics>,
+}
+
+impl ConversationMetrics {
+    /// `outcomes` conversation by conversation: turn t of conversation c at `c * turns + t`.
+    pub fn compute(outcomes: &[Outcome], turns: usize, percentiles: &[f64]) -> ConversationMetrics {
+        let turn_of = |i: usize| i % turns;
+        let pick = |keep: &dyn Fn(usize) -> bool| -> Vec<&Outcome> {
+            outcomes
+                .iter()
+                .enumerate()
+                .filter(|&(i, _)| keep(turn_of(i)))
+                .map(|(_, o)| o)
+                .collect()
+        };
+        ConversationMetrics {
+            conversations: outcomes.len() / turns,
+            turns,
+            first_turn: TurnMetrics::of(&pick(&|t| t == 0), percentiles),
+            later_turns: TurnMetrics::of(&pick(&|t| t > 0), percentiles),
+            per_turn: (0..turns)
+                .map(|turn| TurnMetrics::of(&pick(&|t| t == turn), percentiles))
+                .collect(),
+        }
+    }
 }
 
 impl Metrics {
@@ -151,6 +268,9 @@ impl Metrics {
             }
         }
         m.server_input_tokens = server_input.filter(|_| m.completed > 0);
+        let cache = CacheUse::of(outcomes);
+        m.cached_tokens = cache.cached_tokens;
+        m.prefix_cache_hit_rate = cache.hit_rate();
         if duration > 0.0 {
             m.request_throughput = m.completed as f64 / duration;
             m.output_throughput = m.total_output_tokens as f64 / duration;
@@ -224,6 +344,8 @@ mod tests {
             e2el,
             output_tokens: n,
             server_prompt_tokens: Some(11),
+            cached_tokens: Some(1),
+            text: "x".repeat(n),
             error: None,
         };
         let outcomes = vec![
@@ -242,6 +364,8 @@ mod tests {
             "the failed request's prompt is not counted"
         );
         assert_eq!(m.server_input_tokens, Some(33));
+        assert_eq!(m.cached_tokens, Some(3));
+        assert!(close(m.prefix_cache_hit_rate.unwrap(), 3.0 / 33.0));
         assert_eq!(m.total_output_tokens, 9);
         assert!(close(m.request_throughput, 1.5));
         assert!(close(m.output_throughput, 4.5));
@@ -270,8 +394,75 @@ mod tests {
         );
         assert_eq!((m.completed, m.failed), (0, 2));
         assert_eq!(m.server_input_tokens, None);
+        assert_eq!((m.cached_tokens, m.prefix_cache_hit_rate), (None, None));
         assert_eq!(m.request_throughput, 0.0);
         assert_eq!(m.ttft_ms.mean, 0.0);
         assert!(serde_json::to_string(&m).unwrap().contains("\"failed\":2"));
+    }
+
+    fn served(ttft: f64, prompt: usize, cached: Option<usize>) -> Outcome {
+        Outcome {
+            ok: true,
+            ttft,
+            e2el: ttft + 0.1,
+            output_tokens: 4,
+            server_prompt_tokens: Some(prompt),
+            cached_tokens: cached,
+            ..Outcome::default()
+        }
+    }
+
+    #[test]
+    fn the_hit_rate_is_unknown_unless_every_request_reported_cached_tokens() {
+        let known = [served(0.1, 100, Some(0)), served(0.1, 300, Some(200))];
+        let c = CacheUse::of(&known);
+        assert_eq!((c.prompt_tokens, c.cached_tokens), (Some(400), Some(200)));
+        assert_eq!(c.hit_rate(), Some(0.5));
+        // Nothing cached is a rate of 0, not unknown.
+        assert_eq!(CacheUse::of(&known[..1]).hit_rate(), Some(0.0));
+        // One request without cached_tokens makes the sum, and the rate, unknown.
+        let mixed = [served(0.1, 100, Some(50)), served(0.1, 100, None)];
+        assert_eq!(CacheUse::of(&mixed).hit_rate(), None);
+        // Failed requests are left out; none successful is unknown.
+        let failed = [Outcome::failed("boom", 0.1), served(0.1, 10, Some(5))];
+        assert_eq!(CacheUse::of(&failed).hit_rate(), Some(0.5));
+        assert_eq!(CacheUse::of(&failed[..1]).hit_rate(), None);
+        let m = Metrics::compute(&mixed, &[100, 100], 1.0, &[99.0]);
+        let j = serde_json::to_value(&m).unwrap();
+        assert!(j["prefix_cache_hit_rate"].is_null(), "{j}");
+        assert!(
+            j.get("conversation").is_none(),
+            "only conversation runs carry it: {j}"
+        );
+    }
+
+    #[test]
+    fn conversation_metrics_split_the_first_turn_from_the_later_ones() {
+        // Two conversations of three turns, conversation by conversation.
+        let outcomes = [
+            served(0.30, 100, Some(0)),
+            served(0.10, 200, Some(96)),
+            served(0.10, 300, Some(192)),
+            served(0.50, 100, Some(16)),
+            Outcome::failed("HTTP 500", 0.1),
+            Outcome::failed("not sent", 0.0),
+        ];
+        let c = ConversationMetrics::compute(&outcomes, 3, &[99.0]);
+        assert_eq!((c.conversations, c.turns), (2, 3));
+        assert_eq!((c.first_turn.completed, c.first_turn.failed), (2, 0));
+        assert_eq!(c.first_turn.prefix_cache_hit_rate, Some(16.0 / 200.0));
+        assert!(close(c.first_turn.ttft_ms.mean, 400.0));
+        assert_eq!((c.later_turns.completed, c.later_turns.failed), (2, 2));
+        assert_eq!(c.later_turns.server_input_tokens, Some(500));
+        assert_eq!(c.later_turns.prefix_cache_hit_rate, Some(288.0 / 500.0));
+        assert!(close(c.later_turns.ttft_ms.mean, 100.0));
+        assert_eq!(c.per_turn.len(), 3);
+        assert_eq!(c.per_turn[2].prefix_cache_hit_rate, Some(192.0 / 300.0));
+        // One turn per conversation: nothing later, so no later rate.
+        let one = ConversationMetrics::compute(&outcomes[..2], 1, &[99.0]);
+        assert_eq!(one.later_turns.completed, 0);
+        assert_eq!(one.later_turns.prefix_cache_hit_rate, None);
+        let j = serde_json::to_value(&one).unwrap();
+        assert!(j["later_turns"]["prefix_cache_hit_rate"].is_null(), "{j}");
     }
 }

@@ -4,6 +4,7 @@
 //! sweep over several settings ends in a table, JSON files and PNG charts.
 
 mod client;
+mod conversation;
 mod dataset;
 mod metrics;
 mod plot;
@@ -22,8 +23,9 @@ use indicatif::{ProgressBar, ProgressStyle};
 use kvmesh_gpu::tokenizer::{TextTokenizer, TokenizerFiles};
 
 use client::{Endpoint, Target};
-use dataset::DatasetArg;
-use metrics::Metrics;
+use conversation::Conversation;
+use dataset::{DatasetArg, Sample};
+use metrics::{ConversationMetrics, Metrics};
 use report::{PerRequest, RunRecord, Settings, SummaryRecord, SummaryRow};
 use run::{Axis, Load};
 
@@ -35,29 +37,44 @@ pub struct BenchArgs {
     /// The model to ask for (default: the first the server lists at /v1/models).
     #[arg(long)]
     pub model: Option<String>,
-    #[arg(long, value_enum, default_value = "completions")]
-    pub endpoint: Endpoint,
+    /// The API to call (default: completions; chat for --dataset conversation, which needs it).
+    #[arg(long, value_enum)]
+    pub endpoint: Option<Endpoint>,
     /// `random` (random text of exact token lengths), `shakespeare` (passages of the plays,
-    /// exact token lengths) or `sharegpt:PATH` (first human turns of a ShareGPT JSON file).
+    /// exact token lengths), `conversation` (multi-turn chats of passages, each turn sending
+    /// the whole history) or `sharegpt:PATH` (first human turns of a ShareGPT JSON file).
     #[arg(long, default_value = "random")]
     pub dataset: DatasetArg,
+    /// --dataset conversation: conversations per run (default 32).
+    #[arg(long)]
+    pub conversations: Option<usize>,
+    /// --dataset conversation: turns per conversation, each a request (default 5).
+    #[arg(long)]
+    pub turns: Option<usize>,
+    /// --dataset conversation: tokens of each user message after the first (default 32);
+    /// the first has --input-len.
+    #[arg(long)]
+    pub turn_input_len: Option<usize>,
     /// The served model's tokenizer, to count prompt tokens: a model folder or its
     /// tokenizer.json (default: the embedded Shakespeare model's).
     #[arg(long)]
     pub tokenizer: Option<PathBuf>,
-    /// Prompt tokens per request (random and shakespeare), special tokens included.
+    /// Prompt tokens per request (random and shakespeare), special tokens included; for
+    /// conversation, the tokens of each conversation's opening message.
     #[arg(long, default_value_t = 256)]
     pub input_len: usize,
-    /// Tokens generated per request (default 128; for ShareGPT, each reply's length).
+    /// Tokens generated per request, each turn's for conversation (default 128; for ShareGPT,
+    /// each reply's length).
     #[arg(long)]
     pub output_len: Option<usize>,
     /// Lengths vary uniformly within ±ratio of --input-len and --output-len.
     #[arg(long, default_value_t = 0.0)]
     pub range_ratio: f64,
-    /// Requests per run.
-    #[arg(long, default_value_t = 100)]
-    pub num_prompts: usize,
-    /// Requests kept in flight; a comma-separated list runs a sweep (1,2,4,8).
+    /// Requests per run (default 100; --dataset conversation sends conversations × turns).
+    #[arg(long)]
+    pub num_prompts: Option<usize>,
+    /// Requests kept in flight; a comma-separated list runs a sweep (1,2,4,8). With
+    /// --dataset conversation: conversations held at once, each with one turn in flight.
     #[arg(long, value_delimiter = ',', conflicts_with_all = ["request_rate", "max_concurrency"])]
     pub concurrency: Vec<usize>,
     /// Requests per second, arriving as a Poisson process; `inf` sends all at once. A
@@ -67,7 +84,8 @@ pub struct BenchArgs {
     /// Shape of the gamma-distributed gaps between arrivals: 1 is Poisson, lower is burstier.
     #[arg(long, default_value_t = 1.0)]
     pub burstiness: f64,
-    /// With --request-rate: at most this many requests in flight; later arrivals wait.
+    /// With --request-rate: at most this many requests in flight; later arrivals wait. With
+    /// --dataset conversation: at most this many conversations at once (default: all).
     #[arg(long)]
     pub max_concurrency: Option<usize>,
     /// Seeds the prompts and the arrival schedule.
@@ -112,8 +130,46 @@ pub fn run(args: BenchArgs) -> Result<()> {
     rt.block_on(bench(args))
 }
 
+const DEFAULT_NUM_PROMPTS: usize = 100;
+
 fn check(a: &BenchArgs) -> Result<()> {
-    anyhow::ensure!(a.num_prompts > 0, "--num-prompts must be positive");
+    anyhow::ensure!(a.num_prompts != Some(0), "--num-prompts must be positive");
+    if a.dataset == DatasetArg::Conversation {
+        anyhow::ensure!(
+            a.request_rate.is_empty(),
+            "--request-rate does not apply to --dataset conversation: a conversation's turns \
+             follow one another as answers end; set how many conversations run at once with \
+             --concurrency (a list sweeps) or --max-concurrency"
+        );
+        anyhow::ensure!(
+            a.num_prompts.is_none(),
+            "--num-prompts does not apply to --dataset conversation: a run sends --conversations \
+             × --turns requests"
+        );
+        anyhow::ensure!(
+            a.endpoint != Some(Endpoint::Completions),
+            "--dataset conversation sends chat messages: it needs --endpoint chat, its default"
+        );
+        for (flag, v) in [
+            ("--conversations", a.conversations),
+            ("--turns", a.turns),
+            ("--turn-input-len", a.turn_input_len),
+        ] {
+            anyhow::ensure!(v != Some(0), "{flag} must be positive");
+        }
+    } else {
+        for (flag, v) in [
+            ("--conversations", a.conversations),
+            ("--turns", a.turns),
+            ("--turn-input-len", a.turn_input_len),
+        ] {
+            anyhow::ensure!(
+                v.is_none(),
+                "{flag} needs --dataset conversation (the dataset is {})",
+                a.dataset
+            );
+        }
+    }
     anyhow::ensure!(
         a.concurrency.iter().all(|&c| c > 0),
         "--concurrency values must be positive"
@@ -145,7 +201,8 @@ fn check(a: &BenchArgs) -> Result<()> {
     Ok(())
 }
 
-/// The settings the sweep runs, in order.
+/// The settings the sweep runs, in order. Conversations always run at a concurrency (the
+/// conversations held at once): the --concurrency list, else --max-concurrency, else all.
 fn loads(a: &BenchArgs) -> Vec<Load> {
     if !a.concurrency.is_empty() {
         return a
@@ -153,6 +210,10 @@ fn loads(a: &BenchArgs) -> Vec<Load> {
             .iter()
             .map(|&concurrency| Load::Concurrency { concurrency })
             .collect();
+    }
+    if let Some(spec) = conversation_spec(a) {
+        let concurrency = a.max_concurrency.unwrap_or(spec.conversations);
+        return vec![Load::Concurrency { concurrency }];
     }
     let rates = if a.request_rate.is_empty() {
         vec![f64::INFINITY]
@@ -167,6 +228,39 @@ fn loads(a: &BenchArgs) -> Vec<Load> {
             max_concurrency: a.max_concurrency,
         })
         .collect()
+}
+
+/// What --dataset conversation makes for one run, with the defaults filled in; `None` for the
+/// other datasets.
+fn conversation_spec(a: &BenchArgs) -> Option<conversation::Spec> {
+    (a.dataset == DatasetArg::Conversation).then(|| conversation::Spec {
+        conversations: a
+            .conversations
+            .unwrap_or(conversation::DEFAULT_CONVERSATIONS),
+        turns: a.turns.unwrap_or(conversation::DEFAULT_TURNS),
+        input_len: a.input_len,
+        turn_input_len: a
+            .turn_input_len
+            .unwrap_or(conversation::DEFAULT_TURN_INPUT_LEN),
+        output_len: a.output_len.unwrap_or(dataset::DEFAULT_OUTPUT_LEN),
+        range_ratio: a.range_ratio,
+        seed: a.seed,
+    })
+}
+
+/// What the runs send.
+enum Work {
+    Prompts {
+        samples: Arc<Vec<Sample>>,
+        prompt_lens: Vec<usize>,
+    },
+    /// Fresh conversations for each run of a sweep (`per_run` each, run r's from
+    /// `r * per_run`), so no run finds an earlier run's conversations in the server's cache.
+    Conversations {
+        all: Vec<Conversation>,
+        per_run: usize,
+        turns: usize,
+    },
 }
 
 /// The tokenizer prompts are counted with: a model folder, a tokenizer.json (with whatever
@@ -242,31 +336,89 @@ async fn bench(args: BenchArgs) -> Result<()> {
         );
     }
     let tok = load_tokenizer(args.tokenizer.as_deref())?;
-    let spec = dataset::Spec {
-        dataset: &args.dataset,
-        num_prompts: args.num_prompts,
-        input_len: args.input_len,
-        output_len: args.output_len,
-        range_ratio: args.range_ratio,
-        max_model_len: info.max_model_len,
-        seed: args.seed,
-    };
-    let (samples, note) = dataset::build(&tok, &spec)?;
-    if let Some(note) = note {
-        eprintln!("{note}");
-    }
-    let samples = Arc::new(samples);
-    let prompt_lens: Vec<usize> = samples.iter().map(|s| s.prompt_len).collect();
+    let conv_spec = conversation_spec(&args);
+    let endpoint = args.endpoint.unwrap_or(match conv_spec {
+        Some(_) => Endpoint::Chat,
+        None => Endpoint::Completions,
+    });
     let target = Target {
         base_url: base_url.clone(),
         model: model.clone(),
-        endpoint: args.endpoint,
+        endpoint,
         api_key: args.api_key.clone(),
+    };
+    let loads = loads(&args);
+    let (work, warm_body, requests) = match &conv_spec {
+        None => {
+            let num_prompts = args.num_prompts.unwrap_or(DEFAULT_NUM_PROMPTS);
+            let spec = dataset::Spec {
+                dataset: &args.dataset,
+                num_prompts,
+                input_len: args.input_len,
+                output_len: args.output_len,
+                range_ratio: args.range_ratio,
+                max_model_len: info.max_model_len,
+                seed: args.seed,
+            };
+            let (samples, note) = dataset::build(&tok, &spec)?;
+            if let Some(note) = note {
+                eprintln!("{note}");
+            }
+            let s0 = &samples[0];
+            // Short, since only that it works matters.
+            let warm = target.body(&s0.prompt, s0.output_len.min(16));
+            let prompt_lens = samples.iter().map(|s| s.prompt_len).collect();
+            let samples = Arc::new(samples);
+            (
+                Work::Prompts {
+                    samples,
+                    prompt_lens,
+                },
+                warm,
+                num_prompts,
+            )
+        }
+        Some(spec) => {
+            if let Some(max) = info.max_model_len {
+                conversation::check_context(&tok, spec, max)?;
+            }
+            let all = conversation::build(
+                &tok,
+                &conversation::Spec {
+                    conversations: spec.conversations * loads.len(),
+                    ..spec.clone()
+                },
+            )?;
+            let warm = target.chat_body(
+                &[serde_json::json!({
+                    "role": "user",
+                    "content": conversation::warm_up_message(&tok, spec)?,
+                })],
+                spec.output_len.min(16),
+            );
+            for load in &loads {
+                if load.x() > spec.conversations as f64 {
+                    eprintln!(
+                        "note: {load} holds at most {} conversations at once, all there are",
+                        spec.conversations
+                    );
+                }
+            }
+            (
+                Work::Conversations {
+                    all,
+                    per_run: spec.conversations,
+                    turns: spec.turns,
+                },
+                warm,
+                spec.conversations * spec.turns,
+            )
+        }
     };
 
     // One request first, not counted: it proves the endpoint and model answer before a
-    // sweep starts, and opens the connection. Short, since only that it works matters.
-    let warm = client::send(&http, &target, &samples[0], samples[0].output_len.min(16)).await;
+    // sweep starts, and opens the connection.
+    let warm = client::send_body(&http, &target, &warm_body).await;
     if !warm.ok {
         bail!(
             "the warm-up request to {} failed: {}",
@@ -274,12 +426,17 @@ async fn bench(args: BenchArgs) -> Result<()> {
             warm.error.unwrap_or_default()
         );
     }
+    let what = match &conv_spec {
+        Some(c) => format!(
+            "{} conversations of {} turns ({requests} requests) per run",
+            c.conversations, c.turns
+        ),
+        None => format!("{requests} {} prompts", args.dataset),
+    };
     eprintln!(
-        "benchmarking {} ({model}, {}) with {} {} prompts; warm-up TTFT {:.1} ms",
+        "benchmarking {} ({model}, {}) with {what}; warm-up TTFT {:.1} ms",
         target.url(),
-        args.endpoint.name(),
-        args.num_prompts,
-        args.dataset,
+        endpoint.name(),
         warm.ttft * 1e3
     );
 
@@ -293,32 +450,76 @@ async fn bench(args: BenchArgs) -> Result<()> {
         label: label.clone(),
         model: model.clone(),
         base_url: base_url.clone(),
-        endpoint: args.endpoint.name().into(),
+        endpoint: endpoint.name().into(),
         dataset: args.dataset.to_string(),
         tokenizer: match &args.tokenizer {
             Some(p) => p.display().to_string(),
             None => format!("embedded ({embedded})"),
         },
-        num_prompts: args.num_prompts,
+        num_prompts: requests,
         input_len: args.input_len,
         output_len: args.output_len,
         range_ratio: args.range_ratio,
         seed: args.seed,
+        conversations: conv_spec.as_ref().map(|c| c.conversations),
+        turns: conv_spec.as_ref().map(|c| c.turns),
+        turn_input_len: conv_spec.as_ref().map(|c| c.turn_input_len),
     };
-    let loads = loads(&args);
     let axis = loads[0].axis();
     let mut rows = Vec::new();
-    for load in &loads {
-        let bar = progress_bar(samples.len(), load.to_string());
+    for (r, load) in loads.iter().enumerate() {
+        let bar = progress_bar(requests, load.to_string());
         let started_unix = unix_now();
-        let (outcomes, duration) = run::run(&http, &target, &samples, *load, args.seed, &bar).await;
+        let (outcomes, prompt_lens, duration) = match &work {
+            Work::Prompts {
+                samples,
+                prompt_lens,
+            } => {
+                let (o, d) = run::run(&http, &target, samples, *load, args.seed, &bar).await;
+                (o, prompt_lens.clone(), d)
+            }
+            Work::Conversations { all, per_run, .. } => {
+                let convs = Arc::new(all[r * per_run..(r + 1) * per_run].to_vec());
+                let active = load.x() as usize;
+                let (o, d) = conversation::run(&http, &target, &convs, active, &bar).await;
+                let lens = conversation::prompt_lens(&tok, &convs, &o)?;
+                (o, lens, d)
+            }
+        };
         bar.finish_and_clear();
-        let m = Metrics::compute(&outcomes, &prompt_lens, duration, &with_p99);
+        let mut m = Metrics::compute(&outcomes, &prompt_lens, duration, &with_p99);
+        if let Work::Conversations { turns, .. } = &work {
+            m.conversation = Some(ConversationMetrics::compute(&outcomes, *turns, &with_p99));
+        }
         print!("{}", report::run_block(&label, load, &m, percentiles));
         print!("{}", report::failures(&outcomes, 3));
         println!();
+        if let Some(r) = m
+            .conversation
+            .as_ref()
+            .and_then(|c| c.first_turn.prefix_cache_hit_rate)
+            .filter(|&r| r >= 0.5)
+        {
+            // Openings differ, so only an earlier run can have put them in the cache.
+            eprintln!(
+                "note: {} of the first turns' prompt tokens were already cached: the server has \
+                 seen these conversations (an earlier run with --seed {}?); for a cold start \
+                 use another --seed or restart the server",
+                report::rate(Some(r)),
+                args.seed
+            );
+        }
+        let cache = match &m.conversation {
+            Some(c) => format!(
+                ", prefix cache hit rate {} (turn 1 {}, later turns {})",
+                report::rate(m.prefix_cache_hit_rate),
+                report::rate(c.first_turn.prefix_cache_hit_rate),
+                report::rate(c.later_turns.prefix_cache_hit_rate)
+            ),
+            None => String::new(),
+        };
         eprintln!(
-            "{load}: {} ok, {} failed in {:.2} s; {:.1} output tok/s, mean TTFT {:.1} ms, mean TPOT {:.2} ms",
+            "{load}: {} ok, {} failed in {:.2} s; {:.1} output tok/s, mean TTFT {:.1} ms, mean TPOT {:.2} ms{cache}",
             m.completed,
             m.failed,
             m.duration_s,
@@ -477,6 +678,111 @@ mod tests {
         ] {
             assert!(check(&parse(bad).unwrap()).is_err(), "{bad:?}");
         }
+    }
+
+    #[test]
+    fn conversations_run_at_a_concurrency_of_conversations() {
+        let a = parse(&["--dataset", "conversation"]).unwrap();
+        check(&a).unwrap();
+        let spec = conversation_spec(&a).unwrap();
+        assert_eq!(
+            (
+                spec.conversations,
+                spec.turns,
+                spec.turn_input_len,
+                spec.output_len
+            ),
+            (32, 5, 32, 128)
+        );
+        assert_eq!(spec.input_len, 256);
+        // All at once unless told otherwise, as the request-rate default sends everything.
+        assert_eq!(loads(&a), [Load::Concurrency { concurrency: 32 }]);
+        let a = parse(&[
+            "--dataset",
+            "conversation",
+            "--conversations",
+            "6",
+            "--turns",
+            "3",
+            "--turn-input-len",
+            "20",
+            "--output-len",
+            "8",
+            "--seed",
+            "4",
+            "--max-concurrency",
+            "2",
+        ])
+        .unwrap();
+        check(&a).unwrap();
+        let spec = conversation_spec(&a).unwrap();
+        assert_eq!(
+            (
+                spec.conversations,
+                spec.turns,
+                spec.turn_input_len,
+                spec.output_len,
+                spec.seed
+            ),
+            (6, 3, 20, 8, 4)
+        );
+        assert_eq!(loads(&a), [Load::Concurrency { concurrency: 2 }]);
+        let a = parse(&[
+            "--dataset",
+            "conversation",
+            "--concurrency",
+            "1,4",
+            "--endpoint",
+            "chat",
+        ])
+        .unwrap();
+        check(&a).unwrap();
+        assert_eq!(
+            loads(&a),
+            [1, 4].map(|concurrency| Load::Concurrency { concurrency })
+        );
+        assert!(conversation_spec(&parse(&[]).unwrap()).is_none());
+    }
+
+    #[test]
+    fn flags_that_make_no_sense_with_conversations_are_refused_by_name() {
+        let refused = |args: &[&str], flag: &str| {
+            let a = parse(args).unwrap();
+            let e = check(&a).unwrap_err().to_string();
+            assert!(e.contains(flag), "{args:?}: {e}");
+        };
+        let conv = |extra: &[&'static str]| -> Vec<&'static str> {
+            let mut v = vec!["--dataset", "conversation"];
+            v.extend_from_slice(extra);
+            v
+        };
+        refused(&conv(&["--request-rate", "4"]), "--request-rate");
+        refused(
+            &conv(&["--request-rate", "inf", "--max-concurrency", "2"]),
+            "--request-rate",
+        );
+        refused(&conv(&["--num-prompts", "10"]), "--num-prompts");
+        refused(&conv(&["--endpoint", "completions"]), "--endpoint chat");
+        refused(
+            &conv(&["--conversations", "0"]),
+            "--conversations must be positive",
+        );
+        refused(&conv(&["--turns", "0"]), "--turns must be positive");
+        refused(
+            &conv(&["--turn-input-len", "0"]),
+            "--turn-input-len must be positive",
+        );
+        // And the conversation flags without the dataset.
+        refused(&["--turns", "3"], "--turns needs --dataset conversation");
+        refused(
+            &["--dataset", "shakespeare", "--conversations", "3"],
+            "--conversations needs --dataset conversation",
+        );
+        refused(&["--turn-input-len", "3"], "--turn-input-len needs");
+        // The other datasets keep their defaults.
+        let a = parse(&["--num-prompts", "7"]).unwrap();
+        check(&a).unwrap();
+        assert_eq!((a.num_prompts, a.endpoint), (Some(7), None));
     }
 
     #[test]

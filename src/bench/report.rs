@@ -28,6 +28,14 @@ pub struct Settings {
     pub output_len: Option<usize>,
     pub range_ratio: f64,
     pub seed: u64,
+    /// `--dataset conversation`: conversations per run, turns each, and the tokens of each
+    /// later user message (absent for the other datasets).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub conversations: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub turns: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub turn_input_len: Option<usize>,
 }
 
 /// One run's file: its settings, metrics, and what each request measured.
@@ -43,11 +51,15 @@ pub struct RunRecord {
     pub requests: PerRequest,
 }
 
-/// Per-request arrays, index i being the i-th prompt; failed requests have their error and
-/// whatever timings they got to.
+/// Per-request arrays, index i being the i-th prompt (for conversations: turn t of
+/// conversation c at `c * turns + t`); failed requests have their error and whatever timings
+/// they got to.
 #[derive(Serialize, Deserialize)]
 pub struct PerRequest {
     pub prompt_len: Vec<usize>,
+    /// Prompt tokens the server said it found cached; null where it did not say.
+    #[serde(default)]
+    pub cached_tokens: Vec<Option<usize>>,
     pub output_len: Vec<usize>,
     pub ttft_ms: Vec<f64>,
     pub itl_ms: Vec<Vec<f64>>,
@@ -61,6 +73,7 @@ impl PerRequest {
         let ms = |s: f64| (s * 1e6).round() / 1e3;
         PerRequest {
             prompt_len: prompt_lens.to_vec(),
+            cached_tokens: outcomes.iter().map(|o| o.cached_tokens).collect(),
             output_len: outcomes.iter().map(|o| o.output_tokens).collect(),
             ttft_ms: outcomes.iter().map(|o| ms(o.ttft)).collect(),
             itl_ms: outcomes
@@ -92,6 +105,21 @@ pub struct SummaryRow {
     pub p99_itl_ms: f64,
     pub mean_e2el_ms: f64,
     pub p99_e2el_ms: f64,
+    /// Σ cached / Σ prompt tokens as the server reported them; null where it did not.
+    #[serde(default)]
+    pub prefix_cache_hit_rate: Option<f64>,
+    /// A conversation run's split by turn.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub conversation: Option<ConversationRow>,
+}
+
+/// The first turn against the later ones, in a sweep's row.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ConversationRow {
+    pub first_turn_hit_rate: Option<f64>,
+    pub later_turns_hit_rate: Option<f64>,
+    pub mean_ttft_first_turn_ms: f64,
+    pub mean_ttft_later_turns_ms: f64,
 }
 
 impl SummaryRow {
@@ -114,6 +142,13 @@ impl SummaryRow {
             p99_itl_ms: p99(&m.itl_ms),
             mean_e2el_ms: m.e2el_ms.mean,
             p99_e2el_ms: p99(&m.e2el_ms),
+            prefix_cache_hit_rate: m.prefix_cache_hit_rate,
+            conversation: m.conversation.as_ref().map(|c| ConversationRow {
+                first_turn_hit_rate: c.first_turn.prefix_cache_hit_rate,
+                later_turns_hit_rate: c.later_turns.prefix_cache_hit_rate,
+                mean_ttft_first_turn_ms: c.first_turn.ttft_ms.mean,
+                mean_ttft_later_turns_ms: c.later_turns.ttft_ms.mean,
+            }),
         }
     }
 }
@@ -198,6 +233,14 @@ fn line(out: &mut String, name: &str, value: impl std::fmt::Display) {
     let _ = writeln!(out, "{:<40}{:>10}", format!("{name}:"), value);
 }
 
+/// A hit rate as a percentage; "n/a" where the server did not report its cache.
+pub fn rate(r: Option<f64>) -> String {
+    match r {
+        Some(r) => format!("{:.1}%", r * 100.0),
+        None => "n/a".into(),
+    }
+}
+
 /// The result block of one run.
 pub fn run_block(label: &str, load: &Load, m: &Metrics, percentiles: &[f64]) -> String {
     let mut out = String::new();
@@ -246,6 +289,11 @@ pub fn run_block(label: &str, load: &Load, m: &Metrics, percentiles: &[f64]) -> 
         "Total token throughput (tok/s)",
         format!("{:.2}", m.total_token_throughput),
     );
+    line(
+        &mut out,
+        "Prefix cache hit rate",
+        rate(m.prefix_cache_hit_rate),
+    );
     for (title, short, stats) in [
         ("Time to First Token", "TTFT", &m.ttft_ms),
         (
@@ -272,6 +320,31 @@ pub fn run_block(label: &str, load: &Load, m: &Metrics, percentiles: &[f64]) -> 
             line(&mut out, &format!("P{p} {short} (ms)"), format!("{v:.2}"));
         }
     }
+    if let Some(c) = &m.conversation {
+        let _ = writeln!(out, "{}", heading("Conversations", '-'));
+        line(&mut out, "Conversations", c.conversations);
+        line(&mut out, "Turns per conversation", c.turns);
+        line(
+            &mut out,
+            "Prefix cache hit rate, turn 1",
+            rate(c.first_turn.prefix_cache_hit_rate),
+        );
+        line(
+            &mut out,
+            "Prefix cache hit rate, later turns",
+            rate(c.later_turns.prefix_cache_hit_rate),
+        );
+        line(
+            &mut out,
+            "Mean TTFT, turn 1 (ms)",
+            format!("{:.2}", c.first_turn.ttft_ms.mean),
+        );
+        line(
+            &mut out,
+            "Mean TTFT, later turns (ms)",
+            format!("{:.2}", c.later_turns.ttft_ms.mean),
+        );
+    }
     let _ = writeln!(out, "{}", "=".repeat(WIDTH));
     out
 }
@@ -296,7 +369,7 @@ pub fn failures(outcomes: &[Outcome], show: usize) -> String {
 
 /// The sweep's table, in Markdown so it pastes into a README or an issue as it is.
 pub fn summary_table(label: &str, axis: Axis, rows: &[SummaryRow]) -> String {
-    let head = [
+    let mut head = vec![
         axis.title(),
         "req/s",
         "output tok/s",
@@ -307,10 +380,19 @@ pub fn summary_table(label: &str, axis: Axis, rows: &[SummaryRow]) -> String {
         "mean ITL (ms)",
         "failed",
     ];
+    // Cache columns only where there is something to show in them.
+    let hits = rows.iter().any(|r| r.prefix_cache_hit_rate.is_some());
+    let conversations = rows.iter().any(|r| r.conversation.is_some());
+    if hits || conversations {
+        head.push("cache hit");
+    }
+    if conversations {
+        head.extend(["turn 1 hit", "later hit"]);
+    }
     let body: Vec<Vec<String>> = rows
         .iter()
         .map(|r| {
-            vec![
+            let mut cells = vec![
                 fmt_x(r.load.x()),
                 format!("{:.2}", r.request_throughput),
                 format!("{:.1}", r.output_throughput),
@@ -320,7 +402,16 @@ pub fn summary_table(label: &str, axis: Axis, rows: &[SummaryRow]) -> String {
                 format!("{:.2}", r.p99_tpot_ms),
                 format!("{:.2}", r.mean_itl_ms),
                 r.failed.to_string(),
-            ]
+            ];
+            if hits || conversations {
+                cells.push(rate(r.prefix_cache_hit_rate));
+            }
+            if conversations {
+                let c = r.conversation.as_ref();
+                cells.push(rate(c.and_then(|c| c.first_turn_hit_rate)));
+                cells.push(rate(c.and_then(|c| c.later_turns_hit_rate)));
+            }
+            cells
         })
         .collect();
     let widths: Vec<usize> = (0..head.len())
@@ -358,6 +449,7 @@ pub fn summary_table(label: &str, axis: Axis, rows: &[SummaryRow]) -> String {
 
 #[cfg(test)]
 mod tests {
+    use super::super::metrics::ConversationMetrics;
     use super::*;
 
     fn metrics() -> Metrics {
@@ -368,6 +460,8 @@ mod tests {
             e2el: 0.13,
             output_tokens: 4,
             server_prompt_tokens: Some(9),
+            cached_tokens: None,
+            text: "four".into(),
             error: None,
         };
         Metrics::compute(&[o.clone(), o], &[8, 8], 0.5, &[90.0, 99.0])
@@ -416,6 +510,82 @@ mod tests {
         let mut lens = lines[2..].iter().map(|l| l.len());
         let first = lens.next();
         assert!(lens.all(|l| Some(l) == first), "aligned columns:\n{t}");
+    }
+
+    #[test]
+    fn conversation_runs_show_the_hit_rate_by_turn_and_n_a_when_unknown() {
+        let turn = |ttft: f64, prompt: usize, cached: Option<usize>| Outcome {
+            ok: true,
+            ttft,
+            e2el: ttft + 0.05,
+            output_tokens: 4,
+            server_prompt_tokens: Some(prompt),
+            cached_tokens: cached,
+            ..Outcome::default()
+        };
+        let outcomes = [turn(0.2, 100, Some(0)), turn(0.1, 200, Some(96))];
+        let mut m = Metrics::compute(&outcomes, &[100, 200], 1.0, &[99.0]);
+        m.conversation = Some(ConversationMetrics::compute(&outcomes, 2, &[99.0]));
+        let load = Load::Concurrency { concurrency: 1 };
+        let b = run_block("x", &load, &m, &[99.0]);
+        for want in [
+            "Prefix cache hit rate:                       32.0%",
+            "----------------- Conversations ------------------",
+            "Conversations:                                   1",
+            "Turns per conversation:                          2",
+            "Prefix cache hit rate, turn 1:                0.0%",
+            "Prefix cache hit rate, later turns:          48.0%",
+            "Mean TTFT, turn 1 (ms):                     200.00",
+            "Mean TTFT, later turns (ms):                100.00",
+        ] {
+            assert!(b.contains(want), "{want:?} not in\n{b}");
+        }
+        assert!(b.lines().all(|l| l.len() <= WIDTH), "{b}");
+        let row = SummaryRow::new(load, &m);
+        let j = serde_json::to_value(&row).unwrap();
+        assert_eq!(j["prefix_cache_hit_rate"], 0.32);
+        assert_eq!(j["conversation"]["later_turns_hit_rate"], 0.48);
+        let t = summary_table("x", Axis::Concurrency, &[row.clone(), row]);
+        assert!(t.contains("| cache hit | turn 1 hit | later hit |"), "{t}");
+        assert!(t.contains("|     32.0% |       0.0% |     48.0% |"), "{t}");
+
+        // A server that does not report its cache: n/a and null, never 0.
+        let unknown = [turn(0.2, 100, None), turn(0.1, 200, None)];
+        let mut m = Metrics::compute(&unknown, &[100, 200], 1.0, &[99.0]);
+        m.conversation = Some(ConversationMetrics::compute(&unknown, 2, &[99.0]));
+        let b = run_block("x", &load, &m, &[99.0]);
+        for name in [
+            "Prefix cache hit rate:",
+            "Prefix cache hit rate, later turns:",
+        ] {
+            let want = format!("{name:<40}{:>10}", "n/a");
+            assert!(b.contains(&want), "{want:?} not in\n{b}");
+        }
+        let j = serde_json::to_value(SummaryRow::new(load, &m)).unwrap();
+        assert!(j["prefix_cache_hit_rate"].is_null(), "{j}");
+        assert!(j["conversation"]["first_turn_hit_rate"].is_null(), "{j}");
+        let j = serde_json::to_value(&m).unwrap();
+        assert!(
+            j["conversation"]["later_turns"]["prefix_cache_hit_rate"].is_null(),
+            "{j}"
+        );
+    }
+
+    #[test]
+    fn summaries_written_before_the_cache_fields_still_read() {
+        let m = metrics();
+        let mut row =
+            serde_json::to_value(SummaryRow::new(Load::Concurrency { concurrency: 1 }, &m))
+                .unwrap();
+        row.as_object_mut().unwrap().remove("prefix_cache_hit_rate");
+        let old: SummaryRow = serde_json::from_value(row).unwrap();
+        assert_eq!(
+            (old.prefix_cache_hit_rate, &old.conversation),
+            (None, &None)
+        );
+        // Rows without a known rate add no cache column.
+        let t = summary_table("x", Axis::Concurrency, &[old]);
+        assert!(!t.contains("cache hit"), "{t}");
     }
 
     #[test]

@@ -21,7 +21,7 @@ use std::time::Instant;
 use std::time::Duration;
 
 use harness::{
-    gateway, load_client, node, one, run_load, s, shakespeare_lines, spawn, status, summary,
+    gateway, kvmesh_bin, load_client, node, run_load, s, shakespeare_lines, spawn, status, summary,
     wait_workers, BenchArgs, Proc,
 };
 use kvmesh_discovery::testing::Etcd;
@@ -101,129 +101,340 @@ async fn mesh_overhead(http: &reqwest::Client, quick: bool) -> Value {
     json!(rows)
 }
 
+/// Output tokens per second the sim timing model allows at best when `concurrency`
+/// sequences are spread over workers of these speeds (each worker's step: `base_ms +
+/// per_seq_ms` per sequence, over its speed; prompts ignored): the best split, by search.
+fn model_ideal(speeds: &[f64], concurrency: usize, base_ms: f64, per_seq_ms: f64) -> f64 {
+    fn best(speeds: &[f64], left: usize, base: f64, per: f64) -> f64 {
+        let Some((&s, rest)) = speeds.split_first() else {
+            return 0.0;
+        };
+        let rate = |n: usize| {
+            if n == 0 {
+                0.0
+            } else {
+                n as f64 * s / (base + per * n as f64)
+            }
+        };
+        if rest.is_empty() {
+            return rate(left);
+        }
+        (0..=left)
+            .map(|n| rate(n) + best(rest, left - n, base, per))
+            .fold(0.0, f64::max)
+    }
+    best(speeds, concurrency, base_ms, per_seq_ms) * 1000.0
+}
+
+/// A workload on workers of mixed speeds, per policy.
+struct Mix {
+    name: &'static str,
+    speeds: &'static [f64],
+    /// Extra worker flags: the timing regime.
+    timing: &'static [&'static str],
+    base_ms: f64,
+    per_seq_ms: f64,
+}
+
 async fn heterogeneous(http: &reqwest::Client, quick: bool) -> Value {
     let lines = shakespeare_lines();
     let n = if quick { 120 } else { 400 };
+    let concurrency = 48;
     let prompts: Vec<String> = (0..n)
         .map(|i| lines[(i * 7) % lines.len()].clone())
         .collect();
-    let mut rows = Vec::new();
-    for policy in ["round-robin", "least-loaded"] {
-        let etcd = Etcd::start();
-        let cluster = format!("bench-het-{policy}");
-        let _slow = node(
-            &etcd,
-            &cluster,
-            "slow-1x",
-            &["--roles", "worker", "--backend", "sim", "--sim-speed", "1"],
-        );
-        let _fast = node(
-            &etcd,
-            &cluster,
-            "fast-3x",
-            &["--roles", "worker", "--backend", "sim", "--sim-speed", "3"],
-        );
-        let gw = gateway(&etcd, &cluster, policy);
-        wait_workers(http, &gw, 2).await;
-        let (samples, wall) = run_load(http, &gw.http, prompts.clone(), 64, 48).await;
-        let mut sum = summary(policy, &samples, wall);
-        sum["routed"] = status(http, &gw).await["router"]["workers"].clone();
-        rows.push(sum);
-    }
-    println!(
-        "\n== heterogeneous: sim workers at 1x and 3x, {n} requests x 64 tokens, concurrency 48 =="
-    );
-    println!(
-        "{:>13} {:>14} {:>12} {:>12} {:>22}",
-        "policy", "output tok/s", "p99 TTFT", "mean TTFT", "routed slow/fast"
-    );
-    for r in &rows {
-        let w = r["routed"].as_array().cloned().unwrap_or_default();
-        let get = |id: &str| {
-            w.iter()
-                .find(|x| x["node_id"] == id)
-                .map_or(0, |x| x["routed"].as_u64().unwrap_or(0))
-        };
+    let mixes = [
+        Mix {
+            name: "1x+3x",
+            speeds: &[1.0, 3.0],
+            timing: &[],
+            base_ms: 8.0,
+            per_seq_ms: 0.1,
+        },
+        Mix {
+            name: "1x+2x+4x",
+            speeds: &[1.0, 2.0, 4.0],
+            timing: &[],
+            base_ms: 8.0,
+            per_seq_ms: 0.1,
+        },
+        // Each sequence costs more than the step's fixed part: throughput follows speed.
+        Mix {
+            name: "1x+3x per-seq-bound",
+            speeds: &[1.0, 3.0],
+            timing: &["--sim-decode-ms", "1", "--sim-decode-us-per-seq", "1000"],
+            base_ms: 1.0,
+            per_seq_ms: 1.0,
+        },
+    ];
+    let mut out = Vec::new();
+    for mix in &mixes {
+        let mut rows = Vec::new();
+        for policy in ["round-robin", "least-loaded", "power-of-two"] {
+            let etcd = Etcd::start();
+            let cluster = format!("bench-het-{policy}");
+            let _workers: Vec<Proc> = mix
+                .speeds
+                .iter()
+                .enumerate()
+                .map(|(i, sp)| {
+                    let speed = sp.to_string();
+                    let mut args = vec!["--roles", "worker", "--backend", "sim", "--sim-speed"];
+                    args.push(&speed);
+                    args.extend_from_slice(mix.timing);
+                    node(&etcd, &cluster, &format!("w{i}-{sp}x"), &args)
+                })
+                .collect();
+            let gw = gateway(&etcd, &cluster, policy);
+            wait_workers(http, &gw, mix.speeds.len()).await;
+            let (samples, wall) = run_load(http, &gw.http, prompts.clone(), 64, concurrency).await;
+            let mut sum = summary(policy, &samples, wall);
+            sum["routed"] = status(http, &gw).await["router"]["workers"].clone();
+            rows.push(sum);
+        }
+        let ideal = model_ideal(mix.speeds, concurrency, mix.base_ms, mix.per_seq_ms);
+        let rr = rows[0]["output_tok_per_s"].as_f64().unwrap();
         println!(
-            "{:>13} {:>14.1} {:>10.1}ms {:>10.1}ms {:>22}",
-            r["label"].as_str().unwrap(),
-            r["output_tok_per_s"].as_f64().unwrap(),
-            r["ttft_ms"]["p99"].as_f64().unwrap(),
-            r["ttft_ms"]["mean"].as_f64().unwrap(),
-            format!("{}/{}", get("slow-1x"), get("fast-3x"))
+            "\n== heterogeneous {}: sim workers, {n} requests x 64 tokens, concurrency {concurrency} ==",
+            mix.name
+        );
+        println!(
+            "   best split the timing model allows: {ideal:.0} tok/s ({:.2}x round-robin's measured)",
+            ideal / rr
+        );
+        println!(
+            "{:>13} {:>13} {:>9} {:>10} {:>10} {:>10} {:>24}",
+            "policy",
+            "output tok/s",
+            "vs rr",
+            "of ideal",
+            "p99 TTFT",
+            "mean TTFT",
+            "routed (slow..fast)"
+        );
+        for r in &rows {
+            let routed: Vec<String> = r["routed"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default()
+                .iter()
+                .map(|x| x["routed"].to_string())
+                .collect();
+            let tps = r["output_tok_per_s"].as_f64().unwrap();
+            println!(
+                "{:>13} {:>13.1} {:>8.2}x {:>9.0}% {:>8.1}ms {:>8.1}ms {:>24}",
+                r["label"].as_str().unwrap(),
+                tps,
+                tps / rr,
+                100.0 * tps / ideal,
+                r["ttft_ms"]["p99"].as_f64().unwrap(),
+                r["ttft_ms"]["mean"].as_f64().unwrap(),
+                routed.join("/")
+            );
+        }
+        out.push(
+            json!({"mix": mix.name, "speeds": mix.speeds, "model_ideal_tok_per_s": ideal,
+            "concurrency": concurrency, "rows": rows}),
+        );
+    }
+    json!(out)
+}
+
+/// How long a routing decision takes as the cluster grows: building every candidate (load,
+/// capacity, the prompt's cached blocks in each worker's KV view) and picking, against
+/// power-of-two's two candidates. In-process, over synthetic views holding 4096 blocks
+/// each, for a 1024-token prompt.
+fn pick_time(quick: bool) -> Value {
+    use kvmesh_actors::policy::{
+        pick, two_choices, Candidate, KvView, Policy, PrefixTuning, RequestShape,
+    };
+    let iters = if quick { 2_000 } else { 20_000 };
+    let hashes: Vec<u64> = (0..64).collect();
+    let mut rows = Vec::new();
+    println!("\n== routing decision time (in-process, per pick) ==");
+    println!(
+        "{:>8} {:>14} {:>14} {:>14}",
+        "workers", "least-loaded", "prefix", "power-of-two"
+    );
+    for n in [8usize, 64, 256] {
+        let now = Instant::now();
+        let views: Vec<KvView> = (0..n)
+            .map(|w| {
+                let mut v = KvView::default();
+                let held: Vec<u64> = (0..4096u64).map(|k| k * 1000 + w as u64).collect();
+                v.apply(true, &held, &[]);
+                // Worker w holds the prompt's first w % 64 blocks.
+                v.apply(false, &hashes[..w % 64], &[]);
+                v
+            })
+            .collect();
+        let shape = RequestShape {
+            prompt_tokens: 1024,
+            block_size: 16,
+        };
+        let cand = |i: usize, with_hits: bool| Candidate {
+            load: (i % 7) as f64,
+            capacity: 100.0 + i as f64,
+            cached_blocks: if with_hits {
+                views[i].leading_hits(&hashes, now).1
+            } else {
+                0
+            },
+            queued_prompt_tokens: 0.0,
+            prefill_rate: 5000.0,
+        };
+        let time = |policy: Policy| {
+            let t0 = Instant::now();
+            let mut sink = 0usize;
+            for t in 0..iters as u64 {
+                let cands: Vec<Candidate> = match policy {
+                    Policy::PowerOfTwo => two_choices(n, t)
+                        .into_iter()
+                        .map(|i| cand(i, false))
+                        .collect(),
+                    Policy::Prefix => (0..n).map(|i| cand(i, true)).collect(),
+                    _ => (0..n).map(|i| cand(i, false)).collect(),
+                };
+                sink += pick(policy, &cands, shape, t, PrefixTuning::default()).unwrap();
+            }
+            std::hint::black_box(sink);
+            t0.elapsed().as_secs_f64() * 1e6 / iters as f64
+        };
+        let (ll, px, p2) = (
+            time(Policy::LeastLoaded),
+            time(Policy::Prefix),
+            time(Policy::PowerOfTwo),
+        );
+        println!("{n:>8} {ll:>12.2}us {px:>12.2}us {p2:>12.2}us");
+        rows.push(
+            json!({"workers": n, "least_loaded_us": ll, "prefix_us": px, "power_of_two_us": p2}),
         );
     }
     json!(rows)
 }
 
+/// `kvmesh bench --dataset conversation` against a gateway: the run's JSON.
+fn conversation_run(gw: &Proc, label: &str, conversations: usize, turns: usize) -> Value {
+    let dir = std::env::temp_dir().join(format!("kvmesh-mesh-bench-{}", std::process::id()));
+    let conc = conversations.to_string();
+    let turns = turns.to_string();
+    let st = std::process::Command::new(kvmesh_bin())
+        .args([
+            "bench",
+            "--base-url",
+            &gw.http,
+            "--dataset",
+            "conversation",
+            "--conversations",
+            &conc,
+            "--turns",
+            &turns,
+            "--input-len",
+            "128",
+            "--turn-input-len",
+            "24",
+            "--output-len",
+            "24",
+            "--concurrency",
+            &conc,
+            "--label",
+            label,
+            "--result-dir",
+        ])
+        .arg(&dir)
+        .stdout(std::process::Stdio::null())
+        .status()
+        .expect("run kvmesh bench");
+    assert!(st.success(), "kvmesh bench failed for {label}");
+    let path = dir.join(format!("{label}-c{conc}.json"));
+    let v: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    v
+}
+
+/// The 99th percentile of a `kvmesh bench` statistic (`percentiles: [[p, value], …]`).
+fn p99(stat: &Value) -> f64 {
+    stat["percentiles"]
+        .as_array()
+        .and_then(|ps| ps.iter().find(|p| p[0].as_f64() == Some(99.0)))
+        .and_then(|p| p[1].as_f64())
+        .unwrap_or(f64::NAN)
+}
+
 async fn prefix_routing(http: &reqwest::Client, quick: bool) -> Value {
-    let lines = shakespeare_lines();
     let (conversations, turns) = if quick { (16, 4) } else { (32, 5) };
+    let worker_args = [
+        "--roles",
+        "worker",
+        "--backend",
+        "sim",
+        "--sim-prefill-us-per-token",
+        "400",
+    ];
     let mut rows = Vec::new();
-    for policy in ["round-robin", "prefix"] {
+    // The all-knowing router's hit rate: every turn finds its history, as on one worker
+    // that holds every conversation.
+    for (label, policy, workers) in [
+        ("one-worker", "round-robin", 1),
+        ("round-robin", "round-robin", 4),
+        ("least-loaded", "least-loaded", 4),
+        ("prefix", "prefix", 4),
+    ] {
         let etcd = Etcd::start();
-        let cluster = format!("bench-prefix-{policy}");
-        let worker_args = [
-            "--roles",
-            "worker",
-            "--backend",
-            "sim",
-            "--sim-prefill-us-per-token",
-            "400",
-        ];
-        let _ws: Vec<Proc> = (0..4)
+        let cluster = format!("bench-prefix-{label}");
+        let _ws: Vec<Proc> = (0..workers)
             .map(|i| node(&etcd, &cluster, &format!("w{i}"), &worker_args))
             .collect();
         let gw = gateway(&etcd, &cluster, policy);
-        wait_workers(http, &gw, 4).await;
-        // Each conversation: a long shared system part, then turns that append to it.
-        let t0 = Instant::now();
-        let tasks: Vec<_> = (0..conversations)
-            .map(|c| {
-                let (http, base) = (http.clone(), gw.http.clone());
-                let lines = lines.clone();
-                tokio::spawn(async move {
-                    let mut history: String = (0..12)
-                        .map(|k| lines[(c * 131 + k) % lines.len()].as_str())
-                        .collect::<Vec<_>>()
-                        .join("\n");
-                    let mut out = Vec::new();
-                    for t in 0..turns {
-                        history.push_str("\nQUESTIONER: ");
-                        history.push_str(&lines[(c * 17 + t * 5) % lines.len()]);
-                        history.push_str("\nKVMESH:");
-                        let s = one(&http, &base, &history, 24).await;
-                        // The reply is not known as text here; a fixed line stands in for it
-                        // in the next turn (the cache still matches the prompt part).
-                        history.push_str(&lines[(c * 29 + t) % lines.len()]);
-                        out.push(s);
-                    }
-                    out
-                })
-            })
-            .collect();
-        let mut samples = Vec::new();
-        for t in tasks {
-            samples.extend(t.await.unwrap());
-        }
-        let wall = t0.elapsed().as_secs_f64();
-        rows.push(summary(policy, &samples, wall));
+        wait_workers(http, &gw, workers).await;
+        let run = conversation_run(&gw, label, conversations, turns);
+        let m = &run["metrics"];
+        let st = status(http, &gw).await;
+        rows.push(json!({
+            "label": label,
+            "workers": workers,
+            "hit_rate": m["prefix_cache_hit_rate"],
+            "later_turns_hit_rate": m["conversation"]["later_turns"]["prefix_cache_hit_rate"],
+            "ttft_ms": m["ttft_ms"],
+            "later_turns_ttft_ms": m["conversation"]["later_turns"]["ttft_ms"],
+            "output_tok_per_s": m["output_throughput"],
+            "failed": m["failed"],
+            "prefix_predictions": st["router"]["prefix_predictions"],
+            "routed": st["router"]["workers"],
+        }));
     }
+    let f = |r: &Value, k: &str| r[k].as_f64().unwrap_or(f64::NAN);
+    let oracle = f(&rows[0], "hit_rate");
+    let rr_ttft = rows[1]["ttft_ms"]["mean"].as_f64().unwrap_or(f64::NAN);
     println!(
-        "\n== prefix routing: {conversations} conversations x {turns} turns over 4 sim workers =="
+        "\n== prefix routing: kvmesh bench --dataset conversation, {conversations} conversations x {turns} turns, 4 sim workers =="
     );
     println!(
-        "{:>12} {:>15} {:>12} {:>12} {:>10}",
-        "policy", "cache hit rate", "mean TTFT", "p99 TTFT", "req/s"
+        "{:>13} {:>10} {:>12} {:>11} {:>12} {:>10} {:>22}",
+        "policy",
+        "hit rate",
+        "of one-wkr",
+        "mean TTFT",
+        "vs rr TTFT",
+        "p99 TTFT",
+        "predicted exact/all"
     );
     for r in &rows {
+        let mean = r["ttft_ms"]["mean"].as_f64().unwrap_or(f64::NAN);
+        let p = &r["prefix_predictions"];
+        let total: u64 = ["exact", "fewer", "more"]
+            .iter()
+            .map(|k| p[*k].as_u64().unwrap_or(0))
+            .sum();
         println!(
-            "{:>12} {:>14.1}% {:>10.1}ms {:>10.1}ms {:>10.1}",
+            "{:>13} {:>9.1}% {:>11.0}% {:>9.1}ms {:>11.2}x {:>8.1}ms {:>22}",
             r["label"].as_str().unwrap(),
-            100.0 * r["cache_hit_rate"].as_f64().unwrap(),
-            r["ttft_ms"]["mean"].as_f64().unwrap(),
-            r["ttft_ms"]["p99"].as_f64().unwrap(),
-            r["req_per_s"].as_f64().unwrap()
+            100.0 * f(r, "hit_rate"),
+            100.0 * f(r, "hit_rate") / oracle,
+            mean,
+            rr_ttft / mean,
+            p99(&r["ttft_ms"]),
+            format!("{}/{}", p["exact"].as_u64().unwrap_or(0), total)
         );
     }
     json!(rows)
@@ -234,12 +445,18 @@ async fn main() {
     let args = BenchArgs::parse("bench/results/mesh.json");
     let quick = args.quick;
     let http = load_client(Duration::from_secs(120));
-    let overhead = mesh_overhead(&http, quick).await;
-    let het = heterogeneous(&http, quick).await;
-    let prefix = prefix_routing(&http, quick).await;
-    args.write(json!({
-        "mesh_overhead": overhead,
-        "heterogeneous": het,
-        "prefix_routing": prefix,
-    }));
+    let mut out = json!({});
+    if args.runs("overhead") {
+        out["mesh_overhead"] = mesh_overhead(&http, quick).await;
+    }
+    if args.runs("heterogeneous") {
+        out["heterogeneous"] = heterogeneous(&http, quick).await;
+    }
+    if args.runs("prefix") {
+        out["prefix_routing"] = prefix_routing(&http, quick).await;
+    }
+    if args.runs("picks") {
+        out["pick_time"] = pick_time(quick);
+    }
+    args.write(out);
 }

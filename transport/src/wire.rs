@@ -93,6 +93,19 @@ pub enum UniHeader {
     Load,
     /// A KV transfer's data (see [`crate::kv`]).
     Kv(crate::kv::KvStreamHello),
+    /// [`KvEventBatch`]es, from a worker to a router: which prompt prefixes its cache holds.
+    KvEvents,
+}
+
+/// Changes to the prefix blocks a worker's cache holds (by the chained block hash both
+/// sides compute from the tokens), batched. The first batch on a stream is a snapshot:
+/// the receiver replaces what it knew with `stored`. Within a batch each hash appears once,
+/// with its latest state, so the lists may be applied in any order.
+#[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Clone, Debug, Default, PartialEq)]
+pub struct KvEventBatch {
+    pub snapshot: bool,
+    pub stored: Vec<u64>,
+    pub removed: Vec<u64>,
 }
 
 /// A worker's live load, pushed to every router connected to it.
@@ -109,6 +122,8 @@ pub struct LoadReport {
     /// Tokens per second one running sequence gets, smoothed over busy intervals (the
     /// declared capacity until the node has been busy).
     pub capacity_tokens_per_s: f32,
+    /// Prompt tokens per busy second (0 until measured).
+    pub prompt_tokens_per_s: f32,
     /// The node's prefill role, when it has one: requests queued and prompt tokens held,
     /// KV use, and prompt tokens per busy second.
     pub prefill: Option<PrefillLoad>,

@@ -15,6 +15,7 @@
 //! export sequence reserves its whole prompt at admission too, is never preempted, and
 //! reports each layer as it is computed so the transfer overlaps the rest of the step.
 
+pub mod kv_events;
 mod lease;
 #[cfg(test)]
 mod transfer_tests;
@@ -128,6 +129,12 @@ pub struct EngineStats {
     /// Wall time spent in steps, in microseconds: steps / busy time is how fast one running
     /// sequence advances while the engine works (what a router weighs nodes by).
     pub busy_us: AtomicU64,
+    /// Steps with no prompt tokens in them, and their wall time: how fast decoding goes
+    /// apart from the prompts a node happens to be computing.
+    pub decode_steps: AtomicU64,
+    pub decode_busy_us: AtomicU64,
+    /// Wall time of steps that computed prompt tokens.
+    pub prefill_busy_us: AtomicU64,
     pub prompt_tokens: AtomicU64,
     pub generation_tokens: AtomicU64,
     /// Sequences holding reserved blocks while their prompt's KV arrives from elsewhere.
@@ -191,6 +198,8 @@ pub struct EngineHandle {
     tx: crossbeam_channel::Sender<Command>,
     next_id: Arc<AtomicU64>,
     pub stats: Arc<EngineStats>,
+    /// The prefix cache's stores and evictions, for routers.
+    pub kv_events: Arc<kv_events::KvEventHub>,
     pub info: Arc<EngineInfo>,
 }
 
@@ -441,6 +450,7 @@ pub fn spawn(
     let num_blocks = backend.num_blocks();
     let stats = Arc::new(EngineStats::default());
     stats.free_blocks.store(num_blocks, Ordering::Relaxed);
+    let kv_events = Arc::new(kv_events::KvEventHub::default());
     let pool = backend.host_kv();
     let kv_spec = backend.kv_spec();
     let info = Arc::new(EngineInfo {
@@ -463,6 +473,7 @@ pub fn spawn(
         held: HashMap::new(),
         pool,
         stats: stats.clone(),
+        kv_events: kv_events.clone(),
         rx,
         tx: tx.clone(),
     };
@@ -474,6 +485,7 @@ pub fn spawn(
         tx,
         next_id: Arc::new(AtomicU64::new(1)),
         stats,
+        kv_events,
         info,
     }
 }
@@ -491,6 +503,7 @@ struct Engine {
     held: HashMap<SeqId, Vec<BlockId>>,
     pool: Option<Arc<HostKvPool>>,
     stats: Arc<EngineStats>,
+    kv_events: Arc<kv_events::KvEventHub>,
     rx: crossbeam_channel::Receiver<Command>,
     /// For leases, which report back through the command channel.
     tx: crossbeam_channel::Sender<Command>,
@@ -662,7 +675,8 @@ impl Engine {
         }
     }
 
-    fn publish(&self) {
+    fn publish(&mut self) {
+        self.kv_events.publish(self.blocks.take_events());
         self.stats
             .running
             .store(self.running.len(), Ordering::Relaxed);
@@ -970,10 +984,19 @@ impl Engine {
         drop(specs);
         let prompt_tokens: usize = batch.num_tokens() - sampling.len();
         drop(batch);
+        let took_us = started.elapsed().as_micros() as u64;
         self.stats.steps.fetch_add(1, Ordering::Relaxed);
-        self.stats
-            .busy_us
-            .fetch_add(started.elapsed().as_micros() as u64, Ordering::Relaxed);
+        self.stats.busy_us.fetch_add(took_us, Ordering::Relaxed);
+        if prompt_tokens == 0 {
+            self.stats.decode_steps.fetch_add(1, Ordering::Relaxed);
+            self.stats
+                .decode_busy_us
+                .fetch_add(took_us, Ordering::Relaxed);
+        } else {
+            self.stats
+                .prefill_busy_us
+                .fetch_add(took_us, Ordering::Relaxed);
+        }
         self.stats
             .prompt_tokens
             .fetch_add(prompt_tokens as u64, Ordering::Relaxed);
@@ -1206,7 +1229,11 @@ mod tests {
             drain(&mut sub)
         };
         let whole = run(prompt.clone(), params(30, 0));
-        assert_eq!(whole, run(prompt.clone(), params(30, 0)), "seeded runs repeat");
+        assert_eq!(
+            whole,
+            run(prompt.clone(), params(30, 0)),
+            "seeded runs repeat"
+        );
         let cut = 12;
         let resumed_prompt = [&prompt[..], &whole[..cut]].concat();
         let rest = run(resumed_prompt.clone(), params(30 - cut, cut as u64));

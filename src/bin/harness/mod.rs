@@ -285,10 +285,12 @@ pub fn shakespeare_lines() -> Vec<String> {
         .collect()
 }
 
-/// A benchmark program's command line: `--quick` and `--json PATH`.
+/// A benchmark program's command line: `--quick`, `--json PATH`, and `--only NAME,...`
+/// (the sections to run; all when absent).
 pub struct BenchArgs {
     pub quick: bool,
     pub json_path: String,
+    pub only: Option<Vec<String>>,
 }
 
 impl BenchArgs {
@@ -302,7 +304,19 @@ impl BenchArgs {
                 .and_then(|i| args.get(i + 1))
                 .cloned()
                 .unwrap_or_else(|| default_json.into()),
+            only: args
+                .iter()
+                .position(|a| a == "--only")
+                .and_then(|i| args.get(i + 1))
+                .map(|v| v.split(',').map(str::to_string).collect()),
         }
+    }
+
+    /// Whether the section `name` runs.
+    pub fn runs(&self, name: &str) -> bool {
+        self.only
+            .as_ref()
+            .is_none_or(|o| o.iter().any(|x| x == name))
     }
 
     /// Writes the results, with the machine they were measured on.
