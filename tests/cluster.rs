@@ -418,7 +418,8 @@ async fn streams_on_a_killed_worker_migrate_and_finish_token_identical() {
             "0",
         ],
     );
-    let steps = ["--max-num-seqs", "16", "--sim-decode-ms", "20"];
+    // 60 tokens at 50 ms a step: three seconds of streaming, for w2 to join and the kill.
+    let steps = ["--max-num-seqs", "16", "--sim-decode-ms", "50"];
     let mut w1 = Node::worker(&etcd, "c5", "w1", &steps);
     wait_for("w1 routable", 10, async || {
         connected_workers(&http, &gw).await.len() == 1
@@ -430,13 +431,19 @@ async fn streams_on_a_killed_worker_migrate_and_finish_token_identical() {
         .collect();
     let max_tokens = 60;
     // Undisturbed: the reference tokens.
-    let mut reference = Vec::new();
-    for p in &prompts {
-        let (ids, error, done) = stream_ids(&http, &gw.http, p, max_tokens).await;
+    let reference: Vec<Vec<u64>> = futures::future::join_all(
+        prompts
+            .iter()
+            .map(|p| stream_ids(&http, &gw.http, p, max_tokens)),
+    )
+    .await
+    .into_iter()
+    .map(|(ids, error, done)| {
         assert!(error.is_none() && done);
         assert_eq!(ids.len(), max_tokens as usize);
-        reference.push(ids);
-    }
+        ids
+    })
+    .collect();
     // All eight (and one through the strict gateway) run on w1, the only worker.
     let tasks: Vec<_> = prompts
         .iter()
@@ -456,8 +463,13 @@ async fn streams_on_a_killed_worker_migrate_and_finish_token_identical() {
         connected_workers(&http, &gw).await.len() == 2
     })
     .await;
-    // Some tokens have been streamed, most are still to come (60 steps of 20 ms).
+    // Some tokens have been streamed, and the streams are still running there.
     tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(
+        status(&http, &w1).await["load"]["running"].as_u64(),
+        Some(9),
+        "the streams ended before the kill: the test would prove nothing"
+    );
     w1.kill();
     for (t, want) in tasks.into_iter().zip(&reference) {
         let (ids, error, done) = t.await.unwrap();
