@@ -16,14 +16,13 @@ fn completion(max_tokens: u32) -> Value {
            "max_tokens": max_tokens, "temperature": 0, "ignore_eos": true})
 }
 
-/// A streamed completion: (tokens received, the error event's message if one came, done).
-async fn stream(
+/// A streamed completion's chunks, the error event's message if one came (or the HTTP
+/// error), and whether `[DONE]` ended it.
+async fn sse(
     http: &reqwest::Client,
     base: &str,
-    max_tokens: u32,
-) -> (usize, Option<String>, bool) {
-    let mut body = completion(max_tokens);
-    body["stream"] = json!(true);
+    body: Value,
+) -> (Vec<Value>, Option<String>, bool) {
     let mut r = http
         .post(format!("{base}/v1/completions"))
         .json(&body)
@@ -32,13 +31,10 @@ async fn stream(
         .expect("gateway reachable");
     if r.status().as_u16() != 200 {
         let s = r.status();
-        return (
-            0,
-            Some(format!("HTTP {s}: {}", r.text().await.unwrap_or_default())),
-            false,
-        );
+        let text = r.text().await.unwrap_or_default();
+        return (Vec::new(), Some(format!("HTTP {s}: {text}")), false);
     }
-    let (mut tokens, mut error, mut done) = (0, None, false);
+    let (mut chunks, mut error, mut done) = (Vec::new(), None, false);
     let mut buf = String::new();
     while let Ok(Some(chunk)) = r.chunk().await {
         buf.push_str(&String::from_utf8_lossy(&chunk));
@@ -50,13 +46,28 @@ async fn stream(
                 continue;
             }
             let v: Value = serde_json::from_str(data).unwrap_or(Value::Null);
-            if let Some(e) = v.get("error") {
-                error = Some(e["message"].as_str().unwrap_or("").to_string());
-            } else if v["choices"][0]["text"].is_string() {
-                tokens += 1;
+            match v.get("error") {
+                Some(e) => error = Some(e["message"].as_str().unwrap_or("").to_string()),
+                None => chunks.push(v),
             }
         }
     }
+    (chunks, error, done)
+}
+
+/// A streamed completion: (tokens received, the error event's message if one came, done).
+async fn stream(
+    http: &reqwest::Client,
+    base: &str,
+    max_tokens: u32,
+) -> (usize, Option<String>, bool) {
+    let mut body = completion(max_tokens);
+    body["stream"] = json!(true);
+    let (chunks, error, done) = sse(http, base, body).await;
+    let tokens = chunks
+        .iter()
+        .filter(|v| v["choices"][0]["text"].is_string())
+        .count();
     (tokens, error, done)
 }
 
@@ -69,32 +80,13 @@ async fn stream_ids(
 ) -> (Vec<u64>, Option<String>, bool) {
     let body = json!({"model": "shakespeare", "prompt": prompt, "max_tokens": max_tokens,
         "temperature": 0, "ignore_eos": true, "stream": true, "return_token_ids": true});
-    let mut r = http
-        .post(format!("{base}/v1/completions"))
-        .json(&body)
-        .send()
-        .await
-        .expect("gateway reachable");
-    assert_eq!(r.status().as_u16(), 200);
-    let (mut ids, mut error, mut done) = (Vec::new(), None, false);
-    let mut buf = String::new();
-    while let Ok(Some(chunk)) = r.chunk().await {
-        buf.push_str(&String::from_utf8_lossy(&chunk));
-        while let Some(i) = buf.find("\n\n") {
-            let event: String = buf.drain(..i + 2).collect();
-            let data = event.trim().trim_start_matches("data: ");
-            if data == "[DONE]" {
-                done = true;
-                continue;
-            }
-            let v: Value = serde_json::from_str(data).unwrap_or(Value::Null);
-            if let Some(e) = v.get("error") {
-                error = Some(e["message"].as_str().unwrap_or("").to_string());
-            } else if let Some(t) = v["choices"][0]["token_ids"].as_array() {
-                ids.extend(t.iter().filter_map(|x| x.as_u64()));
-            }
-        }
-    }
+    let (chunks, error, done) = sse(http, base, body).await;
+    let ids = chunks
+        .iter()
+        .filter_map(|v| v["choices"][0]["token_ids"].as_array())
+        .flatten()
+        .filter_map(|x| x.as_u64())
+        .collect();
     (ids, error, done)
 }
 

@@ -46,7 +46,7 @@ use crate::policy::{
 /// every worker it tried failed or refused it.
 const UNSTARTED_PATIENCE: Duration = Duration::from_secs(10);
 
-/// A worker's prompt rate until it has measured one (prompt tokens per second).
+/// The prompt rate assumed while no candidate has measured one (prompt tokens per second).
 const UNMEASURED_PROMPT_RATE: f64 = 10_000.0;
 
 #[derive(Debug, thiserror::Error)]
@@ -59,7 +59,8 @@ pub enum RouteError {
 pub struct WorkerLink {
     pub record: NodeRecord,
     conn: Mutex<Option<Connection>>,
-    report: Mutex<Option<(LoadReport, Instant)>>,
+    /// Its latest load report, and how many requests this router had there when it came.
+    report: Mutex<Option<(LoadReport, i64)>>,
     /// What its prefix cache holds, from its events.
     pub kv: Mutex<KvView>,
     /// Uncached prompt tokens of requests this router sent there with no first token yet.
@@ -93,13 +94,15 @@ impl WorkerLink {
         self.report.lock().as_ref().map(|(r, _)| r.clone())
     }
 
-    /// Requests there: the worker's own count, or this router's if it is newer news.
+    /// Requests there: this router's own, known at once, plus those of others (the
+    /// worker's last count beyond what this router had there when it was reported). A
+    /// report up to one interval old thus never counts a request that has since finished.
     pub fn load(&self) -> f64 {
-        let own = self.outstanding.load(Ordering::Relaxed).max(0) as f64;
-        let reported = self
-            .last_report()
-            .map_or(0.0, |r| (r.running + r.waiting) as f64);
-        own.max(reported)
+        let own = self.outstanding.load(Ordering::Relaxed).max(0);
+        let others = self.report.lock().as_ref().map_or(0, |(r, own_then)| {
+            (i64::from(r.running) + i64::from(r.waiting) - own_then).max(0)
+        });
+        (own + others) as f64
     }
 
     /// Takes generate requests (a worker or decode role).
@@ -112,12 +115,11 @@ impl WorkerLink {
         self.record.has_role("prefill")
     }
 
-    /// Prompt tokens per second it computes.
-    pub fn prompt_rate(&self) -> f64 {
+    /// Prompt tokens per second it computes, once measured.
+    pub fn prompt_rate(&self) -> Option<f64> {
         self.last_report()
             .map(|r| r.prompt_tokens_per_s as f64)
             .filter(|&r| r > 0.0)
-            .unwrap_or(UNMEASURED_PROMPT_RATE)
     }
 
     pub fn capacity(&self) -> f64 {
@@ -484,6 +486,15 @@ impl RouterCore {
         let now = Instant::now();
         let prefix = self.policy == Policy::Prefix;
         let mut reported = vec![0; links.len()];
+        // A worker that has not measured its prompt rate is taken to be no faster than the
+        // slowest that has, so being new never makes a cache miss look cheap.
+        let rates: Vec<Option<f64>> = links.iter().map(|w| w.prompt_rate()).collect();
+        let unmeasured = rates
+            .iter()
+            .flatten()
+            .copied()
+            .reduce(f64::min)
+            .unwrap_or(UNMEASURED_PROMPT_RATE);
         let cands: Vec<Candidate> = links
             .iter()
             .enumerate()
@@ -500,7 +511,7 @@ impl RouterCore {
                     capacity: w.capacity(),
                     cached_blocks,
                     queued_prompt_tokens: w.queued_prompt.load(Ordering::Relaxed).max(0) as f64,
-                    prefill_rate: w.prompt_rate(),
+                    prefill_rate: rates[i].unwrap_or(unmeasured),
                 }
             })
             .collect();
@@ -958,7 +969,8 @@ async fn read_reports(link: Arc<WorkerLink>, conn: Connection) {
             match wire::read_msg::<UniHeader>(&mut recv).await {
                 Ok(Some(UniHeader::Load)) => {
                     while let Ok(Some(r)) = wire::read_msg::<LoadReport>(&mut recv).await {
-                        *link.report.lock() = Some((r, Instant::now()));
+                        let own = link.outstanding.load(Ordering::Relaxed).max(0);
+                        *link.report.lock() = Some((r, own));
                     }
                 }
                 Ok(Some(UniHeader::KvEvents)) => {
