@@ -361,7 +361,9 @@ impl RouterCore {
                     backoff = Duration::from_millis(100);
                     warned = false;
                     *link.conn.lock() = Some(conn.clone());
-                    let reports = tokio::spawn(read_reports(link.clone(), conn.clone()));
+                    let wants_kv = self.policy == Policy::Prefix;
+                    let reports =
+                        tokio::spawn(read_reports(link.clone(), conn.clone(), wants_kv));
                     let reason = conn.closed().await;
                     reports.abort();
                     *link.conn.lock() = None;
@@ -962,7 +964,9 @@ impl Drop for InFlight<'_> {
     }
 }
 
-async fn read_reports(link: Arc<WorkerLink>, conn: Connection) {
+/// Reads a worker's load reports and, when `wants_kv` (prefix routing), its KV events; a
+/// router that does not route by prefix stops the events stream, so the worker sends none.
+async fn read_reports(link: Arc<WorkerLink>, conn: Connection, wants_kv: bool) {
     while let Ok(mut recv) = conn.accept_uni().await {
         let link = link.clone();
         tokio::spawn(async move {
@@ -973,7 +977,7 @@ async fn read_reports(link: Arc<WorkerLink>, conn: Connection) {
                         *link.report.lock() = Some((r, own));
                     }
                 }
-                Ok(Some(UniHeader::KvEvents)) => {
+                Ok(Some(UniHeader::KvEvents)) if wants_kv => {
                     while let Ok(Some(b)) = wire::read_msg::<KvEventBatch>(&mut recv).await {
                         link.kv.lock().apply(b.snapshot, &b.stored, &b.removed);
                     }
