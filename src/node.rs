@@ -17,6 +17,7 @@
 //! on the gateway's port or, for a node without a gateway, on `--status-port`. `kvmesh
 //! cluster status` reads the records in etcd and each node's `/status`.
 
+use std::future::IntoFuture;
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -124,6 +125,12 @@ pub struct NodeArgs {
     /// (to check that it is restarted). Off by default.
     #[arg(long)]
     pub enable_fault_injection: bool,
+    /// On SIGTERM: seconds to let running requests finish (a worker stops taking new ones
+    /// and routers see it draining at once; a gateway stops accepting connections) before
+    /// the node leaves the cluster and exits. Streams still running then move to another
+    /// worker.
+    #[arg(long, default_value_t = 30.0)]
+    pub shutdown_grace: f64,
     /// Publish this fingerprint instead of the node's own (tests: a record that does not
     /// match the certificate must be refused by routers).
     #[arg(long, hide = true)]
@@ -184,6 +191,8 @@ impl NodeState {
             "device": self.record.device,
             "quic_addr": self.record.quic_addr,
             "uptime_s": self.started.elapsed().as_secs_f64(),
+            "draining": self.serving.as_ref().is_some_and(|s| s.draining()),
+            "in_flight": self.serving.as_ref().map(|s| s.in_flight()),
             "role_restarts": Role::ALL
                 .iter()
                 .map(|r| (r.as_str().to_string(), json!(self.restarts.get(*r))))
@@ -235,6 +244,7 @@ impl NodeState {
                 "workers": r.workers().iter().map(|w| json!({
                     "node_id": w.record.node_id,
                     "connected": w.connected(),
+                    "draining": w.draining(),
                     "load": w.load(),
                     "capacity_tokens_per_s": w.capacity(),
                     "prompt_tokens_per_s": w.prompt_rate(),
@@ -316,7 +326,17 @@ fn node_routes(node: Arc<NodeState>, with_metrics: bool) -> Router {
                     )
                 }),
             )
-            .route("/health", get(|| async { Json(json!({"status": "ok"})) }));
+            .route(
+                "/health",
+                get(|State(n): State<Arc<NodeState>>| async move {
+                    // A draining worker is alive but takes nothing new: not ready.
+                    if n.serving.as_ref().is_some_and(|s| s.draining()) {
+                        (StatusCode::SERVICE_UNAVAILABLE, Json(json!({"status": "draining"})))
+                    } else {
+                        (StatusCode::OK, Json(json!({"status": "ok"})))
+                    }
+                }),
+            );
     }
     r.route("/debug/crash/{role}", post(crash)).with_state(node)
 }
@@ -616,6 +636,7 @@ pub fn run(args: NodeArgs) -> anyhow::Result<()> {
             started_unix_ms: unix_ms(),
             kv_layout: layout.as_ref().map(KvLayout::describe),
             kv_tcp_addr: kv_tcp_addr.map(|a| a.to_string()),
+            draining: false,
         };
         if let Some(l) = &record.kv_layout {
             let members = registry.list().await?;
@@ -760,10 +781,68 @@ pub fn run(args: NodeArgs) -> anyhow::Result<()> {
             println!("kvmesh listening on {http_url}");
         }
         println!("kvmesh node {node_id} ready: quic {quic_addr} http {http_url}");
-        axum::serve(crate::serve::nodelay(listener), app)
-            .with_graceful_shutdown(crate::serve::shutdown())
-            .await
-            .context("serving HTTP")?;
+        // SIGTERM: a worker drains first (its status listener stays up meanwhile, saying
+        // so); a gateway stops accepting at once and finishes its open streams.
+        let (signalled_tx, mut signalled) = tokio::sync::watch::channel(false);
+        let (drained_tx, drained) = tokio::sync::watch::channel(false);
+        tokio::spawn(async move {
+            crate::serve::shutdown().await;
+            signalled_tx.send_replace(true);
+        });
+        let http_stop = {
+            let mut until = if has("gateway") {
+                signalled.clone()
+            } else {
+                drained.clone()
+            };
+            async move {
+                let _ = until.wait_for(|v| *v).await;
+            }
+        };
+        let server = axum::serve(crate::serve::nodelay(listener), app)
+            .with_graceful_shutdown(http_stop)
+            .into_future();
+        tokio::pin!(server);
+        let mut server_done = false;
+        tokio::select! {
+            r = &mut server => {
+                r.context("serving HTTP")?;
+                server_done = true;
+            }
+            _ = signalled.wait_for(|v| *v) => {}
+        }
+        let grace = Duration::from_secs_f64(args.shutdown_grace.max(0.0));
+        let deadline = tokio::time::Instant::now() + grace;
+        tracing::info!(
+            "shutting down: finishing running requests for at most {:.0} s",
+            grace.as_secs_f64()
+        );
+        if let Some(serving) = &node.serving {
+            serving.start_draining();
+            let mut rec = node.record.clone();
+            rec.draining = true;
+            if let Err(e) = registration.update(rec).await {
+                tracing::warn!("could not mark this node draining in the registry: {e}");
+            }
+            if serving.wait_idle(deadline).await {
+                tracing::info!("drained: no request running");
+            } else {
+                tracing::warn!(
+                    "grace period over with {} request(s) still running; their routers move them to other workers",
+                    serving.in_flight()
+                );
+            }
+        }
+        drained_tx.send_replace(true);
+        if !server_done {
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            match tokio::time::timeout(left.max(Duration::from_millis(200)), &mut server).await {
+                Ok(r) => r.context("serving HTTP")?,
+                Err(_) => tracing::warn!(
+                    "grace period over with HTTP connections still open; closing them"
+                ),
+            }
+        }
         tracing::info!("leaving the cluster");
         if let Err(e) = registration.deregister().await {
             tracing::warn!("{e}");
@@ -823,11 +902,56 @@ pub fn cluster_status(args: ClusterStatusArgs) -> anyhow::Result<()> {
             rows.len(),
             if rows.len() == 1 { "" } else { "s" }
         );
+        // What each router says of each worker: who cannot reach it.
+        let mut unreached: std::collections::BTreeMap<String, Vec<String>> = Default::default();
+        for (r, s) in &rows {
+            let Some(ws) = s.as_ref().and_then(|s| s["router"]["workers"].as_array()) else {
+                continue;
+            };
+            for w in ws {
+                if w["connected"] == json!(false) {
+                    if let Some(id) = w["node_id"].as_str() {
+                        unreached
+                            .entry(id.to_string())
+                            .or_default()
+                            .push(r.node_id.clone());
+                    }
+                }
+            }
+        }
         println!(
-            "{:<20} {:<21} {:<21} {:<14} {:<14} {:>9} {:>9} {:>7} {:>8}",
-            "NODE", "ROLES", "QUIC", "MODEL", "DEVICE", "CAP tok/s", "RUN/WAIT", "KV %", "UPTIME"
+            "{:<20} {:<21} {:<21} {:<14} {:<14} {:>9} {:>9} {:>7} {:>8}  {}",
+            "NODE",
+            "ROLES",
+            "QUIC",
+            "MODEL",
+            "DEVICE",
+            "CAP tok/s",
+            "RUN/WAIT",
+            "KV %",
+            "UPTIME",
+            "STATE"
         );
+        let mut problems = Vec::new();
         for (r, s) in rows {
+            let state = if r.draining
+                || s.as_ref().is_some_and(|s| s["draining"] == json!(true))
+            {
+                "draining".to_string()
+            } else if let Some(routers) = unreached.get(&r.node_id) {
+                problems.push(format!(
+                    "{}: router(s) {} cannot reach it at its advertised QUIC address {} \
+                     (a wrong --advertise-addr, a firewall, or a cut link); it gets no requests",
+                    r.node_id,
+                    routers.join(", "),
+                    r.quic_addr
+                ));
+                "unreachable".to_string()
+            } else if s.is_none() {
+                "no status".to_string()
+            } else {
+                "ok".to_string()
+            };
             let load = s
                 .as_ref()
                 .and_then(|s| s.get("load"))
@@ -855,7 +979,7 @@ pub fn cluster_status(args: ClusterStatusArgs) -> anyhow::Result<()> {
                 .map(|u| format!("{u:.0}s"))
                 .unwrap_or_else(|| "unreachable".into());
             println!(
-                "{:<20} {:<21} {:<21} {:<14} {:<14} {:>9} {:>9} {:>7} {:>8}",
+                "{:<20} {:<21} {:<21} {:<14} {:<14} {:>9} {:>9} {:>7} {:>8}  {}",
                 r.node_id,
                 r.roles.join(","),
                 r.quic_addr,
@@ -864,8 +988,12 @@ pub fn cluster_status(args: ClusterStatusArgs) -> anyhow::Result<()> {
                 cap,
                 load,
                 kv,
-                uptime
+                uptime,
+                state
             );
+        }
+        for p in problems {
+            println!("! {p}");
         }
         Ok(())
     })

@@ -1,5 +1,6 @@
 //! `kvmesh serve`: the engine and the OpenAI gateway in one process.
 
+use std::future::IntoFuture;
 use std::path::PathBuf;
 
 use anyhow::Context;
@@ -118,6 +119,10 @@ pub struct ServeArgs {
     /// Require `Authorization: Bearer <key>` on /v1 routes.
     #[arg(long, env = "KVMESH_API_KEY")]
     pub api_key: Option<String>,
+    /// On SIGTERM: stop accepting connections and give open streams this many seconds to
+    /// finish before exiting.
+    #[arg(long, default_value_t = 30.0)]
+    pub shutdown_grace: f64,
 }
 
 /// A running engine and what a gateway or worker needs to know about it.
@@ -282,10 +287,37 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         // A line tests and scripts can wait for.
         println!("kvmesh listening on http://{local}");
         tokio::spawn(log_throughput(handle));
-        axum::serve(nodelay(listener), kvmesh_gateway::router(state))
-            .with_graceful_shutdown(shutdown())
-            .await
-            .context("serving HTTP")?;
+        let (signalled_tx, mut signalled) = tokio::sync::watch::channel(false);
+        tokio::spawn(async move {
+            shutdown().await;
+            signalled_tx.send_replace(true);
+        });
+        let stop = {
+            let mut s = signalled.clone();
+            async move {
+                let _ = s.wait_for(|v| *v).await;
+            }
+        };
+        let server = axum::serve(nodelay(listener), kvmesh_gateway::router(state))
+            .with_graceful_shutdown(stop)
+            .into_future();
+        tokio::pin!(server);
+        tokio::select! {
+            r = &mut server => r.context("serving HTTP")?,
+            _ = signalled.wait_for(|v| *v) => {
+                let grace = std::time::Duration::from_secs_f64(args.shutdown_grace.max(0.0));
+                tracing::info!(
+                    "shutting down: finishing open streams for at most {:.0} s",
+                    grace.as_secs_f64()
+                );
+                match tokio::time::timeout(grace, &mut server).await {
+                    Ok(r) => r.context("serving HTTP")?,
+                    Err(_) => tracing::warn!(
+                        "grace period over with HTTP connections still open; closing them"
+                    ),
+                }
+            }
+        }
         tracing::info!("shut down");
         Ok::<_, anyhow::Error>(())
     })?;

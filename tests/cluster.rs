@@ -562,3 +562,140 @@ async fn prefix_routing_follows_the_workers_kv_events() {
     let r = routed(&http, &gw).await;
     assert!(r.values().any(|&n| n == 5), "{r:?}");
 }
+
+/// Waits for the process to exit; panics after `secs`.
+fn wait_exit(node: &mut Node, secs: u64) -> Duration {
+    let t = Instant::now();
+    loop {
+        if let Ok(Some(_)) = node.child.try_wait() {
+            return t.elapsed();
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(secs),
+            "still running {secs} s after SIGTERM"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// SIGTERM on a worker: routers stop sending it requests at once, its running streams
+/// finish there (not migrated), then it leaves. With a short grace period the streams still
+/// running at its end move to another worker and finish. SIGTERM on a gateway: it stops
+/// accepting connections and finishes the streams it has.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_drains_workers_and_gateways_without_cutting_streams() {
+    let etcd = Etcd::start();
+    let http = client();
+    let gw = Node::gateway(&etcd, "c7", "gw", "least-loaded");
+    // 100 tokens at 50 ms a step: five seconds of streaming, for w2 to join and the drain.
+    let steps = ["--max-num-seqs", "16", "--sim-decode-ms", "50"];
+    let mut w1 = Node::worker(&etcd, "c7", "w1", &steps);
+    wait_for("w1 routable", 10, async || {
+        connected_workers(&http, &gw).await.len() == 1
+    })
+    .await;
+    let spawn_streams = |n: usize, base: &str, max_tokens: u32| -> Vec<_> {
+        (0..n)
+            .map(|i| {
+                let (http, base) = (http.clone(), base.to_string());
+                let p = format!("Stream {i} of the drain test:");
+                tokio::spawn(async move { stream_ids(&http, &base, &p, max_tokens).await })
+            })
+            .collect()
+    };
+    let streams = spawn_streams(4, &gw.http, 100);
+    wait_for("four streams running on w1", 10, async || {
+        status(&http, &w1).await["load"]["running"].as_u64() == Some(4)
+    })
+    .await;
+    let mut w2 = Node::worker(
+        &etcd,
+        "c7",
+        "w2",
+        &[&steps[..], &["--shutdown-grace", "1"]].concat(),
+    );
+    wait_for("w2 routable", 10, async || {
+        connected_workers(&http, &gw).await.len() == 2
+    })
+    .await;
+
+    assert_eq!(
+        status(&http, &w1).await["load"]["running"].as_u64(),
+        Some(4),
+        "the streams ended before the drain: the test would prove nothing"
+    );
+    w1.signal("TERM");
+    let seen = wait_for("the router sees w1 draining", 2, async || {
+        status(&http, &gw).await["router"]["workers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|w| w["node_id"] == "w1" && w["draining"] == true)
+    })
+    .await;
+    println!("router saw the drain after {seen:?}");
+    let health = http.get(format!("{}/health", w1.http)).send().await.unwrap();
+    assert_eq!(health.status().as_u16(), 503, "a draining worker is not ready");
+    let before = routed(&http, &gw).await;
+    for _ in 0..4 {
+        let (st, body) = post(&http, &gw.http, completion(2)).await;
+        assert_eq!(st, 200, "{body}");
+    }
+    let after = routed(&http, &gw).await;
+    assert_eq!(after["w1"], before["w1"], "a draining worker got new requests");
+    assert_eq!(after["w2"], before["w2"] + 4);
+    for t in streams {
+        let (ids, error, done) = t.await.unwrap();
+        assert_eq!(error, None, "a stream on the draining worker was cut");
+        assert!(done && ids.len() == 100);
+    }
+    assert_eq!(gw.metric(&http, "kvmesh:migrations_total").await, 0.0);
+    wait_exit(&mut w1, 10);
+    assert!(!cluster_status(&etcd, "c7").lines().any(|l| l.starts_with("w1")));
+
+    // A grace period shorter than the streams: at its end they move to w3 and finish.
+    let _w3 = Node::worker(&etcd, "c7", "w3", &steps);
+    wait_for("w3 routable", 10, async || {
+        connected_workers(&http, &gw).await.len() == 2
+    })
+    .await;
+    let streams = spawn_streams(2, &gw.http, 60);
+    wait_for("streams running", 10, async || {
+        status(&http, &w2).await["load"]["running"].as_u64().unwrap_or(0)
+            + status(&http, &_w3).await["load"]["running"].as_u64().unwrap_or(0)
+            == 2
+    })
+    .await;
+    let on_w2 = status(&http, &w2).await["load"]["running"].as_u64().unwrap();
+    assert!(on_w2 >= 1, "no stream on w2: the test would prove nothing");
+    w2.signal("TERM");
+    let exited = wait_exit(&mut w2, 10);
+    assert!(exited < Duration::from_secs(4), "the grace period was not kept: {exited:?}");
+    for t in streams {
+        let (ids, error, done) = t.await.unwrap();
+        assert_eq!(error, None, "a stream was cut at the end of the grace period");
+        assert!(done && ids.len() == 60);
+    }
+    assert_eq!(gw.metric(&http, "kvmesh:migrations_total").await, on_w2 as f64);
+
+    // The gateway: open streams finish, new connections are refused, then it exits.
+    let mut gw = gw;
+    let streams = spawn_streams(2, &gw.http, 40);
+    wait_for("streams running on w3", 10, async || {
+        status(&http, &_w3).await["load"]["running"].as_u64() == Some(2)
+    })
+    .await;
+    gw.signal("TERM");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let fresh = reqwest::Client::new();
+    assert!(
+        fresh.get(format!("{}/health", gw.http)).send().await.is_err(),
+        "a gateway shutting down still accepts connections"
+    );
+    for t in streams {
+        let (ids, error, done) = t.await.unwrap();
+        assert_eq!(error, None, "the gateway cut a stream when told to stop");
+        assert!(done && ids.len() == 40);
+    }
+    wait_exit(&mut gw, 10);
+}

@@ -90,6 +90,16 @@ impl WorkerLink {
             .is_some_and(|c| c.close_reason().is_none())
     }
 
+    /// Connected and not shutting down: may be given new requests.
+    pub fn available(&self) -> bool {
+        self.connected() && !self.draining()
+    }
+
+    /// Its last report said it is shutting down (it finishes what it has).
+    pub fn draining(&self) -> bool {
+        self.report.lock().as_ref().is_some_and(|(r, _)| r.draining)
+    }
+
     pub fn last_report(&self) -> Option<LoadReport> {
         self.report.lock().as_ref().map(|(r, _)| r.clone())
     }
@@ -274,7 +284,7 @@ impl RouterCore {
     pub fn routable(&self) -> Vec<Arc<WorkerLink>> {
         self.workers()
             .into_iter()
-            .filter(|w| w.connected() && w.generates())
+            .filter(|w| w.available() && w.generates())
             .collect()
     }
 
@@ -426,7 +436,7 @@ impl RouterCore {
             .into_iter()
             .filter(|w| {
                 w.prefills()
-                    && w.connected()
+                    && w.available()
                     && w.record.kv_layout.is_some()
                     && w.record.kv_layout == decode.record.kv_layout
             })
@@ -836,14 +846,14 @@ impl RouterCore {
              # TYPE kvmesh:router_workers_routable gauge\nkvmesh:router_workers_routable {}",
             workers
                 .iter()
-                .filter(|w| w.connected() && w.generates())
+                .filter(|w| w.available() && w.generates())
                 .count()
         );
         let _ = writeln!(
             out,
             "# HELP kvmesh:router_prefill_workers_connected Prefill nodes connected, available to decode nodes.\n\
              # TYPE kvmesh:router_prefill_workers_connected gauge\nkvmesh:router_prefill_workers_connected {}",
-            workers.iter().filter(|w| w.connected() && w.prefills()).count()
+            workers.iter().filter(|w| w.available() && w.prefills()).count()
         );
         let _ = writeln!(out, "# TYPE kvmesh:prefill_routed_total counter");
         for w in workers.iter().filter(|w| w.prefills()) {

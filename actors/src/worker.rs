@@ -199,6 +199,7 @@ impl WorkerCore {
                 kv_usage,
                 tokens_per_s: m.prefill_rate as f32,
             }),
+            draining: false,
         }
     }
 
@@ -370,6 +371,27 @@ pub struct Serving {
     generate: RwLock<Option<Arc<WorkerCore>>>,
     /// The prefill role: takes prefill requests.
     prefill: RwLock<Option<Arc<WorkerCore>>>,
+    /// Set once the node starts shutting down: new requests are refused (retryable) and
+    /// every router connection is sent a report saying so at once.
+    draining: tokio::sync::watch::Sender<bool>,
+    /// Generate and prefill streams being served.
+    in_flight: AtomicU64,
+}
+
+/// Counts a stream being served for as long as it lives.
+struct InFlight<'a>(&'a AtomicU64);
+
+impl<'a> InFlight<'a> {
+    fn enter(n: &'a AtomicU64) -> InFlight<'a> {
+        n.fetch_add(1, Ordering::SeqCst);
+        InFlight(n)
+    }
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 impl Serving {
@@ -378,7 +400,36 @@ impl Serving {
             endpoint,
             generate: RwLock::new(None),
             prefill: RwLock::new(None),
+            draining: tokio::sync::watch::channel(false).0,
+            in_flight: AtomicU64::new(0),
         })
+    }
+
+    /// Starts the shutdown: refuse new requests, tell every router now.
+    pub fn start_draining(&self) {
+        self.draining.send_replace(true);
+    }
+
+    pub fn draining(&self) -> bool {
+        *self.draining.borrow()
+    }
+
+    /// Generate and prefill requests being served now.
+    pub fn in_flight(&self) -> u64 {
+        self.in_flight.load(Ordering::SeqCst)
+    }
+
+    /// Waits until no request is being served, or `deadline`; says whether it got there.
+    pub async fn wait_idle(&self, deadline: tokio::time::Instant) -> bool {
+        loop {
+            if self.in_flight() == 0 {
+                return true;
+            }
+            if tokio::time::Instant::now() >= deadline {
+                return false;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
     }
 
     /// Puts a role's core in service (`Some`) or out of it (`None`).
@@ -394,15 +445,17 @@ impl Serving {
     pub fn load_report(&self) -> Option<LoadReport> {
         let gen = self.generate.read().clone();
         let pre = self.prefill.read().clone();
-        match (gen, pre) {
+        let mut report = match (gen, pre) {
             (Some(g), Some(p)) => {
                 let mut r = g.load_report();
                 r.prefill = p.load_report().prefill;
-                Some(r)
+                r
             }
-            (Some(c), None) | (None, Some(c)) => Some(c.load_report()),
-            (None, None) => None,
-        }
+            (Some(c), None) | (None, Some(c)) => c.load_report(),
+            (None, None) => return None,
+        };
+        report.draining = self.draining();
+        Some(report)
     }
 
     /// Accepts connections until the endpoint closes.
@@ -459,6 +512,27 @@ impl Serving {
                 return;
             }
         };
+        let _counted = InFlight::enter(&self.in_flight);
+        if self.draining() {
+            let why = "this node is shutting down";
+            let _ = match msg {
+                StreamRequest::Generate(_) => {
+                    wire::write_msg(&mut send, &reject(why.into(), true)).await
+                }
+                StreamRequest::Prefill(_) => {
+                    wire::write_msg(
+                        &mut send,
+                        &kvmesh_transport::kv::PrefillEvent::Failed {
+                            message: why.into(),
+                            retryable: true,
+                        },
+                    )
+                    .await
+                }
+            };
+            let _ = send.finish();
+            return;
+        }
         match msg {
             StreamRequest::Generate(req) => {
                 let core = self.generate.read().clone();
@@ -568,8 +642,13 @@ async fn report_load(serving: Arc<Serving>, conn: Connection) {
         return;
     }
     let mut tick = tokio::time::interval(LOAD_REPORT_INTERVAL);
+    let mut draining = serving.draining.subscribe();
     loop {
-        tick.tick().await;
+        tokio::select! {
+            _ = tick.tick() => {}
+            // Draining started: say so now, not at the next tick.
+            Ok(()) = draining.changed() => {}
+        }
         let Some(report) = serving.load_report() else {
             continue;
         };

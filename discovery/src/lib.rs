@@ -56,6 +56,9 @@ pub struct NodeRecord {
     /// A decode worker taking KV over TCP: its KV listener.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kv_tcp_addr: Option<String>,
+    /// The node is shutting down: it finishes its requests and takes no new ones.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub draining: bool,
 }
 
 impl NodeRecord {
@@ -239,6 +242,7 @@ pub(crate) fn test_record(cluster: &str, node_id: &str) -> NodeRecord {
         started_unix_ms: 1,
         kv_layout: None,
         kv_tcp_addr: None,
+        draining: false,
     }
 }
 

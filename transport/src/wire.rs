@@ -127,6 +127,9 @@ pub struct LoadReport {
     /// The node's prefill role, when it has one: requests queued and prompt tokens held,
     /// KV use, and prompt tokens per busy second.
     pub prefill: Option<PrefillLoad>,
+    /// The node is shutting down: it finishes what it has and takes nothing new. Sent at
+    /// once when draining starts, so routers stop picking it within one network hop.
+    pub draining: bool,
 }
 
 #[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Clone, Debug, Default, PartialEq)]
