@@ -331,7 +331,10 @@ fn node_routes(node: Arc<NodeState>, with_metrics: bool) -> Router {
                 get(|State(n): State<Arc<NodeState>>| async move {
                     // A draining worker is alive but takes nothing new: not ready.
                     if n.serving.as_ref().is_some_and(|s| s.draining()) {
-                        (StatusCode::SERVICE_UNAVAILABLE, Json(json!({"status": "draining"})))
+                        (
+                            StatusCode::SERVICE_UNAVAILABLE,
+                            Json(json!({"status": "draining"})),
+                        )
                     } else {
                         (StatusCode::OK, Json(json!({"status": "ok"})))
                     }
@@ -934,9 +937,7 @@ pub fn cluster_status(args: ClusterStatusArgs) -> anyhow::Result<()> {
         );
         let mut problems = Vec::new();
         for (r, s) in rows {
-            let state = if r.draining
-                || s.as_ref().is_some_and(|s| s["draining"] == json!(true))
-            {
+            let state = if r.draining || s.as_ref().is_some_and(|s| s["draining"] == json!(true)) {
                 "draining".to_string()
             } else if let Some(routers) = unreached.get(&r.node_id) {
                 problems.push(format!(

@@ -634,15 +634,26 @@ async fn sigterm_drains_workers_and_gateways_without_cutting_streams() {
     })
     .await;
     println!("router saw the drain after {seen:?}");
-    let health = http.get(format!("{}/health", w1.http)).send().await.unwrap();
-    assert_eq!(health.status().as_u16(), 503, "a draining worker is not ready");
+    let health = http
+        .get(format!("{}/health", w1.http))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        health.status().as_u16(),
+        503,
+        "a draining worker is not ready"
+    );
     let before = routed(&http, &gw).await;
     for _ in 0..4 {
         let (st, body) = post(&http, &gw.http, completion(2)).await;
         assert_eq!(st, 200, "{body}");
     }
     let after = routed(&http, &gw).await;
-    assert_eq!(after["w1"], before["w1"], "a draining worker got new requests");
+    assert_eq!(
+        after["w1"], before["w1"],
+        "a draining worker got new requests"
+    );
     assert_eq!(after["w2"], before["w2"] + 4);
     for t in streams {
         let (ids, error, done) = t.await.unwrap();
@@ -651,7 +662,9 @@ async fn sigterm_drains_workers_and_gateways_without_cutting_streams() {
     }
     assert_eq!(gw.metric(&http, "kvmesh:migrations_total").await, 0.0);
     wait_exit(&mut w1, 10);
-    assert!(!cluster_status(&etcd, "c7").lines().any(|l| l.starts_with("w1")));
+    assert!(!cluster_status(&etcd, "c7")
+        .lines()
+        .any(|l| l.starts_with("w1")));
 
     // A grace period shorter than the streams: at its end they move to w3 and finish.
     let _w3 = Node::worker(&etcd, "c7", "w3", &steps);
@@ -661,22 +674,37 @@ async fn sigterm_drains_workers_and_gateways_without_cutting_streams() {
     .await;
     let streams = spawn_streams(2, &gw.http, 60);
     wait_for("streams running", 10, async || {
-        status(&http, &w2).await["load"]["running"].as_u64().unwrap_or(0)
-            + status(&http, &_w3).await["load"]["running"].as_u64().unwrap_or(0)
+        status(&http, &w2).await["load"]["running"]
+            .as_u64()
+            .unwrap_or(0)
+            + status(&http, &_w3).await["load"]["running"]
+                .as_u64()
+                .unwrap_or(0)
             == 2
     })
     .await;
-    let on_w2 = status(&http, &w2).await["load"]["running"].as_u64().unwrap();
+    let on_w2 = status(&http, &w2).await["load"]["running"]
+        .as_u64()
+        .unwrap();
     assert!(on_w2 >= 1, "no stream on w2: the test would prove nothing");
     w2.signal("TERM");
     let exited = wait_exit(&mut w2, 10);
-    assert!(exited < Duration::from_secs(4), "the grace period was not kept: {exited:?}");
+    assert!(
+        exited < Duration::from_secs(4),
+        "the grace period was not kept: {exited:?}"
+    );
     for t in streams {
         let (ids, error, done) = t.await.unwrap();
-        assert_eq!(error, None, "a stream was cut at the end of the grace period");
+        assert_eq!(
+            error, None,
+            "a stream was cut at the end of the grace period"
+        );
         assert!(done && ids.len() == 60);
     }
-    assert_eq!(gw.metric(&http, "kvmesh:migrations_total").await, on_w2 as f64);
+    assert_eq!(
+        gw.metric(&http, "kvmesh:migrations_total").await,
+        on_w2 as f64
+    );
 
     // The gateway: open streams finish, new connections are refused, then it exits.
     let mut gw = gw;
@@ -689,7 +717,11 @@ async fn sigterm_drains_workers_and_gateways_without_cutting_streams() {
     tokio::time::sleep(Duration::from_millis(300)).await;
     let fresh = reqwest::Client::new();
     assert!(
-        fresh.get(format!("{}/health", gw.http)).send().await.is_err(),
+        fresh
+            .get(format!("{}/health", gw.http))
+            .send()
+            .await
+            .is_err(),
         "a gateway shutting down still accepts connections"
     );
     for t in streams {

@@ -372,8 +372,7 @@ impl RouterCore {
                     warned = false;
                     *link.conn.lock() = Some(conn.clone());
                     let wants_kv = self.policy == Policy::Prefix;
-                    let reports =
-                        tokio::spawn(read_reports(link.clone(), conn.clone(), wants_kv));
+                    let reports = tokio::spawn(read_reports(link.clone(), conn.clone(), wants_kv));
                     let reason = conn.closed().await;
                     reports.abort();
                     *link.conn.lock() = None;
