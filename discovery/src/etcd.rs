@@ -12,7 +12,10 @@ use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use etcd_client::{Client, ConnectOptions, EventType, GetOptions, PutOptions, WatchOptions};
+use etcd_client::{
+    Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, PutOptions, Txn, TxnOp,
+    TxnOpResponse, WatchOptions,
+};
 use tokio::sync::{watch, Mutex, Notify};
 use tokio::task::JoinHandle;
 use tracing::{debug, info, warn};
@@ -160,6 +163,82 @@ impl EtcdRegistry {
     fn etcd_error(&self, op: &'static str, failure: Failure) -> DiscoveryError {
         failure.into_error(op, &self.endpoints)
     }
+
+    /// Puts the record only where no record of that node id exists. One that does may be a
+    /// crashed predecessor's, whose lease expires within its TTL: wait that long (plus a
+    /// second) for it to go; one still there is kept alive by a live node, and two nodes
+    /// under one id would take each other out of routing, so the registration is refused.
+    async fn create(
+        &self,
+        key: &str,
+        node_id: &str,
+        value: &str,
+        lease: i64,
+    ) -> Result<(), DiscoveryError> {
+        let mut deadline: Option<Instant> = None;
+        let mut warned = false;
+        loop {
+            let txn = Txn::new()
+                .when([Compare::create_revision(key, CompareOp::Equal, 0)])
+                .and_then([TxnOp::put(
+                    key,
+                    value,
+                    Some(PutOptions::new().with_lease(lease)),
+                )])
+                .or_else([TxnOp::get(key, None)]);
+            let resp = bounded(self.client.kv_client().txn(txn))
+                .await
+                .map_err(|f| self.etcd_error("put", f))?;
+            if resp.succeeded() {
+                return Ok(());
+            }
+            let holder = resp.op_responses().into_iter().find_map(|r| match r {
+                TxnOpResponse::Get(g) => g.kvs().first().map(|kv| {
+                    let rec = serde_json::from_slice::<NodeRecord>(kv.value()).ok();
+                    (kv.lease(), rec)
+                }),
+                _ => None,
+            });
+            let Some((their_lease, rec)) = holder else {
+                continue; // gone between the compare and the get
+            };
+            let wait = match deadline {
+                Some(d) => d,
+                None => {
+                    let ttl =
+                        match bounded(self.client.lease_client().time_to_live(their_lease, None))
+                            .await
+                        {
+                            Ok(t) if t.granted_ttl() > 0 => t.granted_ttl(),
+                            _ => self.ttl,
+                        };
+                    let d = Instant::now() + Duration::from_secs(ttl as u64 + 1);
+                    deadline = Some(d);
+                    d
+                }
+            };
+            let describe = || match &rec {
+                Some(r) => format!(
+                    "QUIC {}, roles {}, started at unix ms {}",
+                    r.quic_addr,
+                    r.roles.join(","),
+                    r.started_unix_ms
+                ),
+                None => "an unreadable record".into(),
+            };
+            if Instant::now() >= wait {
+                return Err(DiscoveryError::Duplicate {
+                    node_id: node_id.to_string(),
+                    holder: describe(),
+                });
+            }
+            if !warned {
+                info!(node_id, holder = %describe(), "a record of this node id exists; waiting for its lease to expire (a crashed predecessor) or refusing (a live node)");
+                warned = true;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
 }
 
 impl Drop for EtcdRegistry {
@@ -177,9 +256,9 @@ impl Registry for EtcdRegistry {
         let (lease, granted_ttl) = grant(&self.client, self.ttl)
             .await
             .map_err(|f| self.etcd_error("lease grant", f))?;
-        if let Err(f) = put(&self.client, &key, &value, lease).await {
+        if let Err(e) = self.create(&key, &record.node_id, &value, lease).await {
             let _ = bounded(self.client.clone().lease_revoke(lease)).await;
-            return Err(self.etcd_error("put", f));
+            return Err(e);
         }
         info!(
             node_id = %record.node_id,
@@ -313,6 +392,23 @@ async fn bounded<T>(
 async fn grant(client: &Client, ttl: i64) -> Result<(i64, i64), Failure> {
     let resp = bounded(client.lease_client().grant(ttl, None)).await?;
     Ok((resp.id(), resp.ttl()))
+}
+
+/// Puts `value` under `lease` where `key` does not exist; false where it does.
+async fn put_if_absent(
+    client: &Client,
+    key: &str,
+    value: &str,
+    lease: i64,
+) -> Result<bool, Failure> {
+    let txn = Txn::new()
+        .when([Compare::create_revision(key, CompareOp::Equal, 0)])
+        .and_then([TxnOp::put(
+            key,
+            value,
+            Some(PutOptions::new().with_lease(lease)),
+        )]);
+    Ok(bounded(client.kv_client().txn(txn)).await?.succeeded())
 }
 
 async fn put(client: &Client, key: &str, value: &str, lease: i64) -> Result<(), Failure> {
@@ -561,9 +657,18 @@ impl Shared {
                 return false;
             }
         };
-        if let Err(f) = put(&self.client, &self.key, &published.value, lease).await {
-            warn!(node_id = %self.node_id, endpoints = %self.endpoints, error = %f, "lease lost and cannot re-publish the record yet; retrying");
-            return false;
+        match put_if_absent(&self.client, &self.key, &published.value, lease).await {
+            Ok(true) => {}
+            Ok(false) => {
+                let _ = bounded(self.client.lease_client().revoke(lease)).await;
+                warn!(node_id = %self.node_id, key = %self.key, "lease lost, and meanwhile another node registered under this node id; not overwriting it (retrying)");
+                return false;
+            }
+            Err(f) => {
+                let _ = bounded(self.client.lease_client().revoke(lease)).await;
+                warn!(node_id = %self.node_id, endpoints = %self.endpoints, error = %f, "lease lost and cannot re-publish the record yet; retrying");
+                return false;
+            }
         }
         published.lease = lease;
         published.dirty = false;
@@ -578,6 +683,47 @@ impl Shared {
             "etcd lease was lost; re-registered the node under a new lease"
         );
         true
+    }
+
+    /// Puts the record back if its key was deleted while the lease lives (an operator's
+    /// `etcdctl del`, say): otherwise the node would run on, out of every router's view, with
+    /// nothing in its log. A key held under another lease is another registration of this
+    /// node id, which is left alone and reported.
+    async fn restore_if_deleted(&self, takeover_reported: &mut bool) {
+        let Ok(published) = self.published.try_lock() else {
+            return;
+        };
+        let Ok(resp) = bounded(self.client.kv_client().get(self.key.as_str(), None)).await else {
+            return;
+        };
+        match resp.kvs().first() {
+            None => {
+                match put_if_absent(&self.client, &self.key, &published.value, published.lease)
+                    .await
+                {
+                    Ok(true) => warn!(
+                        node_id = %self.node_id,
+                        key = %self.key,
+                        "the node's record was deleted from etcd while the node runs; published it again"
+                    ),
+                    Ok(false) => {}
+                    Err(f) => {
+                        debug!(node_id = %self.node_id, error = %f, "cannot restore the deleted record yet")
+                    }
+                }
+            }
+            Some(kv) if kv.lease() != published.lease => {
+                if !*takeover_reported {
+                    tracing::error!(
+                        node_id = %self.node_id,
+                        key = %self.key,
+                        "another process registered under this node's id and replaced its record; this node is out of routing until that one leaves"
+                    );
+                    *takeover_reported = true;
+                }
+            }
+            Some(_) => *takeover_reported = false,
+        }
     }
 
     /// Publishes an update that could not reach etcd earlier. Skips if someone is publishing.
@@ -613,6 +759,7 @@ enum KeepAliveEnd {
 async fn keep_alive_loop(shared: Arc<Shared>) {
     let mut backoff = Backoff::new(shared.interval.min(BACKOFF_MAX));
     let mut lost_since: Option<Instant> = None;
+    let mut takeover_reported = false;
     loop {
         let lease = shared.lease.load(Ordering::SeqCst);
         let mut client = shared.client.clone();
@@ -636,7 +783,9 @@ async fn keep_alive_loop(shared: Arc<Shared>) {
                         break KeepAliveEnd::Broken(e.to_string());
                     }
                     match tokio::time::timeout(REQUEST_TIMEOUT, stream.message()).await {
-                        Ok(Ok(Some(resp))) if resp.ttl() > 0 => {}
+                        Ok(Ok(Some(resp))) if resp.ttl() > 0 => {
+                            shared.restore_if_deleted(&mut takeover_reported).await;
+                        }
                         Ok(Ok(Some(_))) => break KeepAliveEnd::LeaseLost,
                         Ok(Ok(None)) => {
                             break KeepAliveEnd::Broken("the keep-alive stream ended".into())

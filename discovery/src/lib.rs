@@ -118,6 +118,9 @@ pub enum DiscoveryError {
     /// The record could not be turned into JSON.
     #[error("cannot encode node record: {0}")]
     Encode(#[from] serde_json::Error),
+    /// A live node already holds this node id.
+    #[error("node id {node_id} is already taken by a live node ({holder}); give this node another --node-id, or stop that one first")]
+    Duplicate { node_id: String, holder: String },
     /// Another registration of the same node_id replaced this one.
     #[error("the registration of node {0} was replaced by a newer registration of the same node")]
     Superseded(String),

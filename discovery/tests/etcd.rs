@@ -478,3 +478,64 @@ fn testing_etcd_helper_restarts_on_the_same_ports() {
         assert!(!dir.exists(), "the temporary directory was not removed");
     }
 }
+
+/// A live node's id is refused to a second registration, naming the holder; a crashed
+/// holder's id is taken over once its lease expires.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_live_duplicate_node_id_is_refused_and_a_crashed_ones_is_taken_over() {
+    init_tracing();
+    let etcd = Etcd::start();
+    let first = connect(&etcd, "c").await;
+    let second = connect(&etcd, "c").await;
+    let reg = first.register(record("c", "w1")).await.unwrap();
+    let mut other = record("c", "w1");
+    other.quic_addr = "127.0.0.1:7999".into();
+    let started = Instant::now();
+    let e = second.register(other.clone()).await.unwrap_err();
+    assert!(matches!(e, DiscoveryError::Duplicate { .. }), "{e}");
+    let msg = e.to_string();
+    assert!(
+        msg.contains("w1") && msg.contains("127.0.0.1:7001") && msg.contains("--node-id"),
+        "{msg}"
+    );
+    assert!(
+        started.elapsed() >= Duration::from_secs(TTL as u64),
+        "refused before the holder could have expired"
+    );
+    // The first is untouched.
+    assert_eq!(first.list().await.unwrap(), vec![record("c", "w1")]);
+
+    // The holder crashes (its keep-alive stops): the id is free within its TTL.
+    drop(reg);
+    let reg2 = second.register(other.clone()).await.unwrap();
+    assert_eq!(first.list().await.unwrap(), vec![other]);
+    reg2.deregister().await.unwrap();
+}
+
+/// A node whose key an operator deletes puts its record back while it lives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deleted_record_is_put_back_by_its_live_node() {
+    init_tracing();
+    let etcd = Etcd::start();
+    let node = connect(&etcd, "c").await;
+    let observer = connect(&etcd, "c").await;
+    let mut rx = observer.subscribe();
+    let _reg = node.register(record("c", "w1")).await.unwrap();
+    wait_view(&mut rx, Duration::from_secs(2), "w1 appears", |m| {
+        m.contains_key("w1")
+    })
+    .await;
+    let mut raw = raw_client(&etcd).await;
+    raw.delete(node_key("c", "w1"), None).await.unwrap();
+    wait_view(&mut rx, Duration::from_secs(2), "w1 deleted", |m| {
+        !m.contains_key("w1")
+    })
+    .await;
+    let t = Instant::now();
+    let view = wait_view(&mut rx, Duration::from_secs(5), "w1 put back", |m| {
+        m.contains_key("w1")
+    })
+    .await;
+    assert_eq!(view["w1"], record("c", "w1"));
+    println!("record restored after {:?}", t.elapsed());
+}
