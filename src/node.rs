@@ -17,7 +17,6 @@
 //! on the gateway's port or, for a node without a gateway, on `--status-port`. `kvmesh
 //! cluster status` reads the records in etcd and each node's `/status`.
 
-use std::future::IntoFuture;
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -118,8 +117,9 @@ pub struct NodeArgs {
     /// Registry lease, in seconds: how long a node that vanished stays listed at most.
     #[arg(long, default_value_t = kvmesh_discovery::DEFAULT_TTL_SECS)]
     pub lease_ttl: i64,
-    /// Gateway: require `Authorization: Bearer <key>` on /v1 routes.
-    #[arg(long, env = "KVMESH_API_KEY")]
+    /// Gateway: require `Authorization: Bearer <key>` on /v1 routes (and, on any node, on
+    /// /debug routes).
+    #[arg(long, env = "KVMESH_API_KEY", value_parser = crate::serve::api_key)]
     pub api_key: Option<String>,
     /// Serve `POST /debug/crash/{router|worker|prefill|decode}`, which makes that role panic
     /// (to check that it is restarted). Off by default.
@@ -139,6 +139,8 @@ pub struct NodeArgs {
     pub engine: EngineArgs,
     #[command(flatten)]
     pub trace: crate::serve::TraceFlags,
+    #[command(flatten)]
+    pub http: crate::serve::HttpArgs,
 }
 
 #[derive(Clone, Copy, Debug, clap::ValueEnum)]
@@ -179,6 +181,8 @@ struct NodeState {
     restarts: Arc<RoleRestarts>,
     supervisor: kvmesh_actors::ActorRef<NodeMsg>,
     fault_injection: bool,
+    /// When set, /debug routes need it as the API routes do.
+    api_key: Option<String>,
 }
 
 impl NodeState {
@@ -251,6 +255,10 @@ impl NodeState {
                     "routed": w.routed.load(Ordering::Relaxed),
                     "kv_blocks_reported": w.kv.lock().held(),
                     "kv_events_synced": w.kv.lock().synced,
+                })).collect::<Vec<_>>(),
+                "refused": r.refused.lock().iter().map(|(id, why)| json!({
+                    "node_id": id,
+                    "reason": why,
                 })).collect::<Vec<_>>(),
                 "migrations": r.stats.migrations.load(Ordering::Relaxed),
                 "prefix_predictions": {
@@ -344,22 +352,32 @@ fn node_routes(node: Arc<NodeState>, with_metrics: bool) -> Router {
     r.route("/debug/crash/{role}", post(crash)).with_state(node)
 }
 
-async fn crash(State(n): State<Arc<NodeState>>, Path(role): Path<String>) -> Response {
+async fn crash(
+    State(n): State<Arc<NodeState>>,
+    Path(role): Path<String>,
+    headers: axum::http::HeaderMap,
+) -> Response {
+    if let Some(key) = &n.api_key {
+        if !kvmesh_gateway::authorized(&headers, key) {
+            return ApiError::unauthorized().into_response();
+        }
+    }
     if !n.fault_injection {
-        return (
-            StatusCode::NOT_FOUND,
-            Json(
-                json!({"error": {"message": "fault injection is off (--enable-fault-injection)"}}),
-            ),
-        )
-            .into_response();
+        return ApiError {
+            status: StatusCode::NOT_FOUND,
+            message: "fault injection is off (--enable-fault-injection)".into(),
+            kind: "invalid_request_error",
+            param: None,
+            code: Some("unknown_url"),
+        }
+        .into_response();
     }
     let Some(role) = Role::parse(&role) else {
-        return (
-            StatusCode::BAD_REQUEST,
-            Json(json!({"error": {"message": format!("unknown role '{role}' (router, worker, prefill, decode)")}})),
+        return ApiError::param(
+            "role",
+            format!("unknown role '{role}' (router, worker, prefill, decode)"),
         )
-            .into_response();
+        .into_response();
     };
     let _ = n.supervisor.cast(NodeMsg::Crash(role));
     Json(json!({"crashed": role.as_str()})).into_response()
@@ -514,7 +532,7 @@ pub fn run(args: NodeArgs) -> anyhow::Result<()> {
         Some(e) if has("prefill") || has("decode") => Some(kv_layout(e)?),
         _ => None,
     };
-    let (model_name, tokenizer, max_model_len, block_size, device) =
+    let (model_name, tokenizer, max_model_len, block_size, device, model_fingerprint) =
         match generate.as_ref().or(prefill.as_ref()) {
             Some(e) => (
                 e.name.clone(),
@@ -522,6 +540,7 @@ pub fn run(args: NodeArgs) -> anyhow::Result<()> {
                 e.max_model_len,
                 e.block_size,
                 e.device.clone(),
+                e.fingerprint.clone(),
             ),
             None => {
                 let m = match &args.engine.model {
@@ -545,6 +564,7 @@ pub fn run(args: NodeArgs) -> anyhow::Result<()> {
                     len,
                     args.engine.block_size,
                     "none".into(),
+                    m.fingerprint(),
                 )
             }
         };
@@ -640,6 +660,7 @@ pub fn run(args: NodeArgs) -> anyhow::Result<()> {
             kv_layout: layout.as_ref().map(KvLayout::describe),
             kv_tcp_addr: kv_tcp_addr.map(|a| a.to_string()),
             draining: false,
+            model_fingerprint: Some(model_fingerprint.clone()),
         };
         if let Some(l) = &record.kv_layout {
             let members = registry.list().await?;
@@ -652,11 +673,22 @@ pub fn run(args: NodeArgs) -> anyhow::Result<()> {
             let mut members = members.clone();
             let allowed = allowed.clone();
             tokio::spawn(async move {
+                // A member that left the registry may still dial for the routers' grace
+                // period: after the registry lost its data, everyone is registering again.
+                let mut seen: std::collections::HashMap<String, Instant> = Default::default();
                 loop {
                     let m = members.borrow_and_update().clone();
-                    allowed.set(m.values().map(|r| r.cert_sha256.clone()));
-                    if members.changed().await.is_err() {
-                        return;
+                    let now = Instant::now();
+                    for r in m.values() {
+                        seen.insert(r.cert_sha256.clone(), now);
+                    }
+                    seen.retain(|_, at| now.duration_since(*at) < kvmesh_actors::router::REGISTRY_GRACE);
+                    allowed.set(seen.keys().cloned());
+                    tokio::select! {
+                        r = members.changed() => if r.is_err() {
+                            return;
+                        },
+                        _ = tokio::time::sleep(Duration::from_secs(1)) => {}
                     }
                 }
             });
@@ -699,6 +731,7 @@ pub fn run(args: NodeArgs) -> anyhow::Result<()> {
             RouterCore::new(
                 node_id.clone(),
                 model_name.clone(),
+                model_fingerprint.clone(),
                 args.policy,
                 RouterConfig {
                     disagg: DisaggConfig {
@@ -737,6 +770,7 @@ pub fn run(args: NodeArgs) -> anyhow::Result<()> {
             restarts,
             supervisor,
             fault_injection: args.enable_fault_injection,
+            api_key: args.api_key.clone(),
         });
         let app = match &router {
             Some(r) if has("gateway") => {
@@ -802,9 +836,7 @@ pub fn run(args: NodeArgs) -> anyhow::Result<()> {
                 let _ = until.wait_for(|v| *v).await;
             }
         };
-        let server = axum::serve(crate::serve::nodelay(listener), app)
-            .with_graceful_shutdown(http_stop)
-            .into_future();
+        let server = kvmesh_gateway::http::serve(listener, app, args.http.limits(), http_stop);
         tokio::pin!(server);
         let mut server_done = false;
         tokio::select! {
@@ -907,7 +939,22 @@ pub fn cluster_status(args: ClusterStatusArgs) -> anyhow::Result<()> {
         );
         // What each router says of each worker: who cannot reach it.
         let mut unreached: std::collections::BTreeMap<String, Vec<String>> = Default::default();
+        let mut refused: std::collections::BTreeMap<String, Vec<(String, String)>> =
+            Default::default();
         for (r, s) in &rows {
+            for w in s
+                .as_ref()
+                .and_then(|s| s["router"]["refused"].as_array())
+                .into_iter()
+                .flatten()
+            {
+                if let (Some(id), Some(why)) = (w["node_id"].as_str(), w["reason"].as_str()) {
+                    refused
+                        .entry(id.to_string())
+                        .or_default()
+                        .push((r.node_id.clone(), why.to_string()));
+                }
+            }
             let Some(ws) = s.as_ref().and_then(|s| s["router"]["workers"].as_array()) else {
                 continue;
             };
@@ -939,6 +986,14 @@ pub fn cluster_status(args: ClusterStatusArgs) -> anyhow::Result<()> {
         for (r, s) in rows {
             let state = if r.draining || s.as_ref().is_some_and(|s| s["draining"] == json!(true)) {
                 "draining".to_string()
+            } else if let Some(by) = refused.get(&r.node_id) {
+                for (router, why) in by {
+                    problems.push(format!(
+                        "{}: router {router} does not route to it: it {why}",
+                        r.node_id
+                    ));
+                }
+                "refused".to_string()
             } else if let Some(routers) = unreached.get(&r.node_id) {
                 problems.push(format!(
                     "{}: router(s) {} cannot reach it at its advertised QUIC address {} \

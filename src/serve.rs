@@ -1,7 +1,7 @@
 //! `kvmesh serve`: the engine and the OpenAI gateway in one process.
 
-use std::future::IntoFuture;
 use std::path::PathBuf;
+use std::time::Duration;
 
 use anyhow::Context;
 use clap::{Args, ValueEnum};
@@ -13,6 +13,7 @@ pub enum BackendArg {
 }
 use std::sync::Arc;
 
+use kvmesh_gateway::http::{self, HttpLimits};
 use kvmesh_gateway::{AppState, ServedModel};
 use kvmesh_gpu::backend::sim::SimTiming;
 use kvmesh_gpu::engine::{self, EngineConfig};
@@ -106,6 +107,53 @@ impl TraceFlags {
     }
 }
 
+/// HTTP connection limits `serve` and `node` share (0 turns a timeout off).
+#[derive(Args, Debug, Clone)]
+pub struct HttpArgs {
+    /// Seconds a client has to send a whole request head, from the connection's opening or
+    /// (on a keep-alive connection) the head's first byte; then the connection is closed.
+    #[arg(long, value_name = "SECONDS", value_parser = seconds, default_value_t = http::DEFAULT_HEADER_TIMEOUT_S)]
+    pub http_header_timeout: f64,
+    /// Seconds a keep-alive connection may wait for its next request before it is closed.
+    #[arg(long, value_name = "SECONDS", value_parser = seconds, default_value_t = http::DEFAULT_IDLE_TIMEOUT_S)]
+    pub http_idle_timeout: f64,
+    /// Seconds a client has to send a whole request body once its head is in; then 408.
+    #[arg(long, value_name = "SECONDS", value_parser = seconds, default_value_t = http::DEFAULT_BODY_TIMEOUT_S)]
+    pub http_body_timeout: f64,
+    /// Open HTTP connections at most (also capped below the open-file limit); beyond it,
+    /// new connections get 503.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..), default_value_t = http::DEFAULT_MAX_CONNECTIONS as u64)]
+    pub max_connections: u64,
+}
+
+impl HttpArgs {
+    pub fn limits(&self) -> HttpLimits {
+        let t = |s: f64| (s > 0.0).then(|| Duration::from_secs_f64(s));
+        HttpLimits {
+            header_timeout: t(self.http_header_timeout),
+            idle_timeout: t(self.http_idle_timeout),
+            body_timeout: t(self.http_body_timeout),
+            max_connections: self.max_connections.min(usize::MAX as u64) as usize,
+        }
+    }
+}
+
+fn seconds(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v.is_finite() && (0.0..=1e9).contains(&v) => Ok(v),
+        _ => Err(format!(
+            "`{s}` is not a number of seconds (0 or more; 0 turns it off)"
+        )),
+    }
+}
+
+/// `--api-key`: refused at start-up when it could never be sent (an empty key would lock
+/// every route).
+pub fn api_key(s: &str) -> Result<String, String> {
+    kvmesh_gateway::check_api_key(s)?;
+    Ok(s.to_string())
+}
+
 #[derive(Args, Debug)]
 pub struct ServeArgs {
     #[command(flatten)]
@@ -117,12 +165,14 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 8000)]
     pub port: u16,
     /// Require `Authorization: Bearer <key>` on /v1 routes.
-    #[arg(long, env = "KVMESH_API_KEY")]
+    #[arg(long, env = "KVMESH_API_KEY", value_parser = api_key)]
     pub api_key: Option<String>,
     /// On SIGTERM: stop accepting connections and give open streams this many seconds to
     /// finish before exiting.
     #[arg(long, default_value_t = 30.0)]
     pub shutdown_grace: f64,
+    #[command(flatten)]
+    pub http: HttpArgs,
 }
 
 /// A running engine and what a gateway or worker needs to know about it.
@@ -298,9 +348,12 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
                 let _ = s.wait_for(|v| *v).await;
             }
         };
-        let server = axum::serve(nodelay(listener), kvmesh_gateway::router(state))
-            .with_graceful_shutdown(stop)
-            .into_future();
+        let server = http::serve(
+            listener,
+            kvmesh_gateway::router(state),
+            args.http.limits(),
+            stop,
+        );
         tokio::pin!(server);
         tokio::select! {
             r = &mut server => r.context("serving HTTP")?,
@@ -323,19 +376,6 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     })?;
     telemetry.shutdown();
     Ok(())
-}
-
-/// Streams are many small writes: without TCP_NODELAY a chunk can wait ~40 ms for the
-/// client's delayed ACK (Nagle), which shows up as time to first token.
-pub fn nodelay(
-    listener: tokio::net::TcpListener,
-) -> impl axum::serve::Listener<Io = tokio::net::TcpStream, Addr = std::net::SocketAddr> {
-    use axum::serve::ListenerExt;
-    listener.tap_io(|tcp| {
-        if let Err(e) = tcp.set_nodelay(true) {
-            tracing::debug!("TCP_NODELAY: {e}");
-        }
-    })
 }
 
 /// Every 10 seconds while there is work, one line of throughput and load, as vLLM logs it.

@@ -705,7 +705,7 @@ impl WorkerCore {
 
 fn failure(e: Option<SeqEvent>) -> String {
     match e {
-        Some(SeqEvent::Failed(m)) => m,
+        Some(SeqEvent::Failed(m)) | Some(SeqEvent::Unavailable { message: m, .. }) => m,
         Some(SeqEvent::Token { .. }) => "an unexpected token".into(),
         None => "the engine stopped".into(),
     }

@@ -23,7 +23,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvmesh_discovery::{Membership, NodeRecord};
-use kvmesh_gpu::engine::{FinishReason, Request, SeqEvent, SeqId, Submission};
+use kvmesh_gpu::engine::{FinishReason, Request, SeqEvent, SeqId, Submission, Unavailable};
 use kvmesh_gpu::kv_cache::block_hashes;
 use kvmesh_gpu::sampler::Sampled;
 use kvmesh_transport::wire::{
@@ -45,6 +45,16 @@ use crate::policy::{
 /// How long a request that has produced nothing waits for some worker to take it, after
 /// every worker it tried failed or refused it.
 const UNSTARTED_PATIENCE: Duration = Duration::from_secs(10);
+
+/// How long a worker whose record left the registry stays in routing while its connection
+/// lives (and it is not draining): long enough for every node to register again after the
+/// registry lost its data. Call [`RouterCore::apply_membership`] at least every second so
+/// the grace ends on time.
+pub const REGISTRY_GRACE: Duration = Duration::from_secs(30);
+
+/// How many more rounds over the workers a request makes, backing off between them, when
+/// every worker's queue was full, before it is refused with 429.
+const FULL_ROUNDS: u32 = 2;
 
 /// The prompt rate assumed while no candidate has measured one (prompt tokens per second).
 const UNMEASURED_PROMPT_RATE: f64 = 10_000.0;
@@ -76,6 +86,10 @@ pub struct WorkerLink {
     /// Prompts sent there to prefill.
     pub prefilled: AtomicU64,
     gone: AtomicBool,
+    /// When its record left the registry while its connection lived on.
+    vanished: Mutex<Option<Instant>>,
+    /// When its last load report came.
+    reported_at: Mutex<Option<Instant>>,
 }
 
 impl WorkerLink {
@@ -152,6 +166,8 @@ pub struct RouterStats {
     /// events against what the worker reported: equal, more, fewer.
     pub predictions: [AtomicU64; 3],
     pub no_worker: AtomicU64,
+    /// Requests refused because every worker's queue was full.
+    pub full: AtomicU64,
     /// Requests routed to decode nodes, by disaggregation decision.
     pub disagg: [AtomicU64; Decision::COUNT],
 }
@@ -230,6 +246,10 @@ impl Default for RouterConfig {
 pub struct RouterCore {
     pub node_id: String,
     pub model: String,
+    /// This router's model fingerprint; workers must publish the same one.
+    pub model_fingerprint: String,
+    /// Workers of this model name it will not route to, and why.
+    pub refused: Mutex<BTreeMap<String, String>>,
     pub policy: Policy,
     pub disagg: DisaggConfig,
     pub migration_limit: u32,
@@ -246,6 +266,9 @@ enum Outcome {
     ClientGone,
     /// Nothing reached the client: another worker may take it.
     NotStarted(String),
+    /// The worker's queue is full: another may take it, and when none can, the client is
+    /// told to come back (429) rather than kept waiting.
+    Full(String),
     Broken {
         tokens: usize,
         reason: String,
@@ -256,6 +279,7 @@ impl RouterCore {
     pub fn new(
         node_id: String,
         model: String,
+        model_fingerprint: String,
         policy: Policy,
         config: RouterConfig,
         endpoint: NodeEndpoint,
@@ -263,6 +287,8 @@ impl RouterCore {
         Arc::new(RouterCore {
             node_id,
             model,
+            model_fingerprint,
+            refused: Mutex::new(BTreeMap::new()),
             policy,
             disagg: config.disagg,
             migration_limit: config.migration_limit,
@@ -288,15 +314,17 @@ impl RouterCore {
             .collect()
     }
 
-    /// The context length every routable worker accepts (None without workers).
+    /// The longest context some routable worker accepts (None without workers): requests
+    /// go only to workers whose own limit fits them, so one small worker shrinks nobody's.
     pub fn max_model_len(&self) -> Option<usize> {
-        self.routable().iter().map(|w| w.record.max_model_len).min()
+        self.routable().iter().map(|w| w.record.max_model_len).max()
     }
 
     /// Brings the worker set in line with the registry: new workers get a connection task,
     /// departed ones are closed and forgotten, changed records (a restarted node: new
     /// address or certificate) are replaced.
     pub fn apply_membership(self: &Arc<Self>, members: &Membership) {
+        let mut refused = BTreeMap::new();
         let wanted: BTreeMap<&String, &NodeRecord> = members
             .iter()
             .filter(|(_, r)| {
@@ -305,17 +333,72 @@ impl RouterCore {
                         .iter()
                         .any(|role| r.has_role(role))
             })
-            .collect();
-        let mut workers = self.workers.write();
-        let departed: Vec<String> = workers
-            .iter()
-            .filter(|(id, link)| {
-                wanted.get(id).is_none_or(|r| {
-                    r.quic_addr != link.record.quic_addr || r.cert_sha256 != link.record.cert_sha256
-                })
+            .filter(|(id, r)| {
+                // Same name, another model (vocabulary, config, weights): its token ids
+                // would mean other text here. Never mix it in.
+                let why = match &r.model_fingerprint {
+                    Some(f) if *f == self.model_fingerprint => return true,
+                    Some(f) => format!(
+                        "serves another model under the name '{}' (fingerprint {f}, this router's is {})",
+                        self.model, self.model_fingerprint
+                    ),
+                    None => format!(
+                        "publishes no model fingerprint (version {}); cannot tell its model is this router's",
+                        r.version
+                    ),
+                };
+                refused.insert((*id).clone(), why);
+                false
             })
-            .map(|(id, _)| id.clone())
             .collect();
+        {
+            let mut known = self.refused.lock();
+            for (id, why) in &refused {
+                if known.get(id) != Some(why) {
+                    tracing::warn!("not routing to worker {id}: it {why}");
+                }
+            }
+            *known = refused;
+        }
+        let mut workers = self.workers.write();
+        let mut departed = Vec::new();
+        for (id, link) in workers.iter() {
+            match wanted.get(id) {
+                // Restarted elsewhere, or with a new certificate: replace at once.
+                Some(r)
+                    if r.quic_addr != link.record.quic_addr
+                        || r.cert_sha256 != link.record.cert_sha256 =>
+                {
+                    departed.push(id.clone())
+                }
+                Some(_) => *link.vanished.lock() = None,
+                // Gone from the registry. A live connection says the worker is not: the
+                // registry may have lost its data (etcd restarted empty) and everyone is
+                // registering again, so the link stays for a grace period.
+                None => {
+                    let mut since = link.vanished.lock();
+                    let first = since.is_none();
+                    let at = *since.get_or_insert_with(Instant::now);
+                    // Reports every 200 ms say it lives; a crashed worker's connection
+                    // lingers until the idle timeout, but its reports stop at once.
+                    let reporting = link
+                        .reported_at
+                        .lock()
+                        .is_some_and(|t| t.elapsed() < Duration::from_secs(1));
+                    if link.connected() && reporting && at.elapsed() < REGISTRY_GRACE {
+                        if first {
+                            tracing::warn!(
+                                "worker {id} left the registry but its connection is alive; \
+                                 routing on to it for up to {} s while it registers again",
+                                REGISTRY_GRACE.as_secs()
+                            );
+                        }
+                    } else {
+                        departed.push(id.clone());
+                    }
+                }
+            }
+        }
         for id in departed {
             if let Some(link) = workers.remove(&id) {
                 link.gone.store(true, Ordering::Relaxed);
@@ -342,6 +425,8 @@ impl RouterCore {
                 routed: AtomicU64::new(0),
                 prefilled: AtomicU64::new(0),
                 gone: AtomicBool::new(false),
+                vanished: Mutex::new(None),
+                reported_at: Mutex::new(None),
             });
             workers.insert(id.clone(), link.clone());
             tokio::spawn(self.clone().maintain(link));
@@ -474,13 +559,14 @@ impl RouterCore {
         &self,
         hashes: &[u64],
         prompt_tokens: usize,
+        length: usize,
         tried: &HashSet<String>,
         describe: bool,
     ) -> Option<Choice> {
         let mut links: Vec<_> = self
             .routable()
             .into_iter()
-            .filter(|w| !tried.contains(&w.record.node_id))
+            .filter(|w| !tried.contains(&w.record.node_id) && w.record.max_model_len >= length)
             .collect();
         if links.is_empty() {
             return None;
@@ -610,25 +696,63 @@ impl RouterCore {
         let route = tracing::Span::current();
         let traced = kvmesh_telemetry::is_sampled(&route);
         let mut attempts = 0u32;
+        // Rounds over every worker: whether each refused as full, and the wait between.
+        let (mut full_seen, mut all_full, mut full_rounds) = (false, true, 0u32);
+        let mut backoff = Duration::from_millis(100);
         loop {
             let prompt_len = req.prompt.len() + sent.tokens.len();
-            let Some(choice) = self.choose(&hashes, prompt_len, &tried, traced) else {
-                // Nothing more has reached the client since the last worker failed, so the
-                // request can still wait for a worker: one restarting, one joining, or a
-                // full one draining its queue.
-                if Instant::now() < give_up && !tx.is_closed() {
-                    tokio::time::sleep(Duration::from_millis(100)).await;
+            let length = req.prompt.len() + p.max_tokens;
+            let Some(choice) = self.choose(&hashes, prompt_len, length, &tried, traced) else {
+                // Every worker was tried this round. Nothing more has reached the client
+                // since, so the request may wait: for a worker restarting or joining, with
+                // backoff, up to the patience; when every one was full, only a few short
+                // rounds, then the client is told to come back later (429), as one node
+                // would: waiting on here would only pile requests onto full queues.
+                let round_full = full_seen && all_full;
+                full_seen = false;
+                all_full = true;
+                if round_full {
+                    full_rounds += 1;
+                }
+                let wait = backoff;
+                backoff = (backoff * 2).min(Duration::from_secs(1));
+                let patient = if round_full {
+                    full_rounds <= FULL_ROUNDS
+                } else {
+                    Instant::now() + wait < give_up
+                };
+                if patient && !tx.is_closed() {
+                    tokio::time::sleep(wait).await;
                     tried.clear();
                     continue;
                 }
-                self.stats.no_worker.fetch_add(1, Ordering::Relaxed);
-                let message = format!(
-                    "no worker could take the request within {} s: {last_error}",
-                    UNSTARTED_PATIENCE.as_secs()
-                );
+                let (why, message) = if round_full {
+                    self.stats.full.fetch_add(1, Ordering::Relaxed);
+                    (
+                        Unavailable::QueueFull,
+                        format!(
+                            "every worker's queue is full (tried {full_rounds} times): {last_error}; retry later"
+                        ),
+                    )
+                } else if migrations > 0 {
+                    self.stats.no_worker.fetch_add(1, Ordering::Relaxed);
+                    (
+                        Unavailable::WorkerLost,
+                        format!("the request's worker was lost and no other could take it: {last_error}"),
+                    )
+                } else {
+                    self.stats.no_worker.fetch_add(1, Ordering::Relaxed);
+                    (
+                        Unavailable::NoWorker,
+                        format!(
+                            "no worker could take the request within {} s: {last_error}",
+                            UNSTARTED_PATIENCE.as_secs()
+                        ),
+                    )
+                };
                 route.record("otel.status_code", "ERROR");
                 route.record("otel.status_message", message.as_str());
-                let _ = tx.send(SeqEvent::Failed(message));
+                let _ = tx.send(SeqEvent::Unavailable { message, why });
                 return;
             };
             let Choice {
@@ -726,6 +850,7 @@ impl RouterCore {
                 Outcome::Done => ("done", None),
                 Outcome::ClientGone => ("client_gone", None),
                 Outcome::NotStarted(r) => ("not_started", Some(r.clone())),
+                Outcome::Full(r) => ("queue_full", Some(r.clone())),
                 Outcome::Broken { reason, .. } => ("broken", Some(reason.clone())),
             };
             attempt.record("outcome", what);
@@ -742,6 +867,16 @@ impl RouterCore {
                     );
                     self.stats.retries.fetch_add(1, Ordering::Relaxed);
                     last_error = format!("{}: {reason}", link.record.node_id);
+                    all_full = false;
+                }
+                Outcome::Full(reason) => {
+                    tracing::debug!(
+                        "request {id}: worker {} is full ({reason}); trying another",
+                        link.record.node_id
+                    );
+                    self.stats.retries.fetch_add(1, Ordering::Relaxed);
+                    last_error = format!("{}: {reason}", link.record.node_id);
+                    full_seen = true;
                 }
                 Outcome::Broken { tokens, reason } => {
                     let total = sent.tokens.len();
@@ -759,6 +894,7 @@ impl RouterCore {
                         last_error = format!("{}: {reason}", link.record.node_id);
                         hashes = prompt_hashes(&[&req.prompt[..], &sent.tokens[..]].concat());
                         give_up = Instant::now() + UNSTARTED_PATIENCE;
+                        backoff = Duration::from_millis(100);
                         continue;
                     }
                     self.stats.failed_midstream.fetch_add(1, Ordering::Relaxed);
@@ -769,7 +905,10 @@ impl RouterCore {
                     );
                     route.record("otel.status_code", "ERROR");
                     route.record("otel.status_message", message.as_str());
-                    let _ = tx.send(SeqEvent::Failed(message));
+                    let _ = tx.send(SeqEvent::Unavailable {
+                        message,
+                        why: Unavailable::WorkerLost,
+                    });
                     return;
                 }
             }
@@ -790,6 +929,11 @@ impl RouterCore {
             "kvmesh:router_requests_total",
             "Requests sent to workers, retries included.",
             s.routed.load(Ordering::Relaxed),
+        );
+        counter(
+            "kvmesh:router_queue_full_total",
+            "Requests refused with 429 because every worker's queue was full.",
+            s.full.load(Ordering::Relaxed),
         );
         counter(
             "kvmesh:router_retries_total",
@@ -984,6 +1128,7 @@ async fn read_reports(link: Arc<WorkerLink>, conn: Connection, wants_kv: bool) {
                     while let Ok(Some(r)) = wire::read_msg::<LoadReport>(&mut recv).await {
                         let own = link.outstanding.load(Ordering::Relaxed).max(0);
                         *link.report.lock() = Some((r, own));
+                        *link.reported_at.lock() = Some(Instant::now());
                     }
                 }
                 Ok(Some(UniHeader::KvEvents)) if wants_kv => {
@@ -1077,7 +1222,14 @@ async fn stream_from(
                     return Outcome::Done;
                 }
             }
-            Ok(Some(TokenEvent::Rejected { message, retryable })) => {
+            Ok(Some(TokenEvent::Rejected {
+                message,
+                retryable,
+                queue_full,
+            })) => {
+                if queue_full && tokens == 0 {
+                    return Outcome::Full(message);
+                }
                 if retryable && tokens == 0 {
                     return Outcome::NotStarted(message);
                 }

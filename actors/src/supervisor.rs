@@ -90,8 +90,12 @@ impl Actor for RouterActor {
             loop {
                 let m = members.borrow_and_update().clone();
                 core.apply_membership(&m);
-                if members.changed().await.is_err() {
-                    return;
+                // Also every second: links whose record vanished have a grace period.
+                tokio::select! {
+                    r = members.changed() => if r.is_err() {
+                        return;
+                    },
+                    _ = tokio::time::sleep(std::time::Duration::from_secs(1)) => {}
                 }
             }
         }))

@@ -252,6 +252,7 @@ impl WorkerCore {
                     &TokenEvent::Rejected {
                         message: e.to_string(),
                         retryable,
+                        queue_full: retryable,
                     },
                 )
                 .await;
@@ -324,7 +325,9 @@ impl WorkerCore {
                     },
                     finish.is_some(),
                 ),
-                Some(SeqEvent::Failed(m)) => (TokenEvent::Failed { message: m }, true),
+                Some(SeqEvent::Failed(m)) | Some(SeqEvent::Unavailable { message: m, .. }) => {
+                    (TokenEvent::Failed { message: m }, true)
+                }
                 None => (
                     TokenEvent::Failed {
                         message: "the worker's engine stopped".into(),
@@ -499,7 +502,11 @@ impl Serving {
     }
 
     async fn serve_stream(&self, conn: Connection, mut send: SendStream, mut recv: RecvStream) {
-        let reject = |message: String, retryable: bool| TokenEvent::Rejected { message, retryable };
+        let reject = |message: String, retryable: bool| TokenEvent::Rejected {
+            message,
+            retryable,
+            queue_full: false,
+        };
         let msg = match wire::read_msg::<StreamRequest>(&mut recv).await {
             Ok(Some(m)) => m,
             Ok(None) => return,

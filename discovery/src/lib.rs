@@ -59,6 +59,10 @@ pub struct NodeRecord {
     /// The node is shutting down: it finishes its requests and takes no new ones.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub draining: bool,
+    /// The model's fingerprint (config, vocabulary, weights): routers never mix nodes whose
+    /// fingerprint differs from their own under one model name.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model_fingerprint: Option<String>,
 }
 
 impl NodeRecord {
@@ -246,6 +250,7 @@ pub(crate) fn test_record(cluster: &str, node_id: &str) -> NodeRecord {
         kv_layout: None,
         kv_tcp_addr: None,
         draining: false,
+        model_fingerprint: None,
     }
 }
 

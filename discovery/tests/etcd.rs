@@ -37,6 +37,7 @@ fn record(cluster: &str, node_id: &str) -> NodeRecord {
         kv_layout: None,
         kv_tcp_addr: None,
         draining: false,
+        model_fingerprint: None,
     }
 }
 

@@ -19,6 +19,11 @@ pub trait Dispatch: Send + Sync + 'static {
     fn is_local(&self) -> bool {
         false
     }
+    /// Token ids the model has (0 to this, exclusive), when the dispatcher knows; the
+    /// gateway checks prompts of token ids against it and the tokenizer's vocabulary.
+    fn vocab_size(&self) -> Option<usize> {
+        None
+    }
 }
 
 impl Dispatch for EngineHandle {
@@ -36,5 +41,9 @@ impl Dispatch for EngineHandle {
 
     fn is_local(&self) -> bool {
         true
+    }
+
+    fn vocab_size(&self) -> Option<usize> {
+        Some(self.info.vocab_size)
     }
 }

@@ -55,6 +55,27 @@ impl ApiError {
         }
     }
 
+    /// A routed request no worker could take (see `kvmesh_gpu::engine::Unavailable`).
+    pub fn no_worker(why: kvmesh_gpu::engine::Unavailable, message: String) -> ApiError {
+        use kvmesh_gpu::engine::Unavailable as U;
+        let (status, kind, code) = match why {
+            U::QueueFull => (
+                StatusCode::TOO_MANY_REQUESTS,
+                "rate_limit_error",
+                Some("queue_full"),
+            ),
+            U::NoWorker => (StatusCode::SERVICE_UNAVAILABLE, "service_unavailable", None),
+            U::WorkerLost => (StatusCode::BAD_GATEWAY, "bad_gateway", Some("worker_lost")),
+        };
+        ApiError {
+            status,
+            message,
+            kind,
+            param: None,
+            code,
+        }
+    }
+
     pub fn unauthorized() -> ApiError {
         ApiError {
             status: StatusCode::UNAUTHORIZED,
@@ -72,6 +93,120 @@ impl ApiError {
             kind: "invalid_request_error",
             param: None,
             code: Some("unknown_url"),
+        }
+    }
+
+    /// A prompt of more bytes than `limit` tokens can hold: refused before tokenizing.
+    pub fn prompt_too_many_bytes(
+        limit: usize,
+        bytes: usize,
+        per_token: usize,
+        param: &str,
+    ) -> ApiError {
+        ApiError {
+            status: StatusCode::BAD_REQUEST,
+            message: format!(
+                "This model's maximum context length is {limit} tokens. However, your prompt is \
+                 {bytes} bytes long, and {limit} tokens of this tokenizer hold at most {} bytes \
+                 (no token stands for more than {per_token} bytes), so the prompt is longer \
+                 than {limit} tokens. Please reduce the length of the prompt.",
+                limit.saturating_mul(per_token)
+            ),
+            kind: "invalid_request_error",
+            param: Some(param.into()),
+            code: Some("context_length_exceeded"),
+        }
+    }
+
+    /// A prompt given as token ids with an id the model does not have.
+    pub fn token_out_of_vocab(id: u32, index: usize, vocab: usize) -> ApiError {
+        ApiError::param(
+            "prompt",
+            format!(
+                "Token id {id} (at position {index} of the prompt) is out of vocabulary: this \
+                 model's token ids go from 0 to {}.",
+                vocab.saturating_sub(1)
+            ),
+        )
+    }
+
+    pub fn method_not_allowed(method: &axum::http::Method, path: &str, allow: &str) -> ApiError {
+        let allowed = if allow.is_empty() {
+            String::new()
+        } else {
+            format!(" Use {allow}.")
+        };
+        ApiError {
+            status: StatusCode::METHOD_NOT_ALLOWED,
+            message: format!("Method {method} is not allowed on {path}.{allowed}"),
+            kind: "invalid_request_error",
+            param: None,
+            code: Some("method_not_allowed"),
+        }
+    }
+
+    pub fn body_too_large(limit: usize) -> ApiError {
+        ApiError {
+            status: StatusCode::PAYLOAD_TOO_LARGE,
+            message: format!(
+                "The request body is larger than the limit of {limit} bytes ({} MiB).",
+                limit >> 20
+            ),
+            kind: "invalid_request_error",
+            param: None,
+            code: Some("request_too_large"),
+        }
+    }
+
+    pub fn body_timeout(after: std::time::Duration) -> ApiError {
+        ApiError {
+            status: StatusCode::REQUEST_TIMEOUT,
+            message: format!(
+                "The request body did not arrive within {:.1} s of its headers.",
+                after.as_secs_f64()
+            ),
+            kind: "invalid_request_error",
+            param: None,
+            code: Some("request_timeout"),
+        }
+    }
+
+    pub fn too_many_connections(max: usize) -> ApiError {
+        ApiError {
+            status: StatusCode::SERVICE_UNAVAILABLE,
+            message: format!(
+                "The server has as many connections open as it takes ({max}). Retry later."
+            ),
+            kind: "service_unavailable",
+            param: None,
+            code: Some("too_many_connections"),
+        }
+    }
+
+    /// Any other status, with the text that came with it.
+    pub fn from_status(status: StatusCode, text: String) -> ApiError {
+        let message = if text.is_empty() {
+            status
+                .canonical_reason()
+                .unwrap_or("Request failed")
+                .to_string()
+        } else {
+            text
+        };
+        let kind = match status.as_u16() {
+            401 => "authentication_error",
+            403 => "permission_error",
+            429 => "rate_limit_error",
+            503 => "service_unavailable",
+            s if s >= 500 => "server_error",
+            _ => "invalid_request_error",
+        };
+        ApiError {
+            status,
+            message,
+            kind,
+            param: None,
+            code: None,
         }
     }
 
@@ -141,6 +276,17 @@ impl IntoResponse for ApiError {
         let span = tracing::Span::current();
         span.record("otel.status_code", "ERROR");
         span.record("otel.status_message", self.message.as_str());
-        (self.status, Json(self.body())).into_response()
+        let mut r = (self.status, Json(self.body())).into_response();
+        // Busy or briefly without workers: say when to come back.
+        if matches!(
+            self.status,
+            StatusCode::TOO_MANY_REQUESTS | StatusCode::SERVICE_UNAVAILABLE
+        ) {
+            r.headers_mut().insert(
+                axum::http::header::RETRY_AFTER,
+                axum::http::HeaderValue::from_static("1"),
+            );
+        }
+        r
     }
 }

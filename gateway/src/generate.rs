@@ -118,6 +118,10 @@ impl Generation {
                     "the engine stopped before the request finished",
                 ))))
             }
+            Some(SeqEvent::Unavailable { message, why }) => {
+                self.done = true;
+                Some(Err(self.failed(ApiError::no_worker(why, message))))
+            }
             Some(SeqEvent::Failed(m)) => {
                 self.done = true;
                 Some(Err(self.failed(ApiError::internal(format!(

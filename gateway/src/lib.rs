@@ -4,6 +4,7 @@
 pub mod dispatch;
 pub mod error;
 pub mod generate;
+pub mod http;
 pub mod metrics;
 pub mod protocol;
 pub mod traces;
@@ -13,7 +14,7 @@ use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use axum::body::Bytes;
-use axum::extract::{MatchedPath, Request, State};
+use axum::extract::{DefaultBodyLimit, MatchedPath, Request, State};
 use axum::http::{header, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::sse::{Event, KeepAlive, Sse};
@@ -47,6 +48,12 @@ pub struct AppState {
     pub created: u64,
     /// The trace viewer's sources, when tracing is on.
     pub traces: Option<Arc<traces::Traces>>,
+    /// The most bytes of text one token stands for (see [`max_bytes_per_token`]); `None`
+    /// when this tokenizer can make one token of any length of text.
+    pub bytes_per_token: Option<usize>,
+    /// Requests being parsed, templated and tokenized at once, at most: that work runs off
+    /// the async threads, so one client's huge prompts cannot stall the others.
+    prepare_permits: Arc<tokio::sync::Semaphore>,
 }
 
 impl AppState {
@@ -55,13 +62,49 @@ impl AppState {
         api_key: Option<String>,
         traces: Option<Arc<traces::Traces>>,
     ) -> Arc<AppState> {
+        let bytes_per_token = max_bytes_per_token(&model.tokenizer);
+        match bytes_per_token {
+            Some(b) => tracing::debug!(
+                "no token stands for more than {b} bytes: longer prompts than max model length \
+                 x {b} bytes are refused before tokenizing"
+            ),
+            None => tracing::info!(
+                "this tokenizer can make one token of arbitrarily long text: prompts are \
+                 measured only by tokenizing them"
+            ),
+        }
+        let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
         Arc::new(AppState {
             model,
             api_key,
             metrics: Arc::new(Metrics::default()),
             created: unix_now(),
             traces,
+            bytes_per_token,
+            prepare_permits: Arc::new(tokio::sync::Semaphore::new(cores.clamp(2, 16))),
         })
+    }
+
+    /// Refuses a prompt text that cannot fit the context whatever its tokens, before
+    /// tokenizing it: each token stands for at most `bytes_per_token` bytes of text.
+    fn check_prompt_bytes(&self, bytes: usize, param: &str) -> Result<(), ApiError> {
+        let Some(per) = self.bytes_per_token else {
+            return Ok(());
+        };
+        let limit = self.max_model_len();
+        if bytes > limit.saturating_mul(per) {
+            return Err(ApiError::prompt_too_many_bytes(limit, bytes, per, param));
+        }
+        Ok(())
+    }
+
+    /// Token ids a prompt may hold: below both the tokenizer's and the engine's vocabulary.
+    fn vocab_size(&self) -> usize {
+        let tok = self.model.tokenizer.vocab_size();
+        self.model
+            .engine
+            .vocab_size()
+            .map_or(tok, |engine| engine.min(tok))
     }
 
     fn max_model_len(&self) -> usize {
@@ -80,6 +123,50 @@ fn span(name: &'static str) -> tracing::Span {
         "chat_template" => tracing::info_span!(target: TARGET, "chat_template"),
         _ => tracing::info_span!(target: TARGET, "tokenize"),
     }
+}
+
+/// The most bytes of text one token of `tok` can stand for, so that a prompt of more than
+/// `n` times that many bytes surely has more than `n` tokens; `None` when no such bound
+/// holds for this tokenizer.
+///
+/// The bound is the longest token's text over the vocabulary, plus one byte (decoders of
+/// SentencePiece vocabularies drop the leading space of a token on its own). It holds for
+/// tokenizers that keep every byte of the input in some token (byte-level BPE, SentencePiece
+/// with byte fallback: what Llama, Qwen, Mistral and GPT-2 style models use). Texts that
+/// tokenizers of other kinds shrink or drop (runs of whitespace, characters a normalizer
+/// deletes, unknown characters fused into one token) are tried at start-up: if any comes
+/// out denser than the bound, there is none.
+pub fn max_bytes_per_token(tok: &TextTokenizer) -> Option<usize> {
+    let vocab = tok.vocab_size().min(u32::MAX as usize) as u32;
+    let longest = (0..vocab).map(|id| tok.token_text(id).len()).max()?;
+    let per = longest.max(1) + 1;
+    const PROBES: [&str; 16] = [
+        " ",
+        "\n",
+        "\t",
+        "\r\n",
+        "\u{a0}",
+        "\u{3000}",
+        "\u{200b}",
+        "\u{feff}",
+        "\u{301}",
+        "e\u{301}",
+        "\u{fb01}",
+        "\u{e000}",
+        "\u{10fffd}",
+        "\u{1f600}",
+        "\u{7}",
+        "\0",
+    ];
+    for p in PROBES {
+        // Long enough that one token standing for all of it would show.
+        let text = p.repeat((4 * per + 1024).div_ceil(p.len()));
+        match tok.encode(&text, false) {
+            Ok(ids) if ids.len().saturating_mul(per) >= text.len() => {}
+            _ => return None,
+        }
+    }
+    Some(per)
 }
 
 fn unix_now() -> u64 {
@@ -106,6 +193,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         )
         .route("/metrics", get(metrics_page))
         .fallback(|req: Request| async move { ApiError::not_found(req.uri().path()) })
+        .layer(DefaultBodyLimit::max(http::MAX_BODY_BYTES))
         .layer(middleware::from_fn_with_state(
             state.clone(),
             count_requests,
@@ -115,17 +203,51 @@ pub fn router(state: Arc<AppState>) -> Router {
 
 async fn require_key(State(st): State<Arc<AppState>>, req: Request, next: Next) -> Response {
     if let Some(key) = &st.api_key {
-        let ok = req
-            .headers()
-            .get(header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
-            .is_some_and(|k| k.trim() == key);
-        if !ok {
+        if !authorized(req.headers(), key) {
             return ApiError::unauthorized().into_response();
         }
     }
     next.run(req).await
+}
+
+/// Whether `headers` carry `Authorization: Bearer <key>`; the scheme's case does not matter
+/// (RFC 7235), and the key is compared in constant time.
+pub fn authorized(headers: &axum::http::HeaderMap, key: &str) -> bool {
+    let Some(v) = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+    else {
+        return false;
+    };
+    let v = v.trim_start();
+    let Some((scheme, token)) = v.split_once([' ', '\t']) else {
+        return false;
+    };
+    if !scheme.eq_ignore_ascii_case("bearer") {
+        return false;
+    }
+    let (a, b) = (token.trim().as_bytes(), key.as_bytes());
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |d, (x, y)| d | (x ^ y)) == 0
+}
+
+/// Why an API key cannot be used, if it cannot: one that could never be sent would lock
+/// every route.
+pub fn check_api_key(key: &str) -> Result<(), String> {
+    if key.is_empty() {
+        return Err(
+            "the API key is empty, which would refuse every request; leave --api-key \
+                    (and KVMESH_API_KEY) unset to serve without one"
+                .into(),
+        );
+    }
+    if !key.bytes().all(|b| b.is_ascii_graphic()) {
+        return Err(
+            "the API key must be printable ASCII without spaces (it is sent in an \
+                    `Authorization: Bearer <key>` header)"
+                .into(),
+        );
+    }
+    Ok(())
 }
 
 async fn count_requests(State(st): State<Arc<AppState>>, req: Request, next: Next) -> Response {
@@ -174,97 +296,149 @@ struct Prepared {
 
 async fn chat(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
     let start = Instant::now();
-    let prepared = (|| {
-        let (req, v) = span("validate").in_scope(|| {
-            let body = protocol::parse_body(&body)?;
-            let req: ChatRequest = protocol::fields(&body)?;
-            let top = protocol::chat_logprobs(req.logprobs, req.top_logprobs)?;
-            let v = protocol::validate_common(
-                &protocol::fields(&body)?,
-                &st.model.name,
-                st.model.tokenizer.sampling_defaults(),
-                top,
-            )?;
-            Ok::<_, ApiError>((req, v))
-        })?;
-        let text = span("chat_template").in_scope(|| {
-            let messages = protocol::template_messages(&req.messages)?;
-            Ok::<_, ApiError>(st.model.tokenizer.apply_chat_template(&messages, true)?)
-        })?;
-        let prompt = span("tokenize").in_scope(|| st.model.tokenizer.encode(&text, false))?;
-        Ok::<_, ApiError>(Prepared {
-            endpoint: Endpoint::Chat,
-            prompt,
-            echo: None,
-            v,
-        })
-    })();
+    let prepared = off_runtime(&st, move |st| prepare_chat(st, &body)).await;
     respond(st, prepared, start).await
 }
 
 async fn completions(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
     let start = Instant::now();
-    let prepared = (|| {
-        let (req, v) = span("validate").in_scope(|| {
-            let body = protocol::parse_body(&body)?;
-            let req: CompletionRequest = protocol::fields(&body)?;
-            let top = protocol::completion_logprobs(req.logprobs)?;
-            let v = protocol::validate_common(
-                &protocol::fields(&body)?,
-                &st.model.name,
-                st.model.tokenizer.sampling_defaults(),
-                top,
-            )?;
-            Ok::<_, ApiError>((req, v))
-        })?;
-        let tok = &st.model.tokenizer;
-        let one = |n: usize| {
-            if n == 1 {
-                Ok(())
-            } else {
-                Err(ApiError::param(
-                    "prompt",
-                    format!("Send one prompt per request (got {n})."),
-                ))
-            }
-        };
-        let empty = match &req.prompt {
-            Prompt::Text(t) => t.is_empty(),
-            Prompt::Texts(ts) => ts.iter().any(String::is_empty),
-            Prompt::Tokens(ids) => ids.is_empty(),
-            Prompt::TokenLists(l) => l.iter().any(Vec::is_empty),
-        };
-        if empty {
-            return Err(ApiError::param("prompt", "The prompt is empty."));
-        }
-        let (prompt, text) = span("tokenize").in_scope(|| {
-            Ok::<_, ApiError>(match req.prompt {
-                Prompt::Text(t) => (tok.encode(&t, true)?, t),
-                Prompt::Texts(ts) => {
-                    one(ts.len())?;
-                    (tok.encode(&ts[0], true)?, ts[0].clone())
-                }
-                Prompt::Tokens(ids) => {
-                    let t = tok.decode(&ids, false)?;
-                    (ids, t)
-                }
-                Prompt::TokenLists(mut l) => {
-                    one(l.len())?;
-                    let ids = l.remove(0);
-                    let t = tok.decode(&ids, false)?;
-                    (ids, t)
-                }
-            })
-        })?;
-        let echo = req.echo.unwrap_or(false).then_some(text);
-        Ok::<_, ApiError>(Prepared {
-            endpoint: Endpoint::Completion,
-            prompt,
-            echo,
-            v,
-        })
-    })();
+    let prepared = off_runtime(&st, move |st| prepare_completion(st, &body)).await;
     respond(st, prepared, start).await
+}
+
+/// Runs a request's CPU work (parsing, the chat template, tokenizing) on the blocking pool,
+/// a bounded number at a time (waiting turns in order), under the request's span.
+async fn off_runtime(
+    st: &Arc<AppState>,
+    work: impl FnOnce(&AppState) -> Result<Prepared, ApiError> + Send + 'static,
+) -> Result<Prepared, ApiError> {
+    let permit = st
+        .prepare_permits
+        .clone()
+        .acquire_owned()
+        .await
+        .map_err(|_| ApiError::internal("the gateway is shutting down"))?;
+    let span = tracing::Span::current();
+    let st = st.clone();
+    // The permit goes with the work: a client that hangs up does not free it early.
+    tokio::task::spawn_blocking(move || {
+        let _permit = permit;
+        span.in_scope(|| work(&st))
+    })
+    .await
+    .map_err(|e| ApiError::internal(format!("preparing the request failed: {e}")))?
+}
+
+fn prepare_chat(st: &AppState, body: &[u8]) -> Result<Prepared, ApiError> {
+    let (req, v) = span("validate").in_scope(|| {
+        let body = protocol::parse_body(body)?;
+        protocol::refuse_unsupported(&body)?;
+        let req: ChatRequest = protocol::fields(&body)?;
+        let top = protocol::chat_logprobs(req.logprobs, req.top_logprobs)?;
+        let v = protocol::validate_common(
+            &protocol::fields(&body)?,
+            &st.model.name,
+            st.model.tokenizer.sampling_defaults(),
+            top,
+        )?;
+        Ok::<_, ApiError>((req, v))
+    })?;
+    let text = span("chat_template").in_scope(|| {
+        let messages = protocol::template_messages(&req.messages)?;
+        Ok::<_, ApiError>(st.model.tokenizer.apply_chat_template(&messages, true)?)
+    })?;
+    st.check_prompt_bytes(text.len(), "messages")?;
+    let prompt = span("tokenize").in_scope(|| st.model.tokenizer.encode(&text, false))?;
+    Ok(Prepared {
+        endpoint: Endpoint::Chat,
+        prompt,
+        echo: None,
+        v,
+    })
+}
+
+fn prepare_completion(st: &AppState, body: &[u8]) -> Result<Prepared, ApiError> {
+    let (req, v) = span("validate").in_scope(|| {
+        let body = protocol::parse_body(body)?;
+        protocol::refuse_unsupported(&body)?;
+        let req: CompletionRequest = protocol::fields(&body)?;
+        let top = protocol::completion_logprobs(req.logprobs)?;
+        let v = protocol::validate_common(
+            &protocol::fields(&body)?,
+            &st.model.name,
+            st.model.tokenizer.sampling_defaults(),
+            top,
+        )?;
+        Ok::<_, ApiError>((req, v))
+    })?;
+    let tok = &st.model.tokenizer;
+    let one = |n: usize| {
+        if n == 1 {
+            Ok(())
+        } else {
+            Err(ApiError::param(
+                "prompt",
+                format!("Send one prompt per request (got {n})."),
+            ))
+        }
+    };
+    let empty = match &req.prompt {
+        Prompt::Text(t) => t.is_empty(),
+        Prompt::Texts(ts) => ts.iter().any(String::is_empty),
+        Prompt::Tokens(ids) => ids.is_empty(),
+        Prompt::TokenLists(l) => l.iter().any(Vec::is_empty),
+    };
+    if empty {
+        return Err(ApiError::param("prompt", "The prompt is empty."));
+    }
+    let echo = req.echo.unwrap_or(false);
+    let (prompt, text) = span("tokenize").in_scope(|| {
+        let text = |t: String| {
+            st.check_prompt_bytes(t.len(), "prompt")?;
+            let ids = tok.encode(&t, true)?;
+            Ok::<_, ApiError>((ids, echo.then_some(t)))
+        };
+        let ids = |ids: Vec<u32>| {
+            // Checked before decoding anything: a long list, or ids the model lacks.
+            let limit = st.max_model_len();
+            if ids.len() >= limit {
+                return Err(ApiError::context_length(
+                    limit,
+                    ids.len(),
+                    v.max_tokens.unwrap_or(1),
+                    "prompt",
+                ));
+            }
+            let vocab = st.vocab_size();
+            if let Some(i) = ids.iter().position(|&t| t as usize >= vocab) {
+                return Err(ApiError::token_out_of_vocab(ids[i], i, vocab));
+            }
+            let t = if echo {
+                Some(tok.decode(&ids, false)?)
+            } else {
+                None
+            };
+            Ok((ids, t))
+        };
+        match req.prompt {
+            Prompt::Text(t) => text(t),
+            Prompt::Texts(mut ts) => {
+                one(ts.len())?;
+                text(ts.remove(0))
+            }
+            Prompt::Tokens(l) => ids(l),
+            Prompt::TokenLists(mut l) => {
+                one(l.len())?;
+                ids(l.remove(0))
+            }
+        }
+    })?;
+    Ok(Prepared {
+        endpoint: Endpoint::Completion,
+        prompt,
+        echo: text,
+        v,
+    })
 }
 
 async fn respond(
@@ -344,7 +518,27 @@ async fn run(
         logprobs: v.params.logprobs.is_some(),
     };
     if v.stream {
-        Ok(stream(out, gen, prompt, echo, v.include_usage, v.return_token_ids).into_response())
+        // A routed request may find every worker full or none there: wait for its first
+        // event, so that is an HTTP status (429, 503) and not a 200 stream holding only an
+        // error. A local engine refuses at submission, before this point.
+        let first = if st.model.engine.is_local() {
+            None
+        } else {
+            match gen.next().await {
+                Some(Err(e)) => return Err(e),
+                other => Some(other),
+            }
+        };
+        Ok(stream(
+            out,
+            gen,
+            first,
+            prompt,
+            echo,
+            v.include_usage,
+            v.return_token_ids,
+        )
+        .into_response())
     } else {
         collect(out, gen, prompt, echo, v.return_token_ids).await
     }
@@ -451,6 +645,7 @@ async fn collect(
 fn stream(
     out: Output,
     mut gen: Generation,
+    mut peeked: Option<Option<Result<Chunk, ApiError>>>,
     prompt: Vec<u32>,
     echo: Option<String>,
     include_usage: bool,
@@ -471,7 +666,14 @@ fn stream(
         }
         let mut pending: Option<Chunk> = None;
         let mut offset = 0;
-        while let Some(next) = gen.next().await {
+        loop {
+            let next = match peeked.take() {
+                Some(p) => p,
+                None => gen.next().await,
+            };
+            let Some(next) = next else {
+                break;
+            };
             let c = match next {
                 Ok(c) => c,
                 Err(e) => {
@@ -503,6 +705,8 @@ fn stream(
             last["usage"] = gen.usage();
             yield data(last);
         }
+        // The request's place in the engine is free before the client sees the end.
+        drop(gen);
         yield Ok(Event::default().data("[DONE]"));
     };
     Sse::new(s).keep_alive(KeepAlive::default())

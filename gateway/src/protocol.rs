@@ -120,6 +120,59 @@ pub fn fields<T: serde::de::DeserializeOwned>(v: &Value) -> Result<T, ApiError> 
     })
 }
 
+/// Refuses, by name, request fields of the OpenAI API this server does not implement:
+/// ignoring them would answer something else than what was asked (free text instead of a
+/// tool call or of JSON, one sample instead of the best of several). Values that ask for
+/// nothing beyond plain generation pass: `null`, `tools: []`, `tool_choice: "none"`,
+/// `response_format: {"type": "text"}`, and `best_of` equal to `n` (as vLLM accepts).
+pub fn refuse_unsupported(body: &Value) -> Result<(), ApiError> {
+    let get = |k: &str| body.get(k).filter(|v| !v.is_null());
+    for name in ["tools", "functions"] {
+        if let Some(t) = get(name) {
+            if !t.as_array().is_some_and(Vec::is_empty) {
+                return Err(ApiError::param(
+                    name,
+                    format!(
+                        "`{name}` is not supported: this server does not call tools. Leave it out."
+                    ),
+                ));
+            }
+        }
+    }
+    for name in ["tool_choice", "function_call"] {
+        if let Some(c) = get(name) {
+            if c.as_str() != Some("none") {
+                return Err(ApiError::param(
+                    name,
+                    format!("`{name}` is not supported: this server does not call tools. Leave it out or send \"none\"."),
+                ));
+            }
+        }
+    }
+    if let Some(f) = get("response_format") {
+        let kind = f.get("type").and_then(Value::as_str);
+        if kind != Some("text") {
+            return Err(ApiError::param(
+                "response_format",
+                format!(
+                    "`response_format` {} is not supported: this server does not constrain output to JSON. Leave it out or send {{\"type\": \"text\"}}.",
+                    kind.map_or_else(|| "without a type".to_string(), |k| format!("of type `{k}`"))
+                ),
+            ));
+        }
+    }
+    if let Some(b) = get("best_of") {
+        let n = body.get("n").and_then(Value::as_i64).unwrap_or(1);
+        if b.as_i64() != Some(n) {
+            return Err(ApiError::param(
+                "best_of",
+                format!("`best_of` other than `n` ({n}) is not supported: this server does not generate candidates to pick from. Leave it out or send best_of = n."),
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// What a validated request asks the engine and the detokenizer for.
 pub struct Validated {
     pub params: SamplingParams,

@@ -82,7 +82,7 @@ impl LoadedModel {
     }
 
     /// A short fingerprint of what makes two copies of a model compute the same numbers:
-    /// the parsed config, the vocabulary's size and end ids, every tensor's name, dtype and
+    /// the parsed config, the vocabulary (every token and id) and end ids, every tensor's name, dtype and
     /// shape, and a sample of every tensor's bytes (its start, middle and end). Two workers
     /// that disagree on it must not exchange KV.
     pub fn fingerprint(&self) -> String {
@@ -91,6 +91,11 @@ impl LoadedModel {
         h.write(&(self.tokenizer.vocab_size() as u64).to_le_bytes());
         for id in self.tokenizer.eos_ids() {
             h.write(&id.to_le_bytes());
+        }
+        // The tokenizer: a gateway tokenizes for workers, so ids must mean the same text.
+        for (id, token) in self.tokenizer.vocabulary() {
+            h.write(&id.to_le_bytes());
+            h.write(token.as_bytes());
         }
         let mut names = self.weights.names();
         names.sort_unstable();

@@ -231,6 +231,19 @@ impl TextTokenizer {
             .map_err(|e| EngineError::Tokenizer(e.to_string()))
     }
 
+    /// Every (token, id) of the vocabulary, added tokens included, sorted by id: what two
+    /// tokenizers must share for the same ids to mean the same text.
+    pub fn vocabulary(&self) -> Vec<(u32, String)> {
+        let mut v: Vec<(u32, String)> = self
+            .inner
+            .get_vocab(true)
+            .into_iter()
+            .map(|(t, id)| (id, t))
+            .collect();
+        v.sort_unstable();
+        v
+    }
+
     /// The token's own text, for logprobs.
     pub fn token_text(&self, id: u32) -> String {
         self.inner.decode(&[id], false).unwrap_or_default()

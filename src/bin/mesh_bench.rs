@@ -240,6 +240,110 @@ async fn heterogeneous(http: &reqwest::Client, quick: bool) -> Value {
     json!(out)
 }
 
+/// Bursty open-loop arrivals on 1x + 3x sim workers (`kvmesh bench --request-rate R
+/// --burstiness 0.3`, gamma gaps: bursts and lulls), at 90% of what the timing model says
+/// the pair can generate: output throughput and TTFT per policy.
+fn bursty(quick: bool) -> Value {
+    let n = if quick { 120 } else { 400 };
+    let (speeds, out_len, conc) = ([1.0, 3.0], 64usize, 48usize);
+    let ideal = model_ideal(&speeds, conc, 8.0, 0.1);
+    let rate = 0.9 * ideal / out_len as f64;
+    let mut rows = Vec::new();
+    println!(
+        "\n== bursty arrivals: 1x+3x sim workers, {n} requests x {out_len} tokens at {rate:.1} req/s (90% of the model's best), burstiness 0.3 =="
+    );
+    println!(
+        "{:>13} {:>13} {:>9} {:>10} {:>10}",
+        "policy", "output tok/s", "vs rr", "p99 TTFT", "mean TTFT"
+    );
+    for policy in ["round-robin", "least-loaded", "power-of-two"] {
+        let etcd = Etcd::start();
+        let cluster = format!("bench-burst-{policy}");
+        let _workers: Vec<Proc> = speeds
+            .iter()
+            .enumerate()
+            .map(|(i, sp)| {
+                let speed = sp.to_string();
+                node(
+                    &etcd,
+                    &cluster,
+                    &format!("w{i}-{sp}x"),
+                    &[
+                        "--roles",
+                        "worker",
+                        "--backend",
+                        "sim",
+                        "--sim-speed",
+                        &speed,
+                    ],
+                )
+            })
+            .collect();
+        let gw = gateway(&etcd, &cluster, policy);
+        let http = load_client(Duration::from_secs(120));
+        let rt = tokio::runtime::Handle::current();
+        tokio::task::block_in_place(|| rt.block_on(wait_workers(&http, &gw, speeds.len())));
+        let dir = std::env::temp_dir().join(format!(
+            "kvmesh-mesh-bench-burst-{}-{policy}",
+            std::process::id()
+        ));
+        let st = std::process::Command::new(kvmesh_bin())
+            .args(["bench", "--base-url", &gw.http, "--dataset", "random"])
+            .args(["--input-len", "64", "--output-len", &out_len.to_string()])
+            .args(["--num-prompts", &n.to_string()])
+            .args([
+                "--request-rate",
+                &format!("{rate:.3}"),
+                "--burstiness",
+                "0.3",
+            ])
+            .args(["--max-concurrency", &conc.to_string(), "--seed", "7"])
+            .args(["--label", policy, "--result-dir"])
+            .arg(&dir)
+            .stdout(std::process::Stdio::null())
+            .status()
+            .expect("run kvmesh bench");
+        assert!(st.success(), "kvmesh bench failed for {policy}");
+        let run: Value = std::fs::read_dir(&dir)
+            .unwrap()
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .find(|p| {
+                let name = p.file_name().unwrap().to_string_lossy().to_string();
+                name.ends_with(".json") && !name.contains("summary")
+            })
+            .map(|p| serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap())
+            .expect("the run's JSON");
+        let _ = std::fs::remove_dir_all(&dir);
+        let m = &run["metrics"];
+        let p99 = m["ttft_ms"]["percentiles"]
+            .as_array()
+            .and_then(|ps| ps.iter().find(|p| p[0].as_f64() == Some(99.0)))
+            .and_then(|p| p[1].as_f64())
+            .unwrap_or(f64::NAN);
+        rows.push(json!({
+            "label": policy,
+            "output_tok_per_s": m["output_throughput"],
+            "ttft_p99_ms": p99,
+            "ttft_mean_ms": m["ttft_ms"]["mean"],
+            "failed": m["failed"],
+        }));
+    }
+    let rr = rows[0]["output_tok_per_s"].as_f64().unwrap_or(f64::NAN);
+    for r in &rows {
+        let tps = r["output_tok_per_s"].as_f64().unwrap_or(f64::NAN);
+        println!(
+            "{:>13} {:>13.1} {:>8.2}x {:>8.1}ms {:>8.1}ms",
+            r["label"].as_str().unwrap(),
+            tps,
+            tps / rr,
+            r["ttft_p99_ms"].as_f64().unwrap_or(f64::NAN),
+            r["ttft_mean_ms"].as_f64().unwrap_or(f64::NAN),
+        );
+    }
+    json!({"speeds": speeds, "request_rate": rate, "burstiness": 0.3, "requests": n,
+           "model_ideal_tok_per_s": ideal, "rows": rows})
+}
+
 /// How long a routing decision takes as the cluster grows: building every candidate (load,
 /// capacity, the prompt's cached blocks in each worker's KV view) and picking, against
 /// power-of-two's two candidates. In-process, over synthetic views holding 4096 blocks
@@ -451,6 +555,9 @@ async fn main() {
     }
     if args.runs("heterogeneous") {
         out["heterogeneous"] = heterogeneous(&http, quick).await;
+    }
+    if args.runs("bursty") {
+        out["bursty"] = bursty(quick);
     }
     if args.runs("prefix") {
         out["prefix_routing"] = prefix_routing(&http, quick).await;

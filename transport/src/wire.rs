@@ -70,8 +70,13 @@ pub enum TokenEvent {
         cached_tokens: u32,
     },
     /// The worker could not take the request (full queue, bad input): nothing was generated,
-    /// so `retryable` says whether another worker may succeed.
-    Rejected { message: String, retryable: bool },
+    /// so `retryable` says whether another worker may succeed; `queue_full` that it is busy
+    /// (not restarting or shutting down).
+    Rejected {
+        message: String,
+        retryable: bool,
+        queue_full: bool,
+    },
     /// Generation failed after it started.
     Failed { message: String },
 }

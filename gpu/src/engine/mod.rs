@@ -46,7 +46,8 @@ pub struct EngineConfig {
     pub max_num_seqs: usize,
     pub max_num_batched_tokens: usize,
     pub block_size: usize,
-    /// Requests allowed to wait; one more is refused.
+    /// Requests allowed to wait for one of the `max_num_seqs` slots: a request is refused
+    /// only when `max_num_seqs + max_waiting` submitted requests are still unfinished.
     pub max_waiting: usize,
     pub enable_prefix_caching: bool,
 }
@@ -90,6 +91,24 @@ pub enum SeqEvent {
         cached_tokens: usize,
     },
     Failed(String),
+    /// No worker could take the request and nothing was generated (a cluster's router says
+    /// this; a client may retry later).
+    Unavailable {
+        message: String,
+        why: Unavailable,
+    },
+}
+
+/// Why a routed request found no worker.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Unavailable {
+    /// Every worker's queue is full (HTTP 429, as on one node).
+    QueueFull,
+    /// No worker is there, or none could take it in time (HTTP 503).
+    NoWorker,
+    /// Its worker was lost before anything reached the client, and no other could
+    /// continue it (HTTP 502).
+    WorkerLost,
 }
 
 #[derive(Clone, Debug)]
@@ -197,6 +216,10 @@ enum Mode {
 pub struct EngineHandle {
     tx: crossbeam_channel::Sender<Command>,
     next_id: Arc<AtomicU64>,
+    /// Submissions not yet finished or dropped: what admission counts against the limit.
+    /// (The `stats` gauges lag the engine thread, which publishes them between steps: a
+    /// request freeing its slot, or several arriving at once, would be miscounted.)
+    admitted: Arc<AtomicUsize>,
     pub stats: Arc<EngineStats>,
     /// The prefix cache's stores and evictions, for routers.
     pub kv_events: Arc<kv_events::KvEventHub>,
@@ -211,12 +234,25 @@ pub struct Submission {
     /// reads it, the rest may ignore it.
     pub progress: mpsc::UnboundedReceiver<Progress>,
     abort: AbortOnDrop,
+    /// The request's place in the engine's admission count, given back when it finishes or
+    /// is dropped, whichever comes first.
+    slot: Option<Slot>,
 }
 
 impl Submission {
-    /// The request finished on its own: nothing to abort.
+    /// The request finished on its own: nothing to abort, and its place is free.
     pub fn finished(&mut self) {
         self.abort.armed = false;
+        self.slot = None;
+    }
+}
+
+/// One admitted request, counted until dropped.
+struct Slot(Arc<AtomicUsize>);
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -269,6 +305,7 @@ impl Submission {
                 target: AbortTarget::External(Some(Box::new(on_abort))),
                 armed: true,
             },
+            slot: None,
         }
     }
 }
@@ -365,10 +402,21 @@ impl EngineHandle {
                 self.info.num_blocks
             )));
         }
-        let waiting = self.stats.waiting.load(Ordering::Relaxed);
-        if waiting >= cfg.max_waiting {
-            return Err(EngineError::QueueFull { waiting });
+        // Checked and counted in one step: two requests arriving together cannot both take
+        // the last place.
+        let capacity = cfg.max_num_seqs.saturating_add(cfg.max_waiting);
+        if self
+            .admitted
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < capacity).then_some(n + 1)
+            })
+            .is_err()
+        {
+            return Err(EngineError::QueueFull {
+                waiting: cfg.max_waiting,
+            });
         }
+        let slot = Slot(self.admitted.clone());
         let id = SeqId(self.next_id.fetch_add(1, Ordering::Relaxed));
         let (etx, erx) = mpsc::unbounded_channel();
         let (ptx, prx) = mpsc::unbounded_channel();
@@ -393,6 +441,7 @@ impl EngineHandle {
                 },
                 armed: true,
             },
+            slot: Some(slot),
         })
     }
 }
@@ -484,6 +533,7 @@ pub fn spawn(
     EngineHandle {
         tx,
         next_id: Arc::new(AtomicU64::new(1)),
+        admitted: Arc::new(AtomicUsize::new(0)),
         stats,
         kv_events,
         info,
@@ -1166,7 +1216,7 @@ mod tests {
                         return out;
                     }
                 }
-                SeqEvent::Failed(m) => panic!("{m}"),
+                SeqEvent::Failed(m) | SeqEvent::Unavailable { message: m, .. } => panic!("{m}"),
             }
         }
     }
@@ -1264,6 +1314,54 @@ mod tests {
             max_tokens,
             ignore_eos: true,
             ..Default::default()
+        }
+    }
+
+    #[test]
+    fn admission_refuses_only_beyond_running_plus_waiting() {
+        let vocab = 97;
+        let cfg = EngineConfig {
+            max_model_len: 64,
+            max_num_seqs: 2,
+            max_num_batched_tokens: 64,
+            block_size: 4,
+            max_waiting: 2,
+            enable_prefix_caching: false,
+        };
+        let h = spawn(
+            Box::new(Recorder {
+                blocks: 64,
+                vocab,
+                log: Arc::new(Mutex::new(Vec::new())),
+            }),
+            cfg,
+            vec![],
+            vocab,
+        );
+        let req = || Request {
+            prompt: vec![1, 2, 3],
+            params: greedy(6),
+        };
+        let full = |r: Result<Submission>| matches!(r, Err(EngineError::QueueFull { .. }));
+        for round in 0..20 {
+            // Four at once, before the engine thread has seen any: two run, two wait.
+            let mut subs: Vec<Submission> = (0..4)
+                .map(|i| {
+                    h.submit(req())
+                        .unwrap_or_else(|e| panic!("round {round}, request {i}: {e}"))
+                })
+                .collect();
+            assert!(full(h.submit(req())), "round {round}: a fifth has no place");
+            // A finished request frees its place as soon as its last token is read.
+            drain(&mut subs[0]);
+            subs[0] = h.submit(req()).expect("the finished request's place");
+            // So does a dropped one.
+            subs.pop();
+            subs.push(h.submit(req()).expect("the dropped request's place"));
+            assert!(full(h.submit(req())));
+            for s in &mut subs {
+                drain(s);
+            }
         }
     }
 

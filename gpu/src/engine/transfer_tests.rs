@@ -60,7 +60,7 @@ fn tokens(sub: &mut Submission) -> Vec<u32> {
                     return out;
                 }
             }
-            SeqEvent::Failed(m) => panic!("{m}"),
+            SeqEvent::Failed(m) | SeqEvent::Unavailable { message: m, .. } => panic!("{m}"),
         }
     }
 }

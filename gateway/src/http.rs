@@ -1,0 +1,763 @@
+//! kvmesh's HTTP/1 server: hyper connections with the limits a public endpoint needs.
+//!
+//! - A request head must arrive whole within the header timeout of the connection opening
+//!   (or of its first byte, after an idle keep-alive pause): a silent or header-dripping
+//!   client is closed.
+//! - A keep-alive connection with no request in flight is closed after the idle timeout.
+//! - A request body must arrive whole within the body timeout of its head; a late one gets
+//!   408 and the connection is closed.
+//! - At most `max_connections` connections are open (never more than the open-file limit
+//!   allows, less a margin); beyond it a new connection gets a 503 at once and is closed. An
+//!   accept that fails (out of file descriptors) is retried after a short pause.
+//! - Responses, streamed ones included, are never cut by these timeouts.
+//! - Errors made below the API's handlers (unknown route, wrong method, body too large or
+//!   too slow, a rejected extractor) are answered in the OpenAI error shape.
+//!
+//! On shutdown the listener closes at once; idle connections are closed, and connections
+//! with a request in flight finish it (a stream runs to its end) before closing. The caller
+//! bounds that with its own grace period: dropping the future closes every connection.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::io;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use axum::body::{Body, Bytes};
+use axum::http::{header, HeaderValue, Method, Request, Response, StatusCode};
+use axum::response::IntoResponse;
+use axum::Router;
+use http_body::{Frame, SizeHint};
+use hyper::body::Incoming;
+use hyper_util::rt::TokioIo;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{watch, Notify, OwnedSemaphorePermit, Semaphore};
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+use tower_service::Service;
+
+use crate::error::ApiError;
+
+/// Defaults of the limits, in seconds (`kvmesh serve` and `kvmesh node` flags).
+pub const DEFAULT_HEADER_TIMEOUT_S: f64 = 10.0;
+pub const DEFAULT_IDLE_TIMEOUT_S: f64 = 75.0;
+pub const DEFAULT_BODY_TIMEOUT_S: f64 = 30.0;
+pub const DEFAULT_MAX_CONNECTIONS: usize = 1024;
+
+/// The largest request body the API reads (axum's default, made explicit for messages).
+pub const MAX_BODY_BYTES: usize = 2 << 20;
+
+/// Connections refused with a 503 that may linger (sending it, then reading what the client
+/// had sent so that closing does not reset the connection under the answer).
+const MAX_REFUSING: usize = 32;
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct HttpLimits {
+    /// A request head must be complete this long after the connection opened or, on a
+    /// keep-alive connection, after its first byte. `None`: no limit.
+    pub header_timeout: Option<Duration>,
+    /// A keep-alive connection with no request in flight is closed after this long.
+    pub idle_timeout: Option<Duration>,
+    /// A request body must be complete this long after its head.
+    pub body_timeout: Option<Duration>,
+    /// Open connections at most (capped by the open-file limit).
+    pub max_connections: usize,
+}
+
+impl Default for HttpLimits {
+    fn default() -> HttpLimits {
+        let s = |v: f64| Some(Duration::from_secs_f64(v));
+        HttpLimits {
+            header_timeout: s(DEFAULT_HEADER_TIMEOUT_S),
+            idle_timeout: s(DEFAULT_IDLE_TIMEOUT_S),
+            body_timeout: s(DEFAULT_BODY_TIMEOUT_S),
+            max_connections: DEFAULT_MAX_CONNECTIONS,
+        }
+    }
+}
+
+/// The soft limit on open files (RLIMIT_NOFILE), when there is one.
+pub fn open_file_limit() -> Option<usize> {
+    #[cfg(unix)]
+    {
+        let mut r = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        // SAFETY: getrlimit writes into the struct it is given and reads nothing else.
+        if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) } != 0
+            || r.rlim_cur == libc::RLIM_INFINITY
+        {
+            return None;
+        }
+        Some(r.rlim_cur as usize)
+    }
+    #[cfg(not(unix))]
+    None
+}
+
+/// The most connections a process with `open_files` descriptors may hold: the rest is kept
+/// for what else it opens (model files, the engine, cluster links, logs): an eighth of the
+/// limit, at least 64.
+pub fn connection_ceiling(open_files: usize) -> usize {
+    open_files.saturating_sub((open_files / 8).max(64)).max(1)
+}
+
+/// Raises the soft open-file limit toward the hard one, as far as `connections` need (never
+/// lowers it): many systems start processes at 1024 with a much higher hard limit.
+fn raise_open_file_limit(connections: usize) {
+    #[cfg(unix)]
+    {
+        let needed = (connections + 64).max((connections * 8).div_ceil(7) + 1) as libc::rlim_t;
+        let mut r = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        // SAFETY: getrlimit and setrlimit read and write only the struct they are given.
+        unsafe {
+            if libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) != 0
+                || r.rlim_cur == libc::RLIM_INFINITY
+                || r.rlim_cur >= needed
+            {
+                return;
+            }
+            let from = r.rlim_cur;
+            r.rlim_cur = if r.rlim_max == libc::RLIM_INFINITY {
+                needed
+            } else {
+                needed.min(r.rlim_max)
+            };
+            if r.rlim_cur > from && libc::setrlimit(libc::RLIMIT_NOFILE, &r) == 0 {
+                tracing::debug!("open-file limit raised from {from} to {}", r.rlim_cur);
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = connections;
+}
+
+/// The connection cap `serve` applies for `asked`: capped by the open-file limit (raised
+/// first as far as the hard limit allows).
+pub fn effective_max_connections(asked: usize) -> usize {
+    let asked = asked.max(1);
+    raise_open_file_limit(asked);
+    match open_file_limit() {
+        Some(files) if asked > connection_ceiling(files) => {
+            let cap = connection_ceiling(files);
+            tracing::warn!(
+                "--max-connections {asked} is more than the open-file limit of {files} allows; \
+                 serving at most {cap} connections (raise `ulimit -n` for more)"
+            );
+            cap
+        }
+        _ => asked,
+    }
+}
+
+/// Serves `app` on `listener` until `shutdown` completes, then stops accepting and lets the
+/// open requests finish (see the module's notes).
+pub async fn serve<F>(
+    listener: TcpListener,
+    app: Router,
+    limits: HttpLimits,
+    shutdown: F,
+) -> io::Result<()>
+where
+    F: Future<Output = ()> + Send,
+{
+    let max = effective_max_connections(limits.max_connections);
+    let fmt = |d: Option<Duration>| d.map_or("off".to_string(), |d| format!("{:?}", d));
+    tracing::info!(
+        "HTTP limits: {max} connections, header timeout {}, idle timeout {}, body timeout {}",
+        fmt(limits.header_timeout),
+        fmt(limits.idle_timeout),
+        fmt(limits.body_timeout),
+    );
+    let limits = Arc::new(limits);
+    let permits = Arc::new(Semaphore::new(max));
+    let refusing = Arc::new(Semaphore::new(MAX_REFUSING));
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let mut conns = JoinSet::new();
+    let mut accept_errors = AcceptErrors::default();
+    let mut full = RateLimited::default();
+    tokio::pin!(shutdown);
+    loop {
+        tokio::select! {
+            _ = &mut shutdown => break,
+            Some(_) = conns.join_next(), if !conns.is_empty() => {}
+            accepted = listener.accept() => match accepted {
+                Ok((tcp, _peer)) => {
+                    accept_errors.reset();
+                    match permits.clone().try_acquire_owned() {
+                        Ok(permit) => {
+                            conns.spawn(connection(
+                                tcp,
+                                app.clone(),
+                                limits.clone(),
+                                permit,
+                                stop_rx.clone(),
+                            ));
+                        }
+                        Err(_) => {
+                            if full.ready() {
+                                tracing::warn!(
+                                    "{max} HTTP connections open (--max-connections): \
+                                     answering new ones 503{}",
+                                    full.suppressed_note()
+                                );
+                            }
+                            refuse(tcp, max, &refusing);
+                        }
+                    }
+                }
+                Err(e) if is_connection_error(&e) => {}
+                Err(e) => {
+                    let pause = accept_errors.failed(&e);
+                    tokio::select! {
+                        _ = &mut shutdown => break,
+                        _ = tokio::time::sleep(pause) => {}
+                    }
+                }
+            },
+        }
+    }
+    drop(listener);
+    stop_tx.send_replace(true);
+    while conns.join_next().await.is_some() {}
+    Ok(())
+}
+
+/// Errors of one connection that `accept` reports: nothing wrong with the listener.
+fn is_connection_error(e: &io::Error) -> bool {
+    matches!(
+        e.kind(),
+        io::ErrorKind::ConnectionRefused
+            | io::ErrorKind::ConnectionAborted
+            | io::ErrorKind::ConnectionReset
+            | io::ErrorKind::Interrupted
+    )
+}
+
+/// Backoff and logging for a failing `accept` (out of file descriptors, out of memory):
+/// a pause growing from 10 ms to 1 s, and one log line every few seconds at most.
+#[derive(Default)]
+struct AcceptErrors {
+    pause: Duration,
+    log: RateLimited,
+}
+
+impl AcceptErrors {
+    fn failed(&mut self, e: &io::Error) -> Duration {
+        self.pause = (self.pause * 2).clamp(Duration::from_millis(10), Duration::from_secs(1));
+        if self.log.ready() {
+            let why = match e.raw_os_error() {
+                Some(libc::EMFILE) | Some(libc::ENFILE) => {
+                    " (out of file descriptors: lower --max-connections or raise `ulimit -n`)"
+                }
+                _ => "",
+            };
+            tracing::error!(
+                "accepting an HTTP connection failed: {e}{why}; retrying in {:?}{}",
+                self.pause,
+                self.log.suppressed_note()
+            );
+        }
+        self.pause
+    }
+
+    fn reset(&mut self) {
+        self.pause = Duration::ZERO;
+    }
+}
+
+/// Lets a repeated log line through once every 5 s, counting the ones held back.
+#[derive(Default)]
+struct RateLimited {
+    last: Option<Instant>,
+    suppressed: u64,
+    noted: u64,
+}
+
+impl RateLimited {
+    fn ready(&mut self) -> bool {
+        let now = Instant::now();
+        if self
+            .last
+            .is_some_and(|t| now.duration_since(t) < Duration::from_secs(5))
+        {
+            self.suppressed += 1;
+            return false;
+        }
+        self.last = Some(now);
+        self.noted = std::mem::take(&mut self.suppressed);
+        true
+    }
+
+    fn suppressed_note(&self) -> String {
+        match self.noted {
+            0 => String::new(),
+            n => format!(" ({n} more since the last report)"),
+        }
+    }
+}
+
+/// Answers a connection beyond the cap with 503 and closes it, without waiting for it.
+fn refuse(tcp: TcpStream, max: usize, refusing: &Arc<Semaphore>) {
+    let body = ApiError::too_many_connections(max).body().to_string();
+    let head = format!(
+        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n\
+         content-length: {}\r\nretry-after: 1\r\nconnection: close\r\n\r\n",
+        body.len()
+    );
+    let answer = [head.as_bytes(), body.as_bytes()].concat();
+    // A new socket's send buffer is empty: the answer goes out without waiting.
+    let _ = tcp.try_write(&answer);
+    let Ok(permit) = refusing.clone().try_acquire_owned() else {
+        return; // dropped: closed at once
+    };
+    tokio::spawn(async move {
+        let _permit = permit;
+        let mut tcp = tcp;
+        // Closing with unread bytes would reset the connection, and the client could lose
+        // the answer: say we are done, then read what it sent for a moment.
+        let _ = tokio::time::timeout(Duration::from_millis(500), async {
+            use tokio::io::{AsyncReadExt, AsyncWriteExt};
+            let _ = tcp.shutdown().await;
+            let mut sink = [0u8; 4096];
+            while matches!(tcp.read(&mut sink).await, Ok(n) if n > 0) {}
+        })
+        .await;
+    });
+}
+
+/// One connection: hyper's HTTP/1, watched by the connection's clock.
+async fn connection(
+    tcp: TcpStream,
+    app: Router,
+    limits: Arc<HttpLimits>,
+    _permit: OwnedSemaphorePermit,
+    mut stop: watch::Receiver<bool>,
+) {
+    // Streams are many small writes: without TCP_NODELAY a chunk can wait ~40 ms for the
+    // client's delayed ACK (Nagle), which shows up as time to first token.
+    if let Err(e) = tcp.set_nodelay(true) {
+        tracing::debug!("TCP_NODELAY: {e}");
+    }
+    let clock = Arc::new(Clock::new(&limits));
+    let io = TokioIo::new(Watched {
+        io: tcp,
+        clock: clock.clone(),
+    });
+    let body_timeout = limits.body_timeout;
+    let svc = {
+        let clock = clock.clone();
+        hyper::service::service_fn(move |req| handle(req, app.clone(), clock.clone(), body_timeout))
+    };
+    let conn = hyper::server::conn::http1::Builder::new()
+        // The clock below times heads: hyper's own timer would also run while idle.
+        .header_read_timeout(None)
+        .serve_connection(io, svc);
+    tokio::pin!(conn);
+    let mut stopping = false;
+    loop {
+        tokio::select! {
+            r = conn.as_mut() => {
+                if let Err(e) = r {
+                    tracing::debug!("HTTP connection ended: {e}");
+                }
+                return;
+            }
+            _ = stop.wait_for(|s| *s), if !stopping => {
+                stopping = true;
+                // Idle: closed now; in a request: closed once its response is sent.
+                conn.as_mut().graceful_shutdown();
+            }
+            expired = clock.expired() => {
+                match expired {
+                    Expired::Head => tracing::debug!(
+                        "closing an HTTP connection: no complete request head within {:?}",
+                        limits.header_timeout.unwrap_or_default()
+                    ),
+                    Expired::Idle => tracing::debug!("closing an idle HTTP connection"),
+                }
+                return;
+            }
+        }
+    }
+}
+
+/// What a connection is doing, for its timeouts.
+#[derive(Clone, Copy, Debug)]
+enum Phase {
+    /// Waiting for a request head to be complete, until the deadline.
+    Head(Option<Instant>),
+    /// Nothing in flight and no byte of the next request yet.
+    Idle(Option<Instant>),
+    /// This many requests in flight (their heads were read; their responses not yet sent).
+    Busy(usize),
+}
+
+enum Expired {
+    Head,
+    Idle,
+}
+
+struct Clock {
+    header: Option<Duration>,
+    idle: Option<Duration>,
+    phase: Mutex<Phase>,
+    /// Whether the phase is `Idle` (read on every socket read; the lock only on changes).
+    idle_now: AtomicBool,
+    changed: Notify,
+}
+
+impl Clock {
+    fn new(limits: &HttpLimits) -> Clock {
+        Clock {
+            header: limits.header_timeout,
+            idle: limits.idle_timeout,
+            phase: Mutex::new(Phase::Head(
+                limits.header_timeout.map(|d| Instant::now() + d),
+            )),
+            idle_now: AtomicBool::new(false),
+            changed: Notify::new(),
+        }
+    }
+
+    fn set(&self, f: impl FnOnce(Phase) -> Phase) {
+        let mut p = self.phase.lock().unwrap_or_else(|e| e.into_inner());
+        *p = f(*p);
+        self.idle_now
+            .store(matches!(*p, Phase::Idle(_)), Ordering::Relaxed);
+        drop(p);
+        self.changed.notify_one();
+    }
+
+    /// Bytes came in: after an idle pause, the next head's time starts.
+    fn bytes_read(&self) {
+        if self.idle_now.load(Ordering::Relaxed) {
+            let header = self.header;
+            self.set(|p| match p {
+                Phase::Idle(_) => Phase::Head(header.map(|d| Instant::now() + d)),
+                p => p,
+            });
+        }
+    }
+
+    /// A request head was read: no head or idle timeout until its response is sent.
+    fn request_started(self: &Arc<Self>) -> InFlight {
+        self.set(|p| match p {
+            Phase::Busy(n) => Phase::Busy(n + 1),
+            _ => Phase::Busy(1),
+        });
+        InFlight(self.clone())
+    }
+
+    fn request_done(&self) {
+        let idle = self.idle;
+        self.set(|p| match p {
+            Phase::Busy(n) if n > 1 => Phase::Busy(n - 1),
+            _ => Phase::Idle(idle.map(|d| Instant::now() + d)),
+        });
+    }
+
+    /// Resolves when the phase's deadline passes.
+    async fn expired(&self) -> Expired {
+        loop {
+            let changed = self.changed.notified();
+            let phase = *self.phase.lock().unwrap_or_else(|e| e.into_inner());
+            let (deadline, kind) = match phase {
+                Phase::Head(Some(d)) => (d, Expired::Head),
+                Phase::Idle(Some(d)) => (d, Expired::Idle),
+                _ => {
+                    changed.await;
+                    continue;
+                }
+            };
+            if Instant::now() >= deadline {
+                return kind;
+            }
+            tokio::select! {
+                _ = tokio::time::sleep_until(deadline) => {}
+                _ = changed => {}
+            }
+        }
+    }
+}
+
+/// A request in flight on a connection; dropped when its response is sent (or abandoned).
+struct InFlight(Arc<Clock>);
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.request_done();
+    }
+}
+
+/// The socket, telling the clock when bytes arrive.
+struct Watched {
+    io: TcpStream,
+    clock: Arc<Clock>,
+}
+
+impl AsyncRead for Watched {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let before = buf.filled().len();
+        let r = Pin::new(&mut self.io).poll_read(cx, buf);
+        if matches!(r, Poll::Ready(Ok(()))) && buf.filled().len() > before {
+            self.clock.bytes_read();
+        }
+        r
+    }
+}
+
+impl AsyncWrite for Watched {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.io).poll_shutdown(cx)
+    }
+}
+
+async fn handle(
+    req: Request<Incoming>,
+    mut app: Router,
+    clock: Arc<Clock>,
+    body_timeout: Option<Duration>,
+) -> Result<Response<Tracked>, Infallible> {
+    let in_flight = clock.request_started();
+    let method = req.method().clone();
+    let path = req.uri().path().to_string();
+    let late = Arc::new(AtomicBool::new(false));
+    let req = req.map(|b| {
+        Body::new(TimedBody {
+            deadline: body_timeout
+                .filter(|_| !http_body::Body::is_end_stream(&b))
+                .map(|d| Instant::now() + d),
+            inner: b,
+            sleep: None,
+            late: late.clone(),
+        })
+    });
+    let resp = match app.call(req).await {
+        Ok(r) => r,
+        Err(never) => match never {},
+    };
+    let resp = if late.load(Ordering::Relaxed) {
+        let mut r = ApiError::body_timeout(body_timeout.unwrap_or_default()).into_response();
+        r.headers_mut()
+            .insert(header::CONNECTION, HeaderValue::from_static("close"));
+        r
+    } else {
+        openai_errors(resp, &method, &path).await
+    };
+    Ok(resp.map(|body| Tracked {
+        body,
+        in_flight: Some(in_flight),
+    }))
+}
+
+/// Gives error responses made outside the API's handlers (axum's rejections and
+/// routing: plain text or empty bodies) the OpenAI error shape. JSON, event streams and
+/// pages pass unchanged.
+pub async fn openai_errors(resp: Response<Body>, method: &Method, path: &str) -> Response<Body> {
+    let status = resp.status();
+    if !(status.is_client_error() || status.is_server_error()) {
+        return resp;
+    }
+    let plain = resp
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_none_or(|ct| ct.starts_with("text/plain"));
+    if !plain {
+        return resp;
+    }
+    let (parts, body) = resp.into_parts();
+    let text = axum::body::to_bytes(body, 4096)
+        .await
+        .map(|b| String::from_utf8_lossy(&b).trim().to_string())
+        .unwrap_or_default();
+    let allow = parts
+        .headers
+        .get(header::ALLOW)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+        .to_string();
+    let err = match status {
+        StatusCode::NOT_FOUND => ApiError::not_found(path),
+        StatusCode::METHOD_NOT_ALLOWED => ApiError::method_not_allowed(method, path, &allow),
+        StatusCode::PAYLOAD_TOO_LARGE => ApiError::body_too_large(MAX_BODY_BYTES),
+        _ => ApiError::from_status(status, text),
+    };
+    let mut out = err.into_response();
+    for name in [
+        header::ALLOW,
+        header::RETRY_AFTER,
+        header::WWW_AUTHENTICATE,
+        header::CONNECTION,
+    ] {
+        if let Some(v) = parts.headers.get(&name) {
+            out.headers_mut().insert(name, v.clone());
+        }
+    }
+    out
+}
+
+#[derive(Debug)]
+struct BodyTimeout;
+
+impl std::fmt::Display for BodyTimeout {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("the request body did not arrive in time")
+    }
+}
+
+impl std::error::Error for BodyTimeout {}
+
+/// A request body that fails once its deadline passes before its end.
+struct TimedBody {
+    inner: Incoming,
+    deadline: Option<Instant>,
+    sleep: Option<Pin<Box<tokio::time::Sleep>>>,
+    late: Arc<AtomicBool>,
+}
+
+impl http_body::Body for TimedBody {
+    type Data = Bytes;
+    type Error = Box<dyn std::error::Error + Send + Sync>;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        let this = self.get_mut();
+        if let Poll::Ready(f) = Pin::new(&mut this.inner).poll_frame(cx) {
+            return Poll::Ready(f.map(|r| r.map_err(Into::into)));
+        }
+        if let Some(d) = this.deadline {
+            let sleep = this
+                .sleep
+                .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(d)));
+            if sleep.as_mut().poll(cx).is_ready() {
+                this.deadline = None;
+                this.late.store(true, Ordering::Relaxed);
+                return Poll::Ready(Some(Err(Box::new(BodyTimeout))));
+            }
+        }
+        Poll::Pending
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+/// A response body that tells its connection's clock when it is done.
+struct Tracked {
+    body: Body,
+    in_flight: Option<InFlight>,
+}
+
+impl http_body::Body for Tracked {
+    type Data = Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
+        let this = self.get_mut();
+        let r = Pin::new(&mut this.body).poll_frame(cx);
+        if matches!(r, Poll::Ready(None) | Poll::Ready(Some(Err(_)))) {
+            this.in_flight = None;
+        }
+        r
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.body.size_hint()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_ceiling_leaves_room_for_other_files() {
+        assert_eq!(connection_ceiling(256), 192);
+        assert_eq!(connection_ceiling(1024), 896);
+        assert_eq!(connection_ceiling(65536), 57344);
+        assert_eq!(connection_ceiling(10), 1);
+        // What raise_open_file_limit asks for is enough.
+        for asked in [1, 8, 100, 1024, 5000, 100_000] {
+            let needed = (asked + 64).max((asked * 8usize).div_ceil(7) + 1);
+            assert!(connection_ceiling(needed) >= asked, "{asked}");
+        }
+    }
+
+    #[tokio::test]
+    async fn plain_errors_get_the_openai_shape() {
+        let resp = Response::builder()
+            .status(StatusCode::METHOD_NOT_ALLOWED)
+            .header(header::ALLOW, "POST")
+            .body(Body::empty())
+            .unwrap();
+        let out = openai_errors(resp, &Method::GET, "/v1/completions").await;
+        assert_eq!(out.status(), StatusCode::METHOD_NOT_ALLOWED);
+        assert_eq!(out.headers()[header::ALLOW], "POST");
+        let b = axum::body::to_bytes(out.into_body(), 1 << 16)
+            .await
+            .unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&b).unwrap();
+        assert_eq!(v["error"]["code"], "method_not_allowed");
+        assert!(v["error"]["message"].as_str().unwrap().contains("POST"));
+        // JSON errors are left alone.
+        let json = ApiError::not_found("/x").into_response();
+        let out = openai_errors(json, &Method::GET, "/x").await;
+        let b = axum::body::to_bytes(out.into_body(), 1 << 16)
+            .await
+            .unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&b).unwrap();
+        assert_eq!(v["error"]["code"], "unknown_url");
+    }
+}
