@@ -970,17 +970,8 @@ pub fn cluster_status(args: ClusterStatusArgs) -> anyhow::Result<()> {
             }
         }
         println!(
-            "{:<20} {:<21} {:<21} {:<14} {:<14} {:>9} {:>9} {:>7} {:>8}  {}",
-            "NODE",
-            "ROLES",
-            "QUIC",
-            "MODEL",
-            "DEVICE",
-            "CAP tok/s",
-            "RUN/WAIT",
-            "KV %",
-            "UPTIME",
-            "STATE"
+            "{:<20} {:<21} {:<21} {:<14} {:<14} {:>9} {:>9} {:>7} {:>8}  STATE",
+            "NODE", "ROLES", "QUIC", "MODEL", "DEVICE", "CAP tok/s", "RUN/WAIT", "KV %", "UPTIME"
         );
         let mut problems = Vec::new();
         for (r, s) in rows {

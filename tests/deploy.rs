@@ -730,7 +730,7 @@ async fn cluster_sh_brings_a_cluster_up_and_down() {
     // What follows `--` goes to every node.
     let cmdline = std::fs::read(format!("/proc/{}/cmdline", pids["worker-2"])).unwrap();
     assert!(
-        String::from_utf8_lossy(&cmdline).contains("--kv-cache-gib\00.25\0"),
+        String::from_utf8_lossy(&cmdline).contains("--kv-cache-gib\x000.25\x00"),
         "{}",
         String::from_utf8_lossy(&cmdline)
     );

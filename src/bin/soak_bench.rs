@@ -189,7 +189,9 @@ async fn main() {
             }
         }));
     }
-    // The normal load again, while a worker is killed and replaced halfway.
+    // The normal load again beside the abusers, then once more while a worker is killed
+    // (SIGKILL: its requests wait out the QUIC idle timeout, then move) and replaced.
+    let (abused_only, abused_only_wall) = run_load(&http, &gw.http, prompts(0), 16, 8).await;
     let load = {
         let (http, base) = (http.clone(), gw.http.clone());
         let p = prompts(0);
@@ -208,7 +210,8 @@ async fn main() {
     let big_ms: Vec<f64> = bigs.iter().map(|b| b.1).collect();
     let rows = vec![
         normal_row("normal only", &base, base_wall),
-        normal_row("with abuse", &abused, abused_wall),
+        normal_row("with abuse", &abused_only, abused_only_wall),
+        normal_row("with abuse and a worker killed", &abused, abused_wall),
     ];
     println!("\n## Soak: normal requests (16 tokens, concurrency 8) through a gateway, with and without abuse\n");
     println!("| phase | requests | failed | p50 ms | p99 ms | TTFT p99 ms |");
@@ -226,7 +229,11 @@ async fn main() {
     }
     let p99_ratio = rows[1]["p99_ms"].as_f64().unwrap_or(f64::NAN)
         / rows[0]["p99_ms"].as_f64().unwrap_or(f64::NAN);
-    println!("\np99 with abuse / without: {p99_ratio:.2}x");
+    println!(
+        "\np99 with abuse / without: {p99_ratio:.2}x (with a worker killed too: {:.2}x)",
+        rows[2]["p99_ms"].as_f64().unwrap_or(f64::NAN)
+            / rows[0]["p99_ms"].as_f64().unwrap_or(f64::NAN)
+    );
     println!(
         "abusers: {} of 64 idle connections closed by the server, {} of 16 header drips cut, {} large prompts (statuses {:?}, p50 {:.0} ms), {} streams dropped after one chunk, worker w2 killed and replaced",
         idle_closed.load(Ordering::Relaxed),
