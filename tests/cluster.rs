@@ -7,52 +7,15 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::cluster::{client, cluster_status, post, status, wait_for, Node};
+use common::cluster::{
+    client, cluster_status, connected_workers, post, routed, sse, status, wait_for, Node,
+};
 use kvmesh_discovery::testing::Etcd;
 use serde_json::{json, Value};
 
 fn completion(max_tokens: u32) -> Value {
     json!({"model": "shakespeare", "prompt": "Now is the winter of our discontent",
            "max_tokens": max_tokens, "temperature": 0, "ignore_eos": true})
-}
-
-/// A streamed completion's chunks, the error event's message if one came (or the HTTP
-/// error), and whether `[DONE]` ended it.
-async fn sse(
-    http: &reqwest::Client,
-    base: &str,
-    body: Value,
-) -> (Vec<Value>, Option<String>, bool) {
-    let mut r = http
-        .post(format!("{base}/v1/completions"))
-        .json(&body)
-        .send()
-        .await
-        .expect("gateway reachable");
-    if r.status().as_u16() != 200 {
-        let s = r.status();
-        let text = r.text().await.unwrap_or_default();
-        return (Vec::new(), Some(format!("HTTP {s}: {text}")), false);
-    }
-    let (mut chunks, mut error, mut done) = (Vec::new(), None, false);
-    let mut buf = String::new();
-    while let Ok(Some(chunk)) = r.chunk().await {
-        buf.push_str(&String::from_utf8_lossy(&chunk));
-        while let Some(i) = buf.find("\n\n") {
-            let event: String = buf.drain(..i + 2).collect();
-            let data = event.trim().trim_start_matches("data: ");
-            if data == "[DONE]" {
-                done = true;
-                continue;
-            }
-            let v: Value = serde_json::from_str(data).unwrap_or(Value::Null);
-            match v.get("error") {
-                Some(e) => error = Some(e["message"].as_str().unwrap_or("").to_string()),
-                None => chunks.push(v),
-            }
-        }
-    }
-    (chunks, error, done)
 }
 
 /// A streamed completion: (tokens received, the error event's message if one came, done).
@@ -88,33 +51,6 @@ async fn stream_ids(
         .filter_map(|x| x.as_u64())
         .collect();
     (ids, error, done)
-}
-
-/// How many requests the gateway's router sent to each worker.
-async fn routed(http: &reqwest::Client, gw: &Node) -> std::collections::BTreeMap<String, u64> {
-    let s = status(http, gw).await;
-    s["router"]["workers"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|w| {
-            (
-                w["node_id"].as_str().unwrap().to_string(),
-                w["routed"].as_u64().unwrap(),
-            )
-        })
-        .collect()
-}
-
-async fn connected_workers(http: &reqwest::Client, gw: &Node) -> Vec<String> {
-    let s = status(http, gw).await;
-    s["router"]["workers"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter(|w| w["connected"].as_bool() == Some(true))
-        .map(|w| w["node_id"].as_str().unwrap().to_string())
-        .collect()
 }
 
 /// Membership, spreading, 503 without workers, a crashed role restarted, a node with a

@@ -6,7 +6,7 @@ mod common;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::cluster::{bin, client, cluster_status, post, status, wait_for, Node};
+use common::cluster::{bin, client, cluster_status, post, routed, sse, status, wait_for, Node};
 use kvmesh_discovery::testing::Etcd;
 use serde_json::{json, Value};
 
@@ -31,16 +31,11 @@ async fn routable(http: &reqwest::Client, gw: &Node) -> Vec<String> {
         .collect()
 }
 
-async fn routed(http: &reqwest::Client, gw: &Node, id: &str) -> u64 {
-    workers(http, gw)
-        .await
-        .iter()
-        .find(|w| w["node_id"] == id)
-        .and_then(|w| w["routed"].as_u64())
-        .unwrap_or(0)
+async fn routed_to(http: &reqwest::Client, gw: &Node, id: &str) -> u64 {
+    routed(http, gw).await.get(id).copied().unwrap_or(0)
 }
 
-/// A streamed completion: (tokens, error message, done).
+/// A streamed greedy completion: (tokens, error message, done).
 async fn stream(
     http: &reqwest::Client,
     base: &str,
@@ -50,36 +45,12 @@ async fn stream(
     let mut body = completion(prompt, n);
     body["stream"] = json!(true);
     body["return_token_ids"] = json!(true);
-    let mut r = http
-        .post(format!("{base}/v1/completions"))
-        .json(&body)
-        .send()
-        .await
-        .expect("gateway reachable");
-    if r.status() != 200 {
-        return (0, Some(format!("HTTP {}", r.status())), false);
-    }
-    let (mut tokens, mut error, mut done, mut buf) = (0, None, false, String::new());
-    while let Ok(Some(chunk)) = r.chunk().await {
-        buf.push_str(&String::from_utf8_lossy(&chunk));
-        while let Some(i) = buf.find("\n\n") {
-            let event: String = buf.drain(..i + 2).collect();
-            let data = event.trim().trim_start_matches("data: ");
-            if data == "[DONE]" {
-                done = true;
-                continue;
-            }
-            let v: Value = serde_json::from_str(data).unwrap_or(Value::Null);
-            match v.get("error") {
-                Some(e) => error = Some(e["message"].as_str().unwrap_or("").to_string()),
-                None => {
-                    tokens += v["choices"][0]["token_ids"]
-                        .as_array()
-                        .map_or(0, |a| a.len())
-                }
-            }
-        }
-    }
+    let (chunks, error, done) = sse(http, base, body).await;
+    let tokens = chunks
+        .iter()
+        .filter_map(|v| v["choices"][0]["token_ids"].as_array())
+        .map(|a| a.len())
+        .sum();
     (tokens, error, done)
 }
 
@@ -227,8 +198,8 @@ async fn a_different_model_under_the_same_name_is_not_routed_to() {
         let (st, body) = post(&http, &gw.http, completion(&format!("Which model {i}?"), 4)).await;
         assert_eq!(st, 200, "{body}");
     }
-    assert_eq!(routed(&http, &gw, "good").await, 6);
-    assert_eq!(routed(&http, &gw, "other").await, 0);
+    assert_eq!(routed_to(&http, &gw, "good").await, 6);
+    assert_eq!(routed_to(&http, &gw, "other").await, 0);
     let table = cluster_status(&etcd, "h3");
     let line = table
         .lines()
@@ -346,14 +317,14 @@ async fn one_small_worker_does_not_shrink_the_context() {
         assert_eq!(st, 200, "{body}");
         assert!(body["usage"]["total_tokens"].as_u64().unwrap() > 32);
     }
-    assert_eq!(routed(&http, &gw, "small").await, 0);
-    assert_eq!(routed(&http, &gw, "big").await, 4);
+    assert_eq!(routed_to(&http, &gw, "small").await, 0);
+    assert_eq!(routed_to(&http, &gw, "big").await, 4);
     // Short ones may go to either.
     for _ in 0..4 {
         let (st, body) = post(&http, &gw.http, completion("Hi", 2)).await;
         assert_eq!(st, 200, "{body}");
     }
-    assert!(routed(&http, &gw, "small").await > 0);
+    assert!(routed_to(&http, &gw, "small").await > 0);
 }
 
 /// A non-streaming request whose worker dies: it continues on another worker (200); with

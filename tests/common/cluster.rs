@@ -185,3 +185,69 @@ pub fn cluster_status(etcd: &Etcd, cluster: &str) -> String {
     );
     String::from_utf8(out.stdout).unwrap()
 }
+
+/// A streamed completion's chunks, the error event's message if one came (or the HTTP
+/// error), and whether `[DONE]` ended it.
+pub async fn sse(
+    http: &reqwest::Client,
+    base: &str,
+    body: Value,
+) -> (Vec<Value>, Option<String>, bool) {
+    let mut r = http
+        .post(format!("{base}/v1/completions"))
+        .json(&body)
+        .send()
+        .await
+        .expect("gateway reachable");
+    if r.status().as_u16() != 200 {
+        let s = r.status();
+        let text = r.text().await.unwrap_or_default();
+        return (Vec::new(), Some(format!("HTTP {s}: {text}")), false);
+    }
+    let (mut chunks, mut error, mut done) = (Vec::new(), None, false);
+    let mut buf = String::new();
+    while let Ok(Some(chunk)) = r.chunk().await {
+        buf.push_str(&String::from_utf8_lossy(&chunk));
+        while let Some(i) = buf.find("\n\n") {
+            let event: String = buf.drain(..i + 2).collect();
+            let data = event.trim().trim_start_matches("data: ");
+            if data == "[DONE]" {
+                done = true;
+                continue;
+            }
+            let v: Value = serde_json::from_str(data).unwrap_or(Value::Null);
+            match v.get("error") {
+                Some(e) => error = Some(e["message"].as_str().unwrap_or("").to_string()),
+                None => chunks.push(v),
+            }
+        }
+    }
+    (chunks, error, done)
+}
+
+/// How many requests the gateway's router sent to each worker.
+pub async fn routed(http: &reqwest::Client, gw: &Node) -> std::collections::BTreeMap<String, u64> {
+    let s = status(http, gw).await;
+    s["router"]["workers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|w| {
+            (
+                w["node_id"].as_str().unwrap().to_string(),
+                w["routed"].as_u64().unwrap(),
+            )
+        })
+        .collect()
+}
+
+pub async fn connected_workers(http: &reqwest::Client, gw: &Node) -> Vec<String> {
+    let s = status(http, gw).await;
+    s["router"]["workers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|w| w["connected"].as_bool() == Some(true))
+        .map(|w| w["node_id"].as_str().unwrap().to_string())
+        .collect()
+}
