@@ -253,8 +253,8 @@ impl NodeState {
                     "capacity_tokens_per_s": w.capacity(),
                     "prompt_tokens_per_s": w.prompt_rate(),
                     "routed": w.routed.load(Ordering::Relaxed),
-                    "kv_blocks_reported": w.kv.lock().held(),
-                    "kv_events_synced": w.kv.lock().synced,
+                    "kv_blocks_reported": w.kv.held(),
+                    "kv_events_synced": w.kv.synced(),
                 })).collect::<Vec<_>>(),
                 "refused": r.refused.lock().iter().map(|(id, why)| json!({
                     "node_id": id,

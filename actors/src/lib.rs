@@ -3,6 +3,7 @@
 //! Control and lifecycle go through the actors; tokens go through channels and streams.
 
 pub mod disagg;
+pub mod kv_index;
 pub mod policy;
 pub mod router;
 pub mod supervisor;

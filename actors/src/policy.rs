@@ -3,20 +3,25 @@
 //! policy is tested on hand-made snapshots.
 //!
 //! - `round-robin`: the next worker in turn.
-//! - `least-loaded`: the smallest expected wait, `(load + 1) / capacity`, where load is the
-//!   worker's reported queue plus the requests this router sent since that report, and
-//!   capacity is the worker's measured generation rate per sequence (its declared one until
-//!   measured). A node three times faster ends up holding three times the work.
+//! - `least-loaded`: the least expected time, in seconds, the request costs the cluster
+//!   there: its own prompt wait and prefill, its decode (output tokens times the step time
+//!   with it in the batch), plus what it costs the sequences already there (the slower
+//!   steps its place in the batch makes). Step
+//!   time comes from the worker's own fit of `base + per_seq * batch` over its recent
+//!   steps; beyond its batch limit a request waits for a slot. On a device where batching
+//!   is nearly free, a fast node takes more than its speed's share, as it should; where
+//!   each sequence costs its share of the node, work splits by speed. A worker that has not
+//!   decoded yet is taken as serving its sequences in turn at its declared rate.
 //! - `power-of-two`: two workers drawn at random, the lesser of their least-loaded costs.
 //!   The router builds candidates for those two only, so a pick costs the same with 8
 //!   workers or 800; balance is close to least-loaded's once there are many workers.
-//! - `prefix`: KV-aware, in time. A worker's cost is the seconds until the request's first
-//!   token there (its queued prompt tokens plus the request's uncached ones, over its
-//!   measured prefill rate) plus least-loaded's wait. What a worker caches comes from the
-//!   worker itself ([`KvView`], fed by its store and evict events). A cache hit may not
-//!   unbalance the cluster past a bound: workers whose least-loaded cost exceeds the
-//!   lowest by more than `max_imbalance` (relative), and that hold more than two requests
-//!   beyond the least-loaded worker's, are not candidates.
+//! - `prefix`: KV-aware: least-loaded's cost with only the prompt's uncached part to
+//!   compute. What a worker caches comes from the worker itself (the router's
+//!   [`KvIndex`](crate::kv_index::KvIndex), fed by every worker's store and evict events).
+//!   A cache hit may not unbalance the cluster past a bound: workers whose share
+//!   (`(load + 1) / capacity`) exceeds the lowest by more than `max_imbalance`
+//!   (relative), and that hold more than two requests beyond the least-loaded worker's,
+//!   are not candidates.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::str::FromStr;
@@ -70,6 +75,12 @@ pub struct Candidate {
     pub queued_prompt_tokens: f64,
     /// Prompt tokens per second it computes (> 0).
     pub prefill_rate: f64,
+    /// Its decode step in seconds, `step_base + step_per_seq * batch`, as it measured it;
+    /// both 0 until it has decoded.
+    pub step_base: f64,
+    pub step_per_seq: f64,
+    /// Sequences it runs at once (0: unknown, no limit assumed).
+    pub max_running: f64,
 }
 
 /// What a policy knows of the request.
@@ -77,6 +88,8 @@ pub struct Candidate {
 pub struct RequestShape {
     pub prompt_tokens: usize,
     pub block_size: usize,
+    /// Tokens it is expected to generate (at least 1).
+    pub output_tokens: usize,
 }
 
 /// Tuning of the `prefix` policy.
@@ -111,9 +124,11 @@ pub fn pick(
     }
     match policy {
         Policy::RoundRobin => Some((turn % cands.len() as u64) as usize),
-        Policy::LeastLoaded | Policy::PowerOfTwo => argmin(cands, turn, least_loaded, |_| true),
+        Policy::LeastLoaded | Policy::PowerOfTwo => {
+            argmin(cands, turn, |c| cost(policy, c, req), |_| true)
+        }
         Policy::Prefix => {
-            let floor = cands.iter().map(least_loaded).fold(f64::INFINITY, f64::min);
+            let floor = cands.iter().map(share).fold(f64::INFINITY, f64::min);
             let bound = floor * (1.0 + tuning.max_imbalance.max(0.0));
             let fewest = cands.iter().map(|c| c.load).fold(f64::INFINITY, f64::min);
             // Out only when unbalanced both relatively and by whole requests, so a worker
@@ -122,27 +137,59 @@ pub fn pick(
                 cands,
                 turn,
                 |c| cost(policy, c, req),
-                |c| least_loaded(c) <= bound || c.load <= fewest + IMBALANCE_SLACK,
+                |c| share(c) <= bound || c.load <= fewest + IMBALANCE_SLACK,
             )
         }
     }
 }
 
-/// least-loaded's expected wait: seconds for every sequence there to get one more token,
-/// were they served in turn.
-fn least_loaded(c: &Candidate) -> f64 {
+/// A worker's share of the work: seconds for every sequence there to get one more token,
+/// were they served in turn. What the prefix policy's imbalance bound compares.
+fn share(c: &Candidate) -> f64 {
     (c.load + 1.0) / c.capacity.max(1e-9)
+}
+
+/// Seconds the request costs the cluster on this worker when `uncached` of its prompt
+/// tokens must be computed: its own wait, prefill and decode, and the time it adds to the
+/// sequences already there.
+fn expected_time(c: &Candidate, uncached: f64, out: f64) -> f64 {
+    let n = c.load.max(0.0);
+    let limit = if c.max_running >= 1.0 {
+        c.max_running
+    } else {
+        f64::INFINITY
+    };
+    // The prompts queued ahead of it, then its own. (Its prefill also stalls the
+    // sequences decoding there; that delays their tokens, not anyone's first token, and
+    // weighing it made cache hits look dearer than they are.)
+    let prompt = (c.queued_prompt_tokens + uncached) / c.prefill_rate.max(1e-9);
+    let measured = c.step_base > 0.0 || c.step_per_seq > 0.0;
+    if !measured {
+        // Served in turn at the declared per-sequence rate.
+        return prompt + out * (n + 1.0) / c.capacity.max(1e-9);
+    }
+    let batch = (n + 1.0).min(limit);
+    let step = c.step_base + c.step_per_seq * batch;
+    // Each of the others there runs a little slower while it decodes.
+    let slowdown = c.step_per_seq * (batch - 1.0);
+    // Past the batch limit it waits for a slot; slots free as sequences finish.
+    let queue = if n + 1.0 > limit {
+        (n + 1.0 - limit) / limit * out * step
+    } else {
+        0.0
+    };
+    prompt + out * (step + slowdown) + queue
 }
 
 /// What a policy minimises for a candidate (round-robin has no cost: 0).
 pub fn cost(policy: Policy, c: &Candidate, req: RequestShape) -> f64 {
+    let out = req.output_tokens.max(1) as f64;
     match policy {
         Policy::RoundRobin => 0.0,
-        Policy::LeastLoaded | Policy::PowerOfTwo => least_loaded(c),
+        Policy::LeastLoaded | Policy::PowerOfTwo => expected_time(c, req.prompt_tokens as f64, out),
         Policy::Prefix => {
             let cached = (c.cached_blocks * req.block_size).min(req.prompt_tokens);
-            let uncached = (req.prompt_tokens - cached) as f64;
-            (c.queued_prompt_tokens + uncached) / c.prefill_rate.max(1e-9) + least_loaded(c)
+            expected_time(c, (req.prompt_tokens - cached) as f64, out)
         }
     }
 }
@@ -233,7 +280,9 @@ fn argmin(
 /// What one worker's prefix cache holds, as its router knows it: the block hashes the
 /// worker reported storing and not yet evicting (exact, from its events), plus the blocks
 /// of prompts just sent there, which it will store once it has computed them (`pending`,
-/// forgotten after [`PENDING_FOR`] or when the worker reports them).
+/// forgotten after [`PENDING_FOR`] or when the worker reports them). The router keeps a
+/// [`KvIndex`](crate::kv_index::KvIndex) instead, which answers the same for every worker at
+/// once; this one-worker form is what it is tested against.
 #[derive(Default)]
 pub struct KvView {
     /// A snapshot has arrived: `held` is the worker's own account.
@@ -323,13 +372,98 @@ mod tests {
             cached_blocks,
             queued_prompt_tokens: 0.0,
             prefill_rate: 1000.0,
+            step_base: 0.0,
+            step_per_seq: 0.0,
+            max_running: 0.0,
         }
     }
 
-    /// 8 blocks of 16 tokens.
+    /// As `c`, with a measured decode step of 10 ms + 0.5 ms per sequence: batching is
+    /// cheap there.
+    fn batched(load: f64, cached_blocks: usize) -> Candidate {
+        Candidate {
+            step_base: 0.010,
+            step_per_seq: 0.0005,
+            ..c(load, 100.0, cached_blocks)
+        }
+    }
+
+    /// Speed `speed` on the sim's default timing (8 ms + 0.1 ms per sequence per step),
+    /// prompts free, no batch limit.
+    fn sim(speed: f64, base_ms: f64, per_seq_ms: f64) -> Candidate {
+        Candidate {
+            step_base: base_ms / 1e3 / speed,
+            step_per_seq: per_seq_ms / 1e3 / speed,
+            prefill_rate: 1e12,
+            ..c(0.0, 100.0, 0)
+        }
+    }
+
+    /// Each pick adds one request; how many each worker got.
+    fn assign(policy: Policy, cs: &mut [Candidate], n: u64) -> Vec<usize> {
+        let mut counts = vec![0; cs.len()];
+        for t in 0..n {
+            let i = pick_(policy, cs, t).unwrap();
+            counts[i] += 1;
+            cs[i].load += 1.0;
+        }
+        counts
+    }
+
+    #[test]
+    fn least_loaded_packs_a_fast_node_where_batching_is_nearly_free() {
+        // 1x and 3x on 8 ms + 0.1 ms per sequence: 48 sequences all on the 3x node step in
+        // 4.3 ms, faster than one alone on the 1x node (8.1 ms).
+        let mut cs = vec![sim(1.0, 8.0, 0.1), sim(3.0, 8.0, 0.1)];
+        assert_eq!(assign(Policy::LeastLoaded, &mut cs, 48), [0, 48]);
+        // Where each sequence costs more than the step's fixed part, work splits by speed.
+        let mut cs = vec![sim(1.0, 1.0, 1.0), sim(3.0, 1.0, 1.0)];
+        let counts = assign(Policy::LeastLoaded, &mut cs, 400);
+        assert!((290..=310).contains(&counts[1]), "{counts:?}");
+        // Equal nodes share equally.
+        let mut cs = vec![sim(2.0, 8.0, 0.1); 4];
+        assert_eq!(assign(Policy::LeastLoaded, &mut cs, 40), [10; 4]);
+    }
+
+    #[test]
+    fn least_loaded_stops_packing_at_the_batch_limit() {
+        // 3x and 1x, flat steps, four sequences at once each: past four, requests wait for
+        // a slot on the fast node until that wait outweighs the slow node's step.
+        let mut cs = vec![sim(1.0, 12.0, 0.0), sim(3.0, 12.0, 0.0)];
+        for cand in cs.iter_mut() {
+            cand.max_running = 4.0;
+        }
+        let counts = assign(Policy::LeastLoaded, &mut cs, 16);
+        assert!(counts[0] >= 1 && counts[1] > counts[0], "{counts:?}");
+        let unlimited = assign(
+            Policy::LeastLoaded,
+            &mut [sim(1.0, 12.0, 0.0), sim(3.0, 12.0, 0.0)],
+            16,
+        );
+        assert_eq!(unlimited, [0, 16]);
+    }
+
+    #[test]
+    fn least_loaded_weighs_the_prompt_against_the_queue() {
+        // Same steps; one node has 2000 prompt tokens queued (2 s at 1000 tokens/s).
+        let mut busy = batched(0.0, 0);
+        busy.queued_prompt_tokens = 2000.0;
+        let cs = vec![busy, batched(3.0, 0)];
+        assert_eq!(pick_(Policy::LeastLoaded, &cs, 0), Some(1));
+        // Each sequence in a batch slows the step a little: with equal queues, the emptier
+        // node wins.
+        let mut cs = vec![batched(20.0, 0), batched(2.0, 0)];
+        for cand in cs.iter_mut() {
+            cand.prefill_rate = 500.0;
+        }
+        assert_eq!(pick_(Policy::LeastLoaded, &cs, 0), Some(1));
+    }
+
+    /// 8 blocks of 16 tokens, 16 tokens out.
     const SHAPE: RequestShape = RequestShape {
         prompt_tokens: 128,
         block_size: 16,
+        output_tokens: 16,
     };
 
     fn pick_(policy: Policy, cs: &[Candidate], turn: u64) -> Option<usize> {
@@ -359,7 +493,11 @@ mod tests {
     /// Simulates assignment: each pick adds one request; a 3x node ends with ~3x the work.
     #[test]
     fn least_loaded_shares_by_capacity() {
+        // Not yet measured: served in turn at the declared rate, prompts free.
         let mut cs = vec![c(0.0, 100.0, 0), c(0.0, 300.0, 0)];
+        for cand in cs.iter_mut() {
+            cand.prefill_rate = 1e12;
+        }
         let mut counts = [0; 2];
         for t in 0..400 {
             let i = pick_(Policy::LeastLoaded, &cs, t).unwrap();
@@ -413,19 +551,19 @@ mod tests {
     #[test]
     fn prefix_follows_the_cache_until_waiting_outweighs_it() {
         // Equal load: the worker holding the prefix wins.
-        let cs = vec![c(1.0, 100.0, 0), c(1.0, 100.0, 8)];
+        let cs = vec![batched(1.0, 0), batched(1.0, 8)];
         assert_eq!(pick_(Policy::Prefix, &cs, 0), Some(1));
         // A little more load does not move a cached conversation: 128 uncached tokens take
-        // 128 ms, one more request 10 ms.
-        let cs = vec![c(0.0, 100.0, 0), c(1.0, 100.0, 8)];
+        // 128 ms, one more sequence in the batch about 16 ms over the answer.
+        let cs = vec![batched(0.0, 0), batched(1.0, 8)];
         assert_eq!(pick_(Policy::Prefix, &cs, 0), Some(1));
         // Prompt work already queued there outweighs the hit.
-        let mut busy = c(1.0, 100.0, 8);
+        let mut busy = batched(1.0, 8);
         busy.queued_prompt_tokens = 400.0;
-        let cs = vec![c(1.0, 100.0, 0), busy];
+        let cs = vec![batched(1.0, 0), busy];
         assert_eq!(pick_(Policy::Prefix, &cs, 0), Some(0));
-        // A fast prefill makes the hit worth little: least-loaded's term decides.
-        let mut fast = vec![c(0.0, 100.0, 0), c(3.0, 100.0, 8)];
+        // A fast prefill makes the hit worth little: the decode term decides.
+        let mut fast = vec![batched(0.0, 0), batched(3.0, 8)];
         fast[0].prefill_rate = 1e6;
         fast[1].prefill_rate = 1e6;
         assert_eq!(pick_(Policy::Prefix, &fast, 0), Some(0));
@@ -436,9 +574,10 @@ mod tests {
         // Every request shares a prefix only worker 1 holds; with slow prefill (100 tokens
         // per second) the hit is worth 1.28 s, far more than any queue here.
         let share = |max_imbalance: f64| {
-            let mut cs = vec![c(0.0, 100.0, 0), c(0.0, 100.0, 8)];
+            let mut cs = vec![batched(0.0, 0), batched(0.0, 8)];
             for cand in cs.iter_mut() {
                 cand.prefill_rate = 100.0;
+                cand.step_per_seq = 0.0;
             }
             let tuning = PrefixTuning { max_imbalance };
             let mut counts = [0; 2];

@@ -18,7 +18,7 @@
 
 use std::collections::{BTreeMap, HashSet};
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -37,9 +37,10 @@ use tokio::sync::mpsc;
 use kvmesh_telemetry::TARGET;
 use tracing::{field::Empty, Instrument};
 
+use crate::kv_index::KvIndex;
 use crate::policy::{
-    cost, pick, pick_prefill, two_choices, Candidate, KvView, Policy, PrefillCandidate,
-    PrefixTuning, RequestShape,
+    cost, pick, pick_prefill, two_choices, Candidate, Policy, PrefillCandidate, PrefixTuning,
+    RequestShape,
 };
 
 /// How long a request that has produced nothing waits for some worker to take it, after
@@ -71,8 +72,8 @@ pub struct WorkerLink {
     conn: Mutex<Option<Connection>>,
     /// Its latest load report, and how many requests this router had there when it came.
     report: Mutex<Option<(LoadReport, i64)>>,
-    /// What its prefix cache holds, from its events.
-    pub kv: Mutex<KvView>,
+    /// What its prefix cache holds, from its events: its slot in the router's index.
+    pub kv: KvSlot,
     /// Uncached prompt tokens of requests this router sent there with no first token yet.
     queued_prompt: AtomicI64,
     /// Requests this router has in flight there, and their tokens (prompt + max_tokens).
@@ -152,6 +153,53 @@ impl WorkerLink {
             .filter(|&c| c > 0.0)
             .unwrap_or(self.record.capacity_tokens_per_s)
             .max(1e-3)
+    }
+}
+
+/// A worker's place in its router's [`KvIndex`]: what its prefix cache holds, from its
+/// events, plus what was just sent there. Forgotten when the link goes.
+pub struct KvSlot {
+    index: Arc<Mutex<KvIndex>>,
+    pub slot: u32,
+}
+
+impl KvSlot {
+    fn new(index: &Arc<Mutex<KvIndex>>, next: &AtomicU32) -> KvSlot {
+        KvSlot {
+            index: index.clone(),
+            slot: next.fetch_add(1, Ordering::Relaxed),
+        }
+    }
+
+    fn apply(&self, snapshot: bool, stored: &[u64], removed: &[u64]) {
+        self.index
+            .lock()
+            .apply(self.slot, snapshot, stored, removed);
+    }
+
+    /// The worker was lost: nothing it held can be counted on.
+    fn clear(&self) {
+        self.index.lock().clear_worker(self.slot);
+    }
+
+    fn expect(&self, hashes: &[u64], now: Instant) {
+        self.index.lock().expect(self.slot, hashes, now);
+    }
+
+    /// Blocks it reported holding.
+    pub fn held(&self) -> usize {
+        self.index.lock().held(self.slot)
+    }
+
+    /// Its snapshot has arrived: the view is its own account.
+    pub fn synced(&self) -> bool {
+        self.index.lock().synced(self.slot)
+    }
+}
+
+impl Drop for KvSlot {
+    fn drop(&mut self) {
+        self.index.lock().clear_worker(self.slot);
     }
 }
 
@@ -258,6 +306,12 @@ pub struct RouterCore {
     workers: RwLock<BTreeMap<String, Arc<WorkerLink>>>,
     turn: AtomicU64,
     next_id: AtomicU64,
+    /// Which workers hold which prompt blocks (prefix policy), and the next worker slot.
+    kv_index: Arc<Mutex<KvIndex>>,
+    next_slot: AtomicU32,
+    /// Tokens a finished request generated, smoothed (f64 bits; 0 until one finished):
+    /// how long a new request is expected to decode, where its max_tokens is larger.
+    mean_output: AtomicU64,
     pub stats: RouterStats,
 }
 
@@ -297,6 +351,9 @@ impl RouterCore {
             workers: RwLock::new(BTreeMap::new()),
             turn: AtomicU64::new(0),
             next_id: AtomicU64::new(1),
+            kv_index: Arc::new(Mutex::new(KvIndex::default())),
+            next_slot: AtomicU32::new(0),
+            mean_output: AtomicU64::new(0),
             stats: RouterStats::default(),
         })
     }
@@ -416,7 +473,7 @@ impl RouterCore {
                 record: rec.clone(),
                 conn: Mutex::new(None),
                 report: Mutex::new(None),
-                kv: Mutex::new(KvView::default()),
+                kv: KvSlot::new(&self.kv_index, &self.next_slot),
                 queued_prompt: AtomicI64::new(0),
                 outstanding: AtomicI64::new(0),
                 outstanding_tokens: AtomicI64::new(0),
@@ -462,7 +519,7 @@ impl RouterCore {
                     reports.abort();
                     *link.conn.lock() = None;
                     *link.report.lock() = None;
-                    link.kv.lock().clear();
+                    link.kv.clear();
                     if link.gone.load(Ordering::Relaxed) {
                         break;
                     }
@@ -553,12 +610,39 @@ impl RouterCore {
         }
     }
 
+    /// Tokens a request allowed `max_tokens` is expected to generate: the smoothed length
+    /// of finished ones (128 before any), at most `max_tokens`.
+    fn expected_output(&self, max_tokens: usize) -> usize {
+        let mean = f64::from_bits(self.mean_output.load(Ordering::Relaxed));
+        let mean = if mean > 0.0 {
+            mean.round() as usize
+        } else {
+            128
+        };
+        mean.clamp(1, max_tokens.max(1))
+    }
+
+    fn note_output(&self, tokens: usize) {
+        let _ = self
+            .mean_output
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |bits| {
+                let old = f64::from_bits(bits);
+                let new = if old > 0.0 {
+                    0.95 * old + 0.05 * tokens as f64
+                } else {
+                    tokens as f64
+                };
+                Some(new.max(1.0).to_bits())
+            });
+    }
+
     /// Picks a node for a request (with `hashes` its prompt's reusable block hashes), and
     /// for a traced request, the candidates and their costs as text.
     fn choose(
         &self,
         hashes: &[u64],
         prompt_tokens: usize,
+        output_tokens: usize,
         length: usize,
         tried: &HashSet<String>,
         describe: bool,
@@ -592,33 +676,46 @@ impl RouterCore {
             .copied()
             .reduce(f64::min)
             .unwrap_or(UNMEASURED_PROMPT_RATE);
+        // Every worker's leading hits at once, from the index: the cost follows the
+        // prompt's blocks and their holders, not the number of workers.
+        let hits = if prefix && !hashes.is_empty() {
+            self.kv_index.lock().leading_hits(hashes, now)
+        } else {
+            Vec::new()
+        };
         let cands: Vec<Candidate> = links
             .iter()
             .enumerate()
             .map(|(i, w)| {
-                let cached_blocks = if prefix {
-                    let (held, with_pending) = w.kv.lock().leading_hits(hashes, now);
-                    reported[i] = held;
-                    with_pending
-                } else {
-                    0
+                let cached_blocks = match hits.binary_search_by_key(&w.kv.slot, |h| h.0) {
+                    Ok(k) => {
+                        reported[i] = hits[k].1;
+                        hits[k].2
+                    }
+                    Err(_) => 0,
                 };
+                let report = w.last_report();
+                let step = |ms: Option<f32>| ms.map_or(0.0, |ms| f64::from(ms.max(0.0)) / 1e3);
                 Candidate {
                     load: w.load(),
                     capacity: w.capacity(),
                     cached_blocks,
                     queued_prompt_tokens: w.queued_prompt.load(Ordering::Relaxed).max(0) as f64,
                     prefill_rate: rates[i].unwrap_or(unmeasured),
+                    step_base: step(report.as_ref().map(|r| r.step_base_ms)),
+                    step_per_seq: step(report.as_ref().map(|r| r.step_per_seq_ms)),
+                    max_running: report.as_ref().map_or(0.0, |r| f64::from(r.max_running)),
                 }
             })
             .collect();
         let shape = RequestShape {
             prompt_tokens,
             block_size,
+            output_tokens,
         };
         let i = pick(self.policy, &cands, shape, turn, self.tuning)?;
         if prefix {
-            links[i].kv.lock().expect(hashes, now);
+            links[i].kv.expect(hashes, now);
         }
         let candidates = if describe {
             links
@@ -626,12 +723,15 @@ impl RouterCore {
                 .zip(&cands)
                 .map(|(w, c)| {
                     format!(
-                        "{}: cost {:.4} (load {:.0}, capacity {:.1} tok/s, cached blocks {}, \
-                         queued prompt tokens {:.0}, prompt rate {:.0} tok/s)",
+                        "{}: cost {:.4} s (load {:.0}, capacity {:.1} tok/s, step {:.2} ms + \
+                         {:.3} ms/seq, cached blocks {}, queued prompt tokens {:.0}, prompt \
+                         rate {:.0} tok/s)",
                         w.record.node_id,
                         cost(self.policy, c, shape),
                         c.load,
                         c.capacity,
+                        c.step_base * 1e3,
+                        c.step_per_seq * 1e3,
                         c.cached_blocks,
                         c.queued_prompt_tokens,
                         c.prefill_rate
@@ -702,7 +802,9 @@ impl RouterCore {
         loop {
             let prompt_len = req.prompt.len() + sent.tokens.len();
             let length = req.prompt.len() + p.max_tokens;
-            let Some(choice) = self.choose(&hashes, prompt_len, length, &tried, traced) else {
+            let output = self.expected_output(p.max_tokens.saturating_sub(sent.tokens.len()));
+            let Some(choice) = self.choose(&hashes, prompt_len, output, length, &tried, traced)
+            else {
                 // Every worker was tried this round. Nothing more has reached the client
                 // since, so the request may wait: for a worker restarting or joining, with
                 // backoff, up to the patience; when every one was full, only a few short
@@ -845,6 +947,9 @@ impl RouterCore {
                 };
                 self.stats.predictions[k].fetch_add(1, Ordering::Relaxed);
                 attempt.record("predicted_cached_tokens", expected);
+            }
+            if matches!(outcome, Outcome::Done) {
+                self.note_output(sent.tokens.len());
             }
             let (what, error) = match &outcome {
                 Outcome::Done => ("done", None),
@@ -1133,10 +1238,10 @@ async fn read_reports(link: Arc<WorkerLink>, conn: Connection, wants_kv: bool) {
                 }
                 Ok(Some(UniHeader::KvEvents)) if wants_kv => {
                     while let Ok(Some(b)) = wire::read_msg::<KvEventBatch>(&mut recv).await {
-                        link.kv.lock().apply(b.snapshot, &b.stored, &b.removed);
+                        link.kv.apply(b.snapshot, &b.stored, &b.removed);
                     }
                     // The stream broke with the connection still up: its view is stale.
-                    link.kv.lock().clear();
+                    link.kv.clear();
                 }
                 _ => {
                     // Nothing else is sent to a router.
@@ -1176,6 +1281,7 @@ async fn stream_from(
     if let Err(e) = wire::write_msg(&mut send, &StreamRequest::Generate(req.clone())).await {
         return Outcome::NotStarted(e.to_string());
     }
+
     let _ = send.finish();
     let mut tokens = 0usize;
     loop {

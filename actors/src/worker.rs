@@ -179,7 +179,17 @@ impl WorkerCore {
         // KV blocks in use, in tokens: what the sequences hold.
         let tokens_in_flight =
             (total.saturating_sub(free) as u64) * self.engine.info.config.block_size as u64;
+        let step = self
+            .engine
+            .stats
+            .step_fit
+            .lock()
+            .model()
+            .unwrap_or_default();
         LoadReport {
+            step_base_ms: (step.base_s * 1e3) as f32,
+            step_per_seq_ms: (step.per_seq_s * 1e3) as f32,
+            max_running: self.engine.info.config.max_num_seqs.min(u32::MAX as usize) as u32,
             running,
             waiting,
             tokens_in_flight,

@@ -170,13 +170,23 @@ async fn heterogeneous(http: &reqwest::Client, quick: bool) -> Value {
     let mut out = Vec::new();
     for mix in &mixes {
         let mut rows = Vec::new();
-        for policy in ["round-robin", "least-loaded", "power-of-two"] {
+        // The last run has the fastest node alone: what this machine reaches with every
+        // request there (the gateway, the load generator and the worker share its CPUs).
+        let fastest = mix.speeds.iter().copied().fold(0.0, f64::max);
+        for policy in [
+            "round-robin",
+            "least-loaded",
+            "power-of-two",
+            "fastest-alone",
+        ] {
             let etcd = Etcd::start();
             let cluster = format!("bench-het-{policy}");
+            let alone = policy == "fastest-alone";
             let _workers: Vec<Proc> = mix
                 .speeds
                 .iter()
                 .enumerate()
+                .filter(|(_, &sp)| !alone || sp == fastest)
                 .map(|(i, sp)| {
                     let speed = sp.to_string();
                     let mut args = vec!["--roles", "worker", "--backend", "sim", "--sim-speed"];
@@ -185,8 +195,8 @@ async fn heterogeneous(http: &reqwest::Client, quick: bool) -> Value {
                     node(&etcd, &cluster, &format!("w{i}-{sp}x"), &args)
                 })
                 .collect();
-            let gw = gateway(&etcd, &cluster, policy);
-            wait_workers(http, &gw, mix.speeds.len()).await;
+            let gw = gateway(&etcd, &cluster, if alone { "round-robin" } else { policy });
+            wait_workers(http, &gw, _workers.len()).await;
             let (samples, wall) = run_load(http, &gw.http, prompts.clone(), 64, concurrency).await;
             let mut sum = summary(policy, &samples, wall);
             sum["routed"] = status(http, &gw).await["router"]["workers"].clone();
@@ -198,9 +208,12 @@ async fn heterogeneous(http: &reqwest::Client, quick: bool) -> Value {
             "\n== heterogeneous {}: sim workers, {n} requests x 64 tokens, concurrency {concurrency} ==",
             mix.name
         );
+        let alone = rows[3]["output_tok_per_s"].as_f64().unwrap();
         println!(
-            "   best split the timing model allows: {ideal:.0} tok/s ({:.2}x round-robin's measured)",
-            ideal / rr
+            "   best split the timing model allows: {ideal:.0} tok/s ({:.2}x round-robin's measured); \
+             the fastest node alone reaches {alone:.0} here ({:.2}x)",
+            ideal / rr,
+            alone / rr
         );
         println!(
             "{:>13} {:>13} {:>9} {:>10} {:>10} {:>10} {:>24}",
@@ -345,76 +358,272 @@ fn bursty(quick: bool) -> Value {
 }
 
 /// How long a routing decision takes as the cluster grows: building every candidate (load,
-/// capacity, the prompt's cached blocks in each worker's KV view) and picking, against
-/// power-of-two's two candidates. In-process, over synthetic views holding 4096 blocks
-/// each, for a 1024-token prompt.
+/// capacity, the prompt's cached blocks from the router's cluster-wide block index) and
+/// picking, against power-of-two's two candidates. In-process, over an index of workers
+/// holding 4096 blocks each, for a 1024-token prompt (64 blocks).
 fn pick_time(quick: bool) -> Value {
-    use kvmesh_actors::policy::{
-        pick, two_choices, Candidate, KvView, Policy, PrefixTuning, RequestShape,
-    };
+    use kvmesh_actors::kv_index::KvIndex;
+    use kvmesh_actors::policy::{pick, two_choices, Candidate, Policy, PrefixTuning, RequestShape};
     let iters = if quick { 2_000 } else { 20_000 };
     let hashes: Vec<u64> = (0..64).collect();
     let mut rows = Vec::new();
     println!("\n== routing decision time (in-process, per pick) ==");
     println!(
-        "{:>8} {:>14} {:>14} {:>14}",
-        "workers", "least-loaded", "prefix", "power-of-two"
+        "{:>8} {:>14} {:>20} {:>20} {:>14}",
+        "workers", "least-loaded", "prefix (all hold)", "prefix (2 hold)", "power-of-two"
     );
     for n in [8usize, 64, 256] {
         let now = Instant::now();
-        let views: Vec<KvView> = (0..n)
-            .map(|w| {
-                let mut v = KvView::default();
-                let held: Vec<u64> = (0..4096u64).map(|k| k * 1000 + w as u64).collect();
-                v.apply(true, &held, &[]);
-                // Worker w holds the prompt's first w % 64 blocks.
-                v.apply(false, &hashes[..w % 64], &[]);
-                v
-            })
-            .collect();
+        // One index for the cluster, as the router keeps it.
+        let build = |spread: bool| {
+            let mut index = KvIndex::default();
+            for w in 0..n {
+                let held: Vec<u64> = (0..4096u64).map(|k| k * 1000 + w as u64 + 64).collect();
+                index.apply(w as u32, true, &held, &[]);
+                // Spread: worker w holds the prompt's first w % 64 blocks (every worker
+                // holds some: the index's worst case). Otherwise two workers hold it all,
+                // as prefix routing leaves a conversation.
+                let upto = if spread {
+                    w % 64
+                } else if w < 2 {
+                    64
+                } else {
+                    0
+                };
+                index.apply(w as u32, false, &hashes[..upto], &[]);
+            }
+            index
+        };
+        let (spread, pair) = (build(true), build(false));
         let shape = RequestShape {
             prompt_tokens: 1024,
             block_size: 16,
+            output_tokens: 128,
         };
-        let cand = |i: usize, with_hits: bool| Candidate {
+        let cand = |i: usize, hits: &[(u32, usize, usize)]| Candidate {
             load: (i % 7) as f64,
             capacity: 100.0 + i as f64,
-            cached_blocks: if with_hits {
-                views[i].leading_hits(&hashes, now).1
-            } else {
-                0
-            },
+            cached_blocks: hits
+                .binary_search_by_key(&(i as u32), |h| h.0)
+                .map_or(0, |k| hits[k].2),
             queued_prompt_tokens: 0.0,
             prefill_rate: 5000.0,
+            step_base: 0.008,
+            step_per_seq: 0.0001,
+            max_running: 64.0,
         };
-        let time = |policy: Policy| {
+        let time = |policy: Policy, index: &KvIndex| {
             let t0 = Instant::now();
             let mut sink = 0usize;
             for t in 0..iters as u64 {
                 let cands: Vec<Candidate> = match policy {
                     Policy::PowerOfTwo => two_choices(n, t)
                         .into_iter()
-                        .map(|i| cand(i, false))
+                        .map(|i| cand(i, &[]))
                         .collect(),
-                    Policy::Prefix => (0..n).map(|i| cand(i, true)).collect(),
-                    _ => (0..n).map(|i| cand(i, false)).collect(),
+                    Policy::Prefix => {
+                        let hits = index.leading_hits(&hashes, now);
+                        (0..n).map(|i| cand(i, &hits)).collect()
+                    }
+                    _ => (0..n).map(|i| cand(i, &[])).collect(),
                 };
                 sink += pick(policy, &cands, shape, t, PrefixTuning::default()).unwrap();
             }
             std::hint::black_box(sink);
             t0.elapsed().as_secs_f64() * 1e6 / iters as f64
         };
-        let (ll, px, p2) = (
-            time(Policy::LeastLoaded),
-            time(Policy::Prefix),
-            time(Policy::PowerOfTwo),
+        let (ll, px, px2, p2) = (
+            time(Policy::LeastLoaded, &pair),
+            time(Policy::Prefix, &spread),
+            time(Policy::Prefix, &pair),
+            time(Policy::PowerOfTwo, &pair),
         );
-        println!("{n:>8} {ll:>12.2}us {px:>12.2}us {p2:>12.2}us");
-        rows.push(
-            json!({"workers": n, "least_loaded_us": ll, "prefix_us": px, "power_of_two_us": p2}),
-        );
+        println!("{n:>8} {ll:>12.2}us {px:>18.2}us {px2:>18.2}us {p2:>12.2}us");
+        rows.push(json!({"workers": n, "least_loaded_us": ll, "prefix_us": px,
+            "prefix_two_holders_us": px2, "power_of_two_us": p2}));
     }
     json!(rows)
+}
+
+/// Percentile `p` (0..=100) of microsecond samples.
+fn pct(xs: &mut [f64], p: f64) -> f64 {
+    xs.sort_by(|a, b| a.total_cmp(b));
+    if xs.is_empty() {
+        return f64::NAN;
+    }
+    xs[((p / 100.0) * (xs.len() - 1) as f64).round() as usize]
+}
+
+/// Where the hop's microseconds go, piece by piece, in this process: a QUIC request and
+/// first answer between two endpoints on loopback (each on its own runtime, as two nodes
+/// are), with a new stream per request as the router opens, and on one kept stream; rkyv
+/// framing of a request and a token; a task spawn plus a channel hand-off. Set against the
+/// added TTFT the overhead section measures end to end.
+fn hop_profile(quick: bool) -> Value {
+    use kvmesh_transport::wire::{self, Finish, GenerateRequest, StreamRequest, TokenEvent};
+    use kvmesh_transport::{AllowList, NodeEndpoint, NodeIdentity};
+    let iters = if quick { 500 } else { 3000 };
+    let request = |id: u64| GenerateRequest {
+        request_id: id,
+        prompt: (0..16).collect(),
+        temperature: 0.0,
+        top_k: 0,
+        top_p: 1.0,
+        seed: None,
+        max_tokens: 16,
+        stop_token_ids: vec![],
+        ignore_eos: false,
+        logprobs: None,
+        resume_draws: 0,
+        traceparent: None,
+        prefill: None,
+    };
+    let token = |t: u32, last: bool| TokenEvent::Token {
+        token: t,
+        logprob: 0.0,
+        top: vec![],
+        finish: last.then_some(Finish::Length),
+        cached_tokens: 0,
+    };
+    // The worker side: its own runtime, answering each stream with one token per message.
+    let (a, b) = (
+        NodeIdentity::generate("hop-a").unwrap(),
+        NodeIdentity::generate("hop-b").unwrap(),
+    );
+    let allow = AllowList::default();
+    allow.set([a.fingerprint.clone()]);
+    let (addr_tx, addr_rx) = std::sync::mpsc::channel();
+    let b2 = b.clone();
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async move {
+            let ep = NodeEndpoint::bind("127.0.0.1:0".parse().unwrap(), b2, allow).unwrap();
+            addr_tx.send(ep.local_addr()).unwrap();
+            let conn = ep.accept().await.unwrap().await.unwrap();
+            while let Ok((mut send, mut recv)) = conn.accept_bi().await {
+                tokio::spawn(async move {
+                    // A stream carries either one request, or (the kept stream) many.
+                    while let Ok(Some(StreamRequest::Generate(r))) =
+                        wire::read_msg::<StreamRequest>(&mut recv).await
+                    {
+                        if wire::write_msg(&mut send, &token(r.request_id as u32, true))
+                            .await
+                            .is_err()
+                        {
+                            break;
+                        }
+                    }
+                    let _ = send.finish();
+                });
+            }
+        });
+    });
+    let addr = addr_rx.recv().unwrap();
+    let rt = tokio::runtime::Handle::current();
+    let (new_stream, kept_stream) = tokio::task::block_in_place(|| {
+        rt.block_on(async {
+            let ep = NodeEndpoint::bind("127.0.0.1:0".parse().unwrap(), a, AllowList::default())
+                .unwrap();
+            let conn = ep.connect(addr, &b.fingerprint).await.unwrap();
+            let mut fresh = Vec::with_capacity(iters);
+            for i in 0..(iters + 100) as u64 {
+                let t0 = Instant::now();
+                let (mut send, mut recv) = conn.open_bi().await.unwrap();
+                wire::write_msg(&mut send, &StreamRequest::Generate(request(i)))
+                    .await
+                    .unwrap();
+                let _ = send.finish();
+                let _: TokenEvent = wire::read_msg(&mut recv).await.unwrap().unwrap();
+                if i >= 100 {
+                    fresh.push(t0.elapsed().as_secs_f64() * 1e6);
+                }
+            }
+            let (mut send, mut recv) = conn.open_bi().await.unwrap();
+            let mut kept = Vec::with_capacity(iters);
+            for i in 0..(iters + 100) as u64 {
+                let t0 = Instant::now();
+                wire::write_msg(&mut send, &StreamRequest::Generate(request(i)))
+                    .await
+                    .unwrap();
+                let _: TokenEvent = wire::read_msg(&mut recv).await.unwrap().unwrap();
+                if i >= 100 {
+                    kept.push(t0.elapsed().as_secs_f64() * 1e6);
+                }
+            }
+            conn.close(0u32.into(), b"done");
+            (fresh, kept)
+        })
+    });
+    let (mut fresh, mut kept) = (new_stream, kept_stream);
+    // rkyv framing, both ways, per message.
+    let n = iters * 20;
+    let t0 = Instant::now();
+    for i in 0..n as u64 {
+        let f = wire::encode(&StreamRequest::Generate(request(i))).unwrap();
+        let back = wire::decode::<StreamRequest>(&f).unwrap();
+        std::hint::black_box(back);
+    }
+    let rkyv_request_us = t0.elapsed().as_secs_f64() * 1e6 / n as f64;
+    let t0 = Instant::now();
+    for i in 0..n as u32 {
+        let f = wire::encode(&token(i, false)).unwrap();
+        let back = wire::decode::<TokenEvent>(&f).unwrap();
+        std::hint::black_box(back);
+    }
+    let rkyv_token_us = t0.elapsed().as_secs_f64() * 1e6 / n as f64;
+    // A spawned task sending one value back over a channel: the router's per-request task.
+    let mut hand_off = tokio::task::block_in_place(|| {
+        rt.block_on(async {
+            let mut xs = Vec::with_capacity(iters);
+            for i in 0..iters {
+                let t0 = Instant::now();
+                let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+                tokio::spawn(async move {
+                    let _ = tx.send(i);
+                });
+                let _ = rx.recv().await;
+                xs.push(t0.elapsed().as_secs_f64() * 1e6);
+            }
+            xs
+        })
+    });
+    let row = json!({
+        "quic_new_stream_round_trip_us": {"p50": pct(&mut fresh, 50.0), "p99": pct(&mut fresh, 99.0)},
+        "quic_kept_stream_round_trip_us": {"p50": pct(&mut kept, 50.0), "p99": pct(&mut kept, 99.0)},
+        "rkyv_request_encode_decode_us": rkyv_request_us,
+        "rkyv_token_encode_decode_us": rkyv_token_us,
+        "spawn_and_channel_us": {"p50": pct(&mut hand_off, 50.0), "p99": pct(&mut hand_off, 99.0)},
+    });
+    println!("\n== where the hop goes (in-process pieces, {iters} each) ==");
+    println!(
+        "  QUIC request -> first answer, new stream per request  p50 {:>7.1}us  p99 {:>7.1}us",
+        row["quic_new_stream_round_trip_us"]["p50"]
+            .as_f64()
+            .unwrap(),
+        row["quic_new_stream_round_trip_us"]["p99"]
+            .as_f64()
+            .unwrap()
+    );
+    println!(
+        "  QUIC request -> answer on one kept stream             p50 {:>7.1}us  p99 {:>7.1}us",
+        row["quic_kept_stream_round_trip_us"]["p50"]
+            .as_f64()
+            .unwrap(),
+        row["quic_kept_stream_round_trip_us"]["p99"]
+            .as_f64()
+            .unwrap()
+    );
+    println!("  rkyv encode + validate + decode: request {rkyv_request_us:.2}us, token {rkyv_token_us:.2}us");
+    println!(
+        "  task spawn + channel hand-off                         p50 {:>7.1}us  p99 {:>7.1}us",
+        row["spawn_and_channel_us"]["p50"].as_f64().unwrap(),
+        row["spawn_and_channel_us"]["p99"].as_f64().unwrap()
+    );
+    row
 }
 
 /// `kvmesh bench --dataset conversation` against a gateway: the run's JSON.
@@ -467,6 +676,7 @@ fn p99(stat: &Value) -> f64 {
 
 async fn prefix_routing(http: &reqwest::Client, quick: bool) -> Value {
     let (conversations, turns) = if quick { (16, 4) } else { (32, 5) };
+
     let worker_args = [
         "--roles",
         "worker",
@@ -513,14 +723,19 @@ async fn prefix_routing(http: &reqwest::Client, quick: bool) -> Value {
     println!(
         "\n== prefix routing: kvmesh bench --dataset conversation, {conversations} conversations x {turns} turns, 4 sim workers =="
     );
+    let rr_later = rows[1]["later_turns_ttft_ms"]["mean"]
+        .as_f64()
+        .unwrap_or(f64::NAN);
     println!(
-        "{:>13} {:>10} {:>12} {:>11} {:>12} {:>10} {:>22}",
+        "{:>13} {:>10} {:>12} {:>11} {:>12} {:>10} {:>14} {:>10} {:>22}",
         "policy",
         "hit rate",
         "of one-wkr",
         "mean TTFT",
         "vs rr TTFT",
         "p99 TTFT",
+        "turns 2+ TTFT",
+        "vs rr",
         "predicted exact/all"
     );
     for r in &rows {
@@ -530,14 +745,19 @@ async fn prefix_routing(http: &reqwest::Client, quick: bool) -> Value {
             .iter()
             .map(|k| p[*k].as_u64().unwrap_or(0))
             .sum();
+        let later = r["later_turns_ttft_ms"]["mean"]
+            .as_f64()
+            .unwrap_or(f64::NAN);
         println!(
-            "{:>13} {:>9.1}% {:>11.0}% {:>9.1}ms {:>11.2}x {:>8.1}ms {:>22}",
+            "{:>13} {:>9.1}% {:>11.0}% {:>9.1}ms {:>11.2}x {:>8.1}ms {:>12.1}ms {:>9.2}x {:>22}",
             r["label"].as_str().unwrap(),
             100.0 * f(r, "hit_rate"),
             100.0 * f(r, "hit_rate") / oracle,
             mean,
             rr_ttft / mean,
             p99(&r["ttft_ms"]),
+            later,
+            rr_later / later,
             format!("{}/{}", p["exact"].as_u64().unwrap_or(0), total)
         );
     }
@@ -561,6 +781,9 @@ async fn main() {
     }
     if args.runs("prefix") {
         out["prefix_routing"] = prefix_routing(&http, quick).await;
+    }
+    if args.runs("hop") {
+        out["hop_profile"] = hop_profile(quick);
     }
     if args.runs("picks") {
         out["pick_time"] = pick_time(quick);

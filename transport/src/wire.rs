@@ -129,6 +129,12 @@ pub struct LoadReport {
     pub capacity_tokens_per_s: f32,
     /// Prompt tokens per busy second (0 until measured).
     pub prompt_tokens_per_s: f32,
+    /// A decode step's time as `base + per_seq * batch`, fitted over its recent steps, in
+    /// milliseconds (both 0 until it has decoded): how much one more sequence slows it.
+    pub step_base_ms: f32,
+    pub step_per_seq_ms: f32,
+    /// Sequences it runs at once; more wait for a slot.
+    pub max_running: u32,
     /// The node's prefill role, when it has one: requests queued and prompt tokens held,
     /// KV use, and prompt tokens per busy second.
     pub prefill: Option<PrefillLoad>,

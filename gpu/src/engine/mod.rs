@@ -160,6 +160,70 @@ pub struct EngineStats {
     pub awaiting_kv: AtomicUsize,
     /// Blocks of finished sequences still lent to a transfer.
     pub held_blocks: AtomicUsize,
+    /// How a decode step's time grows with its batch, fitted over recent steps: what a
+    /// router needs to tell whether one more sequence here costs little (batching) or a
+    /// share of the node (a saturated one).
+    pub step_fit: parking_lot::Mutex<StepFit>,
+}
+
+/// A decode step's wall time as `base + per_seq * batch`, by least squares over recent
+/// pure-decode steps, each weighing [`StepFit::DECAY`] times the one after it (about the
+/// last 200 steps count). Batch sizes that never varied leave the slope unknown: the fit
+/// then says the mean step and no slope, rather than guessing one.
+#[derive(Clone, Debug, Default)]
+pub struct StepFit {
+    w: f64,
+    sn: f64,
+    st: f64,
+    snn: f64,
+    snt: f64,
+}
+
+/// A fitted step model, in seconds.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct StepModel {
+    pub base_s: f64,
+    pub per_seq_s: f64,
+    /// The weight of the steps behind it (each older one counts less).
+    pub samples: f64,
+}
+
+impl StepFit {
+    pub const DECAY: f64 = 0.995;
+
+    pub fn add(&mut self, batch: usize, took_s: f64) {
+        let (n, t, d) = (batch as f64, took_s, Self::DECAY);
+        self.w = self.w * d + 1.0;
+        self.sn = self.sn * d + n;
+        self.st = self.st * d + t;
+        self.snn = self.snn * d + n * n;
+        self.snt = self.snt * d + n * t;
+    }
+
+    /// `None` before any step. With no spread in batch sizes (variance below a quarter of
+    /// a sequence squared) the slope is 0 and the base the mean step.
+    pub fn model(&self) -> Option<StepModel> {
+        if self.w < 1e-9 {
+            return None;
+        }
+        let (mean_n, mean_t) = (self.sn / self.w, self.st / self.w);
+        let var = self.snn / self.w - mean_n * mean_n;
+        let cov = self.snt / self.w - mean_n * mean_t;
+        let mut per_seq = if var > 0.25 { cov / var } else { 0.0 };
+        // Timing noise can tilt a flat fit below zero; a step never gets faster with more.
+        per_seq = per_seq.max(0.0);
+        let mut base = mean_t - per_seq * mean_n;
+        if base < 0.0 {
+            // All of the time is per sequence.
+            base = 0.0;
+            per_seq = if mean_n > 0.0 { mean_t / mean_n } else { 0.0 };
+        }
+        Some(StepModel {
+            base_s: base,
+            per_seq_s: per_seq,
+            samples: self.w,
+        })
+    }
 }
 
 /// What a gateway needs to know about an engine.
@@ -1042,6 +1106,10 @@ impl Engine {
             self.stats
                 .decode_busy_us
                 .fetch_add(took_us, Ordering::Relaxed);
+            self.stats
+                .step_fit
+                .lock()
+                .add(sampling.len(), took_us as f64 / 1e6);
         } else {
             self.stats
                 .prefill_busy_us
@@ -1150,6 +1218,36 @@ fn emit(
 mod tests {
     use super::*;
     use std::sync::Mutex;
+
+    #[test]
+    fn step_fit_recovers_base_and_slope_and_admits_an_unknown_slope() {
+        let mut f = StepFit::default();
+        assert!(f.model().is_none());
+        // One batch size only: its mean, no slope.
+        for _ in 0..50 {
+            f.add(4, 0.010);
+        }
+        let m = f.model().unwrap();
+        assert_eq!(m.per_seq_s, 0.0);
+        assert!((m.base_s - 0.010).abs() < 1e-9, "{m:?}");
+        // Varied batches on 8 ms + 0.1 ms per sequence.
+        let mut f = StepFit::default();
+        for k in 0..400 {
+            let n = 1 + k % 48;
+            f.add(n, 0.008 + 0.0001 * n as f64);
+        }
+        let m = f.model().unwrap();
+        assert!((m.base_s - 0.008).abs() < 1e-6, "{m:?}");
+        assert!((m.per_seq_s - 0.0001).abs() < 1e-8, "{m:?}");
+        // Purely per sequence, with noise pushing the intercept below zero: all per seq.
+        let mut f = StepFit::default();
+        for k in 0..200 {
+            let n = 10 + k % 3;
+            f.add(n, 0.001 * n as f64 - 0.002 * (k % 2) as f64 + 0.001);
+        }
+        let m = f.model().unwrap();
+        assert!(m.base_s >= 0.0 && m.per_seq_s >= 0.0, "{m:?}");
+    }
 
     /// Per step: each sequence's (start position, tokens, wants logits).
     type StepLog = Arc<Mutex<Vec<Vec<(usize, usize, bool)>>>>;

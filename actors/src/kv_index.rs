@@ -1,0 +1,554 @@
+//! Which workers hold which KV blocks, across the cluster: one map from block hash to its
+//! holders, so a prefix-aware router finds every worker's leading cache hits for a prompt by
+//! walking the prompt's blocks once, in time proportional to those blocks and their holders,
+//! instead of asking each worker's own set. What it answers is exactly what one
+//! [`KvView`](crate::policy::KvView) per worker would: blocks a worker reported storing, plus
+//! those of prompts just sent there, pending until reported or until [`PENDING_FOR`] passes.
+
+use std::collections::hash_map::{Entry, RandomState};
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::hash::{BuildHasher, Hasher};
+use std::time::Instant;
+
+use crate::policy::PENDING_FOR;
+
+/// Pending hashes remembered per worker at most (the oldest go first).
+pub const MAX_PENDING_PER_WORKER: usize = 65_536;
+
+/// Where a block stands on one worker.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum State {
+    /// The worker reported storing it.
+    Held,
+    /// Part of a prompt sent there at this time, not yet reported.
+    Pending(Instant),
+}
+
+impl State {
+    /// Counts toward the run that includes pending blocks.
+    fn live(self, now: Instant) -> bool {
+        match self {
+            State::Held => true,
+            State::Pending(t) => now < t + PENDING_FOR,
+        }
+    }
+}
+
+/// A block's holders, sorted by worker id. Most blocks have a few, so a sorted vector beats
+/// a set in both memory and lookups.
+#[derive(Default)]
+struct Holders(Vec<(u32, State)>);
+
+impl Holders {
+    fn find(&self, worker: u32) -> Result<usize, usize> {
+        self.0.binary_search_by_key(&worker, |&(w, _)| w)
+    }
+
+    fn get(&self, worker: u32) -> Option<State> {
+        self.find(worker).ok().map(|i| self.0[i].1)
+    }
+
+    /// Sets the worker's state, returning the one it replaced.
+    fn set(&mut self, worker: u32, state: State) -> Option<State> {
+        match self.find(worker) {
+            Ok(i) => Some(std::mem::replace(&mut self.0[i].1, state)),
+            Err(i) => {
+                self.0.insert(i, (worker, state));
+                None
+            }
+        }
+    }
+}
+
+/// Removes the worker from the block's holders when `what` accepts its state, and the block
+/// itself once nobody holds it, so the map only keeps blocks somebody has.
+fn remove_holder(
+    blocks: &mut HashMap<u64, Holders, BlockHashing>,
+    hash: u64,
+    worker: u32,
+    what: impl Fn(State) -> bool,
+) -> Option<State> {
+    let Entry::Occupied(mut e) = blocks.entry(hash) else {
+        return None;
+    };
+    let holders = e.get_mut();
+    let i = holders.find(worker).ok()?;
+    let state = holders.0[i].1;
+    if !what(state) {
+        return None;
+    }
+    holders.0.remove(i);
+    if holders.0.is_empty() {
+        e.remove();
+    }
+    Some(state)
+}
+
+/// One worker's bookkeeping, for snapshots, losses and expiry; lookups go through the map.
+#[derive(Default)]
+struct WorkerKv {
+    /// A snapshot has arrived: `held` is the worker's own account.
+    synced: bool,
+    held: HashSet<u64>,
+    /// How many blocks the worker has pending in the map.
+    pending: usize,
+    /// When each pending block was expected, oldest first; an entry whose block has since
+    /// been stored or expected again is stale and skipped.
+    pending_order: VecDeque<(Instant, u64)>,
+}
+
+/// Block hashes are public (any router computes them from the prompt), so the map is keyed
+/// per index as std's is; a folded multiply is enough mixing for values that are already
+/// hashes, and much cheaper than SipHash on the routing path.
+#[derive(Clone)]
+struct BlockHashing {
+    seed: u64,
+    mul: u64,
+}
+
+impl Default for BlockHashing {
+    fn default() -> Self {
+        let s = RandomState::new();
+        BlockHashing {
+            seed: s.hash_one(0u64),
+            mul: s.hash_one(1u64) | 1,
+        }
+    }
+}
+
+impl BuildHasher for BlockHashing {
+    type Hasher = BlockHasher;
+    fn build_hasher(&self) -> BlockHasher {
+        BlockHasher {
+            acc: self.seed,
+            mul: self.mul,
+        }
+    }
+}
+
+struct BlockHasher {
+    acc: u64,
+    mul: u64,
+}
+
+impl Hasher for BlockHasher {
+    fn write_u64(&mut self, n: u64) {
+        let p = ((self.acc ^ n) as u128) * (self.mul as u128);
+        self.acc = (p as u64) ^ ((p >> 64) as u64);
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for chunk in bytes.chunks(8) {
+            let mut b = [0u8; 8];
+            b[..chunk.len()].copy_from_slice(chunk);
+            self.write_u64(u64::from_le_bytes(b));
+        }
+    }
+
+    fn finish(&self) -> u64 {
+        self.acc
+    }
+}
+
+/// The cluster's KV blocks and who holds them. Worker ids are dense slots chosen by the
+/// caller.
+#[derive(Default)]
+pub struct KvIndex {
+    blocks: HashMap<u64, Holders, BlockHashing>,
+    workers: Vec<WorkerKv>,
+}
+
+impl KvIndex {
+    fn worker_mut(workers: &mut Vec<WorkerKv>, worker: u32) -> &mut WorkerKv {
+        let i = worker as usize;
+        if workers.len() <= i {
+            workers.resize_with(i + 1, WorkerKv::default);
+        }
+        &mut workers[i]
+    }
+
+    /// A batch of one worker's events; a snapshot replaces everything that worker held (not
+    /// its pending).
+    pub fn apply(&mut self, worker: u32, snapshot: bool, stored: &[u64], removed: &[u64]) {
+        let w = Self::worker_mut(&mut self.workers, worker);
+        if snapshot {
+            for h in w.held.drain() {
+                remove_holder(&mut self.blocks, h, worker, |_| true);
+            }
+            w.synced = true;
+        }
+        for h in removed {
+            if w.held.remove(h) {
+                remove_holder(&mut self.blocks, *h, worker, |_| true);
+            }
+        }
+        for &h in stored {
+            if let Some(State::Pending(_)) =
+                self.blocks.entry(h).or_default().set(worker, State::Held)
+            {
+                w.pending -= 1;
+            }
+            w.held.insert(h);
+        }
+    }
+
+    /// The worker was lost: forget all it held and had pending, and its synced flag.
+    pub fn clear_worker(&mut self, worker: u32) {
+        let Some(w) = self.workers.get_mut(worker as usize) else {
+            return;
+        };
+        for h in w.held.drain() {
+            remove_holder(&mut self.blocks, h, worker, |_| true);
+        }
+        // Every pending block has an entry in the order (the one that set its time).
+        for (_, h) in w.pending_order.drain(..) {
+            remove_holder(&mut self.blocks, h, worker, |s| s != State::Held);
+        }
+        *w = WorkerKv::default();
+    }
+
+    /// A prompt with these block hashes was sent to `worker`: those it does not hold become
+    /// pending until reported stored, or [`PENDING_FOR`] passes. Expired pending blocks are
+    /// dropped here, and the oldest too past [`MAX_PENDING_PER_WORKER`].
+    pub fn expect(&mut self, worker: u32, hashes: &[u64], now: Instant) {
+        let w = Self::worker_mut(&mut self.workers, worker);
+        while let Some(&(t, h)) = w.pending_order.front() {
+            if now < t + PENDING_FOR && w.pending < MAX_PENDING_PER_WORKER {
+                break;
+            }
+            w.pending_order.pop_front();
+            if remove_holder(&mut self.blocks, h, worker, |s| s == State::Pending(t)).is_some() {
+                w.pending -= 1;
+            }
+        }
+        for &h in hashes {
+            let holders = self.blocks.entry(h).or_default();
+            match holders.get(worker) {
+                Some(State::Held) => continue,
+                Some(State::Pending(_)) => {}
+                None => w.pending += 1,
+            }
+            holders.set(worker, State::Pending(now));
+            w.pending_order.push_back((now, h));
+        }
+    }
+
+    /// For every worker whose leading run is non-empty: `(worker, held, with_pending)`, where
+    /// `held` counts the leading hashes the worker reported storing and `with_pending` those
+    /// held or pending and unexpired (never less than `held`). Workers not listed have
+    /// `(0, 0)`. Sorted by worker id.
+    ///
+    /// Walks `hashes` in order with the workers whose run goes on, and stops when none does.
+    pub fn leading_hits(&self, hashes: &[u64], now: Instant) -> Vec<(u32, usize, usize)> {
+        let Some(first) = hashes.first().and_then(|h| self.blocks.get(h)) else {
+            return Vec::new();
+        };
+        let mut out = Vec::with_capacity(first.0.len());
+        // Workers whose run with pending goes on: index in `out`, and whether their held
+        // run goes on too.
+        let mut alive = Vec::with_capacity(first.0.len());
+        for &(w, s) in &first.0 {
+            if s.live(now) {
+                alive.push((out.len(), s == State::Held));
+                out.push((w, 0, 0));
+            }
+        }
+        for (i, h) in hashes.iter().enumerate().skip(1) {
+            if alive.is_empty() {
+                return out;
+            }
+            let holders = self.blocks.get(h);
+            alive.retain_mut(|(o, in_held)| {
+                let hit: &mut (u32, usize, usize) = &mut out[*o];
+                match holders.and_then(|hs| hs.get(hit.0)) {
+                    Some(State::Held) => true,
+                    Some(s) if s.live(now) => {
+                        if *in_held {
+                            hit.1 = i;
+                            *in_held = false;
+                        }
+                        true
+                    }
+                    _ => {
+                        if *in_held {
+                            hit.1 = i;
+                        }
+                        hit.2 = i;
+                        false
+                    }
+                }
+            });
+        }
+        for (o, in_held) in alive {
+            if in_held {
+                out[o].1 = hashes.len();
+            }
+            out[o].2 = hashes.len();
+        }
+        out
+    }
+
+    /// A snapshot has arrived from the worker since it was created or cleared.
+    pub fn synced(&self, worker: u32) -> bool {
+        self.workers.get(worker as usize).is_some_and(|w| w.synced)
+    }
+
+    /// Hashes the worker reported holding.
+    pub fn held(&self, worker: u32) -> usize {
+        self.workers
+            .get(worker as usize)
+            .map_or(0, |w| w.held.len())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::policy::KvView;
+    use std::time::Duration;
+
+    /// A tiny deterministic PRNG.
+    struct SplitMix(u64);
+
+    impl SplitMix {
+        fn next(&mut self) -> u64 {
+            self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            let mut z = self.0;
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            z ^ (z >> 31)
+        }
+
+        fn below(&mut self, n: u64) -> u64 {
+            self.next() % n
+        }
+    }
+
+    /// What the per-worker views say, in `leading_hits`' form.
+    fn reference(views: &[KvView], hashes: &[u64], now: Instant) -> Vec<(u32, usize, usize)> {
+        views
+            .iter()
+            .enumerate()
+            .map(|(w, v)| {
+                let (held, with_pending) = v.leading_hits(hashes, now);
+                (w as u32, held, with_pending)
+            })
+            .filter(|&(_, _, p)| p > 0)
+            .collect()
+    }
+
+    /// The map and the per-worker bookkeeping agree, and no block is kept for nobody.
+    fn check_consistent(index: &KvIndex) {
+        let mut held = vec![0; index.workers.len()];
+        let mut pending = vec![0; index.workers.len()];
+        for (h, holders) in &index.blocks {
+            assert!(!holders.0.is_empty());
+            assert!(holders.0.windows(2).all(|p| p[0].0 < p[1].0));
+            for &(w, s) in &holders.0 {
+                let w = w as usize;
+                match s {
+                    State::Held => {
+                        assert!(index.workers[w].held.contains(h));
+                        held[w] += 1;
+                    }
+                    State::Pending(_) => pending[w] += 1,
+                }
+            }
+        }
+        for (i, w) in index.workers.iter().enumerate() {
+            assert_eq!((w.held.len(), w.pending), (held[i], pending[i]));
+        }
+    }
+
+    /// Hashes of a random kind: a prefix of one of a few chains (so workers share
+    /// prefixes), sometimes with a random tail, or random ones; all from 0..64.
+    fn hashes(rng: &mut SplitMix, chains: &[Vec<u64>]) -> Vec<u64> {
+        let mut out = match rng.below(4) {
+            0 => Vec::new(),
+            _ => {
+                let c = &chains[rng.below(chains.len() as u64) as usize];
+                c[..rng.below(c.len() as u64 + 1) as usize].to_vec()
+            }
+        };
+        for _ in 0..rng.below(4) {
+            out.push(rng.below(64));
+        }
+        out
+    }
+
+    #[test]
+    fn matches_one_view_per_worker() {
+        const WORKERS: u32 = 8;
+        let mut rng = SplitMix(7);
+        let chains: Vec<Vec<u64>> = (0..5)
+            .map(|_| (0..12).map(|_| rng.below(64)).collect())
+            .collect();
+        let t0 = Instant::now();
+        let mut t = t0;
+        let mut index = KvIndex::default();
+        let mut views: Vec<KvView> = (0..WORKERS).map(|_| KvView::default()).collect();
+        let mut nonempty = 0;
+        for step in 0..40_000 {
+            let w = rng.below(WORKERS as u64) as u32;
+            let v = &mut views[w as usize];
+            match rng.below(100) {
+                0..=29 => {
+                    let snapshot = rng.below(8) == 0;
+                    let stored = hashes(&mut rng, &chains);
+                    let removed = hashes(&mut rng, &chains);
+                    index.apply(w, snapshot, &stored, &removed);
+                    v.apply(snapshot, &stored, &removed);
+                }
+                30..=54 => {
+                    let hs = hashes(&mut rng, &chains);
+                    index.expect(w, &hs, t);
+                    v.expect(&hs, t);
+                }
+                55..=56 => {
+                    index.clear_worker(w);
+                    v.clear();
+                }
+                57..=69 => t += Duration::from_millis(rng.below(3_000)),
+                _ => {
+                    let hs = hashes(&mut rng, &chains);
+                    // Around the pending deadline too.
+                    let now = match rng.below(6) {
+                        0 => t + PENDING_FOR,
+                        1 => t + PENDING_FOR - Duration::from_nanos(1),
+                        2 => t + Duration::from_secs(12),
+                        _ => t + Duration::from_millis(rng.below(2_000)),
+                    };
+                    let want = reference(&views, &hs, now);
+                    nonempty += usize::from(!want.is_empty());
+                    assert_eq!(index.leading_hits(&hs, now), want, "step {step}, {hs:?}");
+                }
+            }
+            for (w, v) in views.iter().enumerate() {
+                assert_eq!(index.synced(w as u32), v.synced, "step {step}");
+                assert_eq!(index.held(w as u32), v.held(), "step {step}");
+            }
+            check_consistent(&index);
+        }
+        // The comparisons were not all of empty answers.
+        assert!(nonempty > 3_000, "{nonempty}");
+        // Nothing is kept for blocks nobody has.
+        for v in &mut views {
+            v.clear();
+        }
+        for w in 0..WORKERS {
+            index.clear_worker(w);
+        }
+        assert!(index.blocks.is_empty());
+    }
+
+    #[test]
+    fn the_chain_breaks_at_an_evicted_block() {
+        let t0 = Instant::now();
+        let mut index = KvIndex::default();
+        index.apply(0, true, &[1, 2, 3, 4], &[]);
+        index.apply(1, true, &[1, 2, 3, 4], &[]);
+        index.apply(1, false, &[], &[3]);
+        assert_eq!(
+            index.leading_hits(&[1, 2, 3, 4, 5], t0),
+            vec![(0, 4, 4), (1, 2, 2)]
+        );
+        // A later block held does not count past the gap.
+        assert_eq!(index.leading_hits(&[3, 4], t0), vec![(0, 2, 2)]);
+        assert_eq!(index.leading_hits(&[9, 1], t0), vec![]);
+        assert_eq!(index.leading_hits(&[], t0), vec![]);
+        assert_eq!((index.held(0), index.held(1), index.held(7)), (4, 3, 0));
+    }
+
+    #[test]
+    fn a_snapshot_replaces_what_the_worker_held() {
+        let t0 = Instant::now();
+        let mut index = KvIndex::default();
+        assert!(!index.synced(0));
+        index.apply(0, false, &[1, 2, 3], &[]);
+        assert!(!index.synced(0));
+        index.apply(0, true, &[7, 8], &[]);
+        assert!(index.synced(0));
+        assert_eq!(index.leading_hits(&[1, 2, 3], t0), vec![]);
+        assert_eq!(index.leading_hits(&[7, 8, 9], t0), vec![(0, 2, 2)]);
+        assert_eq!(index.held(0), 2);
+        // But not what is pending there.
+        index.expect(0, &[7, 8, 9], t0);
+        index.apply(0, true, &[7], &[]);
+        assert_eq!(index.leading_hits(&[7, 8, 9], t0), vec![(0, 1, 1)]);
+        index.expect(0, &[7, 8, 9], t0);
+        index.apply(0, true, &[7], &[]);
+        assert_eq!(index.leading_hits(&[7, 8, 9], t0), vec![(0, 1, 3)]);
+    }
+
+    #[test]
+    fn expired_pending_no_longer_counts() {
+        let t0 = Instant::now();
+        let mut index = KvIndex::default();
+        index.apply(2, true, &[1, 2], &[]);
+        index.expect(2, &[1, 2, 3, 4], t0);
+        index.expect(5, &[1, 2], t0);
+        let q = [1, 2, 3, 4, 5];
+        assert_eq!(index.leading_hits(&q, t0), vec![(2, 2, 4), (5, 0, 2)]);
+        let late = t0 + PENDING_FOR - Duration::from_millis(1);
+        assert_eq!(index.leading_hits(&q, late), vec![(2, 2, 4), (5, 0, 2)]);
+        assert_eq!(index.leading_hits(&q, t0 + PENDING_FOR), vec![(2, 2, 2)]);
+        // Reported stored: held, for good.
+        index.apply(2, false, &[3], &[]);
+        assert_eq!(index.leading_hits(&q, t0 + PENDING_FOR), vec![(2, 3, 3)]);
+        // Expired entries go with the worker's next expectation, and their blocks with them.
+        index.expect(5, &[], t0 + PENDING_FOR);
+        index.expect(2, &[], t0 + PENDING_FOR);
+        assert_eq!(index.blocks.len(), 3);
+        assert_eq!(index.workers[2].pending + index.workers[5].pending, 0);
+    }
+
+    #[test]
+    fn clear_worker_forgets_it() {
+        let t0 = Instant::now();
+        let mut index = KvIndex::default();
+        index.apply(3, true, &[1, 2], &[]);
+        index.expect(3, &[1, 2, 3], t0);
+        index.apply(4, true, &[1], &[]);
+        index.clear_worker(3);
+        assert!(!index.synced(3));
+        assert_eq!(index.held(3), 0);
+        assert_eq!(index.leading_hits(&[1, 2, 3], t0), vec![(4, 1, 1)]);
+        assert_eq!(index.blocks.len(), 1);
+        index.clear_worker(4);
+        index.clear_worker(60);
+        assert!(index.blocks.is_empty());
+        // The slot is usable again.
+        index.expect(3, &[1], t0);
+        assert_eq!(index.leading_hits(&[1, 2], t0), vec![(3, 0, 1)]);
+    }
+
+    #[test]
+    fn pending_stays_bounded_per_worker() {
+        let t0 = Instant::now();
+        let mut index = KvIndex::default();
+        let mut view = KvView::default();
+        let n = 3 * MAX_PENDING_PER_WORKER as u64;
+        for h in 0..n {
+            index.expect(1, &[h], t0);
+            view.expect(&[h], t0);
+        }
+        index.expect(2, &[0, 1], t0);
+        let w = &index.workers[1];
+        assert!(w.pending <= MAX_PENDING_PER_WORKER + 1);
+        assert!(w.pending_order.len() <= MAX_PENDING_PER_WORKER + 1);
+        // Blocks dropped from worker 1 leave the map, except those worker 2 has.
+        assert_eq!(index.blocks.len(), w.pending + 2);
+        // The newest are kept, as the worker's own view keeps them.
+        for q in [vec![n - 1], vec![0], vec![1], vec![n - 10, n - 9, n - 8]] {
+            let (held, with_pending) = view.leading_hits(&q, t0);
+            let got = index.leading_hits(&q, t0);
+            let got1 = got.iter().find(|&&(w, _, _)| w == 1);
+            assert_eq!(
+                got1.map_or((0, 0), |&(_, h, p)| (h, p)),
+                (held, with_pending)
+            );
+        }
+        assert_eq!(index.leading_hits(&[0, 1], t0), vec![(2, 0, 2)]);
+        assert_eq!(index.leading_hits(&[n - 2, n - 1], t0), vec![(1, 0, 2)]);
+    }
+}
