@@ -207,11 +207,16 @@ pub fn check_context(tok: &TextTokenizer, spec: &Spec, max_model_len: usize) -> 
 /// Holds every conversation, at most `active` at once (the next starts when one ends), and
 /// waits for all. Returns the outcomes conversation by conversation — turn t of conversation
 /// c at `c * turns + t` — and the wall time from the first send to the last answer.
+///
+/// With a think time (`think_ms`, the mean, and the run's seed), every turn, the first
+/// included, waits a pause drawn from an exponential distribution before it is sent: users
+/// read and type, so conversations drift apart in time instead of all sending at once.
 pub async fn run(
     http: &reqwest::Client,
     target: &Target,
     conversations: &Arc<Vec<Conversation>>,
     active: usize,
+    think: Option<(f64, u64)>,
     bar: &ProgressBar,
 ) -> (Vec<Outcome>, f64) {
     // Fair: conversations start in order as permits free.
@@ -226,8 +231,18 @@ pub async fn run(
             conversations.clone(),
             bar.clone(),
         );
+        // The conversation's own pauses, the same for the same seed.
+        let pauses: Vec<f64> = match think {
+            Some((mean_ms, seed)) if mean_ms > 0.0 => {
+                let mut rng = rng_for(seed ^ 0x7468_696e_6b00_0000, c);
+                (0..conversations[c].turns())
+                    .map(|_| -mean_ms * (1.0 - rng.random::<f64>()).ln())
+                    .collect()
+            }
+            _ => vec![0.0; conversations[c].turns()],
+        };
         tasks.push(tokio::spawn(async move {
-            let outcomes = talk(&http, &target, &conversations[c], &bar).await;
+            let outcomes = talk(&http, &target, &conversations[c], &pauses, &bar).await;
             drop(permit);
             outcomes
         }));
@@ -251,11 +266,16 @@ async fn talk(
     http: &reqwest::Client,
     target: &Target,
     conv: &Conversation,
+    pauses_ms: &[f64],
     bar: &ProgressBar,
 ) -> Vec<Outcome> {
     let mut replies: Vec<String> = Vec::with_capacity(conv.turns());
     let mut outcomes = Vec::with_capacity(conv.turns());
     for turn in 0..conv.turns() {
+        let pause = pauses_ms.get(turn).copied().unwrap_or(0.0);
+        if pause > 0.0 {
+            tokio::time::sleep(std::time::Duration::from_secs_f64(pause / 1e3)).await;
+        }
         let body = target.chat_body(&conv.messages(&replies), conv.output_lens[turn]);
         let o = client::send_body(http, target, &body).await;
         bar.inc(1);

@@ -55,6 +55,10 @@ pub struct BenchArgs {
     /// the first has --input-len.
     #[arg(long)]
     pub turn_input_len: Option<usize>,
+    /// --dataset conversation: mean pause, in milliseconds, before each turn (exponentially
+    /// distributed, seeded): the user reading and typing (default 0, turns back to back).
+    #[arg(long, value_name = "MS")]
+    pub think_time: Option<f64>,
     /// The served model's tokenizer, to count prompt tokens: a model folder or its
     /// tokenizer.json (default: the embedded Shakespeare model's).
     #[arg(long)]
@@ -157,6 +161,12 @@ fn check(a: &BenchArgs) -> Result<()> {
         ] {
             anyhow::ensure!(v != Some(0), "{flag} must be positive");
         }
+        if let Some(t) = a.think_time {
+            anyhow::ensure!(
+                t.is_finite() && (0.0..=3_600_000.0).contains(&t),
+                "--think-time must be between 0 and 3600000 ms, not {t}"
+            );
+        }
     } else {
         for (flag, v) in [
             ("--conversations", a.conversations),
@@ -166,6 +176,12 @@ fn check(a: &BenchArgs) -> Result<()> {
             anyhow::ensure!(
                 v.is_none(),
                 "{flag} needs --dataset conversation (the dataset is {})",
+                a.dataset
+            );
+        }
+        if a.think_time.is_some() {
+            anyhow::bail!(
+                "--think-time needs --dataset conversation (the dataset is {})",
                 a.dataset
             );
         }
@@ -464,6 +480,7 @@ async fn bench(args: BenchArgs) -> Result<()> {
         conversations: conv_spec.as_ref().map(|c| c.conversations),
         turns: conv_spec.as_ref().map(|c| c.turns),
         turn_input_len: conv_spec.as_ref().map(|c| c.turn_input_len),
+        think_time_ms: conv_spec.as_ref().and(args.think_time),
     };
     let axis = loads[0].axis();
     let mut rows = Vec::new();
@@ -481,7 +498,8 @@ async fn bench(args: BenchArgs) -> Result<()> {
             Work::Conversations { all, per_run, .. } => {
                 let convs = Arc::new(all[r * per_run..(r + 1) * per_run].to_vec());
                 let active = load.x() as usize;
-                let (o, d) = conversation::run(&http, &target, &convs, active, &bar).await;
+                let think = args.think_time.map(|t| (t, args.seed));
+                let (o, d) = conversation::run(&http, &target, &convs, active, think, &bar).await;
                 let lens = conversation::prompt_lens(&tok, &convs, &o)?;
                 (o, lens, d)
             }
@@ -779,6 +797,16 @@ mod tests {
             "--conversations needs --dataset conversation",
         );
         refused(&["--turn-input-len", "3"], "--turn-input-len needs");
+        refused(
+            &["--think-time", "500"],
+            "--think-time needs --dataset conversation",
+        );
+        refused(&conv(&["--think-time=-1"]), "--think-time must be between");
+        refused(
+            &conv(&["--think-time", "NaN"]),
+            "--think-time must be between",
+        );
+        check(&parse(&conv(&["--think-time", "250.5"])).unwrap()).unwrap();
         // The other datasets keep their defaults.
         let a = parse(&["--num-prompts", "7"]).unwrap();
         check(&a).unwrap();

@@ -36,6 +36,9 @@ pub struct Settings {
     pub turns: Option<usize>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub turn_input_len: Option<usize>,
+    /// `--think-time`: the mean pause before each turn, in milliseconds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub think_time_ms: Option<f64>,
 }
 
 /// One run's file: its settings, metrics, and what each request measured.

@@ -627,7 +627,13 @@ fn hop_profile(quick: bool) -> Value {
 }
 
 /// `kvmesh bench --dataset conversation` against a gateway: the run's JSON.
-fn conversation_run(gw: &Proc, label: &str, conversations: usize, turns: usize) -> Value {
+fn conversation_run(
+    gw: &Proc,
+    label: &str,
+    conversations: usize,
+    turns: usize,
+    think_ms: f64,
+) -> Value {
     let dir = std::env::temp_dir().join(format!("kvmesh-mesh-bench-{}", std::process::id()));
     let conc = conversations.to_string();
     let turns = turns.to_string();
@@ -648,6 +654,8 @@ fn conversation_run(gw: &Proc, label: &str, conversations: usize, turns: usize) 
             "24",
             "--output-len",
             "24",
+            "--think-time",
+            &think_ms.to_string(),
             "--concurrency",
             &conc,
             "--label",
@@ -674,7 +682,19 @@ fn p99(stat: &Value) -> f64 {
         .unwrap_or(f64::NAN)
 }
 
+/// The multi-turn workload twice: turns back to back (a closed loop: every conversation
+/// always has a request in, so a faster cluster shows as throughput), and with users who
+/// pause a second on average before each turn (latency at a load the cluster carries).
 async fn prefix_routing(http: &reqwest::Client, quick: bool) -> Value {
+    let mut out = Vec::new();
+    for think_ms in [0.0, 1000.0] {
+        out.push(json!({"think_time_ms": think_ms,
+                        "rows": prefix_table(http, quick, think_ms).await}));
+    }
+    json!(out)
+}
+
+async fn prefix_table(http: &reqwest::Client, quick: bool, think_ms: f64) -> Value {
     let (conversations, turns) = if quick { (16, 4) } else { (32, 5) };
 
     let worker_args = [
@@ -695,13 +715,13 @@ async fn prefix_routing(http: &reqwest::Client, quick: bool) -> Value {
         ("prefix", "prefix", 4),
     ] {
         let etcd = Etcd::start();
-        let cluster = format!("bench-prefix-{label}");
+        let cluster = format!("bench-prefix-{label}-{think_ms}");
         let _ws: Vec<Proc> = (0..workers)
             .map(|i| node(&etcd, &cluster, &format!("w{i}"), &worker_args))
             .collect();
         let gw = gateway(&etcd, &cluster, policy);
         wait_workers(http, &gw, workers).await;
-        let run = conversation_run(&gw, label, conversations, turns);
+        let run = conversation_run(&gw, label, conversations, turns, think_ms);
         let m = &run["metrics"];
         let st = status(http, &gw).await;
         rows.push(json!({
@@ -721,7 +741,7 @@ async fn prefix_routing(http: &reqwest::Client, quick: bool) -> Value {
     let oracle = f(&rows[0], "hit_rate");
     let rr_ttft = rows[1]["ttft_ms"]["mean"].as_f64().unwrap_or(f64::NAN);
     println!(
-        "\n== prefix routing: kvmesh bench --dataset conversation, {conversations} conversations x {turns} turns, 4 sim workers =="
+        "\n== prefix routing: kvmesh bench --dataset conversation, {conversations} conversations x {turns} turns, 4 sim workers, think time {think_ms} ms =="
     );
     let rr_later = rows[1]["later_turns_ttft_ms"]["mean"]
         .as_f64()
