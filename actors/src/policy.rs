@@ -149,6 +149,10 @@ fn share(c: &Candidate) -> f64 {
     (c.load + 1.0) / c.capacity.max(1e-9)
 }
 
+/// The least a sequence is taken to add to a decode step, relative to the step's fixed
+/// part (0.2%: 16 µs on an 8 ms step).
+const MIN_SLOPE: f64 = 0.002;
+
 /// Seconds the request costs the cluster on this worker when `uncached` of its prompt
 /// tokens must be computed: its own wait, prefill and decode, and the time it adds to the
 /// sequences already there.
@@ -169,9 +173,13 @@ fn expected_time(c: &Candidate, uncached: f64, out: f64) -> f64 {
         return prompt + out * (n + 1.0) / c.capacity.max(1e-9);
     }
     let batch = (n + 1.0).min(limit);
-    let step = c.step_base + c.step_per_seq * batch;
+    // A fit that saw one batch size only says nothing of the slope; a step never gets
+    // cheaper with more sequences, and a small floor keeps equal workers sharing equally
+    // instead of one taking everything on a timing-noise difference in their bases.
+    let per_seq = c.step_per_seq.max(c.step_base * MIN_SLOPE);
+    let step = c.step_base + per_seq * batch;
     // Each of the others there runs a little slower while it decodes.
-    let slowdown = c.step_per_seq * (batch - 1.0);
+    let slowdown = per_seq * (batch - 1.0);
     // Past the batch limit it waits for a slot; slots free as sequences finish.
     let queue = if n + 1.0 > limit {
         (n + 1.0 - limit) / limit * out * step
@@ -423,6 +431,17 @@ mod tests {
         // Equal nodes share equally.
         let mut cs = vec![sim(2.0, 8.0, 0.1); 4];
         assert_eq!(assign(Policy::LeastLoaded, &mut cs, 40), [10; 4]);
+    }
+
+    #[test]
+    fn equal_workers_with_flat_fits_share_despite_noise_in_their_bases() {
+        // Both fits saw one batch size (no slope); their bases differ by timing noise.
+        let mut cs = vec![sim(1.0, 8.0, 0.0), sim(1.0, 8.05, 0.0)];
+        let counts = assign(Policy::LeastLoaded, &mut cs, 40);
+        assert!((17..=23).contains(&counts[0]), "{counts:?}");
+        // A node three times as fast still takes everything (its step at 40 is 2.9 ms).
+        let mut cs = vec![sim(1.0, 8.0, 0.0), sim(3.0, 8.0, 0.0)];
+        assert_eq!(assign(Policy::LeastLoaded, &mut cs, 40), [0, 40]);
     }
 
     #[test]
