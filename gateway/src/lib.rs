@@ -329,19 +329,31 @@ async fn off_runtime(
     .map_err(|e| ApiError::internal(format!("preparing the request failed: {e}")))?
 }
 
-fn prepare_chat(st: &AppState, body: &[u8]) -> Result<Prepared, ApiError> {
-    let (req, v) = span("validate").in_scope(|| {
+/// The body parsed once, unsupported fields refused, read as the endpoint's request `R`
+/// and as the fields every endpoint shares; `top` says how many top logprobs `R` asks for.
+fn validate<R: serde::de::DeserializeOwned>(
+    st: &AppState,
+    body: &[u8],
+    top: impl FnOnce(&R) -> Result<Option<usize>, ApiError>,
+) -> Result<(R, Validated), ApiError> {
+    span("validate").in_scope(|| {
         let body = protocol::parse_body(body)?;
         protocol::refuse_unsupported(&body)?;
-        let req: ChatRequest = protocol::fields(&body)?;
-        let top = protocol::chat_logprobs(req.logprobs, req.top_logprobs)?;
+        let req: R = protocol::fields(&body)?;
+        let top = top(&req)?;
         let v = protocol::validate_common(
             &protocol::fields(&body)?,
             &st.model.name,
             st.model.tokenizer.sampling_defaults(),
             top,
         )?;
-        Ok::<_, ApiError>((req, v))
+        Ok((req, v))
+    })
+}
+
+fn prepare_chat(st: &AppState, body: &[u8]) -> Result<Prepared, ApiError> {
+    let (req, v) = validate(st, body, |r: &ChatRequest| {
+        protocol::chat_logprobs(r.logprobs, r.top_logprobs)
     })?;
     let text = span("chat_template").in_scope(|| {
         let messages = protocol::template_messages(&req.messages)?;
@@ -358,18 +370,8 @@ fn prepare_chat(st: &AppState, body: &[u8]) -> Result<Prepared, ApiError> {
 }
 
 fn prepare_completion(st: &AppState, body: &[u8]) -> Result<Prepared, ApiError> {
-    let (req, v) = span("validate").in_scope(|| {
-        let body = protocol::parse_body(body)?;
-        protocol::refuse_unsupported(&body)?;
-        let req: CompletionRequest = protocol::fields(&body)?;
-        let top = protocol::completion_logprobs(req.logprobs)?;
-        let v = protocol::validate_common(
-            &protocol::fields(&body)?,
-            &st.model.name,
-            st.model.tokenizer.sampling_defaults(),
-            top,
-        )?;
-        Ok::<_, ApiError>((req, v))
+    let (req, v) = validate(st, body, |r: &CompletionRequest| {
+        protocol::completion_logprobs(r.logprobs)
     })?;
     let tok = &st.model.tokenizer;
     let one = |n: usize| {
