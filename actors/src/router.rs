@@ -142,18 +142,40 @@ impl WorkerLink {
 
     /// Prompt tokens per second it computes, once measured.
     pub fn prompt_rate(&self) -> Option<f64> {
-        self.last_report()
-            .map(|r| r.prompt_tokens_per_s as f64)
-            .filter(|&r| r > 0.0)
+        self.pick_inputs().prompt_rate
+    }
+
+    /// What a pick needs from its last report, read under one lock: capacity, prompt rate
+    /// (once measured), the decode step fit in seconds, and its batch limit.
+    fn pick_inputs(&self) -> ReportedSpeed {
+        let report = self.report.lock();
+        let r = report.as_ref().map(|(r, _)| r);
+        let secs = |ms: Option<f32>| ms.map_or(0.0, |ms| f64::from(ms.max(0.0)) / 1e3);
+        ReportedSpeed {
+            capacity: r
+                .map(|r| r.capacity_tokens_per_s as f64)
+                .filter(|&c| c > 0.0)
+                .unwrap_or(self.record.capacity_tokens_per_s)
+                .max(1e-3),
+            prompt_rate: r.map(|r| r.prompt_tokens_per_s as f64).filter(|&p| p > 0.0),
+            step_base: secs(r.map(|r| r.step_base_ms)),
+            step_per_seq: secs(r.map(|r| r.step_per_seq_ms)),
+            max_running: r.map_or(0.0, |r| f64::from(r.max_running)),
+        }
     }
 
     pub fn capacity(&self) -> f64 {
-        self.last_report()
-            .map(|r| r.capacity_tokens_per_s as f64)
-            .filter(|&c| c > 0.0)
-            .unwrap_or(self.record.capacity_tokens_per_s)
-            .max(1e-3)
+        self.pick_inputs().capacity
     }
+}
+
+/// A worker's speeds as its last report gave them (see [`WorkerLink::pick_inputs`]).
+struct ReportedSpeed {
+    capacity: f64,
+    prompt_rate: Option<f64>,
+    step_base: f64,
+    step_per_seq: f64,
+    max_running: f64,
 }
 
 /// A worker's place in its router's [`KvIndex`]: what its prefix cache holds, from its
@@ -669,11 +691,10 @@ impl RouterCore {
         let mut reported = vec![0; links.len()];
         // A worker that has not measured its prompt rate is taken to be no faster than the
         // slowest that has, so being new never makes a cache miss look cheap.
-        let rates: Vec<Option<f64>> = links.iter().map(|w| w.prompt_rate()).collect();
-        let unmeasured = rates
+        let speeds: Vec<ReportedSpeed> = links.iter().map(|w| w.pick_inputs()).collect();
+        let unmeasured = speeds
             .iter()
-            .flatten()
-            .copied()
+            .filter_map(|s| s.prompt_rate)
             .reduce(f64::min)
             .unwrap_or(UNMEASURED_PROMPT_RATE);
         // Every worker's leading hits at once, from the index: the cost follows the
@@ -694,17 +715,16 @@ impl RouterCore {
                     }
                     Err(_) => 0,
                 };
-                let report = w.last_report();
-                let step = |ms: Option<f32>| ms.map_or(0.0, |ms| f64::from(ms.max(0.0)) / 1e3);
+                let sp = &speeds[i];
                 Candidate {
                     load: w.load(),
-                    capacity: w.capacity(),
+                    capacity: sp.capacity,
                     cached_blocks,
                     queued_prompt_tokens: w.queued_prompt.load(Ordering::Relaxed).max(0) as f64,
-                    prefill_rate: rates[i].unwrap_or(unmeasured),
-                    step_base: step(report.as_ref().map(|r| r.step_base_ms)),
-                    step_per_seq: step(report.as_ref().map(|r| r.step_per_seq_ms)),
-                    max_running: report.as_ref().map_or(0.0, |r| f64::from(r.max_running)),
+                    prefill_rate: sp.prompt_rate.unwrap_or(unmeasured),
+                    step_base: sp.step_base,
+                    step_per_seq: sp.step_per_seq,
+                    max_running: sp.max_running,
                 }
             })
             .collect();
