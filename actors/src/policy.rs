@@ -11,7 +11,8 @@
 //!   steps; beyond its batch limit a request waits for a slot. On a device where batching
 //!   is nearly free, a fast node takes more than its speed's share, as it should; where
 //!   each sequence costs its share of the node, work splits by speed. A worker that has not
-//!   decoded yet is taken as serving its sequences in turn at its declared rate.
+//!   decoded yet is given the slowest measured worker's step (by the router), or, with none
+//!   measured, taken as serving its sequences in turn at its declared rate.
 //! - `power-of-two`: two workers drawn at random, the lesser of their least-loaded costs.
 //!   The router builds candidates for those two only, so a pick costs the same with 8
 //!   workers or 800; balance is close to least-loaded's once there are many workers.

@@ -178,6 +178,34 @@ struct ReportedSpeed {
     max_running: f64,
 }
 
+impl ReportedSpeed {
+    /// It has decoded and reported its step fit.
+    fn step_measured(&self) -> bool {
+        self.step_base > 0.0 || self.step_per_seq > 0.0
+    }
+}
+
+/// What a pick assumes of workers that have not measured themselves yet: no faster than
+/// the slowest that has, so being new never makes a cache miss or a busy node look cheap.
+/// The prompt rate is the lowest measured one; the decode step is the slowest fit (at a
+/// one-sequence batch). A worker measured on a busy machine is thus compared with one
+/// that has measured the same machine, not with a declaration. With nothing measured,
+/// the prompt rate stays unknown and the step at the declared rate.
+fn assume_for_unmeasured(speeds: &mut [ReportedSpeed]) {
+    let prompt_rate = speeds.iter().filter_map(|s| s.prompt_rate).reduce(f64::min);
+    let step = speeds
+        .iter()
+        .filter(|s| s.step_measured())
+        .map(|s| (s.step_base, s.step_per_seq))
+        .reduce(|a, b| if b.0 + b.1 > a.0 + a.1 { b } else { a });
+    for s in speeds.iter_mut() {
+        s.prompt_rate = s.prompt_rate.or(prompt_rate);
+        if let (false, Some((base, per_seq))) = (s.step_measured(), step) {
+            (s.step_base, s.step_per_seq) = (base, per_seq);
+        }
+    }
+}
+
 /// A worker's place in its router's [`KvIndex`]: what its prefix cache holds, from its
 /// events, plus what was just sent there. Forgotten when the link goes.
 pub struct KvSlot {
@@ -689,14 +717,8 @@ impl RouterCore {
         let now = Instant::now();
         let prefix = self.policy == Policy::Prefix;
         let mut reported = vec![0; links.len()];
-        // A worker that has not measured its prompt rate is taken to be no faster than the
-        // slowest that has, so being new never makes a cache miss look cheap.
-        let speeds: Vec<ReportedSpeed> = links.iter().map(|w| w.pick_inputs()).collect();
-        let unmeasured = speeds
-            .iter()
-            .filter_map(|s| s.prompt_rate)
-            .reduce(f64::min)
-            .unwrap_or(UNMEASURED_PROMPT_RATE);
+        let mut speeds: Vec<ReportedSpeed> = links.iter().map(|w| w.pick_inputs()).collect();
+        assume_for_unmeasured(&mut speeds);
         // Every worker's leading hits at once, from the index: the cost follows the
         // prompt's blocks and their holders, not the number of workers.
         let hits = if prefix && !hashes.is_empty() {
@@ -721,7 +743,7 @@ impl RouterCore {
                     capacity: sp.capacity,
                     cached_blocks,
                     queued_prompt_tokens: w.queued_prompt.load(Ordering::Relaxed).max(0) as f64,
-                    prefill_rate: sp.prompt_rate.unwrap_or(unmeasured),
+                    prefill_rate: sp.prompt_rate.unwrap_or(UNMEASURED_PROMPT_RATE),
                     step_base: sp.step_base,
                     step_per_seq: sp.step_per_seq,
                     max_running: sp.max_running,
@@ -1369,5 +1391,50 @@ async fn stream_from(
             Ok(None) => return broken("the worker closed the stream early".into()),
             Err(e) => return broken(e.to_string()),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn speed(prompt_rate: Option<f64>, base: f64, per_seq: f64) -> ReportedSpeed {
+        ReportedSpeed {
+            capacity: 100.0,
+            prompt_rate,
+            step_base: base,
+            step_per_seq: per_seq,
+            max_running: 0.0,
+        }
+    }
+
+    #[test]
+    fn an_unmeasured_worker_is_taken_as_slow_as_the_slowest_measured_one() {
+        let mut s = vec![
+            speed(Some(4000.0), 0.010, 0.001),
+            speed(None, 0.0, 0.0),
+            speed(Some(2000.0), 0.020, 0.0005),
+            speed(Some(8000.0), 0.0, 0.0),
+        ];
+        assume_for_unmeasured(&mut s);
+        let got: Vec<_> = s
+            .iter()
+            .map(|s| (s.prompt_rate, s.step_base, s.step_per_seq))
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                (Some(4000.0), 0.010, 0.001),
+                (Some(2000.0), 0.020, 0.0005),
+                (Some(2000.0), 0.020, 0.0005),
+                (Some(8000.0), 0.020, 0.0005),
+            ]
+        );
+        // Nothing measured: nothing assumed (the policy serves them at their declared rate).
+        let mut s = vec![speed(None, 0.0, 0.0), speed(None, 0.0, 0.0)];
+        assume_for_unmeasured(&mut s);
+        assert!(s
+            .iter()
+            .all(|s| s.prompt_rate.is_none() && !s.step_measured()));
     }
 }
