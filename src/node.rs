@@ -131,6 +131,13 @@ pub struct NodeArgs {
     /// worker.
     #[arg(long, default_value_t = 30.0)]
     pub shutdown_grace: f64,
+    /// Scale tests: host this many sim workers in this one process, each its own cluster
+    /// member (node id `ID.K` for K from 1, its own QUIC endpoint, registry record and
+    /// engine) beside the node itself. Worker role and `--backend sim` only. Each sim
+    /// engine's KV pool is real memory (about 48 KiB a block for the default model): size
+    /// it with `--num-kv-blocks`.
+    #[arg(long, default_value_t = 1)]
+    pub replicas: usize,
     /// Publish this fingerprint instead of the node's own (tests: a record that does not
     /// match the certificate must be refused by routers).
     #[arg(long, hide = true)]
@@ -261,6 +268,11 @@ impl NodeState {
                     "reason": why,
                 })).collect::<Vec<_>>(),
                 "migrations": r.stats.migrations.load(Ordering::Relaxed),
+                "pick_time": {
+                    "count": r.stats.picks.count.load(Ordering::Relaxed),
+                    "mean_us": r.stats.picks.mean_us(),
+                    "max_us": r.stats.picks.max_ns.load(Ordering::Relaxed) as f64 / 1e3,
+                },
                 "prefix_predictions": {
                     "exact": r.stats.predictions[0].load(Ordering::Relaxed),
                     "fewer": r.stats.predictions[1].load(Ordering::Relaxed),
@@ -381,6 +393,75 @@ async fn crash(
     };
     let _ = n.supervisor.cast(NodeMsg::Crash(role));
     Json(json!({"crashed": role.as_str()})).into_response()
+}
+
+/// One of `--replicas`: a sim worker beside the node in its process, a cluster member of
+/// its own (record, lease, QUIC endpoint, engine, supervised roles).
+struct Replica {
+    serving: Arc<Serving>,
+    endpoint: NodeEndpoint,
+    registration: kvmesh_discovery::Registration,
+    _supervisor: kvmesh_actors::ActorRef<NodeMsg>,
+}
+
+impl Replica {
+    async fn start(
+        args: &NodeArgs,
+        model: &LoadedModel,
+        registry: &Arc<EtcdRegistry>,
+        node: &NodeRecord,
+        node_id: String,
+        allowed: &AllowList,
+    ) -> anyhow::Result<Replica> {
+        let engine = crate::serve::start_engine_with(&args.engine, model)?;
+        let identity = NodeIdentity::generate(&node_id)?;
+        // Beside the node: its interface, a port of its own.
+        let node_addr: SocketAddr = node.quic_addr.parse()?;
+        let bind = SocketAddr::new(args.listen.ip(), 0);
+        let endpoint = NodeEndpoint::bind(bind, identity.clone(), allowed.clone())?;
+        let quic_addr = SocketAddr::new(node_addr.ip(), endpoint.local_addr().port());
+        let capacity = node.capacity_tokens_per_s;
+        let core = WorkerCore::new(
+            node_id.clone(),
+            CoreRole::Worker,
+            engine.handle.clone(),
+            capacity,
+            None,
+        );
+        let serving = Serving::new(endpoint.clone());
+        let supervisor = kvmesh_actors::supervisor::start(NodeRoles {
+            router: None,
+            serving: Some(serving.clone()),
+            generate: Some(core),
+            prefill: None,
+            restarts: Arc::new(RoleRestarts::default()),
+        })
+        .await
+        .map_err(anyhow::Error::msg)?;
+        // Its own record; the node's HTTP listener answers for the process.
+        let record = NodeRecord {
+            node_id,
+            quic_addr: quic_addr.to_string(),
+            http_url: None,
+            cert_sha256: identity.fingerprint.clone(),
+            started_unix_ms: unix_ms(),
+            ..node.clone()
+        };
+        let registration = registry.register(record).await?;
+        Ok(Replica {
+            serving,
+            endpoint,
+            registration,
+            _supervisor: supervisor,
+        })
+    }
+
+    async fn leave(self) {
+        if let Err(e) = self.registration.deregister().await {
+            tracing::warn!("{e}");
+        }
+        self.endpoint.close();
+    }
 }
 
 fn unix_ms() -> u64 {
@@ -512,6 +593,23 @@ pub fn run(args: NodeArgs) -> anyhow::Result<()> {
         (1..=16).contains(&args.kv_streams),
         "--kv-streams must be between 1 and 16"
     );
+    anyhow::ensure!(args.replicas >= 1, "--replicas must be at least 1");
+    if args.replicas > 1 {
+        anyhow::ensure!(
+            roles == ["worker"],
+            "--replicas hosts extra workers: it needs --roles worker alone, not {}",
+            roles.join(",")
+        );
+        anyhow::ensure!(
+            matches!(args.engine.backend, BackendArg::Sim),
+            "--replicas is for scale tests on --backend sim (real engines in one process \
+             would share its compute and memory)"
+        );
+        anyhow::ensure!(
+            args.debug_advertise_fingerprint.is_none(),
+            "--replicas and --debug-advertise-fingerprint do not go together"
+        );
+    }
     let node_id = args.node_id.clone().unwrap_or_else(default_node_id);
     let telemetry = args.trace.init(&node_id)?;
     let spans = telemetry.store.clone();
@@ -759,6 +857,28 @@ pub fn run(args: NodeArgs) -> anyhow::Result<()> {
             tokio::spawn(crate::serve::log_throughput(e.handle.clone()));
         }
         let registration = registry.register(record.clone()).await?;
+        let mut replicas = Vec::with_capacity(args.replicas - 1);
+        let model = if args.replicas > 1 {
+            Some(crate::serve::load_model(&args.engine)?)
+        } else {
+            None
+        };
+        for k in 1..args.replicas {
+            let r = Replica::start(
+                &args,
+                model.as_ref().expect("loaded for replicas"),
+                &registry,
+                &record,
+                format!("{node_id}.{k}"),
+                &allowed,
+            )
+            .await
+            .with_context(|| format!("starting replica {k} of {}", args.replicas))?;
+            replicas.push(r);
+        }
+        if args.replicas > 1 {
+            tracing::info!("{} sim workers in this process", args.replicas);
+        }
 
         let node = Arc::new(NodeState {
             spans: spans.clone(),
@@ -852,6 +972,9 @@ pub fn run(args: NodeArgs) -> anyhow::Result<()> {
             "shutting down: finishing running requests for at most {:.0} s",
             grace.as_secs_f64()
         );
+        for r in &replicas {
+            r.serving.start_draining();
+        }
         if let Some(serving) = &node.serving {
             serving.start_draining();
             let mut rec = node.record.clone();
@@ -868,6 +991,9 @@ pub fn run(args: NodeArgs) -> anyhow::Result<()> {
                 );
             }
         }
+        for r in &replicas {
+            r.serving.wait_idle(deadline).await;
+        }
         drained_tx.send_replace(true);
         if !server_done {
             let left = deadline.saturating_duration_since(tokio::time::Instant::now());
@@ -879,6 +1005,9 @@ pub fn run(args: NodeArgs) -> anyhow::Result<()> {
             }
         }
         tracing::info!("leaving the cluster");
+        for r in replicas {
+            r.leave().await;
+        }
         if let Err(e) = registration.deregister().await {
             tracing::warn!("{e}");
         }

@@ -188,6 +188,22 @@ pub struct StartedEngine {
 }
 
 pub fn start_engine(args: &EngineArgs) -> anyhow::Result<StartedEngine> {
+    start_engine_with(args, &load_model(args)?)
+}
+
+/// The model `--model` names, or the embedded one.
+pub fn load_model(args: &EngineArgs) -> anyhow::Result<LoadedModel> {
+    Ok(match &args.model {
+        Some(dir) => {
+            LoadedModel::from_dir(dir).with_context(|| format!("loading {}", dir.display()))?
+        }
+        None => LoadedModel::from_embedded(&crate::embedded::DEFAULT_MODEL)
+            .context("loading the embedded model")?,
+    })
+}
+
+/// An engine for `model` (loaded once for several engines of one process).
+pub fn start_engine_with(args: &EngineArgs, model: &LoadedModel) -> anyhow::Result<StartedEngine> {
     anyhow::ensure!(args.block_size > 0, "--block-size must be positive");
     anyhow::ensure!(args.max_num_seqs > 0, "--max-num-seqs must be positive");
     anyhow::ensure!(
@@ -231,13 +247,6 @@ pub fn start_engine(args: &EngineArgs) -> anyhow::Result<StartedEngine> {
         });
         built.context("--threads")?;
     }
-    let model = match &args.model {
-        Some(dir) => {
-            LoadedModel::from_dir(dir).with_context(|| format!("loading {}", dir.display()))?
-        }
-        None => LoadedModel::from_embedded(&crate::embedded::DEFAULT_MODEL)
-            .context("loading the embedded model")?,
-    };
     let name = args
         .served_model_name
         .clone()
@@ -247,7 +256,7 @@ pub fn start_engine(args: &EngineArgs) -> anyhow::Result<StartedEngine> {
         Some(n) => KvBudget::Blocks(n),
         None => KvBudget::Bytes((args.kv_cache_gib * (1u64 << 30) as f64) as usize),
     };
-    let backend = build_backend(kind, &model, args.block_size, budget)?;
+    let backend = build_backend(kind, model, args.block_size, budget)?;
     let num_blocks = backend.num_blocks();
     let cache_tokens = num_blocks * args.block_size;
     let model_max = model.config.max_context();

@@ -383,3 +383,100 @@ async fn a_lost_worker_is_a_retry_or_a_502_never_a_500() {
         "{body}"
     );
 }
+
+/// `--replicas N` (scale tests): one process hosts N sim workers, each a member of its own
+/// (record, QUIC endpoint, engine); the router spreads load over all of them and counts
+/// its decisions; SIGTERM takes every one out of the registry. Flags it cannot honour are
+/// refused by name.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_process_hosts_many_workers_each_a_member() {
+    for (extra, says) in [
+        (
+            &[
+                "--roles",
+                "worker,router",
+                "--backend",
+                "sim",
+                "--replicas",
+                "3",
+            ][..],
+            "--roles worker alone",
+        ),
+        (
+            &["--roles", "worker", "--backend", "cpu", "--replicas", "3"][..],
+            "--backend sim",
+        ),
+        (&["--roles", "worker", "--replicas", "0"][..], "at least 1"),
+    ] {
+        let out = Command::new(bin())
+            .args(["node", "--etcd", "http://127.0.0.1:9"])
+            .args(extra)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success() && err.contains("--replicas") && err.contains(says),
+            "{extra:?}: unclear refusal: {err}"
+        );
+    }
+
+    let etcd = Etcd::start();
+    let http = client();
+    let gw = Node::gateway(&etcd, "h7", "gw", "least-loaded");
+    let mut w = Node::worker(
+        &etcd,
+        "h7",
+        "w",
+        &[
+            "--replicas",
+            "4",
+            "--num-kv-blocks",
+            "64",
+            "--sim-decode-ms",
+            "20",
+        ],
+    );
+    wait_for("four workers routable", 15, async || {
+        let mut ids = routable(&http, &gw).await;
+        ids.sort();
+        ids == ["w", "w.1", "w.2", "w.3"]
+    })
+    .await;
+    // Eight at once, long enough to overlap: least-loaded spreads them.
+    let reqs: Vec<_> = (0..8)
+        .map(|i| {
+            let (http, base) = (http.clone(), gw.http.clone());
+            tokio::spawn(async move {
+                post(&http, &base, completion(&format!("Replica test {i}:"), 24)).await
+            })
+        })
+        .collect();
+    for r in reqs {
+        let (st, body) = r.await.unwrap();
+        assert_eq!(st, 200, "{body}");
+        assert_eq!(body["usage"]["completion_tokens"], 24, "{body}");
+    }
+    let r = routed(&http, &gw).await;
+    assert_eq!(r.values().sum::<u64>(), 8, "{r:?}");
+    assert!(
+        r.values().filter(|&&n| n > 0).count() >= 3,
+        "load was not spread over the replicas: {r:?}"
+    );
+    let picks = &status(&http, &gw).await["router"]["pick_time"];
+    assert_eq!(picks["count"], 8, "{picks}");
+    assert!(picks["mean_us"].as_f64().unwrap() > 0.0, "{picks}");
+
+    // SIGTERM: every replica leaves the registry, not after its lease.
+    w.terminate();
+    wait_for("every replica deregistered", 10, async || {
+        workers(&http, &gw).await.is_empty()
+    })
+    .await;
+    assert!(
+        !cluster_status(&etcd, "h7")
+            .lines()
+            .any(|l| l.starts_with('w')),
+        "{}",
+        cluster_status(&etcd, "h7")
+    );
+}

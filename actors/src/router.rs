@@ -66,10 +66,31 @@ pub enum RouteError {
     NoWorkers(String),
 }
 
+/// The workers a router knows, by id, and the same in a list a draw can index (rebuilt
+/// when the set changes).
+#[derive(Default)]
+struct Workers {
+    by_id: BTreeMap<String, Arc<WorkerLink>>,
+    list: Vec<Arc<WorkerLink>>,
+}
+
+impl Workers {
+    fn values(&self) -> std::slice::Iter<'_, Arc<WorkerLink>> {
+        self.list.iter()
+    }
+}
+
 /// One worker as the router knows it.
 pub struct WorkerLink {
     pub record: NodeRecord,
     conn: Mutex<Option<Connection>>,
+    /// Set while `conn` holds a connection and cleared when it breaks; with `draining`,
+    /// what a pick reads (two atomic loads, not the connection's lock).
+    up: AtomicBool,
+    /// Its last report said it is shutting down.
+    draining: AtomicBool,
+    /// Its record names the worker or decode role.
+    generates: bool,
     /// Its latest load report, and how many requests this router had there when it came.
     report: Mutex<Option<(LoadReport, i64)>>,
     /// What its prefix cache holds, from its events: its slot in the router's index.
@@ -105,14 +126,26 @@ impl WorkerLink {
             .is_some_and(|c| c.close_reason().is_none())
     }
 
-    /// Connected and not shutting down: may be given new requests.
+    /// Connected and not shutting down: may be given new requests. (A connection that
+    /// broke a moment ago may still count until its task notices; a request sent there
+    /// fails before its first token and goes elsewhere.)
     pub fn available(&self) -> bool {
-        self.connected() && !self.draining()
+        self.up.load(Ordering::Acquire) && !self.draining.load(Ordering::Acquire)
     }
 
     /// Its last report said it is shutting down (it finishes what it has).
     pub fn draining(&self) -> bool {
-        self.report.lock().as_ref().is_some_and(|(r, _)| r.draining)
+        self.draining.load(Ordering::Acquire)
+    }
+
+    /// Takes its latest load report.
+    fn set_report(&self, report: Option<LoadReport>) {
+        let own = self.outstanding.load(Ordering::Relaxed).max(0);
+        self.draining.store(
+            report.as_ref().is_some_and(|r| r.draining),
+            Ordering::Release,
+        );
+        *self.report.lock() = report.map(|r| (r, own));
     }
 
     pub fn last_report(&self) -> Option<LoadReport> {
@@ -123,16 +156,22 @@ impl WorkerLink {
     /// worker's last count beyond what this router had there when it was reported). A
     /// report up to one interval old thus never counts a request that has since finished.
     pub fn load(&self) -> f64 {
-        let own = self.outstanding.load(Ordering::Relaxed).max(0);
-        let others = self.report.lock().as_ref().map_or(0, |(r, own_then)| {
+        Self::load_with(
+            self.outstanding.load(Ordering::Relaxed),
+            self.report.lock().as_ref(),
+        )
+    }
+
+    fn load_with(own: i64, report: Option<&(LoadReport, i64)>) -> f64 {
+        let others = report.map_or(0, |(r, own_then)| {
             (i64::from(r.running) + i64::from(r.waiting) - own_then).max(0)
         });
-        (own + others) as f64
+        (own.max(0) + others) as f64
     }
 
     /// Takes generate requests (a worker or decode role).
     pub fn generates(&self) -> bool {
-        self.record.has_role("worker") || self.record.has_role("decode")
+        self.generates
     }
 
     /// Prefills for decode workers.
@@ -149,9 +188,11 @@ impl WorkerLink {
     /// (once measured), the decode step fit in seconds, and its batch limit.
     fn pick_inputs(&self) -> ReportedSpeed {
         let report = self.report.lock();
+        let load = Self::load_with(self.outstanding.load(Ordering::Relaxed), report.as_ref());
         let r = report.as_ref().map(|(r, _)| r);
         let secs = |ms: Option<f32>| ms.map_or(0.0, |ms| f64::from(ms.max(0.0)) / 1e3);
         ReportedSpeed {
+            load,
             capacity: r
                 .map(|r| r.capacity_tokens_per_s as f64)
                 .filter(|&c| c > 0.0)
@@ -171,6 +212,8 @@ impl WorkerLink {
 
 /// A worker's speeds as its last report gave them (see [`WorkerLink::pick_inputs`]).
 struct ReportedSpeed {
+    /// As [`WorkerLink::load`] reads it.
+    load: f64,
     capacity: f64,
     prompt_rate: Option<f64>,
     step_base: f64,
@@ -268,6 +311,64 @@ pub struct RouterStats {
     pub full: AtomicU64,
     /// Requests routed to decode nodes, by disaggregation decision.
     pub disagg: [AtomicU64; Decision::COUNT],
+    /// How long routing decisions take.
+    pub picks: PickTimes,
+}
+
+/// Upper bounds of the pick-time histogram's buckets, in microseconds.
+const PICK_BUCKETS_US: [u64; 10] = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000];
+
+/// The time each routing decision took: from reading the worker set to the policy's pick
+/// (building every candidate and the prompt's cached blocks included; describing the
+/// candidates for a sampled trace not).
+#[derive(Default)]
+pub struct PickTimes {
+    pub count: AtomicU64,
+    pub sum_ns: AtomicU64,
+    pub max_ns: AtomicU64,
+    /// Picks at most each of [`PICK_BUCKETS_US`] (not cumulative).
+    buckets: [AtomicU64; PICK_BUCKETS_US.len()],
+}
+
+impl PickTimes {
+    fn record(&self, took: Duration) {
+        let ns = took.as_nanos().min(u128::from(u64::MAX)) as u64;
+        self.count.fetch_add(1, Ordering::Relaxed);
+        self.sum_ns.fetch_add(ns, Ordering::Relaxed);
+        self.max_ns.fetch_max(ns, Ordering::Relaxed);
+        if let Some(b) = PICK_BUCKETS_US.iter().position(|&us| ns <= us * 1000) {
+            self.buckets[b].fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Mean pick time in microseconds (0 before the first).
+    pub fn mean_us(&self) -> f64 {
+        let n = self.count.load(Ordering::Relaxed);
+        if n == 0 {
+            return 0.0;
+        }
+        self.sum_ns.load(Ordering::Relaxed) as f64 / n as f64 / 1e3
+    }
+
+    /// A Prometheus histogram, in seconds.
+    fn render(&self, out: &mut String) {
+        use std::fmt::Write;
+        let name = "kvmesh:router_pick_seconds";
+        let _ = writeln!(
+            out,
+            "# HELP {name} Time a routing decision takes (every candidate built and the \
+             policy's pick).\n# TYPE {name} histogram"
+        );
+        let mut below = 0;
+        for (us, b) in PICK_BUCKETS_US.iter().zip(&self.buckets) {
+            below += b.load(Ordering::Relaxed);
+            let _ = writeln!(out, "{name}_bucket{{le=\"{}\"}} {below}", *us as f64 / 1e6);
+        }
+        let count = self.count.load(Ordering::Relaxed);
+        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {count}");
+        let sum = self.sum_ns.load(Ordering::Relaxed) as f64 / 1e9;
+        let _ = writeln!(out, "{name}_sum {sum}\n{name}_count {count}");
+    }
 }
 
 /// What the router decided about prefilling a request routed to a decode node.
@@ -353,7 +454,7 @@ pub struct RouterCore {
     pub migration_limit: u32,
     pub tuning: PrefixTuning,
     endpoint: NodeEndpoint,
-    workers: RwLock<BTreeMap<String, Arc<WorkerLink>>>,
+    workers: RwLock<Workers>,
     turn: AtomicU64,
     next_id: AtomicU64,
     /// Which workers hold which prompt blocks (prefix policy), and the next worker slot.
@@ -398,7 +499,7 @@ impl RouterCore {
             migration_limit: config.migration_limit,
             tuning: config.prefix,
             endpoint,
-            workers: RwLock::new(BTreeMap::new()),
+            workers: RwLock::new(Workers::default()),
             turn: AtomicU64::new(0),
             next_id: AtomicU64::new(1),
             kv_index: Arc::new(Mutex::new(KvIndex::default())),
@@ -415,16 +516,23 @@ impl RouterCore {
 
     /// Connected nodes that take generate requests.
     pub fn routable(&self) -> Vec<Arc<WorkerLink>> {
-        self.workers()
-            .into_iter()
-            .filter(|w| w.available() && w.generates())
-            .collect()
+        self.with_routable(|ws| ws.cloned().collect())
+    }
+
+    /// `f` over the routable workers, read in place (no copy of the set).
+    fn with_routable<R>(
+        &self,
+        f: impl FnOnce(&mut dyn Iterator<Item = &Arc<WorkerLink>>) -> R,
+    ) -> R {
+        let workers = self.workers.read();
+        let mut it = workers.values().filter(|w| w.available() && w.generates);
+        f(&mut it)
     }
 
     /// The longest context some routable worker accepts (None without workers): requests
     /// go only to workers whose own limit fits them, so one small worker shrinks nobody's.
     pub fn max_model_len(&self) -> Option<usize> {
-        self.routable().iter().map(|w| w.record.max_model_len).max()
+        self.with_routable(|ws| ws.map(|w| w.record.max_model_len).max())
     }
 
     /// Brings the worker set in line with the registry: new workers get a connection task,
@@ -467,7 +575,8 @@ impl RouterCore {
             }
             *known = refused;
         }
-        let mut workers = self.workers.write();
+        let mut guard = self.workers.write();
+        let workers = &mut guard.by_id;
         let mut departed = Vec::new();
         for (id, link) in workers.iter() {
             match wanted.get(id) {
@@ -522,6 +631,9 @@ impl RouterCore {
             let link = Arc::new(WorkerLink {
                 record: rec.clone(),
                 conn: Mutex::new(None),
+                up: AtomicBool::new(false),
+                draining: AtomicBool::new(false),
+                generates: rec.has_role("worker") || rec.has_role("decode"),
                 report: Mutex::new(None),
                 kv: KvSlot::new(&self.kv_index, &self.next_slot),
                 queued_prompt: AtomicI64::new(0),
@@ -538,6 +650,7 @@ impl RouterCore {
             workers.insert(id.clone(), link.clone());
             tokio::spawn(self.clone().maintain(link));
         }
+        guard.list = guard.by_id.values().cloned().collect();
     }
 
     /// Keeps one worker connected while it is a member: connect, read its load reports,
@@ -563,12 +676,14 @@ impl RouterCore {
                     backoff = Duration::from_millis(100);
                     warned = false;
                     *link.conn.lock() = Some(conn.clone());
+                    link.up.store(true, Ordering::Release);
                     let wants_kv = self.policy == Policy::Prefix;
                     let reports = tokio::spawn(read_reports(link.clone(), conn.clone(), wants_kv));
                     let reason = conn.closed().await;
                     reports.abort();
+                    link.up.store(false, Ordering::Release);
                     *link.conn.lock() = None;
-                    *link.report.lock() = None;
+                    link.set_report(None);
                     link.kv.clear();
                     if link.gone.load(Ordering::Relaxed) {
                         break;
@@ -592,7 +707,7 @@ impl RouterCore {
     /// Queues a request on a worker; the events arrive on the returned submission, and
     /// dropping it cancels the request on the worker.
     pub fn submit(self: &Arc<Self>, req: Request) -> Result<Submission, RouteError> {
-        if self.routable().is_empty() {
+        if self.with_routable(|ws| ws.next().is_none()) {
             self.stats.no_worker.fetch_add(1, Ordering::Relaxed);
             return Err(RouteError::NoWorkers(self.model.clone()));
         }
@@ -697,21 +812,43 @@ impl RouterCore {
         tried: &HashSet<String>,
         describe: bool,
     ) -> Option<Choice> {
-        let mut links: Vec<_> = self
-            .routable()
-            .into_iter()
-            .filter(|w| !tried.contains(&w.record.node_id) && w.record.max_model_len >= length)
-            .collect();
+        let started = Instant::now();
+        // The worker set is read in place for the pick (membership changes wait that
+        // long); only the chosen worker's handle is copied out.
+        let workers = self.workers.read();
+        let eligible = |w: &WorkerLink| {
+            w.available()
+                && w.generates
+                && w.record.max_model_len >= length
+                && (tried.is_empty() || !tried.contains(&w.record.node_id))
+        };
+        let turn = self.turn.fetch_add(1, Ordering::Relaxed);
+        // Power-of-two draws its two from the whole set and looks at nothing else; only
+        // when a drawn one cannot take the request does it draw among those that can.
+        let drawn: Option<Vec<&Arc<WorkerLink>>> = (self.policy == Policy::PowerOfTwo)
+            .then(|| {
+                two_choices(workers.list.len(), turn)
+                    .into_iter()
+                    .map(|i| &workers.list[i])
+                    .collect::<Vec<_>>()
+            })
+            .filter(|d| d.len() == workers.list.len().min(2) && d.iter().all(|w| eligible(w)));
+        let links: Vec<&Arc<WorkerLink>> = match drawn {
+            Some(d) => d,
+            None => {
+                let all: Vec<_> = workers.values().filter(|w| eligible(w)).collect();
+                if self.policy == Policy::PowerOfTwo {
+                    two_choices(all.len(), turn)
+                        .into_iter()
+                        .map(|i| all[i])
+                        .collect()
+                } else {
+                    all
+                }
+            }
+        };
         if links.is_empty() {
             return None;
-        }
-        let turn = self.turn.fetch_add(1, Ordering::Relaxed);
-        if self.policy == Policy::PowerOfTwo {
-            // Only the two drawn are looked at.
-            links = two_choices(links.len(), turn)
-                .into_iter()
-                .map(|i| links[i].clone())
-                .collect();
         }
         let block_size = links[0].record.block_size.max(1);
         let now = Instant::now();
@@ -739,7 +876,7 @@ impl RouterCore {
                 };
                 let sp = &speeds[i];
                 Candidate {
-                    load: w.load(),
+                    load: sp.load,
                     capacity: sp.capacity,
                     cached_blocks,
                     queued_prompt_tokens: w.queued_prompt.load(Ordering::Relaxed).max(0) as f64,
@@ -759,6 +896,7 @@ impl RouterCore {
         if prefix {
             links[i].kv.expect(hashes, now);
         }
+        self.stats.picks.record(started.elapsed());
         let candidates = if describe {
             links
                 .iter()
@@ -794,10 +932,8 @@ impl RouterCore {
     }
 
     async fn run(self: Arc<Self>, id: u64, req: Request, tx: mpsc::UnboundedSender<SeqEvent>) {
-        let block_size = self
-            .routable()
-            .first()
-            .map_or(16, |w| w.record.block_size.max(1));
+        let block_size =
+            self.with_routable(|ws| ws.next().map_or(16, |w| w.record.block_size.max(1)));
         // The blocks a worker can reuse: all full ones but the last token's (which is
         // always computed, to give the first token's logits).
         let prompt_hashes = |prompt: &[u32]| -> Vec<u64> {
@@ -1129,6 +1265,7 @@ impl RouterCore {
                 s.predictions[k].load(Ordering::Relaxed)
             );
         }
+        s.picks.render(out);
         let workers = self.workers();
         let _ = writeln!(
             out,
@@ -1273,8 +1410,7 @@ async fn read_reports(link: Arc<WorkerLink>, conn: Connection, wants_kv: bool) {
             match wire::read_msg::<UniHeader>(&mut recv).await {
                 Ok(Some(UniHeader::Load)) => {
                     while let Ok(Some(r)) = wire::read_msg::<LoadReport>(&mut recv).await {
-                        let own = link.outstanding.load(Ordering::Relaxed).max(0);
-                        *link.report.lock() = Some((r, own));
+                        link.set_report(Some(r));
                         *link.reported_at.lock() = Some(Instant::now());
                     }
                 }
@@ -1400,6 +1536,7 @@ mod tests {
 
     fn speed(prompt_rate: Option<f64>, base: f64, per_seq: f64) -> ReportedSpeed {
         ReportedSpeed {
+            load: 0.0,
             capacity: 100.0,
             prompt_rate,
             step_base: base,

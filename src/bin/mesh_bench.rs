@@ -10,6 +10,8 @@
 //! 3. **Prefix routing**: a multi-turn chat workload (each turn resends the conversation so
 //!    far) over 4 workers, `prefix` against `round-robin`: prefix-cache hit rate (cached
 //!    prompt tokens / prompt tokens, from the API's usage) and mean TTFT.
+//! 4. **Router scale**: pick time in a running router over 8, 64 and 256 sim workers hosted
+//!    by one `kvmesh node --replicas N` process.
 //!
 //! `cargo build --release && target/release/mesh-bench [--quick] [--json PATH]`
 //! (needs `etcd` on PATH, as the tests do; `bash scripts/test.sh` installs it).
@@ -445,6 +447,79 @@ fn pick_time(quick: bool) -> Value {
     json!(rows)
 }
 
+/// Pick time in a real router as the cluster grows: one `kvmesh node --replicas N` process
+/// hosts N sim workers (each its own member: record, lease, QUIC endpoint, engine), and a
+/// gateway per policy routes short requests over them. The routers' own account of their
+/// decisions (`/status` `router.pick_time`), beside the in-process figures above.
+async fn router_scale(http: &reqwest::Client, quick: bool) -> Value {
+    let lines = shakespeare_lines();
+    let requests = if quick { 100 } else { 400 };
+    let sizes: &[usize] = if quick { &[8, 64] } else { &[8, 64, 256] };
+    let policies = ["least-loaded", "power-of-two", "prefix"];
+    let etcd = Etcd::start();
+    let mut rows = Vec::new();
+    println!("\n== routing decision time in a running router (N sim workers in one process) ==");
+    println!(
+        "{:>8} {:>14} {:>9} {:>10} {:>10} {:>8}",
+        "workers", "policy", "picks", "mean", "max", "failed"
+    );
+    for &n in sizes {
+        let cluster = format!("bench-scale-{n}");
+        let replicas = n.to_string();
+        let _workers = node(
+            &etcd,
+            &cluster,
+            "w",
+            &[
+                &[
+                    "--roles",
+                    "worker",
+                    "--replicas",
+                    &replicas,
+                    "--num-kv-blocks",
+                    "64",
+                ][..],
+                &ZERO_COST[..],
+            ]
+            .concat(),
+        );
+        for policy in policies {
+            let gw = node(
+                &etcd,
+                &cluster,
+                &format!("gw-{policy}"),
+                &[
+                    "--roles",
+                    "gateway,router",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    "0",
+                    "--policy",
+                    policy,
+                ],
+            );
+            wait_workers(http, &gw, n).await;
+            let prompts: Vec<String> = (0..requests)
+                .map(|i| lines[(i * 7) % lines.len()].clone())
+                .collect();
+            let (samples, _) = run_load(http, &gw.http, prompts, 4, 8).await;
+            let failed = samples.iter().filter(|s| !s.ok).count();
+            let st = status(http, &gw).await;
+            let p = &st["router"]["pick_time"];
+            let (count, mean, max) = (
+                p["count"].as_u64().unwrap_or(0),
+                p["mean_us"].as_f64().unwrap_or(f64::NAN),
+                p["max_us"].as_f64().unwrap_or(f64::NAN),
+            );
+            println!("{n:>8} {policy:>14} {count:>9} {mean:>8.2}us {max:>8.1}us {failed:>8}");
+            rows.push(json!({"workers": n, "policy": policy, "picks": count,
+                "mean_us": mean, "max_us": max, "failed": failed}));
+        }
+    }
+    json!(rows)
+}
+
 /// Percentile `p` (0..=100) of microsecond samples.
 fn pct(xs: &mut [f64], p: f64) -> f64 {
     xs.sort_by(|a, b| a.total_cmp(b));
@@ -807,6 +882,9 @@ async fn main() {
     }
     if args.runs("picks") {
         out["pick_time"] = pick_time(quick);
+    }
+    if args.runs("scale") {
+        out["router_scale"] = router_scale(&http, quick).await;
     }
     args.write(out);
 }
