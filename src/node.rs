@@ -272,6 +272,8 @@ impl NodeState {
                     "count": r.stats.picks.count.load(Ordering::Relaxed),
                     "mean_us": r.stats.picks.mean_us(),
                     "max_us": r.stats.picks.max_ns.load(Ordering::Relaxed) as f64 / 1e3,
+                    "recent_p50_us": r.stats.picks.recent_percentiles_us(&[50.0]).first(),
+                    "recent_p99_us": r.stats.picks.recent_percentiles_us(&[99.0]).first(),
                 },
                 "prefix_predictions": {
                     "exact": r.stats.predictions[0].load(Ordering::Relaxed),

@@ -370,7 +370,12 @@ pub struct PickTimes {
     pub max_ns: AtomicU64,
     /// Picks at most each of [`PICK_BUCKETS_US`] (not cumulative).
     buckets: [AtomicU64; PICK_BUCKETS_US.len()],
+    /// The last [`RECENT_PICKS`] times, in ns (a ring), for percentiles.
+    recent: Mutex<(Vec<u32>, usize)>,
 }
+
+/// How many recent pick times the percentiles are taken over.
+const RECENT_PICKS: usize = 1024;
 
 impl PickTimes {
     fn record(&self, took: Duration) {
@@ -381,6 +386,31 @@ impl PickTimes {
         if let Some(b) = PICK_BUCKETS_US.iter().position(|&us| ns <= us * 1000) {
             self.buckets[b].fetch_add(1, Ordering::Relaxed);
         }
+        let mut recent = self.recent.lock();
+        let (ring, next) = &mut *recent;
+        let v = ns.min(u64::from(u32::MAX)) as u32;
+        if ring.len() < RECENT_PICKS {
+            ring.push(v);
+        } else {
+            ring[*next] = v;
+        }
+        *next = (*next + 1) % RECENT_PICKS;
+    }
+
+    /// Percentiles (0..=100) of the recent pick times, in microseconds (empty before the
+    /// first pick).
+    pub fn recent_percentiles_us(&self, ps: &[f64]) -> Vec<f64> {
+        let mut v = self.recent.lock().0.clone();
+        if v.is_empty() {
+            return Vec::new();
+        }
+        v.sort_unstable();
+        ps.iter()
+            .map(|p| {
+                let i = ((p / 100.0) * (v.len() - 1) as f64).round() as usize;
+                f64::from(v[i.min(v.len() - 1)]) / 1e3
+            })
+            .collect()
     }
 
     /// Mean pick time in microseconds (0 before the first).
@@ -1594,6 +1624,37 @@ mod tests {
             step_per_seq: per_seq,
             max_running: 0.0,
         }
+    }
+
+    #[test]
+    fn pick_times_give_percentiles_and_a_cumulative_histogram() {
+        let t = PickTimes::default();
+        assert!(t.recent_percentiles_us(&[50.0]).is_empty());
+        for us in 1..=2000u64 {
+            t.record(Duration::from_micros(us));
+        }
+        // The ring keeps the last 1024: 977..=2000 µs.
+        assert_eq!(t.recent_percentiles_us(&[0.0, 100.0]), vec![977.0, 2000.0]);
+        assert_eq!(t.count.load(Ordering::Relaxed), 2000);
+        assert!((t.mean_us() - 1000.5).abs() < 1e-9);
+        let mut out = String::new();
+        t.render(&mut out);
+        assert!(
+            out.contains("kvmesh:router_pick_seconds_bucket{le=\"0.00001\"} 10\n"),
+            "{out}"
+        );
+        assert!(
+            out.contains("kvmesh:router_pick_seconds_bucket{le=\"0.001\"} 1000\n"),
+            "{out}"
+        );
+        assert!(
+            out.contains("kvmesh:router_pick_seconds_bucket{le=\"+Inf\"} 2000\n"),
+            "{out}"
+        );
+        assert!(
+            out.contains("kvmesh:router_pick_seconds_count 2000\n"),
+            "{out}"
+        );
     }
 
     #[test]

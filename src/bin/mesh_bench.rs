@@ -460,8 +460,8 @@ async fn router_scale(http: &reqwest::Client, quick: bool) -> Value {
     let mut rows = Vec::new();
     println!("\n== routing decision time in a running router (N sim workers in one process) ==");
     println!(
-        "{:>8} {:>14} {:>9} {:>10} {:>10} {:>8}",
-        "workers", "policy", "picks", "mean", "max", "failed"
+        "{:>8} {:>14} {:>9} {:>10} {:>10} {:>10} {:>10} {:>8}",
+        "workers", "policy", "picks", "p50", "p99", "mean", "max", "failed"
     );
     for &n in sizes {
         let cluster = format!("bench-scale-{n}");
@@ -507,14 +507,21 @@ async fn router_scale(http: &reqwest::Client, quick: bool) -> Value {
             let failed = samples.iter().filter(|s| !s.ok).count();
             let st = status(http, &gw).await;
             let p = &st["router"]["pick_time"];
-            let (count, mean, max) = (
-                p["count"].as_u64().unwrap_or(0),
-                p["mean_us"].as_f64().unwrap_or(f64::NAN),
-                p["max_us"].as_f64().unwrap_or(f64::NAN),
+            let f = |k: &str| p[k].as_f64().unwrap_or(f64::NAN);
+            let count = p["count"].as_u64().unwrap_or(0);
+            let (p50, p99, mean, max) = (
+                f("recent_p50_us"),
+                f("recent_p99_us"),
+                f("mean_us"),
+                f("max_us"),
             );
-            println!("{n:>8} {policy:>14} {count:>9} {mean:>8.2}us {max:>8.1}us {failed:>8}");
-            rows.push(json!({"workers": n, "policy": policy, "picks": count,
-                "mean_us": mean, "max_us": max, "failed": failed}));
+            println!(
+                "{n:>8} {policy:>14} {count:>9} {p50:>8.2}us {p99:>8.1}us {mean:>8.2}us {max:>8.1}us {failed:>8}"
+            );
+            rows.push(
+                json!({"workers": n, "policy": policy, "picks": count, "p50_us": p50,
+                "p99_us": p99, "mean_us": mean, "max_us": max, "failed": failed}),
+            );
         }
     }
     json!(rows)
