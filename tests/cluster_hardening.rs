@@ -463,7 +463,9 @@ async fn one_process_hosts_many_workers_each_a_member() {
         "load was not spread over the replicas: {r:?}"
     );
     let picks = &status(&http, &gw).await["router"]["pick_time"];
-    assert_eq!(picks["count"], 8, "{picks}");
+    // One decision per request (more only if one was retried).
+    assert!(picks["count"].as_u64().unwrap() >= 8, "{picks}");
+    assert!(picks["recent_p50_us"].as_f64().unwrap() > 0.0, "{picks}");
     assert!(picks["mean_us"].as_f64().unwrap() > 0.0, "{picks}");
 
     // SIGTERM: every replica leaves the registry, not after its lease.
