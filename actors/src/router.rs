@@ -239,6 +239,7 @@ impl WorkerLink {
         let own = self.hot.outstanding.load(Ordering::Relaxed).max(0);
         ReportedSpeed {
             load: (own + sp.others) as f64,
+            fresh: self.routed.load(Ordering::Relaxed) == 0,
             capacity: sp.capacity,
             prompt_rate: (sp.prompt_rate > 0.0).then_some(sp.prompt_rate),
             step_base: sp.step_base,
@@ -256,6 +257,8 @@ impl WorkerLink {
 struct ReportedSpeed {
     /// As [`WorkerLink::load`] reads it.
     load: f64,
+    /// This router has not sent it a request yet.
+    fresh: bool,
     capacity: f64,
     prompt_rate: Option<f64>,
     step_base: f64,
@@ -272,10 +275,11 @@ impl ReportedSpeed {
 
 /// What a pick assumes of workers that have not measured themselves yet: no faster than
 /// the slowest that has, so being new never makes a cache miss or a busy node look cheap.
-/// The prompt rate is the lowest measured one; the decode step is the slowest fit (at a
-/// one-sequence batch). A worker measured on a busy machine is thus compared with one
-/// that has measured the same machine, not with a declaration. With nothing measured,
-/// the prompt rate stays unknown and the step at the declared rate.
+/// The prompt rate is the lowest measured one. A worker this router has not sent a
+/// request yet also takes the slowest decode step fit (at a one-sequence batch): a worker
+/// measured on a busy machine is thus compared with the same machine, not with a
+/// declaration. With nothing measured anywhere, the prompt rate stays unknown and the
+/// step at the declared rate.
 fn assume_for_unmeasured(speeds: &mut [ReportedSpeed]) {
     let prompt_rate = speeds.iter().filter_map(|s| s.prompt_rate).reduce(f64::min);
     let step = speeds
@@ -284,8 +288,12 @@ fn assume_for_unmeasured(speeds: &mut [ReportedSpeed]) {
         .map(|s| (s.step_base, s.step_per_seq))
         .reduce(|a, b| if b.0 + b.1 > a.0 + a.1 { b } else { a });
     for s in speeds.iter_mut() {
+        // Only a worker never sent a request borrows a step fit. One that has served but
+        // has no fit (a saturated worker may run no pure decode step for long) keeps
+        // being costed by its own measured per-sequence rate, which weighs its load.
+        let fresh = s.fresh && !s.step_measured();
         s.prompt_rate = s.prompt_rate.or(prompt_rate);
-        if let (false, Some((base, per_seq))) = (s.step_measured(), step) {
+        if let (true, Some((base, per_seq))) = (fresh, step) {
             (s.step_base, s.step_per_seq) = (base, per_seq);
         }
     }
@@ -1618,6 +1626,7 @@ mod tests {
     fn speed(prompt_rate: Option<f64>, base: f64, per_seq: f64) -> ReportedSpeed {
         ReportedSpeed {
             load: 0.0,
+            fresh: prompt_rate.is_none(),
             capacity: 100.0,
             prompt_rate,
             step_base: base,
@@ -1676,7 +1685,8 @@ mod tests {
                 (Some(4000.0), 0.010, 0.001),
                 (Some(2000.0), 0.020, 0.0005),
                 (Some(2000.0), 0.020, 0.0005),
-                (Some(8000.0), 0.020, 0.0005),
+                // Served, not yet fitted: its own measured rate.
+                (Some(8000.0), 0.0, 0.0),
             ]
         );
         // Nothing measured: nothing assumed (the policy serves them at their declared rate).
