@@ -484,21 +484,8 @@ async fn router_scale(http: &reqwest::Client, quick: bool) -> Value {
             .concat(),
         );
         for policy in policies {
-            let gw = node(
-                &etcd,
-                &cluster,
-                &format!("gw-{policy}"),
-                &[
-                    "--roles",
-                    "gateway,router",
-                    "--host",
-                    "127.0.0.1",
-                    "--port",
-                    "0",
-                    "--policy",
-                    policy,
-                ],
-            );
+            // Each its own id: the last one's record outlives it by up to a lease.
+            let gw = harness::gateway_named(&etcd, &cluster, &format!("gw-{policy}"), policy, &[]);
             wait_workers(http, &gw, n).await;
             let prompts: Vec<String> = (0..requests)
                 .map(|i| lines[(i * 7) % lines.len()].clone())

@@ -85,6 +85,11 @@ pub fn gateway(etcd: &Etcd, cluster: &str, policy: &str) -> Proc {
 }
 
 pub fn gateway_with(etcd: &Etcd, cluster: &str, policy: &str, extra: &[&str]) -> Proc {
+    gateway_named(etcd, cluster, "gw", policy, extra)
+}
+
+/// A gateway under its own node id (several in one cluster, or one soon after another).
+pub fn gateway_named(etcd: &Etcd, cluster: &str, id: &str, policy: &str, extra: &[&str]) -> Proc {
     let mut a = vec![
         "--roles",
         "gateway,router",
@@ -96,7 +101,7 @@ pub fn gateway_with(etcd: &Etcd, cluster: &str, policy: &str, extra: &[&str]) ->
         policy,
     ];
     a.extend_from_slice(extra);
-    node(etcd, cluster, "gw", &a)
+    node(etcd, cluster, id, &a)
 }
 
 /// Waits until the gateway's router is connected to `n` nodes (of any worker role).
