@@ -205,22 +205,30 @@ async fn heterogeneous(http: &reqwest::Client, quick: bool) -> Value {
             rows.push(sum);
         }
         let ideal = model_ideal(mix.speeds, concurrency, mix.base_ms, mix.per_seq_ms);
-        let rr = rows[0]["output_tok_per_s"].as_f64().unwrap();
+        let tps = |r: &Value| r["output_tok_per_s"].as_f64().unwrap();
+        // Steady state: all `concurrency` requests in flight (no ramp-up or drain), as
+        // the model assumes; a run too short for a window falls back to the whole run.
+        let steady = |r: &Value| r["steady_output_tok_per_s"].as_f64().unwrap_or(tps(r));
+        let (rr, rr_steady) = (tps(&rows[0]), steady(&rows[0]));
         println!(
             "\n== heterogeneous {}: sim workers, {n} requests x 64 tokens, concurrency {concurrency} ==",
             mix.name
         );
-        let alone = rows[3]["output_tok_per_s"].as_f64().unwrap();
+        let alone = &rows[3];
         println!(
-            "   best split the timing model allows: {ideal:.0} tok/s ({:.2}x round-robin's measured); \
-             the fastest node alone reaches {alone:.0} here ({:.2}x)",
-            ideal / rr,
-            alone / rr
+            "   best split the timing model allows: {ideal:.0} tok/s ({:.2}x round-robin's steady state); \
+             the fastest node alone reaches {:.0} here ({:.0} steady, {:.2}x)",
+            ideal / rr_steady,
+            tps(alone),
+            steady(alone),
+            steady(alone) / rr_steady
         );
         println!(
-            "{:>13} {:>13} {:>9} {:>10} {:>10} {:>10} {:>24}",
+            "{:>13} {:>13} {:>9} {:>13} {:>9} {:>10} {:>10} {:>10} {:>24}",
             "policy",
             "output tok/s",
+            "vs rr",
+            "steady tok/s",
             "vs rr",
             "of ideal",
             "p99 TTFT",
@@ -235,13 +243,14 @@ async fn heterogeneous(http: &reqwest::Client, quick: bool) -> Value {
                 .iter()
                 .map(|x| x["routed"].to_string())
                 .collect();
-            let tps = r["output_tok_per_s"].as_f64().unwrap();
             println!(
-                "{:>13} {:>13.1} {:>8.2}x {:>9.0}% {:>8.1}ms {:>8.1}ms {:>24}",
+                "{:>13} {:>13.1} {:>8.2}x {:>13.1} {:>8.2}x {:>9.0}% {:>8.1}ms {:>8.1}ms {:>24}",
                 r["label"].as_str().unwrap(),
-                tps,
-                tps / rr,
-                100.0 * tps / ideal,
+                tps(r),
+                tps(r) / rr,
+                steady(r),
+                steady(r) / rr_steady,
+                100.0 * steady(r) / ideal,
                 r["ttft_ms"]["p99"].as_f64().unwrap(),
                 r["ttft_ms"]["mean"].as_f64().unwrap(),
                 routed.join("/")

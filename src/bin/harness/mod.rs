@@ -141,6 +141,8 @@ pub struct Sample {
     pub cached_tokens: u64,
     /// When each chunk with text arrived, in seconds from the start.
     pub token_times: Vec<f64>,
+    /// When it was sent, in seconds from the start of its run (set by [`run_load`]).
+    pub sent_at: f64,
 }
 
 impl Sample {
@@ -246,7 +248,10 @@ pub async fn run_load(
             let (http, base, sem) = (http.clone(), base.to_string(), sem.clone());
             tokio::spawn(async move {
                 let _permit = sem.acquire_owned().await.unwrap();
-                one(&http, &base, &p, max_tokens).await
+                let sent_at = t0.elapsed().as_secs_f64();
+                let mut s = one(&http, &base, &p, max_tokens).await;
+                s.sent_at = sent_at;
+                s
             })
         })
         .collect();
@@ -255,6 +260,39 @@ pub async fn run_load(
         out.push(t.await.unwrap());
     }
     (out, t0.elapsed().as_secs_f64())
+}
+
+/// Output tokens per second while every slot of a closed-loop run was busy: from the first
+/// request's end (each end starts the next request) to the last request's start (after
+/// which the run drains). The ramp-up, with every request prefilling at once, and the
+/// drain, with fewer requests in flight than the concurrency, are left out, so the figure
+/// is comparable with a steady-state model. `None` when the window is empty (fewer
+/// requests than twice the concurrency).
+pub fn steady_tok_per_s(samples: &[Sample]) -> Option<f64> {
+    let ok: Vec<&Sample> = samples.iter().filter(|s| s.ok).collect();
+    let from = ok
+        .iter()
+        .map(|s| s.sent_at + s.e2e)
+        .fold(f64::INFINITY, f64::min);
+    let to = ok.iter().map(|s| s.sent_at).fold(0.0, f64::max);
+    if !(to > from) {
+        return None;
+    }
+    // Each text chunk stands for its request's share of output tokens.
+    let tokens: f64 = ok
+        .iter()
+        .filter(|s| !s.token_times.is_empty())
+        .map(|s| {
+            let per_chunk = s.output_tokens as f64 / s.token_times.len() as f64;
+            let inside = s
+                .token_times
+                .iter()
+                .filter(|&&t| (from..to).contains(&(s.sent_at + t)))
+                .count();
+            inside as f64 * per_chunk
+        })
+        .sum();
+    Some(tokens / (to - from))
 }
 
 pub fn summary(label: &str, samples: &[Sample], wall: f64) -> Value {
@@ -275,6 +313,7 @@ pub fn summary(label: &str, samples: &[Sample], wall: f64) -> Value {
         "label": label, "requests": samples.len(), "failed": samples.len() - ok.len(),
         "wall_s": wall, "req_per_s": ok.len() as f64 / wall,
         "output_tok_per_s": out_tokens as f64 / wall,
+        "steady_output_tok_per_s": steady_tok_per_s(samples),
         "ttft_ms": stats(&ttft), "e2e_ms": stats(&e2e), "tpot_ms": stats(&tpot),
         "itl_ms": stats(&itl),
         "prompt_tokens": prompt, "cached_tokens": cached,
