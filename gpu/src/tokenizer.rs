@@ -210,9 +210,10 @@ impl TextTokenizer {
     /// Tokenizes text. With `add_special`, a completion prompt starts with bos where the model
     /// expects one; a rendered chat template already carries its own.
     pub fn encode(&self, text: &str, add_special: bool) -> Result<Vec<u32>> {
+        // Ids only: the offsets `encode` also works out are never read here.
         let enc = self
             .inner
-            .encode(text, add_special)
+            .encode_fast(text, add_special)
             .map_err(|e| EngineError::Tokenizer(e.to_string()))?;
         let mut ids = enc.get_ids().to_vec();
         if add_special && self.add_bos {
