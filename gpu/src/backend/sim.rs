@@ -71,6 +71,33 @@ pub struct SimBackend {
     avoid: Vec<u32>,
     /// Tokens are drawn from `0..span` (the ids the tokenizer can decode).
     span: u32,
+    /// How far past their modelled time earlier steps' sleeps ran (see [`Overshoot`]).
+    overshoot: Overshoot,
+}
+
+/// A sleep ends late: by the kernel's timer slack (50 us by default) and the wake-up. Left
+/// alone, every step would run that much over the model, which at a few milliseconds a step
+/// is several percent of throughput that no device would lose. The lateness is carried:
+/// the next step sleeps that much less, so steps average what the model says.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Overshoot {
+    owed: Duration,
+}
+
+impl Overshoot {
+    /// The most lateness carried to later steps (a long stall is not paid back by running
+    /// the following steps in no time).
+    const MAX_OWED: Duration = Duration::from_millis(1);
+
+    /// How long to sleep for a step the model says takes `t`.
+    pub fn plan(&self, t: Duration) -> Duration {
+        t.saturating_sub(self.owed)
+    }
+
+    /// After a step of modelled time `t` that took `took` (planned with [`Self::plan`]).
+    pub fn settle(&mut self, t: Duration, took: Duration) {
+        self.owed = (self.owed + took).saturating_sub(t).min(Self::MAX_OWED);
+    }
 }
 
 impl SimBackend {
@@ -91,6 +118,7 @@ impl SimBackend {
             vocab,
             avoid,
             span,
+            overshoot: Overshoot::default(),
         })
     }
 
@@ -111,7 +139,7 @@ impl SimBackend {
 
     /// Sleeps the step's modelled time, split evenly over the layers when `kv_ready` wants
     /// to hear of each layer (so a transfer overlaps the rest of the step, as on a device).
-    fn run(&self, batch: &ForwardBatch, kv_ready: Option<&(dyn Fn(usize) + Sync)>) -> Vec<u32> {
+    fn run(&mut self, batch: &ForwardBatch, kv_ready: Option<&(dyn Fn(usize) + Sync)>) -> Vec<u32> {
         let decode = batch
             .seqs
             .iter()
@@ -119,10 +147,12 @@ impl SimBackend {
             .count();
         let prefill = batch.num_tokens() - decode;
         let t = self.timing.step(prefill, decode);
+        let started = std::time::Instant::now();
+        let sleep = self.overshoot.plan(t);
         match kv_ready {
             Some(ready) => {
                 let layers = self.kv.spec().num_layers.max(1);
-                let per_layer = t / layers as u32;
+                let per_layer = sleep / layers as u32;
                 for layer in 0..layers {
                     if !per_layer.is_zero() {
                         std::thread::sleep(per_layer);
@@ -130,8 +160,11 @@ impl SimBackend {
                     ready(layer);
                 }
             }
-            None if !t.is_zero() => std::thread::sleep(t),
+            None if !sleep.is_zero() => std::thread::sleep(sleep),
             None => {}
+        }
+        if !t.is_zero() {
+            self.overshoot.settle(t, started.elapsed());
         }
         batch
             .seqs
@@ -209,6 +242,27 @@ impl Backend for SimBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn late_sleeps_are_paid_back_by_the_next_steps() {
+        let ms = Duration::from_millis;
+        let us = Duration::from_micros;
+        let mut o = Overshoot::default();
+        assert_eq!(o.plan(ms(4)), ms(4));
+        // 100 us late: the next step sleeps 100 us less.
+        o.settle(ms(4), ms(4) + us(100));
+        assert_eq!(o.plan(ms(4)), ms(4) - us(100));
+        // That one ran 60 us over its shortened sleep: 60 us owed, not 160.
+        o.settle(ms(4), ms(4) - us(40));
+        assert_eq!(o.plan(ms(4)), ms(4) - us(60));
+        // On time: nothing owed.
+        o.settle(ms(4), ms(4) - us(60));
+        assert_eq!(o.plan(ms(4)), ms(4));
+        // A stall is paid back only up to the cap, and never below zero sleep.
+        o.settle(ms(4), ms(50));
+        assert_eq!(o.plan(ms(4)), ms(3));
+        assert_eq!(o.plan(us(300)), Duration::ZERO);
+    }
 
     #[test]
     fn step_time_scales_with_work_and_speed() {
