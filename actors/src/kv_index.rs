@@ -60,6 +60,25 @@ impl Holders {
     }
 }
 
+/// The state of `worker` in `holders` (sorted by worker), searching from `*at` and leaving
+/// `*at` there for a later, larger worker: galloping, so a walk over many workers costs
+/// about the two lists' lengths, and one over a few workers in a long list stays
+/// logarithmic.
+fn seek(holders: &[(u32, State)], at: &mut usize, worker: u32) -> Option<State> {
+    let rest = &holders[*at..];
+    let mut step = 1;
+    while step < rest.len() && rest[step].0 < worker {
+        step *= 2;
+    }
+    let window = &rest[step / 2..rest.len().min(step + 1)];
+    let k = step / 2 + window.partition_point(|&(w, _)| w < worker);
+    *at += k;
+    match holders.get(*at) {
+        Some(&(w, state)) if w == worker => Some(state),
+        _ => None,
+    }
+}
+
 /// Removes the worker from the block's holders when `what` accepts its state, and the block
 /// itself once nobody holds it, so the map only keeps blocks somebody has.
 fn remove_holder(
@@ -257,10 +276,12 @@ impl KvIndex {
             if alive.is_empty() {
                 return out;
             }
-            let holders = self.blocks.get(h);
+            let holders = self.blocks.get(h).map_or(&[][..], |hs| &hs.0[..]);
+            // Both lists are sorted by worker: one cursor walks the holders.
+            let mut at = 0;
             alive.retain_mut(|(o, in_held)| {
                 let hit: &mut (u32, usize, usize) = &mut out[*o];
-                match holders.and_then(|hs| hs.get(hit.0)) {
+                match seek(holders, &mut at, hit.0) {
                     Some(State::Held) => true,
                     Some(s) if s.live(now) => {
                         if *in_held {
@@ -374,6 +395,30 @@ mod tests {
             out.push(rng.below(64));
         }
         out
+    }
+
+    #[test]
+    fn seeking_in_order_finds_what_a_search_finds() {
+        let mut rng = SplitMix(11);
+        for _ in 0..2_000 {
+            let len = rng.below(300) as usize;
+            let mut ws: Vec<u32> = (0..len).map(|_| rng.below(600) as u32).collect();
+            ws.sort_unstable();
+            ws.dedup();
+            let holders: Vec<(u32, State)> = ws.iter().map(|&w| (w, State::Held)).collect();
+            let mut queries: Vec<u32> = (0..rng.below(40)).map(|_| rng.below(600) as u32).collect();
+            queries.sort_unstable();
+            queries.dedup();
+            let mut at = 0;
+            for q in queries {
+                let want = holders
+                    .binary_search_by_key(&q, |h| h.0)
+                    .ok()
+                    .map(|_| State::Held);
+                assert_eq!(seek(&holders, &mut at, q), want, "{q} in {ws:?}");
+                assert!(at <= holders.len());
+            }
+        }
     }
 
     #[test]

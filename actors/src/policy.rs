@@ -273,8 +273,8 @@ fn argmin(
     let n = cands.len();
     let start = (turn % n as u64) as usize;
     let mut best: Option<(usize, f64)> = None;
-    for k in 0..n {
-        let i = (start + k) % n;
+    // From `start` to the end, then from the front (no division per candidate).
+    for i in (start..n).chain(0..start) {
         if !admit(&cands[i]) {
             continue;
         }

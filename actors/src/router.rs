@@ -97,8 +97,59 @@ struct PickState {
     outstanding: AtomicI64,
     /// Uncached prompt tokens of requests this router sent there with no first token yet.
     queued_prompt: AtomicI64,
+    /// This router has sent it a request.
+    routed_once: AtomicBool,
     /// Its last report's speeds, as a pick wants them.
-    speed: Mutex<Speeds>,
+    speed: AtomicSpeeds,
+}
+
+/// [`Speeds`] in atomics, so that a pick over hundreds of workers reads them with plain
+/// loads instead of taking and releasing a lock on each (two atomic read-modify-writes a
+/// worker, most of a pick's time). A pick racing a report may see fields of both; each is a
+/// valid estimate of the same worker.
+struct AtomicSpeeds {
+    others: AtomicI64,
+    capacity: AtomicU64,
+    prompt_rate: AtomicU64,
+    step_base: AtomicU64,
+    step_per_seq: AtomicU64,
+    max_running: AtomicU64,
+}
+
+impl AtomicSpeeds {
+    fn new(s: Speeds) -> AtomicSpeeds {
+        let f = |x: f64| AtomicU64::new(x.to_bits());
+        AtomicSpeeds {
+            others: AtomicI64::new(s.others),
+            capacity: f(s.capacity),
+            prompt_rate: f(s.prompt_rate),
+            step_base: f(s.step_base),
+            step_per_seq: f(s.step_per_seq),
+            max_running: f(s.max_running),
+        }
+    }
+
+    fn store(&self, s: Speeds) {
+        let r = Ordering::Relaxed;
+        self.others.store(s.others, r);
+        self.capacity.store(s.capacity.to_bits(), r);
+        self.prompt_rate.store(s.prompt_rate.to_bits(), r);
+        self.step_base.store(s.step_base.to_bits(), r);
+        self.step_per_seq.store(s.step_per_seq.to_bits(), r);
+        self.max_running.store(s.max_running.to_bits(), r);
+    }
+
+    fn load(&self) -> Speeds {
+        let f = |a: &AtomicU64| f64::from_bits(a.load(Ordering::Relaxed));
+        Speeds {
+            others: self.others.load(Ordering::Relaxed),
+            capacity: f(&self.capacity),
+            prompt_rate: f(&self.prompt_rate),
+            step_base: f(&self.step_base),
+            step_per_seq: f(&self.step_per_seq),
+            max_running: f(&self.max_running),
+        }
+    }
 }
 
 /// A worker's speeds from its last report (or its record's declaration before one).
@@ -203,7 +254,9 @@ impl WorkerLink {
         );
         let mut kept = self.report.lock();
         *kept = report.map(|r| (r, own));
-        *self.hot.speed.lock() = Speeds::of(kept.as_ref(), self.record.capacity_tokens_per_s);
+        self.hot
+            .speed
+            .store(Speeds::of(kept.as_ref(), self.record.capacity_tokens_per_s));
     }
 
     pub fn last_report(&self) -> Option<LoadReport> {
@@ -235,11 +288,11 @@ impl WorkerLink {
     /// What a pick needs from its last report, read under one lock: capacity, prompt rate
     /// (once measured), the decode step fit in seconds, and its batch limit.
     fn pick_inputs(&self) -> ReportedSpeed {
-        let sp = *self.hot.speed.lock();
+        let sp = self.hot.speed.load();
         let own = self.hot.outstanding.load(Ordering::Relaxed).max(0);
         ReportedSpeed {
             load: (own + sp.others) as f64,
-            fresh: self.routed.load(Ordering::Relaxed) == 0,
+            fresh: !self.hot.routed_once.load(Ordering::Relaxed),
             capacity: sp.capacity,
             prompt_rate: (sp.prompt_rate > 0.0).then_some(sp.prompt_rate),
             step_base: sp.step_base,
@@ -722,7 +775,8 @@ impl RouterCore {
                     max_model_len: rec.max_model_len,
                     outstanding: AtomicI64::new(0),
                     queued_prompt: AtomicI64::new(0),
-                    speed: Mutex::new(Speeds::of(None, rec.capacity_tokens_per_s)),
+                    routed_once: AtomicBool::new(false),
+                    speed: AtomicSpeeds::new(Speeds::of(None, rec.capacity_tokens_per_s)),
                 },
                 report: Mutex::new(None),
                 kv,
@@ -1152,6 +1206,9 @@ impl RouterCore {
             );
             tried.insert(link.record.node_id.clone());
             link.routed.fetch_add(1, Ordering::Relaxed);
+            if !link.hot.routed_once.load(Ordering::Relaxed) {
+                link.hot.routed_once.store(true, Ordering::Relaxed);
+            }
             self.stats.routed.fetch_add(1, Ordering::Relaxed);
             let mut wire = wire_req.clone();
             if !sent.tokens.is_empty() {
