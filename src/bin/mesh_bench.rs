@@ -537,6 +537,44 @@ fn pct(xs: &mut [f64], p: f64) -> f64 {
 /// are), with a new stream per request as the router opens, and on one kept stream; rkyv
 /// framing of a request and a token; a task spawn plus a channel hand-off. Set against the
 /// added TTFT the overhead section measures end to end.
+/// Round trips of one 100-byte UDP datagram between this thread and an echoing one, both
+/// blocking on loopback sockets: back to back, then each after a 1 ms pause. Microseconds.
+fn udp_round_trips(iters: usize) -> (Vec<f64>, Vec<f64>) {
+    use std::net::UdpSocket;
+    let echo = UdpSocket::bind("127.0.0.1:0").expect("bind echo socket");
+    let there = echo.local_addr().unwrap();
+    let me = UdpSocket::bind("127.0.0.1:0").expect("bind socket");
+    me.connect(there).unwrap();
+    me.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let echoer = std::thread::spawn(move || {
+        let mut buf = [0u8; 256];
+        // Ends on the empty datagram.
+        while let Ok((n, from)) = echo.recv_from(&mut buf) {
+            if n == 0 || echo.send_to(&buf[..n], from).is_err() {
+                break;
+            }
+        }
+    });
+    let msg = [7u8; 100];
+    let mut buf = [0u8; 256];
+    let mut trip = || {
+        let t0 = Instant::now();
+        me.send(&msg).unwrap();
+        me.recv(&mut buf).expect("echo");
+        t0.elapsed().as_secs_f64() * 1e6
+    };
+    let busy: Vec<f64> = (0..iters).map(|_| trip()).collect();
+    let idle: Vec<f64> = (0..iters.min(1000))
+        .map(|_| {
+            std::thread::sleep(Duration::from_millis(1));
+            trip()
+        })
+        .collect();
+    let _ = me.send(&[]);
+    let _ = echoer.join();
+    (busy, idle)
+}
+
 fn hop_profile(quick: bool) -> Value {
     use kvmesh_transport::wire::{self, Finish, GenerateRequest, StreamRequest, TokenEvent};
     use kvmesh_transport::{AllowList, NodeEndpoint, NodeIdentity};
@@ -669,7 +707,14 @@ fn hop_profile(quick: bool) -> Value {
             xs
         })
     });
+    // The floor under all of it: one UDP datagram to a peer thread blocked on its socket and
+    // straight back, with no QUIC, runtime or encoding; back to back, and after 1 ms idle
+    // (both threads asleep, as a worker between requests is).
+    let (mut udp_busy, mut udp_idle) = udp_round_trips(iters);
     let row = json!({
+        "udp_round_trip_us": {"back_to_back_p50": pct(&mut udp_busy, 50.0),
+            "back_to_back_p99": pct(&mut udp_busy, 99.0),
+            "after_idle_p50": pct(&mut udp_idle, 50.0), "after_idle_p99": pct(&mut udp_idle, 99.0)},
         "quic_new_stream_round_trip_us": {"p50": pct(&mut fresh, 50.0), "p99": pct(&mut fresh, 99.0)},
         "quic_kept_stream_round_trip_us": {"p50": pct(&mut kept, 50.0), "p99": pct(&mut kept, 99.0)},
         "rkyv_request_encode_decode_us": rkyv_request_us,
@@ -694,6 +739,14 @@ fn hop_profile(quick: bool) -> Value {
         row["quic_kept_stream_round_trip_us"]["p99"]
             .as_f64()
             .unwrap()
+    );
+    let udp = &row["udp_round_trip_us"];
+    println!(
+        "  plain UDP datagram there and back (the floor)        p50 {:>7.1}us  p99 {:>7.1}us; after 1 ms idle p50 {:.1}us  p99 {:.1}us",
+        udp["back_to_back_p50"].as_f64().unwrap(),
+        udp["back_to_back_p99"].as_f64().unwrap(),
+        udp["after_idle_p50"].as_f64().unwrap(),
+        udp["after_idle_p99"].as_f64().unwrap()
     );
     println!("  rkyv encode + validate + decode: request {rkyv_request_us:.2}us, token {rkyv_token_us:.2}us");
     println!(
