@@ -275,7 +275,7 @@ pub fn steady_tok_per_s(samples: &[Sample]) -> Option<f64> {
         .map(|s| s.sent_at + s.e2e)
         .fold(f64::INFINITY, f64::min);
     let to = ok.iter().map(|s| s.sent_at).fold(0.0, f64::max);
-    if !(to > from) {
+    if to <= from {
         return None;
     }
     // Each text chunk stands for its request's share of output tokens.
