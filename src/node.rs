@@ -250,6 +250,8 @@ impl NodeState {
             }
         }
         if let Some(r) = &self.router {
+            // p50 and p99 from one sort of the recent picks.
+            let recent = r.stats.picks.recent_percentiles_us(&[50.0, 99.0]);
             v["router"] = json!({
                 "policy": r.policy.as_str(),
                 "workers": r.workers().iter().map(|w| json!({
@@ -272,8 +274,8 @@ impl NodeState {
                     "count": r.stats.picks.count.load(Ordering::Relaxed),
                     "mean_us": r.stats.picks.mean_us(),
                     "max_us": r.stats.picks.max_ns.load(Ordering::Relaxed) as f64 / 1e3,
-                    "recent_p50_us": r.stats.picks.recent_percentiles_us(&[50.0]).first(),
-                    "recent_p99_us": r.stats.picks.recent_percentiles_us(&[99.0]).first(),
+                    "recent_p50_us": recent.first(),
+                    "recent_p99_us": recent.get(1),
                 },
                 "prefix_predictions": {
                     "exact": r.stats.predictions[0].load(Ordering::Relaxed),

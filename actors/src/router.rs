@@ -285,7 +285,7 @@ impl WorkerLink {
         self.pick_inputs().prompt_rate
     }
 
-    /// What a pick needs from its last report, read under one lock: capacity, prompt rate
+    /// What a pick needs from its last report, read with atomic loads: capacity, prompt rate
     /// (once measured), the decode step fit in seconds, and its batch limit.
     fn pick_inputs(&self) -> ReportedSpeed {
         let sp = self.hot.speed.load();
