@@ -594,4 +594,28 @@ async fn the_sim_backend_serves_deterministic_tokens_through_the_real_engine() {
             .unwrap()
             > 0
     );
+
+    // A chat's next turn finds the previous answer in the prefix cache, as with a real
+    // model: the sim's text tokenizes back into the ids it was generated as. Cached: every
+    // full block of the previous prompt and answer (the answer's last token was sampled,
+    // never computed).
+    let mut messages =
+        vec![json!({"role": "user", "content": "How fares the king today, good sir?"})];
+    let mut before: Option<u64> = None;
+    for turn in 0..4 {
+        let body = json!({"model": "shakespeare", "messages": messages, "max_tokens": 40});
+        let (st, v) = s.post("/v1/chat/completions", body).await;
+        assert_eq!(st, 200, "{v}");
+        let usage = &v["usage"];
+        if let Some(seen) = before {
+            let cached = usage["prompt_tokens_details"]["cached_tokens"]
+                .as_u64()
+                .unwrap();
+            assert_eq!(cached, (seen - 1) / 16 * 16, "turn {turn}: {usage}");
+        }
+        before = Some(usage["total_tokens"].as_u64().unwrap());
+        messages
+            .push(json!({"role": "assistant", "content": v["choices"][0]["message"]["content"]}));
+        messages.push(json!({"role": "user", "content": "And what of the queen, my lord?"}));
+    }
 }

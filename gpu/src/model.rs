@@ -294,25 +294,86 @@ pub fn build_backend(
                 KvBudget::Blocks(n) => n,
                 KvBudget::Bytes(b) => (b / per_block).max(1),
             };
-            // Never emit eos or bos, so sequences run to their max_tokens.
-            let avoid = model
-                .tokenizer
-                .eos_ids()
-                .iter()
-                .copied()
-                .chain(model.tokenizer.bos_id())
-                .collect();
-            let span = model.tokenizer.vocab_size().min(model.config.vocab_size);
             Ok(Box::new(SimBackend::new(
                 timing,
                 spec,
                 blocks,
                 model.config.vocab_size,
-                span,
-                avoid,
+                sim_outputs(&model.tokenizer, model.config.vocab_size),
             )?))
         }
     }
+}
+
+/// The most whole-word tokens the sim draws its outputs from (plenty for varied text; a
+/// large vocabulary is not scanned to the end).
+const SIM_WORDS: usize = 2048;
+
+/// The ids a sim backend emits. A real model's text mostly tokenizes back into the ids it was
+/// generated as, so a chat's next turn finds its previous answer in the prefix cache; random
+/// ids would not (two ids decode to bytes that re-tokenize as one, or a stray byte as
+/// several), and every multi-turn measurement would miss on each answer. So the sim emits
+/// whole words: tokens that decode to a run of ASCII letters, with the space before them,
+/// kept only when two of them in a row tokenize back to exactly those two ids, and the
+/// whole list only when a long run of them drawn at random does too. A tokenizer where that
+/// fails (or that has too few such words) gets every id it can decode except eos and bos,
+/// as before, and a log line says so: the sim's timing is the same either way.
+pub fn sim_outputs(tok: &TextTokenizer, config_vocab: usize) -> Vec<u32> {
+    let span = tok.vocab_size().min(config_vocab) as u32;
+    let special: Vec<u32> = tok.eos_ids().iter().copied().chain(tok.bos_id()).collect();
+    let words = word_tokens(tok, span, &special);
+    if words.len() >= 16 && round_trips(tok, &words) {
+        return words;
+    }
+    tracing::info!(
+        "sim backend: this tokenizer has {} round-tripping whole-word tokens; emitting any id instead, so a chat's earlier answers may not be found in the prefix cache",
+        words.len()
+    );
+    (0..span).filter(|t| !special.contains(t)).collect()
+}
+
+fn word_tokens(tok: &TextTokenizer, span: u32, special: &[u32]) -> Vec<u32> {
+    let mut words = Vec::new();
+    for id in 0..span {
+        if words.len() == SIM_WORDS {
+            break;
+        }
+        if special.contains(&id) {
+            continue;
+        }
+        let Ok(one) = tok.decode(&[id], false) else {
+            continue;
+        };
+        let w = one.trim_start_matches(' ');
+        if w.is_empty() || !w.bytes().all(|b| b.is_ascii_alphabetic()) {
+            continue;
+        }
+        // The space belongs to the token (" the"), whether or not decoding shows it first.
+        let Ok(two) = tok.decode(&[id, id], false) else {
+            continue;
+        };
+        if two.trim_start_matches(' ') != format!("{w} {w}") {
+            continue;
+        }
+        if tok.encode(&two, false).ok().as_deref() == Some(&[id, id][..]) {
+            words.push(id);
+        }
+    }
+    words
+}
+
+/// A fixed pseudo-random run of `words` decodes to text that encodes back to the same ids.
+fn round_trips(tok: &TextTokenizer, words: &[u32]) -> bool {
+    let mut z: u64 = 0x9e37_79b9_7f4a_7c15;
+    let run: Vec<u32> = (0..256)
+        .map(|_| {
+            z = z.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
+            words[((z >> 33) % words.len() as u64) as usize]
+        })
+        .collect();
+    tok.decode(&run, false)
+        .and_then(|text| tok.encode(&text, false))
+        .is_ok_and(|ids| ids == run)
 }
 
 /// 64-bit FNV-1a: small and stable across machines and versions (the standard library's
@@ -331,5 +392,35 @@ impl Fnv {
             self.0 ^= b as u64;
             self.0 = self.0.wrapping_mul(0x0000_0100_0000_01b3);
         }
+    }
+}
+
+#[cfg(test)]
+mod sim_output_tests {
+    use super::*;
+
+    fn shakespeare() -> TextTokenizer {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/shakespeare");
+        let files = TokenizerFiles::read_dir(&dir).unwrap();
+        TextTokenizer::from_files(&files, &[]).unwrap()
+    }
+
+    #[test]
+    fn the_sims_words_tokenize_back_into_themselves() {
+        let tok = shakespeare();
+        let words = sim_outputs(&tok, 1 << 20);
+        assert!(words.len() >= 100, "only {} words", words.len());
+        for &w in &words {
+            assert!(!tok.eos_ids().contains(&w) && tok.bos_id() != Some(w));
+            let text = tok.decode(&[w], false).unwrap();
+            assert!(
+                text.trim_start().bytes().all(|b| b.is_ascii_alphabetic()),
+                "{text:?}"
+            );
+        }
+        // An answer as a sim worker writes it, then sent back as the next turn's history.
+        let answer: Vec<u32> = (0..200).map(|i| words[(i * 7919) % words.len()]).collect();
+        let text = tok.decode(&answer, false).unwrap();
+        assert_eq!(tok.encode(&text, false).unwrap(), answer);
     }
 }

@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::{Backend, ForwardBatch, SampleSpec};
-use crate::error::Result;
+use crate::error::{EngineError, Result};
 use crate::kv_pool::{HostKvPool, KvSpec};
 use crate::sampler::Sampled;
 
@@ -67,10 +67,9 @@ pub struct SimBackend {
     timing: SimTiming,
     kv: Arc<HostKvPool>,
     vocab: usize,
-    /// Ids never produced (eos and other special tokens), so sequences run to max_tokens.
-    avoid: Vec<u32>,
-    /// Tokens are drawn from `0..span` (the ids the tokenizer can decode).
-    span: u32,
+    /// The ids outputs are drawn from: never eos or another special token, so sequences run
+    /// to max_tokens (see `model::sim_outputs` for how a model's are chosen).
+    outputs: Vec<u32>,
     /// How far past their modelled time earlier steps' sleeps ran (see [`Overshoot`]).
     overshoot: Overshoot,
 }
@@ -101,23 +100,31 @@ impl Overshoot {
 }
 
 impl SimBackend {
-    /// `vocab` is the model's; `span` (at most `vocab`) the ids outputs are drawn from;
-    /// `kv` the cache's shape (its memory is allocated, zeroed, and resident once written).
+    /// `vocab` is the model's; `outputs` the ids outputs are drawn from (each below
+    /// `vocab`); `kv` the cache's shape (its memory is allocated, zeroed, and resident once
+    /// written).
     pub fn new(
         timing: SimTiming,
         kv: KvSpec,
         num_blocks: usize,
         vocab: usize,
-        span: usize,
-        avoid: Vec<u32>,
+        outputs: Vec<u32>,
     ) -> Result<SimBackend> {
-        let span = span.clamp(1, vocab.max(1)) as u32;
+        if outputs.is_empty() {
+            return Err(EngineError::Backend(
+                "the sim backend needs at least one token id to emit".into(),
+            ));
+        }
+        if let Some(bad) = outputs.iter().find(|&&t| t as usize >= vocab) {
+            return Err(EngineError::Backend(format!(
+                "the sim backend was given token id {bad} to emit, outside the vocabulary of {vocab}"
+            )));
+        }
         Ok(SimBackend {
             timing,
             kv: Arc::new(HostKvPool::new(kv, num_blocks)?),
             vocab,
-            avoid,
-            span,
+            outputs,
             overshoot: Overshoot::default(),
         })
     }
@@ -127,14 +134,7 @@ impl SimBackend {
         let mut z = (last as u64) << 32 | pos as u64;
         z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
         z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        let mut t = ((z ^ (z >> 31)) % self.span as u64) as u32;
-        for _ in 0..self.span {
-            if !self.avoid.contains(&t) {
-                break;
-            }
-            t = (t + 1) % self.span;
-        }
-        t
+        self.outputs[((z ^ (z >> 31)) % self.outputs.len() as u64) as usize]
     }
 
     /// Sleeps the step's modelled time, split evenly over the layers when `kv_ready` wants
@@ -279,7 +279,7 @@ mod tests {
     }
 
     #[test]
-    fn tokens_are_deterministic_and_skip_special_ids() {
+    fn tokens_are_deterministic_and_drawn_from_the_outputs() {
         let spec = KvSpec {
             num_layers: 2,
             block_size: 4,
@@ -287,13 +287,20 @@ mod tests {
             head_dim: 8,
             dtype: crate::kv_pool::KvDtype::Bf16,
         };
-        let b = SimBackend::new(SimTiming::zero(), spec, 8, 120, 100, vec![0, 1, 2, 3]).unwrap();
+        let b =
+            SimBackend::new(SimTiming::zero(), spec.clone(), 8, 120, (4..100).collect()).unwrap();
+        let mut seen = std::collections::HashSet::new();
         for last in 0..50 {
             for pos in 0..50 {
                 let t = b.next_token(last, pos);
                 assert_eq!(t, b.next_token(last, pos));
                 assert!((4..100).contains(&t), "{t}");
+                seen.insert(t);
             }
         }
+        // Spread over the whole list, not stuck on a few ids.
+        assert!(seen.len() > 80, "{}", seen.len());
+        assert!(SimBackend::new(SimTiming::zero(), spec.clone(), 8, 120, vec![]).is_err());
+        assert!(SimBackend::new(SimTiming::zero(), spec, 8, 120, vec![5, 120]).is_err());
     }
 }

@@ -20,7 +20,14 @@ fn engine(max_num_batched_tokens: usize) -> EngineHandle {
         head_dim: 4,
         dtype: KvDtype::Bf16,
     };
-    let backend = SimBackend::new(SimTiming::zero(), spec, BLOCKS, VOCAB, VOCAB, vec![]).unwrap();
+    let backend = SimBackend::new(
+        SimTiming::zero(),
+        spec,
+        BLOCKS,
+        VOCAB,
+        (0..VOCAB as u32).collect(),
+    )
+    .unwrap();
     spawn(
         Box::new(backend),
         EngineConfig {
@@ -278,7 +285,14 @@ impl Staged {
             head_dim: 4,
             dtype: KvDtype::Bf16,
         };
-        let inner = SimBackend::new(SimTiming::zero(), spec, BLOCKS, VOCAB, VOCAB, vec![]).unwrap();
+        let inner = SimBackend::new(
+            SimTiming::zero(),
+            spec,
+            BLOCKS,
+            VOCAB,
+            (0..VOCAB as u32).collect(),
+        )
+        .unwrap();
         let pool = inner.host_kv().unwrap();
         Staged { inner, pool }
     }
