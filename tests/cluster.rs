@@ -667,3 +667,46 @@ async fn sigterm_drains_workers_and_gateways_without_cutting_streams() {
     }
     wait_exit(&mut gw, 10);
 }
+
+/// A client that leaves mid-stream cancels its sequence on the worker: the router's
+/// forwarding runs inside the client's request and ends with it, and the worker sees its
+/// stream stopped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_leaves_mid_stream_cancels_its_sequence_on_the_worker() {
+    let etcd = Etcd::start();
+    let http = client();
+    let gw = Node::gateway(&etcd, "c8", "gw", "round-robin");
+    let w = Node::worker(&etcd, "c8", "w1", &["--sim-decode-ms", "20"]);
+    wait_for("the worker routable", 10, async || {
+        connected_workers(&http, &gw).await.len() == 1
+    })
+    .await;
+    let mut body = completion(400);
+    body["stream"] = json!(true);
+    let mut resp = http
+        .post(format!("{}/v1/completions", gw.http))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let mut got = 0;
+    while got < 3 {
+        if resp.chunk().await.unwrap().is_some() {
+            got += 1;
+        }
+    }
+    assert_eq!(
+        w.metric(&http, "kvmesh:num_requests_running").await,
+        1.0,
+        "the sequence runs on the worker"
+    );
+    drop(resp);
+    wait_for("the worker's sequence cancelled", 10, async || {
+        w.metric(&http, "kvmesh:num_requests_running").await == 0.0
+    })
+    .await;
+    let generated = w.metric(&http, "kvmesh:generation_tokens_total").await;
+    assert!(generated < 400.0, "generation ran on: {generated} tokens");
+    assert_eq!(w.metric(&http, "kvmesh:kv_cache_usage_perc").await, 0.0);
+}

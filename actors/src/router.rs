@@ -867,8 +867,13 @@ impl RouterCore {
             otel.status_code = Empty,
             otel.status_message = Empty,
         );
-        let task = tokio::spawn(self.clone().run(id, req, tx).instrument(span));
-        Ok(Submission::external(SeqId(id), rx, move || task.abort()))
+        // Run by the reader's own task as it awaits the events (no spawn, and no hand-off
+        // between tasks per token); dropping the submission cancels it.
+        Ok(Submission::driven(
+            SeqId(id),
+            rx,
+            self.clone().run(id, req, tx).instrument(span),
+        ))
     }
 
     /// Decides whether a request routed to `decode` is prefilled elsewhere, and where.

@@ -97,7 +97,7 @@ impl Generation {
         if self.done {
             return None;
         }
-        let event = self.sub.events.recv().await;
+        let event = self.sub.next_event().await;
         let now = Instant::now();
         // An engine reports a step's progress before the step's tokens.
         if let Some(ph) = &mut self.phases {

@@ -21,9 +21,12 @@ mod lease;
 mod transfer_tests;
 
 use std::collections::{HashMap, VecDeque};
+use std::future::Future;
 use std::ops::Range;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
+use std::task::Poll;
 use std::time::{Duration, Instant};
 
 use tokio::sync::{mpsc, oneshot};
@@ -322,6 +325,10 @@ pub struct Submission {
     /// The request's place in the engine's admission count, given back when it finishes or
     /// is dropped, whichever comes first.
     slot: Option<Slot>,
+    /// What produces the events when they come from elsewhere (a router forwarding a remote
+    /// worker's stream), polled by [`Submission::next_event`] in the reader's own task:
+    /// each event then reaches the reader with no hand-off between tasks.
+    driver: Option<Pin<Box<dyn Future<Output = ()> + Send>>>,
 }
 
 impl Submission {
@@ -329,6 +336,27 @@ impl Submission {
     pub fn finished(&mut self) {
         self.abort.armed = false;
         self.slot = None;
+    }
+
+    /// The next event; `None` once the producer is gone and every event was read. A driven
+    /// submission's producer runs only while this is awaited.
+    pub async fn next_event(&mut self) -> Option<SeqEvent> {
+        std::future::poll_fn(|cx| {
+            if let Poll::Ready(ev) = self.events.poll_recv(cx) {
+                return Poll::Ready(ev);
+            }
+            let Some(driver) = self.driver.as_mut() else {
+                return Poll::Pending;
+            };
+            if driver.as_mut().poll(cx).is_ready() {
+                // Done: what it sent is queued, and its sender is dropped, so the channel
+                // ends after those.
+                self.driver = None;
+            }
+            // What the driver just sent, without another round through the scheduler.
+            self.events.poll_recv(cx)
+        })
+        .await
     }
 }
 
@@ -348,7 +376,8 @@ enum AbortTarget {
         id: SeqId,
         tx: crossbeam_channel::Sender<Command>,
     },
-    External(Option<Box<dyn FnOnce() + Send>>),
+    /// Events from the submission's own driver: dropping the driver cancels it.
+    Driven,
 }
 
 struct AbortOnDrop {
@@ -365,32 +394,30 @@ impl Drop for AbortOnDrop {
             AbortTarget::Engine { id, tx } => {
                 let _ = tx.send(Command::Abort(*id));
             }
-            AbortTarget::External(f) => {
-                if let Some(f) = f.take() {
-                    f();
-                }
-            }
+            AbortTarget::Driven => {}
         }
     }
 }
 
 impl Submission {
-    /// A submission whose events come from elsewhere (a router forwarding a remote worker's
-    /// stream); `on_abort` runs if it is dropped before `finished()` is called.
-    pub fn external(
+    /// A submission whose events `driver` sends on `events` (a router forwarding a remote
+    /// worker's stream). The driver runs as [`Submission::next_event`] is awaited, and is
+    /// cancelled when the submission is dropped.
+    pub fn driven(
         id: SeqId,
         events: mpsc::UnboundedReceiver<SeqEvent>,
-        on_abort: impl FnOnce() + Send + 'static,
+        driver: impl Future<Output = ()> + Send + 'static,
     ) -> Submission {
         Submission {
             id,
             events,
             progress: mpsc::unbounded_channel().1,
             abort: AbortOnDrop {
-                target: AbortTarget::External(Some(Box::new(on_abort))),
-                armed: true,
+                target: AbortTarget::Driven,
+                armed: false,
             },
             slot: None,
+            driver: Some(Box::pin(driver)),
         }
     }
 }
@@ -527,6 +554,7 @@ impl EngineHandle {
                 armed: true,
             },
             slot: Some(slot),
+            driver: None,
         })
     }
 }
