@@ -12,6 +12,18 @@ use crate::kv_pool::{KvDtype, KvKind};
 const VOCAB: usize = 64;
 const BLOCKS: usize = 32;
 
+/// A sim backend that takes no time and may emit any id of the vocabulary.
+fn zero_cost_sim(spec: KvSpec) -> SimBackend {
+    SimBackend::new(
+        SimTiming::zero(),
+        spec,
+        BLOCKS,
+        VOCAB,
+        (0..VOCAB as u32).collect(),
+    )
+    .unwrap()
+}
+
 fn engine(max_num_batched_tokens: usize) -> EngineHandle {
     let spec = KvSpec {
         num_layers: 3,
@@ -20,14 +32,7 @@ fn engine(max_num_batched_tokens: usize) -> EngineHandle {
         head_dim: 4,
         dtype: KvDtype::Bf16,
     };
-    let backend = SimBackend::new(
-        SimTiming::zero(),
-        spec,
-        BLOCKS,
-        VOCAB,
-        (0..VOCAB as u32).collect(),
-    )
-    .unwrap();
+    let backend = zero_cost_sim(spec);
     spawn(
         Box::new(backend),
         EngineConfig {
@@ -285,14 +290,7 @@ impl Staged {
             head_dim: 4,
             dtype: KvDtype::Bf16,
         };
-        let inner = SimBackend::new(
-            SimTiming::zero(),
-            spec,
-            BLOCKS,
-            VOCAB,
-            (0..VOCAB as u32).collect(),
-        )
-        .unwrap();
+        let inner = zero_cost_sim(spec);
         let pool = inner.host_kv().unwrap();
         Staged { inner, pool }
     }
