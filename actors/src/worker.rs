@@ -278,14 +278,7 @@ impl WorkerCore {
             let ev = tokio::select! {
                 biased;
                 Some(p) = sub.progress.recv() => {
-                    match p {
-                        Progress::Scheduled { queued, cached_tokens } => {
-                            phases.scheduled(queued, cached_tokens)
-                        }
-                        Progress::Prefilled { tokens, upto, step } => {
-                            phases.prefilled(tokens, upto, step)
-                        }
-                    }
+                    progressed(&mut phases, p);
                     continue;
                 }
                 ev = sub.events.recv() => ev,
@@ -296,59 +289,36 @@ impl WorkerCore {
                     return;
                 }
             };
-            if let Some(SeqEvent::Token {
-                sampled,
-                finish,
-                cached_tokens,
-            }) = &ev
-            {
-                phases.token(sampled.token);
-                if let Some(f) = finish {
-                    span.record("finish", f.as_str());
-                    span.record("generated", phases.tokens());
-                    span.record("cached_tokens", *cached_tokens);
+            // Events already waiting go out with this one in a single write: one wake of the
+            // connection's driver and one send, not one per token, when the engine runs
+            // ahead of this task.
+            let mut out = Vec::new();
+            let mut ev = ev;
+            let last = loop {
+                let (msg, last) = to_wire(&mut phases, &span, ev);
+                if last {
+                    sub.finished();
                 }
-            }
-            if let Some(SeqEvent::Failed(m)) = &ev {
-                span.record("otel.status_code", "ERROR");
-                span.record("otel.status_message", m.as_str());
-            }
-            let (msg, last) = match ev {
-                Some(SeqEvent::Token {
-                    sampled,
-                    finish,
-                    cached_tokens,
-                }) => (
-                    TokenEvent::Token {
-                        token: sampled.token,
-                        logprob: sampled.logprob,
-                        top: sampled
-                            .top
-                            .iter()
-                            .map(|&(token, logprob)| TopLogprob { token, logprob })
-                            .collect(),
-                        finish: finish.map(|f| match f {
-                            FinishReason::Stop => Finish::Stop,
-                            FinishReason::Length => Finish::Length,
-                        }),
-                        cached_tokens: cached_tokens as u32,
-                    },
-                    finish.is_some(),
-                ),
-                Some(SeqEvent::Failed(m)) | Some(SeqEvent::Unavailable { message: m, .. }) => {
-                    (TokenEvent::Failed { message: m }, true)
+                match wire::frame(&msg) {
+                    Ok(f) => out.extend_from_slice(&f),
+                    Err(e) => {
+                        tracing::error!("could not encode a token event: {e}");
+                        return;
+                    }
                 }
-                None => (
-                    TokenEvent::Failed {
-                        message: "the worker's engine stopped".into(),
-                    },
-                    true,
-                ),
+                if last {
+                    break true;
+                }
+                // A step's progress comes before its tokens.
+                while let Ok(p) = sub.progress.try_recv() {
+                    progressed(&mut phases, p);
+                }
+                match sub.events.try_recv() {
+                    Ok(next) => ev = Some(next),
+                    Err(_) => break false,
+                }
             };
-            if last {
-                sub.finished();
-            }
-            if wire::write_msg(&mut send, &msg).await.is_err() {
+            if send.write_all(&out).await.is_err() {
                 return; // the router is gone; dropping `sub` aborts the sequence
             }
             if last {
@@ -356,6 +326,70 @@ impl WorkerCore {
                 return;
             }
         }
+    }
+}
+
+fn progressed(phases: &mut Phases, p: Progress) {
+    match p {
+        Progress::Scheduled {
+            queued,
+            cached_tokens,
+        } => phases.scheduled(queued, cached_tokens),
+        Progress::Prefilled { tokens, upto, step } => phases.prefilled(tokens, upto, step),
+    }
+}
+
+/// An engine event as the router is sent it, and whether it is the last; the request's
+/// spans record it on the way.
+fn to_wire(phases: &mut Phases, span: &tracing::Span, ev: Option<SeqEvent>) -> (TokenEvent, bool) {
+    if let Some(SeqEvent::Token {
+        sampled,
+        finish,
+        cached_tokens,
+    }) = &ev
+    {
+        phases.token(sampled.token);
+        if let Some(f) = finish {
+            span.record("finish", f.as_str());
+            span.record("generated", phases.tokens());
+            span.record("cached_tokens", *cached_tokens);
+        }
+    }
+    if let Some(SeqEvent::Failed(m)) = &ev {
+        span.record("otel.status_code", "ERROR");
+        span.record("otel.status_message", m.as_str());
+    }
+    match ev {
+        Some(SeqEvent::Token {
+            sampled,
+            finish,
+            cached_tokens,
+        }) => (
+            TokenEvent::Token {
+                token: sampled.token,
+                logprob: sampled.logprob,
+                top: sampled
+                    .top
+                    .iter()
+                    .map(|&(token, logprob)| TopLogprob { token, logprob })
+                    .collect(),
+                finish: finish.map(|f| match f {
+                    FinishReason::Stop => Finish::Stop,
+                    FinishReason::Length => Finish::Length,
+                }),
+                cached_tokens: cached_tokens as u32,
+            },
+            finish.is_some(),
+        ),
+        Some(SeqEvent::Failed(m)) | Some(SeqEvent::Unavailable { message: m, .. }) => {
+            (TokenEvent::Failed { message: m }, true)
+        }
+        None => (
+            TokenEvent::Failed {
+                message: "the worker's engine stopped".into(),
+            },
+            true,
+        ),
     }
 }
 
