@@ -95,8 +95,9 @@ pub struct NodeArgs {
     /// ends with an error event. 0 turns migration off.
     #[arg(long, default_value_t = 3)]
     pub migration_limit: u32,
-    /// Router, prefix policy: a cache hit may not send a request to a worker whose
-    /// least-loaded cost is more than (1 + this) times the lowest.
+    /// Router, prefix policy: a cache hit may not send a request to a worker whose backlog
+    /// (the time a request spends there apart from computing its own prompt) is more than
+    /// (1 + this) times the lowest.
     #[arg(long, default_value_t = PrefixTuning::default().max_imbalance)]
     pub prefix_max_imbalance: f64,
     /// Decode: how KV arrives from prefill nodes: quic (streams on the node's QUIC

@@ -19,10 +19,13 @@
 //! - `prefix`: KV-aware: least-loaded's cost with only the prompt's uncached part to
 //!   compute. What a worker caches comes from the worker itself (the router's
 //!   [`KvIndex`](crate::kv_index::KvIndex), fed by every worker's store and evict events).
-//!   A cache hit may not unbalance the cluster past a bound: workers whose share
-//!   (`(load + 1) / capacity`) exceeds the lowest by more than `max_imbalance`
+//!   A cache hit may not unbalance the cluster past a bound, measured in time like the
+//!   cost: a worker's backlog is what the request would spend there apart from computing
+//!   its own prompt (the prompts queued ahead, its decode in that batch, the wait for a
+//!   slot). Workers whose backlog exceeds the lowest by more than `max_imbalance`
 //!   (relative), and that hold more than two requests beyond the least-loaded worker's,
-//!   are not candidates.
+//!   are not candidates. Requests alone do not count against a worker where batching
+//!   them is nearly free; queued prompts, slower steps and a full batch do.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::str::FromStr;
@@ -96,8 +99,10 @@ pub struct RequestShape {
 /// Tuning of the `prefix` policy.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct PrefixTuning {
-    /// A worker is a candidate only while its least-loaded cost is at most
-    /// `1 + max_imbalance` times the lowest among the workers.
+    /// A worker is a candidate only while its backlog (the expected time a request spends
+    /// there apart from computing its own prompt) is at most `1 + max_imbalance` times the
+    /// lowest among the workers (or it holds at most two requests more than the
+    /// least-loaded one).
     pub max_imbalance: f64,
 }
 
@@ -129,25 +134,30 @@ pub fn pick(
             argmin(cands, turn, |c| cost(policy, c, req), |_| true)
         }
         Policy::Prefix => {
-            let floor = cands.iter().map(share).fold(f64::INFINITY, f64::min);
+            let floor = cands
+                .iter()
+                .map(|c| backlog(c, req))
+                .fold(f64::INFINITY, f64::min);
             let bound = floor * (1.0 + tuning.max_imbalance.max(0.0));
             let fewest = cands.iter().map(|c| c.load).fold(f64::INFINITY, f64::min);
-            // Out only when unbalanced both relatively and by whole requests, so a worker
-            // not yet measured (its declared capacity) or a near-idle cluster is not split.
+            // Out only when unbalanced both relatively and by whole requests, so a near-idle
+            // cluster is not split over timing noise.
             argmin(
                 cands,
                 turn,
                 |c| cost(policy, c, req),
-                |c| share(c) <= bound || c.load <= fewest + IMBALANCE_SLACK,
+                |c| backlog(c, req) <= bound || c.load <= fewest + IMBALANCE_SLACK,
             )
         }
     }
 }
 
-/// A worker's share of the work: seconds for every sequence there to get one more token,
-/// were they served in turn. What the prefix policy's imbalance bound compares.
-fn share(c: &Candidate) -> f64 {
-    (c.load + 1.0) / c.capacity.max(1e-9)
+/// Seconds the request would spend on this worker apart from computing its own prompt:
+/// the prompts queued ahead of it, its decode in that batch, the wait for a slot. What the
+/// prefix policy's imbalance bound compares: it grows with the work a worker holds only as
+/// far as that work slows a newcomer there.
+fn backlog(c: &Candidate, req: RequestShape) -> f64 {
+    expected_time(c, 0.0, req.output_tokens.max(1) as f64)
 }
 
 /// The least a sequence is taken to add to a decode step, relative to the step's fixed
@@ -592,12 +602,13 @@ mod tests {
     #[test]
     fn prefix_hits_may_not_unbalance_the_cluster_past_the_bound() {
         // Every request shares a prefix only worker 1 holds; with slow prefill (100 tokens
-        // per second) the hit is worth 1.28 s, far more than any queue here.
+        // per second) the hit is worth 1.28 s. Each sequence adds 0.5 ms to a 10 ms step
+        // and slows the others as much: with n there, a request's 16 tokens take
+        // 16 * (10.5 + n) ms, so the hit outweighs up to 80 more requests.
         let share = |max_imbalance: f64| {
             let mut cs = vec![batched(0.0, 0), batched(0.0, 8)];
             for cand in cs.iter_mut() {
                 cand.prefill_rate = 100.0;
-                cand.step_per_seq = 0.0;
             }
             let tuning = PrefixTuning { max_imbalance };
             let mut counts = [0; 2];
@@ -610,12 +621,41 @@ mod tests {
         };
         // Unbounded, the holder takes everything.
         assert_eq!(share(1e9), [0, 60]);
-        // At most twice the other's cost: (load + 1) <= 2 (other + 1).
+        // Backlog at most twice the other's: 10.5 + n <= 2 (10.5 + m), n + m = 60.
         let [a, b] = share(1.0);
-        assert!((19..=21).contains(&a), "{a}/{b}");
-        // A stricter bound shares more evenly.
+        assert!((17..=18).contains(&a), "{a}/{b}");
+        // A stricter bound shares more evenly: 10.5 + n <= 1.2 (10.5 + m).
         let [a, b] = share(0.2);
-        assert!((26..=28).contains(&a), "{a}/{b}");
+        assert!((26..=27).contains(&a), "{a}/{b}");
+    }
+
+    #[test]
+    fn a_conversation_keeps_its_cache_where_batching_more_requests_is_cheap() {
+        // Slow prefill (100 tokens per second): the 128 cached tokens are worth 1.28 s,
+        // more than any wait below, so where the holder is left out it is the bound's doing.
+        let slow = |load: f64, cached: usize| Candidate {
+            prefill_rate: 100.0,
+            ..batched(load, cached)
+        };
+        // The holder runs six sequences, the other one: six times the requests, but a
+        // newcomer's 16 tokens take 264 ms there against 184 ms, well inside the bound.
+        let cs = vec![slow(1.0, 0), slow(6.0, 8)];
+        assert_eq!(pick_(Policy::Prefix, &cs, 0), Some(1));
+        // A full batch there (four at once; a slot frees as one of them ends) makes the
+        // newcomer's wait 0.65 s, past twice the other's.
+        let mut full = slow(12.0, 8);
+        full.max_running = 4.0;
+        let cs = vec![slow(1.0, 0), full];
+        assert_eq!(pick_(Policy::Prefix, &cs, 0), Some(0));
+        // So do prompts queued there: 50 tokens, 0.5 s.
+        let mut queued = slow(4.0, 8);
+        queued.queued_prompt_tokens = 50.0;
+        let cs = vec![slow(1.0, 0), queued.clone()];
+        assert_eq!(pick_(Policy::Prefix, &cs, 0), Some(0));
+        // Unbounded, both would keep the conversation.
+        let unbounded = PrefixTuning { max_imbalance: 1e9 };
+        let cs = vec![slow(1.0, 0), queued];
+        assert_eq!(pick(Policy::Prefix, &cs, SHAPE, 0, unbounded), Some(1));
     }
 
     #[test]
