@@ -710,3 +710,65 @@ async fn a_client_that_leaves_mid_stream_cancels_its_sequence_on_the_worker() {
     assert!(generated < 400.0, "generation ran on: {generated} tokens");
     assert_eq!(w.metric(&http, "kvmesh:kv_cache_usage_perc").await, 0.0);
 }
+
+/// A burst on a cluster where one worker has decoded and the others have not yet: the
+/// router costs the new ones like the measured one (its step fit, their queued prompts)
+/// until they stream a token, so the burst spreads instead of piling onto the one it knows.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_spreads_over_workers_the_router_has_not_heard_from_yet() {
+    let etcd = Etcd::start();
+    let http = client();
+    let gw = Node::gateway(&etcd, "c9", "gw", "least-loaded");
+    // Prompts cost 0.4 ms a token: a burst's first tokens come well after it is routed.
+    let slow_prefill = ["--sim-prefill-us-per-token", "400"];
+    let _ws: Vec<Node> = (0..4)
+        .map(|i| Node::worker(&etcd, "c9", &format!("w{i}"), &slow_prefill))
+        .collect();
+    wait_for("four workers routable", 10, async || {
+        connected_workers(&http, &gw).await.len() == 4
+    })
+    .await;
+    // One request: one worker decodes and reports its prompt rate and step fit.
+    let (st, body) = post(&http, &gw.http, completion(8)).await;
+    assert_eq!(st, 200, "{body}");
+    wait_for("the first worker's speeds reported", 10, async || {
+        let s = status(&http, &gw).await;
+        s["router"]["workers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|w| w["prompt_tokens_per_s"].as_f64() > Some(0.0))
+    })
+    .await;
+    let before = routed(&http, &gw).await;
+    // 16 requests at once, each a different passage of about 150 tokens (60 ms of prefill).
+    let lines: Vec<&str> = include_str!("../data/tinyshakespeare.txt")
+        .lines()
+        .filter(|l| l.len() > 30)
+        .take(400)
+        .collect();
+    let reqs = (0..16).map(|i| {
+        let prompt = lines[i * 20..i * 20 + 8].join(" ");
+        let (http, base) = (http.clone(), gw.http.clone());
+        async move {
+            post(
+                &http,
+                &base,
+                json!({"model": "shakespeare", "prompt": prompt, "max_tokens": 8,
+                       "temperature": 0, "ignore_eos": true}),
+            )
+            .await
+        }
+    });
+    for (st, body) in futures::future::join_all(reqs).await {
+        assert_eq!(st, 200, "{body}");
+    }
+    let after = routed(&http, &gw).await;
+    let burst: Vec<u64> = after.iter().map(|(id, n)| n - before[id]).collect();
+    println!("burst split {burst:?} (before it: {before:?})");
+    assert_eq!(burst.iter().sum::<u64>(), 16);
+    assert!(
+        burst.iter().all(|&n| (3..=5).contains(&n)),
+        "the burst piled up: {burst:?}"
+    );
+}

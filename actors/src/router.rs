@@ -97,8 +97,8 @@ struct PickState {
     outstanding: AtomicI64,
     /// Uncached prompt tokens of requests this router sent there with no first token yet.
     queued_prompt: AtomicI64,
-    /// This router has sent it a request.
-    routed_once: AtomicBool,
+    /// A token from it has reached this router: from then on its reports measure it.
+    streamed: AtomicBool,
     /// Its last report's speeds, as a pick wants them.
     speed: AtomicSpeeds,
 }
@@ -292,7 +292,7 @@ impl WorkerLink {
         let own = self.hot.outstanding.load(Ordering::Relaxed).max(0);
         ReportedSpeed {
             load: (own + sp.others) as f64,
-            fresh: !self.hot.routed_once.load(Ordering::Relaxed),
+            fresh: !self.hot.streamed.load(Ordering::Relaxed),
             capacity: sp.capacity,
             prompt_rate: (sp.prompt_rate > 0.0).then_some(sp.prompt_rate),
             step_base: sp.step_base,
@@ -310,7 +310,7 @@ impl WorkerLink {
 struct ReportedSpeed {
     /// As [`WorkerLink::load`] reads it.
     load: f64,
-    /// This router has not sent it a request yet.
+    /// No token from it has reached this router yet: nothing it reported measures it.
     fresh: bool,
     capacity: f64,
     prompt_rate: Option<f64>,
@@ -328,11 +328,14 @@ impl ReportedSpeed {
 
 /// What a pick assumes of workers that have not measured themselves yet: no faster than
 /// the slowest that has, so being new never makes a cache miss or a busy node look cheap.
-/// The prompt rate is the lowest measured one. A worker this router has not sent a
-/// request yet also takes the slowest decode step fit (at a one-sequence batch): a worker
+/// The prompt rate is the lowest measured one. A worker that has not streamed this router
+/// a token yet also takes the slowest decode step fit (at a one-sequence batch): a worker
 /// measured on a busy machine is thus compared with the same machine, not with a
-/// declaration. With nothing measured anywhere, the prompt rate stays unknown and the
-/// step at the declared rate.
+/// declaration. That holds while its first requests are still in prefill too: in a burst,
+/// the workers just sent their first requests are costed like the one that has decoded,
+/// by their queued prompts and batches, not by a declared rate that makes each request
+/// there look several times dearer. With nothing measured anywhere, the prompt rate stays
+/// unknown and the step at the declared rate.
 fn assume_for_unmeasured(speeds: &mut [ReportedSpeed]) {
     let prompt_rate = speeds.iter().filter_map(|s| s.prompt_rate).reduce(f64::min);
     let step = speeds
@@ -341,9 +344,9 @@ fn assume_for_unmeasured(speeds: &mut [ReportedSpeed]) {
         .map(|s| (s.step_base, s.step_per_seq))
         .reduce(|a, b| if b.0 + b.1 > a.0 + a.1 { b } else { a });
     for s in speeds.iter_mut() {
-        // Only a worker never sent a request borrows a step fit. One that has served but
-        // has no fit (a saturated worker may run no pure decode step for long) keeps
-        // being costed by its own measured per-sequence rate, which weighs its load.
+        // Only a worker that has not streamed a token borrows a step fit. One that has
+        // served but has no fit (a saturated worker may run no pure decode step for long)
+        // keeps being costed by its own measured per-sequence rate, which weighs its load.
         let fresh = s.fresh && !s.step_measured();
         s.prompt_rate = s.prompt_rate.or(prompt_rate);
         if let (true, Some((base, per_seq))) = (fresh, step) {
@@ -775,7 +778,7 @@ impl RouterCore {
                     max_model_len: rec.max_model_len,
                     outstanding: AtomicI64::new(0),
                     queued_prompt: AtomicI64::new(0),
-                    routed_once: AtomicBool::new(false),
+                    streamed: AtomicBool::new(false),
                     speed: AtomicSpeeds::new(Speeds::of(None, rec.capacity_tokens_per_s)),
                 },
                 report: Mutex::new(None),
@@ -1211,9 +1214,6 @@ impl RouterCore {
             );
             tried.insert(link.record.node_id.clone());
             link.routed.fetch_add(1, Ordering::Relaxed);
-            if !link.hot.routed_once.load(Ordering::Relaxed) {
-                link.hot.routed_once.store(true, Ordering::Relaxed);
-            }
             self.stats.routed.fetch_add(1, Ordering::Relaxed);
             let mut wire = wire_req.clone();
             if !sent.tokens.is_empty() {
@@ -1635,6 +1635,9 @@ async fn stream_from(
                 queued.take();
                 if tokens == 1 {
                     sent.attempt_cached = cached_tokens as usize;
+                    if !link.hot.streamed.load(Ordering::Relaxed) {
+                        link.hot.streamed.store(true, Ordering::Relaxed);
+                    }
                 }
                 sent.tokens.push(token);
                 let cached_tokens = *sent.cached_tokens.get_or_insert(cached_tokens as usize);
