@@ -175,10 +175,12 @@ async fn heterogeneous(http: &reqwest::Client, quick: bool) -> Value {
         // The last run has the fastest node alone: what this machine reaches with every
         // request there (the gateway, the load generator and the worker share its CPUs).
         let fastest = mix.speeds.iter().copied().fold(0.0, f64::max);
+        // `prefix` too: these prompts share no block, so it should match least-loaded.
         for policy in [
             "round-robin",
             "least-loaded",
             "power-of-two",
+            "prefix",
             "fastest-alone",
         ] {
             let etcd = Etcd::start();
@@ -214,7 +216,7 @@ async fn heterogeneous(http: &reqwest::Client, quick: bool) -> Value {
             "\n== heterogeneous {}: sim workers, {n} requests x 64 tokens, concurrency {concurrency} ==",
             mix.name
         );
-        let alone = &rows[3];
+        let alone = rows.last().unwrap();
         println!(
             "   best split the timing model allows: {ideal:.0} tok/s ({:.2}x round-robin's steady state); \
              the fastest node alone reaches {:.0} here ({:.0} steady, {:.2}x)",
