@@ -274,6 +274,7 @@ impl WorkerCore {
         // Queue, prefill (chunk by chunk) and decode as spans, for a sampled request whose
         // prompt is computed here.
         let mut phases = Phases::new(&span, !remote, req.prompt.len());
+        let mut out = Vec::new();
         loop {
             let ev = tokio::select! {
                 biased;
@@ -292,19 +293,16 @@ impl WorkerCore {
             // Events already waiting go out with this one in a single write: one wake of the
             // connection's driver and one send, not one per token, when the engine runs
             // ahead of this task.
-            let mut out = Vec::new();
+            out.clear();
             let mut ev = ev;
             let last = loop {
                 let (msg, last) = to_wire(&mut phases, &span, ev);
                 if last {
                     sub.finished();
                 }
-                match wire::frame(&msg) {
-                    Ok(f) => out.extend_from_slice(&f),
-                    Err(e) => {
-                        tracing::error!("could not encode a token event: {e}");
-                        return;
-                    }
+                if let Err(e) = wire::frame_into(&msg, &mut out) {
+                    tracing::error!("could not encode a token event: {e}");
+                    return;
                 }
                 if last {
                     break true;

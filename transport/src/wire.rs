@@ -203,11 +203,28 @@ where
         >,
     >,
 {
-    let body = encode(msg)?;
-    let mut frame = Vec::with_capacity(4 + body.len());
-    frame.extend_from_slice(&(body.len() as u32).to_le_bytes());
-    frame.extend_from_slice(&body);
+    let mut frame = Vec::new();
+    frame_into(msg, &mut frame)?;
     Ok(frame)
+}
+
+/// As [`frame`], appended to `out`: several frames written with one call, with no buffer
+/// of their own each.
+pub fn frame_into<T>(msg: &T, out: &mut Vec<u8>) -> Result<(), TransportError>
+where
+    T: for<'a> rkyv::Serialize<
+        rkyv::api::high::HighSerializer<
+            AlignedVec,
+            rkyv::ser::allocator::ArenaHandle<'a>,
+            rancor::Error,
+        >,
+    >,
+{
+    let body = encode(msg)?;
+    out.reserve(4 + body.len());
+    out.extend_from_slice(&(body.len() as u32).to_le_bytes());
+    out.extend_from_slice(&body);
+    Ok(())
 }
 
 /// Reads one frame from any byte stream (TCP, or a QUIC stream through tokio's traits);
