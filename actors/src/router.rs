@@ -280,6 +280,13 @@ impl WorkerLink {
         self.record.has_role("prefill")
     }
 
+    /// A prefill node a decode worker may be sent to: connected, and it has reported its
+    /// queue and KV room (the first report follows the connection at once). Until then its
+    /// room is unknown, and a pick would take it as full.
+    fn prefill_ready(&self) -> bool {
+        self.prefills() && self.available() && self.report.lock().is_some()
+    }
+
     /// Prompt tokens per second it computes, once measured.
     pub fn prompt_rate(&self) -> Option<f64> {
         self.pick_inputs().prompt_rate
@@ -891,8 +898,7 @@ impl RouterCore {
             .workers()
             .into_iter()
             .filter(|w| {
-                w.prefills()
-                    && w.available()
+                w.prefill_ready()
                     && w.record.kv_layout.is_some()
                     && w.record.kv_layout == decode.record.kv_layout
             })
@@ -1428,9 +1434,9 @@ impl RouterCore {
         );
         let _ = writeln!(
             out,
-            "# HELP kvmesh:router_prefill_workers_connected Prefill nodes connected, available to decode nodes.\n\
+            "# HELP kvmesh:router_prefill_workers_connected Prefill nodes connected and reporting, available to decode nodes.\n\
              # TYPE kvmesh:router_prefill_workers_connected gauge\nkvmesh:router_prefill_workers_connected {}",
-            workers.iter().filter(|w| w.available() && w.prefills()).count()
+            workers.iter().filter(|w| w.prefill_ready()).count()
         );
         let _ = writeln!(out, "# TYPE kvmesh:prefill_routed_total counter");
         for w in workers.iter().filter(|w| w.prefills()) {
