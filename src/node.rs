@@ -98,7 +98,8 @@ pub struct NodeArgs {
     /// Router, prefix policy: a cache hit may not send a request to a worker whose backlog
     /// (the time a request spends there apart from computing its own prompt) is more than
     /// (1 + this) times the lowest.
-    #[arg(long, default_value_t = PrefixTuning::default().max_imbalance)]
+    /// `inf` lifts the bound.
+    #[arg(long, value_parser = imbalance, default_value_t = PrefixTuning::default().max_imbalance)]
     pub prefix_max_imbalance: f64,
     /// Decode: how KV arrives from prefill nodes: quic (streams on the node's QUIC
     /// connection) or tcp (plain TCP to --kv-listen, for trusted networks).
@@ -322,6 +323,18 @@ fn render_restarts(o: &mut String, restarts: &RoleRestarts) {
             role.as_str(),
             restarts.get(role)
         );
+    }
+}
+
+/// `--prefix-max-imbalance`: a relative bound, 0 or more (`inf`: none). A negative or NaN
+/// value would silently become "no imbalance allowed", so it is refused.
+fn imbalance(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v >= 0.0 => Ok(v),
+        _ => Err(format!(
+            "`{s}` is not a relative imbalance (0 or more, e.g. 1.0 for twice the lowest \
+             backlog; inf for no bound)"
+        )),
     }
 }
 

@@ -126,3 +126,27 @@ fn asking_for_a_device_that_is_not_there_is_a_clear_error() {
     assert!(!ok);
     assert!(out.contains("CUDA"), "{out}");
 }
+
+#[test]
+fn a_routing_bound_that_would_change_the_routing_silently_is_refused() {
+    // A negative or NaN bound would act as "no imbalance allowed"; clap refuses it before
+    // anything starts (no etcd is needed to get this far).
+    for bad in ["-1", "NaN", "lots"] {
+        let flag = format!("--prefix-max-imbalance={bad}");
+        let (ok, out) = kvmesh(&[
+            "node",
+            "--etcd",
+            "http://127.0.0.1:9",
+            "--roles",
+            "gateway,router",
+            "--policy",
+            "prefix",
+            &flag,
+        ]);
+        assert!(!ok, "{bad} accepted: {out}");
+        assert!(
+            out.contains("--prefix-max-imbalance") && out.contains("relative imbalance"),
+            "{bad}: {out}"
+        );
+    }
+}

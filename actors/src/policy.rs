@@ -138,7 +138,12 @@ pub fn pick(
                 .iter()
                 .map(|c| backlog(c, req))
                 .fold(f64::INFINITY, f64::min);
-            let bound = floor * (1.0 + tuning.max_imbalance.max(0.0));
+            // An infinite bound is none (also where the lowest backlog is 0).
+            let bound = if tuning.max_imbalance.is_finite() {
+                floor * (1.0 + tuning.max_imbalance.max(0.0))
+            } else {
+                f64::INFINITY
+            };
             let fewest = cands.iter().map(|c| c.load).fold(f64::INFINITY, f64::min);
             // Out only when unbalanced both relatively and by whole requests, so a near-idle
             // cluster is not split over timing noise.
@@ -621,6 +626,7 @@ mod tests {
         };
         // Unbounded, the holder takes everything.
         assert_eq!(share(1e9), [0, 60]);
+        assert_eq!(share(f64::INFINITY), [0, 60]);
         // Backlog at most twice the other's: 10.5 + n <= 2 (10.5 + m), n + m = 60.
         let [a, b] = share(1.0);
         assert!((17..=18).contains(&a), "{a}/{b}");
