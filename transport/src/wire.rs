@@ -152,16 +152,33 @@ pub struct PrefillLoad {
     pub tokens_per_s: f32,
 }
 
-/// Serializes a message to its frame payload.
-pub fn encode<T>(msg: &T) -> Result<AlignedVec, TransportError>
-where
+/// What goes on the wire: any type rkyv archives with its default serializer.
+pub trait Encode:
+    for<'a> rkyv::Serialize<
+    rkyv::api::high::HighSerializer<
+        AlignedVec,
+        rkyv::ser::allocator::ArenaHandle<'a>,
+        rancor::Error,
+    >,
+>
+{
+}
+
+impl<T> Encode for T where
     T: for<'a> rkyv::Serialize<
         rkyv::api::high::HighSerializer<
             AlignedVec,
             rkyv::ser::allocator::ArenaHandle<'a>,
             rancor::Error,
         >,
-    >,
+    >
+{
+}
+
+/// Serializes a message to its frame payload.
+pub fn encode<T>(msg: &T) -> Result<AlignedVec, TransportError>
+where
+    T: Encode,
 {
     rkyv::to_bytes::<rancor::Error>(msg).map_err(|e| TransportError::Codec(e.to_string()))
 }
@@ -179,13 +196,7 @@ where
 /// Writes one message as a frame.
 pub async fn write_msg<T>(send: &mut quinn::SendStream, msg: &T) -> Result<(), TransportError>
 where
-    T: for<'a> rkyv::Serialize<
-        rkyv::api::high::HighSerializer<
-            AlignedVec,
-            rkyv::ser::allocator::ArenaHandle<'a>,
-            rancor::Error,
-        >,
-    >,
+    T: Encode,
 {
     send.write_all(&frame(msg)?)
         .await
@@ -195,13 +206,7 @@ where
 /// A message as a frame: its length, then its archive.
 pub fn frame<T>(msg: &T) -> Result<Vec<u8>, TransportError>
 where
-    T: for<'a> rkyv::Serialize<
-        rkyv::api::high::HighSerializer<
-            AlignedVec,
-            rkyv::ser::allocator::ArenaHandle<'a>,
-            rancor::Error,
-        >,
-    >,
+    T: Encode,
 {
     let mut frame = Vec::new();
     frame_into(msg, &mut frame)?;
@@ -212,13 +217,7 @@ where
 /// of their own each.
 pub fn frame_into<T>(msg: &T, out: &mut Vec<u8>) -> Result<(), TransportError>
 where
-    T: for<'a> rkyv::Serialize<
-        rkyv::api::high::HighSerializer<
-            AlignedVec,
-            rkyv::ser::allocator::ArenaHandle<'a>,
-            rancor::Error,
-        >,
-    >,
+    T: Encode,
 {
     let body = encode(msg)?;
     out.reserve(4 + body.len());
