@@ -37,7 +37,7 @@ use kvmesh_actors::router::{DisaggConfig, RouterConfig};
 use kvmesh_actors::{
     CoreRole, NodeMsg, NodeRoles, Policy, Role, RoleRestarts, RouterCore, Serving, WorkerCore,
 };
-use kvmesh_discovery::{EtcdRegistry, NodeRecord, Registry};
+use kvmesh_discovery::{EtcdRegistry, Membership, NodeRecord, Registry};
 use kvmesh_gateway::error::ApiError;
 use kvmesh_gateway::{AppState, Dispatch, ServedModel};
 use kvmesh_gpu::engine::{Request, Submission};
@@ -862,8 +862,14 @@ pub fn run(args: NodeArgs) -> anyhow::Result<()> {
                 endpoint.clone(),
             )
         });
+        // The router dials the members it is shown. A member checks a dialling router's
+        // certificate against the records it has seen, so the router is shown none until
+        // this node's own record has come back through the registry's watch: the others'
+        // watches have it by then too, and the first dial is not refused.
+        let (router_members_tx, router_members) =
+            tokio::sync::watch::channel(Membership::default());
         let supervisor = kvmesh_actors::supervisor::start(NodeRoles {
-            router: router.clone().map(|r| (r, members.clone())),
+            router: router.clone().map(|r| (r, router_members)),
             serving: serving.clone(),
             generate: generate_core.clone(),
             prefill: prefill_core.clone(),
@@ -875,6 +881,23 @@ pub fn run(args: NodeArgs) -> anyhow::Result<()> {
             tokio::spawn(crate::serve::log_throughput(e.handle.clone()));
         }
         let registration = registry.register(record.clone()).await?;
+        {
+            let mut members = members.clone();
+            let me = node_id.clone();
+            tokio::spawn(async move {
+                let mut listed = false;
+                loop {
+                    let m = members.borrow_and_update().clone();
+                    listed = listed || m.contains_key(&me);
+                    if listed && router_members_tx.send(m).is_err() {
+                        return;
+                    }
+                    if members.changed().await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
         let mut replicas = Vec::with_capacity(args.replicas - 1);
         let model = if args.replicas > 1 {
             Some(crate::serve::load_model(&args.engine)?)
