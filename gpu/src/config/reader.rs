@@ -36,26 +36,14 @@ pub(super) fn shown(v: &Value) -> String {
     }
 }
 
+/// The refusal of a value of the wrong type, naming the field as `name`.
+pub(super) fn mistyped(name: &str, v: &Value, expected: &str) -> EngineError {
+    bad(format!("`{name}` is {}; expected {expected}", shown(v)))
+}
+
 /// Reads typed fields from the top-level object, naming the field on a type error.
 pub(super) struct Fields<'a> {
     pub(super) obj: &'a Map<String, Value>,
-}
-
-/// A typed read of `obj[k]` (`null` counts as absent); a value of another type is an error
-/// that names the field as `name` and says what was expected.
-pub(super) fn typed<'v, T>(
-    obj: &'v Map<String, Value>,
-    name: &str,
-    k: &str,
-    conv: impl Fn(&'v Value) -> Option<T>,
-    expected: &str,
-) -> Result<Option<T>> {
-    match obj.get(k).filter(|v| !v.is_null()) {
-        None => Ok(None),
-        Some(v) => conv(v)
-            .map(Some)
-            .ok_or_else(|| bad(format!("`{name}` is {}; expected {expected}", shown(v)))),
-    }
 }
 
 impl<'a> Fields<'a> {
@@ -64,9 +52,23 @@ impl<'a> Fields<'a> {
         self.obj.get(k).filter(|v| !v.is_null())
     }
 
+    /// A typed read of field `k` (`null` counts as absent); a value of another type is an
+    /// error that says what was expected.
+    fn typed<T>(
+        &self,
+        k: &str,
+        conv: impl Fn(&'a Value) -> Option<T>,
+        expected: &str,
+    ) -> Result<Option<T>> {
+        match self.get(k) {
+            None => Ok(None),
+            Some(v) => conv(v).map(Some).ok_or_else(|| mistyped(k, v, expected)),
+        }
+    }
+
     pub(super) fn usize(&self, k: &str) -> Result<Option<usize>> {
         let int = |v: &Value| v.as_u64().map(|x| x as usize);
-        typed(self.obj, k, k, int, "a non-negative integer")
+        self.typed(k, int, "a non-negative integer")
     }
 
     pub(super) fn need(&self, k: &str) -> Result<usize> {
@@ -74,15 +76,15 @@ impl<'a> Fields<'a> {
     }
 
     pub(super) fn f64(&self, k: &str) -> Result<Option<f64>> {
-        typed(self.obj, k, k, Value::as_f64, "a number")
+        self.typed(k, Value::as_f64, "a number")
     }
 
     pub(super) fn bool(&self, k: &str) -> Result<Option<bool>> {
-        typed(self.obj, k, k, Value::as_bool, "true or false")
+        self.typed(k, Value::as_bool, "true or false")
     }
 
     pub(super) fn str(&self, k: &str) -> Result<Option<&'a str>> {
-        typed(self.obj, k, k, Value::as_str, "a string")
+        self.typed(k, Value::as_str, "a string")
     }
 }
 

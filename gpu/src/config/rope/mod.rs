@@ -1,10 +1,12 @@
 //! Rotary position embeddings: the settings as resolved from `config.json`, how they are
-//! read (`read`), and the frequencies they give (`freq`).
+//! read (a typed pass in `typed`, then kvmesh's own refusals in `read`), and the
+//! frequencies they give (`freq`).
 
 mod freq;
 mod read;
 #[cfg(test)]
 mod tests;
+mod typed;
 
 pub(super) use read::read_rope;
 

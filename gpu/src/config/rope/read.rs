@@ -1,275 +1,280 @@
-//! Reading the RoPE settings from either of transformers' layouts, refusing what kvmesh
-//! does not implement.
+//! kvmesh's refusal pass over the typed RoPE settings: the two layouts contradicting each
+//! other, a type kvmesh does not implement, a parameter of another type, a missing or
+//! out-of-range one, a nested per-layer dict, RoPE on part of a head. What passes is
+//! resolved to a [`Rope`], with transformers' defaults filled in.
 
-use serde_json::{Map, Value};
-
-use super::{Rope, RopeLayout, RopeScaling};
-use crate::config::reader::{bad, shown, typed, Fields};
+use super::typed::{Param, RopeParams, RopeSource, RopeType, TypeName, SHARED_PARAMS};
+use super::{Rope, RopeScaling};
+use crate::config::reader::{bad, shown, Fields};
 use crate::error::Result;
 
-/// The numbers a RoPE dict may hold, read with the dict's name in messages.
-struct RopeDict<'a> {
-    name: &'static str,
-    obj: &'a Map<String, Value>,
-}
+/// transformers' default theta for every family kvmesh runs.
+const DEFAULT_THETA: f64 = 10_000.0;
 
-impl RopeDict<'_> {
-    fn f64(&self, k: &str) -> Result<Option<f64>> {
-        typed(
-            self.obj,
-            &format!("{}.{k}", self.name),
-            k,
-            Value::as_f64,
-            "a number",
-        )
-    }
-
-    fn need(&self, k: &str, kind: &str) -> Result<f64> {
-        self.f64(k)?.ok_or_else(|| {
-            bad(format!(
-                "`{}` is rope type `{kind}` but has no `{k}`, which that type requires",
-                self.name
-            ))
-        })
-    }
-
-    fn factor(&self, kind: &str) -> Result<f64> {
-        let f = self.need("factor", kind)?;
-        if !(f >= 1.0 && f.is_finite()) {
-            return Err(bad(format!(
-                "`{}.factor` is {f}; rope type `{kind}` needs a factor of 1 or more",
-                self.name
-            )));
-        }
-        Ok(f)
-    }
-}
-
-/// Reads the RoPE settings from either layout. `top_original` is a top-level
-/// `original_max_position_embeddings`, which transformers lets override the dict's.
+/// Reads the RoPE settings from either layout. `max_pos` is the model's
+/// `max_position_embeddings`, the default for `original_max_position_embeddings`.
 pub(in crate::config) fn read_rope(f: &Fields, max_pos: usize) -> Result<Rope> {
-    let params = f.get("rope_parameters");
-    let legacy = f.get("rope_scaling");
     let top_theta = f.f64("rope_theta")?;
-    let (name, dict, layout) = match (params, legacy) {
-        (Some(p), Some(l)) => {
+    let src = RopeSource::select(f, top_theta.is_some())?;
+    let d = Dict {
+        name: src.name,
+        p: src.params()?,
+        f,
+        max_pos,
+    };
+    refuse_nested(&src)?;
+    let theta = d.theta(top_theta)?;
+    let type_name = d.type_name()?;
+    d.refuse_partial_rotary()?;
+    let kind = match type_name {
+        TypeName::Known(kind) => kind,
+        TypeName::Other(other) => {
             return Err(bad(format!(
-                "both `rope_parameters` ({}) and the legacy `rope_scaling` ({}) are set; \
-                 transformers would take rope_scaling and drop rope_parameters, which is rarely \
-                 what was meant. Keep one: move rope_scaling's fields into rope_parameters",
-                shown(p),
-                shown(l)
-            )))
-        }
-        (Some(p), None) => ("rope_parameters", Some(p), RopeLayout::Parameters),
-        (None, Some(l)) => ("rope_scaling", Some(l), RopeLayout::Legacy),
-        (None, None) if top_theta.is_some() => ("rope_scaling", None, RopeLayout::Legacy),
-        (None, None) => ("rope_parameters", None, RopeLayout::Absent),
-    };
-    let empty = Map::new();
-    let obj = match dict {
-        None => &empty,
-        Some(Value::Object(o)) => o,
-        Some(v) => {
-            return Err(bad(format!("`{name}` is {}; expected an object", shown(v))));
-        }
-    };
-    let d = RopeDict { name, obj };
-
-    // Per-layer-type RoPE (a dict of dicts keyed by layer type) belongs to other families.
-    if let Some((k, _)) = obj.iter().find(|(_, v)| v.is_object()) {
-        return Err(bad(format!(
-            "`{name}.{k}` is a nested RoPE dict (RoPE per layer type); the families kvmesh runs \
-             use one RoPE for every layer"
-        )));
-    }
-
-    let theta = match (d.f64("rope_theta")?, top_theta) {
-        (Some(a), Some(b)) if a != b => {
-            return Err(bad(format!(
-                "`{name}.rope_theta` is {a} but the top-level `rope_theta` is {b}; make them agree"
-            )))
-        }
-        (Some(a), _) | (None, Some(a)) => a,
-        // transformers' default theta for every family kvmesh runs.
-        (None, None) => 10_000.0,
-    };
-    if !(theta > 1.0 && theta.is_finite()) {
-        return Err(bad(format!(
-            "`rope_theta` is {theta}; expected a number above 1"
-        )));
-    }
-
-    let kind_key = |k: &str| typed(obj, &format!("{name}.{k}"), k, Value::as_str, "a string");
-    let kind = match (kind_key("rope_type")?, kind_key("type")?) {
-        (Some(a), Some(b)) if a != b => {
-            return Err(bad(format!(
-                "`{name}.rope_type` is {a:?} but `{name}.type` is {b:?}; make them agree"
-            )))
-        }
-        (Some(a), _) | (None, Some(a)) => a,
-        (None, None) => "default",
-    };
-
-    let k = "partial_rotary_factor";
-    let partial = match (d.f64(k)?, f.f64(k)?) {
-        (Some(a), _) | (None, Some(a)) => a,
-        (None, None) => 1.0,
-    };
-    if partial != 1.0 {
-        return Err(bad(format!(
-            "`partial_rotary_factor` is {partial}: RoPE on part of each head is not how \
-             Llama, Qwen2, Qwen3 or Mistral models work, and kvmesh rotates whole heads"
-        )));
-    }
-
-    let allowed: &[&str] = match kind {
-        "default" => &[],
-        "linear" | "dynamic" => &["factor"],
-        "llama3" => &[
-            "factor",
-            "low_freq_factor",
-            "high_freq_factor",
-            "original_max_position_embeddings",
-        ],
-        "yarn" => &[
-            "factor",
-            "original_max_position_embeddings",
-            "attention_factor",
-            "beta_fast",
-            "beta_slow",
-            "mscale",
-            "mscale_all_dim",
-            "truncate",
-        ],
-        other => {
-            return Err(bad(format!(
-                "`{name}` has rope type {other:?}, which kvmesh does not implement; supported: \
-                 default, linear, dynamic, llama3, yarn"
+                "`{}` has rope type {other:?}, which kvmesh does not implement; supported: \
+                 default, linear, dynamic, llama3, yarn",
+                d.name
             )))
         }
     };
-    for (k, v) in obj {
-        let common = ["rope_type", "type", "rope_theta", "partial_rotary_factor"];
-        if !common.contains(&k.as_str()) && !allowed.contains(&k.as_str()) && !v.is_null() {
-            return Err(bad(format!(
-                "`{name}.{k}` = {} is not a parameter of rope type `{kind}` (it takes: {}); \
-                 kvmesh will not guess what it means",
-                shown(v),
-                if allowed.is_empty() {
-                    "rope_theta only".to_string()
-                } else {
-                    allowed.join(", ")
-                }
-            )));
-        }
-    }
-
-    // transformers lets a top-level `original_max_position_embeddings` override the dict's.
-    let original = || -> Result<f64> {
-        match (
-            d.f64("original_max_position_embeddings")?,
-            f.f64("original_max_position_embeddings")?,
-        ) {
-            (Some(a), Some(b)) if a != b => Err(bad(format!(
-                "`{name}.original_max_position_embeddings` is {a} but the top-level one is {b}; \
-                 make them agree"
-            ))),
-            (Some(a), _) | (None, Some(a)) => Ok(a),
-            (None, None) => Ok(max_pos as f64),
-        }
-    };
-
+    refuse_foreign(&src, kind)?;
     let scaling = match kind {
-        "default" => RopeScaling::Default,
-        "linear" => RopeScaling::Linear {
+        RopeType::Default => RopeScaling::Default,
+        RopeType::Linear => RopeScaling::Linear {
             factor: d.factor(kind)?,
         },
-        "dynamic" => RopeScaling::Dynamic {
+        RopeType::Dynamic => RopeScaling::Dynamic {
             factor: d.factor(kind)?,
         },
-        "llama3" => {
-            let s = RopeScaling::Llama3 {
-                factor: d.factor(kind)?,
-                low_freq_factor: d.need("low_freq_factor", kind)?,
-                high_freq_factor: d.need("high_freq_factor", kind)?,
-                original_max_position_embeddings: original()?,
-            };
-            if let RopeScaling::Llama3 {
-                low_freq_factor: lo,
-                high_freq_factor: hi,
-                ..
-            } = s
-            {
-                if hi <= lo || lo <= 0.0 {
-                    return Err(bad(format!(
-                        "`{name}`: llama3 needs 0 < low_freq_factor < high_freq_factor, got {lo} and {hi}"
-                    )));
-                }
-            }
-            s
-        }
-        "yarn" => {
-            let orig = original()?;
-            if orig < 1.0 {
-                return Err(bad(format!(
-                    "`{name}.original_max_position_embeddings` is {orig}; expected a positive length"
-                )));
-            }
-            // An explicit null factor means "the ratio of the context lengths", as in
-            // transformers; an absent one is an error there and here.
-            let factor = if d.obj.get("factor").is_some_and(Value::is_null) {
-                max_pos as f64 / orig
-            } else {
-                d.factor(kind)?
-            };
-            let mscale = |scale: f64, m: f64| {
-                if scale <= 1.0 {
-                    1.0
-                } else {
-                    0.1 * m * scale.ln() + 1.0
-                }
-            };
-            let attention_factor = match d.f64("attention_factor")? {
-                Some(a) if a > 0.0 => a,
-                Some(a) => {
-                    return Err(bad(format!(
-                        "`{name}.attention_factor` is {a}; expected a positive number"
-                    )))
-                }
-                None => match (d.f64("mscale")?, d.f64("mscale_all_dim")?) {
-                    (Some(m), Some(a)) if m != 0.0 && a != 0.0 => {
-                        mscale(factor, m) / mscale(factor, a)
-                    }
-                    _ => mscale(factor, 1.0),
-                },
-            };
-            // transformers reads `beta_fast or 32`, so 0 also means the default.
-            let beta = |k: &str, dflt: f64| -> Result<f64> {
-                Ok(d.f64(k)?.filter(|&b| b != 0.0).unwrap_or(dflt))
-            };
-            let truncate = typed(
-                obj,
-                &format!("{name}.truncate"),
-                "truncate",
-                Value::as_bool,
-                "true or false",
-            )?
-            .unwrap_or(true);
-            RopeScaling::Yarn {
-                factor,
-                original_max_position_embeddings: orig,
-                beta_fast: beta("beta_fast", 32.0)?,
-                beta_slow: beta("beta_slow", 1.0)?,
-                attention_factor,
-                truncate,
-            }
-        }
-        _ => unreachable!("checked above"),
+        RopeType::Llama3 => d.llama3()?,
+        RopeType::Yarn => d.yarn()?,
     };
     Ok(Rope {
         theta,
         scaling,
-        layout,
+        layout: src.layout,
     })
+}
+
+/// Per-layer-type RoPE (a dict of dicts keyed by layer type) belongs to other families.
+fn refuse_nested(src: &RopeSource) -> Result<()> {
+    match src.entries().find(|(_, v)| v.is_object()) {
+        Some((k, _)) => Err(bad(format!(
+            "`{}.{k}` is a nested RoPE dict (RoPE per layer type); the families kvmesh runs \
+             use one RoPE for every layer",
+            src.name
+        ))),
+        None => Ok(()),
+    }
+}
+
+/// A parameter set (not null) that `kind` does not take: kvmesh will not guess its meaning.
+fn refuse_foreign(src: &RopeSource, kind: RopeType) -> Result<()> {
+    let takes = kind.params();
+    let foreign = src.entries().find(|(k, v)| {
+        !SHARED_PARAMS.contains(&k.as_str()) && !takes.contains(&k.as_str()) && !v.is_null()
+    });
+    match foreign {
+        Some((k, v)) => Err(bad(format!(
+            "`{}.{k}` = {} is not a parameter of rope type `{}` (it takes: {}); \
+             kvmesh will not guess what it means",
+            src.name,
+            shown(v),
+            kind.name(),
+            if takes.is_empty() {
+                "rope_theta only".to_string()
+            } else {
+                takes.join(", ")
+            }
+        ))),
+        None => Ok(()),
+    }
+}
+
+/// The typed dict, with what its checks need to name and default things.
+struct Dict<'a> {
+    /// The dict's name in messages: `rope_parameters` or `rope_scaling`.
+    name: &'static str,
+    p: RopeParams,
+    /// The top level, which may repeat some of the dict's settings.
+    f: &'a Fields<'a>,
+    max_pos: usize,
+}
+
+impl Dict<'_> {
+    fn num(&self, key: &str, p: &Param<f64>) -> Result<Option<f64>> {
+        p.read(self.name, key)
+    }
+
+    /// The dict's theta, or the top-level one; both given must agree.
+    fn theta(&self, top_theta: Option<f64>) -> Result<f64> {
+        let name = self.name;
+        let theta = match (self.num("rope_theta", &self.p.rope_theta)?, top_theta) {
+            (Some(a), Some(b)) if a != b => {
+                return Err(bad(format!(
+                "`{name}.rope_theta` is {a} but the top-level `rope_theta` is {b}; make them agree"
+            )))
+            }
+            (Some(a), _) | (None, Some(a)) => a,
+            (None, None) => DEFAULT_THETA,
+        };
+        if !(theta > 1.0 && theta.is_finite()) {
+            return Err(bad(format!(
+                "`rope_theta` is {theta}; expected a number above 1"
+            )));
+        }
+        Ok(theta)
+    }
+
+    /// The type, under `rope_type` or the legacy `type`; both given must agree.
+    fn type_name(&self) -> Result<TypeName> {
+        let name = self.name;
+        let current = self.p.rope_type.read(name, "rope_type")?;
+        let legacy = self.p.legacy_type.read(name, "type")?;
+        match (current, legacy) {
+            (Some(a), Some(b)) if a != b => Err(bad(format!(
+                "`{name}.rope_type` is {:?} but `{name}.type` is {:?}; make them agree",
+                a.as_str(),
+                b.as_str()
+            ))),
+            (Some(a), _) | (None, Some(a)) => Ok(a),
+            (None, None) => Ok(TypeName::Known(RopeType::Default)),
+        }
+    }
+
+    /// kvmesh rotates whole heads, so `partial_rotary_factor` (in the dict or at the top
+    /// level, the dict's first) must be 1.
+    fn refuse_partial_rotary(&self) -> Result<()> {
+        let k = "partial_rotary_factor";
+        let partial = match (self.num(k, &self.p.partial_rotary_factor)?, self.f.f64(k)?) {
+            (Some(a), _) | (None, Some(a)) => a,
+            (None, None) => 1.0,
+        };
+        if partial != 1.0 {
+            return Err(bad(format!(
+                "`partial_rotary_factor` is {partial}: RoPE on part of each head is not how \
+                 Llama, Qwen2, Qwen3 or Mistral models work, and kvmesh rotates whole heads"
+            )));
+        }
+        Ok(())
+    }
+
+    /// A parameter `kind` cannot do without.
+    fn need(&self, key: &str, p: &Param<f64>, kind: RopeType) -> Result<f64> {
+        self.num(key, p)?.ok_or_else(|| {
+            bad(format!(
+                "`{}` is rope type `{}` but has no `{key}`, which that type requires",
+                self.name,
+                kind.name()
+            ))
+        })
+    }
+
+    /// `factor`, which stretches positions and so cannot be below 1.
+    fn factor(&self, kind: RopeType) -> Result<f64> {
+        let f = self.need("factor", &self.p.factor, kind)?;
+        if !(f >= 1.0 && f.is_finite()) {
+            return Err(bad(format!(
+                "`{}.factor` is {f}; rope type `{}` needs a factor of 1 or more",
+                self.name,
+                kind.name()
+            )));
+        }
+        Ok(f)
+    }
+
+    /// The context length the model was trained on. transformers lets a top-level
+    /// `original_max_position_embeddings` override the dict's; both given must agree.
+    fn original(&self) -> Result<f64> {
+        let k = "original_max_position_embeddings";
+        match (
+            self.num(k, &self.p.original_max_position_embeddings)?,
+            self.f.f64(k)?,
+        ) {
+            (Some(a), Some(b)) if a != b => Err(bad(format!(
+                "`{}.original_max_position_embeddings` is {a} but the top-level one is {b}; \
+                 make them agree",
+                self.name
+            ))),
+            (Some(a), _) | (None, Some(a)) => Ok(a),
+            (None, None) => Ok(self.max_pos as f64),
+        }
+    }
+
+    fn llama3(&self) -> Result<RopeScaling> {
+        let kind = RopeType::Llama3;
+        let factor = self.factor(kind)?;
+        let lo = self.need("low_freq_factor", &self.p.low_freq_factor, kind)?;
+        let hi = self.need("high_freq_factor", &self.p.high_freq_factor, kind)?;
+        let original_max_position_embeddings = self.original()?;
+        if hi <= lo || lo <= 0.0 {
+            return Err(bad(format!(
+                "`{}`: llama3 needs 0 < low_freq_factor < high_freq_factor, got {lo} and {hi}",
+                self.name
+            )));
+        }
+        Ok(RopeScaling::Llama3 {
+            factor,
+            low_freq_factor: lo,
+            high_freq_factor: hi,
+            original_max_position_embeddings,
+        })
+    }
+
+    fn yarn(&self) -> Result<RopeScaling> {
+        let orig = self.original()?;
+        if orig < 1.0 {
+            return Err(bad(format!(
+                "`{}.original_max_position_embeddings` is {orig}; expected a positive length",
+                self.name
+            )));
+        }
+        // An explicit null factor means "the ratio of the context lengths", as in
+        // transformers; an absent one is an error there and here.
+        let factor = match self.p.factor {
+            Param::Null => self.max_pos as f64 / orig,
+            _ => self.factor(RopeType::Yarn)?,
+        };
+        let attention_factor = self.yarn_attention_factor(factor)?;
+        let truncate = self.p.truncate.read(self.name, "truncate")?.unwrap_or(true);
+        // transformers reads `beta_fast or 32`, so 0 also means the default.
+        let beta = |k: &str, p: &Param<f64>, dflt: f64| -> Result<f64> {
+            Ok(self.num(k, p)?.filter(|&b| b != 0.0).unwrap_or(dflt))
+        };
+        Ok(RopeScaling::Yarn {
+            factor,
+            original_max_position_embeddings: orig,
+            beta_fast: beta("beta_fast", &self.p.beta_fast, 32.0)?,
+            beta_slow: beta("beta_slow", &self.p.beta_slow, 1.0)?,
+            attention_factor,
+            truncate,
+        })
+    }
+
+    /// yarn's factor on cos and sin: the config's own, or the one `factor` and the
+    /// DeepSeek-style `mscale` / `mscale_all_dim` imply.
+    fn yarn_attention_factor(&self, factor: f64) -> Result<f64> {
+        let mscale = |scale: f64, m: f64| {
+            if scale <= 1.0 {
+                1.0
+            } else {
+                0.1 * m * scale.ln() + 1.0
+            }
+        };
+        match self.num("attention_factor", &self.p.attention_factor)? {
+            Some(a) if a > 0.0 => Ok(a),
+            Some(a) => Err(bad(format!(
+                "`{}.attention_factor` is {a}; expected a positive number",
+                self.name
+            ))),
+            None => match (
+                self.num("mscale", &self.p.mscale)?,
+                self.num("mscale_all_dim", &self.p.mscale_all_dim)?,
+            ) {
+                (Some(m), Some(a)) if m != 0.0 && a != 0.0 => {
+                    Ok(mscale(factor, m) / mscale(factor, a))
+                }
+                _ => Ok(mscale(factor, 1.0)),
+            },
+        }
+    }
 }
