@@ -1,6 +1,7 @@
 //! The typed first pass over the RoPE settings: which of transformers' layouts holds them,
-//! and the dict's entries read into types. Only the shape of the dict is refused here; what
-//! the entries mean together, and whether kvmesh implements it, is for `read`.
+//! and the dict's entries read into types. Only the shape is refused here (both layouts at
+//! once, a dict that is not an object); what the entries mean together, and whether kvmesh
+//! implements it, is for `read`.
 //!
 //! Entries are not refused while they are deserialized: a value of the wrong type is kept
 //! as it stood (`Param::Mistyped`), so that the refusal can name the field and show the
