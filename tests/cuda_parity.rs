@@ -200,7 +200,7 @@ fn run_engine(be: Box<dyn Backend>, vocab: usize, reqs: Vec<Request>) -> Vec<Vec
                             return out;
                         }
                     }
-                    Some(SeqEvent::Failed(e)) | Some(SeqEvent::Unavailable { message: e, .. }) => {
+                    Some(SeqEvent::Failed(e)) => {
                         panic!("engine failed a request: {e}")
                     }
                     None => panic!("event stream closed after {out:?}"),

@@ -425,7 +425,7 @@ fn drain(ctx: &str, mut sub: engine::Submission, new_tokens: usize) -> (Vec<u32>
                     out.len()
                 );
             }
-            Some(SeqEvent::Failed(e)) | Some(SeqEvent::Unavailable { message: e, .. }) => {
+            Some(SeqEvent::Failed(e)) => {
                 panic!("{ctx}: the engine failed the request: {e}")
             }
             None => panic!("{ctx}: the event stream closed after {out:?}"),

@@ -2,15 +2,20 @@
 //! holders, so a prefix-aware router finds every worker's leading cache hits for a prompt by
 //! walking the prompt's blocks once, in time proportional to those blocks and their holders,
 //! instead of asking each worker's own set. What it answers is exactly what one
-//! [`KvView`](crate::policy::KvView) per worker would: blocks a worker reported storing, plus
+//! `KvView` per worker (its test oracle) would: blocks a worker reported storing, plus
 //! those of prompts just sent there, pending until reported or until [`PENDING_FOR`] passes.
 
 use std::collections::hash_map::{Entry, RandomState};
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::hash::{BuildHasher, Hasher};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
-use crate::policy::PENDING_FOR;
+#[cfg(test)]
+mod oracle;
+
+/// How long blocks of a prompt sent to a worker count as held there before the worker
+/// says so: the time a request may queue and prefill.
+pub const PENDING_FOR: Duration = Duration::from_secs(5);
 
 /// Pending hashes remembered per worker at most (the oldest go first).
 pub const MAX_PENDING_PER_WORKER: usize = 65_536;
@@ -324,8 +329,8 @@ impl KvIndex {
 
 #[cfg(test)]
 mod tests {
+    use super::oracle::KvView;
     use super::*;
-    use crate::policy::KvView;
     use std::time::Duration;
 
     /// A tiny deterministic PRNG.

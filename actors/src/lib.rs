@@ -2,16 +2,17 @@
 //! worker (a local engine served over QUIC), each a ractor actor under the node supervisor.
 //! Control and lifecycle go through the actors; tokens go through channels and streams.
 
-pub mod disagg;
+pub mod convert;
 pub mod kv_index;
 pub mod policy;
 pub mod router;
 pub mod supervisor;
 pub mod worker;
 
+pub use kvmesh_discovery::Role;
 pub use policy::Policy;
 pub use router::{RouteError, RouterCore};
-pub use supervisor::{NodeMsg, NodeRoles, Role, RoleRestarts};
-pub use worker::{CoreRole, Serving, WorkerCore};
+pub use supervisor::{NodeMsg, NodeRoles, RoleRestarts};
+pub use worker::{Serving, WorkerCore};
 
 pub use ractor::ActorRef;

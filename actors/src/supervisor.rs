@@ -10,46 +10,13 @@ use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use kvmesh_discovery::Membership;
+use kvmesh_discovery::{Membership, Role};
 use ractor::{Actor, ActorCell, ActorProcessingErr, ActorRef, SupervisionEvent};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use crate::router::RouterCore;
-use crate::worker::{CoreRole, Serving, WorkerCore};
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
-pub enum Role {
-    Router,
-    Worker,
-    Prefill,
-    Decode,
-}
-
-impl Role {
-    pub const ALL: [Role; 4] = [Role::Router, Role::Worker, Role::Prefill, Role::Decode];
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Role::Router => "router",
-            Role::Worker => "worker",
-            Role::Prefill => "prefill",
-            Role::Decode => "decode",
-        }
-    }
-
-    pub fn parse(s: &str) -> Option<Role> {
-        Role::ALL.into_iter().find(|r| r.as_str() == s)
-    }
-
-    fn of(core: CoreRole) -> Role {
-        match core {
-            CoreRole::Worker => Role::Worker,
-            CoreRole::Prefill => Role::Prefill,
-            CoreRole::Decode => Role::Decode,
-        }
-    }
-}
+use crate::worker::{Serving, WorkerCore};
 
 /// Messages a role actor takes.
 pub enum RoleMsg {
@@ -61,7 +28,7 @@ pub enum RoleMsg {
 /// Restart counts per role, read by the node's metrics.
 #[derive(Default)]
 pub struct RoleRestarts {
-    counts: [AtomicU64; 4],
+    counts: [AtomicU64; Role::ALL.len()],
 }
 
 impl RoleRestarts {
@@ -200,7 +167,7 @@ impl NodeRoles {
         [&self.generate, &self.prefill]
             .into_iter()
             .flatten()
-            .find(|c| Role::of(c.role) == role)
+            .find(|c| c.role == role)
             .cloned()
     }
 }

@@ -221,7 +221,11 @@ impl EtcdRegistry {
                 Some(r) => format!(
                     "QUIC {}, roles {}, started at unix ms {}",
                     r.quic_addr,
-                    r.roles.join(","),
+                    r.roles
+                        .iter()
+                        .map(|r| r.as_str())
+                        .collect::<Vec<_>>()
+                        .join(","),
                     r.started_unix_ms
                 ),
                 None => "an unreadable record".into(),

@@ -18,11 +18,13 @@ use std::sync::Arc;
 
 mod embedded;
 mod etcd;
+mod role;
 pub mod testing;
 
 pub use async_trait::async_trait;
 pub use embedded::EmbeddedRegistry;
 pub use etcd::EtcdRegistry;
+pub use role::Role;
 
 /// The lease TTL, in seconds, that `kvmesh` uses unless told otherwise.
 pub const DEFAULT_TTL_SECS: i64 = 3;
@@ -32,8 +34,8 @@ pub const DEFAULT_TTL_SECS: i64 = 3;
 pub struct NodeRecord {
     pub node_id: String,
     pub cluster: String,
-    /// "gateway", "router", "worker".
-    pub roles: Vec<String>,
+    /// Any of gateway, router, worker, prefill, decode.
+    pub roles: Vec<Role>,
     /// "127.0.0.1:7001".
     pub quic_addr: String,
     /// The gateway's OpenAI base URL, or a worker's status/metrics URL.
@@ -67,8 +69,8 @@ pub struct NodeRecord {
 
 impl NodeRecord {
     /// Whether the record lists `role` among its roles.
-    pub fn has_role(&self, role: &str) -> bool {
-        self.roles.iter().any(|r| r == role)
+    pub fn has_role(&self, role: Role) -> bool {
+        self.roles.contains(&role)
     }
 }
 
@@ -236,7 +238,7 @@ pub(crate) fn test_record(cluster: &str, node_id: &str) -> NodeRecord {
     NodeRecord {
         node_id: node_id.to_string(),
         cluster: cluster.to_string(),
-        roles: vec!["worker".into()],
+        roles: vec![Role::Worker],
         quic_addr: "127.0.0.1:7001".into(),
         http_url: Some("http://127.0.0.1:8001".into()),
         model: "tiny".into(),
@@ -281,7 +283,7 @@ mod tests {
         let r = test_record("c", "n");
         let json = serde_json::to_string(&r).unwrap();
         assert_eq!(serde_json::from_str::<NodeRecord>(&json).unwrap(), r);
-        assert!(r.has_role("worker") && !r.has_role("gateway"));
+        assert!(r.has_role(Role::Worker) && !r.has_role(Role::Gateway));
     }
 
     #[test]

@@ -23,7 +23,7 @@ fn record(cluster: &str, node_id: &str) -> NodeRecord {
     NodeRecord {
         node_id: node_id.to_string(),
         cluster: cluster.to_string(),
-        roles: vec!["worker".into()],
+        roles: vec![kvmesh_discovery::Role::Worker],
         quic_addr: "127.0.0.1:7001".into(),
         http_url: Some("http://127.0.0.1:8001".into()),
         model: "tiny".into(),

@@ -1,15 +1,19 @@
 //! Where a gateway sends token ids: an engine in this process (`kvmesh serve`), or a router
 //! in front of workers on other nodes (`kvmesh node --roles gateway,router`). Either way the
-//! answer is a `Submission` of token events, and dropping it cancels the request.
+//! answer is a [`Reply`] of token events, and dropping it cancels the request.
 
-use kvmesh_gpu::engine::{EngineHandle, Request, Submission};
+use std::future::Future;
+use std::pin::Pin;
+use std::task::Poll;
+
+use kvmesh_gpu::engine::{EngineHandle, Progress, Request, SeqEvent, Submission};
+use tokio::sync::mpsc;
 
 use crate::error::ApiError;
-use crate::metrics::render_engine;
 
 pub trait Dispatch: Send + Sync + 'static {
     /// Queues a request, or says why it cannot be (bad input, full queue, no worker).
-    fn submit(&self, req: Request) -> Result<Submission, ApiError>;
+    fn submit(&self, req: Request) -> Result<Reply, ApiError>;
     /// The longest prompt + completion accepted, in tokens; `None` while nothing can serve.
     fn max_model_len(&self) -> Option<usize>;
     /// Prometheus lines about the engine or the workers behind this gateway.
@@ -27,8 +31,10 @@ pub trait Dispatch: Send + Sync + 'static {
 }
 
 impl Dispatch for EngineHandle {
-    fn submit(&self, req: Request) -> Result<Submission, ApiError> {
-        EngineHandle::submit(self, req).map_err(ApiError::from)
+    fn submit(&self, req: Request) -> Result<Reply, ApiError> {
+        EngineHandle::submit(self, req)
+            .map(Reply::Local)
+            .map_err(ApiError::from)
     }
 
     fn max_model_len(&self) -> Option<usize> {
@@ -36,7 +42,7 @@ impl Dispatch for EngineHandle {
     }
 
     fn render_metrics(&self, out: &mut String, model: &str) {
-        render_engine(out, model, self)
+        crate::metrics::render_engine(out, model, self)
     }
 
     fn is_local(&self) -> bool {
@@ -45,5 +51,112 @@ impl Dispatch for EngineHandle {
 
     fn vocab_size(&self) -> Option<usize> {
         Some(self.info.vocab_size)
+    }
+}
+
+/// Why a routed request found no worker.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Unavailable {
+    /// Every worker's queue is full (HTTP 429, as on one node).
+    QueueFull,
+    /// No worker is there, or none could take it in time (HTTP 503).
+    NoWorker,
+    /// Its worker was lost before anything reached the client, and no other could
+    /// continue it (HTTP 502).
+    WorkerLost,
+}
+
+/// What a dispatched request produces: an engine's events, or a router's word that no
+/// worker could take it (a client may retry later).
+#[derive(Debug)]
+pub enum Event {
+    Engine(SeqEvent),
+    Unavailable { message: String, why: Unavailable },
+}
+
+/// A dispatched request's events. Dropping it cancels the request.
+pub enum Reply {
+    /// From an engine in this process; its progress (queue, prefill) can be traced here.
+    Local(Submission),
+    /// Produced elsewhere (a router forwarding a remote worker's stream).
+    Driven(Driven),
+}
+
+/// Events a driver produces, run by the reader's own task as it awaits them (no spawned
+/// task, no hand-off between tasks per token); dropping it drops the driver, which cancels
+/// whatever the driver was doing.
+pub struct Driven {
+    /// The producer's id for the request (in response ids).
+    id: u64,
+    events: mpsc::UnboundedReceiver<Event>,
+    driver: Option<Pin<Box<dyn Future<Output = ()> + Send>>>,
+}
+
+impl Driven {
+    /// Events that `driver` sends on the channel `events` receives from, for the request
+    /// the producer knows as `id`.
+    pub fn new(
+        id: u64,
+        events: mpsc::UnboundedReceiver<Event>,
+        driver: impl Future<Output = ()> + Send + 'static,
+    ) -> Driven {
+        Driven {
+            id,
+            events,
+            driver: Some(Box::pin(driver)),
+        }
+    }
+
+    async fn next_event(&mut self) -> Option<Event> {
+        std::future::poll_fn(|cx| {
+            if let Poll::Ready(ev) = self.events.poll_recv(cx) {
+                return Poll::Ready(ev);
+            }
+            let Some(driver) = self.driver.as_mut() else {
+                return Poll::Pending;
+            };
+            if driver.as_mut().poll(cx).is_ready() {
+                // Done: what it sent is queued, and its sender is dropped, so the channel
+                // ends after those.
+                self.driver = None;
+            }
+            // What the driver just sent, without another round through the scheduler.
+            self.events.poll_recv(cx)
+        })
+        .await
+    }
+}
+
+impl Reply {
+    /// The request's id where it is produced (an engine's sequence, a router's request).
+    pub fn id(&self) -> u64 {
+        match self {
+            Reply::Local(sub) => sub.id.0,
+            Reply::Driven(d) => d.id,
+        }
+    }
+
+    /// The next event; `None` once the producer is gone and every event was read. A driven
+    /// reply's producer runs only while this is awaited.
+    pub async fn next_event(&mut self) -> Option<Event> {
+        match self {
+            Reply::Local(sub) => sub.events.recv().await.map(Event::Engine),
+            Reply::Driven(d) => d.next_event().await,
+        }
+    }
+
+    /// The request finished on its own: nothing to cancel when this is dropped.
+    pub fn finished(&mut self) {
+        if let Reply::Local(sub) = self {
+            sub.finished();
+        }
+    }
+
+    /// How an engine in this process is getting on with the request (none for others).
+    pub fn progress(&mut self) -> Option<&mut mpsc::UnboundedReceiver<Progress>> {
+        match self {
+            Reply::Local(sub) => Some(&mut sub.progress),
+            Reply::Driven(_) => None,
+        }
     }
 }

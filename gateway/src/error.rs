@@ -6,6 +6,8 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use kvmesh_gpu::EngineError;
 
+use crate::dispatch::Unavailable;
+
 #[derive(Debug, Clone)]
 pub struct ApiError {
     pub status: StatusCode,
@@ -55,9 +57,9 @@ impl ApiError {
         }
     }
 
-    /// A routed request no worker could take (see `kvmesh_gpu::engine::Unavailable`).
-    pub fn no_worker(why: kvmesh_gpu::engine::Unavailable, message: String) -> ApiError {
-        use kvmesh_gpu::engine::Unavailable as U;
+    /// A routed request no worker could take.
+    pub fn no_worker(why: Unavailable, message: String) -> ApiError {
+        use Unavailable as U;
         let (status, kind, code) = match why {
             U::QueueFull => (
                 StatusCode::TOO_MANY_REQUESTS,

@@ -4,10 +4,11 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use kvmesh_gpu::engine::{Progress, SeqEvent, Submission};
+use kvmesh_gpu::engine::{Progress, SeqEvent};
 use kvmesh_gpu::tokenizer::{TextStream, TextTokenizer};
 use kvmesh_telemetry::phases::Phases;
 
+use crate::dispatch::{Event, Reply};
 use crate::error::ApiError;
 use crate::metrics::Metrics;
 
@@ -38,7 +39,7 @@ impl Chunk {
 }
 
 pub struct Generation {
-    sub: Submission,
+    sub: Reply,
     /// The request's span: TTFT, token counts and the outcome are recorded on it; it ends
     /// when the generation is dropped (after the last chunk was streamed).
     span: tracing::Span,
@@ -67,7 +68,7 @@ impl Drop for Generation {
 
 impl Generation {
     pub fn new(
-        sub: Submission,
+        sub: Reply,
         prompt: &[u32],
         stops: Vec<String>,
         tok: Arc<TextTokenizer>,
@@ -100,8 +101,8 @@ impl Generation {
         let event = self.sub.next_event().await;
         let now = Instant::now();
         // An engine reports a step's progress before the step's tokens.
-        if let Some(ph) = &mut self.phases {
-            while let Ok(p) = self.sub.progress.try_recv() {
+        if let (Some(ph), Some(progress)) = (&mut self.phases, self.sub.progress()) {
+            while let Ok(p) = progress.try_recv() {
                 match p {
                     Progress::Scheduled {
                         queued,
@@ -118,21 +119,21 @@ impl Generation {
                     "the engine stopped before the request finished",
                 ))))
             }
-            Some(SeqEvent::Unavailable { message, why }) => {
+            Some(Event::Unavailable { message, why }) => {
                 self.done = true;
                 Some(Err(self.failed(ApiError::no_worker(why, message))))
             }
-            Some(SeqEvent::Failed(m)) => {
+            Some(Event::Engine(SeqEvent::Failed(m))) => {
                 self.done = true;
                 Some(Err(self.failed(ApiError::internal(format!(
                     "generation failed: {m}"
                 )))))
             }
-            Some(SeqEvent::Token {
+            Some(Event::Engine(SeqEvent::Token {
                 sampled,
                 finish,
                 cached_tokens,
-            }) => {
+            })) => {
                 match self.last {
                     None => {
                         let ttft = (now - self.start).as_secs_f64();

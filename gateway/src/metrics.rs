@@ -7,7 +7,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use kvmesh_gpu::engine::EngineHandle;
 
-use crate::Dispatch;
 use parking_lot::Mutex;
 
 pub struct Histogram {
@@ -89,10 +88,10 @@ impl Metrics {
         *self.finished.lock().entry(reason.to_string()).or_default() += 1;
     }
 
-    pub fn render(&self, model: &str, dispatch: &dyn Dispatch) -> String {
+    /// The gateway's own lines: request latencies, outcomes and HTTP status counts.
+    pub fn render(&self, model: &str) -> String {
         let mut o = String::new();
         let l = format!("model_name=\"{model}\"");
-        dispatch.render_metrics(&mut o, model);
         self.ttft.render(
             &mut o,
             "kvmesh:time_to_first_token_seconds",

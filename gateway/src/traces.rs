@@ -23,8 +23,6 @@ use serde::Deserialize;
 use serde_json::json;
 use tracing::Instrument;
 
-use crate::AppState;
-
 /// What the viewer reads: this node's store, and the other nodes' HTTP servers.
 pub struct Traces {
     pub store: Arc<SpanStore>,
@@ -123,12 +121,14 @@ pub async fn trace_request(req: Request, next: Next) -> Response {
     resp
 }
 
-pub fn routes() -> Router<Arc<AppState>> {
+/// The trace viewer's routes; without `traces` (tracing off) its API says so.
+pub fn routes<S: Clone + Send + Sync + 'static>(traces: Option<Arc<Traces>>) -> Router<S> {
     Router::new()
         .route("/traces", get(page))
         .route("/traces/api/recent", get(recent))
         .route("/traces/api/spans/{trace}", get(local_spans))
         .route("/traces/api/trace/{trace}", get(whole_trace))
+        .with_state(traces)
 }
 
 async fn page() -> Response {
@@ -154,8 +154,11 @@ struct RecentQuery {
     failed: Option<bool>,
 }
 
-async fn recent(State(st): State<Arc<AppState>>, Query(q): Query<RecentQuery>) -> Response {
-    let Some(t) = &st.traces else { return off() };
+async fn recent(
+    State(traces): State<Option<Arc<Traces>>>,
+    Query(q): Query<RecentQuery>,
+) -> Response {
+    let Some(t) = &traces else { return off() };
     let list: Vec<RequestSummary> = t.store.recent(
         q.limit.unwrap_or(100).min(1000),
         q.min_ms.unwrap_or(0.0),
@@ -170,8 +173,11 @@ fn valid_trace_id(id: &str) -> bool {
     id.len() == 32 && id.bytes().all(|b| b.is_ascii_hexdigit())
 }
 
-async fn local_spans(State(st): State<Arc<AppState>>, Path(trace): Path<String>) -> Response {
-    let Some(t) = &st.traces else { return off() };
+async fn local_spans(
+    State(traces): State<Option<Arc<Traces>>>,
+    Path(trace): Path<String>,
+) -> Response {
+    let Some(t) = &traces else { return off() };
     if !valid_trace_id(&trace) {
         return bad_id(&trace);
     }
@@ -186,8 +192,11 @@ fn bad_id(id: &str) -> Response {
         .into_response()
 }
 
-async fn whole_trace(State(st): State<Arc<AppState>>, Path(trace): Path<String>) -> Response {
-    let Some(t) = &st.traces else { return off() };
+async fn whole_trace(
+    State(traces): State<Option<Arc<Traces>>>,
+    Path(trace): Path<String>,
+) -> Response {
+    let Some(t) = &traces else { return off() };
     if !valid_trace_id(&trace) {
         return bad_id(&trace);
     }

@@ -15,7 +15,7 @@
 
 use std::sync::Arc;
 
-use super::{Command, SeqId};
+use super::request::SeqId;
 use crate::kv_cache::BlockId;
 use crate::kv_pool::{HostKvPool, KvSpec};
 use crate::sampler::Sampled;
@@ -30,14 +30,25 @@ struct LeaseInner {
     blocks: Vec<BlockId>,
     prompt_len: usize,
     from_pos: usize,
-    tx: crossbeam_channel::Sender<Command>,
+    notify: LeaseNotify,
 }
 
 impl Drop for LeaseInner {
     fn drop(&mut self) {
-        let _ = self.tx.send(Command::LeaseDropped(self.seq));
+        (self.notify)(LeaseEvent::Dropped(self.seq));
     }
 }
+
+/// What a lease tells its engine.
+pub(super) enum LeaseEvent {
+    /// A decode sequence's prompt KV has landed.
+    Landed { seq: SeqId, landed: Landed },
+    /// The last clone of a sequence's lease is gone.
+    Dropped(SeqId),
+}
+
+/// How a lease reaches its engine's thread.
+pub(super) type LeaseNotify = Arc<dyn Fn(LeaseEvent) + Send + Sync>;
 
 /// What a decode sequence continues from once its prompt's KV is in place.
 #[derive(Clone, Debug)]
@@ -70,7 +81,7 @@ impl KvLease {
         blocks: Vec<BlockId>,
         prompt_len: usize,
         from_pos: usize,
-        tx: crossbeam_channel::Sender<Command>,
+        notify: LeaseNotify,
     ) -> KvLease {
         KvLease(Arc::new(LeaseInner {
             seq,
@@ -78,7 +89,7 @@ impl KvLease {
             blocks,
             prompt_len,
             from_pos,
-            tx,
+            notify,
         }))
     }
 
@@ -112,8 +123,8 @@ impl KvLease {
     /// Decode side: every position from `from_pos` on has landed. The sequence decodes from
     /// `landed` once the last clone of the lease is gone.
     pub fn landed(self, landed: Landed) {
-        let _ = self.0.tx.send(Command::KvOutcome {
-            id: self.0.seq,
+        (self.0.notify)(LeaseEvent::Landed {
+            seq: self.0.seq,
             landed,
         });
     }

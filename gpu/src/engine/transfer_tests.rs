@@ -5,9 +5,15 @@
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
+use std::sync::Arc;
+
 use super::*;
 use crate::backend::sim::{SimBackend, SimTiming};
-use crate::kv_pool::{KvDtype, KvKind};
+use crate::backend::{Backend, ForwardBatch};
+use crate::error::{EngineError, Result};
+use crate::kv_cache::BlockId;
+use crate::kv_pool::{HostKvPool, KvDtype, KvKind, KvSpec};
+use crate::sampler::{Sampled, SamplingParams};
 
 const VOCAB: usize = 64;
 const BLOCKS: usize = 32;
@@ -72,7 +78,7 @@ fn tokens(sub: &mut Submission) -> Vec<u32> {
                     return out;
                 }
             }
-            SeqEvent::Failed(m) | SeqEvent::Unavailable { message: m, .. } => panic!("{m}"),
+            SeqEvent::Failed(m) => panic!("{m}"),
         }
     }
 }

@@ -8,7 +8,8 @@ use std::sync::Arc;
 
 use tokio::sync::oneshot;
 
-use super::{HostRegion, Kind, KvPiece, KvReceiver, KvSender, Landing, TransferTotals};
+use super::{HostRegion, Kind, KvReceiver, KvSender, Landing, TransferTotals};
+use crate::wire::KvPiece;
 use crate::TransportError;
 
 /// The decode side's half, handed to the sender: where pieces land.

@@ -4,22 +4,22 @@
 //! # The exchange
 //!
 //! 1. The decode worker reserves blocks for the whole prompt (its own prefix cache covers the
-//!    first `from_pos` positions), registers a transfer id, and sends a [`PrefillRequest`] on
+//!    first `from_pos` positions), registers a transfer id, and sends a [`PrefillRequest`](crate::wire::PrefillRequest) on
 //!    a QUIC stream to the prefill worker: the prompt, the sampling parameters, `from_pos`,
-//!    its block table, its [`KvLayout`], and where the bytes should go ([`DataPath`]).
+//!    its block table, its [`KvLayout`](crate::wire::KvLayout), and where the bytes should go ([`DataPath`](crate::wire::DataPath)).
 //! 2. The prefill worker refuses a layout unlike its own (a message naming both), else runs
 //!    the prompt. As each layer's K and V are computed (chunk by chunk for long prompts) it
 //!    sends that layer's new positions as one piece, on one of several data streams.
 //! 3. When every layer is sent it closes the data streams and answers on the request stream
-//!    with [`PrefillEvent::Done`]: the first token, the sampler's state, its cache hits.
+//!    with [`PrefillEvent::Done`](crate::wire::PrefillEvent::Done): the first token, the sampler's state, its cache hits.
 //! 4. The decode worker starts decoding once every position of every layer has landed and
 //!    `Done` has arrived. Anything else (a closed stream, a gap, a stall past the timeout)
 //!    ends the transfer; the decode worker then prefills locally.
 //!
 //! # Framing
 //!
-//! Every data stream opens with a [`KvStreamHello`] frame (transfer id, a per-transfer secret,
-//! stream index). Then pieces: a [`KvPiece`] header frame (an rkyv archive behind a `u32`
+//! Every data stream opens with a [`KvStreamHello`](crate::wire::KvStreamHello) frame (transfer id, a per-transfer secret,
+//! stream index). Then pieces: a [`KvPiece`](crate::wire::KvPiece) header frame (an rkyv archive behind a `u32`
 //! length, as every message in `wire`) followed by `payload_bytes` raw bytes: the K of
 //! positions `first_pos .. first_pos + num_pos` of `layer`, then their V. Pieces of one layer
 //! always travel on the same stream (layer `l` on stream `l % streams`), in order, so the
@@ -63,119 +63,8 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
-use crate::wire::GenerateRequest;
+use crate::wire::KvPiece;
 use crate::TransportError;
-
-/// What a prefill worker and a decode worker must share for KV to mean the same on both.
-#[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Clone, Debug, PartialEq, Eq)]
-pub struct KvLayout {
-    /// The model's fingerprint (architecture, shapes, vocabulary, weights).
-    pub model: String,
-    /// Element type and backend family, e.g. "f32" (cpu), "bf16" (cuda), "sim-bf16".
-    pub dtype: String,
-    pub num_layers: u32,
-    pub block_size: u32,
-    pub num_kv_heads: u32,
-    pub head_dim: u32,
-}
-
-impl KvLayout {
-    /// Bytes of K (or V) for one position of one layer.
-    pub fn bytes_per_pos(&self) -> usize {
-        let elem = if self.dtype.ends_with("f32") { 4 } else { 2 };
-        self.num_kv_heads as usize * self.head_dim as usize * elem
-    }
-
-    pub fn describe(&self) -> String {
-        format!(
-            "model {}, KV {} with {} layers x {} KV heads x {} dims, block size {}",
-            self.model,
-            self.dtype,
-            self.num_layers,
-            self.num_kv_heads,
-            self.head_dim,
-            self.block_size
-        )
-    }
-
-    /// `None` when the two agree; otherwise what differs, naming both sides.
-    pub fn mismatch(&self, mine: &str, other: &KvLayout, theirs: &str) -> Option<String> {
-        (self != other).then(|| {
-            format!(
-                "KV layouts differ: {mine} has {}; {theirs} has {}",
-                self.describe(),
-                other.describe()
-            )
-        })
-    }
-}
-
-/// Where the prefill worker sends the bytes.
-#[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Clone, Debug, PartialEq)]
-pub enum DataPath {
-    /// Unidirectional QUIC streams opened back on the request's connection.
-    Quic { streams: u32 },
-    /// TCP connections to the decode worker's KV listener.
-    Tcp { addr: String, connections: u32 },
-}
-
-/// The decode worker asks a prefill worker to compute a prompt into its blocks.
-#[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Clone, Debug, PartialEq)]
-pub struct PrefillRequest {
-    pub transfer_id: u64,
-    /// Proves a data stream belongs to this transfer (TCP has no other authentication).
-    pub secret: u64,
-    /// The decode worker's node id, for messages.
-    pub decode_node: String,
-    /// The prompt and how to sample its first token.
-    pub request: GenerateRequest,
-    /// Positions below this are cached on the decode worker and not sent.
-    pub from_pos: u32,
-    /// The decode worker's block table for the prompt.
-    pub dest_blocks: Vec<u32>,
-    pub layout: KvLayout,
-    pub data: DataPath,
-}
-
-/// The prefill worker's answers on the request stream.
-#[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Clone, Debug, PartialEq)]
-pub enum PrefillEvent {
-    /// Admitted: computing now (`cached` positions were in its prefix cache).
-    Started { cached: u32 },
-    /// Every piece is sent; the first token and the sampler's state after drawing it.
-    Done {
-        token: u32,
-        logprob: f32,
-        top: Vec<crate::wire::TopLogprob>,
-        rng: Option<[u64; 4]>,
-        cached: u32,
-        bytes: u64,
-    },
-    /// Not done, and nothing more will come; `retryable` when another worker may succeed.
-    Failed { message: String, retryable: bool },
-}
-
-/// The first frame of every KV data stream.
-#[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Clone, Debug, PartialEq)]
-pub struct KvStreamHello {
-    pub transfer_id: u64,
-    pub secret: u64,
-    pub stream: u32,
-}
-
-/// One piece's header; `payload_bytes` of K then V follow it.
-#[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Clone, Debug, PartialEq)]
-pub struct KvPiece {
-    pub transfer_id: u64,
-    pub layer: u32,
-    pub first_pos: u32,
-    pub num_pos: u32,
-    /// The destination blocks these positions fall in, in order (checked by the receiver
-    /// against its own table).
-    pub blocks: Vec<u32>,
-    pub bytes_per_pos: u32,
-    pub payload_bytes: u64,
-}
 
 /// K or V.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -457,6 +346,7 @@ pub fn random_u64() -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::wire::KvLayout;
 
     /// A region over plain vectors: 2 layers, block size 4, 8 bytes per position.
     pub(crate) fn region(

@@ -18,11 +18,8 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 
-use super::{
-    blocks_of, HostRegion, Kind, KvPiece, KvReceiver, KvSender, KvStreamHello, Landing,
-    TransferTotals,
-};
-use crate::wire::{self, UniHeader};
+use super::{blocks_of, HostRegion, Kind, KvReceiver, KvSender, Landing, TransferTotals};
+use crate::wire::{self, KvPiece, KvStreamHello, UniHeader};
 use crate::TransportError;
 
 /// A KV data stream as the receiver gets it, after its hello.

@@ -1,11 +1,5 @@
-//! What travels between nodes, and how it is framed: each message is a little-endian `u32`
-//! length and an rkyv archive. Archives are validated (bytecheck) before use, so a bad peer
-//! gets an error, never undefined behaviour.
-//!
-//! A request is one bi-directional stream: the router writes one [`GenerateRequest`], the
-//! worker answers with [`TokenEvent`]s until the last token or a failure. The router stops
-//! reading (STOP_SENDING) to cancel. Load flows the other way on a uni-directional stream
-//! the worker opens on each router connection: a [`LoadReport`] every few hundred ms.
+//! Framing: each message is a little-endian `u32` length and an rkyv archive. Archives are
+//! validated (bytecheck) before use, so a bad peer gets an error, never undefined behaviour.
 
 use rkyv::rancor;
 use rkyv::util::AlignedVec;
@@ -15,142 +9,6 @@ use crate::TransportError;
 /// Frames larger than this are refused (a token event or request is far smaller; KV payloads
 /// use their own streams).
 pub const MAX_FRAME: usize = 64 << 20;
-
-#[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Clone, Debug, PartialEq)]
-pub struct GenerateRequest {
-    pub request_id: u64,
-    pub prompt: Vec<u32>,
-    pub temperature: f32,
-    pub top_k: u32,
-    pub top_p: f32,
-    pub seed: Option<u64>,
-    pub max_tokens: u32,
-    pub stop_token_ids: Vec<u32>,
-    pub ignore_eos: bool,
-    pub logprobs: Option<u32>,
-    /// Seeded draws already spent on tokens another worker generated: set when a request
-    /// is continued after its worker was lost (the prompt then ends with those tokens).
-    pub resume_draws: u64,
-    /// W3C trace context of the caller's span.
-    pub traceparent: Option<String>,
-    /// The prefill worker to take the prompt's KV from, when the router disaggregates.
-    pub prefill: Option<PrefillPeer>,
-}
-
-/// A prefill worker as a decode worker needs to reach it.
-#[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Clone, Debug, PartialEq)]
-pub struct PrefillPeer {
-    pub node_id: String,
-    pub quic_addr: String,
-    pub cert_sha256: String,
-    /// Prefill remotely only when at least this many prompt tokens are not cached on the
-    /// decode worker (which knows its cache exactly; the router only estimates it).
-    pub min_tokens: u32,
-}
-
-#[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Clone, Debug, PartialEq)]
-pub struct TopLogprob {
-    pub token: u32,
-    pub logprob: f32,
-}
-
-#[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Clone, Copy, Debug, PartialEq)]
-pub enum Finish {
-    Stop,
-    Length,
-}
-
-#[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Clone, Debug, PartialEq)]
-pub enum TokenEvent {
-    Token {
-        token: u32,
-        logprob: f32,
-        top: Vec<TopLogprob>,
-        finish: Option<Finish>,
-        cached_tokens: u32,
-    },
-    /// The worker could not take the request (full queue, bad input): nothing was generated,
-    /// so `retryable` says whether another worker may succeed; `queue_full` that it is busy
-    /// (not restarting or shutting down).
-    Rejected {
-        message: String,
-        retryable: bool,
-        queue_full: bool,
-    },
-    /// Generation failed after it started.
-    Failed { message: String },
-}
-
-/// The first message on a bidirectional stream to a worker.
-#[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Clone, Debug, PartialEq)]
-pub enum StreamRequest {
-    /// A router's request to generate; answered with [`TokenEvent`]s.
-    Generate(GenerateRequest),
-    /// A decode worker's request to prefill into its blocks; answered with
-    /// [`crate::kv::PrefillEvent`]s, the KV itself on data streams.
-    Prefill(crate::kv::PrefillRequest),
-}
-
-/// The first message on a unidirectional stream, saying what it carries.
-#[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Clone, Debug, PartialEq)]
-pub enum UniHeader {
-    /// [`LoadReport`]s, from a worker to a router.
-    Load,
-    /// A KV transfer's data (see [`crate::kv`]).
-    Kv(crate::kv::KvStreamHello),
-    /// [`KvEventBatch`]es, from a worker to a router: which prompt prefixes its cache holds.
-    KvEvents,
-}
-
-/// Changes to the prefix blocks a worker's cache holds (by the chained block hash both
-/// sides compute from the tokens), batched. The first batch on a stream is a snapshot:
-/// the receiver replaces what it knew with `stored`. Within a batch each hash appears once,
-/// with its latest state, so the lists may be applied in any order.
-#[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Clone, Debug, Default, PartialEq)]
-pub struct KvEventBatch {
-    pub snapshot: bool,
-    pub stored: Vec<u64>,
-    pub removed: Vec<u64>,
-}
-
-/// A worker's live load, pushed to every router connected to it.
-#[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Clone, Debug, Default, PartialEq)]
-pub struct LoadReport {
-    pub running: u32,
-    pub waiting: u32,
-    /// Prompt and generated tokens of the sequences the worker holds.
-    pub tokens_in_flight: u64,
-    pub kv_usage: f32,
-    pub total_blocks: u32,
-    /// Generated tokens per second over the last report interval.
-    pub gen_tokens_per_s: f32,
-    /// Tokens per second one running sequence gets, smoothed over busy intervals (the
-    /// declared capacity until the node has been busy).
-    pub capacity_tokens_per_s: f32,
-    /// Prompt tokens per busy second (0 until measured).
-    pub prompt_tokens_per_s: f32,
-    /// A decode step's time as `base + per_seq * batch`, fitted over its recent steps, in
-    /// milliseconds (both 0 until it has decoded): how much one more sequence slows it.
-    pub step_base_ms: f32,
-    pub step_per_seq_ms: f32,
-    /// Sequences it runs at once; more wait for a slot.
-    pub max_running: u32,
-    /// The node's prefill role, when it has one: requests queued and prompt tokens held,
-    /// KV use, and prompt tokens per busy second.
-    pub prefill: Option<PrefillLoad>,
-    /// The node is shutting down: it finishes what it has and takes nothing new. Sent at
-    /// once when draining starts, so routers stop picking it within one network hop.
-    pub draining: bool,
-}
-
-#[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Clone, Debug, Default, PartialEq)]
-pub struct PrefillLoad {
-    pub running: u32,
-    pub waiting: u32,
-    pub tokens_in_flight: u64,
-    pub kv_usage: f32,
-    pub tokens_per_s: f32,
-}
 
 /// What goes on the wire: any type rkyv archives with its default serializer.
 pub trait Encode:
@@ -308,6 +166,7 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::wire::msg::*;
 
     #[test]
     fn messages_round_trip() {

@@ -1,0 +1,303 @@
+//! The prefill side of a disaggregated request: compute the decode worker's prompt here and
+//! push each layer's K and V into its reserved blocks as soon as the layer is computed, then
+//! send the first token and the sampler's state. The bytes travel over QUIC streams, TCP
+//! connections, or, when both roles are in this process, by a copy from one pool into the
+//! other (`kvmesh_transport::kv`).
+
+use std::net::SocketAddr;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Instant;
+
+use kvmesh_gpu::engine::{ExportEvent, SeqEvent};
+use kvmesh_gpu::error::EngineError;
+use kvmesh_telemetry::TARGET;
+use kvmesh_transport::kv::local::{LocalSender, LocalTarget};
+use kvmesh_transport::kv::streams::{StreamSender, Target};
+use kvmesh_transport::kv::KvSender;
+use kvmesh_transport::wire::{self, DataPath, PrefillEvent, PrefillRequest};
+use kvmesh_transport::{Connection, TransportError};
+use tokio::sync::mpsc;
+use tracing::{field::Empty, Instrument};
+
+use super::kv_side::{region, TransferError};
+use super::role_core::WorkerCore;
+use crate::convert;
+
+/// Where a prefill worker sends a transfer's bytes.
+pub enum SendVia {
+    /// Streams on the decode worker's connection, or TCP to its listener (`DataPath`).
+    Network(Connection),
+    /// The decode role in this same process.
+    Local(LocalTarget),
+}
+
+impl WorkerCore {
+    /// Prefill side: computes `req`'s prompt, sends its KV, and reports on `events`; stops
+    /// (freeing everything) as soon as `events` is closed.
+    pub async fn run_export(
+        &self,
+        req: PrefillRequest,
+        via: SendVia,
+        events: mpsc::UnboundedSender<PrefillEvent>,
+    ) {
+        let span = tracing::info_span!(
+            target: TARGET,
+            "prefill.remote",
+            otel.kind = "server",
+            node = self.node_id.as_str(),
+            decode_worker = req.decode_node.as_str(),
+            via = match (&via, &req.data) {
+                (SendVia::Local(_), _) => "in-process",
+                (_, DataPath::Quic { .. }) => "quic",
+                (_, DataPath::Tcp { .. }) => "tcp",
+            },
+            prompt_tokens = req.request.prompt.len(),
+            from_pos = req.from_pos,
+            cached_tokens = Empty,
+            bytes = Empty,
+            ms = Empty,
+            otel.status_code = Empty,
+            otel.status_message = Empty,
+        );
+        kvmesh_telemetry::set_remote_parent(&span, req.request.traceparent.as_deref());
+        let closed = events.clone();
+        let started = Instant::now();
+        let r = tokio::select! {
+            r = self.export(&req, via, &events).instrument(span.clone()) => r,
+            _ = closed.closed() => Err(TransferError::fatal("the decode worker went away")),
+        };
+        let secs = started.elapsed().as_secs_f64();
+        span.record("ms", secs * 1e3);
+        match &r {
+            Ok(bytes) => {
+                span.record("bytes", *bytes);
+            }
+            Err(e) => {
+                span.record("otel.status_code", "ERROR");
+                span.record("otel.status_message", e.message.as_str());
+            }
+        }
+        let kv = self.kv.as_ref().expect("a prefill role has a KV side");
+        match r {
+            Ok(bytes) => {
+                kv.stats.served.fetch_add(1, Ordering::Relaxed);
+                kv.stats.bytes_out.fetch_add(bytes, Ordering::Relaxed);
+            }
+            Err(TransferError { message, retryable }) => {
+                kv.stats.failed.fetch_add(1, Ordering::Relaxed);
+                tracing::info!(
+                    "prefill for {} (transfer {}) ended: {message}",
+                    req.decode_node,
+                    req.transfer_id
+                );
+                let _ = events.send(PrefillEvent::Failed { message, retryable });
+            }
+        }
+    }
+
+    async fn export(
+        &self,
+        req: &PrefillRequest,
+        via: SendVia,
+        events: &mpsc::UnboundedSender<PrefillEvent>,
+    ) -> Result<u64, TransferError> {
+        let kv = self
+            .kv
+            .as_ref()
+            .ok_or_else(|| TransferError::fatal("not a prefill worker"))?;
+        if let Some(m) = kv.layout.mismatch(
+            &format!("prefill worker {}", self.node_id),
+            &req.layout,
+            &format!("decode worker {}", req.decode_node),
+        ) {
+            return Err(TransferError::fatal(m));
+        }
+        let mut ereq = convert::request_from_wire(&req.request);
+        // Only the first token is drawn here; the decode worker applies every stop rule.
+        ereq.params.max_tokens = 1;
+        ereq.params.ignore_eos = true;
+        ereq.params.stop_token_ids.clear();
+        let from = req.from_pos as usize;
+        let (mut sub, mut ev) =
+            self.engine
+                .submit_export(ereq, from)
+                .map_err(|e| TransferError {
+                    retryable: matches!(e, EngineError::QueueFull { .. }),
+                    message: e.to_string(),
+                })?;
+        self.requests_served.fetch_add(1, Ordering::Relaxed);
+        let span = tracing::Span::current();
+        let queue = tracing::info_span!(target: TARGET, "queue");
+        let (lease, computed) = tokio::select! {
+            e = ev.recv() => match e {
+                Some(ExportEvent::Ready { lease, computed }) => (lease, computed),
+                _ => return Err(TransferError::retryable("the engine dropped the request")),
+            },
+            e = sub.events.recv() => return Err(TransferError::retryable(failure(e))),
+        };
+        drop(queue);
+        span.record("cached_tokens", computed);
+        let _ = events.send(PrefillEvent::Started {
+            cached: computed as u32,
+        });
+        let to = lease.prompt_len();
+        if req.dest_blocks.len() * lease.spec().block_size < to {
+            return Err(TransferError::fatal(format!(
+                "the decode worker's {} blocks cannot hold {to} tokens",
+                req.dest_blocks.len()
+            )));
+        }
+        let target = Target {
+            source: Arc::new(region(&lease, from..to)),
+            transfer_id: req.transfer_id,
+            dest_blocks: req.dest_blocks.clone(),
+            span: span.clone(),
+        };
+        drop(lease);
+        let net = |e: TransportError| TransferError::retryable(format!("sending KV: {e}"));
+        let mut sender: Box<dyn KvSender> = match (via, &req.data) {
+            (SendVia::Local(t), _) => Box::new(LocalSender::new(target.source, t)),
+            (SendVia::Network(conn), DataPath::Quic { streams }) => Box::new(
+                StreamSender::quic(&conn, target, req.secret, (*streams).clamp(1, 16) as usize)
+                    .await
+                    .map_err(net)?,
+            ),
+            (SendVia::Network(_), DataPath::Tcp { addr, connections }) => {
+                let addr: SocketAddr = addr
+                    .parse()
+                    .map_err(|e| TransferError::fatal(format!("bad KV address '{addr}': {e}")))?;
+                Box::new(
+                    StreamSender::tcp(
+                        addr,
+                        target,
+                        req.secret,
+                        (*connections).clamp(1, 16) as usize,
+                    )
+                    .await
+                    .map_err(net)?,
+                )
+            }
+        };
+        let layers = kv.layout.num_layers as usize;
+        // Per layer, the positions sent so far; the cached prefix goes at once.
+        let mut sent = vec![from; layers];
+        if computed > from {
+            for (layer, s) in sent.iter_mut().enumerate() {
+                sender
+                    .send(layer, from, computed - from)
+                    .await
+                    .map_err(net)?;
+                *s = computed;
+            }
+        }
+        let mut rng = None;
+        // A chunk of the prompt is computed once its last layer is reported.
+        let chunk_span =
+            || tracing::info_span!(target: TARGET, parent: &span, "prefill.chunk", upto = Empty);
+        let mut chunk = Some(chunk_span());
+        let mut on_export = |e: ExportEvent, sender_jobs: &mut Vec<(usize, usize, usize)>| match e {
+            ExportEvent::Layer { layer, upto } if layer < layers && upto > sent[layer] => {
+                sender_jobs.push((layer, sent[layer], upto - sent[layer]));
+                sent[layer] = upto;
+                if layer + 1 == layers {
+                    if let Some(c) = chunk.take() {
+                        c.record("upto", upto);
+                    }
+                    if upto < to {
+                        chunk = Some(chunk_span());
+                    }
+                }
+            }
+            ExportEvent::Sampled { rng: r } => rng = Some(r),
+            _ => {}
+        };
+        // The export channel closes when the sequence ends, which may be seen before its
+        // token is: then only the token is left to wait for.
+        let mut ev_open = true;
+        let first = loop {
+            let mut jobs = Vec::new();
+            tokio::select! {
+                e = ev.recv(), if ev_open => match e {
+                    Some(e) => on_export(e, &mut jobs),
+                    None => ev_open = false,
+                },
+                e = sub.events.recv() => match e {
+                    Some(SeqEvent::Token { sampled, .. }) => {
+                        sub.finished();
+                        // Every layer was reported before the token: collect the rest.
+                        while let Ok(e) = ev.try_recv() {
+                            on_export(e, &mut jobs);
+                        }
+                        for (l, f, n) in jobs {
+                            sender.send(l, f, n).await.map_err(net)?;
+                        }
+                        break sampled;
+                    }
+                    other => return Err(TransferError::retryable(failure(other))),
+                },
+            }
+            for (l, f, n) in jobs {
+                sender.send(l, f, n).await.map_err(net)?;
+            }
+        };
+        if let Some(l) = sent.iter().position(|&s| s != to) {
+            return Err(TransferError::retryable(format!(
+                "layer {l} was computed up to {} of {to} positions",
+                sent[l]
+            )));
+        }
+        let totals = sender.finish().await.map_err(net)?;
+        let _ = events.send(PrefillEvent::Done {
+            token: first.token,
+            logprob: first.logprob,
+            top: convert::top_to_wire(&first.top),
+            rng,
+            cached: computed as u32,
+            bytes: totals.bytes,
+        });
+        Ok(totals.bytes)
+    }
+
+    /// Prefill side of a request that came over QUIC: runs the export, writing its events
+    /// on the stream; a decode worker that stops reading cancels it.
+    pub async fn serve_prefill(
+        self: Arc<Self>,
+        conn: Connection,
+        mut send: kvmesh_transport::SendStream,
+        req: PrefillRequest,
+    ) {
+        let (etx, mut erx) = mpsc::unbounded_channel();
+        let core = self.clone();
+        let work = core.run_export(req, SendVia::Network(conn), etx);
+        tokio::pin!(work);
+        let stopped = send.stopped();
+        tokio::pin!(stopped);
+        let mut finished = false;
+        loop {
+            tokio::select! {
+                _ = &mut work, if !finished => finished = true,
+                ev = erx.recv() => match ev {
+                    Some(ev) => {
+                        if wire::write_msg(&mut send, &ev).await.is_err() {
+                            return; // dropping `work` cancels the export
+                        }
+                    }
+                    None => {
+                        let _ = send.finish();
+                        return;
+                    }
+                },
+                _ = &mut stopped => return,
+            }
+        }
+    }
+}
+
+fn failure(e: Option<SeqEvent>) -> String {
+    match e {
+        Some(SeqEvent::Failed(m)) => m,
+        Some(SeqEvent::Token { .. }) => "an unexpected token".into(),
+        None => "the engine stopped".into(),
+    }
+}

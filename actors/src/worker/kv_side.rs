@@ -1,0 +1,252 @@
+//! What the prefill and decode roles need for KV transfers: the layout both ends must share,
+//! how the bytes travel, the decode side's inbox and connections to prefill workers, and the
+//! counters `/metrics` shows.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::ops::Range;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvmesh_gpu::engine::KvLease;
+use kvmesh_gpu::kv_pool::KvKind;
+use kvmesh_transport::kv::streams::KvInbox;
+use kvmesh_transport::kv::HostRegion;
+use kvmesh_transport::wire::{self, KvLayout, PrefillPeer, UniHeader};
+use kvmesh_transport::{Connection, NodeEndpoint};
+
+/// How a decode worker wants its KV delivered.
+#[derive(Clone, Debug)]
+pub enum KvTransport {
+    /// Unidirectional QUIC streams on the connection to the prefill worker.
+    Quic { streams: usize },
+    /// TCP connections from the prefill worker to this listener.
+    Tcp {
+        addr: SocketAddr,
+        connections: usize,
+    },
+}
+
+impl KvTransport {
+    pub fn name(&self) -> &'static str {
+        match self {
+            KvTransport::Quic { .. } => "quic",
+            KvTransport::Tcp { .. } => "tcp",
+        }
+    }
+}
+
+/// Why a KV transfer did not complete, and whether another prefill worker may succeed where
+/// this one did not (a full queue, a lost connection) or none would (another KV layout).
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+#[error("{message}")]
+pub struct TransferError {
+    pub message: String,
+    pub retryable: bool,
+}
+
+impl TransferError {
+    pub fn retryable(message: impl Into<String>) -> TransferError {
+        TransferError {
+            message: message.into(),
+            retryable: true,
+        }
+    }
+
+    pub fn fatal(message: impl Into<String>) -> TransferError {
+        TransferError {
+            message: message.into(),
+            retryable: false,
+        }
+    }
+}
+
+/// Counters for `/metrics`.
+#[derive(Default)]
+pub struct KvStats {
+    /// Decode side: prompts whose KV came from a prefill worker.
+    pub remote: AtomicU64,
+    /// Decode side: enough of the prompt was cached here, so it was prefilled here.
+    pub cached_locally: AtomicU64,
+    /// Decode side: the transfer failed and the prompt was prefilled here instead.
+    pub fallback: AtomicU64,
+    pub bytes_in: AtomicU64,
+    /// Decode side: microseconds from lease to landing, summed over remote prefills.
+    pub transfer_us: AtomicU64,
+    /// Prefill side: transfers sent in full.
+    pub served: AtomicU64,
+    /// Prefill side: requests refused (another layout, a full queue) or abandoned.
+    pub failed: AtomicU64,
+    pub bytes_out: AtomicU64,
+}
+
+/// What the prefill and decode roles need for KV transfers.
+pub struct KvSide {
+    pub layout: KvLayout,
+    pub transport: KvTransport,
+    /// A transfer that makes no progress for this long is given up.
+    pub timeout: Duration,
+    /// Where this decode worker's incoming KV streams find their transfer.
+    pub inbox: KvInbox,
+    pub peers: PeerLinks,
+    /// The decode role's KV listener, with the TCP transport.
+    pub tcp_listener: Option<Arc<tokio::net::TcpListener>>,
+    pub stats: KvStats,
+}
+
+impl KvSide {
+    pub fn new(
+        layout: KvLayout,
+        transport: KvTransport,
+        timeout: Duration,
+        endpoint: NodeEndpoint,
+        tcp_listener: Option<Arc<tokio::net::TcpListener>>,
+    ) -> Arc<KvSide> {
+        let inbox = KvInbox::default();
+        Arc::new(KvSide {
+            layout,
+            transport,
+            timeout,
+            peers: PeerLinks::new(endpoint, inbox.clone()),
+            inbox,
+            tcp_listener,
+            stats: KvStats::default(),
+        })
+    }
+
+    /// Prometheus lines.
+    pub fn render_metrics(&self, out: &mut String) {
+        use std::fmt::Write;
+        let s = &self.stats;
+        let _ = writeln!(
+            out,
+            "# HELP kvmesh:disagg_prefills_total Prompts of disaggregated requests on this decode worker, by where they were prefilled.\n\
+             # TYPE kvmesh:disagg_prefills_total counter"
+        );
+        for (outcome, v) in [
+            ("remote", &s.remote),
+            ("cached_locally", &s.cached_locally),
+            ("fallback", &s.fallback),
+        ] {
+            let _ = writeln!(
+                out,
+                "kvmesh:disagg_prefills_total{{outcome=\"{outcome}\"}} {}",
+                v.load(Ordering::Relaxed)
+            );
+        }
+        let _ = writeln!(
+            out,
+            "# HELP kvmesh:kv_transfer_bytes_total KV bytes moved between workers.\n\
+             # TYPE kvmesh:kv_transfer_bytes_total counter\n\
+             kvmesh:kv_transfer_bytes_total{{direction=\"in\"}} {}\n\
+             kvmesh:kv_transfer_bytes_total{{direction=\"out\"}} {}",
+            s.bytes_in.load(Ordering::Relaxed),
+            s.bytes_out.load(Ordering::Relaxed)
+        );
+        let _ = writeln!(
+            out,
+            "# HELP kvmesh:kv_transfer_seconds_total Time from reserving blocks to the KV landing, over remote prefills.\n\
+             # TYPE kvmesh:kv_transfer_seconds_total counter\n\
+             kvmesh:kv_transfer_seconds_total {:.6}",
+            s.transfer_us.load(Ordering::Relaxed) as f64 / 1e6
+        );
+        let _ = writeln!(
+            out,
+            "# HELP kvmesh:prefill_transfers_total Transfers this prefill worker took, by outcome.\n\
+             # TYPE kvmesh:prefill_transfers_total counter\n\
+             kvmesh:prefill_transfers_total{{outcome=\"sent\"}} {}\n\
+             kvmesh:prefill_transfers_total{{outcome=\"failed\"}} {}",
+            s.served.load(Ordering::Relaxed),
+            s.failed.load(Ordering::Relaxed)
+        );
+    }
+}
+
+/// A lease's blocks as a transfer addresses them, over `positions`.
+pub(super) fn region(lease: &KvLease, positions: Range<usize>) -> HostRegion {
+    let pool = lease.pool();
+    let spec = pool.spec();
+    let layers = spec.num_layers;
+    let k = (0..layers).map(|l| pool.base(l, KvKind::K)).collect();
+    let v = (0..layers).map(|l| pool.base(l, KvKind::V)).collect();
+    let blocks = lease.blocks().iter().map(|b| b.0).collect();
+    // SAFETY: the pool's buffers are `[num_blocks, block_size, kv_dim]` per layer and live as
+    // long as the pool, which the lease (the keepalive) holds; the engine allocated every
+    // block of the table from this pool; and while a lease clone lives, the positions a
+    // transfer moves are its own (read-only computed ones on the prefill side, reserved
+    // ones on the decode side): the engine keeps the blocks and does not touch them.
+    unsafe {
+        HostRegion::new(
+            k,
+            v,
+            pool.layer_bytes(),
+            spec.bytes_per_pos(),
+            spec.block_size,
+            blocks,
+            positions,
+            Arc::new(lease.clone()),
+        )
+    }
+}
+
+/// A decode worker's connections to prefill workers, one per peer, each with a task that
+/// hands the KV streams the peer opens to their transfers.
+pub struct PeerLinks {
+    endpoint: NodeEndpoint,
+    inbox: KvInbox,
+    conns: tokio::sync::Mutex<HashMap<String, Connection>>,
+}
+
+impl PeerLinks {
+    fn new(endpoint: NodeEndpoint, inbox: KvInbox) -> PeerLinks {
+        PeerLinks {
+            endpoint,
+            inbox,
+            conns: tokio::sync::Mutex::new(HashMap::new()),
+        }
+    }
+
+    pub async fn get(&self, peer: &PrefillPeer) -> Result<Connection, String> {
+        let key = format!("{}@{}#{}", peer.node_id, peer.quic_addr, peer.cert_sha256);
+        let mut conns = self.conns.lock().await;
+        if let Some(c) = conns.get(&key) {
+            if c.close_reason().is_none() {
+                return Ok(c.clone());
+            }
+        }
+        let addr: SocketAddr = peer
+            .quic_addr
+            .parse()
+            .map_err(|e| format!("prefill worker {} has a bad address: {e}", peer.node_id))?;
+        let conn = self
+            .endpoint
+            .connect(addr, &peer.cert_sha256)
+            .await
+            .map_err(|e| format!("prefill worker {}: {e}", peer.node_id))?;
+        tokio::spawn(dispatch_streams(conn.clone(), self.inbox.clone()));
+        conns.retain(|_, c| c.close_reason().is_none());
+        conns.insert(key, conn.clone());
+        Ok(conn)
+    }
+}
+
+/// Hands each KV stream a prefill worker opens on `conn` to its transfer.
+async fn dispatch_streams(conn: Connection, inbox: KvInbox) {
+    while let Ok(mut r) = conn.accept_uni().await {
+        let inbox = inbox.clone();
+        tokio::spawn(async move {
+            match wire::read_msg::<UniHeader>(&mut r).await {
+                Ok(Some(UniHeader::Kv(hello))) => {
+                    if let Err(e) = inbox.deliver(&hello, Box::new(r)) {
+                        tracing::warn!("KV stream refused: {e}");
+                    }
+                }
+                // Load reports are for routers.
+                _ => {
+                    let _ = r.stop(0u32.into());
+                }
+            }
+        });
+    }
+}

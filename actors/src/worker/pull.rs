@@ -1,0 +1,260 @@
+//! The decode side of a disaggregated request. The router sent the request here naming a
+//! prefill worker. The engine either prefills itself (enough of the prompt is in its prefix
+//! cache) or reserves the prompt's blocks and lends them; with the lease in hand this side
+//! asks the prefill worker to compute the prompt into those blocks and waits for every
+//! layer to land and the first token to come ([`pull`]). Then the lease is given back as
+//! landed and the sequence decodes. If the prefill worker refuses, dies, or goes quiet for
+//! longer than the transfer timeout, the lease is given back without landing and the engine
+//! prefills the prompt itself: the request completes either way.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvmesh_gpu::engine::{KvLease, Landed, Submission};
+use kvmesh_gpu::error::EngineError;
+use kvmesh_telemetry::TARGET;
+use kvmesh_transport::kv::local;
+use kvmesh_transport::kv::streams::StreamReceiver;
+use kvmesh_transport::kv::{random_u64, KvReceiver, Landing, TransferTotals};
+use kvmesh_transport::wire::{
+    self, DataPath, GenerateRequest, PrefillEvent, PrefillPeer, PrefillRequest, StreamRequest,
+};
+use tokio::sync::mpsc;
+use tracing::{field::Empty, Instrument};
+
+use super::export::SendVia;
+use super::kv_side::{region, KvSide, KvTransport};
+use super::role_core::WorkerCore;
+use crate::convert;
+
+/// Aborts a task when dropped.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// Decode side of a disaggregated request. Returns the submission whose events are the
+/// request's tokens (its prompt prefilled remotely or here), or `None` if the router went
+/// away meanwhile (`router_gone` resolved).
+pub(super) async fn decode(
+    core: &Arc<WorkerCore>,
+    kv: &Arc<KvSide>,
+    req: &GenerateRequest,
+    peer: &PrefillPeer,
+    router_gone: &mut (impl std::future::Future + Unpin),
+) -> Result<Option<Submission>, EngineError> {
+    let (sub, lease) = core
+        .engine
+        .submit_remote_prefill(convert::request_from_wire(req), peer.min_tokens as usize)?;
+    let queue = tracing::info_span!(target: TARGET, "queue", reserved = true);
+    let lease = tokio::select! {
+        l = lease => match l {
+            Ok(l) => l,
+            // The engine found enough of the prompt cached here and prefills it.
+            Err(_) => {
+                queue.record("reserved", false);
+                kv.stats.cached_locally.fetch_add(1, Ordering::Relaxed);
+                return Ok(Some(sub));
+            }
+        },
+        _ = &mut *router_gone => return Ok(None),
+    };
+    drop(queue);
+    let span = tracing::info_span!(
+        target: TARGET,
+        "kv.pull",
+        prefill_worker = peer.node_id.as_str(),
+        transport = kv.transport.name(),
+        from_pos = lease.from_pos(),
+        tokens = lease.prompt_len() - lease.from_pos(),
+        bytes = Empty,
+        ms = Empty,
+        outcome = Empty,
+        otel.status_code = Empty,
+        otel.status_message = Empty,
+    );
+    let started = Instant::now();
+    let outcome = tokio::select! {
+        r = pull(core, kv, req, peer, &lease).instrument(span.clone()) => r,
+        _ = &mut *router_gone => return Ok(None),
+    };
+    let secs = started.elapsed().as_secs_f64();
+    span.record("ms", secs * 1e3);
+    match outcome {
+        Ok((landed, totals)) => {
+            kv.stats.remote.fetch_add(1, Ordering::Relaxed);
+            kv.stats.bytes_in.fetch_add(totals.bytes, Ordering::Relaxed);
+            kv.stats
+                .transfer_us
+                .fetch_add((secs * 1e6) as u64, Ordering::Relaxed);
+            span.record("outcome", "remote");
+            span.record("bytes", totals.bytes);
+            lease.landed(landed);
+        }
+        Err(e) => {
+            kv.stats.fallback.fetch_add(1, Ordering::Relaxed);
+            span.record("outcome", "fallback");
+            span.record("otel.status_code", "ERROR");
+            span.record("otel.status_message", e.as_str());
+            tracing::warn!(
+                "prefill on {} failed ({e}); prefilling {} tokens here",
+                peer.node_id,
+                lease.prompt_len() - lease.from_pos()
+            );
+            // The engine prefills locally once every holder of the lease is gone.
+            drop(lease);
+        }
+    }
+    Ok(Some(sub))
+}
+
+/// Fetches the prompt's KV into the lease's blocks: the first token and what was moved.
+async fn pull(
+    core: &Arc<WorkerCore>,
+    kv: &Arc<KvSide>,
+    req: &GenerateRequest,
+    peer: &PrefillPeer,
+    lease: &KvLease,
+) -> Result<(Landed, TransferTotals), String> {
+    let (from, to) = (lease.from_pos(), lease.prompt_len());
+    let transfer_id = random_u64();
+    let secret = random_u64();
+    let landing = Arc::new(Landing::new(region(lease, from..to), transfer_id));
+    let mut preq = PrefillRequest {
+        transfer_id,
+        secret,
+        decode_node: core.node_id.clone(),
+        // The prefill worker's spans continue this transfer's.
+        request: GenerateRequest {
+            prefill: None,
+            traceparent: kvmesh_telemetry::traceparent(&tracing::Span::current()),
+            ..req.clone()
+        },
+        from_pos: from as u32,
+        dest_blocks: lease.blocks().iter().map(|b| b.0).collect(),
+        layout: kv.layout.clone(),
+        data: DataPath::Quic { streams: 1 },
+    };
+    // Keeps the other side's work (a task or a stream) alive until this function returns.
+    let _guard: AbortOnDrop;
+    let _entry;
+    let local_prefill = core
+        .local_prefill
+        .read()
+        .clone()
+        .filter(|_| peer.node_id == core.node_id);
+    let (mut events, mut receiver): (mpsc::UnboundedReceiver<PrefillEvent>, Box<dyn KvReceiver>) =
+        match local_prefill {
+            Some(p) => {
+                let (target, recv) = local::channel(landing.clone());
+                let (etx, erx) = mpsc::unbounded_channel();
+                _guard = AbortOnDrop(tokio::spawn(async move {
+                    p.run_export(preq, SendVia::Local(target), etx).await;
+                }));
+                _entry = None;
+                (erx, Box::new(recv))
+            }
+            None => {
+                let conn = kv.peers.get(peer).await?;
+                let (entry, incoming) = kv.inbox.register(transfer_id, secret);
+                _entry = Some(entry);
+                let streams = match &kv.transport {
+                    KvTransport::Quic { streams } => {
+                        preq.data = DataPath::Quic {
+                            streams: *streams as u32,
+                        };
+                        *streams
+                    }
+                    KvTransport::Tcp { addr, connections } => {
+                        preq.data = DataPath::Tcp {
+                            addr: addr.to_string(),
+                            connections: *connections as u32,
+                        };
+                        *connections
+                    }
+                };
+                let (mut s, mut r) = conn
+                    .open_bi()
+                    .await
+                    .map_err(|e| format!("opening a stream to {}: {e}", peer.node_id))?;
+                wire::write_msg(&mut s, &StreamRequest::Prefill(preq))
+                    .await
+                    .map_err(|e| format!("sending the prefill request: {e}"))?;
+                let _ = s.finish();
+                let (etx, erx) = mpsc::unbounded_channel();
+                _guard = AbortOnDrop(tokio::spawn(async move {
+                    loop {
+                        let ev = match wire::read_msg::<PrefillEvent>(&mut r).await {
+                            Ok(Some(ev)) => ev,
+                            Ok(None) => return,
+                            Err(e) => PrefillEvent::Failed {
+                                message: e.to_string(),
+                                retryable: true,
+                            },
+                        };
+                        let last = matches!(ev, PrefillEvent::Failed { .. });
+                        if etx.send(ev).is_err() || last {
+                            return;
+                        }
+                    }
+                    // Dropping `r` unread tells the prefill worker to stop.
+                }));
+                (
+                    erx,
+                    Box::new(StreamReceiver::new(landing.clone(), incoming, streams)),
+                )
+            }
+        };
+
+    let mut done: Option<Landed> = None;
+    let mut landed: Option<TransferTotals> = None;
+    let mut last_bytes = 0;
+    let mut last_progress = Instant::now();
+    let mut tick = tokio::time::interval(Duration::from_millis(50));
+    let complete = receiver.complete();
+    tokio::pin!(complete);
+    loop {
+        if let (Some(_), Some(t)) = (&done, landed) {
+            return Ok((done.take().expect("checked"), t));
+        }
+        tokio::select! {
+            ev = events.recv() => {
+                last_progress = Instant::now();
+                match ev {
+                    Some(PrefillEvent::Started { .. }) => {}
+                    Some(PrefillEvent::Done { token, logprob, top, rng, cached, .. }) => {
+                        done = Some(Landed {
+                            first: convert::sampled_from_wire(token, logprob, top),
+                            rng,
+                            cached_tokens: (cached as usize).max(from),
+                        });
+                    }
+                    Some(PrefillEvent::Failed { message, .. }) => return Err(message),
+                    None if done.is_some() => {}
+                    None => return Err("the prefill worker closed the request".into()),
+                }
+            }
+            r = &mut complete, if landed.is_none() => {
+                landed = Some(r.map_err(|e| format!("receiving KV: {e}"))?);
+            }
+            _ = tick.tick() => {
+                let b = landing.landed_bytes();
+                if b != last_bytes {
+                    last_bytes = b;
+                    last_progress = Instant::now();
+                } else if last_progress.elapsed() > kv.timeout {
+                    return Err(format!(
+                        "no progress for {:.1} s ({} of {} bytes landed)",
+                        kv.timeout.as_secs_f64(),
+                        b,
+                        2 * (to - from) * kv.layout.bytes_per_pos() * kv.layout.num_layers as usize
+                    ));
+                }
+            }
+        }
+    }
+}

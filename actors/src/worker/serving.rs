@@ -1,0 +1,318 @@
+//! A node's QUIC endpoint as its worker-type roles serve it: connections from routers and
+//! decode workers are accepted, each request stream goes to the role that takes it, and
+//! every connection is sent the node's load and its prefix cache's events.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvmesh_discovery::Role;
+use kvmesh_gpu::kv_cache::KvEvent;
+use kvmesh_transport::wire::{
+    self, KvEventBatch, LoadReport, StreamRequest, TokenEvent, UniHeader,
+};
+use kvmesh_transport::{peer_fingerprint, Connection, NodeEndpoint, RecvStream, SendStream};
+use parking_lot::RwLock;
+
+use super::load::LOAD_REPORT_INTERVAL;
+use super::role_core::WorkerCore;
+
+/// A node's QUIC endpoint and the roles serving on it: requests are handed to whichever
+/// role takes them, while its actor has it registered.
+pub struct Serving {
+    pub endpoint: NodeEndpoint,
+    /// The worker or decode role: takes generate requests.
+    generate: RwLock<Option<Arc<WorkerCore>>>,
+    /// The prefill role: takes prefill requests.
+    prefill: RwLock<Option<Arc<WorkerCore>>>,
+    /// Set once the node starts shutting down: new requests are refused (retryable) and
+    /// every router connection is sent a report saying so at once.
+    draining: tokio::sync::watch::Sender<bool>,
+    /// Generate and prefill streams being served.
+    in_flight: AtomicU64,
+}
+
+/// Counts a stream being served for as long as it lives.
+struct InFlight<'a>(&'a AtomicU64);
+
+impl<'a> InFlight<'a> {
+    fn enter(n: &'a AtomicU64) -> InFlight<'a> {
+        n.fetch_add(1, Ordering::SeqCst);
+        InFlight(n)
+    }
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+impl Serving {
+    pub fn new(endpoint: NodeEndpoint) -> Arc<Serving> {
+        Arc::new(Serving {
+            endpoint,
+            generate: RwLock::new(None),
+            prefill: RwLock::new(None),
+            draining: tokio::sync::watch::channel(false).0,
+            in_flight: AtomicU64::new(0),
+        })
+    }
+
+    /// Starts the shutdown: refuse new requests, tell every router now.
+    pub fn start_draining(&self) {
+        self.draining.send_replace(true);
+    }
+
+    pub fn draining(&self) -> bool {
+        *self.draining.borrow()
+    }
+
+    /// Generate and prefill requests being served now.
+    pub fn in_flight(&self) -> u64 {
+        self.in_flight.load(Ordering::SeqCst)
+    }
+
+    /// Waits until no request is being served, or `deadline`; says whether it got there.
+    pub async fn wait_idle(&self, deadline: tokio::time::Instant) -> bool {
+        loop {
+            if self.in_flight() == 0 {
+                return true;
+            }
+            if tokio::time::Instant::now() >= deadline {
+                return false;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Puts a role's core in service (`Some`) or out of it (`None`).
+    pub fn set(&self, role: Role, core: Option<Arc<WorkerCore>>) {
+        if role == Role::Prefill {
+            *self.prefill.write() = core;
+        } else {
+            *self.generate.write() = core;
+        }
+    }
+
+    /// The node's load, as routers see it: the generating role's, with the prefill role's
+    /// beside it.
+    pub fn load_report(&self) -> Option<LoadReport> {
+        let gen = self.generate.read().clone();
+        let pre = self.prefill.read().clone();
+        let mut report = match (gen, pre) {
+            (Some(g), Some(p)) => {
+                let mut r = g.load_report();
+                r.prefill = p.load_report().prefill;
+                r
+            }
+            (Some(c), None) | (None, Some(c)) => c.load_report(),
+            (None, None) => return None,
+        };
+        report.draining = self.draining();
+        Some(report)
+    }
+
+    /// Accepts connections until the endpoint closes.
+    pub async fn accept_loop(self: Arc<Self>) {
+        while let Some(incoming) = self.endpoint.accept().await {
+            let serving = self.clone();
+            tokio::spawn(async move {
+                match incoming.await {
+                    Ok(conn) => serving.serve_connection(conn).await,
+                    // Outsiders (unknown certificates) end here.
+                    Err(e) => tracing::warn!("refused a QUIC connection: {e}"),
+                }
+            });
+        }
+    }
+
+    async fn serve_connection(self: Arc<Self>, conn: Connection) {
+        let peer = peer_fingerprint(&conn).unwrap_or_default();
+        tracing::info!(
+            "peer {} connected from {}",
+            &peer[..peer.len().min(12)],
+            conn.remote_address()
+        );
+        let reporter = tokio::spawn(report_load(self.clone(), conn.clone()));
+        let kv_reporter = tokio::spawn(report_kv_events(self.clone(), conn.clone()));
+        loop {
+            match conn.accept_bi().await {
+                Ok((send, recv)) => {
+                    let serving = self.clone();
+                    let conn = conn.clone();
+                    tokio::spawn(async move { serving.serve_stream(conn, send, recv).await });
+                }
+                Err(e) => {
+                    tracing::info!("connection from {} ended: {e}", conn.remote_address());
+                    break;
+                }
+            }
+        }
+        reporter.abort();
+        kv_reporter.abort();
+    }
+
+    async fn serve_stream(&self, conn: Connection, mut send: SendStream, mut recv: RecvStream) {
+        let reject = |message: String, retryable: bool| TokenEvent::Rejected {
+            message,
+            retryable,
+            queue_full: false,
+        };
+        let msg = match wire::read_msg::<StreamRequest>(&mut recv).await {
+            Ok(Some(m)) => m,
+            Ok(None) => return,
+            Err(e) => {
+                let _ = wire::write_msg(
+                    &mut send,
+                    &reject(format!("unreadable request: {e}"), false),
+                )
+                .await;
+                return;
+            }
+        };
+        let _counted = InFlight::enter(&self.in_flight);
+        if self.draining() {
+            let why = "this node is shutting down";
+            let _ = match msg {
+                StreamRequest::Generate(_) => {
+                    wire::write_msg(&mut send, &reject(why.into(), true)).await
+                }
+                StreamRequest::Prefill(_) => {
+                    wire::write_msg(
+                        &mut send,
+                        &wire::PrefillEvent::Failed {
+                            message: why.into(),
+                            retryable: true,
+                        },
+                    )
+                    .await
+                }
+            };
+            let _ = send.finish();
+            return;
+        }
+        match msg {
+            StreamRequest::Generate(req) => {
+                let core = self.generate.read().clone();
+                match core {
+                    Some(c) => c.serve_generate(send, req).await,
+                    None => {
+                        let why = if self.prefill.read().is_some() {
+                            "this node only prefills"
+                        } else {
+                            "this node's worker role is restarting"
+                        };
+                        let _ = wire::write_msg(&mut send, &reject(why.into(), true)).await;
+                        let _ = send.finish();
+                    }
+                }
+            }
+            StreamRequest::Prefill(req) => {
+                let core = self.prefill.read().clone();
+                match core {
+                    Some(c) => c.serve_prefill(conn, send, req).await,
+                    None => {
+                        let _ = wire::write_msg(
+                            &mut send,
+                            &wire::PrefillEvent::Failed {
+                                message: "this node has no prefill role".into(),
+                                retryable: false,
+                            },
+                        )
+                        .await;
+                        let _ = send.finish();
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Pushes the generating engine's prefix-cache stores and evictions on one connection
+/// until it ends: a snapshot, then each batch as it comes (those that queued while the
+/// last was written go as one). A node without a generating role sends none.
+async fn report_kv_events(serving: Arc<Serving>, conn: Connection) {
+    let hub = loop {
+        if let Some(c) = serving.generate.read().as_ref() {
+            break c.engine.kv_events.clone();
+        }
+        if serving.prefill.read().is_some() {
+            return;
+        }
+        // The role is starting or restarting.
+        tokio::time::sleep(LOAD_REPORT_INTERVAL).await;
+    };
+    let Ok(mut send) = conn.open_uni().await else {
+        return;
+    };
+    if wire::write_msg(&mut send, &UniHeader::KvEvents)
+        .await
+        .is_err()
+    {
+        return;
+    }
+    loop {
+        let (held, mut rx) = hub.subscribe();
+        let snapshot = KvEventBatch {
+            snapshot: true,
+            stored: held,
+            removed: Vec::new(),
+        };
+        if wire::write_msg(&mut send, &snapshot).await.is_err() {
+            return;
+        }
+        // Ends when the hub dropped this subscriber for falling behind: resubscribe.
+        while let Some(first) = rx.recv().await {
+            let mut latest: std::collections::HashMap<u64, bool> = Default::default();
+            let mut add = |batch: &[KvEvent]| {
+                for e in batch {
+                    match *e {
+                        KvEvent::Stored(h) => latest.insert(h.0, true),
+                        KvEvent::Removed(h) => latest.insert(h.0, false),
+                    };
+                }
+            };
+            add(&first);
+            while let Ok(more) = rx.try_recv() {
+                add(&more);
+            }
+            let mut batch = KvEventBatch::default();
+            for (h, stored) in latest {
+                if stored {
+                    batch.stored.push(h);
+                } else {
+                    batch.removed.push(h);
+                }
+            }
+            if wire::write_msg(&mut send, &batch).await.is_err() {
+                return;
+            }
+        }
+    }
+}
+
+/// Pushes load reports on one connection until it ends.
+async fn report_load(serving: Arc<Serving>, conn: Connection) {
+    let Ok(mut send) = conn.open_uni().await else {
+        return;
+    };
+    if wire::write_msg(&mut send, &UniHeader::Load).await.is_err() {
+        return;
+    }
+    let mut tick = tokio::time::interval(LOAD_REPORT_INTERVAL);
+    let mut draining = serving.draining.subscribe();
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            // Draining started: say so now, not at the next tick.
+            Ok(()) = draining.changed() => {}
+        }
+        let Some(report) = serving.load_report() else {
+            continue;
+        };
+        if wire::write_msg(&mut send, &report).await.is_err() {
+            return;
+        }
+    }
+}

@@ -1,0 +1,124 @@
+//! The gateway's HTTP routes: the OpenAI API behind its key, the trace viewer, health,
+//! version and metrics.
+
+use std::sync::Arc;
+
+use axum::extract::{DefaultBodyLimit, MatchedPath, Request, State};
+use axum::http::header;
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde_json::{json, Value};
+
+use crate::complete;
+use crate::error::ApiError;
+use crate::state::AppState;
+use crate::{http, traces};
+
+pub fn router(state: Arc<AppState>) -> Router {
+    let v1 = Router::new()
+        .route("/v1/chat/completions", post(complete::chat))
+        .route("/v1/completions", post(complete::completions))
+        .route("/v1/models", get(models))
+        .route_layer(middleware::from_fn_with_state(state.clone(), require_key))
+        .route_layer(middleware::from_fn(traces::trace_request));
+    Router::new()
+        .merge(v1)
+        .merge(traces::routes(state.traces.clone()))
+        .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
+        .route(
+            "/version",
+            get(|| async { Json(json!({"version": env!("CARGO_PKG_VERSION")})) }),
+        )
+        .route("/metrics", get(metrics_page))
+        .fallback(|req: Request| async move { ApiError::not_found(req.uri().path()) })
+        .layer(DefaultBodyLimit::max(http::MAX_BODY_BYTES))
+        .layer(middleware::from_fn_with_state(
+            state.clone(),
+            count_requests,
+        ))
+        .with_state(state)
+}
+
+async fn require_key(State(st): State<Arc<AppState>>, req: Request, next: Next) -> Response {
+    if let Some(key) = &st.api_key {
+        if !authorized(req.headers(), key) {
+            return ApiError::unauthorized().into_response();
+        }
+    }
+    next.run(req).await
+}
+
+/// Whether `headers` carry `Authorization: Bearer <key>`; the scheme's case does not matter
+/// (RFC 7235), and the key is compared in constant time.
+pub fn authorized(headers: &axum::http::HeaderMap, key: &str) -> bool {
+    let Some(v) = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+    else {
+        return false;
+    };
+    let v = v.trim_start();
+    let Some((scheme, token)) = v.split_once([' ', '\t']) else {
+        return false;
+    };
+    if !scheme.eq_ignore_ascii_case("bearer") {
+        return false;
+    }
+    let (a, b) = (token.trim().as_bytes(), key.as_bytes());
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |d, (x, y)| d | (x ^ y)) == 0
+}
+
+/// Why an API key cannot be used, if it cannot: one that could never be sent would lock
+/// every route.
+pub fn check_api_key(key: &str) -> Result<(), String> {
+    if key.is_empty() {
+        return Err(
+            "the API key is empty, which would refuse every request; leave --api-key \
+                    (and KVMESH_API_KEY) unset to serve without one"
+                .into(),
+        );
+    }
+    if !key.bytes().all(|b| b.is_ascii_graphic()) {
+        return Err(
+            "the API key must be printable ASCII without spaces (it is sent in an \
+                    `Authorization: Bearer <key>` header)"
+                .into(),
+        );
+    }
+    Ok(())
+}
+
+async fn count_requests(State(st): State<Arc<AppState>>, req: Request, next: Next) -> Response {
+    let endpoint = req
+        .extensions()
+        .get::<MatchedPath>()
+        .map(|p| p.as_str().to_string())
+        .unwrap_or_else(|| "other".into());
+    let resp = next.run(req).await;
+    st.metrics.http(&endpoint, resp.status().as_u16());
+    resp
+}
+
+async fn metrics_page(State(st): State<Arc<AppState>>) -> Response {
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], {
+        // The engine's or the workers' lines, then the gateway's own.
+        let mut out = String::new();
+        st.model.engine.render_metrics(&mut out, &st.model.name);
+        out.push_str(&st.metrics.render(&st.model.name));
+        out
+    })
+        .into_response()
+}
+
+async fn models(State(st): State<Arc<AppState>>) -> Json<Value> {
+    Json(json!({"object": "list", "data": [{
+        "id": st.model.name,
+        "object": "model",
+        "created": st.created,
+        "owned_by": "kvmesh",
+        "root": st.model.name,
+        "max_model_len": st.max_model_len(),
+    }]}))
+}

@@ -1,0 +1,485 @@
+//! `/v1/chat/completions` and `/v1/completions`: a request parsed and checked, templated and
+//! tokenized (off the async threads when large), handed to the dispatcher, and answered as
+//! one response or as server-sent events.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde_json::{json, Value};
+
+use kvmesh_gpu::engine::Request as EngineRequest;
+use kvmesh_gpu::tokenizer::TextTokenizer;
+
+use crate::error::ApiError;
+use crate::generate::{Chunk, Generation};
+use crate::protocol::{self, ChatRequest, CompletionRequest, Prompt, Validated};
+use crate::state::{unix_now, AppState};
+
+/// A child span of the request's, for one phase of the gateway's work.
+fn span(name: &'static str) -> tracing::Span {
+    use kvmesh_telemetry::TARGET;
+    match name {
+        "validate" => tracing::info_span!(target: TARGET, "validate"),
+        "chat_template" => tracing::info_span!(target: TARGET, "chat_template"),
+        _ => tracing::info_span!(target: TARGET, "tokenize"),
+    }
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Endpoint {
+    Chat,
+    Completion,
+}
+
+struct Prepared {
+    endpoint: Endpoint,
+    prompt: Vec<u32>,
+    /// For completions with `echo`.
+    echo: Option<String>,
+    v: Validated,
+}
+
+pub(crate) async fn chat(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
+    let start = Instant::now();
+    let prepared = prepare(&st, body, prepare_chat).await;
+    respond(st, prepared, start).await
+}
+
+pub(crate) async fn completions(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
+    let start = Instant::now();
+    let prepared = prepare(&st, body, prepare_completion).await;
+    respond(st, prepared, start).await
+}
+
+/// Bodies up to this size are parsed and tokenized where they arrive: that takes tens of
+/// microseconds, less than the two thread hand-offs of the blocking pool would add to the
+/// time to first token. Larger ones go to the pool.
+const INLINE_PREPARE_BYTES: usize = 4096;
+
+/// A request's CPU work (parsing, the chat template, tokenizing): inline for a small body,
+/// else off the async threads (see [`off_runtime`]).
+async fn prepare(
+    st: &Arc<AppState>,
+    body: Bytes,
+    work: fn(&AppState, &[u8]) -> Result<Prepared, ApiError>,
+) -> Result<Prepared, ApiError> {
+    if body.len() <= INLINE_PREPARE_BYTES {
+        return work(st, &body);
+    }
+    off_runtime(st, move |st| work(st, &body)).await
+}
+
+/// Runs a request's CPU work on the blocking pool, a bounded number at a time (waiting
+/// turns in order), under the request's span.
+async fn off_runtime(
+    st: &Arc<AppState>,
+    work: impl FnOnce(&AppState) -> Result<Prepared, ApiError> + Send + 'static,
+) -> Result<Prepared, ApiError> {
+    let permit = st
+        .prepare_permits
+        .clone()
+        .acquire_owned()
+        .await
+        .map_err(|_| ApiError::internal("the gateway is shutting down"))?;
+    let span = tracing::Span::current();
+    let st = st.clone();
+    // The permit goes with the work: a client that hangs up does not free it early.
+    tokio::task::spawn_blocking(move || {
+        let _permit = permit;
+        span.in_scope(|| work(&st))
+    })
+    .await
+    .map_err(|e| ApiError::internal(format!("preparing the request failed: {e}")))?
+}
+
+/// The body parsed once, unsupported fields refused, read as the endpoint's request `R`
+/// and as the fields every endpoint shares; `top` says how many top logprobs `R` asks for.
+fn validate<R: serde::de::DeserializeOwned>(
+    st: &AppState,
+    body: &[u8],
+    top: impl FnOnce(&R) -> Result<Option<usize>, ApiError>,
+) -> Result<(R, Validated), ApiError> {
+    span("validate").in_scope(|| {
+        let body = protocol::parse_body(body)?;
+        protocol::refuse_unsupported(&body)?;
+        let req: R = protocol::fields(&body)?;
+        let top = top(&req)?;
+        let v = protocol::validate_common(
+            &protocol::fields(&body)?,
+            &st.model.name,
+            st.model.tokenizer.sampling_defaults(),
+            top,
+        )?;
+        Ok((req, v))
+    })
+}
+
+fn prepare_chat(st: &AppState, body: &[u8]) -> Result<Prepared, ApiError> {
+    let (req, v) = validate(st, body, |r: &ChatRequest| {
+        protocol::chat_logprobs(r.logprobs, r.top_logprobs)
+    })?;
+    let text = span("chat_template").in_scope(|| {
+        let messages = protocol::template_messages(&req.messages)?;
+        Ok::<_, ApiError>(st.model.tokenizer.apply_chat_template(&messages, true)?)
+    })?;
+    st.check_prompt_bytes(text.len(), "messages")?;
+    let prompt = span("tokenize").in_scope(|| st.model.tokenizer.encode(&text, false))?;
+    Ok(Prepared {
+        endpoint: Endpoint::Chat,
+        prompt,
+        echo: None,
+        v,
+    })
+}
+
+fn prepare_completion(st: &AppState, body: &[u8]) -> Result<Prepared, ApiError> {
+    let (req, v) = validate(st, body, |r: &CompletionRequest| {
+        protocol::completion_logprobs(r.logprobs)
+    })?;
+    let tok = &st.model.tokenizer;
+    let one = |n: usize| {
+        if n == 1 {
+            Ok(())
+        } else {
+            Err(ApiError::param(
+                "prompt",
+                format!("Send one prompt per request (got {n})."),
+            ))
+        }
+    };
+    let empty = match &req.prompt {
+        Prompt::Text(t) => t.is_empty(),
+        Prompt::Texts(ts) => ts.iter().any(String::is_empty),
+        Prompt::Tokens(ids) => ids.is_empty(),
+        Prompt::TokenLists(l) => l.iter().any(Vec::is_empty),
+    };
+    if empty {
+        return Err(ApiError::param("prompt", "The prompt is empty."));
+    }
+    let echo = req.echo.unwrap_or(false);
+    let (prompt, text) = span("tokenize").in_scope(|| {
+        let text = |t: String| {
+            st.check_prompt_bytes(t.len(), "prompt")?;
+            let ids = tok.encode(&t, true)?;
+            Ok::<_, ApiError>((ids, echo.then_some(t)))
+        };
+        let ids = |ids: Vec<u32>| {
+            // Checked before decoding anything: a long list, or ids the model lacks.
+            let limit = st.max_model_len();
+            if ids.len() >= limit {
+                return Err(ApiError::context_length(
+                    limit,
+                    ids.len(),
+                    v.max_tokens.unwrap_or(1),
+                    "prompt",
+                ));
+            }
+            let vocab = st.vocab_size();
+            if let Some(i) = ids.iter().position(|&t| t as usize >= vocab) {
+                return Err(ApiError::token_out_of_vocab(ids[i], i, vocab));
+            }
+            let t = if echo {
+                Some(tok.decode(&ids, false)?)
+            } else {
+                None
+            };
+            Ok((ids, t))
+        };
+        match req.prompt {
+            Prompt::Text(t) => text(t),
+            Prompt::Texts(mut ts) => {
+                one(ts.len())?;
+                text(ts.remove(0))
+            }
+            Prompt::Tokens(l) => ids(l),
+            Prompt::TokenLists(mut l) => {
+                one(l.len())?;
+                ids(l.remove(0))
+            }
+        }
+    })?;
+    Ok(Prepared {
+        endpoint: Endpoint::Completion,
+        prompt,
+        echo: text,
+        v,
+    })
+}
+
+async fn respond(
+    st: Arc<AppState>,
+    prepared: Result<Prepared, ApiError>,
+    start: Instant,
+) -> Response {
+    match run(st, prepared, start).await {
+        Ok(r) => r,
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn run(
+    st: Arc<AppState>,
+    prepared: Result<Prepared, ApiError>,
+    start: Instant,
+) -> Result<Response, ApiError> {
+    let Prepared {
+        endpoint,
+        prompt,
+        echo,
+        mut v,
+    } = prepared?;
+    let limit = st.max_model_len();
+    let plen = prompt.len();
+    let param = if endpoint == Endpoint::Chat {
+        "messages"
+    } else {
+        "prompt"
+    };
+    let max_tokens = match v.max_tokens {
+        Some(m) if plen + m > limit => return Err(ApiError::context_length(limit, plen, m, param)),
+        Some(m) => m,
+        None if plen >= limit => return Err(ApiError::context_length(limit, plen, 1, param)),
+        None if endpoint == Endpoint::Completion => 16.min(limit - plen),
+        None => limit - plen,
+    };
+    v.params.max_tokens = max_tokens;
+    let sub = st.model.engine.submit(EngineRequest {
+        prompt: prompt.clone(),
+        params: v.params.clone(),
+    })?;
+    let id = format!(
+        "{}-{:x}{:08x}",
+        if endpoint == Endpoint::Chat {
+            "chatcmpl"
+        } else {
+            "cmpl"
+        },
+        sub.id(),
+        start.elapsed().subsec_nanos() ^ (unix_now() as u32)
+    );
+    let span = tracing::Span::current();
+    span.record("request_id", id.as_str());
+    span.record("model", st.model.name.as_str());
+    span.record("prompt_tokens", plen);
+    span.record("max_tokens", max_tokens);
+    span.record("stream", v.stream);
+    let mut gen = Generation::new(
+        sub,
+        &prompt,
+        v.stops.clone(),
+        st.model.tokenizer.clone(),
+        st.metrics.clone(),
+        start,
+        span,
+    );
+    if st.model.engine.is_local() {
+        gen = gen.with_engine_phases();
+    }
+    let out = Output {
+        endpoint,
+        id,
+        created: unix_now(),
+        model: st.model.name.clone(),
+        logprobs: v.params.logprobs.is_some(),
+    };
+    if v.stream {
+        // A routed request may find every worker full or none there: wait for its first
+        // event, so that is an HTTP status (429, 503) and not a 200 stream holding only an
+        // error. A local engine refuses at submission, before this point.
+        let first = if st.model.engine.is_local() {
+            None
+        } else {
+            match gen.next().await {
+                Some(Err(e)) => return Err(e),
+                other => Some(other),
+            }
+        };
+        Ok(stream(
+            out,
+            gen,
+            first,
+            prompt,
+            echo,
+            v.include_usage,
+            v.return_token_ids,
+        )
+        .into_response())
+    } else {
+        collect(out, gen, prompt, echo, v.return_token_ids).await
+    }
+}
+
+/// The parts of a response shared by every chunk.
+struct Output {
+    endpoint: Endpoint,
+    id: String,
+    created: u64,
+    model: String,
+    logprobs: bool,
+}
+
+impl Output {
+    fn logprobs_json(&self, tok: &TextTokenizer, chunk: &Chunk, text_offset: &mut usize) -> Value {
+        if !self.logprobs {
+            return Value::Null;
+        }
+        let text = |t: u32| tok.token_text(t);
+        match self.endpoint {
+            Endpoint::Chat => json!({"content": chunk.logprobs.iter().map(|l| {
+                let s = text(l.token);
+                json!({
+                    "token": s, "logprob": l.logprob, "bytes": s.as_bytes(),
+                    "top_logprobs": l.top.iter().map(|&(t, lp)| {
+                        let s = text(t);
+                        json!({"token": s, "logprob": lp, "bytes": s.as_bytes()})
+                    }).collect::<Vec<_>>(),
+                })
+            }).collect::<Vec<_>>()}),
+            Endpoint::Completion => {
+                let tokens: Vec<String> = chunk.logprobs.iter().map(|l| text(l.token)).collect();
+                let mut offsets = Vec::new();
+                for t in &tokens {
+                    offsets.push(*text_offset);
+                    *text_offset += t.len();
+                }
+                json!({
+                    "tokens": tokens,
+                    "token_logprobs": chunk.logprobs.iter().map(|l| l.logprob).collect::<Vec<_>>(),
+                    "top_logprobs": chunk.logprobs.iter().map(|l| {
+                        l.top.iter().map(|&(t, lp)| (text(t), json!(lp))).collect::<serde_json::Map<_, _>>()
+                    }).collect::<Vec<_>>(),
+                    "text_offset": offsets,
+                })
+            }
+        }
+    }
+
+    fn envelope(&self, object: &str, choices: Value) -> Value {
+        json!({"id": self.id, "object": object, "created": self.created, "model": self.model, "choices": choices})
+    }
+}
+
+async fn collect(
+    out: Output,
+    mut gen: Generation,
+    prompt: Vec<u32>,
+    echo: Option<String>,
+    token_ids: bool,
+) -> Result<Response, ApiError> {
+    let mut all = Chunk::default();
+    while let Some(c) = gen.next().await {
+        all.absorb(c?);
+    }
+    let mut offset = 0;
+    let logprobs = out.logprobs_json(gen.tokenizer(), &all, &mut offset);
+    let finish = all.finish.unwrap_or("stop");
+    let mut body = match out.endpoint {
+        Endpoint::Chat => {
+            let mut choice = json!({
+                "index": 0,
+                "message": {"role": "assistant", "content": all.text},
+                "logprobs": logprobs,
+                "finish_reason": finish,
+            });
+            if token_ids {
+                choice["token_ids"] = json!(all.token_ids);
+            }
+            out.envelope("chat.completion", json!([choice]))
+        }
+        Endpoint::Completion => {
+            let text = match echo {
+                Some(p) => p + &all.text,
+                None => all.text,
+            };
+            let mut choice =
+                json!({"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish});
+            if token_ids {
+                choice["prompt_token_ids"] = json!(prompt);
+                choice["token_ids"] = json!(all.token_ids);
+            }
+            out.envelope("text_completion", json!([choice]))
+        }
+    };
+    body["usage"] = gen.usage();
+    if token_ids && out.endpoint == Endpoint::Chat {
+        body["prompt_token_ids"] = json!(prompt);
+    }
+    Ok((StatusCode::OK, Json(body)).into_response())
+}
+
+fn stream(
+    out: Output,
+    mut gen: Generation,
+    mut peeked: Option<Option<Result<Chunk, ApiError>>>,
+    prompt: Vec<u32>,
+    echo: Option<String>,
+    include_usage: bool,
+    token_ids: bool,
+) -> Sse<impl futures::Stream<Item = Result<Event, Infallible>>> {
+    let s = async_stream::stream! {
+        let data = |v: Value| Ok::<_, Infallible>(Event::default().data(v.to_string()));
+        let (object, first) = match out.endpoint {
+            Endpoint::Chat => ("chat.completion.chunk", json!({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null})),
+            Endpoint::Completion => ("text_completion", json!({"index": 0, "text": echo.clone().unwrap_or_default(), "logprobs": null, "finish_reason": null})),
+        };
+        let mut head = out.envelope(object, json!([first]));
+        if token_ids {
+            head["prompt_token_ids"] = json!(prompt);
+        }
+        if out.endpoint == Endpoint::Chat || echo.is_some() || token_ids {
+            yield data(head);
+        }
+        let mut pending: Option<Chunk> = None;
+        let mut offset = 0;
+        loop {
+            let next = match peeked.take() {
+                Some(p) => p,
+                None => gen.next().await,
+            };
+            let Some(next) = next else {
+                break;
+            };
+            let c = match next {
+                Ok(c) => c,
+                Err(e) => {
+                    // Headers are gone: report the failure in-band, as an error event.
+                    yield data(e.body());
+                    break;
+                }
+            };
+            let c = match pending.take() {
+                Some(mut p) => { p.absorb(c); p }
+                None => c,
+            };
+            if c.text.is_empty() && c.finish.is_none() {
+                pending = Some(c);
+                continue;
+            }
+            let logprobs = out.logprobs_json(gen.tokenizer(), &c, &mut offset);
+            let mut choice = match out.endpoint {
+                Endpoint::Chat => json!({"index": 0, "delta": {"content": c.text}, "logprobs": logprobs, "finish_reason": c.finish}),
+                Endpoint::Completion => json!({"index": 0, "text": c.text, "logprobs": logprobs, "finish_reason": c.finish}),
+            };
+            if token_ids {
+                choice["token_ids"] = json!(c.token_ids);
+            }
+            yield data(out.envelope(object, json!([choice])));
+        }
+        if include_usage {
+            let mut last = out.envelope(object, json!([]));
+            last["usage"] = gen.usage();
+            yield data(last);
+        }
+        // The request's place in the engine is free before the client sees the end.
+        drop(gen);
+        yield Ok(Event::default().data("[DONE]"));
+    };
+    Sse::new(s).keep_alive(KeepAlive::default())
+}

@@ -1,0 +1,238 @@
+//! The way in to an engine: a cloneable handle that checks a request against the engine's
+//! limits and queues it, and the submission its caller reads the tokens from.
+
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use tokio::sync::{mpsc, oneshot};
+
+use super::kv_events::KvEventHub;
+use super::lease::{ExportEvent, KvLease, LeaseEvent};
+use super::request::{EngineInfo, Progress, Request, SeqEvent, SeqId};
+use super::stats::EngineStats;
+use crate::error::{EngineError, Result};
+
+/// What the engine thread is told.
+pub(super) enum Command {
+    Add {
+        id: SeqId,
+        req: Request,
+        events: mpsc::UnboundedSender<SeqEvent>,
+        progress: mpsc::UnboundedSender<Progress>,
+        mode: Mode,
+    },
+    Abort(SeqId),
+    /// A lease on a sequence's blocks landed, or its last clone is gone.
+    Lease(LeaseEvent),
+}
+
+/// How a sequence gets its prompt's KV, with the channels its transfer hears on.
+pub(super) enum Mode {
+    /// Computed here.
+    Local,
+    /// Decode side: from a prefill worker, when at least `min_uncached` prompt tokens are not
+    /// in the prefix cache here (otherwise computed here). The reservation goes to `lease_tx`.
+    Remote {
+        min_uncached: usize,
+        lease_tx: oneshot::Sender<KvLease>,
+    },
+    /// Prefill side: computed here and sent elsewhere from position `from_pos` on.
+    Export {
+        from_pos: usize,
+        tx: mpsc::UnboundedSender<ExportEvent>,
+    },
+}
+
+/// A cloneable way in to the engine thread.
+#[derive(Clone)]
+pub struct EngineHandle {
+    pub(super) tx: crossbeam_channel::Sender<Command>,
+    pub(super) next_id: Arc<AtomicU64>,
+    /// Submissions not yet finished or dropped: what admission counts against the limit.
+    /// (The `stats` gauges lag the engine thread, which publishes them between steps: a
+    /// request freeing its slot, or several arriving at once, would be miscounted.)
+    pub(super) admitted: Arc<AtomicUsize>,
+    pub stats: Arc<EngineStats>,
+    /// The prefix cache's stores and evictions, for routers.
+    pub kv_events: Arc<KvEventHub>,
+    pub info: Arc<EngineInfo>,
+}
+
+/// A submitted request's token events. Dropping it aborts the request and frees its blocks.
+pub struct Submission {
+    pub id: SeqId,
+    pub events: mpsc::UnboundedReceiver<SeqEvent>,
+    /// When it was scheduled and how its prompt was computed; whoever traces the request
+    /// reads it, the rest may ignore it.
+    pub progress: mpsc::UnboundedReceiver<Progress>,
+    abort: AbortOnDrop,
+    /// The request's place in the engine's admission count, given back when it finishes or
+    /// is dropped, whichever comes first.
+    slot: Option<Slot>,
+}
+
+impl Submission {
+    /// The request finished on its own: nothing to abort, and its place is free.
+    pub fn finished(&mut self) {
+        self.abort.armed = false;
+        self.slot = None;
+    }
+}
+
+/// One admitted request, counted until dropped.
+struct Slot(Arc<AtomicUsize>);
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// Dropping an unfinished submission aborts its sequence in the engine.
+struct AbortOnDrop {
+    id: SeqId,
+    tx: crossbeam_channel::Sender<Command>,
+    armed: bool,
+}
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        if self.armed {
+            let _ = self.tx.send(Command::Abort(self.id));
+        }
+    }
+}
+
+impl EngineHandle {
+    /// Checks the request against the engine's limits and queues it.
+    pub fn submit(&self, req: Request) -> Result<Submission> {
+        self.enqueue(req, Mode::Local)
+    }
+
+    /// Decode side of a disaggregated request: when admitted, the engine reserves blocks for
+    /// the whole prompt and sends their lease on the returned channel, unless fewer than
+    /// `min_uncached` prompt tokens are missing from its prefix cache: then it prefills
+    /// itself, drops the channel, and tokens simply arrive on the submission.
+    pub fn submit_remote_prefill(
+        &self,
+        req: Request,
+        min_uncached: usize,
+    ) -> Result<(Submission, oneshot::Receiver<KvLease>)> {
+        self.check_transfer()?;
+        let (tx, rx) = oneshot::channel();
+        let sub = self.enqueue(
+            req,
+            Mode::Remote {
+                min_uncached,
+                lease_tx: tx,
+            },
+        )?;
+        Ok((sub, rx))
+    }
+
+    /// Prefill side of a disaggregated request: the prompt is computed here and its K and V
+    /// from position `from_pos` on are reported layer by layer on the returned channel (after
+    /// an [`ExportEvent::Ready`] with the blocks' lease). Its first token arrives on the
+    /// submission as usual.
+    pub fn submit_export(
+        &self,
+        req: Request,
+        from_pos: usize,
+    ) -> Result<(Submission, mpsc::UnboundedReceiver<ExportEvent>)> {
+        self.check_transfer()?;
+        if from_pos >= req.prompt.len() {
+            return Err(EngineError::InvalidRequest(format!(
+                "the transfer starts at position {from_pos} but the prompt has {} tokens",
+                req.prompt.len()
+            )));
+        }
+        let (tx, rx) = mpsc::unbounded_channel();
+        let sub = self.enqueue(req, Mode::Export { from_pos, tx })?;
+        Ok((sub, rx))
+    }
+
+    fn check_transfer(&self) -> Result<()> {
+        if self.info.kv_transfer {
+            Ok(())
+        } else {
+            Err(EngineError::InvalidRequest(format!(
+                "the {} backend keeps its KV cache where transfers cannot reach it; \
+                 disaggregated prefill is not available on it",
+                self.info.device
+            )))
+        }
+    }
+
+    fn enqueue(&self, req: Request, mode: Mode) -> Result<Submission> {
+        let cfg = &self.info.config;
+        if req.prompt.is_empty() {
+            return Err(EngineError::InvalidRequest("the prompt is empty".into()));
+        }
+        if let Some(&bad) = req
+            .prompt
+            .iter()
+            .find(|&&t| t as usize >= self.info.vocab_size)
+        {
+            return Err(EngineError::InvalidRequest(format!(
+                "token id {bad} is outside the vocabulary (size {})",
+                self.info.vocab_size
+            )));
+        }
+        let total = req.prompt.len() + req.params.max_tokens;
+        if total > cfg.max_model_len {
+            return Err(EngineError::InvalidRequest(format!(
+                "the prompt ({} tokens) plus max_tokens ({}) is {total} tokens, more than the \
+                 maximum context length of {} tokens",
+                req.prompt.len(),
+                req.params.max_tokens,
+                cfg.max_model_len
+            )));
+        }
+        let blocks = total.div_ceil(cfg.block_size);
+        if blocks > self.info.num_blocks {
+            return Err(EngineError::InvalidRequest(format!(
+                "the request needs {blocks} KV blocks but the cache holds {}",
+                self.info.num_blocks
+            )));
+        }
+        // Checked and counted in one step: two requests arriving together cannot both take
+        // the last place.
+        let capacity = cfg.max_num_seqs.saturating_add(cfg.max_waiting);
+        if self
+            .admitted
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < capacity).then_some(n + 1)
+            })
+            .is_err()
+        {
+            return Err(EngineError::QueueFull {
+                waiting: cfg.max_waiting,
+            });
+        }
+        let slot = Slot(self.admitted.clone());
+        let id = SeqId(self.next_id.fetch_add(1, Ordering::Relaxed));
+        let (etx, erx) = mpsc::unbounded_channel();
+        let (ptx, prx) = mpsc::unbounded_channel();
+        self.stats.waiting.fetch_add(1, Ordering::Relaxed);
+        self.tx
+            .send(Command::Add {
+                id,
+                req,
+                events: etx,
+                progress: ptx,
+                mode,
+            })
+            .map_err(|_| EngineError::Stopped)?;
+        Ok(Submission {
+            id,
+            events: erx,
+            progress: prx,
+            abort: AbortOnDrop {
+                id,
+                tx: self.tx.clone(),
+                armed: true,
+            },
+            slot: Some(slot),
+        })
+    }
+}

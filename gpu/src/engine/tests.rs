@@ -1,0 +1,383 @@
+//! The engine end to end on backends with no math: what it schedules, what every sequence
+//! is sent, and its limits.
+
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+
+use super::*;
+use crate::backend::{Backend, ForwardBatch};
+use crate::error::{EngineError, Result};
+use crate::sampler::SamplingParams;
+
+/// Per step: each sequence's (start position, tokens, wants logits).
+type StepLog = Arc<Mutex<Vec<Vec<(usize, usize, bool)>>>>;
+
+/// A backend with no math: the next token is `(last token + position) % vocab`, so
+/// outputs depend on the whole schedule being right; it records every batch's shape.
+struct Recorder {
+    blocks: usize,
+    vocab: usize,
+    log: StepLog,
+}
+
+impl Backend for Recorder {
+    fn device(&self) -> String {
+        "test".into()
+    }
+    fn num_blocks(&self) -> usize {
+        self.blocks
+    }
+    fn forward(&mut self, batch: &ForwardBatch) -> Result<Vec<Vec<f32>>> {
+        self.log.lock().unwrap().push(
+            batch
+                .seqs
+                .iter()
+                .map(|s| (s.start_pos, s.tokens.len(), s.want_logits))
+                .collect(),
+        );
+        Ok(batch
+            .seqs
+            .iter()
+            .filter(|s| s.want_logits)
+            .map(|s| {
+                let last = *s.tokens.last().unwrap() as usize;
+                let pos = s.start_pos + s.tokens.len() - 1;
+                let mut l = vec![0.0; self.vocab];
+                l[(last + pos) % self.vocab] = 10.0;
+                l
+            })
+            .collect())
+    }
+}
+
+fn expected(prompt: &[u32], n: usize, vocab: usize) -> Vec<u32> {
+    let mut toks = prompt.to_vec();
+    let mut out = Vec::new();
+    for _ in 0..n {
+        let t = ((*toks.last().unwrap() as usize + toks.len() - 1) % vocab) as u32;
+        toks.push(t);
+        out.push(t);
+    }
+    out
+}
+
+fn drain(sub: &mut Submission) -> Vec<u32> {
+    let mut out = Vec::new();
+    loop {
+        match sub.events.blocking_recv().expect("event") {
+            SeqEvent::Token {
+                sampled, finish, ..
+            } => {
+                out.push(sampled.token);
+                if finish.is_some() {
+                    sub.finished();
+                    return out;
+                }
+            }
+            SeqEvent::Failed(m) => panic!("{m}"),
+        }
+    }
+}
+
+/// Logits that leave sampling at temperature 1 genuinely random: a small wave over the
+/// vocabulary that shifts with the last token and the position.
+struct Flat {
+    vocab: usize,
+}
+
+impl Backend for Flat {
+    fn device(&self) -> String {
+        "flat".into()
+    }
+    fn num_blocks(&self) -> usize {
+        64
+    }
+    fn forward(&mut self, batch: &ForwardBatch) -> Result<Vec<Vec<f32>>> {
+        Ok(batch
+            .seqs
+            .iter()
+            .filter(|s| s.want_logits)
+            .map(|s| {
+                let last = *s.tokens.last().unwrap() as usize;
+                let pos = s.start_pos + s.tokens.len() - 1;
+                (0..self.vocab)
+                    .map(|i| ((i * 7 + last * 3 + pos) % 11) as f32 * 0.1)
+                    .collect()
+            })
+            .collect())
+    }
+}
+
+/// A seeded sequence continued elsewhere (its tokens so far appended to the prompt and
+/// the generator's spent draws skipped) goes on exactly as it would have.
+#[test]
+fn a_seeded_sequence_resumed_with_its_draws_continues_identically() {
+    let vocab = 50;
+    let h = spawn(
+        Box::new(Flat { vocab }),
+        EngineConfig {
+            max_model_len: 128,
+            block_size: 4,
+            ..Default::default()
+        },
+        vec![],
+        vocab,
+    );
+    let params = |max_tokens: usize, resume_draws: u64| SamplingParams {
+        temperature: 1.0,
+        seed: Some(42),
+        max_tokens,
+        ignore_eos: true,
+        resume_draws,
+        ..Default::default()
+    };
+    let prompt: Vec<u32> = vec![3, 1, 4, 1, 5, 9, 2, 6];
+    let run = |prompt: Vec<u32>, p: SamplingParams| {
+        let mut sub = h.submit(Request { prompt, params: p }).unwrap();
+        drain(&mut sub)
+    };
+    let whole = run(prompt.clone(), params(30, 0));
+    assert_eq!(
+        whole,
+        run(prompt.clone(), params(30, 0)),
+        "seeded runs repeat"
+    );
+    let cut = 12;
+    let resumed_prompt = [&prompt[..], &whole[..cut]].concat();
+    let rest = run(resumed_prompt.clone(), params(30 - cut, cut as u64));
+    assert_eq!(rest, whole[cut..]);
+    // Without skipping the draws the continuation is another one: the test can fail.
+    let naive = run(resumed_prompt, params(30 - cut, 0));
+    assert_ne!(naive, whole[cut..]);
+}
+
+/// A backend that keeps no host-visible KV.
+pub(super) struct NoHostKv;
+
+impl Backend for NoHostKv {
+    fn device(&self) -> String {
+        "nohost".into()
+    }
+    fn num_blocks(&self) -> usize {
+        8
+    }
+    fn forward(&mut self, _: &ForwardBatch) -> Result<Vec<Vec<f32>>> {
+        Ok(vec![])
+    }
+}
+
+fn greedy(max_tokens: usize) -> SamplingParams {
+    SamplingParams {
+        temperature: 0.0,
+        max_tokens,
+        ignore_eos: true,
+        ..Default::default()
+    }
+}
+
+#[test]
+fn admission_refuses_only_beyond_running_plus_waiting() {
+    let vocab = 97;
+    let cfg = EngineConfig {
+        max_model_len: 64,
+        max_num_seqs: 2,
+        max_num_batched_tokens: 64,
+        block_size: 4,
+        max_waiting: 2,
+        enable_prefix_caching: false,
+    };
+    let h = spawn(
+        Box::new(Recorder {
+            blocks: 64,
+            vocab,
+            log: Arc::new(Mutex::new(Vec::new())),
+        }),
+        cfg,
+        vec![],
+        vocab,
+    );
+    let req = || Request {
+        prompt: vec![1, 2, 3],
+        params: greedy(6),
+    };
+    let full = |r: Result<Submission>| matches!(r, Err(EngineError::QueueFull { .. }));
+    for round in 0..20 {
+        // Four at once, before the engine thread has seen any: two run, two wait.
+        let mut subs: Vec<Submission> = (0..4)
+            .map(|i| {
+                h.submit(req())
+                    .unwrap_or_else(|e| panic!("round {round}, request {i}: {e}"))
+            })
+            .collect();
+        assert!(full(h.submit(req())), "round {round}: a fifth has no place");
+        // A finished request frees its place as soon as its last token is read.
+        drain(&mut subs[0]);
+        subs[0] = h.submit(req()).expect("the finished request's place");
+        // So does a dropped one.
+        subs.pop();
+        subs.push(h.submit(req()).expect("the dropped request's place"));
+        assert!(full(h.submit(req())));
+        for s in &mut subs {
+            drain(s);
+        }
+    }
+}
+
+#[test]
+fn budgets_chunking_and_preemption_keep_outputs_exact() {
+    let log = Arc::new(Mutex::new(Vec::new()));
+    let vocab = 97;
+    let cfg = EngineConfig {
+        max_model_len: 256,
+        max_num_seqs: 3,
+        max_num_batched_tokens: 20,
+        block_size: 4,
+        max_waiting: 100,
+        enable_prefix_caching: true,
+    };
+    // 24 blocks of 4 tokens cannot hold five 50-token sequences at once.
+    let h = spawn(
+        Box::new(Recorder {
+            blocks: 24,
+            vocab,
+            log: log.clone(),
+        }),
+        cfg,
+        vec![],
+        vocab,
+    );
+    let prompts: Vec<Vec<u32>> = (0..5)
+        .map(|i| (0..(13 + 7 * i)).map(|t| (t * 3 + i) as u32 % 90).collect())
+        .collect();
+    let mut subs: Vec<Submission> = prompts
+        .iter()
+        .map(|p| {
+            h.submit(Request {
+                prompt: p.clone(),
+                params: greedy(25),
+            })
+            .unwrap()
+        })
+        .collect();
+    for (p, sub) in prompts.iter().zip(subs.iter_mut()) {
+        assert_eq!(drain(sub), expected(p, 25, vocab));
+    }
+    let log = log.lock().unwrap();
+    for step in log.iter() {
+        assert!(step.len() <= 3, "max_num_seqs exceeded: {step:?}");
+        assert!(
+            step.iter().map(|s| s.1).sum::<usize>() <= 20,
+            "token budget exceeded: {step:?}"
+        );
+    }
+    assert!(
+        log.iter()
+            .any(|s| s.iter().any(|&(start, n, want)| start > 0 && n > 1 && want)),
+        "a prompt was chunked"
+    );
+    assert!(
+        h.stats.preemptions.load(Ordering::Relaxed) > 0,
+        "blocks ran out, so something was preempted"
+    );
+    std::thread::sleep(std::time::Duration::from_millis(50));
+    assert_eq!(
+        h.stats.free_blocks.load(Ordering::Relaxed),
+        24,
+        "every block is free again"
+    );
+}
+
+#[test]
+fn prefix_cache_skips_computed_blocks_and_eos_stops() {
+    let log = Arc::new(Mutex::new(Vec::new()));
+    let vocab = 50;
+    let cfg = EngineConfig {
+        block_size: 4,
+        max_model_len: 100,
+        ..Default::default()
+    };
+    let h = spawn(
+        Box::new(Recorder {
+            blocks: 64,
+            vocab,
+            log: log.clone(),
+        }),
+        cfg,
+        vec![],
+        vocab,
+    );
+    let prompt: Vec<u32> = (0..18).collect();
+    let mut a = h
+        .submit(Request {
+            prompt: prompt.clone(),
+            params: greedy(3),
+        })
+        .unwrap();
+    let first = drain(&mut a);
+    let mut b = h
+        .submit(Request {
+            prompt: prompt.clone(),
+            params: greedy(3),
+        })
+        .unwrap();
+    assert_eq!(drain(&mut b), first);
+    let log = log.lock().unwrap();
+    // The second run's prefill starts after the 4 cached blocks (16 tokens).
+    let second_prefill = log.iter().rev().find(|s| s[0].1 > 1).unwrap();
+    assert_eq!(second_prefill[0], (16, 2, true));
+    assert_eq!(h.stats.prefix_hits.load(Ordering::Relaxed), 16);
+    drop(log);
+    // A stop token ends the sequence with reason Stop.
+    let stop = expected(&prompt, 2, vocab)[1];
+    let mut c = h
+        .submit(Request {
+            prompt,
+            params: SamplingParams {
+                stop_token_ids: vec![stop],
+                ..greedy(10)
+            },
+        })
+        .unwrap();
+    assert_eq!(drain(&mut c).len(), 2);
+}
+
+#[test]
+fn oversized_requests_are_refused_with_both_lengths() {
+    let log = Arc::new(Mutex::new(Vec::new()));
+    let cfg = EngineConfig {
+        max_model_len: 32,
+        block_size: 4,
+        ..Default::default()
+    };
+    let h = spawn(
+        Box::new(Recorder {
+            blocks: 64,
+            vocab: 10,
+            log,
+        }),
+        cfg,
+        vec![],
+        10,
+    );
+    let e = h
+        .submit(Request {
+            prompt: vec![1; 30],
+            params: greedy(5),
+        })
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        e.contains("30") && e.contains('5') && e.contains("32"),
+        "{e}"
+    );
+    let e = h
+        .submit(Request {
+            prompt: vec![11],
+            params: greedy(1),
+        })
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("vocabulary"), "{e}");
+}

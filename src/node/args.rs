@@ -1,0 +1,236 @@
+//! `kvmesh node`'s flags, and the checks they must pass before anything starts.
+
+use std::net::SocketAddr;
+
+use anyhow::bail;
+use clap::Args;
+
+use kvmesh_actors::policy::PrefixTuning;
+use kvmesh_actors::router::{DisaggConfig, RouterConfig};
+use kvmesh_actors::{Policy, Role};
+
+use crate::serve::{BackendArg, EngineArgs, HttpArgs, TraceFlags};
+
+#[derive(Args, Debug)]
+pub struct NodeArgs {
+    /// Roles this node takes: any of gateway, router, worker, prefill, decode (a gateway
+    /// needs a router; a worker prefills itself, so it goes without prefill and decode).
+    #[arg(long, value_delimiter = ',', default_value = "worker", value_parser = role)]
+    pub roles: Vec<Role>,
+    /// etcd endpoints, comma-separated (http://HOST:2379).
+    #[arg(long, value_delimiter = ',', required = true)]
+    pub etcd: Vec<String>,
+    /// The cluster's name: nodes see only members of their own cluster.
+    #[arg(long, default_value = "default")]
+    pub cluster: String,
+    /// This node's id in the cluster (default: host name and process id).
+    #[arg(long)]
+    pub node_id: Option<String>,
+    /// QUIC address to listen on (port 0 picks one).
+    #[arg(long, default_value = "127.0.0.1:0")]
+    pub listen: SocketAddr,
+    /// The address other nodes dial, when it differs from --listen (e.g. --listen 0.0.0.0:7000).
+    #[arg(long)]
+    pub advertise_addr: Option<SocketAddr>,
+    /// Gateway: HTTP host and port of the OpenAI API.
+    #[arg(long, default_value = "0.0.0.0")]
+    pub host: String,
+    #[arg(long, default_value_t = 8000)]
+    pub port: u16,
+    /// HTTP port of `/status` and `/metrics` on a node without a gateway (0 picks one).
+    #[arg(long, default_value_t = 0)]
+    pub status_port: u16,
+    /// Router: round-robin, least-loaded, power-of-two or prefix.
+    #[arg(long, default_value = "least-loaded")]
+    pub policy: Policy,
+    /// Worker: generated tokens per second one sequence gets here, until measured.
+    #[arg(long)]
+    pub capacity: Option<f64>,
+    /// Router: prefill on a prefill node only prompts with at least this many tokens the
+    /// decode node does not cache; shorter ones are prefilled by the decode node.
+    #[arg(long, default_value_t = DisaggConfig::default().min_tokens)]
+    pub disagg_min_tokens: usize,
+    /// Router: a prefill node with this many prompts queued has no room; the decode node
+    /// then prefills itself.
+    #[arg(long, default_value_t = DisaggConfig::default().max_queue)]
+    pub disagg_max_queue: usize,
+    /// Router: how many times a request whose worker is lost mid-stream moves to another
+    /// worker (which continues the sequence from the tokens already streamed) before it
+    /// ends with an error event. 0 turns migration off.
+    #[arg(long, default_value_t = RouterConfig::default().migration_limit)]
+    pub migration_limit: u32,
+    /// Router, prefix policy: a cache hit may not send a request to a worker whose backlog
+    /// (the time a request spends there apart from computing its own prompt) is more than
+    /// (1 + this) times the lowest.
+    /// `inf` lifts the bound.
+    #[arg(long, value_parser = imbalance, default_value_t = PrefixTuning::default().max_imbalance)]
+    pub prefix_max_imbalance: f64,
+    /// Decode: how KV arrives from prefill nodes: quic (streams on the node's QUIC
+    /// connection) or tcp (plain TCP to --kv-listen, for trusted networks).
+    #[arg(long, value_enum, default_value = "quic")]
+    pub kv_transport: KvTransportArg,
+    /// Decode: parallel streams (QUIC) or connections (TCP) per transfer.
+    #[arg(long, default_value_t = 4)]
+    pub kv_streams: usize,
+    /// Decode with --kv-transport tcp: the KV listener (default: the QUIC address's host,
+    /// a free port).
+    #[arg(long)]
+    pub kv_listen: Option<SocketAddr>,
+    /// Decode: a transfer that makes no progress for this many seconds is abandoned and
+    /// the prompt prefilled locally.
+    #[arg(long, default_value_t = 5.0)]
+    pub kv_transfer_timeout: f64,
+    /// Registry lease, in seconds: how long a node that vanished stays listed at most.
+    #[arg(long, default_value_t = kvmesh_discovery::DEFAULT_TTL_SECS)]
+    pub lease_ttl: i64,
+    /// Gateway: require `Authorization: Bearer <key>` on /v1 routes (and, on any node, on
+    /// /debug routes).
+    #[arg(long, env = "KVMESH_API_KEY", value_parser = crate::serve::api_key)]
+    pub api_key: Option<String>,
+    /// Serve `POST /debug/crash/{router|worker|prefill|decode}`, which makes that role panic
+    /// (to check that it is restarted). Off by default.
+    #[arg(long)]
+    pub enable_fault_injection: bool,
+    /// On SIGTERM: seconds to let running requests finish (a worker stops taking new ones
+    /// and routers see it draining at once; a gateway stops accepting connections) before
+    /// the node leaves the cluster and exits. Streams still running then move to another
+    /// worker.
+    #[arg(long, default_value_t = 30.0)]
+    pub shutdown_grace: f64,
+    /// Scale tests: host this many sim workers in this one process, each its own cluster
+    /// member (node id `ID.K` for K from 1, its own QUIC endpoint, registry record and
+    /// engine) beside the node itself. Worker role and `--backend sim` only. Each sim
+    /// engine's KV pool is real memory (about 48 KiB a block for the default model): size
+    /// it with `--num-kv-blocks`.
+    #[arg(long, default_value_t = 1)]
+    pub replicas: usize,
+    /// Publish this fingerprint instead of the node's own (tests: a record that does not
+    /// match the certificate must be refused by routers).
+    #[arg(long, hide = true)]
+    pub debug_advertise_fingerprint: Option<String>,
+    #[command(flatten)]
+    pub engine: EngineArgs,
+    #[command(flatten)]
+    pub trace: TraceFlags,
+    #[command(flatten)]
+    pub http: HttpArgs,
+}
+
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+pub enum KvTransportArg {
+    Quic,
+    Tcp,
+}
+
+/// `--roles`: one role's name; unknown names are refused with the list of known ones.
+fn role(s: &str) -> Result<Role, String> {
+    s.parse::<Role>().map_err(|e| format!("{e} in --roles"))
+}
+
+/// `--prefix-max-imbalance`: a relative bound, 0 or more (`inf`: none). A negative or NaN
+/// value would silently become "no imbalance allowed", so it is refused.
+fn imbalance(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v >= 0.0 => Ok(v),
+        _ => Err(format!(
+            "`{s}` is not a relative imbalance (0 or more, e.g. 1.0 for twice the lowest \
+             backlog; inf for no bound)"
+        )),
+    }
+}
+
+impl NodeArgs {
+    pub fn has(&self, role: Role) -> bool {
+        self.roles.contains(&role)
+    }
+
+    /// Refuses flags that cannot work together, before anything starts.
+    pub fn validate(&self) -> anyhow::Result<()> {
+        let has = |r| self.has(r);
+        if has(Role::Gateway) && !has(Role::Router) {
+            bail!("the gateway role sends requests to a router in the same node: use --roles gateway,router");
+        }
+        if has(Role::Worker) && (has(Role::Prefill) || has(Role::Decode)) {
+            bail!(
+                "a worker prefills and decodes its own requests: use --roles worker, or \
+                 --roles prefill,decode for the two roles on separate engines"
+            );
+        }
+        anyhow::ensure!(
+            self.lease_ttl >= 2,
+            "--lease-ttl must be at least 2 seconds"
+        );
+        anyhow::ensure!(
+            self.kv_transfer_timeout > 0.0,
+            "--kv-transfer-timeout must be positive"
+        );
+        anyhow::ensure!(
+            (1..=16).contains(&self.kv_streams),
+            "--kv-streams must be between 1 and 16"
+        );
+        anyhow::ensure!(self.replicas >= 1, "--replicas must be at least 1");
+        if self.replicas > 1 {
+            anyhow::ensure!(
+                self.roles == [Role::Worker],
+                "--replicas hosts extra workers: it needs --roles worker alone, not {}",
+                self.roles_joined()
+            );
+            anyhow::ensure!(
+                matches!(self.engine.backend, BackendArg::Sim),
+                "--replicas is for scale tests on --backend sim (real engines in one process \
+                 would share its compute and memory)"
+            );
+            anyhow::ensure!(
+                self.debug_advertise_fingerprint.is_none(),
+                "--replicas and --debug-advertise-fingerprint do not go together"
+            );
+        }
+        Ok(())
+    }
+
+    /// The roles as `--roles` spells them.
+    pub fn roles_joined(&self) -> String {
+        self.roles
+            .iter()
+            .map(|r| r.as_str())
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    /// What a worker declares before it has measured itself: one sequence's tokens/s.
+    pub fn declared_capacity(&self, device: &str) -> f64 {
+        if let Some(c) = self.capacity {
+            return c;
+        }
+        match self.engine.backend {
+            BackendArg::Sim => {
+                let e = &self.engine;
+                let step_s = (e.sim_decode_ms / 1e3 + e.sim_decode_us_per_seq / 1e6).max(1e-6);
+                e.sim_speed / step_s
+            }
+            BackendArg::Cpu if device.starts_with("cuda") => 100.0,
+            BackendArg::Cpu => 20.0,
+        }
+    }
+
+    /// The router's settings from the router flags.
+    pub fn router_config(&self) -> RouterConfig {
+        RouterConfig {
+            disagg: DisaggConfig {
+                min_tokens: self.disagg_min_tokens,
+                max_queue: self.disagg_max_queue,
+            },
+            migration_limit: self.migration_limit,
+            prefix: PrefixTuning {
+                max_imbalance: self.prefix_max_imbalance,
+            },
+        }
+    }
+}
+
+pub fn default_node_id() -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|s| s.trim().to_string())
+        .unwrap_or_else(|_| "node".into());
+    format!("{host}-{}", std::process::id())
+}

@@ -1,0 +1,52 @@
+//! `kvmesh node`: one member of a cluster. It publishes itself in etcd, watches the other
+//! members, and takes the roles it is given:
+//!
+//! - `worker`: runs the engine and serves requests from routers over QUIC;
+//! - `prefill`: runs an engine that computes prompts for decode workers and streams them
+//!   the KV, layer by layer;
+//! - `decode`: runs an engine that decodes, taking long prompts' KV from a prefill worker
+//!   when the router says so (and prefilling short or cached ones itself);
+//! - `router`: connects to every worker of its model and picks one per request (`--policy`),
+//!   and a prefill worker for a decode worker's long prompts;
+//! - `gateway`: the OpenAI HTTP API in front of this node's router.
+//!
+//! `--roles prefill,decode` runs both engines in one process; their KV moves by a copy from
+//! one pool into the other.
+//!
+//! Every node also serves `/status` (JSON: roles, load, uptime) and `/metrics` over HTTP,
+//! on the gateway's port or, for a node without a gateway, on `--status-port`. `kvmesh
+//! cluster status` reads the records in etcd and each node's `/status`.
+//!
+//! A node's life: its flags are checked (`args`), its engines, endpoints, record and roles
+//! started (`start`), then it serves until SIGTERM and drains (`drain`).
+
+mod args;
+mod cluster;
+mod drain;
+mod membership;
+mod replica;
+mod start;
+mod status;
+
+use anyhow::Context;
+
+pub use args::NodeArgs;
+pub use cluster::{cluster_status, ClusterStatusArgs};
+
+pub fn run(args: NodeArgs) -> anyhow::Result<()> {
+    args.validate()?;
+    let node_id = args.node_id.clone().unwrap_or_else(args::default_node_id);
+    let telemetry = args.trace.init(&node_id)?;
+    let engines = start::Engines::start(&args)?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    rt.block_on(async {
+        let started = start::start(&args, node_id, engines, telemetry.store.clone()).await?;
+        drain::serve_then_drain(&args, started).await
+    })?;
+    telemetry.shutdown();
+    Ok(())
+}

@@ -1,0 +1,486 @@
+//! Starting a node: its engines, its endpoints and record, the cores of its roles under their
+//! supervisor, and the HTTP routes it serves.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use axum::Router;
+use tokio::net::TcpListener;
+
+use kvmesh_actors::worker::{KvSide, KvTransport};
+use kvmesh_actors::{NodeRoles, Role, RoleRestarts, RouterCore, Serving, WorkerCore};
+use kvmesh_discovery::{EtcdRegistry, Membership, NodeRecord, Registration, Registry};
+use kvmesh_gateway::{AppState, ServedModel};
+use kvmesh_gpu::model::LoadedModel;
+use kvmesh_gpu::tokenizer::TextTokenizer;
+use kvmesh_transport::wire::KvLayout;
+use kvmesh_transport::{AllowList, NodeEndpoint, NodeIdentity};
+
+use super::args::{KvTransportArg, NodeArgs};
+use super::membership::{check_kv_partners, follow_allow_list, gate_router_members};
+use super::replica::{unix_ms, Replica};
+use super::status::{node_routes, NodeState, RoutedDispatch};
+use crate::serve::{start_engine, StartedEngine};
+
+/// The node's engines (worker or decode, and prefill), or, for a gateway/router node, just
+/// what it needs of the model.
+pub struct Engines {
+    generate: Option<StartedEngine>,
+    prefill: Option<StartedEngine>,
+    /// Prefill and decode roles: the KV layout both ends of a transfer share.
+    layout: Option<KvLayout>,
+    model: ModelInfo,
+}
+
+/// What a node tells others about its model, and what its gateway serves it with.
+struct ModelInfo {
+    name: String,
+    tokenizer: Arc<TextTokenizer>,
+    max_model_len: usize,
+    block_size: usize,
+    device: String,
+    fingerprint: String,
+}
+
+impl ModelInfo {
+    fn of(e: &StartedEngine) -> ModelInfo {
+        ModelInfo {
+            name: e.name.clone(),
+            tokenizer: e.tokenizer.clone(),
+            max_model_len: e.max_model_len,
+            block_size: e.block_size,
+            device: e.device.clone(),
+            fingerprint: e.fingerprint.clone(),
+        }
+    }
+
+    /// A node without an engine reads the model's files for its tokenizer and fingerprint.
+    fn without_engine(args: &NodeArgs) -> anyhow::Result<ModelInfo> {
+        let m = match &args.engine.model {
+            Some(dir) => {
+                LoadedModel::from_dir(dir).with_context(|| format!("loading {}", dir.display()))?
+            }
+            None => LoadedModel::from_embedded(&crate::embedded::DEFAULT_MODEL)
+                .context("loading the embedded model")?,
+        };
+        Ok(ModelInfo {
+            name: args
+                .engine
+                .served_model_name
+                .clone()
+                .unwrap_or_else(|| m.name.clone()),
+            tokenizer: m.tokenizer.clone(),
+            max_model_len: args
+                .engine
+                .max_model_len
+                .unwrap_or_else(|| m.config.max_context()),
+            block_size: args.engine.block_size,
+            device: "none".into(),
+            fingerprint: m.fingerprint(),
+        })
+    }
+}
+
+impl Engines {
+    pub fn start(args: &NodeArgs) -> anyhow::Result<Engines> {
+        let generate = if args.has(Role::Worker) || args.has(Role::Decode) {
+            Some(start_engine(&args.engine)?)
+        } else {
+            None
+        };
+        let prefill = if args.has(Role::Prefill) {
+            Some(start_engine(&args.engine)?)
+        } else {
+            None
+        };
+        let first = generate.as_ref().or(prefill.as_ref());
+        let layout = match first {
+            Some(e) if args.has(Role::Prefill) || args.has(Role::Decode) => Some(kv_layout(e)?),
+            _ => None,
+        };
+        let model = match first {
+            Some(e) => ModelInfo::of(e),
+            None => ModelInfo::without_engine(args)?,
+        };
+        Ok(Engines {
+            generate,
+            prefill,
+            layout,
+            model,
+        })
+    }
+}
+
+/// What a prefill and a decode engine must share for KV to mean the same on both.
+fn kv_layout(e: &StartedEngine) -> anyhow::Result<KvLayout> {
+    let spec = e
+        .handle
+        .info
+        .kv_spec
+        .clone()
+        .context("the backend has no KV layout")?;
+    anyhow::ensure!(
+        e.handle.info.kv_transfer,
+        "the {} backend keeps its KV cache in device memory, which KV transfers cannot reach \
+         yet: the prefill and decode roles need the cpu or sim backend",
+        e.device
+    );
+    // The backend family matters beyond the element type: sim KV holds no real values.
+    let family = e.device.split([' ', ':']).next().unwrap_or("");
+    let dtype = match family {
+        "sim" => format!("sim-{}", spec.dtype.as_str()),
+        _ => spec.dtype.as_str().to_string(),
+    };
+    Ok(KvLayout {
+        model: e.fingerprint.clone(),
+        dtype,
+        num_layers: spec.num_layers as u32,
+        block_size: spec.block_size as u32,
+        num_kv_heads: spec.num_kv_heads as u32,
+        head_dim: spec.head_dim as u32,
+    })
+}
+
+/// The node's sockets and its place in the registry.
+struct Network {
+    identity: NodeIdentity,
+    allowed: AllowList,
+    endpoint: NodeEndpoint,
+    /// Where other nodes dial it.
+    quic_addr: SocketAddr,
+    registry: Arc<EtcdRegistry>,
+    /// The gateway's listener, or the status listener of a node without one.
+    listener: TcpListener,
+    http_url: String,
+    /// A decode node taking KV over TCP: its KV listener and the address it advertises.
+    kv_listener: Option<Arc<TcpListener>>,
+    kv_tcp_addr: Option<SocketAddr>,
+}
+
+impl Network {
+    async fn bind(args: &NodeArgs, node_id: &str, has_layout: bool) -> anyhow::Result<Network> {
+        let identity = NodeIdentity::generate(node_id)?;
+        let allowed = AllowList::default();
+        let endpoint = NodeEndpoint::bind(args.listen, identity.clone(), allowed.clone())?;
+        let quic_addr = match args.advertise_addr {
+            Some(a) => a,
+            None => {
+                let a = endpoint.local_addr();
+                if a.ip().is_unspecified() {
+                    bail!("--listen {} is on every interface: say which address other nodes dial with --advertise-addr HOST:PORT", args.listen);
+                }
+                a
+            }
+        };
+        let registry = EtcdRegistry::connect(&args.etcd, &args.cluster, args.lease_ttl)
+            .await
+            .with_context(|| format!("joining cluster '{}'", args.cluster))?;
+        let http_addr = if args.has(Role::Gateway) {
+            format!("{}:{}", args.host, args.port)
+        } else {
+            let host = if args.listen.ip().is_unspecified() {
+                "0.0.0.0".to_string()
+            } else {
+                args.listen.ip().to_string()
+            };
+            format!("{host}:{}", args.status_port)
+        };
+        let listener = TcpListener::bind(&http_addr)
+            .await
+            .with_context(|| format!("binding {http_addr}"))?;
+        let local_http = listener.local_addr()?;
+        let http_host = if local_http.ip().is_unspecified() {
+            quic_addr.ip()
+        } else {
+            local_http.ip()
+        };
+        let http_url = format!("http://{}", SocketAddr::new(http_host, local_http.port()));
+        let kv_listener = match args.kv_transport {
+            KvTransportArg::Tcp if has_layout && args.has(Role::Decode) => {
+                let addr = args
+                    .kv_listen
+                    .unwrap_or_else(|| SocketAddr::new(quic_addr.ip(), 0));
+                let l = TcpListener::bind(addr)
+                    .await
+                    .with_context(|| format!("binding the KV listener on {addr}"))?;
+                Some(Arc::new(l))
+            }
+            _ => None,
+        };
+        let kv_tcp_addr = match &kv_listener {
+            Some(l) => {
+                let a = l.local_addr()?;
+                Some(if a.ip().is_unspecified() {
+                    SocketAddr::new(quic_addr.ip(), a.port())
+                } else {
+                    a
+                })
+            }
+            None => None,
+        };
+        Ok(Network {
+            identity,
+            allowed,
+            endpoint,
+            quic_addr,
+            registry,
+            listener,
+            http_url,
+            kv_listener,
+            kv_tcp_addr,
+        })
+    }
+}
+
+/// A node that has joined: what serving and draining it need.
+pub struct Started {
+    pub node: Arc<NodeState>,
+    pub endpoint: NodeEndpoint,
+    pub registration: Registration,
+    pub replicas: Vec<Replica>,
+    pub listener: TcpListener,
+    pub app: Router,
+}
+
+/// Binds, publishes and starts every role of the node; the HTTP server is not serving yet.
+pub async fn start(
+    args: &NodeArgs,
+    node_id: String,
+    engines: Engines,
+    spans: Arc<kvmesh_telemetry::SpanStore>,
+) -> anyhow::Result<Started> {
+    let net = Network::bind(args, &node_id, engines.layout.is_some()).await?;
+    let capacity = args.declared_capacity(&engines.model.device);
+    let record = record(args, &node_id, &engines, &net, capacity);
+    if let Some(l) = &record.kv_layout {
+        let members = net.registry.list().await?;
+        check_kv_partners(&node_id, &args.roles, &engines.model.name, l, &members)?;
+    }
+    let members = net.registry.subscribe();
+    // Members (and only members) may dial this node.
+    follow_allow_list(members.clone(), net.allowed.clone());
+    let cores = cores(args, &node_id, &engines, &net, capacity);
+    let serving = (!cores.is_empty()).then(|| Serving::new(net.endpoint.clone()));
+    let router = args.has(Role::Router).then(|| {
+        RouterCore::new(
+            node_id.clone(),
+            engines.model.name.clone(),
+            engines.model.fingerprint.clone(),
+            args.policy,
+            args.router_config(),
+            net.endpoint.clone(),
+        )
+    });
+    let (router_members_tx, router_members) = tokio::sync::watch::channel(Membership::default());
+    let restarts = Arc::new(RoleRestarts::default());
+    let supervisor = kvmesh_actors::supervisor::start(NodeRoles {
+        router: router.clone().map(|r| (r, router_members)),
+        serving: serving.clone(),
+        generate: cores.iter().find(|c| c.role.generates()).cloned(),
+        prefill: cores.iter().find(|c| c.role == Role::Prefill).cloned(),
+        restarts: restarts.clone(),
+    })
+    .await
+    .map_err(anyhow::Error::msg)?;
+    for e in engines.generate.iter().chain(engines.prefill.iter()) {
+        tokio::spawn(crate::serve::log_throughput(e.handle.clone()));
+    }
+    let registration = net.registry.register(record.clone()).await?;
+    gate_router_members(members.clone(), node_id.clone(), router_members_tx);
+    let replicas = start_replicas(args, &net, &record).await?;
+    let node = Arc::new(NodeState {
+        spans: spans.clone(),
+        record,
+        started: Instant::now(),
+        router: router.clone(),
+        serving,
+        cores,
+        restarts,
+        supervisor,
+        fault_injection: args.enable_fault_injection,
+        api_key: args.api_key.clone(),
+    });
+    let app = app(args, &node, &engines.model, members, spans);
+    log_joined(args, &node, &net, engines.layout.as_ref());
+    Ok(Started {
+        node,
+        endpoint: net.endpoint,
+        registration,
+        replicas,
+        listener: net.listener,
+        app,
+    })
+}
+
+/// The record this node publishes.
+fn record(
+    args: &NodeArgs,
+    node_id: &str,
+    engines: &Engines,
+    net: &Network,
+    capacity: f64,
+) -> NodeRecord {
+    let m = &engines.model;
+    NodeRecord {
+        node_id: node_id.to_string(),
+        cluster: args.cluster.clone(),
+        roles: args.roles.clone(),
+        quic_addr: net.quic_addr.to_string(),
+        http_url: Some(net.http_url.clone()),
+        model: m.name.clone(),
+        device: m.device.clone(),
+        capacity_tokens_per_s: capacity,
+        max_model_len: m.max_model_len,
+        block_size: m.block_size,
+        cert_sha256: args
+            .debug_advertise_fingerprint
+            .clone()
+            .unwrap_or_else(|| net.identity.fingerprint.clone()),
+        version: env!("CARGO_PKG_VERSION").into(),
+        started_unix_ms: unix_ms(),
+        kv_layout: engines.layout.as_ref().map(KvLayout::describe),
+        kv_tcp_addr: net.kv_tcp_addr.map(|a| a.to_string()),
+        draining: false,
+        model_fingerprint: Some(m.fingerprint.clone()),
+    }
+}
+
+/// The cores of the node's worker-type roles; its prefill and decode cores share one KV side,
+/// and a decode core copies from its own node's prefill core in process.
+fn cores(
+    args: &NodeArgs,
+    node_id: &str,
+    engines: &Engines,
+    net: &Network,
+    capacity: f64,
+) -> Vec<Arc<WorkerCore>> {
+    let kv = engines.layout.clone().map(|l| {
+        let transport = match net.kv_tcp_addr {
+            Some(addr) => KvTransport::Tcp {
+                addr,
+                connections: args.kv_streams,
+            },
+            None => KvTransport::Quic {
+                streams: args.kv_streams,
+            },
+        };
+        KvSide::new(
+            l,
+            transport,
+            Duration::from_secs_f64(args.kv_transfer_timeout),
+            net.endpoint.clone(),
+            net.kv_listener.clone(),
+        )
+    });
+    let core = |role, e: &StartedEngine| {
+        WorkerCore::new(
+            node_id.to_string(),
+            role,
+            e.handle.clone(),
+            capacity,
+            kv.clone(),
+        )
+    };
+    let generate = engines.generate.as_ref().map(|e| {
+        let role = if args.has(Role::Decode) {
+            Role::Decode
+        } else {
+            Role::Worker
+        };
+        core(role, e)
+    });
+    let prefill = engines.prefill.as_ref().map(|e| core(Role::Prefill, e));
+    if let (Some(g), Some(p)) = (&generate, &prefill) {
+        if g.role == Role::Decode && kv.is_some() {
+            *g.local_prefill.write() = Some(p.clone());
+        }
+    }
+    generate.into_iter().chain(prefill).collect()
+}
+
+async fn start_replicas(
+    args: &NodeArgs,
+    net: &Network,
+    record: &NodeRecord,
+) -> anyhow::Result<Vec<Replica>> {
+    let mut replicas = Vec::with_capacity(args.replicas - 1);
+    if args.replicas <= 1 {
+        return Ok(replicas);
+    }
+    let model = crate::serve::load_model(&args.engine)?;
+    for k in 1..args.replicas {
+        let r = Replica::start(
+            args,
+            &model,
+            &net.registry,
+            record,
+            format!("{}.{k}", record.node_id),
+            &net.allowed,
+        )
+        .await
+        .with_context(|| format!("starting replica {k} of {}", args.replicas))?;
+        replicas.push(r);
+    }
+    tracing::info!("{} sim workers in this process", args.replicas);
+    Ok(replicas)
+}
+
+/// The node's HTTP routes: the OpenAI API, metrics and trace viewer in front of its router
+/// (a gateway), or its status routes.
+fn app(
+    args: &NodeArgs,
+    node: &Arc<NodeState>,
+    model: &ModelInfo,
+    members: tokio::sync::watch::Receiver<Membership>,
+    spans: Arc<kvmesh_telemetry::SpanStore>,
+) -> Router {
+    let Some(r) = node.router.as_ref().filter(|_| args.has(Role::Gateway)) else {
+        return node_routes(node.clone(), true);
+    };
+    // A trace's spans are on every node it crossed: the viewer asks them all.
+    let me = node.record.node_id.clone();
+    let peers = Box::new(move || {
+        members
+            .borrow()
+            .values()
+            .filter(|r| r.node_id != me)
+            .filter_map(|r| r.http_url.clone())
+            .collect::<Vec<_>>()
+    });
+    let state = AppState::new(
+        ServedModel {
+            name: model.name.clone(),
+            tokenizer: model.tokenizer.clone(),
+            engine: Arc::new(RoutedDispatch(r.clone(), node.restarts.clone())),
+            default_max_model_len: model.max_model_len,
+        },
+        args.api_key.clone(),
+        Some(kvmesh_gateway::traces::Traces::new(spans, peers)),
+    );
+    node_routes(node.clone(), false).merge(kvmesh_gateway::router(state))
+}
+
+fn log_joined(args: &NodeArgs, node: &NodeState, net: &Network, layout: Option<&KvLayout>) {
+    let node_id = &node.record.node_id;
+    let (quic_addr, http_url) = (net.quic_addr, &net.http_url);
+    tracing::info!(
+        "node {node_id} joined cluster '{}' as {} (QUIC {quic_addr}, HTTP {http_url}, policy {})",
+        args.cluster,
+        args.roles_joined(),
+        args.policy.as_str()
+    );
+    if let Some(l) = layout {
+        tracing::info!(
+            "KV transfers: {}{}",
+            l.describe(),
+            net.kv_tcp_addr
+                .map_or(String::new(), |a| format!(", TCP listener {a}"))
+        );
+    }
+    if args.has(Role::Gateway) {
+        println!("kvmesh listening on {http_url}");
+    }
+    println!("kvmesh node {node_id} ready: quic {quic_addr} http {http_url}");
+}

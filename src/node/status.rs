@@ -1,0 +1,264 @@
+//! What a node says about itself over HTTP: `/status` (JSON: roles, load, uptime, its
+//! router's view), `/metrics` (node-level lines), `/health`, its spans of a trace, and the
+//! fault-injection hook.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::extract::{Path, State};
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde_json::{json, Value};
+
+use kvmesh_actors::{NodeMsg, Role, RoleRestarts, RouterCore, Serving, WorkerCore};
+use kvmesh_discovery::NodeRecord;
+use kvmesh_gateway::dispatch::Reply;
+use kvmesh_gateway::error::ApiError;
+use kvmesh_gateway::Dispatch;
+use kvmesh_gpu::engine::{EngineHandle, Request};
+
+/// The router as a gateway's dispatch target.
+pub struct RoutedDispatch(pub Arc<RouterCore>, pub Arc<RoleRestarts>);
+
+impl Dispatch for RoutedDispatch {
+    fn submit(&self, req: Request) -> Result<Reply, ApiError> {
+        self.0
+            .submit(req)
+            .map_err(|e| ApiError::unavailable(e.to_string()))
+    }
+
+    fn max_model_len(&self) -> Option<usize> {
+        self.0.max_model_len()
+    }
+
+    fn render_metrics(&self, out: &mut String, _model: &str) {
+        self.0.render_metrics(out);
+        render_restarts(out, &self.1);
+    }
+}
+
+pub struct NodeState {
+    /// This node's recent spans (served to gateways gathering a trace).
+    pub spans: Arc<kvmesh_telemetry::SpanStore>,
+    pub record: NodeRecord,
+    pub started: Instant,
+    pub router: Option<Arc<RouterCore>>,
+    pub serving: Option<Arc<Serving>>,
+    /// The node's worker-type cores: worker, decode, prefill.
+    pub cores: Vec<Arc<WorkerCore>>,
+    pub restarts: Arc<RoleRestarts>,
+    pub supervisor: kvmesh_actors::ActorRef<NodeMsg>,
+    pub fault_injection: bool,
+    /// When set, /debug routes need it as the API routes do.
+    pub api_key: Option<String>,
+}
+
+impl NodeState {
+    fn status(&self) -> Value {
+        let mut v = json!({
+            "node_id": self.record.node_id,
+            "cluster": self.record.cluster,
+            "roles": self.record.roles,
+            "model": self.record.model,
+            "device": self.record.device,
+            "quic_addr": self.record.quic_addr,
+            "uptime_s": self.started.elapsed().as_secs_f64(),
+            "draining": self.serving.as_ref().is_some_and(|s| s.draining()),
+            "in_flight": self.serving.as_ref().map(|s| s.in_flight()),
+            "role_restarts": Role::SUPERVISED
+                .iter()
+                .map(|r| (r.as_str().to_string(), json!(self.restarts.get(*r))))
+                .collect::<serde_json::Map<_, _>>(),
+        });
+        if let Some(r) = self.serving.as_ref().and_then(|s| s.load_report()) {
+            v["load"] = json!({
+                "running": r.running,
+                "waiting": r.waiting,
+                "tokens_in_flight": r.tokens_in_flight,
+                "kv_usage": r.kv_usage,
+                "gen_tokens_per_s": r.gen_tokens_per_s,
+                "capacity_tokens_per_s": r.capacity_tokens_per_s,
+                "requests_served": self
+                    .cores
+                    .iter()
+                    .map(|c| c.requests_served.load(Ordering::Relaxed))
+                    .sum::<u64>(),
+            });
+            if let Some(p) = r.prefill {
+                v["load"]["prefill"] = json!({
+                    "running": p.running,
+                    "waiting": p.waiting,
+                    "tokens_in_flight": p.tokens_in_flight,
+                    "kv_usage": p.kv_usage,
+                    "tokens_per_s": p.tokens_per_s,
+                });
+            }
+        }
+        if let Some(kv) = self.cores.iter().find_map(|c| c.kv.as_ref()) {
+            {
+                let st = &kv.stats;
+                v["kv"] = json!({
+                    "transport": kv.transport.name(),
+                    "layout": kv.layout.describe(),
+                    "remote": st.remote.load(Ordering::Relaxed),
+                    "cached_locally": st.cached_locally.load(Ordering::Relaxed),
+                    "fallback": st.fallback.load(Ordering::Relaxed),
+                    "sent": st.served.load(Ordering::Relaxed),
+                    "failed": st.failed.load(Ordering::Relaxed),
+                    "bytes_in": st.bytes_in.load(Ordering::Relaxed),
+                    "bytes_out": st.bytes_out.load(Ordering::Relaxed),
+                });
+            }
+        }
+        if let Some(r) = &self.router {
+            // p50 and p99 from one sort of the recent picks.
+            let recent = r.stats.picks.recent_percentiles_us(&[50.0, 99.0]);
+            v["router"] = json!({
+                "policy": r.policy.as_str(),
+                "workers": r.workers().iter().map(|w| json!({
+                    "node_id": w.record.node_id,
+                    "connected": w.connected(),
+                    "draining": w.draining(),
+                    "load": w.load(),
+                    "capacity_tokens_per_s": w.capacity(),
+                    "prompt_tokens_per_s": w.prompt_rate(),
+                    "routed": w.routed.load(Ordering::Relaxed),
+                    "kv_blocks_reported": w.kv.held(),
+                    "kv_events_synced": w.kv.synced(),
+                })).collect::<Vec<_>>(),
+                "refused": r.refused.lock().iter().map(|(id, why)| json!({
+                    "node_id": id,
+                    "reason": why,
+                })).collect::<Vec<_>>(),
+                "migrations": r.stats.migrations.load(Ordering::Relaxed),
+                "pick_time": {
+                    "count": r.stats.picks.count.load(Ordering::Relaxed),
+                    "mean_us": r.stats.picks.mean_us(),
+                    "max_us": r.stats.picks.max_ns.load(Ordering::Relaxed) as f64 / 1e3,
+                    "recent_p50_us": recent.first(),
+                    "recent_p99_us": recent.get(1),
+                },
+                "prefix_predictions": {
+                    "exact": r.stats.predictions[0].load(Ordering::Relaxed),
+                    "fewer": r.stats.predictions[1].load(Ordering::Relaxed),
+                    "more": r.stats.predictions[2].load(Ordering::Relaxed),
+                },
+            });
+        }
+        v
+    }
+
+    fn metrics(&self) -> String {
+        let mut o = String::new();
+        render_restarts(&mut o, &self.restarts);
+        let labelled = self.cores.len() > 1;
+        let engines: Vec<(Option<&str>, &EngineHandle)> = self
+            .cores
+            .iter()
+            .map(|c| (labelled.then(|| c.role.as_str()), &c.engine))
+            .collect();
+        if !engines.is_empty() {
+            kvmesh_gateway::metrics::render_engines(&mut o, &self.record.model, &engines);
+        }
+        // A node's prefill and decode cores share one KV side.
+        if let Some(kv) = self.cores.iter().find_map(|c| c.kv.as_ref()) {
+            kv.render_metrics(&mut o);
+        }
+        o
+    }
+}
+
+fn render_restarts(o: &mut String, restarts: &RoleRestarts) {
+    use std::fmt::Write;
+    let _ = writeln!(
+        o,
+        "# HELP kvmesh:role_restarts_total Roles restarted by the node supervisor after a crash.\n\
+         # TYPE kvmesh:role_restarts_total counter"
+    );
+    for role in Role::SUPERVISED {
+        let _ = writeln!(
+            o,
+            "kvmesh:role_restarts_total{{role=\"{}\"}} {}",
+            role.as_str(),
+            restarts.get(role)
+        );
+    }
+}
+
+/// `/status`, `/metrics` (node-level lines), `/health`, the node's spans of a trace, and
+/// the fault-injection hook. A gateway serves the API's, metrics and trace routes itself.
+pub fn node_routes(node: Arc<NodeState>, with_metrics: bool) -> Router {
+    let mut r = Router::new().route(
+        "/status",
+        get(|State(n): State<Arc<NodeState>>| async move { Json(n.status()) }),
+    );
+    if with_metrics {
+        r = r.route(
+            "/traces/api/spans/{trace}",
+            get(
+                |State(n): State<Arc<NodeState>>, Path(t): Path<String>| async move {
+                    Json(n.spans.trace(&t))
+                },
+            ),
+        );
+        r = r
+            .route(
+                "/metrics",
+                get(|State(n): State<Arc<NodeState>>| async move {
+                    (
+                        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+                        n.metrics(),
+                    )
+                }),
+            )
+            .route(
+                "/health",
+                get(|State(n): State<Arc<NodeState>>| async move {
+                    // A draining worker is alive but takes nothing new: not ready.
+                    if n.serving.as_ref().is_some_and(|s| s.draining()) {
+                        (
+                            StatusCode::SERVICE_UNAVAILABLE,
+                            Json(json!({"status": "draining"})),
+                        )
+                    } else {
+                        (StatusCode::OK, Json(json!({"status": "ok"})))
+                    }
+                }),
+            );
+    }
+    r.route("/debug/crash/{role}", post(crash)).with_state(node)
+}
+
+async fn crash(
+    State(n): State<Arc<NodeState>>,
+    Path(role): Path<String>,
+    headers: axum::http::HeaderMap,
+) -> Response {
+    if let Some(key) = &n.api_key {
+        if !kvmesh_gateway::authorized(&headers, key) {
+            return ApiError::unauthorized().into_response();
+        }
+    }
+    if !n.fault_injection {
+        return ApiError {
+            status: StatusCode::NOT_FOUND,
+            message: "fault injection is off (--enable-fault-injection)".into(),
+            kind: "invalid_request_error",
+            param: None,
+            code: Some("unknown_url"),
+        }
+        .into_response();
+    }
+    let Some(role) = Role::SUPERVISED.into_iter().find(|r| r.as_str() == role) else {
+        return ApiError::param(
+            "role",
+            format!("unknown role '{role}' ({})", Role::list(&Role::SUPERVISED)),
+        )
+        .into_response();
+    };
+    let _ = n.supervisor.cast(NodeMsg::Crash(role));
+    Json(json!({"crashed": role.as_str()})).into_response()
+}

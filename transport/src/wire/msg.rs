@@ -1,0 +1,257 @@
+//! Every message nodes exchange, as rkyv archives (framed by [`super::frame`]).
+//!
+//! A request is one bi-directional stream: the router writes one [`StreamRequest`], the
+//! worker answers with [`TokenEvent`]s until the last token or a failure. The router stops
+//! reading (STOP_SENDING) to cancel. Load flows the other way on a uni-directional stream
+//! the worker opens on each router connection: a [`LoadReport`] every few hundred ms.
+//!
+//! KV transfers (see [`crate::kv`] for the exchange) have their own messages at the end: a
+//! decode worker's [`PrefillRequest`], the prefill worker's [`PrefillEvent`]s, and each data
+//! stream's [`KvStreamHello`] and [`KvPiece`] headers.
+
+#[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Clone, Debug, PartialEq)]
+pub struct GenerateRequest {
+    pub request_id: u64,
+    pub prompt: Vec<u32>,
+    pub temperature: f32,
+    pub top_k: u32,
+    pub top_p: f32,
+    pub seed: Option<u64>,
+    pub max_tokens: u32,
+    pub stop_token_ids: Vec<u32>,
+    pub ignore_eos: bool,
+    pub logprobs: Option<u32>,
+    /// Seeded draws already spent on tokens another worker generated: set when a request
+    /// is continued after its worker was lost (the prompt then ends with those tokens).
+    pub resume_draws: u64,
+    /// W3C trace context of the caller's span.
+    pub traceparent: Option<String>,
+    /// The prefill worker to take the prompt's KV from, when the router disaggregates.
+    pub prefill: Option<PrefillPeer>,
+}
+
+/// A prefill worker as a decode worker needs to reach it.
+#[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Clone, Debug, PartialEq)]
+pub struct PrefillPeer {
+    pub node_id: String,
+    pub quic_addr: String,
+    pub cert_sha256: String,
+    /// Prefill remotely only when at least this many prompt tokens are not cached on the
+    /// decode worker (which knows its cache exactly; the router only estimates it).
+    pub min_tokens: u32,
+}
+
+#[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Clone, Debug, PartialEq)]
+pub struct TopLogprob {
+    pub token: u32,
+    pub logprob: f32,
+}
+
+#[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Clone, Copy, Debug, PartialEq)]
+pub enum Finish {
+    Stop,
+    Length,
+}
+
+#[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Clone, Debug, PartialEq)]
+pub enum TokenEvent {
+    Token {
+        token: u32,
+        logprob: f32,
+        top: Vec<TopLogprob>,
+        finish: Option<Finish>,
+        cached_tokens: u32,
+    },
+    /// The worker could not take the request (full queue, bad input): nothing was generated,
+    /// so `retryable` says whether another worker may succeed; `queue_full` that it is busy
+    /// (not restarting or shutting down).
+    Rejected {
+        message: String,
+        retryable: bool,
+        queue_full: bool,
+    },
+    /// Generation failed after it started.
+    Failed { message: String },
+}
+
+/// The first message on a bidirectional stream to a worker.
+#[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Clone, Debug, PartialEq)]
+pub enum StreamRequest {
+    /// A router's request to generate; answered with [`TokenEvent`]s.
+    Generate(GenerateRequest),
+    /// A decode worker's request to prefill into its blocks; answered with
+    /// [`PrefillEvent`]s, the KV itself on data streams.
+    Prefill(PrefillRequest),
+}
+
+/// The first message on a unidirectional stream, saying what it carries.
+#[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Clone, Debug, PartialEq)]
+pub enum UniHeader {
+    /// [`LoadReport`]s, from a worker to a router.
+    Load,
+    /// A KV transfer's data (see [`crate::kv`]).
+    Kv(KvStreamHello),
+    /// [`KvEventBatch`]es, from a worker to a router: which prompt prefixes its cache holds.
+    KvEvents,
+}
+
+/// Changes to the prefix blocks a worker's cache holds (by the chained block hash both
+/// sides compute from the tokens), batched. The first batch on a stream is a snapshot:
+/// the receiver replaces what it knew with `stored`. Within a batch each hash appears once,
+/// with its latest state, so the lists may be applied in any order.
+#[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Clone, Debug, Default, PartialEq)]
+pub struct KvEventBatch {
+    pub snapshot: bool,
+    pub stored: Vec<u64>,
+    pub removed: Vec<u64>,
+}
+
+/// A worker's live load, pushed to every router connected to it.
+#[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Clone, Debug, Default, PartialEq)]
+pub struct LoadReport {
+    pub running: u32,
+    pub waiting: u32,
+    /// Prompt and generated tokens of the sequences the worker holds.
+    pub tokens_in_flight: u64,
+    pub kv_usage: f32,
+    pub total_blocks: u32,
+    /// Generated tokens per second over the last report interval.
+    pub gen_tokens_per_s: f32,
+    /// Tokens per second one running sequence gets, smoothed over busy intervals (the
+    /// declared capacity until the node has been busy).
+    pub capacity_tokens_per_s: f32,
+    /// Prompt tokens per busy second (0 until measured).
+    pub prompt_tokens_per_s: f32,
+    /// A decode step's time as `base + per_seq * batch`, fitted over its recent steps, in
+    /// milliseconds (both 0 until it has decoded): how much one more sequence slows it.
+    pub step_base_ms: f32,
+    pub step_per_seq_ms: f32,
+    /// Sequences it runs at once; more wait for a slot.
+    pub max_running: u32,
+    /// The node's prefill role, when it has one: requests queued and prompt tokens held,
+    /// KV use, and prompt tokens per busy second.
+    pub prefill: Option<PrefillLoad>,
+    /// The node is shutting down: it finishes what it has and takes nothing new. Sent at
+    /// once when draining starts, so routers stop picking it within one network hop.
+    pub draining: bool,
+}
+
+#[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Clone, Debug, Default, PartialEq)]
+pub struct PrefillLoad {
+    pub running: u32,
+    pub waiting: u32,
+    pub tokens_in_flight: u64,
+    pub kv_usage: f32,
+    pub tokens_per_s: f32,
+}
+
+/// What a prefill worker and a decode worker must share for KV to mean the same on both.
+#[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Clone, Debug, PartialEq, Eq)]
+pub struct KvLayout {
+    /// The model's fingerprint (architecture, shapes, vocabulary, weights).
+    pub model: String,
+    /// Element type and backend family, e.g. "f32" (cpu), "bf16" (cuda), "sim-bf16".
+    pub dtype: String,
+    pub num_layers: u32,
+    pub block_size: u32,
+    pub num_kv_heads: u32,
+    pub head_dim: u32,
+}
+
+impl KvLayout {
+    /// Bytes of K (or V) for one position of one layer.
+    pub fn bytes_per_pos(&self) -> usize {
+        let elem = if self.dtype.ends_with("f32") { 4 } else { 2 };
+        self.num_kv_heads as usize * self.head_dim as usize * elem
+    }
+
+    pub fn describe(&self) -> String {
+        format!(
+            "model {}, KV {} with {} layers x {} KV heads x {} dims, block size {}",
+            self.model,
+            self.dtype,
+            self.num_layers,
+            self.num_kv_heads,
+            self.head_dim,
+            self.block_size
+        )
+    }
+
+    /// `None` when the two agree; otherwise what differs, naming both sides.
+    pub fn mismatch(&self, mine: &str, other: &KvLayout, theirs: &str) -> Option<String> {
+        (self != other).then(|| {
+            format!(
+                "KV layouts differ: {mine} has {}; {theirs} has {}",
+                self.describe(),
+                other.describe()
+            )
+        })
+    }
+}
+
+/// Where the prefill worker sends the bytes.
+#[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Clone, Debug, PartialEq)]
+pub enum DataPath {
+    /// Unidirectional QUIC streams opened back on the request's connection.
+    Quic { streams: u32 },
+    /// TCP connections to the decode worker's KV listener.
+    Tcp { addr: String, connections: u32 },
+}
+
+/// The decode worker asks a prefill worker to compute a prompt into its blocks.
+#[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Clone, Debug, PartialEq)]
+pub struct PrefillRequest {
+    pub transfer_id: u64,
+    /// Proves a data stream belongs to this transfer (TCP has no other authentication).
+    pub secret: u64,
+    /// The decode worker's node id, for messages.
+    pub decode_node: String,
+    /// The prompt and how to sample its first token.
+    pub request: GenerateRequest,
+    /// Positions below this are cached on the decode worker and not sent.
+    pub from_pos: u32,
+    /// The decode worker's block table for the prompt.
+    pub dest_blocks: Vec<u32>,
+    pub layout: KvLayout,
+    pub data: DataPath,
+}
+
+/// The prefill worker's answers on the request stream.
+#[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Clone, Debug, PartialEq)]
+pub enum PrefillEvent {
+    /// Admitted: computing now (`cached` positions were in its prefix cache).
+    Started { cached: u32 },
+    /// Every piece is sent; the first token and the sampler's state after drawing it.
+    Done {
+        token: u32,
+        logprob: f32,
+        top: Vec<TopLogprob>,
+        rng: Option<[u64; 4]>,
+        cached: u32,
+        bytes: u64,
+    },
+    /// Not done, and nothing more will come; `retryable` when another worker may succeed.
+    Failed { message: String, retryable: bool },
+}
+
+/// The first frame of every KV data stream.
+#[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Clone, Debug, PartialEq)]
+pub struct KvStreamHello {
+    pub transfer_id: u64,
+    pub secret: u64,
+    pub stream: u32,
+}
+
+/// One piece's header; `payload_bytes` of K then V follow it.
+#[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Clone, Debug, PartialEq)]
+pub struct KvPiece {
+    pub transfer_id: u64,
+    pub layer: u32,
+    pub first_pos: u32,
+    pub num_pos: u32,
+    /// The destination blocks these positions fall in, in order (checked by the receiver
+    /// against its own table).
+    pub blocks: Vec<u32>,
+    pub bytes_per_pos: u32,
+    pub payload_bytes: u64,
+}
