@@ -9,6 +9,7 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
+use kvmesh_telemetry::metrics::{Exposition, CONTENT_TYPE};
 use serde_json::{json, Value};
 
 use crate::complete;
@@ -102,14 +103,11 @@ async fn count_requests(State(st): State<Arc<AppState>>, req: Request, next: Nex
 }
 
 async fn metrics_page(State(st): State<Arc<AppState>>) -> Response {
-    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], {
-        // The engine's or the workers' lines, then the gateway's own.
-        let mut out = String::new();
-        st.model.engine.render_metrics(&mut out, &st.model.name);
-        out.push_str(&st.metrics.render(&st.model.name));
-        out
-    })
-        .into_response()
+    // The engine's or the workers' families, and the gateway's own.
+    let out = Exposition::new();
+    st.model.engine.render_metrics(&out, &st.model.name);
+    st.metrics.add_to(&out);
+    ([(header::CONTENT_TYPE, CONTENT_TYPE)], out.render()).into_response()
 }
 
 async fn models(State(st): State<Arc<AppState>>) -> Json<Value> {

@@ -7,6 +7,7 @@ use std::pin::Pin;
 use std::task::Poll;
 
 use kvmesh_gpu::engine::{EngineHandle, Progress, Request, SeqEvent, Submission};
+use kvmesh_telemetry::metrics::Exposition;
 use tokio::sync::mpsc;
 
 use crate::error::ApiError;
@@ -16,8 +17,8 @@ pub trait Dispatch: Send + Sync + 'static {
     fn submit(&self, req: Request) -> Result<Reply, ApiError>;
     /// The longest prompt + completion accepted, in tokens; `None` while nothing can serve.
     fn max_model_len(&self) -> Option<usize>;
-    /// Prometheus lines about the engine or the workers behind this gateway.
-    fn render_metrics(&self, out: &mut String, model: &str);
+    /// Metric families about the engine or the workers behind this gateway.
+    fn render_metrics(&self, out: &Exposition, model: &str);
     /// Whether the engine runs in this process, so the gateway traces its phases (queue,
     /// prefill, decode) itself; a remote worker traces its own.
     fn is_local(&self) -> bool {
@@ -41,7 +42,7 @@ impl Dispatch for EngineHandle {
         Some(self.info.config.max_model_len)
     }
 
-    fn render_metrics(&self, out: &mut String, model: &str) {
+    fn render_metrics(&self, out: &Exposition, model: &str) {
         crate::metrics::render_engine(out, model, self)
     }
 

@@ -54,9 +54,9 @@ impl AppState {
         }
         let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
         Arc::new(AppState {
+            metrics: Arc::new(Metrics::new(&model.name)),
             model,
             api_key,
-            metrics: Arc::new(Metrics::default()),
             created: unix_now(),
             traces,
             bytes_per_token,

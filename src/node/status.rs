@@ -19,6 +19,7 @@ use kvmesh_gateway::dispatch::Reply;
 use kvmesh_gateway::error::ApiError;
 use kvmesh_gateway::Dispatch;
 use kvmesh_gpu::engine::{EngineHandle, Request};
+use kvmesh_telemetry::metrics::{Exposition, CONTENT_TYPE};
 
 /// The router as a gateway's dispatch target.
 pub struct RoutedDispatch(pub Arc<RouterCore>, pub Arc<RoleRestarts>);
@@ -34,7 +35,7 @@ impl Dispatch for RoutedDispatch {
         self.0.max_model_len()
     }
 
-    fn render_metrics(&self, out: &mut String, _model: &str) {
+    fn render_metrics(&self, out: &Exposition, _model: &str) {
         self.0.render_metrics(out);
         render_restarts(out, &self.1);
     }
@@ -152,8 +153,8 @@ impl NodeState {
     }
 
     fn metrics(&self) -> String {
-        let mut o = String::new();
-        render_restarts(&mut o, &self.restarts);
+        let o = Exposition::new();
+        render_restarts(&o, &self.restarts);
         let labelled = self.cores.len() > 1;
         let engines: Vec<(Option<&str>, &EngineHandle)> = self
             .cores
@@ -161,31 +162,23 @@ impl NodeState {
             .map(|c| (labelled.then(|| c.role.as_str()), &c.engine))
             .collect();
         if !engines.is_empty() {
-            kvmesh_gateway::metrics::render_engines(&mut o, &self.record.model, &engines);
+            kvmesh_gateway::metrics::render_engines(&o, &self.record.model, &engines);
         }
         // A node's prefill and decode cores share one KV side.
         if let Some(kv) = self.cores.iter().find_map(|c| c.kv.as_ref()) {
-            kv.render_metrics(&mut o);
+            kv.render_metrics(&o);
         }
-        o
+        o.render()
     }
 }
 
-fn render_restarts(o: &mut String, restarts: &RoleRestarts) {
-    use std::fmt::Write;
-    let _ = writeln!(
-        o,
-        "# HELP kvmesh:role_restarts_total Roles restarted by the node supervisor after a crash.\n\
-         # TYPE kvmesh:role_restarts_total counter"
+fn render_restarts(o: &Exposition, restarts: &RoleRestarts) {
+    o.counters(
+        "kvmesh:role_restarts_total",
+        "Roles restarted by the node supervisor after a crash.",
+        &["role"],
+        Role::SUPERVISED.map(|r| (vec![r.as_str()], restarts.get(r) as f64)),
     );
-    for role in Role::SUPERVISED {
-        let _ = writeln!(
-            o,
-            "kvmesh:role_restarts_total{{role=\"{}\"}} {}",
-            role.as_str(),
-            restarts.get(role)
-        );
-    }
 }
 
 /// `/status`, `/metrics` (node-level lines), `/health`, the node's spans of a trace, and
@@ -208,10 +201,7 @@ pub fn node_routes(node: Arc<NodeState>, with_metrics: bool) -> Router {
             .route(
                 "/metrics",
                 get(|State(n): State<Arc<NodeState>>| async move {
-                    (
-                        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
-                        n.metrics(),
-                    )
+                    ([(header::CONTENT_TYPE, CONTENT_TYPE)], n.metrics())
                 }),
             )
             .route(

@@ -12,6 +12,7 @@
 //!
 //! Log lines (every other target) go to stderr as before, filtered by `RUST_LOG`.
 
+pub mod metrics;
 pub mod phases;
 pub mod store;
 pub mod view;

@@ -35,6 +35,7 @@ use kvmesh_discovery::{Membership, Role};
 use kvmesh_gateway::dispatch::{Driven, Event, Reply};
 use kvmesh_gpu::engine::Request;
 use kvmesh_gpu::kv_cache::block_hashes;
+use kvmesh_telemetry::metrics::Exposition;
 use kvmesh_telemetry::TARGET;
 use kvmesh_transport::wire::{GenerateRequest, PrefillPeer};
 use kvmesh_transport::NodeEndpoint;
@@ -284,8 +285,8 @@ impl RouterCore {
         attempt.record("predicted_cached_tokens", expected);
     }
 
-    /// Prometheus lines for the router's view of the cluster.
-    pub fn render_metrics(&self, out: &mut String) {
+    /// The metric families of the router's view of the cluster.
+    pub fn render_metrics(&self, out: &Exposition) {
         stats::render(&self.stats, &self.workers(), out);
     }
 }

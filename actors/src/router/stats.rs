@@ -5,6 +5,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use kvmesh_telemetry::metrics::{histogram, Exposition, Histogram};
 use parking_lot::Mutex;
 
 use super::links::WorkerLink;
@@ -28,21 +29,38 @@ pub struct RouterStats {
     pub picks: PickTimes,
 }
 
-/// Upper bounds of the pick-time histogram's buckets, in microseconds.
-const PICK_BUCKETS_US: [u64; 10] = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000];
+/// Upper bounds of the pick-time histogram's buckets, in seconds (1 µs to 1 ms).
+const PICK_BUCKETS_S: [f64; 10] = [
+    0.000001, 0.000002, 0.000005, 0.00001, 0.00002, 0.00005, 0.0001, 0.0002, 0.0005, 0.001,
+];
 
 /// The time each routing decision took: from reading the worker set to the policy's pick
 /// (building every candidate and the prompt's cached blocks included; describing the
 /// candidates for a sampled trace not).
-#[derive(Default)]
 pub struct PickTimes {
     pub count: AtomicU64,
     pub sum_ns: AtomicU64,
     pub max_ns: AtomicU64,
-    /// Picks at most each of [`PICK_BUCKETS_US`] (not cumulative).
-    buckets: [AtomicU64; PICK_BUCKETS_US.len()],
+    /// `kvmesh:router_pick_seconds`.
+    histogram: Histogram,
     /// The last [`RECENT_PICKS`] times, in ns (a ring), for percentiles.
     recent: Mutex<(Vec<u32>, usize)>,
+}
+
+impl Default for PickTimes {
+    fn default() -> PickTimes {
+        PickTimes {
+            count: AtomicU64::new(0),
+            sum_ns: AtomicU64::new(0),
+            max_ns: AtomicU64::new(0),
+            histogram: histogram(
+                "kvmesh:router_pick_seconds",
+                "Time a routing decision takes (every candidate built and the policy's pick).",
+                &PICK_BUCKETS_S,
+            ),
+            recent: Mutex::new((Vec::new(), 0)),
+        }
+    }
 }
 
 /// How many recent pick times the percentiles are taken over.
@@ -54,9 +72,7 @@ impl PickTimes {
         self.count.fetch_add(1, Ordering::Relaxed);
         self.sum_ns.fetch_add(ns, Ordering::Relaxed);
         self.max_ns.fetch_max(ns, Ordering::Relaxed);
-        if let Some(b) = PICK_BUCKETS_US.iter().position(|&us| ns <= us * 1000) {
-            self.buckets[b].fetch_add(1, Ordering::Relaxed);
-        }
+        self.histogram.observe(took.as_secs_f64());
         let mut recent = self.recent.lock();
         let (ring, next) = &mut *recent;
         let v = ns.min(u64::from(u32::MAX)) as u32;
@@ -93,24 +109,9 @@ impl PickTimes {
         self.sum_ns.load(Ordering::Relaxed) as f64 / n as f64 / 1e3
     }
 
-    /// A Prometheus histogram, in seconds.
-    fn render(&self, out: &mut String) {
-        use std::fmt::Write;
-        let name = "kvmesh:router_pick_seconds";
-        let _ = writeln!(
-            out,
-            "# HELP {name} Time a routing decision takes (every candidate built and the \
-             policy's pick).\n# TYPE {name} histogram"
-        );
-        let mut below = 0;
-        for (us, b) in PICK_BUCKETS_US.iter().zip(&self.buckets) {
-            below += b.load(Ordering::Relaxed);
-            let _ = writeln!(out, "{name}_bucket{{le=\"{}\"}} {below}", *us as f64 / 1e6);
-        }
-        let count = self.count.load(Ordering::Relaxed);
-        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {count}");
-        let sum = self.sum_ns.load(Ordering::Relaxed) as f64 / 1e9;
-        let _ = writeln!(out, "{name}_sum {sum}\n{name}_count {count}");
+    /// The pick-time histogram, in seconds.
+    fn render(&self, out: &Exposition) {
+        out.add(self.histogram.clone());
     }
 }
 
@@ -146,124 +147,101 @@ impl Decision {
     }
 }
 
-/// Prometheus lines for the router's view of the cluster.
-pub fn render(s: &RouterStats, workers: &[Arc<WorkerLink>], out: &mut String) {
-    use std::fmt::Write;
-    let mut counter = |name: &str, help: &str, v: u64| {
-        let _ = writeln!(
-            out,
-            "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}"
-        );
-    };
-    counter(
+/// The metric families of the router's view of the cluster.
+pub fn render(s: &RouterStats, workers: &[Arc<WorkerLink>], out: &Exposition) {
+    fn id(w: &Arc<WorkerLink>) -> Vec<&str> {
+        vec![w.record.node_id.as_str()]
+    }
+    let n = |a: &AtomicU64| a.load(Ordering::Relaxed) as f64;
+    out.counter(
         "kvmesh:router_requests_total",
         "Requests sent to workers, retries included.",
-        s.routed.load(Ordering::Relaxed),
+        n(&s.routed),
     );
-    counter(
+    out.counter(
         "kvmesh:router_queue_full_total",
         "Requests refused with 429 because every worker's queue was full.",
-        s.full.load(Ordering::Relaxed),
+        n(&s.full),
     );
-    counter(
+    out.counter(
         "kvmesh:router_retries_total",
         "Requests moved to another worker before their first token.",
-        s.retries.load(Ordering::Relaxed),
+        n(&s.retries),
     );
-    counter(
+    out.counter(
         "kvmesh:router_midstream_failures_total",
         "Requests that ended with an error because their worker was lost mid-stream and the \
          migration limit was reached.",
-        s.failed_midstream.load(Ordering::Relaxed),
+        n(&s.failed_midstream),
     );
-    counter(
+    out.counter(
         "kvmesh:migrations_total",
         "Requests moved to another worker after tokens were streamed (their worker lost).",
-        s.migrations.load(Ordering::Relaxed),
+        n(&s.migrations),
     );
-    counter(
+    out.counter(
         "kvmesh:router_no_worker_total",
         "Requests refused because no worker could take them.",
-        s.no_worker.load(Ordering::Relaxed),
+        n(&s.no_worker),
     );
-    let _ = writeln!(
-        out,
-        "# HELP kvmesh:disagg_decisions_total Requests routed to decode nodes, by whether \
-         and why their prompt was prefilled elsewhere.\n# TYPE kvmesh:disagg_decisions_total counter"
+    out.counters(
+        "kvmesh:disagg_decisions_total",
+        "Requests routed to decode nodes, by whether and why their prompt was prefilled \
+         elsewhere.",
+        &["reason"],
+        Decision::ALL.map(|d| (vec![d.as_str()], n(&s.disagg[d as usize]))),
     );
-    for d in Decision::ALL {
-        let _ = writeln!(
-            out,
-            "kvmesh:disagg_decisions_total{{reason=\"{}\"}} {}",
-            d.as_str(),
-            s.disagg[d as usize].load(Ordering::Relaxed)
-        );
-    }
-    let _ = writeln!(
-        out,
-        "# HELP kvmesh:router_prefix_predictions_total Prefix routing: the cached prompt \
-         tokens expected from the worker's KV events against those it reported.\n\
-         # TYPE kvmesh:router_prefix_predictions_total counter"
+    out.counters(
+        "kvmesh:router_prefix_predictions_total",
+        "Prefix routing: the cached prompt tokens expected from the worker's KV events \
+         against those it reported.",
+        &["outcome"],
+        ["exact", "fewer", "more"]
+            .iter()
+            .zip(&s.predictions)
+            .map(|(o, v)| (vec![*o], n(v))),
     );
-    for (k, outcome) in ["exact", "fewer", "more"].iter().enumerate() {
-        let _ = writeln!(
-            out,
-            "kvmesh:router_prefix_predictions_total{{outcome=\"{outcome}\"}} {}",
-            s.predictions[k].load(Ordering::Relaxed)
-        );
-    }
     s.picks.render(out);
-    let _ = writeln!(
-        out,
-        "# HELP kvmesh:router_workers_routable Workers connected and in routing.\n\
-         # TYPE kvmesh:router_workers_routable gauge\nkvmesh:router_workers_routable {}",
+    out.gauge(
+        "kvmesh:router_workers_routable",
+        "Workers connected and in routing.",
         workers
             .iter()
             .filter(|w| w.available() && w.generates())
-            .count()
+            .count() as f64,
     );
-    let _ = writeln!(
-        out,
-        "# HELP kvmesh:router_prefill_workers_connected Prefill nodes connected and reporting, available to decode nodes.\n\
-         # TYPE kvmesh:router_prefill_workers_connected gauge\nkvmesh:router_prefill_workers_connected {}",
-        workers.iter().filter(|w| w.prefill_ready()).count()
+    out.gauge(
+        "kvmesh:router_prefill_workers_connected",
+        "Prefill nodes connected and reporting, available to decode nodes.",
+        workers.iter().filter(|w| w.prefill_ready()).count() as f64,
     );
-    let _ = writeln!(out, "# TYPE kvmesh:prefill_routed_total counter");
-    for w in workers.iter().filter(|w| w.prefills()) {
-        let _ = writeln!(
-            out,
-            "kvmesh:prefill_routed_total{{worker=\"{}\"}} {}",
-            w.record.node_id,
-            w.prefilled.load(Ordering::Relaxed)
-        );
-    }
-    let _ = writeln!(out, "# TYPE kvmesh:worker_routed_total counter");
-    for w in workers {
-        let _ = writeln!(
-            out,
-            "kvmesh:worker_routed_total{{worker=\"{}\"}} {}",
-            w.record.node_id,
-            w.routed.load(Ordering::Relaxed)
-        );
-    }
-    let _ = writeln!(out, "# TYPE kvmesh:worker_load gauge");
-    for w in workers {
-        let _ = writeln!(
-            out,
-            "kvmesh:worker_load{{worker=\"{}\"}} {}",
-            w.record.node_id,
-            w.load()
-        );
-    }
-    let _ = writeln!(out, "# TYPE kvmesh:worker_capacity_tokens_per_s gauge");
-    for w in workers {
-        let _ = writeln!(
-            out,
-            "kvmesh:worker_capacity_tokens_per_s{{worker=\"{}\"}} {:.1}",
-            w.record.node_id,
-            w.capacity()
-        );
-    }
+    out.counters(
+        "kvmesh:prefill_routed_total",
+        "Prompts sent to each prefill node.",
+        &["worker"],
+        workers
+            .iter()
+            .filter(|w| w.prefills())
+            .map(|w| (id(w), n(&w.prefilled))),
+    );
+    out.counters(
+        "kvmesh:worker_routed_total",
+        "Requests sent to each worker.",
+        &["worker"],
+        workers.iter().map(|w| (id(w), n(&w.routed))),
+    );
+    out.gauges(
+        "kvmesh:worker_load",
+        "Requests queued or running on each worker, as this router counts them.",
+        &["worker"],
+        workers.iter().map(|w| (id(w), w.load())),
+    );
+    out.gauges(
+        "kvmesh:worker_capacity_tokens_per_s",
+        "Generated tokens per second one sequence gets on each worker, as it reported.",
+        &["worker"],
+        workers.iter().map(|w| (id(w), w.capacity())),
+    );
 }
 
 #[cfg(test)]
@@ -281,8 +259,9 @@ mod tests {
         assert_eq!(t.recent_percentiles_us(&[0.0, 100.0]), vec![977.0, 2000.0]);
         assert_eq!(t.count.load(Ordering::Relaxed), 2000);
         assert!((t.mean_us() - 1000.5).abs() < 1e-9);
-        let mut out = String::new();
-        t.render(&mut out);
+        let exposition = Exposition::new();
+        t.render(&exposition);
+        let out = exposition.render();
         assert!(
             out.contains("kvmesh:router_pick_seconds_bucket{le=\"0.00001\"} 10\n"),
             "{out}"

@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use kvmesh_gpu::engine::KvLease;
 use kvmesh_gpu::kv_pool::KvKind;
+use kvmesh_telemetry::metrics::Exposition;
 use kvmesh_transport::kv::streams::KvInbox;
 use kvmesh_transport::kv::HostRegion;
 use kvmesh_transport::wire::{self, KvLayout, PrefillPeer, UniHeader};
@@ -115,50 +116,36 @@ impl KvSide {
         })
     }
 
-    /// Prometheus lines.
-    pub fn render_metrics(&self, out: &mut String) {
-        use std::fmt::Write;
+    /// The KV transfers' metric families.
+    pub fn render_metrics(&self, out: &Exposition) {
         let s = &self.stats;
-        let _ = writeln!(
-            out,
-            "# HELP kvmesh:disagg_prefills_total Prompts of disaggregated requests on this decode worker, by where they were prefilled.\n\
-             # TYPE kvmesh:disagg_prefills_total counter"
+        let n = |a: &AtomicU64| a.load(Ordering::Relaxed) as f64;
+        out.counters(
+            "kvmesh:disagg_prefills_total",
+            "Prompts of disaggregated requests on this decode worker, by where they were prefilled.",
+            &["outcome"],
+            [
+                (vec!["remote"], n(&s.remote)),
+                (vec!["cached_locally"], n(&s.cached_locally)),
+                (vec!["fallback"], n(&s.fallback)),
+            ],
         );
-        for (outcome, v) in [
-            ("remote", &s.remote),
-            ("cached_locally", &s.cached_locally),
-            ("fallback", &s.fallback),
-        ] {
-            let _ = writeln!(
-                out,
-                "kvmesh:disagg_prefills_total{{outcome=\"{outcome}\"}} {}",
-                v.load(Ordering::Relaxed)
-            );
-        }
-        let _ = writeln!(
-            out,
-            "# HELP kvmesh:kv_transfer_bytes_total KV bytes moved between workers.\n\
-             # TYPE kvmesh:kv_transfer_bytes_total counter\n\
-             kvmesh:kv_transfer_bytes_total{{direction=\"in\"}} {}\n\
-             kvmesh:kv_transfer_bytes_total{{direction=\"out\"}} {}",
-            s.bytes_in.load(Ordering::Relaxed),
-            s.bytes_out.load(Ordering::Relaxed)
+        out.counters(
+            "kvmesh:kv_transfer_bytes_total",
+            "KV bytes moved between workers.",
+            &["direction"],
+            [(vec!["in"], n(&s.bytes_in)), (vec!["out"], n(&s.bytes_out))],
         );
-        let _ = writeln!(
-            out,
-            "# HELP kvmesh:kv_transfer_seconds_total Time from reserving blocks to the KV landing, over remote prefills.\n\
-             # TYPE kvmesh:kv_transfer_seconds_total counter\n\
-             kvmesh:kv_transfer_seconds_total {:.6}",
-            s.transfer_us.load(Ordering::Relaxed) as f64 / 1e6
+        out.counter(
+            "kvmesh:kv_transfer_seconds_total",
+            "Time from reserving blocks to the KV landing, over remote prefills.",
+            n(&s.transfer_us) / 1e6,
         );
-        let _ = writeln!(
-            out,
-            "# HELP kvmesh:prefill_transfers_total Transfers this prefill worker took, by outcome.\n\
-             # TYPE kvmesh:prefill_transfers_total counter\n\
-             kvmesh:prefill_transfers_total{{outcome=\"sent\"}} {}\n\
-             kvmesh:prefill_transfers_total{{outcome=\"failed\"}} {}",
-            s.served.load(Ordering::Relaxed),
-            s.failed.load(Ordering::Relaxed)
+        out.counters(
+            "kvmesh:prefill_transfers_total",
+            "Transfers this prefill worker took, by outcome.",
+            &["outcome"],
+            [(vec!["sent"], n(&s.served)), (vec!["failed"], n(&s.failed))],
         );
     }
 }
