@@ -294,102 +294,158 @@ fn shortest(x: f32) -> Value {
         .map_or(Value::Null, Value::from)
 }
 
+/// The text view of `model inspect`, one labelled line per aspect.
 fn render(r: &Value) -> String {
-    let s = |k: &str| r[k].as_str().unwrap_or("-").to_string();
-    let n = |k: &str| r[k].as_u64().unwrap_or(0);
-    let yes = |k: &str| {
-        if r[k].as_bool() == Some(true) {
-            "yes"
-        } else {
-            "no"
-        }
-    };
-    let mut out = String::new();
-    let mut line = |k: &str, v: String| out.push_str(&format!("{k:<15}{v}\n"));
-    line(
-        "model",
-        match r["path"].as_str() {
-            Some(p) => format!("{} ({p})", s("name")),
-            None => format!("{} (embedded)", s("name")),
-        },
-    );
-    line("family", format!("{} ({})", s("family"), s("architecture")));
-    line(
-        "shape",
-        format!(
-            "{} layers, hidden {}, intermediate {}, {} heads / {} kv heads of {}, vocab {} (tokenizer {})",
-            n("num_layers"),
-            n("hidden_size"),
-            n("intermediate_size"),
-            n("num_heads"),
-            n("num_kv_heads"),
-            n("head_dim"),
-            n("vocab_size"),
-            n("tokenizer_vocab_size")
+    let mut lines = vec![
+        (
+            "model",
+            match r["path"].as_str() {
+                Some(p) => format!("{} ({p})", text(r, "name")),
+                None => format!("{} (embedded)", text(r, "name")),
+            },
         ),
-    );
+        (
+            "family",
+            format!("{} ({})", text(r, "family"), text(r, "architecture")),
+        ),
+        ("shape", shape(r)),
+        ("parameters", parameters(r)),
+        ("layers", layers(r)),
+        ("rope", rope(r)),
+        ("attention", attention(r)),
+        (
+            "max context",
+            format!(
+                "{} tokens ({})",
+                num(r, "max_context"),
+                text(r, "max_context_from")
+            ),
+        ),
+        (
+            "tokens",
+            format!(
+                "bos {}, eos {} (from {})",
+                r["bos_token_id"],
+                r["eos_token_ids"],
+                text(r, "eos_source")
+            ),
+        ),
+        (
+            "chat template",
+            r["chat_template"]
+                .as_str()
+                .unwrap_or("none (chat completions are refused)")
+                .to_string(),
+        ),
+        ("KV per token", {
+            let kv = &r["kv_bytes_per_token"];
+            format!(
+                "{} bytes as bf16 (cuda, sim), {} bytes as f32 (cpu)",
+                kv["bf16"], kv["f32"]
+            )
+        }),
+        ("ignored", ignored(r)),
+    ];
+    for note in r["notes"].as_array().into_iter().flatten() {
+        lines.push(("note", note.as_str().unwrap_or("").to_string()));
+    }
+    lines
+        .into_iter()
+        .map(|(k, v)| format!("{k:<15}{v}\n"))
+        .collect()
+}
+
+fn text(r: &Value, k: &str) -> String {
+    r[k].as_str().unwrap_or("-").to_string()
+}
+
+fn num(r: &Value, k: &str) -> u64 {
+    r[k].as_u64().unwrap_or(0)
+}
+
+fn yes(r: &Value, k: &str) -> &'static str {
+    if r[k].as_bool() == Some(true) {
+        "yes"
+    } else {
+        "no"
+    }
+}
+
+fn shape(r: &Value) -> String {
+    format!(
+        "{} layers, hidden {}, intermediate {}, {} heads / {} kv heads of {}, vocab {} (tokenizer {})",
+        num(r, "num_layers"),
+        num(r, "hidden_size"),
+        num(r, "intermediate_size"),
+        num(r, "num_heads"),
+        num(r, "num_kv_heads"),
+        num(r, "head_dim"),
+        num(r, "vocab_size"),
+        num(r, "tokenizer_vocab_size")
+    )
+}
+
+fn parameters(r: &Value) -> String {
     let w = &r["weights"];
     let dtypes: Vec<String> = w["dtypes"]
         .as_object()
         .map(|o| o.iter().map(|(k, v)| format!("{k} x{v}")).collect())
         .unwrap_or_default();
-    line(
-        "parameters",
-        format!(
-            "{:.2}M; {} tensors, {:.1} MB stored ({}); config dtype {}",
-            n("parameters") as f64 / 1e6,
-            w["tensors"],
-            w["bytes"].as_u64().unwrap_or(0) as f64 / 1e6,
-            dtypes.join(", "),
-            r["declared_dtype"].as_str().unwrap_or("not given")
-        ),
-    );
-    line(
-        "layers",
-        format!(
-            "RMSNorm eps {}, silu MLP; q/k/v bias {}, o_proj bias {}, mlp bias {}, q/k norm {}; tied embeddings {}",
-            r["rms_norm_eps"],
-            yes("qkv_bias"),
-            yes("o_bias"),
-            yes("mlp_bias"),
-            yes("qk_norm"),
-            yes("tie_word_embeddings")
-        ),
-    );
+    format!(
+        "{:.2}M; {} tensors, {:.1} MB stored ({}); config dtype {}",
+        num(r, "parameters") as f64 / 1e6,
+        w["tensors"],
+        w["bytes"].as_u64().unwrap_or(0) as f64 / 1e6,
+        dtypes.join(", "),
+        r["declared_dtype"].as_str().unwrap_or("not given")
+    )
+}
+
+fn layers(r: &Value) -> String {
+    format!(
+        "RMSNorm eps {}, silu MLP; q/k/v bias {}, o_proj bias {}, mlp bias {}, q/k norm {}; tied embeddings {}",
+        r["rms_norm_eps"],
+        yes(r, "qkv_bias"),
+        yes(r, "o_bias"),
+        yes(r, "mlp_bias"),
+        yes(r, "qk_norm"),
+        yes(r, "tie_word_embeddings")
+    )
+}
+
+fn rope(r: &Value) -> String {
     let rope = &r["rope"];
+    let shown_apart = [
+        "type",
+        "theta",
+        "read_from",
+        "attention_factor",
+        "depends_on_sequence_length",
+    ];
     let extras: Vec<String> = rope
         .as_object()
         .map(|o| {
             o.iter()
-                .filter(|(k, _)| {
-                    ![
-                        "type",
-                        "theta",
-                        "read_from",
-                        "attention_factor",
-                        "depends_on_sequence_length",
-                    ]
-                    .contains(&k.as_str())
-                })
+                .filter(|(k, _)| !shown_apart.contains(&k.as_str()))
                 .map(|(k, v)| format!("{k} {v}"))
                 .collect()
         })
         .unwrap_or_default();
-    line(
-        "rope",
-        format!(
-            "{}, theta {}{}; attention factor {} (read from {})",
-            rope["type"].as_str().unwrap_or("?"),
-            rope["theta"],
-            if extras.is_empty() {
-                String::new()
-            } else {
-                format!(", {}", extras.join(", "))
-            },
-            rope["attention_factor"],
-            rope["read_from"].as_str().unwrap_or("?")
-        ),
-    );
+    format!(
+        "{}, theta {}{}; attention factor {} (read from {})",
+        rope["type"].as_str().unwrap_or("?"),
+        rope["theta"],
+        if extras.is_empty() {
+            String::new()
+        } else {
+            format!(", {}", extras.join(", "))
+        },
+        rope["attention_factor"],
+        rope["read_from"].as_str().unwrap_or("?")
+    )
+}
+
+fn attention(r: &Value) -> String {
     let windows = r["layer_windows"].as_array().cloned().unwrap_or_default();
     let sliding: Vec<String> = windows
         .iter()
@@ -397,55 +453,27 @@ fn render(r: &Value) -> String {
         .filter(|(_, w)| !w.is_null())
         .map(|(i, _)| i.to_string())
         .collect();
-    line(
-        "attention",
-        if sliding.is_empty() {
-            format!(
-                "causal over the whole context on every layer; scale {}",
-                r["attention_scale"]
-            )
-        } else if sliding.len() == windows.len() {
-            format!(
-                "sliding window of {} tokens on every layer; scale {}",
-                r["sliding_window"], r["attention_scale"]
-            )
-        } else {
-            format!(
-                "sliding window of {} tokens on layers {}, whole context on the others; scale {}",
-                r["sliding_window"],
-                sliding.join(","),
-                r["attention_scale"]
-            )
-        },
-    );
-    line(
-        "max context",
-        format!("{} tokens ({})", n("max_context"), s("max_context_from")),
-    );
-    line(
-        "tokens",
+    if sliding.is_empty() {
         format!(
-            "bos {}, eos {} (from {})",
-            r["bos_token_id"],
-            r["eos_token_ids"],
-            s("eos_source")
-        ),
-    );
-    line(
-        "chat template",
-        r["chat_template"]
-            .as_str()
-            .unwrap_or("none (chat completions are refused)")
-            .to_string(),
-    );
-    let kv = &r["kv_bytes_per_token"];
-    line(
-        "KV per token",
+            "causal over the whole context on every layer; scale {}",
+            r["attention_scale"]
+        )
+    } else if sliding.len() == windows.len() {
         format!(
-            "{} bytes as bf16 (cuda, sim), {} bytes as f32 (cpu)",
-            kv["bf16"], kv["f32"]
-        ),
-    );
+            "sliding window of {} tokens on every layer; scale {}",
+            r["sliding_window"], r["attention_scale"]
+        )
+    } else {
+        format!(
+            "sliding window of {} tokens on layers {}, whole context on the others; scale {}",
+            r["sliding_window"],
+            sliding.join(","),
+            r["attention_scale"]
+        )
+    }
+}
+
+fn ignored(r: &Value) -> String {
     let ignored: Vec<String> = r["ignored_config_fields"]
         .as_array()
         .map(|a| {
@@ -454,16 +482,9 @@ fn render(r: &Value) -> String {
                 .collect()
         })
         .unwrap_or_default();
-    line(
-        "ignored",
-        if ignored.is_empty() {
-            "nothing".into()
-        } else {
-            format!("{} (they do not change the math)", ignored.join(", "))
-        },
-    );
-    for note in r["notes"].as_array().into_iter().flatten() {
-        out.push_str(&format!("{:<15}{}\n", "note", note.as_str().unwrap_or("")));
+    if ignored.is_empty() {
+        "nothing".into()
+    } else {
+        format!("{} (they do not change the math)", ignored.join(", "))
     }
-    out
 }

@@ -11,6 +11,7 @@ use kvmesh_telemetry::metrics::Exposition;
 use tokio::sync::mpsc;
 
 use crate::error::ApiError;
+pub use crate::error::Unavailable;
 
 pub trait Dispatch: Send + Sync + 'static {
     /// Queues a request, or says why it cannot be (bad input, full queue, no worker).
@@ -53,18 +54,6 @@ impl Dispatch for EngineHandle {
     fn vocab_size(&self) -> Option<usize> {
         Some(self.info.vocab_size)
     }
-}
-
-/// Why a routed request found no worker.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Unavailable {
-    /// Every worker's queue is full (HTTP 429, as on one node).
-    QueueFull,
-    /// No worker is there, or none could take it in time (HTTP 503).
-    NoWorker,
-    /// Its worker was lost before anything reached the client, and no other could
-    /// continue it (HTTP 502).
-    WorkerLost,
 }
 
 /// What a dispatched request produces: an engine's events, or a router's word that no

@@ -6,7 +6,17 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use kvmesh_gpu::EngineError;
 
-use crate::dispatch::Unavailable;
+/// Why a routed request found no worker.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Unavailable {
+    /// Every worker's queue is full (HTTP 429, as on one node).
+    QueueFull,
+    /// No worker is there, or none could take it in time (HTTP 503).
+    NoWorker,
+    /// Its worker was lost before anything reached the client, and no other could
+    /// continue it (HTTP 502).
+    WorkerLost,
+}
 
 #[derive(Debug, Clone)]
 pub struct ApiError {

@@ -9,7 +9,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
-use kvmesh_gpu::engine::{ExportEvent, SeqEvent};
+use kvmesh_gpu::engine::{ExportEvent, KvLease, SeqEvent, Submission};
 use kvmesh_gpu::error::EngineError;
 use kvmesh_telemetry::TARGET;
 use kvmesh_transport::kv::local::{LocalSender, LocalTarget};
@@ -113,30 +113,9 @@ impl WorkerCore {
         ) {
             return Err(TransferError::fatal(m));
         }
-        let mut ereq = convert::request_from_wire(&req.request);
-        // Only the first token is drawn here; the decode worker applies every stop rule.
-        ereq.params.max_tokens = 1;
-        ereq.params.ignore_eos = true;
-        ereq.params.stop_token_ids.clear();
         let from = req.from_pos as usize;
-        let (mut sub, mut ev) =
-            self.engine
-                .submit_export(ereq, from)
-                .map_err(|e| TransferError {
-                    retryable: matches!(e, EngineError::QueueFull { .. }),
-                    message: e.to_string(),
-                })?;
-        self.requests_served.fetch_add(1, Ordering::Relaxed);
+        let (mut sub, mut ev, lease, computed) = self.admit(req).await?;
         let span = tracing::Span::current();
-        let queue = tracing::info_span!(target: TARGET, "queue");
-        let (lease, computed) = tokio::select! {
-            e = ev.recv() => match e {
-                Some(ExportEvent::Ready { lease, computed }) => (lease, computed),
-                _ => return Err(TransferError::retryable("the engine dropped the request")),
-            },
-            e = sub.events.recv() => return Err(TransferError::retryable(failure(e))),
-        };
-        drop(queue);
         span.record("cached_tokens", computed);
         let _ = events.send(PrefillEvent::Started {
             cached: computed as u32,
@@ -155,63 +134,19 @@ impl WorkerCore {
             span: span.clone(),
         };
         drop(lease);
-        let net = |e: TransportError| TransferError::retryable(format!("sending KV: {e}"));
-        let mut sender: Box<dyn KvSender> = match (via, &req.data) {
-            (SendVia::Local(t), _) => Box::new(LocalSender::new(target.source, t)),
-            (SendVia::Network(conn), DataPath::Quic { streams }) => Box::new(
-                StreamSender::quic(&conn, target, req.secret, (*streams).clamp(1, 16) as usize)
-                    .await
-                    .map_err(net)?,
-            ),
-            (SendVia::Network(_), DataPath::Tcp { addr, connections }) => {
-                let addr: SocketAddr = addr
-                    .parse()
-                    .map_err(|e| TransferError::fatal(format!("bad KV address '{addr}': {e}")))?;
-                Box::new(
-                    StreamSender::tcp(
-                        addr,
-                        target,
-                        req.secret,
-                        (*connections).clamp(1, 16) as usize,
-                    )
-                    .await
-                    .map_err(net)?,
-                )
-            }
-        };
+        let mut sender = open_sender(via, req, target).await?;
         let layers = kv.layout.num_layers as usize;
-        // Per layer, the positions sent so far; the cached prefix goes at once.
-        let mut sent = vec![from; layers];
+        let mut progress = Layers::new(layers, from, to, &span);
+        // The cached prefix goes at once.
         if computed > from {
-            for (layer, s) in sent.iter_mut().enumerate() {
+            for layer in 0..layers {
                 sender
                     .send(layer, from, computed - from)
                     .await
                     .map_err(net)?;
-                *s = computed;
             }
+            progress.sent.fill(computed);
         }
-        let mut rng = None;
-        // A chunk of the prompt is computed once its last layer is reported.
-        let chunk_span =
-            || tracing::info_span!(target: TARGET, parent: &span, "prefill.chunk", upto = Empty);
-        let mut chunk = Some(chunk_span());
-        let mut on_export = |e: ExportEvent, sender_jobs: &mut Vec<(usize, usize, usize)>| match e {
-            ExportEvent::Layer { layer, upto } if layer < layers && upto > sent[layer] => {
-                sender_jobs.push((layer, sent[layer], upto - sent[layer]));
-                sent[layer] = upto;
-                if layer + 1 == layers {
-                    if let Some(c) = chunk.take() {
-                        c.record("upto", upto);
-                    }
-                    if upto < to {
-                        chunk = Some(chunk_span());
-                    }
-                }
-            }
-            ExportEvent::Sampled { rng: r } => rng = Some(r),
-            _ => {}
-        };
         // The export channel closes when the sequence ends, which may be seen before its
         // token is: then only the token is left to wait for.
         let mut ev_open = true;
@@ -219,7 +154,7 @@ impl WorkerCore {
             let mut jobs = Vec::new();
             tokio::select! {
                 e = ev.recv(), if ev_open => match e {
-                    Some(e) => on_export(e, &mut jobs),
+                    Some(e) => progress.on_export(e, &mut jobs),
                     None => ev_open = false,
                 },
                 e = sub.events.recv() => match e {
@@ -227,36 +162,65 @@ impl WorkerCore {
                         sub.finished();
                         // Every layer was reported before the token: collect the rest.
                         while let Ok(e) = ev.try_recv() {
-                            on_export(e, &mut jobs);
+                            progress.on_export(e, &mut jobs);
                         }
-                        for (l, f, n) in jobs {
-                            sender.send(l, f, n).await.map_err(net)?;
-                        }
+                        send_all(&mut sender, jobs).await?;
                         break sampled;
                     }
                     other => return Err(TransferError::retryable(failure(other))),
                 },
             }
-            for (l, f, n) in jobs {
-                sender.send(l, f, n).await.map_err(net)?;
-            }
+            send_all(&mut sender, jobs).await?;
         };
-        if let Some(l) = sent.iter().position(|&s| s != to) {
-            return Err(TransferError::retryable(format!(
-                "layer {l} was computed up to {} of {to} positions",
-                sent[l]
-            )));
-        }
+        progress.check_complete()?;
         let totals = sender.finish().await.map_err(net)?;
         let _ = events.send(PrefillEvent::Done {
             token: first.token,
             logprob: first.logprob,
             top: convert::top_to_wire(&first.top),
-            rng,
+            rng: progress.rng,
             cached: computed as u32,
             bytes: totals.bytes,
         });
         Ok(totals.bytes)
+    }
+
+    /// The prompt into this engine, its first token only (the decode worker applies every
+    /// stop rule), waiting for its admission: the submission, the layers' channel, the
+    /// blocks' lease and the positions the prefix cache held.
+    async fn admit(
+        &self,
+        req: &PrefillRequest,
+    ) -> Result<
+        (
+            Submission,
+            mpsc::UnboundedReceiver<ExportEvent>,
+            KvLease,
+            usize,
+        ),
+        TransferError,
+    > {
+        let mut ereq = convert::request_from_wire(&req.request);
+        ereq.params.max_tokens = 1;
+        ereq.params.ignore_eos = true;
+        ereq.params.stop_token_ids.clear();
+        let (mut sub, mut ev) = self
+            .engine
+            .submit_export(ereq, req.from_pos as usize)
+            .map_err(|e| TransferError {
+                retryable: matches!(e, EngineError::QueueFull { .. }),
+                message: e.to_string(),
+            })?;
+        self.requests_served.fetch_add(1, Ordering::Relaxed);
+        let _queue = tracing::info_span!(target: TARGET, "queue");
+        let (lease, computed) = tokio::select! {
+            e = ev.recv() => match e {
+                Some(ExportEvent::Ready { lease, computed }) => (lease, computed),
+                _ => return Err(TransferError::retryable("the engine dropped the request")),
+            },
+            e = sub.events.recv() => return Err(TransferError::retryable(failure(e))),
+        };
+        Ok((sub, ev, lease, computed))
     }
 
     /// Prefill side of a request that came over QUIC: runs the export, writing its events
@@ -290,6 +254,113 @@ impl WorkerCore {
                 },
                 _ = &mut stopped => return,
             }
+        }
+    }
+}
+
+fn net(e: TransportError) -> TransferError {
+    TransferError::retryable(format!("sending KV: {e}"))
+}
+
+/// How the bytes go: a copy into the decode role of this process, or streams (QUIC or TCP,
+/// as the decode worker asked) to the decode worker.
+async fn open_sender(
+    via: SendVia,
+    req: &PrefillRequest,
+    target: Target,
+) -> Result<Box<dyn KvSender>, TransferError> {
+    Ok(match (via, &req.data) {
+        (SendVia::Local(t), _) => Box::new(LocalSender::new(target.source, t)),
+        (SendVia::Network(conn), DataPath::Quic { streams }) => Box::new(
+            StreamSender::quic(&conn, target, req.secret, (*streams).clamp(1, 16) as usize)
+                .await
+                .map_err(net)?,
+        ),
+        (SendVia::Network(_), DataPath::Tcp { addr, connections }) => {
+            let addr: SocketAddr = addr
+                .parse()
+                .map_err(|e| TransferError::fatal(format!("bad KV address '{addr}': {e}")))?;
+            Box::new(
+                StreamSender::tcp(
+                    addr,
+                    target,
+                    req.secret,
+                    (*connections).clamp(1, 16) as usize,
+                )
+                .await
+                .map_err(net)?,
+            )
+        }
+    })
+}
+
+async fn send_all(
+    sender: &mut Box<dyn KvSender>,
+    jobs: Vec<(usize, usize, usize)>,
+) -> Result<(), TransferError> {
+    for (layer, first, n) in jobs {
+        sender.send(layer, first, n).await.map_err(net)?;
+    }
+    Ok(())
+}
+
+/// What an export has sent of each layer, the prompt's chunks as spans (a chunk is computed
+/// once its last layer is reported), and the sampler's state after the first token.
+struct Layers<'s> {
+    sent: Vec<usize>,
+    to: usize,
+    span: &'s tracing::Span,
+    chunk: Option<tracing::Span>,
+    rng: Option<[u64; 4]>,
+}
+
+impl<'s> Layers<'s> {
+    fn new(layers: usize, from: usize, to: usize, span: &'s tracing::Span) -> Layers<'s> {
+        let mut l = Layers {
+            sent: vec![from; layers],
+            to,
+            span,
+            chunk: None,
+            rng: None,
+        };
+        l.chunk = Some(l.chunk_span());
+        l
+    }
+
+    fn chunk_span(&self) -> tracing::Span {
+        tracing::info_span!(target: TARGET, parent: self.span, "prefill.chunk", upto = Empty)
+    }
+
+    /// An engine event: new positions of a layer to send (as `(layer, first, n)` jobs), or
+    /// the sampler's state.
+    fn on_export(&mut self, e: ExportEvent, jobs: &mut Vec<(usize, usize, usize)>) {
+        let layers = self.sent.len();
+        match e {
+            ExportEvent::Layer { layer, upto } if layer < layers && upto > self.sent[layer] => {
+                jobs.push((layer, self.sent[layer], upto - self.sent[layer]));
+                self.sent[layer] = upto;
+                if layer + 1 == layers {
+                    if let Some(c) = self.chunk.take() {
+                        c.record("upto", upto);
+                    }
+                    if upto < self.to {
+                        self.chunk = Some(self.chunk_span());
+                    }
+                }
+            }
+            ExportEvent::Sampled { rng } => self.rng = Some(rng),
+            _ => {}
+        }
+    }
+
+    /// Every layer was computed up to the end of the prompt.
+    fn check_complete(&self) -> Result<(), TransferError> {
+        match self.sent.iter().position(|&s| s != self.to) {
+            Some(l) => Err(TransferError::retryable(format!(
+                "layer {l} was computed up to {} of {} positions",
+                self.sent[l], self.to
+            ))),
+            None => Ok(()),
         }
     }
 }

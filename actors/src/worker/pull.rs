@@ -15,7 +15,7 @@ use kvmesh_gpu::engine::{KvLease, Landed, Submission};
 use kvmesh_gpu::error::EngineError;
 use kvmesh_telemetry::TARGET;
 use kvmesh_transport::kv::local;
-use kvmesh_transport::kv::streams::StreamReceiver;
+use kvmesh_transport::kv::streams::{InboxEntry, StreamReceiver};
 use kvmesh_transport::kv::{random_u64, KvReceiver, Landing, TransferTotals};
 use kvmesh_transport::wire::{
     self, DataPath, GenerateRequest, PrefillEvent, PrefillPeer, PrefillRequest, StreamRequest,
@@ -122,11 +122,10 @@ async fn pull(
 ) -> Result<(Landed, TransferTotals), String> {
     let (from, to) = (lease.from_pos(), lease.prompt_len());
     let transfer_id = random_u64();
-    let secret = random_u64();
     let landing = Arc::new(Landing::new(region(lease, from..to), transfer_id));
-    let mut preq = PrefillRequest {
+    let preq = PrefillRequest {
         transfer_id,
-        secret,
+        secret: random_u64(),
         decode_node: core.node_id.clone(),
         // The prefill worker's spans continue this transfer's.
         request: GenerateRequest {
@@ -139,120 +138,155 @@ async fn pull(
         layout: kv.layout.clone(),
         data: DataPath::Quic { streams: 1 },
     };
-    // Keeps the other side's work (a task or a stream) alive until this function returns.
-    let _guard: AbortOnDrop;
-    let _entry;
     let local_prefill = core
         .local_prefill
         .read()
         .clone()
         .filter(|_| peer.node_id == core.node_id);
-    let (mut events, mut receiver): (mpsc::UnboundedReceiver<PrefillEvent>, Box<dyn KvReceiver>) =
-        match local_prefill {
-            Some(p) => {
-                let (target, recv) = local::channel(landing.clone());
-                let (etx, erx) = mpsc::unbounded_channel();
-                _guard = AbortOnDrop(tokio::spawn(async move {
-                    p.run_export(preq, SendVia::Local(target), etx).await;
-                }));
-                _entry = None;
-                (erx, Box::new(recv))
-            }
-            None => {
-                let conn = kv.peers.get(peer).await?;
-                let (entry, incoming) = kv.inbox.register(transfer_id, secret);
-                _entry = Some(entry);
-                let streams = match &kv.transport {
-                    KvTransport::Quic { streams } => {
-                        preq.data = DataPath::Quic {
-                            streams: *streams as u32,
-                        };
-                        *streams
-                    }
-                    KvTransport::Tcp { addr, connections } => {
-                        preq.data = DataPath::Tcp {
-                            addr: addr.to_string(),
-                            connections: *connections as u32,
-                        };
-                        *connections
-                    }
+    let asked = match local_prefill {
+        Some(p) => Asked::in_process(p, preq, &landing),
+        None => Asked::over_network(kv, peer, preq, &landing).await?,
+    };
+    asked.land(kv, &landing, from, to).await
+}
+
+/// A prefill request under way: the prefill side's events, and where its bytes land. It
+/// keeps the other side's work (a task, a stream, an inbox entry) alive while it lives.
+struct Asked {
+    events: mpsc::UnboundedReceiver<PrefillEvent>,
+    receiver: Box<dyn KvReceiver>,
+    _entry: Option<InboxEntry>,
+    _work: AbortOnDrop,
+}
+
+impl Asked {
+    /// This node's own prefill role computes the prompt and copies it in.
+    fn in_process(prefill: Arc<WorkerCore>, preq: PrefillRequest, landing: &Arc<Landing>) -> Asked {
+        let (target, recv) = local::channel(landing.clone());
+        let (etx, erx) = mpsc::unbounded_channel();
+        Asked {
+            events: erx,
+            receiver: Box::new(recv),
+            _work: AbortOnDrop(tokio::spawn(async move {
+                prefill.run_export(preq, SendVia::Local(target), etx).await;
+            })),
+            _entry: None,
+        }
+    }
+
+    /// The request goes to the prefill worker on a QUIC stream; the KV comes back on the
+    /// transport this decode worker takes it on.
+    async fn over_network(
+        kv: &KvSide,
+        peer: &PrefillPeer,
+        mut preq: PrefillRequest,
+        landing: &Arc<Landing>,
+    ) -> Result<Asked, String> {
+        let conn = kv.peers.get(peer).await?;
+        let (entry, incoming) = kv.inbox.register(preq.transfer_id, preq.secret);
+        let streams = match &kv.transport {
+            KvTransport::Quic { streams } => {
+                preq.data = DataPath::Quic {
+                    streams: *streams as u32,
                 };
-                let (mut s, mut r) = conn
-                    .open_bi()
-                    .await
-                    .map_err(|e| format!("opening a stream to {}: {e}", peer.node_id))?;
-                wire::write_msg(&mut s, &StreamRequest::Prefill(preq))
-                    .await
-                    .map_err(|e| format!("sending the prefill request: {e}"))?;
-                let _ = s.finish();
-                let (etx, erx) = mpsc::unbounded_channel();
-                _guard = AbortOnDrop(tokio::spawn(async move {
-                    loop {
-                        let ev = match wire::read_msg::<PrefillEvent>(&mut r).await {
-                            Ok(Some(ev)) => ev,
-                            Ok(None) => return,
-                            Err(e) => PrefillEvent::Failed {
-                                message: e.to_string(),
-                                retryable: true,
-                            },
-                        };
-                        let last = matches!(ev, PrefillEvent::Failed { .. });
-                        if etx.send(ev).is_err() || last {
-                            return;
-                        }
-                    }
-                    // Dropping `r` unread tells the prefill worker to stop.
-                }));
-                (
-                    erx,
-                    Box::new(StreamReceiver::new(landing.clone(), incoming, streams)),
-                )
+                *streams
+            }
+            KvTransport::Tcp { addr, connections } => {
+                preq.data = DataPath::Tcp {
+                    addr: addr.to_string(),
+                    connections: *connections as u32,
+                };
+                *connections
             }
         };
-
-    let mut done: Option<Landed> = None;
-    let mut landed: Option<TransferTotals> = None;
-    let mut last_bytes = 0;
-    let mut last_progress = Instant::now();
-    let mut tick = tokio::time::interval(Duration::from_millis(50));
-    let complete = receiver.complete();
-    tokio::pin!(complete);
-    loop {
-        if let (Some(_), Some(t)) = (&done, landed) {
-            return Ok((done.take().expect("checked"), t));
-        }
-        tokio::select! {
-            ev = events.recv() => {
-                last_progress = Instant::now();
-                match ev {
-                    Some(PrefillEvent::Started { .. }) => {}
-                    Some(PrefillEvent::Done { token, logprob, top, rng, cached, .. }) => {
-                        done = Some(Landed {
-                            first: convert::sampled_from_wire(token, logprob, top),
-                            rng,
-                            cached_tokens: (cached as usize).max(from),
-                        });
-                    }
-                    Some(PrefillEvent::Failed { message, .. }) => return Err(message),
-                    None if done.is_some() => {}
-                    None => return Err("the prefill worker closed the request".into()),
+        let (mut s, mut r) = conn
+            .open_bi()
+            .await
+            .map_err(|e| format!("opening a stream to {}: {e}", peer.node_id))?;
+        wire::write_msg(&mut s, &StreamRequest::Prefill(preq))
+            .await
+            .map_err(|e| format!("sending the prefill request: {e}"))?;
+        let _ = s.finish();
+        let (etx, erx) = mpsc::unbounded_channel();
+        let work = tokio::spawn(async move {
+            loop {
+                let ev = match wire::read_msg::<PrefillEvent>(&mut r).await {
+                    Ok(Some(ev)) => ev,
+                    Ok(None) => return,
+                    Err(e) => PrefillEvent::Failed {
+                        message: e.to_string(),
+                        retryable: true,
+                    },
+                };
+                let last = matches!(ev, PrefillEvent::Failed { .. });
+                if etx.send(ev).is_err() || last {
+                    return;
                 }
             }
-            r = &mut complete, if landed.is_none() => {
-                landed = Some(r.map_err(|e| format!("receiving KV: {e}"))?);
+            // Dropping `r` unread tells the prefill worker to stop.
+        });
+        Ok(Asked {
+            events: erx,
+            receiver: Box::new(StreamReceiver::new(landing.clone(), incoming, streams)),
+            _work: AbortOnDrop(work),
+            _entry: Some(entry),
+        })
+    }
+
+    /// Waits for every position `from..to` to land and the first token to come; gives up
+    /// when the prefill side fails or nothing lands for the transfer timeout.
+    async fn land(
+        mut self,
+        kv: &KvSide,
+        landing: &Landing,
+        from: usize,
+        to: usize,
+    ) -> Result<(Landed, TransferTotals), String> {
+        let mut done: Option<Landed> = None;
+        let mut landed: Option<TransferTotals> = None;
+        let mut last_bytes = 0;
+        let mut last_progress = Instant::now();
+        let mut tick = tokio::time::interval(Duration::from_millis(50));
+        let complete = self.receiver.complete();
+        tokio::pin!(complete);
+        loop {
+            if let (Some(_), Some(t)) = (&done, landed) {
+                return Ok((done.take().expect("checked"), t));
             }
-            _ = tick.tick() => {
-                let b = landing.landed_bytes();
-                if b != last_bytes {
-                    last_bytes = b;
+            tokio::select! {
+                ev = self.events.recv() => {
                     last_progress = Instant::now();
-                } else if last_progress.elapsed() > kv.timeout {
-                    return Err(format!(
-                        "no progress for {:.1} s ({} of {} bytes landed)",
-                        kv.timeout.as_secs_f64(),
-                        b,
-                        2 * (to - from) * kv.layout.bytes_per_pos() * kv.layout.num_layers as usize
-                    ));
+                    match ev {
+                        Some(PrefillEvent::Started { .. }) => {}
+                        Some(PrefillEvent::Done { token, logprob, top, rng, cached, .. }) => {
+                            done = Some(Landed {
+                                first: convert::sampled_from_wire(token, logprob, top),
+                                rng,
+                                cached_tokens: (cached as usize).max(from),
+                            });
+                        }
+                        Some(PrefillEvent::Failed { message, .. }) => return Err(message),
+                        None if done.is_some() => {}
+                        None => return Err("the prefill worker closed the request".into()),
+                    }
+                }
+                r = &mut complete, if landed.is_none() => {
+                    landed = Some(r.map_err(|e| format!("receiving KV: {e}"))?);
+                }
+                _ = tick.tick() => {
+                    let b = landing.landed_bytes();
+                    if b != last_bytes {
+                        last_bytes = b;
+                        last_progress = Instant::now();
+                    } else if last_progress.elapsed() > kv.timeout {
+                        let l = &kv.layout;
+                        return Err(format!(
+                            "no progress for {:.1} s ({} of {} bytes landed)",
+                            kv.timeout.as_secs_f64(),
+                            b,
+                            2 * (to - from) * l.bytes_per_pos() * l.num_layers as usize
+                        ));
+                    }
                 }
             }
         }
