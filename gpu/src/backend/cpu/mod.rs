@@ -13,10 +13,11 @@ pub use ops::{Linear, Matrix};
 use std::sync::Arc;
 
 use super::{sample_all, Backend, ForwardBatch, SampleSpec};
+use crate::checkpoint::{Checkpoint, Projection};
 use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
 use crate::kv_pool::{HostKvPool, KvDtype, KvSpec};
-use crate::safetensors::WeightStore;
+use crate::safetensors::{TensorData, WeightStore};
 use crate::sampler::Sampled;
 
 struct Layer {
@@ -50,116 +51,41 @@ impl CpuModel {
     /// With `keep_bf16` false every weight is widened to f32 at load (twice the memory and
     /// the bytes per decode step; kept for comparison).
     pub fn load_with(cfg: &ModelConfig, w: &WeightStore, keep_bf16: bool) -> Result<CpuModel> {
-        let mat = |name: &str, shape: &[usize]| -> Result<Matrix> {
-            let m = Matrix::from_data(w.load(name, shape)?);
-            Ok(if keep_bf16 { m } else { m.to_f32() })
-        };
-        let (h, q, kv, inter) = (
-            cfg.hidden_size,
-            cfg.q_dim(),
-            cfg.kv_dim(),
-            cfg.intermediate_size,
-        );
-        // Biases exactly as the config says; `model::check_tensors` refuses a checkpoint
-        // whose tensors disagree with it.
-        let opt_bias = |on: bool, name: &str, n: usize| -> Result<Option<Vec<f32>>> {
-            if on {
-                w.f32(name, &[n]).map(Some)
+        let ck = Checkpoint::new(cfg, w);
+        let mat = |d: TensorData| {
+            let m = Matrix::from_data(d);
+            if keep_bf16 {
+                m
             } else {
-                Ok(None)
+                m.to_f32()
             }
         };
+        let linear = |p: Projection| Linear::new(mat(p.weight), p.out, p.inp, p.bias);
         let mut layers = Vec::with_capacity(cfg.num_layers);
         for i in 0..cfg.num_layers {
-            let p = format!("model.layers.{i}");
-            let a = format!("{p}.self_attn");
-            let qkv_proj = Linear::stacked(
-                vec![
-                    (
-                        mat(&format!("{a}.q_proj.weight"), &[q, h])?,
-                        q,
-                        opt_bias(cfg.qkv_bias, &format!("{a}.q_proj.bias"), q)?,
-                    ),
-                    (
-                        mat(&format!("{a}.k_proj.weight"), &[kv, h])?,
-                        kv,
-                        opt_bias(cfg.qkv_bias, &format!("{a}.k_proj.bias"), kv)?,
-                    ),
-                    (
-                        mat(&format!("{a}.v_proj.weight"), &[kv, h])?,
-                        kv,
-                        opt_bias(cfg.qkv_bias, &format!("{a}.v_proj.bias"), kv)?,
-                    ),
-                ],
-                h,
-            );
-            let gate_up_proj = Linear::stacked(
-                vec![
-                    (
-                        mat(&format!("{p}.mlp.gate_proj.weight"), &[inter, h])?,
-                        inter,
-                        opt_bias(cfg.mlp_bias, &format!("{p}.mlp.gate_proj.bias"), inter)?,
-                    ),
-                    (
-                        mat(&format!("{p}.mlp.up_proj.weight"), &[inter, h])?,
-                        inter,
-                        opt_bias(cfg.mlp_bias, &format!("{p}.mlp.up_proj.bias"), inter)?,
-                    ),
-                ],
-                h,
-            );
-            let norm = |name: String| w.f32(&name, &[cfg.head_dim]);
+            let l = ck.layer(i)?;
             layers.push(Layer {
-                input_layernorm: w.f32(&format!("{p}.input_layernorm.weight"), &[h])?,
-                qkv_proj,
-                q_norm: if cfg.qk_norm {
-                    Some(norm(format!("{a}.q_norm.weight"))?)
-                } else {
-                    None
-                },
-                k_norm: if cfg.qk_norm {
-                    Some(norm(format!("{a}.k_norm.weight"))?)
-                } else {
-                    None
-                },
-                o_proj: Linear::new(
-                    mat(&format!("{a}.o_proj.weight"), &[h, q])?,
-                    h,
-                    q,
-                    opt_bias(cfg.o_bias, &format!("{a}.o_proj.bias"), h)?,
-                ),
-                post_attention_layernorm: w
-                    .f32(&format!("{p}.post_attention_layernorm.weight"), &[h])?,
-                gate_up_proj,
-                down_proj: Linear::new(
-                    mat(&format!("{p}.mlp.down_proj.weight"), &[h, inter])?,
-                    h,
-                    inter,
-                    opt_bias(cfg.mlp_bias, &format!("{p}.mlp.down_proj.bias"), h)?,
-                ),
+                input_layernorm: l.input_layernorm,
+                qkv_proj: linear(l.qkv_proj),
+                q_norm: l.q_norm,
+                k_norm: l.k_norm,
+                o_proj: linear(l.o_proj),
+                post_attention_layernorm: l.post_attention_layernorm,
+                gate_up_proj: linear(l.gate_up_proj),
+                down_proj: linear(l.down_proj),
             });
         }
-        let embed_tokens = mat("model.embed_tokens.weight", &[cfg.vocab_size, h])?;
-        let lm_head = if cfg.tie_word_embeddings {
-            Linear {
-                w: embed_tokens.clone(),
-                out: cfg.vocab_size,
-                inp: h,
-                bias: None,
-            }
-        } else {
-            Linear::new(
-                mat("lm_head.weight", &[cfg.vocab_size, h])?,
-                cfg.vocab_size,
-                h,
-                None,
-            )
+        let embed_tokens = mat(ck.embed_tokens()?);
+        // Tied: the head reads the embedding matrix itself (shared, not copied).
+        let lm_head = match ck.lm_head()? {
+            Some(head) => linear(head),
+            None => Linear::new(embed_tokens.clone(), cfg.vocab_size, cfg.hidden_size, None),
         };
         Ok(CpuModel {
             cfg: cfg.clone(),
             embed_tokens,
             layers,
-            norm: w.f32("model.norm.weight", &[h])?,
+            norm: ck.norm()?,
             lm_head,
             inv_freq: cfg.rope_inv_freq(),
         })
