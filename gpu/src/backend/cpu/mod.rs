@@ -196,16 +196,66 @@ impl CpuBackend {
         kv_ready: Option<&(dyn Fn(usize) + Sync)>,
     ) -> Result<Vec<Vec<f32>>> {
         let cfg = &self.model.cfg;
-        let (h, d) = (cfg.hidden_size, cfg.head_dim);
-        let (nq, nkv) = (cfg.num_heads, cfg.num_kv_heads);
-        let (qd, kvd) = (cfg.q_dim(), cfg.kv_dim());
-        let bs = self.kv.spec().block_size;
+        let h = cfg.hidden_size;
         let t = batch.num_tokens();
         if t == 0 {
             return Ok(Vec::new());
         }
+        let (slots, tokens) = self.token_slots(batch)?;
+        let (cos, sin) = self.rope_tables(batch, &slots);
 
-        // Token layout of the step.
+        let mut x = vec![0f32; t * h];
+        for (i, &tok) in tokens.iter().enumerate() {
+            self.model
+                .embed_tokens
+                .read(tok as usize * h, &mut x[i * h..(i + 1) * h]);
+        }
+
+        for (li, layer) in self.model.layers.iter().enumerate() {
+            let xn = ops::rms_norm(&x, &layer.input_layernorm, cfg.rms_norm_eps);
+            let qkv = layer.qkv_rotated(cfg, &xn, t, &cos, &sin);
+            self.write_kv(li, &slots, &qkv);
+            // This layer's K and V of every token in the step are final: a transfer may send
+            // them while the remaining layers compute.
+            if let Some(notify) = kv_ready {
+                notify(li);
+            }
+            let attn = self.attention(li, batch, &slots, &qkv);
+            let o = layer.o_proj.forward(&attn, t);
+            for (a, b) in x.iter_mut().zip(&o) {
+                *a += b;
+            }
+
+            let xn = ops::rms_norm(&x, &layer.post_attention_layernorm, cfg.rms_norm_eps);
+            let down = layer.mlp(&xn, t, cfg.intermediate_size);
+            for (a, b) in x.iter_mut().zip(&down) {
+                *a += b;
+            }
+        }
+
+        // Logits only for the last token of sequences that sample.
+        let mut rows = Vec::new();
+        let mut end = 0;
+        for s in &batch.seqs {
+            end += s.tokens.len();
+            if s.want_logits {
+                rows.extend_from_slice(&x[(end - 1) * h..end * h]);
+            }
+        }
+        let m = rows.len() / h;
+        let xn = ops::rms_norm(&rows, &self.model.norm, cfg.rms_norm_eps);
+        let logits = self.model.lm_head.forward(&xn, m);
+        Ok(logits
+            .chunks_exact(cfg.vocab_size)
+            .map(<[f32]>::to_vec)
+            .collect())
+    }
+
+    /// The step's token layout: where each scheduled token goes, and its id.
+    fn token_slots(&self, batch: &ForwardBatch) -> Result<(Vec<TokenSlot>, Vec<u32>)> {
+        let cfg = &self.model.cfg;
+        let bs = self.kv.spec().block_size;
+        let t = batch.num_tokens();
         let mut slots = Vec::with_capacity(t);
         let mut tokens = Vec::with_capacity(t);
         for (si, s) in batch.seqs.iter().enumerate() {
@@ -230,10 +280,15 @@ impl CpuBackend {
                 tokens.push(tok);
             }
         }
+        Ok((slots, tokens))
+    }
 
-        // Rotary tables for each token's position. Dynamic RoPE's frequencies depend on the
-        // sequence's length, so each sequence gets its own.
-        let half = d / 2;
+    /// Rotary tables (cos, then sin; `head_dim / 2` values per token) for each token's
+    /// position. Dynamic RoPE's frequencies depend on the sequence's length, so each sequence
+    /// gets its own.
+    fn rope_tables(&self, batch: &ForwardBatch, slots: &[TokenSlot]) -> (Vec<f32>, Vec<f32>) {
+        let cfg = &self.model.cfg;
+        let half = cfg.head_dim / 2;
         let per_seq: Option<Vec<Vec<f32>>> = cfg.rope_depends_on_length().then(|| {
             batch
                 .seqs
@@ -241,8 +296,8 @@ impl CpuBackend {
                 .map(|s| cfg.rope_inv_freq_for_len(s.context_len.max(s.start_pos + s.tokens.len())))
                 .collect()
         });
-        let mut cos = vec![0f32; t * half];
-        let mut sin = vec![0f32; t * half];
+        let mut cos = vec![0f32; slots.len() * half];
+        let mut sin = vec![0f32; slots.len() * half];
         for (i, ts) in slots.iter().enumerate() {
             let inv_freq = per_seq
                 .as_ref()
@@ -253,25 +308,102 @@ impl CpuBackend {
                 sin[i * half + j] = a.sin();
             }
         }
+        (cos, sin)
+    }
 
-        let mut x = vec![0f32; t * h];
-        for (i, &tok) in tokens.iter().enumerate() {
-            self.model
-                .embed_tokens
-                .read(tok as usize * h, &mut x[i * h..(i + 1) * h]);
+    /// The new K and V of every token of the step into layer `li`'s cache.
+    fn write_kv(&self, li: usize, slots: &[TokenSlot], qkv: &[f32]) {
+        let cfg = &self.model.cfg;
+        let (qd, kvd) = (cfg.q_dim(), cfg.kv_dim());
+        let row = qd + 2 * kvd;
+        // SAFETY: an f32 pool; this step writes only the slots of the positions it computes,
+        // which the engine gives to no one else meanwhile (see `kv_pool`).
+        let cache = unsafe { self.kv.f32_layer(li) };
+        for (i, ts) in slots.iter().enumerate() {
+            let r = &qkv[i * row..(i + 1) * row];
+            // SAFETY: as above.
+            unsafe { cache.write(ts.slot, &r[qd..qd + kvd], &r[qd + kvd..]) };
         }
+    }
 
+    /// Attention of layer `li`: each (token, head) over the sequence's positions up to its
+    /// own, or, in a layer with a sliding window, over the last `window` of them. Returns
+    /// `[tokens, q_dim]`.
+    fn attention(
+        &self,
+        li: usize,
+        batch: &ForwardBatch,
+        slots: &[TokenSlot],
+        qkv: &[f32],
+    ) -> Vec<f32> {
+        let cfg = &self.model.cfg;
+        let d = cfg.head_dim;
+        let (nq, nkv) = (cfg.num_heads, cfg.num_kv_heads);
+        let qd = cfg.q_dim();
+        let row = qd + 2 * cfg.kv_dim();
+        let bs = self.kv.spec().block_size;
         let scale = cfg.attention_scale();
         let group = nq / nkv;
-        for (li, layer) in self.model.layers.iter().enumerate() {
-            let xn = ops::rms_norm(&x, &layer.input_layernorm, cfg.rms_norm_eps);
-            let mut qkv = layer.qkv_proj.forward(&xn, t);
-            let row = qd + 2 * kvd;
-            // Per-head norms and rotary embedding, then the new K/V into the cache.
-            qkv.par_chunks_mut(row).enumerate().for_each(|(i, r)| {
+        let window = cfg.layer_window(li);
+        // SAFETY: an f32 pool; this step reads only blocks of sequences in its batch, which
+        // the engine gives to no one else meanwhile (see `kv_pool`).
+        let cache = unsafe { self.kv.f32_layer(li) };
+        let mut attn = vec![0f32; slots.len() * qd];
+        attn.par_chunks_mut(d).enumerate().for_each(|(idx, out)| {
+            let (i, head) = (idx / nq, idx % nq);
+            let ts = &slots[i];
+            let table = batch.seqs[ts.seq].block_table;
+            let g = head / group;
+            let q = &qkv[i * row + head * d..i * row + (head + 1) * d];
+            let n = ts.pos + 1;
+            let lo = window.map_or(0, |w| n.saturating_sub(w));
+            let mut scores = Vec::with_capacity(n - lo);
+            let mut max = f32::NEG_INFINITY;
+            for p in lo..n {
+                let slot = table[p / bs].0 as usize * bs + p % bs;
+                // SAFETY: the sequence's own computed positions (see above).
+                let k = unsafe { cache.k(slot, g * d, d) };
+                let s = ops::dot(q, k) * scale;
+                max = max.max(s);
+                scores.push(s);
+            }
+            let mut sum = 0f32;
+            for s in scores.iter_mut() {
+                *s = (*s - max).exp();
+                sum += *s;
+            }
+            let inv = 1.0 / sum;
+            for (p, &s) in (lo..n).zip(&scores) {
+                let slot = table[p / bs].0 as usize * bs + p % bs;
+                // SAFETY: as for K.
+                ops::axpy(out, s * inv, unsafe { cache.v(slot, g * d, d) });
+            }
+        });
+        attn
+    }
+}
+
+impl Layer {
+    /// The fused q/k/v projection of `xn` (`[t, hidden]`), with the per-head norms and the
+    /// rotary embedding applied to q and k: `[t, q_dim + 2 * kv_dim]`.
+    fn qkv_rotated(
+        &self,
+        cfg: &ModelConfig,
+        xn: &[f32],
+        t: usize,
+        cos: &[f32],
+        sin: &[f32],
+    ) -> Vec<f32> {
+        let d = cfg.head_dim;
+        let half = d / 2;
+        let (qd, kvd) = (cfg.q_dim(), cfg.kv_dim());
+        let mut qkv = self.qkv_proj.forward(xn, t);
+        qkv.par_chunks_mut(qd + 2 * kvd)
+            .enumerate()
+            .for_each(|(i, r)| {
                 let (q, rest) = r.split_at_mut(qd);
                 let k = &mut rest[..kvd];
-                if let (Some(qn), Some(kn)) = (&layer.q_norm, &layer.k_norm) {
+                if let (Some(qn), Some(kn)) = (&self.q_norm, &self.k_norm) {
                     ops::rms_norm_inplace(q, qn, cfg.rms_norm_eps);
                     ops::rms_norm_inplace(k, kn, cfg.rms_norm_eps);
                 }
@@ -283,93 +415,21 @@ impl CpuBackend {
                     ops::rope(head, c, s);
                 }
             });
-            // SAFETY: an f32 pool; this step writes only the slots of the positions it
-            // computes and reads only blocks of sequences in its batch, which the engine
-            // gives to no one else meanwhile (see `kv_pool`).
-            let cache = unsafe { self.kv.f32_layer(li) };
-            for (i, ts) in slots.iter().enumerate() {
-                let r = &qkv[i * row..(i + 1) * row];
-                // SAFETY: as above.
-                unsafe { cache.write(ts.slot, &r[qd..qd + kvd], &r[qd + kvd..]) };
-            }
-            // This layer's K and V of every token in the step are final: a transfer may send
-            // them while the remaining layers compute.
-            if let Some(notify) = kv_ready {
-                notify(li);
-            }
+        qkv
+    }
 
-            // Attention: each (token, head) over the sequence's positions up to its own, or,
-            // in a layer with a sliding window, over the last `window` of them.
-            let window = cfg.layer_window(li);
-            let mut attn = vec![0f32; t * qd];
-            attn.par_chunks_mut(d).enumerate().for_each(|(idx, out)| {
-                let (i, head) = (idx / nq, idx % nq);
-                let ts = &slots[i];
-                let table = batch.seqs[ts.seq].block_table;
-                let g = head / group;
-                let q = &qkv[i * row + head * d..i * row + (head + 1) * d];
-                let n = ts.pos + 1;
-                let lo = window.map_or(0, |w| n.saturating_sub(w));
-                let mut scores = Vec::with_capacity(n - lo);
-                let mut max = f32::NEG_INFINITY;
-                for p in lo..n {
-                    let slot = table[p / bs].0 as usize * bs + p % bs;
-                    // SAFETY: the sequence's own computed positions (see above).
-                    let k = unsafe { cache.k(slot, g * d, d) };
-                    let s = ops::dot(q, k) * scale;
-                    max = max.max(s);
-                    scores.push(s);
-                }
-                let mut sum = 0f32;
-                for s in scores.iter_mut() {
-                    *s = (*s - max).exp();
-                    sum += *s;
-                }
-                let inv = 1.0 / sum;
-                for (p, &s) in (lo..n).zip(&scores) {
-                    let slot = table[p / bs].0 as usize * bs + p % bs;
-                    // SAFETY: as for K.
-                    ops::axpy(out, s * inv, unsafe { cache.v(slot, g * d, d) });
+    /// `down(silu(gate(xn)) * up(xn))` over `t` rows.
+    fn mlp(&self, xn: &[f32], t: usize, inter: usize) -> Vec<f32> {
+        let gu = self.gate_up_proj.forward(xn, t);
+        let mut act = vec![0f32; t * inter];
+        act.par_chunks_mut(inter)
+            .zip(gu.par_chunks(2 * inter))
+            .for_each(|(a, g)| {
+                let (gate, up) = g.split_at(inter);
+                for ((o, &gv), &uv) in a.iter_mut().zip(gate).zip(up) {
+                    *o = ops::silu(gv) * uv;
                 }
             });
-            let o = layer.o_proj.forward(&attn, t);
-            for (a, b) in x.iter_mut().zip(&o) {
-                *a += b;
-            }
-
-            let xn = ops::rms_norm(&x, &layer.post_attention_layernorm, cfg.rms_norm_eps);
-            let gu = layer.gate_up_proj.forward(&xn, t);
-            let inter = cfg.intermediate_size;
-            let mut act = vec![0f32; t * inter];
-            act.par_chunks_mut(inter)
-                .zip(gu.par_chunks(2 * inter))
-                .for_each(|(a, g)| {
-                    let (gate, up) = g.split_at(inter);
-                    for ((o, &gv), &uv) in a.iter_mut().zip(gate).zip(up) {
-                        *o = ops::silu(gv) * uv;
-                    }
-                });
-            let down = layer.down_proj.forward(&act, t);
-            for (a, b) in x.iter_mut().zip(&down) {
-                *a += b;
-            }
-        }
-
-        // Logits only for the last token of sequences that sample.
-        let mut rows = Vec::new();
-        let mut end = 0;
-        for s in &batch.seqs {
-            end += s.tokens.len();
-            if s.want_logits {
-                rows.extend_from_slice(&x[(end - 1) * h..end * h]);
-            }
-        }
-        let m = rows.len() / h;
-        let xn = ops::rms_norm(&rows, &self.model.norm, cfg.rms_norm_eps);
-        let logits = self.model.lm_head.forward(&xn, m);
-        Ok(logits
-            .chunks_exact(cfg.vocab_size)
-            .map(<[f32]>::to_vec)
-            .collect())
+        self.down_proj.forward(&act, t)
     }
 }
