@@ -3,8 +3,9 @@
 //! padded to the bucket, copied into them.
 //!
 //! Why graphs: a decode step is a few hundred small launches whose CPU-side cost is
-//! comparable to the GPU work at small batch; a replay is one launch. `KVMESH_CUDA_GRAPHS=0`
-//! turns them off, and so does a capture that fails: that costs speed, not correctness.
+//! comparable to the GPU work at small batch; a replay is one launch. `--enforce-eager`
+//! turns them off (as in vLLM), and so does a capture that fails: that costs speed, not
+//! correctness.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -103,7 +104,7 @@ pub fn capture(
 /// The decode graphs of one backend, by bucket.
 pub struct DecodeGraphs {
     by_bucket: HashMap<usize, DecodeGraph>,
-    /// Off with `KVMESH_CUDA_GRAPHS=0`, or after a capture failed.
+    /// Off with `--enforce-eager`, or after a capture failed.
     enabled: bool,
     /// Block-table width of every graph: enough blocks for the model's context length
     /// (or the whole pool, if smaller). Longer sequences decode eagerly.

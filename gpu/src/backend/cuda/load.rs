@@ -10,21 +10,23 @@ use super::kernels::{Kernels, MAX_HEAD_DIM};
 use super::kv::KvCache;
 use super::weights::DevWeights;
 use super::CudaBackend;
+use crate::backend::CudaOptions;
 use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
 use crate::safetensors::WeightStore;
 
 impl CudaBackend {
-    /// Loads the model onto device `ordinal` and allocates `num_blocks` KV blocks of
+    /// Loads the model onto device `opts.ordinal` and allocates `num_blocks` KV blocks of
     /// `block_size` tokens. Checks free memory first so an oversized request fails with the
     /// numbers rather than with an allocation error halfway through the upload.
     pub fn new(
         cfg: &ModelConfig,
         weights: &WeightStore,
-        ordinal: usize,
+        opts: CudaOptions,
         num_blocks: usize,
         block_size: usize,
     ) -> Result<CudaBackend> {
+        let ordinal = opts.ordinal;
         refuse_unsupported(cfg, ordinal, num_blocks, block_size)?;
         let ctx = CudaContext::new(ordinal).map_err(|e| drv("context creation", e))?;
         let stream = ctx.new_stream().map_err(|e| drv("stream creation", e))?;
@@ -37,8 +39,7 @@ impl CudaBackend {
         let w = DevWeights::upload(&stream, ordinal, cfg, weights)?;
         // One block more than asked for: the scratch block decode graphs pad with.
         let kv = KvCache::alloc(&stream, ordinal, cfg, num_blocks, block_size)?;
-        let graphs_wanted = std::env::var("KVMESH_CUDA_GRAPHS").map_or(true, |v| v.trim() != "0");
-        let graphs = DecodeGraphs::new(graphs_wanted, cfg, num_blocks, block_size);
+        let graphs = DecodeGraphs::new(opts.graphs, cfg, num_blocks, block_size);
         stream
             .synchronize()
             .map_err(|e| drv("finishing the upload", e))?;

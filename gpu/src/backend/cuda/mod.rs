@@ -25,7 +25,7 @@
 //! - `buffers`: the step's device buffers; `batch`: the batch flattened on the host.
 //!
 //! Pure decode steps replay one CUDA graph per batch-size bucket (see `graphs`) unless
-//! `KVMESH_CUDA_GRAPHS=0`; every other step runs eagerly.
+//! `CudaOptions::graphs` is off (`--enforce-eager`); every other step runs eagerly.
 //!
 //! Sampling (greedy, temperature, top-k, top-p) runs on the device; only top logprobs fall
 //! back to copying logits. Prefill attention is flash-style over the paged cache with 8
@@ -84,8 +84,8 @@ pub struct CudaBackend {
 }
 
 impl CudaBackend {
-    /// Whether pure decode steps replay CUDA graphs: false when `KVMESH_CUDA_GRAPHS=0` or
-    /// after a capture failed, so benchmarks can say which path they measured.
+    /// Whether pure decode steps replay CUDA graphs: false with `--enforce-eager` or after a
+    /// capture failed, so benchmarks can say which path they measured.
     pub fn cuda_graphs_enabled(&self) -> bool {
         self.graphs.enabled()
     }
