@@ -43,6 +43,9 @@ pub struct EngineArgs {
     /// Where the math runs: auto (CUDA when a GPU is present), cpu, cuda or cuda:N.
     #[arg(long, default_value = "auto")]
     pub device: String,
+    /// Always run eager: no CUDA graphs for decode steps.
+    #[arg(long)]
+    pub enforce_eager: bool,
     /// `cpu` runs the model; `sim` runs no math and takes the time a timing model says
     /// (deterministic tokens; for testing serving, routing and scale).
     #[arg(long, value_enum, default_value = "cpu")]
@@ -212,7 +215,10 @@ pub fn start_engine_with(args: &EngineArgs, model: &LoadedModel) -> anyhow::Resu
     );
     let kind = match args.backend {
         BackendArg::Cpu => {
-            let kind = resolve_device(&args.device)?;
+            let mut kind = resolve_device(&args.device)?;
+            if let BackendKind::Cuda(cuda) = &mut kind {
+                cuda.graphs = !args.enforce_eager;
+            }
             if args.device == "auto" {
                 tracing::info!(
                     "--device auto chose {}",

@@ -29,7 +29,7 @@ mod common;
 use std::path::{Path, PathBuf};
 
 use kvmesh_gpu::backend::cuda::CudaBackend;
-use kvmesh_gpu::backend::{Backend, ForwardBatch, SeqInput};
+use kvmesh_gpu::backend::{Backend, CudaOptions, ForwardBatch, SeqInput};
 use kvmesh_gpu::engine::{self, EngineConfig, Request, SeqEvent};
 use kvmesh_gpu::kv_cache::BlockId;
 use kvmesh_gpu::model::{build_backend, BackendKind, KvBudget, LoadedModel};
@@ -101,7 +101,7 @@ fn load(name: &str) -> LoadedModel {
 fn backends(m: &LoadedModel, blocks: usize) -> (Box<dyn Backend>, Box<dyn Backend>) {
     let cpu = build_backend(BackendKind::Cpu, m, BLOCK_SIZE, KvBudget::Blocks(blocks)).unwrap();
     let gpu = build_backend(
-        BackendKind::Cuda(0),
+        BackendKind::Cuda(CudaOptions::device(0)),
         m,
         BLOCK_SIZE,
         KvBudget::Blocks(blocks),
@@ -234,10 +234,16 @@ fn greedy_generation_is_token_identical_with_and_without_graphs() {
         let want = run_engine(cpu, vocab, greedy_requests(name, 24));
         let got = run_engine(gpu, vocab, greedy_requests(name, 24));
         assert_eq!(got, want, "{name}: CUDA (graphs on) vs CPU greedy");
-        // SAFETY (set_var): the tests of this file run with --test-threads=1.
-        unsafe { std::env::set_var("KVMESH_CUDA_GRAPHS", "0") };
-        let eager = build_backend(BackendKind::Cuda(0), &m, BLOCK_SIZE, KvBudget::Blocks(64));
-        unsafe { std::env::remove_var("KVMESH_CUDA_GRAPHS") };
+        let eager = CudaOptions {
+            ordinal: 0,
+            graphs: false,
+        };
+        let eager = build_backend(
+            BackendKind::Cuda(eager),
+            &m,
+            BLOCK_SIZE,
+            KvBudget::Blocks(64),
+        );
         let got = run_engine(eager.unwrap(), vocab, greedy_requests(name, 24));
         assert_eq!(got, want, "{name}: CUDA (graphs off) vs CPU greedy");
         println!("{name}: greedy identical, {} tokens", 24 * want.len());
@@ -302,8 +308,14 @@ fn device_sampling_follows_the_cpu_sampler() {
 fn kv_blocks_copied_out_and_in_decode_the_same() {
     let m = load("shakespeare");
     let prompt = prompts("shakespeare").remove(1);
-    let mut gpu =
-        CudaBackend::new(&m.config, &m.weights, 0, 16, BLOCK_SIZE).expect("a CUDA device");
+    let mut gpu = CudaBackend::new(
+        &m.config,
+        &m.weights,
+        CudaOptions::device(0),
+        16,
+        BLOCK_SIZE,
+    )
+    .expect("a CUDA device");
     let src: Vec<BlockId> = (0..3).map(BlockId).collect();
     let dst: Vec<BlockId> = (8..11).map(BlockId).collect();
     let a = forward(&mut gpu, &prompt[..prompt.len() - 1], 0, &src);
@@ -336,10 +348,15 @@ fn kv_blocks_copied_out_and_in_decode_the_same() {
 #[test]
 fn dynamic_rope_is_refused_by_name() {
     let m = load("hf-llama-dynamic-f32");
-    let e = build_backend(BackendKind::Cuda(0), &m, BLOCK_SIZE, KvBudget::Blocks(16))
-        .err()
-        .expect("the CUDA backend must refuse dynamic RoPE")
-        .to_string();
+    let e = build_backend(
+        BackendKind::Cuda(CudaOptions::device(0)),
+        &m,
+        BLOCK_SIZE,
+        KvBudget::Blocks(16),
+    )
+    .err()
+    .expect("the CUDA backend must refuse dynamic RoPE")
+    .to_string();
     assert!(e.contains("dynamic") && e.contains("--device cpu"), "{e}");
 }
 
@@ -348,7 +365,7 @@ fn a_kv_budget_beyond_the_gpu_is_a_clear_error() {
     let m = load("tiny-llama");
     let t = std::time::Instant::now();
     let err = build_backend(
-        BackendKind::Cuda(0),
+        BackendKind::Cuda(CudaOptions::device(0)),
         &m,
         BLOCK_SIZE,
         KvBudget::Bytes(1 << 50),
@@ -408,8 +425,13 @@ fn staged_kv_transfer_between_cuda_engines_decodes_the_same() {
         let m = load(name);
         let vocab = m.config.vocab_size;
         let spawn = |budget: usize| {
-            let be = build_backend(BackendKind::Cuda(0), &m, BLOCK_SIZE, KvBudget::Blocks(64))
-                .expect("a CUDA device");
+            let be = build_backend(
+                BackendKind::Cuda(CudaOptions::device(0)),
+                &m,
+                BLOCK_SIZE,
+                KvBudget::Blocks(64),
+            )
+            .expect("a CUDA device");
             engine::spawn(
                 be,
                 EngineConfig {

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use crate::backend::cpu::{CpuBackend, CpuModel};
 use crate::backend::sim::SimBackend;
-use crate::backend::Backend;
+use crate::backend::{Backend, CudaOptions};
 use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
 use crate::kv_pool::{KvDtype, KvSpec};
@@ -191,17 +191,18 @@ pub enum BackendKind {
     Cpu,
     /// No math: a timing model (see `backend::sim`).
     Sim(crate::backend::sim::SimTiming),
-    /// The CUDA device with this ordinal (builds with the `cuda` feature).
-    Cuda(usize),
+    /// A CUDA device (builds with the `cuda` feature).
+    Cuda(CudaOptions),
 }
 
-/// Resolves `--device auto|cpu|cuda|cuda:N` against this build and this machine.
+/// Resolves `--device auto|cpu|cuda|cuda:N` against this build and this machine. A CUDA
+/// device comes with graphs on; `--enforce-eager` is the caller's to apply.
 pub fn resolve_device(spec: &str) -> Result<BackendKind> {
     let cuda_ordinal = match spec {
         "cpu" => return Ok(BackendKind::Cpu),
         "auto" => {
             return Ok(match cuda_devices() {
-                Ok(n) if n > 0 => BackendKind::Cuda(0),
+                Ok(n) if n > 0 => BackendKind::Cuda(CudaOptions::device(0)),
                 _ => BackendKind::Cpu,
             })
         }
@@ -228,7 +229,7 @@ pub fn resolve_device(spec: &str) -> Result<BackendKind> {
             )
         }));
     }
-    Ok(BackendKind::Cuda(cuda_ordinal))
+    Ok(BackendKind::Cuda(CudaOptions::device(cuda_ordinal)))
 }
 
 #[cfg(feature = "cuda")]
@@ -267,14 +268,14 @@ pub fn build_backend(
             Ok(Box::new(CpuBackend::new(m, blocks, block_size)?))
         }
         #[cfg(feature = "cuda")]
-        BackendKind::Cuda(ordinal) => {
+        BackendKind::Cuda(opts) => {
             use crate::backend::cuda::CudaBackend;
             let per_block = CudaBackend::kv_bytes_per_block(&model.config, block_size);
             let blocks = match kv {
                 KvBudget::Blocks(n) => n,
                 KvBudget::Bytes(b) => (b / per_block).max(1),
             };
-            Ok(Box::new(CudaBackend::new(&model.config, &model.weights, ordinal, blocks, block_size)?))
+            Ok(Box::new(CudaBackend::new(&model.config, &model.weights, opts, blocks, block_size)?))
         }
         #[cfg(not(feature = "cuda"))]
         BackendKind::Cuda(_) => Err(EngineError::Backend(

@@ -9,8 +9,8 @@
 //! `scripts/hf_peer_bench.py` runs the same folders in Hugging Face transformers for a
 //! side-by-side comparison.
 //!
-//! Pure decode steps replay CUDA graphs unless `KVMESH_CUDA_GRAPHS=0`; run once each way
-//! (with different `--json` paths) to see what the graphs buy.
+//! Pure decode steps replay CUDA graphs unless `--enforce-eager`; run once each way (with
+//! different `--json` paths) to see what the graphs buy.
 //!
 //! `cargo build --release --features cuda --bin gpu-bench`, then on the GPU machine
 //! `target/release/gpu-bench [--presets qwen2.5-0.5b,llama-3.2-1b] [--json PATH]`
@@ -25,7 +25,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use kvmesh_gpu::backend::cuda::CudaBackend;
-use kvmesh_gpu::backend::{Backend, ForwardBatch, SampleSpec, SeqInput};
+use kvmesh_gpu::backend::{Backend, CudaOptions, ForwardBatch, SampleSpec, SeqInput};
 use kvmesh_gpu::init::{preset, write_random_checkpoint};
 use kvmesh_gpu::kv_cache::BlockId;
 use kvmesh_gpu::model::LoadedModel;
@@ -39,6 +39,8 @@ struct Args {
     presets: Vec<String>,
     json: Option<PathBuf>,
     device: usize,
+    /// Launch every step eagerly: no CUDA graphs for decode steps.
+    enforce_eager: bool,
     batches: Vec<usize>,
     prompt_len: usize,
     warmup: usize,
@@ -67,6 +69,7 @@ fn parse_args() -> anyhow::Result<Args> {
         presets: vec!["qwen2.5-0.5b".into(), "llama-3.2-1b".into()],
         json: None,
         device: 0,
+        enforce_eager: false,
         batches: vec![1, 8, 32, 64, 128],
         prompt_len: 128,
         warmup: 3,
@@ -88,6 +91,7 @@ fn parse_args() -> anyhow::Result<Args> {
             "--presets" => a.presets = list(&val()?)?,
             "--json" => a.json = Some(val()?.into()),
             "--device" => a.device = val()?.parse()?,
+            "--enforce-eager" => a.enforce_eager = true,
             "--batches" => a.batches = list(&val()?)?,
             "--prompt-len" => a.prompt_len = val()?.parse()?,
             "--warmup" => a.warmup = val()?.parse()?,
@@ -100,8 +104,8 @@ fn parse_args() -> anyhow::Result<Args> {
             "-h" | "--help" => {
                 println!(
                     "gpu-bench [--models-dir DIR] [--presets qwen2.5-0.5b,llama-3.2-1b] \
-                     [--json PATH] [--device N] [--batches 1,8,32,64,128] [--prompt-len N] \
-                     [--warmup N] [--decode-steps N] [--prefill-lens 512,2048] \
+                     [--json PATH] [--device N] [--enforce-eager] [--batches 1,8,32,64,128] \
+                     [--prompt-len N] [--warmup N] [--decode-steps N] [--prefill-lens 512,2048] \
                      [--prefill-reps N] [--fill-chunk N] [--copy-mib N] [--copy-reps N]"
                 );
                 std::process::exit(0);
@@ -224,7 +228,11 @@ fn bench_model(
         "{name}: loading onto cuda:{} with {num_blocks} KV blocks",
         args.device
     );
-    let mut backend = CudaBackend::new(&cfg, &model.weights, args.device, num_blocks, BLOCK_SIZE)?;
+    let cuda = CudaOptions {
+        ordinal: args.device,
+        graphs: !args.enforce_eager,
+    };
+    let mut backend = CudaBackend::new(&cfg, &model.weights, cuda, num_blocks, BLOCK_SIZE)?;
     // The host copy of the weights is no longer needed; free it before the runs.
     drop(model);
     if device_name.is_none() {
@@ -364,7 +372,7 @@ fn bench_model(
             bound_step * 1e3
         ),
         format!(
-            "decode       CUDA graphs {} (KVMESH_CUDA_GRAPHS=0 turns them off)",
+            "decode       CUDA graphs {} (--enforce-eager turns them off)",
             if backend.cuda_graphs_enabled() {
                 "on"
             } else {

@@ -18,6 +18,28 @@ use crate::kv_cache::BlockId;
 use crate::kv_pool::{HostKvPool, KvSpec};
 use crate::sampler::{sample, Rng, Sampled, SamplingParams};
 
+/// How the CUDA backend runs: on which device, and whether pure decode steps replay CUDA
+/// graphs. It lives here rather than in `cuda` so that builds without the `cuda` feature can
+/// still name it (`model::BackendKind::Cuda`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CudaOptions {
+    /// The device, as in `--device cuda:N`.
+    pub ordinal: usize,
+    /// Whether decode steps replay CUDA graphs (the default); `--enforce-eager` turns this
+    /// off so that every step launches its kernels one by one.
+    pub graphs: bool,
+}
+
+impl CudaOptions {
+    /// Device `ordinal`, with CUDA graphs on.
+    pub fn device(ordinal: usize) -> CudaOptions {
+        CudaOptions {
+            ordinal,
+            graphs: true,
+        }
+    }
+}
+
 /// One sequence's share of a step.
 pub struct SeqInput<'a> {
     /// The tokens to run now (a whole prompt, a chunk of one, or one decode token).

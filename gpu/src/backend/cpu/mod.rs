@@ -13,10 +13,11 @@ pub use ops::{Linear, Matrix};
 use std::sync::Arc;
 
 use super::{sample_all, Backend, ForwardBatch, SampleSpec};
+use crate::checkpoint::{Checkpoint, Projection};
 use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
 use crate::kv_pool::{HostKvPool, KvDtype, KvSpec};
-use crate::safetensors::WeightStore;
+use crate::safetensors::{TensorData, WeightStore};
 use crate::sampler::Sampled;
 
 struct Layer {
@@ -50,116 +51,41 @@ impl CpuModel {
     /// With `keep_bf16` false every weight is widened to f32 at load (twice the memory and
     /// the bytes per decode step; kept for comparison).
     pub fn load_with(cfg: &ModelConfig, w: &WeightStore, keep_bf16: bool) -> Result<CpuModel> {
-        let mat = |name: &str, shape: &[usize]| -> Result<Matrix> {
-            let m = Matrix::from_data(w.load(name, shape)?);
-            Ok(if keep_bf16 { m } else { m.to_f32() })
-        };
-        let (h, q, kv, inter) = (
-            cfg.hidden_size,
-            cfg.q_dim(),
-            cfg.kv_dim(),
-            cfg.intermediate_size,
-        );
-        // Biases exactly as the config says; `model::check_tensors` refuses a checkpoint
-        // whose tensors disagree with it.
-        let opt_bias = |on: bool, name: &str, n: usize| -> Result<Option<Vec<f32>>> {
-            if on {
-                w.f32(name, &[n]).map(Some)
+        let ck = Checkpoint::new(cfg, w);
+        let mat = |d: TensorData| {
+            let m = Matrix::from_data(d);
+            if keep_bf16 {
+                m
             } else {
-                Ok(None)
+                m.to_f32()
             }
         };
+        let linear = |p: Projection| Linear::new(mat(p.weight), p.out, p.inp, p.bias);
         let mut layers = Vec::with_capacity(cfg.num_layers);
         for i in 0..cfg.num_layers {
-            let p = format!("model.layers.{i}");
-            let a = format!("{p}.self_attn");
-            let qkv_proj = Linear::stacked(
-                vec![
-                    (
-                        mat(&format!("{a}.q_proj.weight"), &[q, h])?,
-                        q,
-                        opt_bias(cfg.qkv_bias, &format!("{a}.q_proj.bias"), q)?,
-                    ),
-                    (
-                        mat(&format!("{a}.k_proj.weight"), &[kv, h])?,
-                        kv,
-                        opt_bias(cfg.qkv_bias, &format!("{a}.k_proj.bias"), kv)?,
-                    ),
-                    (
-                        mat(&format!("{a}.v_proj.weight"), &[kv, h])?,
-                        kv,
-                        opt_bias(cfg.qkv_bias, &format!("{a}.v_proj.bias"), kv)?,
-                    ),
-                ],
-                h,
-            );
-            let gate_up_proj = Linear::stacked(
-                vec![
-                    (
-                        mat(&format!("{p}.mlp.gate_proj.weight"), &[inter, h])?,
-                        inter,
-                        opt_bias(cfg.mlp_bias, &format!("{p}.mlp.gate_proj.bias"), inter)?,
-                    ),
-                    (
-                        mat(&format!("{p}.mlp.up_proj.weight"), &[inter, h])?,
-                        inter,
-                        opt_bias(cfg.mlp_bias, &format!("{p}.mlp.up_proj.bias"), inter)?,
-                    ),
-                ],
-                h,
-            );
-            let norm = |name: String| w.f32(&name, &[cfg.head_dim]);
+            let l = ck.layer(i)?;
             layers.push(Layer {
-                input_layernorm: w.f32(&format!("{p}.input_layernorm.weight"), &[h])?,
-                qkv_proj,
-                q_norm: if cfg.qk_norm {
-                    Some(norm(format!("{a}.q_norm.weight"))?)
-                } else {
-                    None
-                },
-                k_norm: if cfg.qk_norm {
-                    Some(norm(format!("{a}.k_norm.weight"))?)
-                } else {
-                    None
-                },
-                o_proj: Linear::new(
-                    mat(&format!("{a}.o_proj.weight"), &[h, q])?,
-                    h,
-                    q,
-                    opt_bias(cfg.o_bias, &format!("{a}.o_proj.bias"), h)?,
-                ),
-                post_attention_layernorm: w
-                    .f32(&format!("{p}.post_attention_layernorm.weight"), &[h])?,
-                gate_up_proj,
-                down_proj: Linear::new(
-                    mat(&format!("{p}.mlp.down_proj.weight"), &[h, inter])?,
-                    h,
-                    inter,
-                    opt_bias(cfg.mlp_bias, &format!("{p}.mlp.down_proj.bias"), h)?,
-                ),
+                input_layernorm: l.input_layernorm,
+                qkv_proj: linear(l.qkv_proj),
+                q_norm: l.q_norm,
+                k_norm: l.k_norm,
+                o_proj: linear(l.o_proj),
+                post_attention_layernorm: l.post_attention_layernorm,
+                gate_up_proj: linear(l.gate_up_proj),
+                down_proj: linear(l.down_proj),
             });
         }
-        let embed_tokens = mat("model.embed_tokens.weight", &[cfg.vocab_size, h])?;
-        let lm_head = if cfg.tie_word_embeddings {
-            Linear {
-                w: embed_tokens.clone(),
-                out: cfg.vocab_size,
-                inp: h,
-                bias: None,
-            }
-        } else {
-            Linear::new(
-                mat("lm_head.weight", &[cfg.vocab_size, h])?,
-                cfg.vocab_size,
-                h,
-                None,
-            )
+        let embed_tokens = mat(ck.embed_tokens()?);
+        // Tied: the head reads the embedding matrix itself (shared, not copied).
+        let lm_head = match ck.lm_head()? {
+            Some(head) => linear(head),
+            None => Linear::new(embed_tokens.clone(), cfg.vocab_size, cfg.hidden_size, None),
         };
         Ok(CpuModel {
             cfg: cfg.clone(),
             embed_tokens,
             layers,
-            norm: w.f32("model.norm.weight", &[h])?,
+            norm: ck.norm()?,
             lm_head,
             inv_freq: cfg.rope_inv_freq(),
         })
@@ -270,16 +196,66 @@ impl CpuBackend {
         kv_ready: Option<&(dyn Fn(usize) + Sync)>,
     ) -> Result<Vec<Vec<f32>>> {
         let cfg = &self.model.cfg;
-        let (h, d) = (cfg.hidden_size, cfg.head_dim);
-        let (nq, nkv) = (cfg.num_heads, cfg.num_kv_heads);
-        let (qd, kvd) = (cfg.q_dim(), cfg.kv_dim());
-        let bs = self.kv.spec().block_size;
+        let h = cfg.hidden_size;
         let t = batch.num_tokens();
         if t == 0 {
             return Ok(Vec::new());
         }
+        let (slots, tokens) = self.token_slots(batch)?;
+        let (cos, sin) = self.rope_tables(batch, &slots);
 
-        // Token layout of the step.
+        let mut x = vec![0f32; t * h];
+        for (i, &tok) in tokens.iter().enumerate() {
+            self.model
+                .embed_tokens
+                .read(tok as usize * h, &mut x[i * h..(i + 1) * h]);
+        }
+
+        for (li, layer) in self.model.layers.iter().enumerate() {
+            let xn = ops::rms_norm(&x, &layer.input_layernorm, cfg.rms_norm_eps);
+            let qkv = layer.qkv_rotated(cfg, &xn, t, &cos, &sin);
+            self.write_kv(li, &slots, &qkv);
+            // This layer's K and V of every token in the step are final: a transfer may send
+            // them while the remaining layers compute.
+            if let Some(notify) = kv_ready {
+                notify(li);
+            }
+            let attn = self.attention(li, batch, &slots, &qkv);
+            let o = layer.o_proj.forward(&attn, t);
+            for (a, b) in x.iter_mut().zip(&o) {
+                *a += b;
+            }
+
+            let xn = ops::rms_norm(&x, &layer.post_attention_layernorm, cfg.rms_norm_eps);
+            let down = layer.mlp(&xn, t, cfg.intermediate_size);
+            for (a, b) in x.iter_mut().zip(&down) {
+                *a += b;
+            }
+        }
+
+        // Logits only for the last token of sequences that sample.
+        let mut rows = Vec::new();
+        let mut end = 0;
+        for s in &batch.seqs {
+            end += s.tokens.len();
+            if s.want_logits {
+                rows.extend_from_slice(&x[(end - 1) * h..end * h]);
+            }
+        }
+        let m = rows.len() / h;
+        let xn = ops::rms_norm(&rows, &self.model.norm, cfg.rms_norm_eps);
+        let logits = self.model.lm_head.forward(&xn, m);
+        Ok(logits
+            .chunks_exact(cfg.vocab_size)
+            .map(<[f32]>::to_vec)
+            .collect())
+    }
+
+    /// The step's token layout: where each scheduled token goes, and its id.
+    fn token_slots(&self, batch: &ForwardBatch) -> Result<(Vec<TokenSlot>, Vec<u32>)> {
+        let cfg = &self.model.cfg;
+        let bs = self.kv.spec().block_size;
+        let t = batch.num_tokens();
         let mut slots = Vec::with_capacity(t);
         let mut tokens = Vec::with_capacity(t);
         for (si, s) in batch.seqs.iter().enumerate() {
@@ -304,10 +280,15 @@ impl CpuBackend {
                 tokens.push(tok);
             }
         }
+        Ok((slots, tokens))
+    }
 
-        // Rotary tables for each token's position. Dynamic RoPE's frequencies depend on the
-        // sequence's length, so each sequence gets its own.
-        let half = d / 2;
+    /// Rotary tables (cos, then sin; `head_dim / 2` values per token) for each token's
+    /// position. Dynamic RoPE's frequencies depend on the sequence's length, so each sequence
+    /// gets its own.
+    fn rope_tables(&self, batch: &ForwardBatch, slots: &[TokenSlot]) -> (Vec<f32>, Vec<f32>) {
+        let cfg = &self.model.cfg;
+        let half = cfg.head_dim / 2;
         let per_seq: Option<Vec<Vec<f32>>> = cfg.rope_depends_on_length().then(|| {
             batch
                 .seqs
@@ -315,8 +296,8 @@ impl CpuBackend {
                 .map(|s| cfg.rope_inv_freq_for_len(s.context_len.max(s.start_pos + s.tokens.len())))
                 .collect()
         });
-        let mut cos = vec![0f32; t * half];
-        let mut sin = vec![0f32; t * half];
+        let mut cos = vec![0f32; slots.len() * half];
+        let mut sin = vec![0f32; slots.len() * half];
         for (i, ts) in slots.iter().enumerate() {
             let inv_freq = per_seq
                 .as_ref()
@@ -327,25 +308,102 @@ impl CpuBackend {
                 sin[i * half + j] = a.sin();
             }
         }
+        (cos, sin)
+    }
 
-        let mut x = vec![0f32; t * h];
-        for (i, &tok) in tokens.iter().enumerate() {
-            self.model
-                .embed_tokens
-                .read(tok as usize * h, &mut x[i * h..(i + 1) * h]);
+    /// The new K and V of every token of the step into layer `li`'s cache.
+    fn write_kv(&self, li: usize, slots: &[TokenSlot], qkv: &[f32]) {
+        let cfg = &self.model.cfg;
+        let (qd, kvd) = (cfg.q_dim(), cfg.kv_dim());
+        let row = qd + 2 * kvd;
+        // SAFETY: an f32 pool; this step writes only the slots of the positions it computes,
+        // which the engine gives to no one else meanwhile (see `kv_pool`).
+        let cache = unsafe { self.kv.f32_layer(li) };
+        for (i, ts) in slots.iter().enumerate() {
+            let r = &qkv[i * row..(i + 1) * row];
+            // SAFETY: as above.
+            unsafe { cache.write(ts.slot, &r[qd..qd + kvd], &r[qd + kvd..]) };
         }
+    }
 
+    /// Attention of layer `li`: each (token, head) over the sequence's positions up to its
+    /// own, or, in a layer with a sliding window, over the last `window` of them. Returns
+    /// `[tokens, q_dim]`.
+    fn attention(
+        &self,
+        li: usize,
+        batch: &ForwardBatch,
+        slots: &[TokenSlot],
+        qkv: &[f32],
+    ) -> Vec<f32> {
+        let cfg = &self.model.cfg;
+        let d = cfg.head_dim;
+        let (nq, nkv) = (cfg.num_heads, cfg.num_kv_heads);
+        let qd = cfg.q_dim();
+        let row = qd + 2 * cfg.kv_dim();
+        let bs = self.kv.spec().block_size;
         let scale = cfg.attention_scale();
         let group = nq / nkv;
-        for (li, layer) in self.model.layers.iter().enumerate() {
-            let xn = ops::rms_norm(&x, &layer.input_layernorm, cfg.rms_norm_eps);
-            let mut qkv = layer.qkv_proj.forward(&xn, t);
-            let row = qd + 2 * kvd;
-            // Per-head norms and rotary embedding, then the new K/V into the cache.
-            qkv.par_chunks_mut(row).enumerate().for_each(|(i, r)| {
+        let window = cfg.layer_window(li);
+        // SAFETY: an f32 pool; this step reads only blocks of sequences in its batch, which
+        // the engine gives to no one else meanwhile (see `kv_pool`).
+        let cache = unsafe { self.kv.f32_layer(li) };
+        let mut attn = vec![0f32; slots.len() * qd];
+        attn.par_chunks_mut(d).enumerate().for_each(|(idx, out)| {
+            let (i, head) = (idx / nq, idx % nq);
+            let ts = &slots[i];
+            let table = batch.seqs[ts.seq].block_table;
+            let g = head / group;
+            let q = &qkv[i * row + head * d..i * row + (head + 1) * d];
+            let n = ts.pos + 1;
+            let lo = window.map_or(0, |w| n.saturating_sub(w));
+            let mut scores = Vec::with_capacity(n - lo);
+            let mut max = f32::NEG_INFINITY;
+            for p in lo..n {
+                let slot = table[p / bs].0 as usize * bs + p % bs;
+                // SAFETY: the sequence's own computed positions (see above).
+                let k = unsafe { cache.k(slot, g * d, d) };
+                let s = ops::dot(q, k) * scale;
+                max = max.max(s);
+                scores.push(s);
+            }
+            let mut sum = 0f32;
+            for s in scores.iter_mut() {
+                *s = (*s - max).exp();
+                sum += *s;
+            }
+            let inv = 1.0 / sum;
+            for (p, &s) in (lo..n).zip(&scores) {
+                let slot = table[p / bs].0 as usize * bs + p % bs;
+                // SAFETY: as for K.
+                ops::axpy(out, s * inv, unsafe { cache.v(slot, g * d, d) });
+            }
+        });
+        attn
+    }
+}
+
+impl Layer {
+    /// The fused q/k/v projection of `xn` (`[t, hidden]`), with the per-head norms and the
+    /// rotary embedding applied to q and k: `[t, q_dim + 2 * kv_dim]`.
+    fn qkv_rotated(
+        &self,
+        cfg: &ModelConfig,
+        xn: &[f32],
+        t: usize,
+        cos: &[f32],
+        sin: &[f32],
+    ) -> Vec<f32> {
+        let d = cfg.head_dim;
+        let half = d / 2;
+        let (qd, kvd) = (cfg.q_dim(), cfg.kv_dim());
+        let mut qkv = self.qkv_proj.forward(xn, t);
+        qkv.par_chunks_mut(qd + 2 * kvd)
+            .enumerate()
+            .for_each(|(i, r)| {
                 let (q, rest) = r.split_at_mut(qd);
                 let k = &mut rest[..kvd];
-                if let (Some(qn), Some(kn)) = (&layer.q_norm, &layer.k_norm) {
+                if let (Some(qn), Some(kn)) = (&self.q_norm, &self.k_norm) {
                     ops::rms_norm_inplace(q, qn, cfg.rms_norm_eps);
                     ops::rms_norm_inplace(k, kn, cfg.rms_norm_eps);
                 }
@@ -357,93 +415,21 @@ impl CpuBackend {
                     ops::rope(head, c, s);
                 }
             });
-            // SAFETY: an f32 pool; this step writes only the slots of the positions it
-            // computes and reads only blocks of sequences in its batch, which the engine
-            // gives to no one else meanwhile (see `kv_pool`).
-            let cache = unsafe { self.kv.f32_layer(li) };
-            for (i, ts) in slots.iter().enumerate() {
-                let r = &qkv[i * row..(i + 1) * row];
-                // SAFETY: as above.
-                unsafe { cache.write(ts.slot, &r[qd..qd + kvd], &r[qd + kvd..]) };
-            }
-            // This layer's K and V of every token in the step are final: a transfer may send
-            // them while the remaining layers compute.
-            if let Some(notify) = kv_ready {
-                notify(li);
-            }
+        qkv
+    }
 
-            // Attention: each (token, head) over the sequence's positions up to its own, or,
-            // in a layer with a sliding window, over the last `window` of them.
-            let window = cfg.layer_window(li);
-            let mut attn = vec![0f32; t * qd];
-            attn.par_chunks_mut(d).enumerate().for_each(|(idx, out)| {
-                let (i, head) = (idx / nq, idx % nq);
-                let ts = &slots[i];
-                let table = batch.seqs[ts.seq].block_table;
-                let g = head / group;
-                let q = &qkv[i * row + head * d..i * row + (head + 1) * d];
-                let n = ts.pos + 1;
-                let lo = window.map_or(0, |w| n.saturating_sub(w));
-                let mut scores = Vec::with_capacity(n - lo);
-                let mut max = f32::NEG_INFINITY;
-                for p in lo..n {
-                    let slot = table[p / bs].0 as usize * bs + p % bs;
-                    // SAFETY: the sequence's own computed positions (see above).
-                    let k = unsafe { cache.k(slot, g * d, d) };
-                    let s = ops::dot(q, k) * scale;
-                    max = max.max(s);
-                    scores.push(s);
-                }
-                let mut sum = 0f32;
-                for s in scores.iter_mut() {
-                    *s = (*s - max).exp();
-                    sum += *s;
-                }
-                let inv = 1.0 / sum;
-                for (p, &s) in (lo..n).zip(&scores) {
-                    let slot = table[p / bs].0 as usize * bs + p % bs;
-                    // SAFETY: as for K.
-                    ops::axpy(out, s * inv, unsafe { cache.v(slot, g * d, d) });
+    /// `down(silu(gate(xn)) * up(xn))` over `t` rows.
+    fn mlp(&self, xn: &[f32], t: usize, inter: usize) -> Vec<f32> {
+        let gu = self.gate_up_proj.forward(xn, t);
+        let mut act = vec![0f32; t * inter];
+        act.par_chunks_mut(inter)
+            .zip(gu.par_chunks(2 * inter))
+            .for_each(|(a, g)| {
+                let (gate, up) = g.split_at(inter);
+                for ((o, &gv), &uv) in a.iter_mut().zip(gate).zip(up) {
+                    *o = ops::silu(gv) * uv;
                 }
             });
-            let o = layer.o_proj.forward(&attn, t);
-            for (a, b) in x.iter_mut().zip(&o) {
-                *a += b;
-            }
-
-            let xn = ops::rms_norm(&x, &layer.post_attention_layernorm, cfg.rms_norm_eps);
-            let gu = layer.gate_up_proj.forward(&xn, t);
-            let inter = cfg.intermediate_size;
-            let mut act = vec![0f32; t * inter];
-            act.par_chunks_mut(inter)
-                .zip(gu.par_chunks(2 * inter))
-                .for_each(|(a, g)| {
-                    let (gate, up) = g.split_at(inter);
-                    for ((o, &gv), &uv) in a.iter_mut().zip(gate).zip(up) {
-                        *o = ops::silu(gv) * uv;
-                    }
-                });
-            let down = layer.down_proj.forward(&act, t);
-            for (a, b) in x.iter_mut().zip(&down) {
-                *a += b;
-            }
-        }
-
-        // Logits only for the last token of sequences that sample.
-        let mut rows = Vec::new();
-        let mut end = 0;
-        for s in &batch.seqs {
-            end += s.tokens.len();
-            if s.want_logits {
-                rows.extend_from_slice(&x[(end - 1) * h..end * h]);
-            }
-        }
-        let m = rows.len() / h;
-        let xn = ops::rms_norm(&rows, &self.model.norm, cfg.rms_norm_eps);
-        let logits = self.model.lm_head.forward(&xn, m);
-        Ok(logits
-            .chunks_exact(cfg.vocab_size)
-            .map(<[f32]>::to_vec)
-            .collect())
+        self.down_proj.forward(&act, t)
     }
 }

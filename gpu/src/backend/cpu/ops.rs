@@ -55,27 +55,6 @@ impl Matrix {
         }
     }
 
-    /// Stacks matrices with the same column count (bf16 only if every part is bf16).
-    fn concat(parts: Vec<Matrix>) -> Matrix {
-        if parts.iter().all(|p| matches!(p, Matrix::Bf16(_))) {
-            let mut v = Vec::new();
-            for p in &parts {
-                if let Matrix::Bf16(x) = p {
-                    v.extend_from_slice(x);
-                }
-            }
-            Matrix::Bf16(Arc::new(v))
-        } else {
-            let mut v = Vec::new();
-            for p in &parts {
-                let mut buf = vec![0f32; p.len()];
-                p.read(0, &mut buf);
-                v.extend_from_slice(&buf);
-            }
-            Matrix::F32(Arc::new(v))
-        }
-    }
-
     /// The same values, stored as f32.
     pub fn to_f32(&self) -> Matrix {
         let mut v = vec![0f32; self.len()];
@@ -123,19 +102,6 @@ impl Linear {
     pub fn new(w: Matrix, out: usize, inp: usize, bias: Option<Vec<f32>>) -> Linear {
         assert_eq!(w.len(), out * inp);
         Linear { w, out, inp, bias }
-    }
-
-    /// Rows of several layers stacked into one product (fused q/k/v, gate/up).
-    pub fn stacked(parts: Vec<(Matrix, usize, Option<Vec<f32>>)>, inp: usize) -> Linear {
-        let out = parts.iter().map(|p| p.1).sum();
-        let any_bias = parts.iter().any(|p| p.2.is_some());
-        let mut bias = Vec::with_capacity(out);
-        let mut ws = Vec::new();
-        for (pw, rows, pb) in parts {
-            ws.push(pw);
-            bias.extend(pb.unwrap_or_else(|| vec![0.0; rows]));
-        }
-        Linear::new(Matrix::concat(ws), out, inp, any_bias.then_some(bias))
     }
 
     pub fn bytes(&self) -> usize {

@@ -251,7 +251,11 @@ mod tests {
             return;
         }
         assert!(nvrtc_version().is_some_and(|(major, _)| major >= 11));
-        let ptx = compile(super::super::KERNELS_CU, &compile_options("compute_80")).unwrap();
+        let ptx = compile(
+            super::super::kernels::KERNELS_CU,
+            &compile_options("compute_80"),
+        )
+        .unwrap();
         for name in [
             "embed_gather",
             "rmsnorm_to_bf16",

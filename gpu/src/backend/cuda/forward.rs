@@ -1,0 +1,213 @@
+//! The forward pass on the device, launch by launch; it follows the CPU backend's `run`
+//! (`cpu/mod.rs`), which is the reference. The residual adds are fused with the norm that
+//! follows them (`AddRmsNorm`), so the stream keeps `x` (f32) and its normed copy `xn`
+//! (bf16), the next product's input.
+
+use cudarc::cublas::CudaBlas;
+use cudarc::driver::{CudaSlice, CudaStream};
+
+use super::buffers::{LogitsSpace, StepDims, StepInputs, Workspace};
+use super::gemm::{gemm_bf16_f32, linear};
+use super::kernels::{
+    AddRmsNorm, Attention, EmbedGather, GatherRows, Heads, Kernels, QkNorm, RmsNorm, RopeKvWrite,
+    SiluMul,
+};
+use super::kv::KvCache;
+use super::weights::{DevLayer, DevLinear, DevWeights};
+use super::CudaBackend;
+use crate::config::ModelConfig;
+use crate::error::{EngineError, Result};
+
+impl CudaBackend {
+    /// Enqueues the whole forward pass for a step whose inputs are in `inp` (device arrays
+    /// laid out as `batch::BatchLayout` describes), leaving the logits in `self.ls`. It
+    /// neither allocates nor synchronises, so it can be recorded into a CUDA graph.
+    pub(super) fn enqueue(&mut self, dims: &StepDims, inp: &StepInputs) -> Result<usize> {
+        let Self {
+            cfg,
+            stream,
+            blas,
+            k,
+            w,
+            kv,
+            ws,
+            ls,
+            ..
+        } = self;
+        let ws = ws
+            .as_mut()
+            .ok_or_else(|| EngineError::Backend("workspace missing".into()))?;
+        let pass = Pass {
+            cfg,
+            s: stream,
+            blas,
+            k,
+            w,
+            dims,
+            inp,
+            heads: Heads::of(cfg),
+        };
+        pass.embed(ws)?;
+        for (li, layer) in w.layers.iter().enumerate() {
+            pass.layer(li, layer, kv, ws)?;
+        }
+        if dims.logits == 0 {
+            return Ok(0);
+        }
+        let ls = ls
+            .as_mut()
+            .ok_or_else(|| EngineError::Backend("logits space missing".into()))?;
+        pass.logits(ws, ls)?;
+        Ok(dims.logits)
+    }
+}
+
+/// What every launch of one pass reads: the model, the kernels and the step's inputs.
+struct Pass<'a> {
+    cfg: &'a ModelConfig,
+    s: &'a CudaStream,
+    blas: &'a CudaBlas,
+    k: &'a Kernels,
+    w: &'a DevWeights,
+    dims: &'a StepDims,
+    inp: &'a StepInputs,
+    heads: Heads,
+}
+
+impl Pass<'_> {
+    /// `x = embed(tokens)`, and `xn` its norm for the first layer (the final norm when there
+    /// is no layer).
+    fn embed(&self, ws: &mut Workspace) -> Result<()> {
+        let w = self.w;
+        EmbedGather {
+            table: &w.embed_tokens,
+            ids: &self.inp.token_ids,
+            out: &mut ws.x,
+            tokens: self.dims.tokens,
+            hidden: self.cfg.hidden_size,
+        }
+        .launch(self.k, self.s)?;
+        let norm = w.layers.first().map_or(&w.norm, |l| &l.input_layernorm);
+        RmsNorm {
+            x: &ws.x,
+            w: norm,
+            out: &mut ws.xn,
+            rows: self.dims.tokens,
+            hidden: self.cfg.hidden_size,
+            eps: self.cfg.rms_norm_eps,
+        }
+        .launch(self.k, self.s)
+    }
+
+    /// Layer `li`, from `xn` (its input, normed) to `x` with both residuals added and `xn`
+    /// normed for the next layer (or by the final norm after the last).
+    fn layer(
+        &self,
+        li: usize,
+        layer: &DevLayer,
+        kv: &mut KvCache,
+        ws: &mut Workspace,
+    ) -> Result<()> {
+        let (cfg, t) = (self.cfg, self.dims.tokens);
+        self.linear(&layer.qkv_proj, &ws.xn, &mut ws.qkv)?;
+        if let (Some(q_w), Some(k_w)) = (&layer.q_norm, &layer.k_norm) {
+            QkNorm {
+                qkv: &mut ws.qkv,
+                q_w,
+                k_w,
+                tokens: t,
+                heads: self.heads,
+                eps: cfg.rms_norm_eps,
+            }
+            .launch(self.k, self.s)?;
+        }
+        // Per-head rotary embedding, then the new K/V into the cache.
+        RopeKvWrite {
+            qkv: &mut ws.qkv,
+            inputs: self.inp,
+            inv_freq: &self.w.inv_freq,
+            k_cache: &mut kv.k[li],
+            v_cache: &mut kv.v[li],
+            tokens: t,
+            heads: self.heads,
+        }
+        .launch(self.k, self.s)?;
+        Attention {
+            qkv: &ws.qkv,
+            inputs: self.inp,
+            dims: self.dims,
+            k_cache: &kv.k[li],
+            v_cache: &kv.v[li],
+            out: &mut ws.attn,
+            heads: self.heads,
+            block_size: kv.block_size(),
+            scale: cfg.attention_scale(),
+            window: cfg.layer_window(li),
+        }
+        .launch(self.k, self.s)?;
+        self.linear(&layer.o_proj, &ws.attn, &mut ws.tmp)?;
+        self.add_rms_norm(ws, &layer.post_attention_layernorm)?;
+
+        self.linear(&layer.gate_up_proj, &ws.xn, &mut ws.gate_up)?;
+        SiluMul {
+            gate_up: &ws.gate_up,
+            out: &mut ws.act,
+            rows: t,
+            inter: cfg.intermediate_size,
+        }
+        .launch(self.k, self.s)?;
+        self.linear(&layer.down_proj, &ws.act, &mut ws.tmp)?;
+        // The residual add, fused with the next layer's input norm, or with the final norm
+        // after the last layer.
+        let next_norm = match self.w.layers.get(li + 1) {
+            Some(next) => &next.input_layernorm,
+            None => &self.w.norm,
+        };
+        self.add_rms_norm(ws, next_norm)
+    }
+
+    /// The logits of the rows that want them: those rows of `xn` gathered, times the head.
+    fn logits(&self, ws: &Workspace, ls: &mut LogitsSpace) -> Result<()> {
+        let (n, h) = (self.dims.logits, self.cfg.hidden_size);
+        GatherRows {
+            src: &ws.xn,
+            rows: &self.inp.logits_rows,
+            dst: &mut ls.xr,
+            n,
+            cols: h,
+        }
+        .launch(self.k, self.s)?;
+        let head = match &self.w.lm_head {
+            Some(l) => &l.w,
+            None => &self.w.embed_tokens,
+        };
+        let vocab = self.cfg.vocab_size;
+        gemm_bf16_f32(
+            self.blas,
+            self.s,
+            &ls.xr,
+            head,
+            &mut ls.logits,
+            (n, vocab, h),
+        )
+    }
+
+    /// `y = x · Wᵀ (+ b)` over the step's tokens.
+    fn linear(&self, l: &DevLinear, x: &CudaSlice<u16>, y: &mut CudaSlice<f32>) -> Result<()> {
+        linear(self.blas, self.s, self.k, l, self.dims.tokens, x, y)
+    }
+
+    /// `x += tmp`, then `xn = rmsnorm(x) * norm`.
+    fn add_rms_norm(&self, ws: &mut Workspace, norm: &CudaSlice<f32>) -> Result<()> {
+        AddRmsNorm {
+            residual: &mut ws.x,
+            delta: &ws.tmp,
+            w: norm,
+            out: &mut ws.xn,
+            rows: self.dims.tokens,
+            hidden: self.cfg.hidden_size,
+            eps: self.cfg.rms_norm_eps,
+        }
+        .launch(self.k, self.s)
+    }
+}

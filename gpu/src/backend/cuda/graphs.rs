@@ -1,0 +1,297 @@
+//! CUDA graphs for pure decode steps: one per batch-size bucket (`batch::bucket_for`),
+//! captured on first use with fixed input buffers and replayed with the step's inputs,
+//! padded to the bucket, copied into them.
+//!
+//! Why graphs: a decode step is a few hundred small launches whose CPU-side cost is
+//! comparable to the GPU work at small batch; a replay is one launch. `--enforce-eager`
+//! turns them off (as in vLLM), and so does a capture that fails: that costs speed, not
+//! correctness.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::{CudaContext, CudaGraph, CudaStream};
+
+use super::batch::{self, BatchLayout};
+use super::buffers::{StepDims, StepInputs};
+use super::device::drv;
+use crate::config::ModelConfig;
+use crate::error::{EngineError, Result};
+
+/// `CudaGraph` holds raw driver handles and so is not `Send`. The backend must be `Send`
+/// (the engine moves it to its own thread) and touches a graph only through `&mut self`,
+/// one thread at a time, which is all the driver asks: graphs must not be used
+/// concurrently, not never from another thread.
+pub struct SendGraph(CudaGraph);
+
+// SAFETY: see above; the graph is never shared, only moved with its owner.
+unsafe impl Send for SendGraph {}
+
+/// One decode bucket: the fixed device buffers its graph reads its inputs from (a replay
+/// sees whatever was copied into them just before), and the graph once captured.
+pub struct DecodeGraph {
+    pub inputs: StepInputs,
+    /// `None` until captured, and again whenever the workspace or logits buffers are
+    /// reallocated, since the captured launches hold their old addresses.
+    pub exec: Option<SendGraph>,
+}
+
+impl DecodeGraph {
+    /// Copies a step's padded inputs into the graph's buffers.
+    pub fn upload(&mut self, stream: &Arc<CudaStream>, host: &GraphHostInputs) -> Result<()> {
+        let i = &mut self.inputs;
+        let e = |e| drv("decode graph input upload", e);
+        // Pageable host memory: each copy has taken the data when it returns.
+        stream
+            .memcpy_htod(&host.token_ids, &mut i.token_ids)
+            .map_err(e)?;
+        stream
+            .memcpy_htod(&host.positions, &mut i.positions)
+            .map_err(e)?;
+        stream.memcpy_htod(&host.slots, &mut i.slots).map_err(e)?;
+        stream
+            .memcpy_htod(&host.seq_starts, &mut i.seq_starts)
+            .map_err(e)?;
+        stream
+            .memcpy_htod(&host.seq_lens, &mut i.seq_lens)
+            .map_err(e)?;
+        stream.memcpy_htod(&host.tables, &mut i.tables).map_err(e)?;
+        stream
+            .memcpy_htod(&host.logits_rows, &mut i.logits_rows)
+            .map_err(e)
+    }
+
+    /// Replays the captured graph; nothing to do before it is captured.
+    pub fn launch(&self) -> Result<()> {
+        if let Some(exec) = &self.exec {
+            exec.0.launch().map_err(|e| drv("decode graph launch", e))?;
+        }
+        Ok(())
+    }
+}
+
+/// Records what `record` enqueues on `stream` into a graph, ready to launch.
+pub fn capture(
+    ctx: &Arc<CudaContext>,
+    stream: &Arc<CudaStream>,
+    record: impl FnOnce() -> Result<usize>,
+) -> Result<SendGraph> {
+    // SAFETY: the backend issues all its work on one stream, which orders it without
+    // cudarc's per-buffer events. Tracking is off only while capturing, because a capture
+    // may not wait on events recorded before it began.
+    unsafe { ctx.disable_event_tracking() };
+    let captured = match stream
+        .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+    {
+        Err(e) => Err(drv("graph capture start", e)),
+        Ok(()) => {
+            let r = record();
+            // End the capture whatever happened, so the stream leaves capture mode.
+            let end = stream
+                .end_capture(CUgraphInstantiate_flags(0))
+                .map_err(|e| drv("graph capture", e));
+            r.and(end).and_then(|graph| {
+                graph.ok_or_else(|| EngineError::Backend("graph capture recorded nothing".into()))
+            })
+        }
+    };
+    // SAFETY: restores cudarc's default.
+    unsafe { ctx.enable_event_tracking() };
+    captured.map(SendGraph)
+}
+
+/// The decode graphs of one backend, by bucket.
+pub struct DecodeGraphs {
+    by_bucket: HashMap<usize, DecodeGraph>,
+    /// Off with `--enforce-eager`, or after a capture failed.
+    enabled: bool,
+    /// Block-table width of every graph: enough blocks for the model's context length
+    /// (or the whole pool, if smaller). Longer sequences decode eagerly.
+    width: usize,
+    /// The extra KV block, outside the scheduler's pool, that padding sequences write to.
+    scratch_block: i32,
+    block_size: usize,
+}
+
+impl DecodeGraphs {
+    /// Graphs for a cache of `num_blocks` blocks (plus the scratch block) when `wanted`. They
+    /// also need the scratch block's slots to fit the kernels' 32-bit indices.
+    pub fn new(
+        wanted: bool,
+        cfg: &ModelConfig,
+        num_blocks: usize,
+        block_size: usize,
+    ) -> DecodeGraphs {
+        let fits = (num_blocks + 1)
+            .checked_mul(block_size)
+            .is_some_and(|slots| i32::try_from(slots).is_ok());
+        DecodeGraphs {
+            by_bucket: HashMap::new(),
+            enabled: wanted && fits,
+            width: cfg.max_context().div_ceil(block_size).clamp(1, num_blocks),
+            scratch_block: i32::try_from(num_blocks).unwrap_or(i32::MAX),
+            block_size,
+        }
+    }
+
+    pub fn enabled(&self) -> bool {
+        self.enabled
+    }
+
+    /// The bucket `layout` replays in, or `None` when it runs eagerly: graphs are off, or the
+    /// step is not pure decode, has a sequence that wants no logits, has more sequences than
+    /// the largest bucket, or a block table wider than the graphs'.
+    pub fn bucket(&self, layout: &BatchLayout) -> Option<usize> {
+        let n = layout.num_seqs();
+        if !self.enabled
+            || !layout.is_decode()
+            || layout.num_tokens() != n
+            || layout.logits_rows.len() != n
+            || layout.max_blocks > self.width
+        {
+            return None;
+        }
+        batch::bucket_for(n)
+    }
+
+    /// What a graph of `bucket` sequences launches with.
+    pub fn dims(&self, bucket: usize) -> StepDims {
+        StepDims::decode(bucket, self.width)
+    }
+
+    /// `layout`'s inputs padded to `bucket`.
+    pub fn host_inputs(&self, layout: &BatchLayout, bucket: usize) -> GraphHostInputs {
+        graph_inputs(
+            layout,
+            bucket,
+            self.width,
+            self.scratch_block,
+            self.block_size,
+        )
+    }
+
+    /// Takes `bucket`'s graph out (allocating its input buffers the first time), so that it
+    /// can be captured while the backend is borrowed; `put_back` returns it.
+    pub fn take(&mut self, stream: &Arc<CudaStream>, bucket: usize) -> Result<DecodeGraph> {
+        match self.by_bucket.remove(&bucket) {
+            Some(g) => Ok(g),
+            None => Ok(DecodeGraph {
+                inputs: StepInputs::zeroed(stream, bucket, self.width)?,
+                exec: None,
+            }),
+        }
+    }
+
+    /// Keeps `g` for the next step of `bucket`, unless graphs were turned off meanwhile.
+    pub fn put_back(&mut self, bucket: usize, g: DecodeGraph) {
+        if self.enabled {
+            self.by_bucket.insert(bucket, g);
+        }
+    }
+
+    /// Forgets captured graphs (keeping their input buffers); the next decode step of each
+    /// bucket captures again.
+    pub fn drop_captured(&mut self) {
+        for g in self.by_bucket.values_mut() {
+            g.exec = None;
+        }
+    }
+
+    /// Turns graphs off for good (after a failed capture).
+    pub fn disable(&mut self) {
+        self.enabled = false;
+        self.by_bucket.clear();
+    }
+}
+
+/// A pure decode step's inputs padded to a bucket of `bucket` sequences with block tables
+/// `width` wide, built on the host. The padding sequences each run one token at position 0
+/// whose K and V go to the scratch block (one block past the scheduler's pool), and attend
+/// over that one slot, so they touch no real sequence's cache; their logits rows are
+/// computed and ignored.
+#[derive(Debug, PartialEq, Eq)]
+pub struct GraphHostInputs {
+    token_ids: Vec<i32>,
+    positions: Vec<i32>,
+    slots: Vec<i32>,
+    seq_starts: Vec<i32>,
+    seq_lens: Vec<i32>,
+    tables: Vec<i32>,
+    logits_rows: Vec<i32>,
+}
+
+/// See `GraphHostInputs`. The caller guarantees `layout` is pure decode with every sequence
+/// wanting logits, `num_seqs <= bucket` and `max_blocks <= width`.
+fn graph_inputs(
+    layout: &BatchLayout,
+    bucket: usize,
+    width: usize,
+    scratch_block: i32,
+    block_size: usize,
+) -> GraphHostInputs {
+    let n = layout.num_seqs();
+    let pad = |v: &[i32], fill: i32| {
+        let mut v = v.to_vec();
+        v.resize(bucket, fill);
+        v
+    };
+    let mut tables = vec![scratch_block; bucket * width];
+    let mb = layout.max_blocks;
+    for s in 0..n {
+        tables[s * width..s * width + mb]
+            .copy_from_slice(&layout.block_tables[s * mb..(s + 1) * mb]);
+    }
+    GraphHostInputs {
+        token_ids: pad(&layout.token_ids, 0),
+        positions: pad(&layout.positions, 0),
+        slots: pad(&layout.slot_mapping, scratch_block * block_size as i32),
+        seq_starts: (0..=bucket as i32).collect(),
+        seq_lens: pad(&layout.seq_lens, 1),
+        tables,
+        logits_rows: (0..bucket as i32).collect(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::{ForwardBatch, SeqInput};
+    use crate::kv_cache::BlockId;
+
+    /// Padding must never point a real sequence's table or a padding token's KV write at a
+    /// block the scheduler owns: everything padded goes to the scratch block.
+    #[test]
+    fn decode_graph_inputs_pad_to_the_scratch_block() {
+        let (t0, t1) = ([BlockId(3), BlockId(4)], [BlockId(7)]);
+        let batch = ForwardBatch {
+            seqs: vec![
+                SeqInput {
+                    tokens: &[11],
+                    start_pos: 5,
+                    context_len: 0,
+                    block_table: &t0,
+                    want_logits: true,
+                },
+                SeqInput {
+                    tokens: &[12],
+                    start_pos: 2,
+                    context_len: 0,
+                    block_table: &t1,
+                    want_logits: true,
+                },
+            ],
+        };
+        let layout = batch::build(&batch, 4, 8, 100).unwrap();
+        let g = graph_inputs(&layout, 4, 3, 8, 4);
+        assert_eq!(g.token_ids, vec![11, 12, 0, 0]);
+        assert_eq!(g.positions, vec![5, 2, 0, 0]);
+        assert_eq!(g.slots, vec![4 * 4 + 1, 7 * 4 + 2, 32, 32]);
+        assert_eq!(g.seq_starts, vec![0, 1, 2, 3, 4]);
+        assert_eq!(g.seq_lens, vec![6, 3, 1, 1]);
+        // Sequence 1's row: its block, then the layout's padding (block 0, never read past
+        // seq_lens), then the scratch block.
+        assert_eq!(g.tables, vec![3, 4, 8, 7, 0, 8, 8, 8, 8, 8, 8, 8]);
+        assert_eq!(g.logits_rows, vec![0, 1, 2, 3]);
+    }
+}

@@ -1,0 +1,499 @@
+//! The kernels of `kernels.cu`, one typed launch each.
+//!
+//! Each kernel has a struct naming its arguments and a `launch` that looks the function up,
+//! builds the grid, checks that every buffer holds what the grid touches and pushes the
+//! arguments in the kernel's order, in one `unsafe` block. A kernel's argument list is
+//! written once, here, so a change to its signature in `kernels.cu` has one place to follow.
+//!
+//! What the host cannot check from lengths alone, the indices inside the buffers (token ids,
+//! cache slots, block tables), was checked when the batch was laid out (`batch::build`), or
+//! is a decode graph's padding, which points at the scratch block (`graphs`).
+
+use std::sync::Arc;
+
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaSlice, CudaStream, CudaView, DriverError, LaunchConfig,
+    PushKernelArg,
+};
+use cudarc::nvrtc::Ptx;
+
+use super::buffers::{StepDims, StepInputs};
+use super::device::drv;
+use super::ptx_cache;
+use crate::config::ModelConfig;
+use crate::error::{EngineError, Result};
+
+/// The kernels' source, compiled by NVRTC on first use and then cached (see `ptx_cache`).
+pub const KERNELS_CU: &str = include_str!("kernels.cu");
+
+/// The attention kernels keep one head in fixed-size shared arrays.
+pub const MAX_HEAD_DIM: usize = 256;
+
+/// Queries per block of `paged_attention_prefill` (its PF_Q), one warp each: every key/value
+/// tile staged in shared memory serves this many queries, so the cache traffic of a prompt
+/// of L tokens is about L^2 / PREFILL_QUERIES_PER_BLOCK rows per head.
+const PREFILL_QUERIES_PER_BLOCK: usize = 8;
+
+/// Threads per block of the `sample_rows` kernel (its SAMPLE_THREADS).
+const SAMPLE_THREADS: u32 = 512;
+
+/// The compiled module's functions.
+pub struct Kernels {
+    embed_gather: CudaFunction,
+    rmsnorm: CudaFunction,
+    add_rmsnorm: CudaFunction,
+    bias_add: CudaFunction,
+    qk_norm: CudaFunction,
+    rope_kv_write: CudaFunction,
+    attention_decode: CudaFunction,
+    attention_prefill: CudaFunction,
+    silu_mul: CudaFunction,
+    gather_rows: CudaFunction,
+    sample_rows: CudaFunction,
+}
+
+impl Kernels {
+    /// Compiles `kernels.cu` for the device's architecture (or reads the cached PTX) and
+    /// loads it. Returns the kernels and the architecture they were built for.
+    pub fn load(ctx: &Arc<CudaContext>) -> Result<(Kernels, String)> {
+        let (major, minor) = ctx
+            .compute_capability()
+            .map_err(|e| drv("compute capability query", e))?;
+        let arch = ptx_cache::arch_for(major, minor);
+        let ptx = ptx_cache::load_or_compile(KERNELS_CU, &arch)?;
+        let module = ctx
+            .load_module(Ptx::from_src(ptx))
+            .map_err(|e| drv("loading the compiled kernels", e))?;
+        let f = |name: &str| {
+            module
+                .load_function(name)
+                .map_err(|e| drv(&format!("kernel `{name}` lookup"), e))
+        };
+        let k = Kernels {
+            embed_gather: f("embed_gather")?,
+            rmsnorm: f("rmsnorm_to_bf16")?,
+            add_rmsnorm: f("add_rmsnorm_to_bf16")?,
+            bias_add: f("bias_add")?,
+            qk_norm: f("qk_norm")?,
+            rope_kv_write: f("rope_kv_write")?,
+            attention_decode: f("paged_attention_decode")?,
+            attention_prefill: f("paged_attention_prefill")?,
+            silu_mul: f("silu_mul")?,
+            gather_rows: f("gather_rows_bf16")?,
+            sample_rows: f("sample_rows")?,
+        };
+        Ok((k, arch))
+    }
+}
+
+/// The head layout the per-head kernels index by.
+#[derive(Clone, Copy)]
+pub struct Heads {
+    pub q: usize,
+    pub kv: usize,
+    pub dim: usize,
+}
+
+impl Heads {
+    pub fn of(cfg: &ModelConfig) -> Heads {
+        Heads {
+            q: cfg.num_heads,
+            kv: cfg.num_kv_heads,
+            dim: cfg.head_dim,
+        }
+    }
+
+    /// Width of a fused q/k/v row: `q_dim + 2 * kv_dim`.
+    pub fn row(&self) -> usize {
+        (self.q + 2 * self.kv) * self.dim
+    }
+}
+
+/// Enough 256-thread blocks for one thread per element (grid-stride loops cover the rest).
+fn launch_1d(n: usize) -> LaunchConfig {
+    let blocks = n.div_ceil(256).clamp(1, 1 << 16) as u32;
+    LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+fn grid(x: usize, y: usize, z: usize, threads: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (x as u32, y as u32, z as u32),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+fn failed(kernel: &'static str) -> impl Fn(DriverError) -> EngineError {
+    move |e| drv(&format!("{kernel} launch"), e)
+}
+
+/// A buffer must hold what the launch's grid touches. A shortfall is a bug on the host side,
+/// reported here rather than left to read or write past the allocation on the device.
+fn holds(kernel: &str, what: &str, len: usize, need: usize) -> Result<()> {
+    if len < need {
+        return Err(EngineError::Backend(format!(
+            "{kernel}: `{what}` holds {len} elements but the launch needs {need}"
+        )));
+    }
+    Ok(())
+}
+
+/// `out[t] = table[ids[t]]`, widened to f32: the embeddings of `tokens` tokens.
+pub struct EmbedGather<'a> {
+    pub table: &'a CudaSlice<u16>,
+    pub ids: &'a CudaSlice<i32>,
+    pub out: &'a mut CudaSlice<f32>,
+    pub tokens: usize,
+    pub hidden: usize,
+}
+
+impl EmbedGather<'_> {
+    pub fn launch(self, k: &Kernels, s: &CudaStream) -> Result<()> {
+        let n = "embed_gather";
+        holds(n, "ids", self.ids.len(), self.tokens)?;
+        holds(n, "out", self.out.len(), self.tokens * self.hidden)?;
+        let hidden = self.hidden as i32;
+        let mut b = s.launch_builder(&k.embed_gather);
+        b.arg(self.table).arg(self.ids).arg(self.out).arg(&hidden);
+        // SAFETY: the arguments match `embed_gather`'s signature in order and type; `ids` and
+        // `out` hold the grid's `tokens` rows (checked above) and every id is below the
+        // table's rows (see the module docs).
+        unsafe { b.launch(grid(self.tokens, 1, 1, 256)) }.map_err(failed(n))?;
+        Ok(())
+    }
+}
+
+/// `out = rmsnorm(x) * w` in bf16, over `rows` rows of `hidden`.
+pub struct RmsNorm<'a> {
+    pub x: &'a CudaSlice<f32>,
+    pub w: &'a CudaSlice<f32>,
+    pub out: &'a mut CudaSlice<u16>,
+    pub rows: usize,
+    pub hidden: usize,
+    pub eps: f32,
+}
+
+impl RmsNorm<'_> {
+    pub fn launch(self, k: &Kernels, s: &CudaStream) -> Result<()> {
+        let n = "rmsnorm_to_bf16";
+        holds(n, "x", self.x.len(), self.rows * self.hidden)?;
+        holds(n, "w", self.w.len(), self.hidden)?;
+        holds(n, "out", self.out.len(), self.rows * self.hidden)?;
+        let hidden = self.hidden as i32;
+        let mut b = s.launch_builder(&k.rmsnorm);
+        b.arg(self.x)
+            .arg(self.w)
+            .arg(self.out)
+            .arg(&hidden)
+            .arg(&self.eps);
+        // SAFETY: the arguments match `rmsnorm_to_bf16`'s signature in order and type, and
+        // every buffer holds the grid's rows (checked above).
+        unsafe { b.launch(grid(self.rows, 1, 1, 256)) }.map_err(failed(n))?;
+        Ok(())
+    }
+}
+
+/// `residual += delta`, then `out = rmsnorm(residual) * w` in bf16: a residual add fused
+/// with the norm that follows it.
+pub struct AddRmsNorm<'a> {
+    pub residual: &'a mut CudaSlice<f32>,
+    pub delta: &'a CudaSlice<f32>,
+    pub w: &'a CudaSlice<f32>,
+    pub out: &'a mut CudaSlice<u16>,
+    pub rows: usize,
+    pub hidden: usize,
+    pub eps: f32,
+}
+
+impl AddRmsNorm<'_> {
+    pub fn launch(self, k: &Kernels, s: &CudaStream) -> Result<()> {
+        let n = "add_rmsnorm_to_bf16";
+        let need = self.rows * self.hidden;
+        holds(n, "residual", self.residual.len(), need)?;
+        holds(n, "delta", self.delta.len(), need)?;
+        holds(n, "w", self.w.len(), self.hidden)?;
+        holds(n, "out", self.out.len(), need)?;
+        let hidden = self.hidden as i32;
+        let mut b = s.launch_builder(&k.add_rmsnorm);
+        b.arg(self.residual)
+            .arg(self.delta)
+            .arg(self.w)
+            .arg(self.out)
+            .arg(&hidden)
+            .arg(&self.eps);
+        // SAFETY: the arguments match `add_rmsnorm_to_bf16`'s signature in order and type,
+        // and every buffer holds the grid's rows (checked above).
+        unsafe { b.launch(grid(self.rows, 1, 1, 256)) }.map_err(failed(n))?;
+        Ok(())
+    }
+}
+
+/// `y[r, c] += bias[c]` over `rows` rows of `cols`.
+pub struct BiasAdd<'a> {
+    pub y: &'a mut CudaSlice<f32>,
+    pub bias: &'a CudaSlice<f32>,
+    pub rows: usize,
+    pub cols: usize,
+}
+
+impl BiasAdd<'_> {
+    pub fn launch(self, k: &Kernels, s: &CudaStream) -> Result<()> {
+        let n = "bias_add";
+        holds(n, "y", self.y.len(), self.rows * self.cols)?;
+        holds(n, "bias", self.bias.len(), self.cols)?;
+        let (rows, cols) = (self.rows as i32, self.cols as i32);
+        let mut b = s.launch_builder(&k.bias_add);
+        b.arg(self.y).arg(self.bias).arg(&rows).arg(&cols);
+        // SAFETY: the arguments match `bias_add`'s signature in order and type; the kernel
+        // touches `rows * cols` elements of y and `cols` of the bias (checked above).
+        unsafe { b.launch(launch_1d(self.rows * self.cols)) }.map_err(failed(n))?;
+        Ok(())
+    }
+}
+
+/// Per-head RMS norms of q and k (Qwen3), in place in the fused q/k/v rows.
+pub struct QkNorm<'a> {
+    pub qkv: &'a mut CudaSlice<f32>,
+    pub q_w: &'a CudaSlice<f32>,
+    pub k_w: &'a CudaSlice<f32>,
+    pub tokens: usize,
+    pub heads: Heads,
+    pub eps: f32,
+}
+
+impl QkNorm<'_> {
+    pub fn launch(self, k: &Kernels, s: &CudaStream) -> Result<()> {
+        let n = "qk_norm";
+        let h = self.heads;
+        holds(n, "qkv", self.qkv.len(), self.tokens * h.row())?;
+        holds(n, "q_w", self.q_w.len(), h.dim)?;
+        holds(n, "k_w", self.k_w.len(), h.dim)?;
+        let (row, nq, d) = (h.row() as i32, h.q as i32, h.dim as i32);
+        let mut b = s.launch_builder(&k.qk_norm);
+        b.arg(self.qkv)
+            .arg(self.q_w)
+            .arg(self.k_w)
+            .arg(&row)
+            .arg(&nq)
+            .arg(&d)
+            .arg(&self.eps);
+        // SAFETY: the arguments match `qk_norm`'s signature in order and type; the grid
+        // covers `tokens` rows of q and k heads, which qkv and the norms hold (checked above).
+        unsafe { b.launch(grid(self.tokens, h.q + h.kv, 1, 32)) }.map_err(failed(n))?;
+        Ok(())
+    }
+}
+
+/// Rotates q and k by each token's position, in place, and writes k and v into the cache
+/// slots of `inputs.slots`.
+pub struct RopeKvWrite<'a> {
+    pub qkv: &'a mut CudaSlice<f32>,
+    pub inputs: &'a StepInputs,
+    pub inv_freq: &'a CudaSlice<f32>,
+    pub k_cache: &'a mut CudaSlice<u16>,
+    pub v_cache: &'a mut CudaSlice<u16>,
+    pub tokens: usize,
+    pub heads: Heads,
+}
+
+impl RopeKvWrite<'_> {
+    pub fn launch(self, k: &Kernels, s: &CudaStream) -> Result<()> {
+        let n = "rope_kv_write";
+        let h = self.heads;
+        holds(n, "qkv", self.qkv.len(), self.tokens * h.row())?;
+        holds(n, "positions", self.inputs.positions.len(), self.tokens)?;
+        holds(n, "slots", self.inputs.slots.len(), self.tokens)?;
+        holds(n, "inv_freq", self.inv_freq.len(), h.dim / 2)?;
+        let (row, nq, nkv, d) = (h.row() as i32, h.q as i32, h.kv as i32, h.dim as i32);
+        let mut b = s.launch_builder(&k.rope_kv_write);
+        b.arg(self.qkv)
+            .arg(&self.inputs.positions)
+            .arg(self.inv_freq)
+            .arg(&self.inputs.slots)
+            .arg(self.k_cache)
+            .arg(self.v_cache)
+            .arg(&row)
+            .arg(&nq)
+            .arg(&nkv)
+            .arg(&d);
+        // SAFETY: the arguments match `rope_kv_write`'s signature in order and type; the
+        // per-token arrays hold the grid's tokens (checked above) and every slot is inside
+        // the cache (see the module docs).
+        unsafe { b.launch(grid(self.tokens, h.q + h.kv, 1, 64)) }.map_err(failed(n))?;
+        Ok(())
+    }
+}
+
+/// Paged attention of every query in the step over its sequence's cached keys and values.
+/// One launch for both kernels: a pure decode step (one query per sequence) runs
+/// `paged_attention_decode`; anything else `paged_attention_prefill`, which also reads each
+/// query's position.
+pub struct Attention<'a> {
+    pub qkv: &'a CudaSlice<f32>,
+    pub inputs: &'a StepInputs,
+    pub dims: &'a StepDims,
+    pub k_cache: &'a CudaSlice<u16>,
+    pub v_cache: &'a CudaSlice<u16>,
+    pub out: &'a mut CudaSlice<u16>,
+    pub heads: Heads,
+    pub block_size: usize,
+    pub scale: f32,
+    /// The layer's sliding window; `None` attends over the whole sequence.
+    pub window: Option<usize>,
+}
+
+impl Attention<'_> {
+    pub fn launch(self, k: &Kernels, s: &CudaStream) -> Result<()> {
+        let decode = self.dims.max_query_len == 1;
+        let n = if decode {
+            "paged_attention_decode"
+        } else {
+            "paged_attention_prefill"
+        };
+        let (h, dims, inp) = (self.heads, self.dims, self.inputs);
+        holds(n, "qkv", self.qkv.len(), dims.tokens * h.row())?;
+        holds(n, "out", self.out.len(), dims.tokens * h.q * h.dim)?;
+        holds(n, "positions", inp.positions.len(), dims.tokens)?;
+        holds(n, "seq_starts", inp.seq_starts.len(), dims.seqs + 1)?;
+        holds(n, "seq_lens", inp.seq_lens.len(), dims.seqs)?;
+        holds(n, "tables", inp.tables.len(), dims.seqs * dims.max_blocks)?;
+        let (row, max_blocks) = (h.row() as i32, dims.max_blocks as i32);
+        let (nq, nkv, d, bs) = (
+            h.q as i32,
+            h.kv as i32,
+            h.dim as i32,
+            self.block_size as i32,
+        );
+        // 0: the layer attends over the whole sequence.
+        let window = self.window.map_or(0, |w| w.min(i32::MAX as usize) as i32);
+        let (f, cfg) = if decode {
+            (&k.attention_decode, grid(dims.seqs, h.q, 1, 128))
+        } else {
+            let tiles = dims.max_query_len.div_ceil(PREFILL_QUERIES_PER_BLOCK);
+            let threads = 32 * PREFILL_QUERIES_PER_BLOCK as u32;
+            (&k.attention_prefill, grid(dims.seqs, h.q, tiles, threads))
+        };
+        let mut b = s.launch_builder(f);
+        b.arg(self.qkv).arg(&row);
+        if !decode {
+            b.arg(&inp.positions);
+        }
+        b.arg(&inp.seq_starts)
+            .arg(&inp.seq_lens)
+            .arg(&inp.tables)
+            .arg(&max_blocks)
+            .arg(self.k_cache)
+            .arg(self.v_cache)
+            .arg(self.out)
+            .arg(&nq)
+            .arg(&nkv)
+            .arg(&d)
+            .arg(&bs)
+            .arg(&self.scale)
+            .arg(&window);
+        // SAFETY: the arguments match the chosen kernel's signature in order and type (the
+        // two differ only in prefill's `positions` after `row_stride`); the per-token and
+        // per-sequence arrays hold what the grid reads (checked above), and the tables name
+        // only blocks inside the cache (see the module docs).
+        unsafe { b.launch(cfg) }.map_err(failed(n))?;
+        Ok(())
+    }
+}
+
+/// `out = silu(gate) * up` in bf16, from `[rows, 2 * inter]` rows holding gate then up.
+pub struct SiluMul<'a> {
+    pub gate_up: &'a CudaSlice<f32>,
+    pub out: &'a mut CudaSlice<u16>,
+    pub rows: usize,
+    pub inter: usize,
+}
+
+impl SiluMul<'_> {
+    pub fn launch(self, k: &Kernels, s: &CudaStream) -> Result<()> {
+        let n = "silu_mul";
+        holds(n, "gate_up", self.gate_up.len(), self.rows * 2 * self.inter)?;
+        holds(n, "out", self.out.len(), self.rows * self.inter)?;
+        let (rows, inter) = (self.rows as i32, self.inter as i32);
+        let mut b = s.launch_builder(&k.silu_mul);
+        b.arg(self.gate_up).arg(self.out).arg(&rows).arg(&inter);
+        // SAFETY: the arguments match `silu_mul`'s signature in order and type, and both
+        // buffers hold `rows` rows (checked above).
+        unsafe { b.launch(launch_1d(self.rows * self.inter)) }.map_err(failed(n))?;
+        Ok(())
+    }
+}
+
+/// `dst[i] = src[rows[i]]` for `n` bf16 rows of `cols`: the rows that want logits.
+pub struct GatherRows<'a> {
+    pub src: &'a CudaSlice<u16>,
+    pub rows: &'a CudaSlice<i32>,
+    pub dst: &'a mut CudaSlice<u16>,
+    pub n: usize,
+    pub cols: usize,
+}
+
+impl GatherRows<'_> {
+    pub fn launch(self, k: &Kernels, s: &CudaStream) -> Result<()> {
+        let name = "gather_rows_bf16";
+        holds(name, "rows", self.rows.len(), self.n)?;
+        holds(name, "dst", self.dst.len(), self.n * self.cols)?;
+        let cols = self.cols as i32;
+        let mut b = s.launch_builder(&k.gather_rows);
+        b.arg(self.src).arg(self.rows).arg(self.dst).arg(&cols);
+        // SAFETY: the arguments match `gather_rows_bf16`'s signature in order and type;
+        // `rows` and `dst` hold the grid's `n` rows (checked above) and every row index is a
+        // token of the step, inside `src` (see the module docs).
+        unsafe { b.launch(grid(self.n, 1, 1, 256)) }.map_err(failed(name))?;
+        Ok(())
+    }
+}
+
+/// One token and its logprob per row of logits, drawn with each row's own temperature,
+/// top-k, top-p and uniform (a temperature of 0 is greedy).
+pub struct SampleRows<'a> {
+    pub logits: &'a CudaSlice<f32>,
+    pub vocab: usize,
+    pub temps: CudaView<'a, f32>,
+    pub top_k: &'a CudaSlice<i32>,
+    pub top_p: CudaView<'a, f32>,
+    pub uniforms: CudaView<'a, f32>,
+    pub token: &'a mut CudaSlice<i32>,
+    pub logprob: &'a mut CudaSlice<f32>,
+    pub rows: usize,
+}
+
+impl SampleRows<'_> {
+    pub fn launch(self, k: &Kernels, s: &CudaStream) -> Result<()> {
+        let n = "sample_rows";
+        let rows = self.rows;
+        holds(n, "logits", self.logits.len(), rows * self.vocab)?;
+        for (what, len) in [
+            ("temps", self.temps.len()),
+            ("top_k", self.top_k.len()),
+            ("top_p", self.top_p.len()),
+            ("uniforms", self.uniforms.len()),
+            ("token", self.token.len()),
+            ("logprob", self.logprob.len()),
+        ] {
+            holds(n, what, len, rows)?;
+        }
+        let vocab = self.vocab as i32;
+        let mut b = s.launch_builder(&k.sample_rows);
+        b.arg(self.logits)
+            .arg(&vocab)
+            .arg(&self.temps)
+            .arg(self.top_k)
+            .arg(&self.top_p)
+            .arg(&self.uniforms)
+            .arg(self.token)
+            .arg(self.logprob);
+        // SAFETY: the arguments match `sample_rows`'s signature in order and type, and every
+        // buffer holds the grid's rows (checked above).
+        unsafe { b.launch(grid(rows, 1, 1, SAMPLE_THREADS)) }.map_err(failed(n))?;
+        Ok(())
+    }
+}

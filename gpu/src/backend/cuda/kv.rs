@@ -1,0 +1,297 @@
+//! The KV cache in device memory, and its copies to and from the host for KV transfers.
+//!
+//! Per layer, K and V are each `[num_blocks + 1, block_size, num_kv_heads, head_dim]` bf16,
+//! as on the CPU; the block past the scheduler's pool is the scratch block decode graphs pad
+//! with. A transfer moves whole blocks through one page-locked (pinned) host buffer, which
+//! the DMA engine reads and writes directly.
+
+use std::ops::Range;
+use std::sync::Arc;
+
+use cudarc::driver::{CudaSlice, CudaStream};
+
+use super::device::{drv, upload_err};
+use crate::config::ModelConfig;
+use crate::error::{EngineError, Result};
+use crate::kv_cache::BlockId;
+use crate::kv_pool::{HostKvPool, KvDtype, KvKind, KvSpec};
+
+pub struct KvCache {
+    pub k: Vec<CudaSlice<u16>>,
+    pub v: Vec<CudaSlice<u16>>,
+    /// Blocks the scheduler may use (the scratch block is not among them).
+    pub num_blocks: usize,
+    spec: KvSpec,
+    stream: Arc<CudaStream>,
+}
+
+impl KvCache {
+    /// Zeroed K and V for `num_blocks` blocks plus the scratch block, in every layer.
+    pub fn alloc(
+        stream: &Arc<CudaStream>,
+        ordinal: usize,
+        cfg: &ModelConfig,
+        num_blocks: usize,
+        block_size: usize,
+    ) -> Result<KvCache> {
+        let per_layer = (num_blocks + 1) * block_size * cfg.kv_dim();
+        let zeros = || {
+            stream
+                .alloc_zeros::<u16>(per_layer)
+                .map_err(|e| upload_err(ordinal, "the KV cache", e))
+        };
+        let mut k = Vec::with_capacity(cfg.num_layers);
+        let mut v = Vec::with_capacity(cfg.num_layers);
+        for _ in 0..cfg.num_layers {
+            k.push(zeros()?);
+            v.push(zeros()?);
+        }
+        Ok(KvCache {
+            k,
+            v,
+            num_blocks,
+            spec: KvSpec {
+                num_layers: cfg.num_layers,
+                block_size,
+                num_kv_heads: cfg.num_kv_heads,
+                head_dim: cfg.head_dim,
+                dtype: KvDtype::Bf16,
+            },
+            stream: stream.clone(),
+        })
+    }
+
+    pub fn spec(&self) -> &KvSpec {
+        &self.spec
+    }
+
+    pub fn block_size(&self) -> usize {
+        self.spec.block_size
+    }
+
+    /// bf16 elements of one block in one layer, for K or for V.
+    fn block_elems(&self) -> usize {
+        self.spec.block_size * self.spec.kv_dim()
+    }
+
+    /// The K and V of `blocks` in `layer`, as little-endian bf16 bytes, block after block,
+    /// each block its K `[block_size, num_kv_heads, head_dim]` then its V.
+    ///
+    /// The blocks are gathered on the device into one buffer and copied out in a single
+    /// transfer through pinned memory; the pinned buffer is allocated per call (not kept)
+    /// for now.
+    pub fn copy_blocks_out(&self, layer: usize, blocks: &[BlockId]) -> Result<Vec<u8>> {
+        let per = self.block_elems();
+        self.check_blocks(layer, blocks)?;
+        if blocks.is_empty() {
+            return Ok(Vec::new());
+        }
+        let s = &self.stream;
+        s.context()
+            .bind_to_thread()
+            .map_err(|e| drv("binding the context", e))?;
+        let n = blocks.len() * 2 * per;
+        let mut staging = s
+            .alloc_zeros::<u16>(n)
+            .map_err(|e| drv("KV staging buffer", e))?;
+        for (i, b) in blocks.iter().enumerate() {
+            let src = b.0 as usize * per;
+            let dst = i * 2 * per;
+            s.memcpy_dtod(
+                &self.k[layer].slice(src..src + per),
+                &mut staging.slice_mut(dst..dst + per),
+            )
+            .map_err(|e| drv("KV block copy", e))?;
+            s.memcpy_dtod(
+                &self.v[layer].slice(src..src + per),
+                &mut staging.slice_mut(dst + per..dst + 2 * per),
+            )
+            .map_err(|e| drv("KV block copy", e))?;
+        }
+        // SAFETY: the buffer is fully overwritten by the copy below before it is read.
+        let mut pinned = unsafe { s.context().alloc_pinned_with_flags::<u16>(n, 0) }
+            .map_err(|e| drv("pinned host buffer", e))?;
+        s.memcpy_dtoh(&staging, &mut pinned)
+            .map_err(|e| drv("KV copy to host", e))?;
+        s.synchronize().map_err(|e| drv("KV copy to host", e))?;
+        let host = pinned
+            .as_slice()
+            .map_err(|e| drv("reading the pinned buffer", e))?;
+        let mut out = Vec::with_capacity(2 * n);
+        for v in host {
+            out.extend_from_slice(&v.to_le_bytes());
+        }
+        Ok(out)
+    }
+
+    /// The inverse of `copy_blocks_out`: writes `bytes` (the same layout) into `blocks` of
+    /// `layer`, through a pinned buffer and one host-to-device transfer.
+    pub fn copy_blocks_in(&mut self, layer: usize, blocks: &[BlockId], bytes: &[u8]) -> Result<()> {
+        let per = self.block_elems();
+        self.check_blocks(layer, blocks)?;
+        let n = blocks.len() * 2 * per;
+        if bytes.len() != 2 * n {
+            return Err(EngineError::Backend(format!(
+                "KV transfer for {} blocks expects {} bytes, got {}",
+                blocks.len(),
+                2 * n,
+                bytes.len()
+            )));
+        }
+        if blocks.is_empty() {
+            return Ok(());
+        }
+        let s = self.stream.clone();
+        s.context()
+            .bind_to_thread()
+            .map_err(|e| drv("binding the context", e))?;
+        // SAFETY: every element is written below before the copy reads it.
+        let mut pinned = unsafe { s.context().alloc_pinned_with_flags::<u16>(n, 0) }
+            .map_err(|e| drv("pinned host buffer", e))?;
+        {
+            let host = pinned
+                .as_mut_slice()
+                .map_err(|e| drv("writing the pinned buffer", e))?;
+            for (dst, b) in host.iter_mut().zip(bytes.chunks_exact(2)) {
+                *dst = u16::from_le_bytes([b[0], b[1]]);
+            }
+        }
+        let mut staging = s
+            .alloc_zeros::<u16>(n)
+            .map_err(|e| drv("KV staging buffer", e))?;
+        s.memcpy_htod(&pinned, &mut staging)
+            .map_err(|e| drv("KV copy to device", e))?;
+        for (i, b) in blocks.iter().enumerate() {
+            let dst = b.0 as usize * per;
+            let src = i * 2 * per;
+            s.memcpy_dtod(
+                &staging.slice(src..src + per),
+                &mut self.k[layer].slice_mut(dst..dst + per),
+            )
+            .map_err(|e| drv("KV block copy", e))?;
+            s.memcpy_dtod(
+                &staging.slice(src + per..src + 2 * per),
+                &mut self.v[layer].slice_mut(dst..dst + per),
+            )
+            .map_err(|e| drv("KV block copy", e))?;
+        }
+        s.synchronize().map_err(|e| drv("KV copy to device", e))?;
+        Ok(())
+    }
+
+    /// Copies `positions` of the sequence whose blocks are `table` into the staging pool
+    /// `dst`, at the same positions of `dst_table`. Whole blocks come off the device; only
+    /// the asked-for positions are written on the host side.
+    pub fn copy_positions_out(
+        &self,
+        table: &[BlockId],
+        positions: Range<usize>,
+        dst: &HostKvPool,
+        dst_table: &[BlockId],
+    ) -> Result<()> {
+        if positions.is_empty() {
+            return Ok(());
+        }
+        self.check_stage(dst)?;
+        let bs = self.spec.block_size;
+        let bpp = self.spec.bytes_per_pos();
+        let block_bytes = bs * bpp;
+        let (b0, b1) = (positions.start / bs, (positions.end - 1) / bs + 1);
+        let blocks = table.get(b0..b1).ok_or_else(|| {
+            EngineError::Backend(format!("no blocks for positions {positions:?}"))
+        })?;
+        dst.check_table(dst_table)?;
+        for layer in 0..self.spec.num_layers {
+            // Per block: its K, then its V.
+            let bytes = self.copy_blocks_out(layer, blocks)?;
+            for pos in positions.clone() {
+                let (i, off) = (pos / bs - b0, pos % bs);
+                let dst_block = dst_table
+                    .get(pos / bs)
+                    .ok_or_else(|| EngineError::Backend(format!("no staging block for {pos}")))?;
+                let at = (dst_block.0 as usize * bs + off) * bpp;
+                for (kind, src_at) in [
+                    (KvKind::K, i * 2 * block_bytes + off * bpp),
+                    (KvKind::V, i * 2 * block_bytes + block_bytes + off * bpp),
+                ] {
+                    // SAFETY: `check_stage` and `check_table` put the slot inside the staging
+                    // pool, which the engine lends to no one for positions not yet reported.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            bytes[src_at..src_at + bpp].as_ptr(),
+                            dst.base(layer, kind).add(at),
+                            bpp,
+                        )
+                    };
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Copies `positions` from the staging pool `src` (blocks `src_table`) into the blocks
+    /// `table`, whole blocks at a time.
+    pub fn copy_positions_in(
+        &mut self,
+        src: &HostKvPool,
+        src_table: &[BlockId],
+        positions: Range<usize>,
+        table: &[BlockId],
+    ) -> Result<()> {
+        if positions.is_empty() {
+            return Ok(());
+        }
+        self.check_stage(src)?;
+        src.check_table(src_table)?;
+        let block_bytes = self.spec.block_bytes();
+        let n = (positions.end - positions.start).div_ceil(self.spec.block_size);
+        if src_table.len() < n || table.len() < n {
+            return Err(EngineError::Backend(format!(
+                "positions {positions:?} need {n} blocks"
+            )));
+        }
+        for layer in 0..self.spec.num_layers {
+            let mut bytes = Vec::with_capacity(n * 2 * block_bytes);
+            for b in &src_table[..n] {
+                let at = b.0 as usize * block_bytes;
+                for kind in [KvKind::K, KvKind::V] {
+                    // SAFETY: inside the staging pool (checked), which the landed transfer no
+                    // longer writes.
+                    bytes.extend_from_slice(unsafe {
+                        std::slice::from_raw_parts(src.base(layer, kind).add(at), block_bytes)
+                    });
+                }
+            }
+            self.copy_blocks_in(layer, &table[..n], &bytes)?;
+        }
+        Ok(())
+    }
+
+    /// A staging pool must have this cache's shape.
+    fn check_stage(&self, pool: &HostKvPool) -> Result<()> {
+        if pool.spec() != &self.spec {
+            return Err(EngineError::Backend(format!(
+                "a staging pool of shape {:?} does not match the cache's {:?}",
+                pool.spec(),
+                Some(&self.spec)
+            )));
+        }
+        Ok(())
+    }
+
+    fn check_blocks(&self, layer: usize, blocks: &[BlockId]) -> Result<()> {
+        if layer >= self.k.len() {
+            return Err(EngineError::Backend(format!(
+                "layer {layer} does not exist (the model has {})",
+                self.k.len()
+            )));
+        }
+        if let Some(b) = blocks.iter().find(|b| b.0 as usize >= self.num_blocks) {
+            return Err(EngineError::Backend(format!(
+                "block {} is outside the pool of {} blocks",
+                b.0, self.num_blocks
+            )));
+        }
+        Ok(())
+    }
+}

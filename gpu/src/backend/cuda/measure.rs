@@ -1,0 +1,73 @@
+//! What a benchmark asks of the backend besides steps: the device's name, a fence, the bytes
+//! a decode step must read, and the memory bandwidth to compare them against.
+
+use cudarc::driver::DriverError;
+
+use super::device::{drv, GIB};
+use super::CudaBackend;
+use crate::error::{EngineError, Result};
+
+impl CudaBackend {
+    /// The device's name as the driver reports it ("NVIDIA H100 80GB HBM3"), so benchmark
+    /// results say which GPU produced them.
+    pub fn device_name(&self) -> Result<String> {
+        self.ctx.name().map_err(|e| drv("device name query", e))
+    }
+
+    /// Waits until everything queued on the backend's stream has finished. Steps return once
+    /// their results are copied back, but a caller timing work needs an explicit fence.
+    pub fn synchronize(&self) -> Result<()> {
+        self.stream
+            .synchronize()
+            .map_err(|e| drv("stream synchronisation", e))
+    }
+
+    /// Bytes of weights one decode step reads (see `weights::DevWeights::bytes_per_step`).
+    pub fn weight_bytes_per_step(&self) -> usize {
+        self.w.bytes_per_step()
+    }
+
+    /// Device-to-device copy bandwidth in bytes/s: the best of `reps` timed copies of a
+    /// `bytes`-byte buffer (after one untimed warm-up), timed with CUDA events on the
+    /// backend's stream. Each copy reads and writes `bytes`, so `2 * bytes / time` is
+    /// reported, the convention of NVIDIA's `bandwidthTest`: it is the DRAM traffic the
+    /// copy sustains, the figure a weight-streaming decode step is compared against.
+    pub fn copy_bandwidth(&self, bytes: usize, reps: usize) -> Result<f64> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| drv("binding the context", e))?;
+        let s = &self.stream;
+        let src = s.alloc_zeros::<u8>(bytes).map_err(|e| oom_bw(bytes, e))?;
+        let mut dst = s.alloc_zeros::<u8>(bytes).map_err(|e| oom_bw(bytes, e))?;
+        let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let mut best = 0f64;
+        for i in 0..=reps {
+            let start = s
+                .record_event(timing)
+                .map_err(|e| drv("bandwidth event", e))?;
+            s.memcpy_dtod(&src, &mut dst)
+                .map_err(|e| drv("bandwidth copy", e))?;
+            let end = s
+                .record_event(timing)
+                .map_err(|e| drv("bandwidth event", e))?;
+            let ms = start
+                .elapsed_ms(&end)
+                .map_err(|e| drv("bandwidth timing", e))?;
+            // The first copy pays for first-touch page mapping; it is not a measurement.
+            if i > 0 && ms > 0.0 {
+                best = best.max(2.0 * bytes as f64 / (f64::from(ms) * 1e-3));
+            }
+        }
+        Ok(best)
+    }
+}
+
+fn oom_bw(bytes: usize, e: DriverError) -> EngineError {
+    drv(
+        &format!(
+            "allocating two {:.2} GiB buffers for the bandwidth test",
+            bytes as f64 / GIB
+        ),
+        e,
+    )
+}

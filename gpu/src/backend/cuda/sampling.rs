@@ -1,0 +1,131 @@
+//! Sampling on the device (greedy, temperature, top-k, top-p; see `sample_rows` in
+//! kernels.cu): only the chosen token and its logprob per sequence are copied back, not a
+//! vocabulary of logits. Each non-greedy row takes one uniform draw from its request's
+//! seeded generator here, as the CPU sampler does.
+
+use std::sync::Arc;
+
+use cudarc::driver::CudaStream;
+
+use super::buffers::LogitsSpace;
+use super::device::drv;
+use super::kernels::{Kernels, SampleRows};
+use crate::backend::SampleSpec;
+use crate::error::Result;
+use crate::sampler::Sampled;
+
+/// Samples one token for each of the first `specs.len()` rows of `ls.logits`.
+pub fn sample_logits(
+    stream: &Arc<CudaStream>,
+    k: &Kernels,
+    ls: &mut LogitsSpace,
+    vocab: usize,
+    specs: &mut [SampleSpec],
+) -> Result<Vec<Sampled>> {
+    let n = specs.len();
+    let host = sample_params(specs, ls.rows);
+    stream
+        .memcpy_htod(&host.floats, &mut ls.params_f)
+        .map_err(|e| drv("sampling parameters copy", e))?;
+    stream
+        .memcpy_htod(&host.top_k, &mut ls.top_k)
+        .map_err(|e| drv("sampling parameters copy", e))?;
+    let rows = ls.rows;
+    SampleRows {
+        logits: &ls.logits,
+        vocab,
+        temps: ls.params_f.slice(0..rows),
+        top_k: &ls.top_k,
+        top_p: ls.params_f.slice(rows..2 * rows),
+        uniforms: ls.params_f.slice(2 * rows..3 * rows),
+        token: &mut ls.token,
+        logprob: &mut ls.logprob,
+        rows: n,
+    }
+    .launch(k, stream)?;
+    let tokens = stream
+        .clone_dtoh(&ls.token.slice(0..n))
+        .map_err(|e| drv("token copy", e))?;
+    let logprobs = stream
+        .clone_dtoh(&ls.logprob.slice(0..n))
+        .map_err(|e| drv("logprob copy", e))?;
+    stream.synchronize().map_err(|e| drv("token copy", e))?;
+    Ok(tokens
+        .into_iter()
+        .zip(logprobs)
+        .map(|(t, lp)| Sampled {
+            token: t.max(0) as u32,
+            logprob: lp,
+            top: Vec::new(),
+        })
+        .collect())
+}
+
+/// The host side of `sample_rows`'s parameters, padded to the buffers' `rows`.
+struct SampleParamsHost {
+    /// temperatures, then top_p, then uniforms: three runs of `rows`.
+    floats: Vec<f32>,
+    top_k: Vec<i32>,
+}
+
+/// Lays the sequences' sampling parameters out for `sample_rows`. Greedy rows (temperature
+/// about 0 or top_k 1, as the CPU sampler decides) draw nothing from their generator; every
+/// other row draws exactly one uniform, so a seed's stream advances as on the CPU.
+fn sample_params(specs: &mut [SampleSpec], rows: usize) -> SampleParamsHost {
+    let mut floats = vec![0.0f32; 3 * rows];
+    let mut top_k = vec![0i32; rows];
+    for (i, s) in specs.iter_mut().enumerate() {
+        let p = s.params;
+        let greedy = p.temperature <= 1e-5 || p.top_k == 1;
+        floats[i] = if greedy { 0.0 } else { p.temperature };
+        floats[rows + i] = p.top_p.clamp(0.0, 1.0);
+        top_k[i] = p.top_k.min(i32::MAX as usize) as i32;
+        if !greedy {
+            // Below 1 after rounding to f32, so the draw never lands past the total.
+            floats[2 * rows + i] = (s.rng.next_f64() as f32).min(1.0 - f32::EPSILON);
+        }
+    }
+    SampleParamsHost { floats, top_k }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sampling_parameters_draw_only_for_random_rows() {
+        use crate::sampler::{Rng, SamplingParams};
+        let greedy = SamplingParams {
+            temperature: 0.0,
+            ..Default::default()
+        };
+        let random = SamplingParams {
+            temperature: 0.7,
+            top_k: 40,
+            top_p: 0.9,
+            ..Default::default()
+        };
+        let (mut r0, mut r1) = (Rng::seeded(5), Rng::seeded(5));
+        let mut specs = [
+            SampleSpec {
+                params: &greedy,
+                rng: &mut r0,
+            },
+            SampleSpec {
+                params: &random,
+                rng: &mut r1,
+            },
+        ];
+        let h = sample_params(&mut specs, 4);
+        assert_eq!(h.floats.len(), 12);
+        assert_eq!(&h.floats[0..2], &[0.0, 0.7]);
+        assert_eq!(&h.floats[4..6], &[1.0, 0.9]);
+        assert_eq!(h.top_k[..2], [0, 40]);
+        let mut fresh = Rng::seeded(5);
+        assert_eq!(h.floats[8], 0.0);
+        assert_eq!(h.floats[9], fresh.next_f64() as f32);
+        // The greedy row's generator was not touched; the random row's advanced once.
+        assert_eq!(r0.next_u64(), Rng::seeded(5).next_u64());
+        assert_eq!(r1.next_u64(), fresh.next_u64());
+    }
+}
