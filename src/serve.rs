@@ -6,11 +6,6 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::{Args, ValueEnum};
 
-#[derive(Clone, Copy, Debug, ValueEnum)]
-pub enum BackendArg {
-    Cpu,
-    Sim,
-}
 use std::sync::Arc;
 
 use kvmesh_gateway::http::{self, HttpLimits};
@@ -18,6 +13,27 @@ use kvmesh_gateway::{AppState, ServedModel};
 use kvmesh_gpu::backend::sim::SimTiming;
 use kvmesh_gpu::engine::{self, EngineConfig};
 use kvmesh_gpu::model::{build_backend, resolve_device, BackendKind, KvBudget, LoadedModel};
+
+/// What computes the model's steps.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum BackendArg {
+    /// The model's math, on `--device` (the name predates the CUDA backend).
+    Cpu,
+    /// No math: a timing model's step times and deterministic tokens.
+    Sim,
+}
+
+/// The library's defaults, which the flags show and take.
+fn engine_defaults() -> EngineConfig {
+    EngineConfig::default()
+}
+
+fn sim_defaults() -> SimTiming {
+    SimTiming::default()
+}
+
+/// On SIGTERM, seconds open streams get to finish (`serve` and `node`).
+pub const SHUTDOWN_GRACE_S: f64 = 30.0;
 
 /// The model and engine flags `serve` and `node` share (vLLM spellings).
 #[derive(Args, Debug, Clone)]
@@ -32,34 +48,35 @@ pub struct EngineArgs {
     #[arg(long)]
     pub max_model_len: Option<usize>,
     /// Most sequences in one batch.
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, default_value_t = engine_defaults().max_num_seqs)]
     pub max_num_seqs: usize,
     /// Most tokens in one engine step (long prompts are prefilled in chunks of this).
-    #[arg(long, default_value_t = 2048)]
+    #[arg(long, default_value_t = engine_defaults().max_num_batched_tokens)]
     pub max_num_batched_tokens: usize,
     /// Tokens per KV block.
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, default_value_t = engine_defaults().block_size)]
     pub block_size: usize,
-    /// Where the math runs: auto (CUDA when a GPU is present), cpu, cuda or cuda:N.
+    /// Where the model's math runs (`--backend cpu`): auto (CUDA when a GPU is present),
+    /// cpu, cuda or cuda:N.
     #[arg(long, default_value = "auto")]
     pub device: String,
     /// Always run eager: no CUDA graphs for decode steps.
     #[arg(long)]
     pub enforce_eager: bool,
-    /// `cpu` runs the model; `sim` runs no math and takes the time a timing model says
-    /// (deterministic tokens; for testing serving, routing and scale).
+    /// `cpu` runs the model's math, on `--device`; `sim` runs no math and takes the time a
+    /// timing model says (deterministic tokens; for testing serving, routing and scale).
     #[arg(long, value_enum, default_value = "cpu")]
     pub backend: BackendArg,
     /// sim: speed factor (3 = three times as fast as the timing model's base).
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = sim_defaults().speed)]
     pub sim_speed: f64,
     /// sim: microseconds per prompt token.
-    #[arg(long, default_value_t = 20.0)]
+    #[arg(long, default_value_t = sim_defaults().prefill_per_token.as_micros() as f64)]
     pub sim_prefill_us_per_token: f64,
     /// sim: milliseconds per decode step, plus `--sim-decode-us-per-seq` for each sequence.
-    #[arg(long, default_value_t = 8.0)]
+    #[arg(long, default_value_t = sim_defaults().decode_base.as_micros() as f64 / 1e3)]
     pub sim_decode_ms: f64,
-    #[arg(long, default_value_t = 100.0)]
+    #[arg(long, default_value_t = sim_defaults().decode_per_seq.as_micros() as f64)]
     pub sim_decode_us_per_seq: f64,
     /// Memory for the KV cache, in GiB.
     #[arg(long, default_value_t = 1.0)]
@@ -68,7 +85,7 @@ pub struct EngineArgs {
     #[arg(long)]
     pub num_kv_blocks: Option<usize>,
     /// Requests allowed to wait for a slot; beyond that, 429.
-    #[arg(long, default_value_t = 1024)]
+    #[arg(long, default_value_t = engine_defaults().max_waiting)]
     pub max_waiting_seqs: usize,
     /// Turn off reuse of cached prompt blocks.
     #[arg(long)]
@@ -76,6 +93,48 @@ pub struct EngineArgs {
     /// Compute threads (default: all cores).
     #[arg(long)]
     pub threads: Option<usize>,
+}
+
+impl EngineArgs {
+    /// What runs the model, from `--backend`, `--device`, `--enforce-eager` and the sim
+    /// timing: the one place those flags are read together.
+    pub fn backend_kind(&self) -> anyhow::Result<BackendKind> {
+        match self.backend {
+            BackendArg::Cpu => {
+                let mut kind = resolve_device(&self.device)?;
+                if let BackendKind::Cuda(cuda) = &mut kind {
+                    cuda.graphs = !self.enforce_eager;
+                }
+                if self.device == "auto" {
+                    tracing::info!(
+                        "--device auto chose {}",
+                        if matches!(kind, BackendKind::Cuda(_)) {
+                            "cuda:0"
+                        } else {
+                            "cpu (no CUDA device)"
+                        }
+                    );
+                }
+                Ok(kind)
+            }
+            BackendArg::Sim => {
+                anyhow::ensure!(
+                    self.device == "auto",
+                    "--device {} names where the model's math runs, and --backend sim runs \
+                     none: leave --device out with --backend sim",
+                    self.device
+                );
+                anyhow::ensure!(self.sim_speed > 0.0, "--sim-speed must be positive");
+                let us = |v: f64| Duration::from_secs_f64(v.max(0.0) / 1e6);
+                Ok(BackendKind::Sim(SimTiming {
+                    prefill_per_token: us(self.sim_prefill_us_per_token),
+                    decode_base: us(self.sim_decode_ms * 1e3),
+                    decode_per_seq: us(self.sim_decode_us_per_seq),
+                    speed: self.sim_speed,
+                }))
+            }
+        }
+    }
 }
 
 /// Tracing flags `serve` and `node` share.
@@ -172,7 +231,7 @@ pub struct ServeArgs {
     pub api_key: Option<String>,
     /// On SIGTERM: stop accepting connections and give open streams this many seconds to
     /// finish before exiting.
-    #[arg(long, default_value_t = 30.0)]
+    #[arg(long, default_value_t = SHUTDOWN_GRACE_S)]
     pub shutdown_grace: f64,
     #[command(flatten)]
     pub http: HttpArgs,
@@ -213,35 +272,7 @@ pub fn start_engine_with(args: &EngineArgs, model: &LoadedModel) -> anyhow::Resu
         args.max_num_batched_tokens > 0,
         "--max-num-batched-tokens must be positive"
     );
-    let kind = match args.backend {
-        BackendArg::Cpu => {
-            let mut kind = resolve_device(&args.device)?;
-            if let BackendKind::Cuda(cuda) = &mut kind {
-                cuda.graphs = !args.enforce_eager;
-            }
-            if args.device == "auto" {
-                tracing::info!(
-                    "--device auto chose {}",
-                    if matches!(kind, BackendKind::Cuda(_)) {
-                        "cuda:0"
-                    } else {
-                        "cpu (no CUDA device)"
-                    }
-                );
-            }
-            kind
-        }
-        BackendArg::Sim => {
-            anyhow::ensure!(args.sim_speed > 0.0, "--sim-speed must be positive");
-            let us = |v: f64| std::time::Duration::from_secs_f64(v.max(0.0) / 1e6);
-            BackendKind::Sim(SimTiming {
-                prefill_per_token: us(args.sim_prefill_us_per_token),
-                decode_base: us(args.sim_decode_ms * 1e3),
-                decode_per_seq: us(args.sim_decode_us_per_seq),
-                speed: args.sim_speed,
-            })
-        }
-    };
+    let kind = args.backend_kind()?;
     if let Some(t) = args.threads {
         // A node with two engines (prefill and decode roles) shares one compute pool.
         static POOL: std::sync::Once = std::sync::Once::new();

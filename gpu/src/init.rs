@@ -3,7 +3,7 @@
 
 use std::path::Path;
 
-use crate::config::{Arch, ModelConfig, Rope, RopeScaling};
+use crate::config::{Arch, ModelConfig, Rope, RopeScaling, TensorRole};
 use crate::error::{EngineError, Result};
 use crate::safetensors::{write_file, DType};
 use crate::sampler::Rng;
@@ -147,110 +147,49 @@ pub fn write_random_checkpoint(
     std::fs::create_dir_all(out)
         .map_err(|e| EngineError::io(format!("create {}", out.display()), e))?;
 
+    write_file(
+        &out.join("model.safetensors"),
+        &random_tensors(&cfg, seed),
+        dtype,
+    )?;
+
+    write_side_files(&cfg, dtype, tokenizer, out)?;
+    Ok(cfg)
+}
+
+/// Random weights for every tensor of `cfg`, drawn in the checkpoint's order from `seed`:
+/// embeddings of unit variance, projections scaled by their fan-in, norms near one, small
+/// biases, a final norm of ones.
+fn random_tensors(cfg: &ModelConfig, seed: u64) -> Vec<(String, Vec<usize>, Vec<f32>)> {
     let mut rng = Rng::seeded(seed);
     let mut normal =
         |n: usize, std: f64| -> Vec<f32> { (0..n).map(|_| (rng.normal() * std) as f32).collect() };
-    let (h, q, kv, inter, v) = (
-        cfg.hidden_size,
-        cfg.q_dim(),
-        cfg.kv_dim(),
-        cfg.intermediate_size,
-        cfg.vocab_size,
-    );
     let dense = |fan_in: usize| 1.0 / (fan_in as f64).sqrt();
-    let mut t: Vec<(String, Vec<usize>, Vec<f32>)> = Vec::new();
-    t.push((
-        "model.embed_tokens.weight".into(),
-        vec![v, h],
-        normal(v * h, 1.0),
-    ));
-    for i in 0..cfg.num_layers {
-        let p = format!("model.layers.{i}");
-        let norm_w = |x: Vec<f32>| x.into_iter().map(|e| 1.0 + e).collect::<Vec<f32>>();
-        t.push((
-            format!("{p}.input_layernorm.weight"),
-            vec![h],
-            norm_w(normal(h, 0.1)),
-        ));
-        for (name, rows) in [("q_proj", q), ("k_proj", kv), ("v_proj", kv)] {
-            t.push((
-                format!("{p}.self_attn.{name}.weight"),
-                vec![rows, h],
-                normal(rows * h, dense(h)),
-            ));
-            if cfg.qkv_bias {
-                t.push((
-                    format!("{p}.self_attn.{name}.bias"),
-                    vec![rows],
-                    normal(rows, 0.1),
-                ));
-            }
-        }
-        if cfg.qk_norm {
-            let d = cfg.head_dim;
-            t.push((
-                format!("{p}.self_attn.q_norm.weight"),
-                vec![d],
-                norm_w(normal(d, 0.1)),
-            ));
-            t.push((
-                format!("{p}.self_attn.k_norm.weight"),
-                vec![d],
-                norm_w(normal(d, 0.1)),
-            ));
-        }
-        t.push((
-            format!("{p}.self_attn.o_proj.weight"),
-            vec![h, q],
-            normal(h * q, dense(q)),
-        ));
-        if cfg.o_bias {
-            t.push((
-                format!("{p}.self_attn.o_proj.bias"),
-                vec![h],
-                normal(h, 0.1),
-            ));
-        }
-        t.push((
-            format!("{p}.post_attention_layernorm.weight"),
-            vec![h],
-            norm_w(normal(h, 0.1)),
-        ));
-        t.push((
-            format!("{p}.mlp.gate_proj.weight"),
-            vec![inter, h],
-            normal(inter * h, dense(h)),
-        ));
-        t.push((
-            format!("{p}.mlp.up_proj.weight"),
-            vec![inter, h],
-            normal(inter * h, dense(h)),
-        ));
-        t.push((
-            format!("{p}.mlp.down_proj.weight"),
-            vec![h, inter],
-            normal(h * inter, dense(inter)),
-        ));
-        if cfg.mlp_bias {
-            for (name, rows) in [("gate_proj", inter), ("up_proj", inter), ("down_proj", h)] {
-                t.push((
-                    format!("{p}.mlp.{name}.bias"),
-                    vec![rows],
-                    normal(rows, 0.1),
-                ));
-            }
-        }
-    }
-    t.push(("model.norm.weight".into(), vec![h], vec![1.0; h]));
-    if !cfg.tie_word_embeddings {
-        t.push((
-            "lm_head.weight".into(),
-            vec![v, h],
-            normal(v * h, 4.0 * dense(h)),
-        ));
-    }
-    write_file(&out.join("model.safetensors"), &t, dtype)?;
+    cfg.tensors()
+        .into_iter()
+        .map(|t| {
+            let n: usize = t.shape.iter().product();
+            let values = match t.role {
+                TensorRole::Embedding => normal(n, 1.0),
+                TensorRole::Norm => normal(n, 0.1).into_iter().map(|e| 1.0 + e).collect(),
+                TensorRole::Dense => normal(n, dense(t.shape[1])),
+                TensorRole::Bias => normal(n, 0.1),
+                TensorRole::FinalNorm => vec![1.0; n],
+                TensorRole::Head => normal(n, 4.0 * dense(t.shape[1])),
+            };
+            (t.name, t.shape, values)
+        })
+        .collect()
+}
 
+/// The files beside the weights: config (declaring `dtype`), tokenizer, chat template and
+/// generation config.
+fn write_side_files(
+    cfg: &ModelConfig,
+    dtype: DType,
+    tokenizer: &TokenizerFiles,
+    out: &Path,
+) -> Result<()> {
     let mut config = cfg.to_hf_json();
     config["dtype"] = match dtype {
         DType::F32 => "float32",
@@ -284,5 +223,5 @@ pub fn write_random_checkpoint(
         "generation_config.json",
         serde_json::to_string_pretty(&gen).expect("json").as_bytes(),
     )?;
-    Ok(cfg)
+    Ok(())
 }

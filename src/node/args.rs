@@ -7,6 +7,7 @@ use clap::Args;
 
 use kvmesh_actors::policy::PrefixTuning;
 use kvmesh_actors::router::{DisaggConfig, RouterConfig};
+use kvmesh_actors::worker::KvSide;
 use kvmesh_actors::{Policy, Role};
 
 use crate::serve::{BackendArg, EngineArgs, HttpArgs, TraceFlags};
@@ -70,7 +71,7 @@ pub struct NodeArgs {
     #[arg(long, value_enum, default_value = "quic")]
     pub kv_transport: KvTransportArg,
     /// Decode: parallel streams (QUIC) or connections (TCP) per transfer.
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = KvSide::DEFAULT_STREAMS)]
     pub kv_streams: usize,
     /// Decode with --kv-transport tcp: the KV listener (default: the QUIC address's host,
     /// a free port).
@@ -78,7 +79,7 @@ pub struct NodeArgs {
     pub kv_listen: Option<SocketAddr>,
     /// Decode: a transfer that makes no progress for this many seconds is abandoned and
     /// the prompt prefilled locally.
-    #[arg(long, default_value_t = 5.0)]
+    #[arg(long, default_value_t = KvSide::DEFAULT_TIMEOUT.as_secs_f64())]
     pub kv_transfer_timeout: f64,
     /// Registry lease, in seconds: how long a node that vanished stays listed at most.
     #[arg(long, default_value_t = kvmesh_discovery::DEFAULT_TTL_SECS)]
@@ -95,7 +96,7 @@ pub struct NodeArgs {
     /// and routers see it draining at once; a gateway stops accepting connections) before
     /// the node leaves the cluster and exits. Streams still running then move to another
     /// worker.
-    #[arg(long, default_value_t = 30.0)]
+    #[arg(long, default_value_t = crate::serve::SHUTDOWN_GRACE_S)]
     pub shutdown_grace: f64,
     /// Scale tests: host this many sim workers in this one process, each its own cluster
     /// member (node id `ID.K` for K from 1, its own QUIC endpoint, registry record and

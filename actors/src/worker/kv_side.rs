@@ -97,6 +97,11 @@ pub struct KvSide {
 }
 
 impl KvSide {
+    /// Parallel streams (QUIC) or connections (TCP) per transfer, unless told otherwise.
+    pub const DEFAULT_STREAMS: usize = 4;
+    /// A transfer that makes no progress for this long is given up, unless told otherwise.
+    pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(5);
+
     pub fn new(
         layout: KvLayout,
         transport: KvTransport,

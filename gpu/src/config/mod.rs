@@ -37,6 +37,6 @@ mod window;
 
 pub use arch::Arch;
 pub use fields::IGNORED_FIELDS;
-pub use model::ModelConfig;
+pub use model::{ModelConfig, TensorRole, TensorSpec};
 pub(crate) use reader::token_ids;
 pub use rope::{Rope, RopeLayout, RopeScaling};

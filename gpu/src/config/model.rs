@@ -117,6 +117,29 @@ fn read_rms_norm_eps(f: &Fields) -> Result<f64> {
     Ok(eps)
 }
 
+/// One tensor of a checkpoint.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TensorSpec {
+    pub name: String,
+    pub shape: Vec<usize>,
+    pub role: TensorRole,
+}
+
+/// What a tensor is to the model (how a random checkpoint initialises it, for one).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TensorRole {
+    Embedding,
+    /// An RMSNorm's weight in a layer (input, post-attention, q/k per head).
+    Norm,
+    /// A projection's weight, `[out, in]`.
+    Dense,
+    Bias,
+    /// The RMSNorm before the output head.
+    FinalNorm,
+    /// The output head, `[vocab, hidden]`.
+    Head,
+}
+
 impl ModelConfig {
     /// Reads `config.json`. The order of the reads is the order of the refusals: a file with
     /// several problems is refused for the first.
@@ -262,43 +285,101 @@ impl ModelConfig {
         emb + if self.tie_word_embeddings { 0 } else { emb } + self.num_layers * per_layer + h
     }
 
-    /// Every tensor name the weights must hold, and only these (a checkpoint with others is
-    /// another variant of the model).
-    pub fn expected_tensors(&self) -> Vec<String> {
-        let mut v = vec![
-            "model.embed_tokens.weight".to_string(),
-            "model.norm.weight".into(),
-        ];
-        if !self.tie_word_embeddings {
-            v.push("lm_head.weight".into());
-        }
+    /// Every tensor a checkpoint of this config holds, with its shape and what it is, in the
+    /// order transformers' modules hold them.
+    pub fn tensors(&self) -> Vec<TensorSpec> {
+        let (h, q, kv, inter, d) = (
+            self.hidden_size,
+            self.q_dim(),
+            self.kv_dim(),
+            self.intermediate_size,
+            self.head_dim,
+        );
+        let mut v = Vec::new();
+        let mut add = |name: String, shape: Vec<usize>, role: TensorRole| {
+            v.push(TensorSpec { name, shape, role })
+        };
+        add(
+            "model.embed_tokens.weight".into(),
+            vec![self.vocab_size, h],
+            TensorRole::Embedding,
+        );
         for i in 0..self.num_layers {
             let p = format!("model.layers.{i}");
-            v.push(format!("{p}.input_layernorm.weight"));
-            v.push(format!("{p}.post_attention_layernorm.weight"));
-            for n in ["q_proj", "k_proj", "v_proj", "o_proj"] {
-                v.push(format!("{p}.self_attn.{n}.weight"));
-            }
-            if self.qkv_bias {
-                for n in ["q_proj", "k_proj", "v_proj"] {
-                    v.push(format!("{p}.self_attn.{n}.bias"));
+            add(
+                format!("{p}.input_layernorm.weight"),
+                vec![h],
+                TensorRole::Norm,
+            );
+            for (name, rows) in [("q_proj", q), ("k_proj", kv), ("v_proj", kv)] {
+                let w = format!("{p}.self_attn.{name}");
+                add(format!("{w}.weight"), vec![rows, h], TensorRole::Dense);
+                if self.qkv_bias {
+                    add(format!("{w}.bias"), vec![rows], TensorRole::Bias);
                 }
             }
-            if self.o_bias {
-                v.push(format!("{p}.self_attn.o_proj.bias"));
-            }
             if self.qk_norm {
-                v.push(format!("{p}.self_attn.q_norm.weight"));
-                v.push(format!("{p}.self_attn.k_norm.weight"));
+                add(
+                    format!("{p}.self_attn.q_norm.weight"),
+                    vec![d],
+                    TensorRole::Norm,
+                );
+                add(
+                    format!("{p}.self_attn.k_norm.weight"),
+                    vec![d],
+                    TensorRole::Norm,
+                );
             }
-            for n in ["gate_proj", "up_proj", "down_proj"] {
-                v.push(format!("{p}.mlp.{n}.weight"));
-                if self.mlp_bias {
-                    v.push(format!("{p}.mlp.{n}.bias"));
+            add(
+                format!("{p}.self_attn.o_proj.weight"),
+                vec![h, q],
+                TensorRole::Dense,
+            );
+            if self.o_bias {
+                add(
+                    format!("{p}.self_attn.o_proj.bias"),
+                    vec![h],
+                    TensorRole::Bias,
+                );
+            }
+            add(
+                format!("{p}.post_attention_layernorm.weight"),
+                vec![h],
+                TensorRole::Norm,
+            );
+            let mlp = [
+                ("gate_proj", inter, h),
+                ("up_proj", inter, h),
+                ("down_proj", h, inter),
+            ];
+            for (name, rows, cols) in mlp {
+                add(
+                    format!("{p}.mlp.{name}.weight"),
+                    vec![rows, cols],
+                    TensorRole::Dense,
+                );
+            }
+            if self.mlp_bias {
+                for (name, rows, _) in mlp {
+                    add(format!("{p}.mlp.{name}.bias"), vec![rows], TensorRole::Bias);
                 }
             }
         }
+        add("model.norm.weight".into(), vec![h], TensorRole::FinalNorm);
+        if !self.tie_word_embeddings {
+            add(
+                "lm_head.weight".into(),
+                vec![self.vocab_size, h],
+                TensorRole::Head,
+            );
+        }
         v
+    }
+
+    /// The names of [`ModelConfig::tensors`]: what `model::check_tensors` holds a
+    /// checkpoint's tensors against.
+    pub fn expected_tensors(&self) -> Vec<String> {
+        self.tensors().into_iter().map(|t| t.name).collect()
     }
 }
 
