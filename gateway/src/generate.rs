@@ -38,6 +38,17 @@ impl Chunk {
     }
 }
 
+/// An engine's word on a sequence's progress, as spans of its phases.
+pub fn record_progress(phases: &mut Phases, p: Progress) {
+    match p {
+        Progress::Scheduled {
+            queued,
+            cached_tokens,
+        } => phases.scheduled(queued, cached_tokens),
+        Progress::Prefilled { tokens, upto, step } => phases.prefilled(tokens, upto, step),
+    }
+}
+
 pub struct Generation {
     sub: Reply,
     /// The request's span: TTFT, token counts and the outcome are recorded on it; it ends
@@ -103,13 +114,7 @@ impl Generation {
         // An engine reports a step's progress before the step's tokens.
         if let (Some(ph), Some(progress)) = (&mut self.phases, self.sub.progress()) {
             while let Ok(p) = progress.try_recv() {
-                match p {
-                    Progress::Scheduled {
-                        queued,
-                        cached_tokens,
-                    } => ph.scheduled(queued, cached_tokens),
-                    Progress::Prefilled { tokens, upto, step } => ph.prefilled(tokens, upto, step),
-                }
+                record_progress(ph, p);
             }
         }
         match event {

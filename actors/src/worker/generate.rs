@@ -6,7 +6,8 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use kvmesh_discovery::Role;
-use kvmesh_gpu::engine::{Progress, SeqEvent};
+use kvmesh_gateway::generate::record_progress;
+use kvmesh_gpu::engine::SeqEvent;
 use kvmesh_gpu::error::EngineError;
 use kvmesh_telemetry::phases::Phases;
 use kvmesh_telemetry::TARGET;
@@ -85,7 +86,7 @@ impl WorkerCore {
             let ev = tokio::select! {
                 biased;
                 Some(p) = sub.progress.recv() => {
-                    progressed(&mut phases, p);
+                    record_progress(&mut phases, p);
                     continue;
                 }
                 ev = sub.events.recv() => ev,
@@ -115,7 +116,7 @@ impl WorkerCore {
                 }
                 // A step's progress comes before its tokens.
                 while let Ok(p) = sub.progress.try_recv() {
-                    progressed(&mut phases, p);
+                    record_progress(&mut phases, p);
                 }
                 match sub.events.try_recv() {
                     Ok(next) => ev = Some(next),
@@ -130,16 +131,6 @@ impl WorkerCore {
                 return;
             }
         }
-    }
-}
-
-fn progressed(phases: &mut Phases, p: Progress) {
-    match p {
-        Progress::Scheduled {
-            queued,
-            cached_tokens,
-        } => phases.scheduled(queued, cached_tokens),
-        Progress::Prefilled { tokens, upto, step } => phases.prefilled(tokens, upto, step),
     }
 }
 

@@ -61,7 +61,8 @@ fn expected(prompt: &[u32], n: usize, vocab: usize) -> Vec<u32> {
     out
 }
 
-fn drain(sub: &mut Submission) -> Vec<u32> {
+/// Every token of a finished submission.
+pub(super) fn drain(sub: &mut Submission) -> Vec<u32> {
     let mut out = Vec::new();
     loop {
         match sub.events.blocking_recv().expect("event") {

@@ -66,21 +66,7 @@ fn prompt(n: usize) -> Vec<u32> {
 }
 
 fn tokens(sub: &mut Submission) -> Vec<u32> {
-    let mut out = Vec::new();
-    loop {
-        match sub.events.blocking_recv().expect("event") {
-            SeqEvent::Token {
-                sampled, finish, ..
-            } => {
-                out.push(sampled.token);
-                if finish.is_some() {
-                    sub.finished();
-                    return out;
-                }
-            }
-            SeqEvent::Failed(m) => panic!("{m}"),
-        }
-    }
+    super::tests::drain(sub)
 }
 
 /// Whether `cond` holds within 2 s.
