@@ -16,6 +16,7 @@ use super::start::Started;
 pub async fn serve_then_drain(args: &NodeArgs, started: Started) -> anyhow::Result<()> {
     let Started {
         node,
+        registry,
         endpoint,
         registration,
         replicas,
@@ -99,5 +100,6 @@ pub async fn serve_then_drain(args: &NodeArgs, started: Started) -> anyhow::Resu
     endpoint.close();
     // Give the close frames a moment to leave.
     tokio::time::sleep(Duration::from_millis(100)).await;
+    drop(registry);
     Ok(())
 }

@@ -237,6 +237,8 @@ impl Network {
 /// A node that has joined: what serving and draining it need.
 pub struct Started {
     pub node: Arc<NodeState>,
+    /// Kept for as long as the node runs: its watch feeds every view of the membership.
+    pub registry: Arc<EtcdRegistry>,
     pub endpoint: NodeEndpoint,
     pub registration: Registration,
     pub replicas: Vec<Replica>,
@@ -306,6 +308,7 @@ pub async fn start(
     log_joined(args, &node, &net, engines.layout.as_ref());
     Ok(Started {
         node,
+        registry: net.registry,
         endpoint: net.endpoint,
         registration,
         replicas,
