@@ -4,8 +4,10 @@
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 use kvmesh_gpu::engine::EngineHandle;
-use kvmesh_telemetry::metrics::{counter_vec, histogram_vec, Exposition, Histogram};
-use kvmesh_telemetry::metrics::{HistogramVec, IntCounterVec};
+use std::collections::BTreeMap;
+
+use kvmesh_telemetry::metrics::{histogram_vec, Exposition, Histogram, HistogramVec};
+use parking_lot::Mutex;
 
 const LATENCY_BUCKETS: &[f64] = &[
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -18,10 +20,10 @@ pub struct Metrics {
     pub itl: Histogram,
     pub e2e: Histogram,
     families: [HistogramVec; 3],
-    /// model_name, finished_reason.
-    finished: IntCounterVec,
-    /// endpoint, status.
-    http: IntCounterVec,
+    /// finish reason → count.
+    finished: Mutex<BTreeMap<String, u64>>,
+    /// (endpoint, status) → count.
+    http: Mutex<BTreeMap<(String, u16), u64>>,
     model: String,
 }
 
@@ -47,30 +49,22 @@ impl Metrics {
             itl: child(&families[1]),
             e2e: child(&families[2]),
             families,
-            finished: counter_vec(
-                "kvmesh:request_success_total",
-                "Finished requests by reason.",
-                &["model_name", "finished_reason"],
-            ),
-            http: counter_vec(
-                "kvmesh:http_requests_total",
-                "HTTP requests by endpoint and status.",
-                &["endpoint", "status"],
-            ),
+            finished: Mutex::new(BTreeMap::new()),
+            http: Mutex::new(BTreeMap::new()),
             model: model.to_string(),
         }
     }
 
     pub fn http(&self, endpoint: &str, status: u16) {
-        self.http
-            .with_label_values(&[endpoint, &status.to_string()])
-            .inc();
+        *self
+            .http
+            .lock()
+            .entry((endpoint.to_string(), status))
+            .or_default() += 1;
     }
 
     pub fn finished(&self, reason: &str) {
-        self.finished
-            .with_label_values(&[&self.model, reason])
-            .inc();
+        *self.finished.lock().entry(reason.to_string()).or_default() += 1;
     }
 
     /// The gateway's own families: request latencies, outcomes and HTTP status counts.
@@ -78,8 +72,29 @@ impl Metrics {
         for f in &self.families {
             out.add(f.clone());
         }
-        out.add(self.finished.clone());
-        out.add(self.http.clone());
+        let finished = self.finished.lock().clone();
+        out.counters(
+            "kvmesh:request_success_total",
+            "Finished requests by reason.",
+            &["model_name", "finished_reason"],
+            finished
+                .iter()
+                .map(|(reason, n)| (vec![self.model.as_str(), reason.as_str()], *n as f64)),
+        );
+        let statuses: Vec<(String, String, u64)> = self
+            .http
+            .lock()
+            .iter()
+            .map(|((endpoint, status), n)| (endpoint.clone(), status.to_string(), *n))
+            .collect();
+        out.counters(
+            "kvmesh:http_requests_total",
+            "HTTP requests by endpoint and status.",
+            &["endpoint", "status"],
+            statuses
+                .iter()
+                .map(|(e, s, n)| (vec![e.as_str(), s.as_str()], *n as f64)),
+        );
     }
 }
 

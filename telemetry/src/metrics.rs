@@ -8,10 +8,13 @@
 //! are observed as things happen (latencies, pick times) are long-lived `prometheus`
 //! collectors, added to the exposition by reference.
 
-use prometheus::core::Collector;
-use prometheus::{Counter, CounterVec, Encoder, Gauge, GaugeVec, Opts, Registry, TextEncoder};
+use std::collections::HashMap;
 
-pub use prometheus::{Histogram, HistogramOpts, HistogramVec, IntCounterVec};
+use prometheus::core::{Collector, Desc};
+use prometheus::proto::{self, LabelPair, Metric, MetricFamily, MetricType};
+use prometheus::{Encoder, Registry, TextEncoder};
+
+pub use prometheus::{Histogram, HistogramOpts, HistogramVec};
 
 /// The content type of the text format.
 pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4";
@@ -37,21 +40,16 @@ impl Exposition {
 
     /// A counter with one sample, its value as counted elsewhere.
     pub fn counter(&self, name: &str, help: &str, value: f64) {
-        if let Ok(c) = Counter::with_opts(Opts::new(name, help)) {
-            c.inc_by(value.max(0.0));
-            self.add(c);
-        }
+        self.counters(name, help, &[], [(Vec::new(), value)]);
     }
 
     /// A gauge with one sample.
     pub fn gauge(&self, name: &str, help: &str, value: f64) {
-        if let Ok(g) = Gauge::with_opts(Opts::new(name, help)) {
-            g.set(value);
-            self.add(g);
-        }
+        self.gauges(name, help, &[], [(Vec::new(), value)]);
     }
 
-    /// A counter family with one sample per set of `labels`' values.
+    /// A counter family with one sample per set of `labels`' values (written in the order
+    /// `labels` names them).
     pub fn counters<'a>(
         &self,
         name: &str,
@@ -59,14 +57,7 @@ impl Exposition {
         labels: &[&str],
         samples: impl IntoIterator<Item = (Vec<&'a str>, f64)>,
     ) {
-        if let Ok(c) = CounterVec::new(Opts::new(name, help), labels) {
-            for (values, v) in samples {
-                if let Ok(s) = c.get_metric_with_label_values(&values) {
-                    s.inc_by(v.max(0.0));
-                }
-            }
-            self.add(c);
-        }
+        self.family(name, help, MetricType::COUNTER, labels, samples);
     }
 
     /// A gauge family with one sample per set of `labels`' values.
@@ -77,14 +68,59 @@ impl Exposition {
         labels: &[&str],
         samples: impl IntoIterator<Item = (Vec<&'a str>, f64)>,
     ) {
-        if let Ok(g) = GaugeVec::new(Opts::new(name, help), labels) {
-            for (values, v) in samples {
-                if let Ok(s) = g.get_metric_with_label_values(&values) {
-                    s.set(v);
-                }
+        self.family(name, help, MetricType::GAUGE, labels, samples);
+    }
+
+    fn family<'a>(
+        &self,
+        name: &str,
+        help: &str,
+        kind: MetricType,
+        labels: &[&str],
+        samples: impl IntoIterator<Item = (Vec<&'a str>, f64)>,
+    ) {
+        let names: Vec<String> = labels.iter().map(|l| l.to_string()).collect();
+        let desc = match Desc::new(name.into(), help.into(), names, HashMap::new()) {
+            Ok(d) => d,
+            Err(e) => {
+                tracing::error!("a metric family was left out of the exposition: {e}");
+                return;
             }
-            self.add(g);
-        }
+        };
+        let metrics = samples
+            .into_iter()
+            .map(|(values, v)| {
+                let mut m = Metric::default();
+                m.set_label(
+                    labels
+                        .iter()
+                        .zip(values)
+                        .map(|(n, v)| {
+                            let mut p = LabelPair::default();
+                            p.set_name(n.to_string());
+                            p.set_value(v.to_string());
+                            p
+                        })
+                        .collect(),
+                );
+                if kind == MetricType::COUNTER {
+                    let mut c = proto::Counter::default();
+                    c.set_value(v.max(0.0));
+                    m.set_counter(c);
+                } else {
+                    let mut g = proto::Gauge::default();
+                    g.set_value(v);
+                    m.set_gauge(g);
+                }
+                m
+            })
+            .collect();
+        let mut mf = MetricFamily::default();
+        mf.set_name(name.into());
+        mf.set_help(help.into());
+        mf.set_field_type(kind);
+        mf.set_metric(metrics);
+        self.add(Family { desc, mf });
     }
 
     /// Every family in the text format, sorted by name.
@@ -113,9 +149,21 @@ pub fn histogram_vec(name: &str, help: &str, labels: &[&str], buckets: &[f64]) -
     .expect("a valid histogram family")
 }
 
-/// A counter family with these labels, counted as things happen.
-pub fn counter_vec(name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
-    IntCounterVec::new(Opts::new(name, help), labels).expect("a valid counter family")
+/// A family whose samples were read at scrape time: its labels stay in the order the code
+/// names them (the prometheus crate's own vectors sort them by name).
+struct Family {
+    desc: Desc,
+    mf: MetricFamily,
+}
+
+impl Collector for Family {
+    fn desc(&self) -> Vec<&Desc> {
+        vec![&self.desc]
+    }
+
+    fn collect(&self) -> Vec<MetricFamily> {
+        vec![self.mf.clone()]
+    }
 }
 
 #[cfg(test)]
@@ -148,6 +196,18 @@ mod tests {
         ] {
             assert!(text.contains(line), "{line:?} not in\n{text}");
         }
+        // Labels keep the order the code names them in.
+        m.counters(
+            "kvmesh:d_total",
+            "Ordered labels.",
+            &["model_name", "finished_reason"],
+            [(vec!["m", "stop"], 1.0)],
+        );
+        let text = m.render();
+        assert!(
+            text.contains("kvmesh:d_total{model_name=\"m\",finished_reason=\"stop\"} 1\n"),
+            "{text}"
+        );
         // A second family of the same name is left out, not a failed scrape.
         m.counter("kvmesh:a_total", "Again.", 5.0);
         assert_eq!(m.render(), text);
