@@ -1,7 +1,6 @@
 //! `kvmesh`: one binary for every role of the serving mesh.
 
 mod bench;
-mod embedded;
 mod model_cmd;
 mod node;
 mod serve;

@@ -662,7 +662,7 @@ pub fn run(args: NodeArgs) -> anyhow::Result<()> {
                 let m = match &args.engine.model {
                     Some(dir) => LoadedModel::from_dir(dir)
                         .with_context(|| format!("loading {}", dir.display()))?,
-                    None => LoadedModel::from_embedded(&crate::embedded::DEFAULT_MODEL)
+                    None => LoadedModel::from_embedded(&kvmesh_gpu::embedded::DEFAULT_MODEL)
                         .context("loading the embedded model")?,
                 };
                 let name = args

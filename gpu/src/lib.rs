@@ -3,6 +3,7 @@
 
 pub mod backend;
 pub mod config;
+pub mod embedded;
 pub mod engine;
 pub mod error;
 pub mod init;

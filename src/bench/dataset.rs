@@ -388,7 +388,7 @@ mod tests {
     use super::*;
 
     fn tokenizer() -> TextTokenizer {
-        TextTokenizer::from_files(&crate::embedded::default_tokenizer(), &[]).unwrap()
+        TextTokenizer::from_files(&kvmesh_gpu::embedded::default_tokenizer(), &[]).unwrap()
     }
 
     fn spec(dataset: &DatasetArg, input_len: usize, range_ratio: f64, seed: u64) -> Spec<'_> {

@@ -283,7 +283,7 @@ enum Work {
 /// tokenizer_config.json lies beside it), or the embedded model's.
 fn load_tokenizer(path: Option<&Path>) -> Result<TextTokenizer> {
     let files = match path {
-        None => crate::embedded::default_tokenizer(),
+        None => kvmesh_gpu::embedded::default_tokenizer(),
         Some(p) if p.is_dir() => TokenizerFiles::read_dir(p)?,
         Some(p) => {
             let tokenizer_json =
@@ -344,7 +344,7 @@ async fn bench(args: BenchArgs) -> Result<()> {
         }
     };
     let label = args.label.clone().unwrap_or_else(|| model.clone());
-    let embedded = crate::embedded::DEFAULT_MODEL.name;
+    let embedded = kvmesh_gpu::embedded::DEFAULT_MODEL.name;
     if args.tokenizer.is_none() && model != embedded {
         eprintln!(
             "note: counting tokens with the embedded {embedded} model's tokenizer; \

@@ -8,10 +8,6 @@
 //! Without `--model`, a Qwen2.5-0.5B-shaped checkpoint with random weights is made once
 //! under `target/bench-models/`.
 
-#[path = "../embedded.rs"]
-#[allow(dead_code)]
-mod embedded;
-
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -147,7 +143,7 @@ fn main() -> anyhow::Result<()> {
                     preset(None, "qwen2.5-0.5b")?,
                     0,
                     DType::BF16,
-                    &embedded::default_tokenizer(),
+                    &kvmesh_gpu::embedded::default_tokenizer(),
                     &d,
                 )?;
             }

@@ -17,10 +17,6 @@
 //! (`--help` lists every flag). The JSON goes to `bench/results/gpu-<device name>.json`
 //! unless `--json` says otherwise.
 
-#[path = "../embedded.rs"]
-#[allow(dead_code)]
-mod embedded;
-
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -158,7 +154,7 @@ fn checkpoint(models_dir: &Path, name: &str) -> anyhow::Result<PathBuf> {
             preset(None, name)?,
             0,
             DType::BF16,
-            &embedded::default_tokenizer(),
+            &kvmesh_gpu::embedded::default_tokenizer(),
             &d,
         )?;
     }
