@@ -20,8 +20,10 @@
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
+use clap::Parser;
 use kvmesh_gpu::backend::cuda::CudaBackend;
 use kvmesh_gpu::backend::{Backend, ForwardBatch, SampleSpec, SeqInput};
+use kvmesh_gpu::config::ModelConfig;
 use kvmesh_gpu::init::{preset, write_random_checkpoint};
 use kvmesh_gpu::kv_cache::BlockId;
 use kvmesh_gpu::model::LoadedModel;
@@ -30,81 +32,63 @@ use kvmesh_gpu::sampler::{Rng, SamplingParams};
 
 const BLOCK_SIZE: usize = 16;
 
+/// CUDA engine benchmark: decode time per output token at several batch sizes and prefill
+/// tokens/s, beside the device-to-device copy bandwidth measured in the same run.
+#[derive(Parser)]
+#[command(name = "gpu-bench")]
 struct Args {
+    /// Where the random-weight checkpoints are made (once) and found.
+    #[arg(long, value_name = "DIR", default_value = "target/bench-models")]
     models_dir: PathBuf,
+    /// Model shapes to measure, comma-separated (presets of `kvmesh model init-random`).
+    #[arg(long, value_delimiter = ',', value_parser = trimmed::<String>,
+          default_value = "qwen2.5-0.5b,llama-3.2-1b")]
     presets: Vec<String>,
+    /// Where the results go [default: bench/results/gpu-<device name>.json]
+    #[arg(long, value_name = "PATH")]
     json: Option<PathBuf>,
+    /// The CUDA device's ordinal.
+    #[arg(long, value_name = "N", default_value_t = 0)]
     device: usize,
+    /// Decode batch sizes to measure, comma-separated.
+    #[arg(long, value_delimiter = ',', value_parser = trimmed::<usize>,
+          default_value = "1,8,32,64,128")]
     batches: Vec<usize>,
+    /// Tokens of history each decoding sequence has.
+    #[arg(long, value_name = "N", default_value_t = 128)]
     prompt_len: usize,
+    /// Decode steps run before the measured ones.
+    #[arg(long, value_name = "N", default_value_t = 3)]
     warmup: usize,
+    /// Decode steps measured per batch size (the median counts).
+    #[arg(long, value_name = "N", default_value_t = 20)]
     decode_steps: usize,
+    /// Prefill lengths to measure, comma-separated.
+    #[arg(long, value_delimiter = ',', value_parser = trimmed::<usize>,
+          default_value = "512,2048")]
     prefill_lens: Vec<usize>,
+    /// Measured prefills per length, after one warm-up (the median counts).
+    #[arg(long, value_name = "N", default_value_t = 3)]
     prefill_reps: usize,
     /// Most tokens one step runs while filling the decode sequences' histories, so the
     /// activations of that fill stay the size of the largest measured prefill.
+    #[arg(long, value_name = "N", default_value_t = 2048)]
     fill_chunk: usize,
+    /// Size of the buffer the copy bandwidth is measured with, in MiB.
+    #[arg(long, value_name = "N", default_value_t = 1024)]
     copy_mib: usize,
+    /// Copies of that buffer; the best counts.
+    #[arg(long, value_name = "N", default_value_t = 10)]
     copy_reps: usize,
 }
 
-fn list<T: std::str::FromStr>(s: &str) -> anyhow::Result<Vec<T>>
-where
-    T::Err: std::error::Error + Send + Sync + 'static,
-{
-    Ok(s.split(',')
-        .map(|x| x.trim().parse())
-        .collect::<Result<_, _>>()?)
+/// A list item with the spaces around it dropped (`--batches "1, 8"`).
+fn trimmed<T: std::str::FromStr>(s: &str) -> Result<T, T::Err> {
+    s.trim().parse()
 }
 
 fn parse_args() -> anyhow::Result<Args> {
-    let mut a = Args {
-        models_dir: PathBuf::from("target/bench-models"),
-        presets: vec!["qwen2.5-0.5b".into(), "llama-3.2-1b".into()],
-        json: None,
-        device: 0,
-        batches: vec![1, 8, 32, 64, 128],
-        prompt_len: 128,
-        warmup: 3,
-        decode_steps: 20,
-        prefill_lens: vec![512, 2048],
-        prefill_reps: 3,
-        fill_chunk: 2048,
-        copy_mib: 1024,
-        copy_reps: 10,
-    };
-    let mut it = std::env::args().skip(1);
-    while let Some(flag) = it.next() {
-        let mut val = || {
-            it.next()
-                .ok_or_else(|| anyhow::anyhow!("{flag} needs a value"))
-        };
-        match flag.as_str() {
-            "--models-dir" => a.models_dir = val()?.into(),
-            "--presets" => a.presets = list(&val()?)?,
-            "--json" => a.json = Some(val()?.into()),
-            "--device" => a.device = val()?.parse()?,
-            "--batches" => a.batches = list(&val()?)?,
-            "--prompt-len" => a.prompt_len = val()?.parse()?,
-            "--warmup" => a.warmup = val()?.parse()?,
-            "--decode-steps" => a.decode_steps = val()?.parse()?,
-            "--prefill-lens" => a.prefill_lens = list(&val()?)?,
-            "--prefill-reps" => a.prefill_reps = val()?.parse()?,
-            "--fill-chunk" => a.fill_chunk = val()?.parse()?,
-            "--copy-mib" => a.copy_mib = val()?.parse()?,
-            "--copy-reps" => a.copy_reps = val()?.parse()?,
-            "-h" | "--help" => {
-                println!(
-                    "gpu-bench [--models-dir DIR] [--presets qwen2.5-0.5b,llama-3.2-1b] \
-                     [--json PATH] [--device N] [--batches 1,8,32,64,128] [--prompt-len N] \
-                     [--warmup N] [--decode-steps N] [--prefill-lens 512,2048] \
-                     [--prefill-reps N] [--fill-chunk N] [--copy-mib N] [--copy-reps N]"
-                );
-                std::process::exit(0);
-            }
-            other => anyhow::bail!("unknown flag {other}"),
-        }
-    }
+    let a = Args::parse();
     anyhow::ensure!(
         a.decode_steps > 0 && a.prefill_reps > 0 && a.copy_reps > 0,
         "--decode-steps, --prefill-reps and --copy-reps must be at least 1"
@@ -202,94 +186,70 @@ struct ModelResult {
     table: Vec<String>,
 }
 
-fn bench_model(
-    args: &Args,
-    name: &str,
-    copy_bw: &mut Option<f64>,
-    device_name: &mut Option<String>,
-) -> anyhow::Result<ModelResult> {
-    let dir = checkpoint(&args.models_dir, name)?;
-    let model = LoadedModel::from_dir(&dir)?;
-    let cfg = model.config.clone();
-    let max_batch = args.batches.iter().copied().max().unwrap_or(1);
-    let max_prefill = args.prefill_lens.iter().copied().max().unwrap_or(0);
-    let per_seq_blocks =
-        (args.prompt_len + args.warmup + args.decode_steps + 1).div_ceil(BLOCK_SIZE);
-    let num_blocks = (max_batch * per_seq_blocks).max(max_prefill.div_ceil(BLOCK_SIZE)) + 1;
-    eprintln!(
-        "{name}: loading onto cuda:{} with {num_blocks} KV blocks",
-        args.device
-    );
-    let mut backend = CudaBackend::new(&cfg, &model.weights, args.device, num_blocks, BLOCK_SIZE)?;
-    // The host copy of the weights is no longer needed; free it before the runs.
-    drop(model);
-    if device_name.is_none() {
-        *device_name = Some(backend.device_name()?);
-    }
-    let bw = match *copy_bw {
-        Some(b) => b,
-        None => {
-            eprintln!(
-                "measuring device-to-device copy bandwidth ({} MiB buffer)...",
-                args.copy_mib
-            );
-            let b = backend.copy_bandwidth(args.copy_mib << 20, args.copy_reps)?;
-            *copy_bw = Some(b);
-            b
-        }
-    };
-    let step_bytes = backend.weight_bytes_per_step();
-    let bound_step = step_bytes as f64 / bw;
-    let vocab = cfg.vocab_size as u32;
-    let token = |i: usize| ((i * 7919 + 13) as u32) % vocab.min(2000);
-    let mut rngs: Vec<Rng> = (0..max_batch.max(1))
-        .map(|s| Rng::seeded(s as u64))
-        .collect();
+/// A model loaded onto the device, and what its measured steps need.
+struct Runner<'a> {
+    args: &'a Args,
+    name: &'a str,
+    backend: CudaBackend,
+    rngs: Vec<Rng>,
+    vocab: u32,
+    /// KV blocks each decoding sequence owns.
+    per_seq_blocks: usize,
+}
 
-    // Prefill: one sequence, one step; the first run warms cuBLAS's heuristics and grows
-    // the workspace, the median of the rest is reported.
-    let mut prefill = Vec::new();
-    for &len in &args.prefill_lens {
-        if len == 0 {
-            continue;
-        }
-        let prompt: Vec<u32> = (0..len).map(token).collect();
-        let table: Vec<BlockId> = (0..len.div_ceil(BLOCK_SIZE))
-            .map(|b| BlockId(b as u32))
-            .collect();
-        let batch = ForwardBatch {
-            seqs: vec![SeqInput {
-                tokens: &prompt,
-                start_pos: 0,
-                context_len: 0,
-                block_table: &table,
-                want_logits: true,
-            }],
-        };
-        timed_step(&mut backend, &batch, &mut rngs)?;
-        let mut times = Vec::new();
-        for _ in 0..args.prefill_reps {
-            times.push(timed_step(&mut backend, &batch, &mut rngs)?.0);
-        }
-        let secs = median(times);
-        eprintln!("{name}: prefill {len} tokens {:.1} ms", secs * 1e3);
-        prefill.push((len, secs));
+impl Runner<'_> {
+    /// The `i`th token of a synthetic prompt.
+    fn token(&self, i: usize) -> u32 {
+        ((i * 7919 + 13) as u32) % self.vocab.min(2000)
     }
 
-    let mut decode = Vec::new();
-    for &b in &args.batches {
-        if b == 0 {
-            continue;
+    /// Prefill: one sequence, one step, per `--prefill-lens`; the first run warms cuBLAS's
+    /// heuristics and grows the workspace, the median of the rest is reported. (length,
+    /// seconds) each.
+    fn prefill(&mut self) -> anyhow::Result<Vec<(usize, f64)>> {
+        let mut prefill = Vec::new();
+        for &len in &self.args.prefill_lens {
+            if len == 0 {
+                continue;
+            }
+            let prompt: Vec<u32> = (0..len).map(|i| self.token(i)).collect();
+            let table: Vec<BlockId> = (0..len.div_ceil(BLOCK_SIZE))
+                .map(|b| BlockId(b as u32))
+                .collect();
+            let batch = ForwardBatch {
+                seqs: vec![SeqInput {
+                    tokens: &prompt,
+                    start_pos: 0,
+                    context_len: 0,
+                    block_table: &table,
+                    want_logits: true,
+                }],
+            };
+            timed_step(&mut self.backend, &batch, &mut self.rngs)?;
+            let mut times = Vec::new();
+            for _ in 0..self.args.prefill_reps {
+                times.push(timed_step(&mut self.backend, &batch, &mut self.rngs)?.0);
+            }
+            let secs = median(times);
+            eprintln!("{}: prefill {len} tokens {:.1} ms", self.name, secs * 1e3);
+            prefill.push((len, secs));
         }
+        Ok(prefill)
+    }
+
+    /// Median seconds of a decode step of `b` sequences (after filling their histories and
+    /// `--warmup` steps), each step sampling on the device.
+    fn decode(&mut self, b: usize) -> anyhow::Result<f64> {
+        let args = self.args;
         let tables: Vec<Vec<BlockId>> = (0..b)
             .map(|s| {
-                (0..per_seq_blocks)
-                    .map(|k| BlockId((s * per_seq_blocks + k) as u32))
+                (0..self.per_seq_blocks)
+                    .map(|k| BlockId((s * self.per_seq_blocks + k) as u32))
                     .collect()
             })
             .collect();
         let prompts: Vec<Vec<u32>> = (0..b)
-            .map(|s| (0..args.prompt_len).map(|i| token(i + s)).collect())
+            .map(|s| (0..args.prompt_len).map(|i| self.token(i + s)).collect())
             .collect();
         // Fill every sequence's history, several sequences per step but no more than
         // `fill_chunk` tokens in a step.
@@ -308,7 +268,7 @@ fn bench_model(
                     })
                     .collect(),
             };
-            timed_step(&mut backend, &batch, &mut rngs)?;
+            timed_step(&mut self.backend, &batch, &mut self.rngs)?;
             s0 = s1;
         }
         // Each sequence's next input is its last prompt token, then what it sampled.
@@ -318,7 +278,7 @@ fn bench_model(
             .collect();
         let mut times = Vec::new();
         for step in 0..args.warmup + args.decode_steps {
-            let toks: Vec<[u32; 1]> = last.iter().map(|&t| [t % vocab]).collect();
+            let toks: Vec<[u32; 1]> = last.iter().map(|&t| [t % self.vocab]).collect();
             let batch = ForwardBatch {
                 seqs: (0..b)
                     .map(|s| SeqInput {
@@ -330,7 +290,7 @@ fn bench_model(
                     })
                     .collect(),
             };
-            let (secs, sampled) = timed_step(&mut backend, &batch, &mut rngs)?;
+            let (secs, sampled) = timed_step(&mut self.backend, &batch, &mut self.rngs)?;
             anyhow::ensure!(
                 sampled.len() == b,
                 "a decode step of {b} sequences returned {} tokens",
@@ -341,11 +301,33 @@ fn bench_model(
                 times.push(secs);
             }
         }
-        let step = median(times);
-        eprintln!("{name}: batch {b} decode {:.2} ms/step", step * 1e3);
-        decode.push((b, step));
+        Ok(median(times))
     }
+}
 
+/// What was measured for one model.
+struct Figures {
+    /// Weight bytes one step reads.
+    step_bytes: usize,
+    /// Device-to-device copy bandwidth, bytes/s.
+    bw: f64,
+    /// Read after the runs: a failed capture switches graphs off mid-run.
+    cuda_graphs: bool,
+    /// (prompt length, seconds)
+    prefill: Vec<(usize, f64)>,
+    /// (batch, seconds per step)
+    decode: Vec<(usize, f64)>,
+}
+
+impl Figures {
+    /// Seconds a batch-1 step takes at best: its weights read once at the copy bandwidth.
+    fn bound_step(&self) -> f64 {
+        self.step_bytes as f64 / self.bw
+    }
+}
+
+/// One model's table lines and JSON.
+fn summarise(args: &Args, name: &str, dir: &Path, cfg: &ModelConfig, f: &Figures) -> ModelResult {
     let gb = 1e9;
     let mut table = vec![
         format!(
@@ -356,16 +338,12 @@ fn bench_model(
         ),
         format!(
             "weights/step {:.3} GB (bf16 on the device) -> bound {:.3} ms/token at batch 1",
-            step_bytes as f64 / gb,
-            bound_step * 1e3
+            f.step_bytes as f64 / gb,
+            f.bound_step() * 1e3
         ),
         format!(
             "decode       CUDA graphs {} (KVMESH_CUDA_GRAPHS=0 turns them off)",
-            if backend.cuda_graphs_enabled() {
-                "on"
-            } else {
-                "off"
-            }
+            if f.cuda_graphs { "on" } else { "off" }
         ),
         format!(
             "{:>8} {:>12} {:>12} {:>14}",
@@ -374,10 +352,10 @@ fn bench_model(
     ];
     let mut json_decode = Vec::new();
     let mut util1 = None;
-    for &(b, step) in &decode {
+    for &(b, step) in &f.decode {
         // Weight traffic only: at larger batches the KV reads add to it, and the step is
         // no longer bound by the weights alone, so this is a lower bound on the traffic.
-        let util = step_bytes as f64 / step / bw;
+        let util = f.step_bytes as f64 / step / f.bw;
         if b == 1 {
             util1 = Some(util);
         }
@@ -397,7 +375,7 @@ fn bench_model(
         }));
     }
     let mut json_prefill = Vec::new();
-    for &(len, secs) in &prefill {
+    for &(len, secs) in &f.prefill {
         table.push(format!(
             "prefill      {len} tokens in {:.1} ms = {:.0} tokens/s",
             secs * 1e3,
@@ -416,10 +394,9 @@ fn bench_model(
         "parameters": cfg.num_params(),
         "dtype": "bf16",
         "kv_block_size": BLOCK_SIZE,
-        // Read after the runs: a failed capture switches graphs off mid-run.
-        "cuda_graphs": backend.cuda_graphs_enabled(),
-        "weight_bytes_per_step": step_bytes,
-        "bound_ms_per_token_batch1": bound_step * 1e3,
+        "cuda_graphs": f.cuda_graphs,
+        "weight_bytes_per_step": f.step_bytes,
+        "bound_ms_per_token_batch1": f.bound_step() * 1e3,
         "batch1_bandwidth_utilisation": util1,
         "decode_prompt_tokens": args.prompt_len,
         "decode_warmup_steps": args.warmup,
@@ -427,7 +404,70 @@ fn bench_model(
         "decode": json_decode,
         "prefill": json_prefill,
     });
-    Ok(ModelResult { json, table })
+    ModelResult { json, table }
+}
+
+fn bench_model(
+    args: &Args,
+    name: &str,
+    copy_bw: &mut Option<f64>,
+    device_name: &mut Option<String>,
+) -> anyhow::Result<ModelResult> {
+    let dir = checkpoint(&args.models_dir, name)?;
+    let model = LoadedModel::from_dir(&dir)?;
+    let cfg = model.config.clone();
+    let max_batch = args.batches.iter().copied().max().unwrap_or(1);
+    let max_prefill = args.prefill_lens.iter().copied().max().unwrap_or(0);
+    let per_seq_blocks =
+        (args.prompt_len + args.warmup + args.decode_steps + 1).div_ceil(BLOCK_SIZE);
+    let num_blocks = (max_batch * per_seq_blocks).max(max_prefill.div_ceil(BLOCK_SIZE)) + 1;
+    eprintln!(
+        "{name}: loading onto cuda:{} with {num_blocks} KV blocks",
+        args.device
+    );
+    let backend = CudaBackend::new(&cfg, &model.weights, args.device, num_blocks, BLOCK_SIZE)?;
+    // The host copy of the weights is no longer needed; free it before the runs.
+    drop(model);
+    if device_name.is_none() {
+        *device_name = Some(backend.device_name()?);
+    }
+    let bw = match *copy_bw {
+        Some(b) => b,
+        None => {
+            eprintln!(
+                "measuring device-to-device copy bandwidth ({} MiB buffer)...",
+                args.copy_mib
+            );
+            let b = backend.copy_bandwidth(args.copy_mib << 20, args.copy_reps)?;
+            *copy_bw = Some(b);
+            b
+        }
+    };
+    let mut runner = Runner {
+        args,
+        name,
+        backend,
+        rngs: (0..max_batch.max(1))
+            .map(|s| Rng::seeded(s as u64))
+            .collect(),
+        vocab: cfg.vocab_size as u32,
+        per_seq_blocks,
+    };
+    let prefill = runner.prefill()?;
+    let mut decode = Vec::new();
+    for &b in args.batches.iter().filter(|&&b| b > 0) {
+        let step = runner.decode(b)?;
+        eprintln!("{name}: batch {b} decode {:.2} ms/step", step * 1e3);
+        decode.push((b, step));
+    }
+    let figures = Figures {
+        step_bytes: runner.backend.weight_bytes_per_step(),
+        bw,
+        cuda_graphs: runner.backend.cuda_graphs_enabled(),
+        prefill,
+        decode,
+    };
+    Ok(summarise(args, name, &dir, &cfg, &figures))
 }
 
 fn main() -> anyhow::Result<()> {
@@ -479,6 +519,29 @@ fn main() -> anyhow::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn parse(args: &[&str]) -> Result<Args, clap::Error> {
+        Args::try_parse_from(std::iter::once("gpu-bench").chain(args.iter().copied()))
+    }
+
+    #[test]
+    fn flags_and_their_defaults() {
+        use clap::CommandFactory;
+        Args::command().debug_assert();
+        let a = parse(&[]).unwrap();
+        assert_eq!(a.models_dir, Path::new("target/bench-models"));
+        assert_eq!(a.presets, ["qwen2.5-0.5b", "llama-3.2-1b"]);
+        assert_eq!((a.json, a.device), (None, 0));
+        assert_eq!(a.batches, [1, 8, 32, 64, 128]);
+        assert_eq!(a.prefill_lens, [512, 2048]);
+        assert_eq!((a.prompt_len, a.warmup, a.decode_steps), (128, 3, 20));
+        assert_eq!((a.prefill_reps, a.fill_chunk), (3, 2048));
+        assert_eq!((a.copy_mib, a.copy_reps), (1024, 10));
+        // List items may carry spaces, as the hand-written parser allowed.
+        let a = parse(&["--batches", "1, 8", "--presets", "llama-3.2-1b, qwen3-0.6b"]).unwrap();
+        assert_eq!(a.batches, [1, 8]);
+        assert_eq!(a.presets, ["llama-3.2-1b", "qwen3-0.6b"]);
+    }
 
     #[test]
     fn device_names_become_file_names() {
