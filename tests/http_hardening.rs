@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::kvmesh;
-use kvmesh_bench::harness::{client, status, wait_for};
+use kvmesh_bench::harness::{client, status, wait_for, wait_ready, Ready};
 use kvmesh_discovery::testing::Etcd;
 use serde_json::{json, Value};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -64,21 +64,11 @@ impl Proc {
                 }
             });
         }
-        let stdout = child.stdout.take().expect("stdout");
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                if let Some(url) = line.strip_prefix("kvmesh listening on ") {
-                    let _ = tx.send(url.to_string());
-                }
-            }
-        });
-        let base = rx
-            .recv_timeout(Duration::from_secs(60))
-            .unwrap_or_else(|_| {
-                let _ = child.kill();
-                panic!("kvmesh serve {args:?} did not start listening");
-            });
+        let base = wait_ready(
+            &mut child,
+            Ready::Listening,
+            &format!("kvmesh serve {args:?}"),
+        );
         let addr = base.trim_start_matches("http://").to_string();
         Proc {
             child,
