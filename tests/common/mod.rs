@@ -5,7 +5,7 @@
 
 use std::time::{Duration, Instant};
 
-use kvmesh_bench::harness::{self, Kvmesh, Proc};
+use kvmesh_bench::harness::{Kvmesh, Proc};
 use serde_json::Value;
 
 /// The binary under test. KVMESH_BIN: a test binary carried to another machine runs the
@@ -74,7 +74,7 @@ impl Server {
     }
 
     pub async fn metrics(&self) -> String {
-        harness::metrics(&self.http, &self.proc).await
+        self.proc.metrics(&self.http).await
     }
 
     /// A metric's value (the first series with that name).

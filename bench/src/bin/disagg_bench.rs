@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 
 use clap::Parser;
 use kvmesh_bench::harness::load::{mean, one_body, pct, Sample};
-use kvmesh_bench::harness::{load_client, metrics, wait_workers, Kvmesh, Proc};
+use kvmesh_bench::harness::{load_client, wait_workers, Kvmesh, Proc};
 use kvmesh_bench::programs::{kvmesh, write_results};
 use kvmesh_discovery::testing::Etcd;
 use rand::{Rng, SeedableRng};
@@ -411,12 +411,12 @@ async fn mixed_sweep(km: &Kvmesh, http: &reqwest::Client, model: &Path, quick: b
                 prompt_len: p.prompt_len,
                 rate: p.rate * scale as f64,
             };
-            let before = decisions(&metrics(http, &c.gw).await);
+            let before = decisions(&c.gw.metrics(http).await);
             let mut r = mixed(http, &c.gw, &point, streams_per * scale, long_count * scale).await;
             r["setup"] = json!(label);
             r["machines"] = json!(shape.machines());
             r["decisions_before"] = before;
-            r["decisions"] = decisions(&metrics(http, &c.gw).await);
+            r["decisions"] = decisions(&c.gw.metrics(http).await);
             // Long prompts a decode node prefilled itself (no prefill node had room).
             let busy = |d: &Value| d["prefill_busy"].as_f64().unwrap_or(0.0);
             r["long_on_decode"] = if shape.aggregated > 0 {

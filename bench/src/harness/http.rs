@@ -52,17 +52,6 @@ pub async fn status(http: &reqwest::Client, p: &Proc) -> Value {
         .unwrap()
 }
 
-/// A process's `/metrics`, as text.
-pub async fn metrics(http: &reqwest::Client, p: &Proc) -> String {
-    http.get(format!("{}/metrics", p.http))
-        .send()
-        .await
-        .expect("metrics")
-        .text()
-        .await
-        .expect("metrics text")
-}
-
 /// Polls `cond` every 50 ms until it holds, and returns how long that took; panics, naming
 /// `what`, after `secs` seconds.
 pub async fn wait_for(what: &str, secs: u64, mut cond: impl AsyncFnMut() -> bool) -> Duration {

@@ -21,8 +21,7 @@ use std::time::Duration;
 use kvmesh_discovery::testing::Etcd;
 
 pub use http::{
-    client, connected_workers, load_client, metrics, post, routed, sse, status, wait_for,
-    wait_workers,
+    client, connected_workers, load_client, post, routed, sse, status, wait_for, wait_workers,
 };
 
 /// How long a process may take to say it serves.
@@ -188,10 +187,21 @@ impl Proc {
         let _ = self.child.wait();
     }
 
+    /// This process's `/metrics`, as text.
+    pub async fn metrics(&self, http: &reqwest::Client) -> String {
+        http.get(format!("{}/metrics", self.http))
+            .send()
+            .await
+            .expect("metrics")
+            .text()
+            .await
+            .expect("metrics text")
+    }
+
     /// A metric's value on this process's /metrics: the series whose name and labels start
     /// with `series` (e.g. `kvmesh:kv_cache_usage_perc{` or a full `name{labels}`).
     pub async fn metric(&self, http: &reqwest::Client, series: &str) -> f64 {
-        let text = http::metrics(http, self).await;
+        let text = self.metrics(http).await;
         text.lines()
             .find(|l| l.starts_with(series))
             .and_then(|l| l.rsplit(' ').next())
