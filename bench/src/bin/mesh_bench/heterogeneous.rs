@@ -8,7 +8,7 @@ use kvmesh_bench::harness::{load_client, status, wait_workers, Proc};
 use kvmesh_discovery::testing::Etcd;
 use serde_json::{json, Value};
 
-use crate::{kvmesh_bench, p99, Ctx};
+use crate::ctx::{p99, Ctx};
 
 /// Output tokens per second the sim timing model allows at best when `concurrency`
 /// sequences are spread over workers of these speeds (each worker's step: `base_ms +
@@ -240,7 +240,7 @@ pub fn bursty(ctx: &Ctx) -> Value {
             &["--label", policy],
         ]
         .concat();
-        kvmesh_bench(km, &args, &dir, policy);
+        ctx.kvmesh_bench(&args, &dir, policy);
         let run: Value = std::fs::read_dir(&dir)
             .unwrap()
             .filter_map(|e| e.ok().map(|e| e.path()))

@@ -16,19 +16,20 @@
 //! `cargo build --release && target/release/mesh-bench [--quick] [--json PATH] [--only SECTIONS]`
 //! (needs `etcd` on PATH, as the tests do; `bash scripts/test.sh` installs it).
 
+mod ctx;
 mod heterogeneous;
 mod hop;
 mod overhead;
 mod prefix;
 mod routing;
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{Parser, ValueEnum};
-use kvmesh_bench::harness::{load_client, Kvmesh};
+use kvmesh_bench::harness::load_client;
 use kvmesh_bench::programs::{kvmesh, write_results};
-use serde_json::{json, Value};
+use serde_json::json;
 
 /// Cluster-mode benchmarks on sim workers: what the mesh and the routing cost and buy.
 #[derive(Parser)]
@@ -64,42 +65,11 @@ enum Section {
     Scale,
 }
 
-/// What every section runs with.
-struct Ctx {
-    km: Kvmesh,
-    http: reqwest::Client,
-    quick: bool,
-}
-
-/// Runs `kvmesh bench` with `args`, its results written under `dir`; panics, naming `label`,
-/// when it fails.
-fn kvmesh_bench(km: &Kvmesh, args: &[&str], dir: &Path, label: &str) {
-    let st = km
-        .command()
-        .arg("bench")
-        .args(args)
-        .arg("--result-dir")
-        .arg(dir)
-        .stdout(std::process::Stdio::null())
-        .status()
-        .expect("run kvmesh bench");
-    assert!(st.success(), "kvmesh bench failed for {label}");
-}
-
-/// The 99th percentile of a `kvmesh bench` statistic (`percentiles: [[p, value], …]`).
-fn p99(stat: &Value) -> f64 {
-    stat["percentiles"]
-        .as_array()
-        .and_then(|ps| ps.iter().find(|p| p[0].as_f64() == Some(99.0)))
-        .and_then(|p| p[1].as_f64())
-        .unwrap_or(f64::NAN)
-}
-
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
     let args = Args::parse();
     let runs = |s: Section| args.only.as_ref().is_none_or(|o| o.contains(&s));
-    let ctx = Ctx {
+    let ctx = ctx::Ctx {
         km: kvmesh(),
         http: load_client(Duration::from_secs(120)),
         quick: args.quick,
@@ -133,6 +103,7 @@ async fn main() {
 mod tests {
     use super::*;
     use clap::CommandFactory;
+    use std::path::Path;
 
     fn parse(args: &[&str]) -> Result<Args, clap::Error> {
         Args::try_parse_from(std::iter::once("mesh-bench").chain(args.iter().copied()))

@@ -7,7 +7,7 @@ use kvmesh_bench::programs::ZERO_COST;
 use kvmesh_discovery::testing::Etcd;
 use serde_json::{json, Value};
 
-use crate::Ctx;
+use crate::ctx::Ctx;
 
 /// Requests/s and the added p50/p99 latency, at concurrency 1 and 16.
 pub async fn mesh_overhead(ctx: &Ctx) -> Value {

@@ -1,15 +1,15 @@
 //! Prefix routing: a multi-turn chat workload (`kvmesh bench --dataset conversation`, each
 //! turn resending the conversation so far) over 4 workers, per policy.
 
-use kvmesh_bench::harness::{status, wait_workers, Kvmesh, Proc};
+use kvmesh_bench::harness::{status, wait_workers, Proc};
 use kvmesh_discovery::testing::Etcd;
 use serde_json::{json, Value};
 
-use crate::{kvmesh_bench, p99, Ctx};
+use crate::ctx::{p99, Ctx};
 
 /// `kvmesh bench --dataset conversation` against a gateway: the run's JSON.
 fn conversation_run(
-    km: &Kvmesh,
+    ctx: &Ctx,
     gw: &Proc,
     label: &str,
     conversations: usize,
@@ -41,7 +41,7 @@ fn conversation_run(
         ],
     ]
     .concat();
-    kvmesh_bench(km, &args, &dir, label);
+    ctx.kvmesh_bench(&args, &dir, label);
     let path = dir.join(format!("{label}-c{conc}.json"));
     let v: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
     let _ = std::fs::remove_dir_all(&dir);
@@ -90,7 +90,7 @@ async fn prefix_table(ctx: &Ctx, think_ms: f64) -> Value {
             .collect();
         let gw = km.gateway(&etcd, &cluster, "gw", policy);
         wait_workers(http, &gw, workers).await;
-        let run = conversation_run(km, &gw, label, conversations, turns, think_ms);
+        let run = conversation_run(ctx, &gw, label, conversations, turns, think_ms);
         let m = &run["metrics"];
         let st = status(http, &gw).await;
         rows.push(json!({

@@ -9,7 +9,7 @@ use kvmesh_bench::programs::ZERO_COST;
 use kvmesh_discovery::testing::Etcd;
 use serde_json::{json, Value};
 
-use crate::Ctx;
+use crate::ctx::Ctx;
 
 /// How long a routing decision takes as the cluster grows: building every candidate (load,
 /// capacity, the prompt's cached blocks from the router's cluster-wide block index) and
