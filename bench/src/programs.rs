@@ -41,9 +41,15 @@ pub fn write_results(path: &Path, quick: bool, mut out: Value) {
         "{cpus} CPUs (shared VM); all processes on loopback"
     ));
     out["quick"] = json!(quick);
-    if let Some(dir) = path.parent() {
-        let _ = std::fs::create_dir_all(dir);
-    }
-    std::fs::write(path, serde_json::to_string_pretty(&out).unwrap()).unwrap();
+    write_json(path, &out).unwrap();
     println!("\nwrote {}", path.display());
+}
+
+/// Writes `out` to `path` as pretty JSON, making its folder first.
+pub fn write_json(path: &Path, out: &Value) -> std::io::Result<()> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    let text = serde_json::to_string_pretty(out).expect("a JSON value serialises");
+    std::fs::write(path, text)
 }

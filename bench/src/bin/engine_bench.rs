@@ -12,6 +12,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use clap::Parser;
+use kvmesh_bench::programs::write_json;
 use kvmesh_gpu::backend::cpu::{CpuBackend, CpuModel};
 use kvmesh_gpu::backend::{Backend, ForwardBatch, SeqInput};
 use kvmesh_gpu::config::ModelConfig;
@@ -355,10 +356,7 @@ fn main() -> anyhow::Result<()> {
     let cfg = model.config.clone();
     let measured = measure(&args, model)?;
     let out = report(&args, &dir, &cfg, &measured);
-    if let Some(parent) = args.json.parent() {
-        std::fs::create_dir_all(parent)?;
-    }
-    std::fs::write(&args.json, serde_json::to_string_pretty(&out)?)?;
+    write_json(&args.json, &out)?;
     println!("wrote {}", args.json.display());
     Ok(())
 }

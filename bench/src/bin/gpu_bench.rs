@@ -21,6 +21,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use clap::Parser;
+use kvmesh_bench::programs::write_json;
 use kvmesh_gpu::backend::cuda::CudaBackend;
 use kvmesh_gpu::backend::{Backend, ForwardBatch, SampleSpec, SeqInput};
 use kvmesh_gpu::config::ModelConfig;
@@ -508,10 +509,7 @@ fn main() -> anyhow::Result<()> {
         .json
         .clone()
         .unwrap_or_else(|| PathBuf::from(format!("bench/results/gpu-{}.json", sanitize(&device))));
-    if let Some(parent) = path.parent() {
-        std::fs::create_dir_all(parent)?;
-    }
-    std::fs::write(&path, serde_json::to_string_pretty(&out)?)?;
+    write_json(&path, &out)?;
     println!("wrote {}", path.display());
     Ok(())
 }

@@ -20,6 +20,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
+use kvmesh_bench::programs::write_json;
 use kvmesh_gpu::kv_pool::{HostKvPool, KvDtype, KvKind, KvSpec};
 use kvmesh_transport::kv::local::{self, LocalSender};
 use kvmesh_transport::kv::streams::{KvInbox, StreamReceiver, StreamSender, Target};
@@ -439,9 +440,6 @@ async fn main() {
         "tokens": tokens, "bytes": bytes, "kv_bytes_per_token": spec().bytes_per_token(),
         "memcpy_gb_per_s": mem, "raw_tcp_gb_per_s": raw, "rows": rows,
     });
-    if let Some(dir) = args.json.parent() {
-        let _ = std::fs::create_dir_all(dir);
-    }
-    std::fs::write(&args.json, serde_json::to_string_pretty(&out).unwrap()).expect("write JSON");
+    write_json(&args.json, &out).expect("write JSON");
     println!("wrote {}", args.json.display());
 }
