@@ -14,7 +14,8 @@ What counts:
   `pub use` re-export or a `mod` declaration) names a path into it: `crate::a::b`,
   `super::x`, `self::x`, or a child module by its bare name. A cycle is a set of modules of
   one crate that reach each other this way. Modules are files; an edge from a file to its
-  parent or child counts too.
+  parent or child counts too. A crate's library (or main binary) is one graph, and each
+  binary that is a folder (`src/bin/<name>/main.rs` and its modules) one of its own.
 """
 
 import argparse
@@ -159,8 +160,22 @@ def module_path(src_dir, path):
     if rel in (["lib"], ["main"]):
         return ()
     if rel[0] == "bin":
-        return None  # each binary is a crate of its own
+        return None  # each binary is a crate of its own: see bin_crates
     return tuple(rel)
+
+
+def bin_crates(src_dir):
+    """The binaries of a crate that are folders (`src/bin/<name>/main.rs` and its modules):
+    each a crate of its own, whose modules import each other like a library's. A binary of one
+    file has no modules to cycle through."""
+    bin_dir = os.path.join(src_dir, "bin")
+    if not os.path.isdir(bin_dir):
+        return []
+    return sorted(
+        os.path.join(bin_dir, d)
+        for d in os.listdir(bin_dir)
+        if os.path.isfile(os.path.join(bin_dir, d, "main.rs"))
+    )
 
 
 def test_only_files(src_dir, files):
@@ -301,7 +316,7 @@ def main():
         for dirpath, _, filenames in os.walk(src_dir):
             files += [os.path.normpath(os.path.join(dirpath, f)) for f in filenames if f.endswith(".rs")]
         tests = test_only_files(src_dir, files)
-        mods, sources = {}, {}
+        sources_by_file = {}
         for f in sorted(files):
             if f in tests:
                 continue
@@ -317,22 +332,29 @@ def main():
                 all_fns.append((length, f"{rel}:{first}", name))
                 if length > FN_LIMIT:
                     long_fns.append((length, f"{rel}:{first}", name))
-            mp = module_path(src_dir, f)
-            if mp is not None:
-                mods[mp] = rel
-                sources[mp] = (s, ranges)
-        exported = {mp: reexports(mods, mp, s) for mp, (s, _) in sources.items()}
-        graph = {mp: edges(mods, mp, s, r, exported) for mp, (s, r) in sources.items()}
-        for comp in cycles(graph):
-            crate = os.path.relpath(crate_dir, root)
-            names = ["::".join(c) or "(root)" for c in comp]
-            links = [
-                f"{'::'.join(a) or '(root)'} -> {'::'.join(b) or '(root)'}"
-                for a in comp
-                for b in sorted(graph[a])
-                if b in comp
-            ]
-            found_cycles.append((crate, names, links))
+            sources_by_file[f] = (rel, s, ranges)
+        # The library (or main binary), then each binary that is a folder, as crates.
+        for graph_dir in [src_dir] + bin_crates(src_dir):
+            mods, sources = {}, {}
+            for f, (rel, s, ranges) in sources_by_file.items():
+                if os.path.commonpath([graph_dir, f]) != os.path.normpath(graph_dir):
+                    continue
+                mp = module_path(graph_dir, f)
+                if mp is not None:
+                    mods[mp] = rel
+                    sources[mp] = (s, ranges)
+            exported = {mp: reexports(mods, mp, s) for mp, (s, _) in sources.items()}
+            graph = {mp: edges(mods, mp, s, r, exported) for mp, (s, r) in sources.items()}
+            crate = os.path.relpath(crate_dir if graph_dir == src_dir else graph_dir, root)
+            for comp in cycles(graph):
+                names = ["::".join(c) or "(root)" for c in comp]
+                links = [
+                    f"{'::'.join(a) or '(root)'} -> {'::'.join(b) or '(root)'}"
+                    for a in comp
+                    for b in sorted(graph[a])
+                    if b in comp
+                ]
+                found_cycles.append((crate, names, links))
 
     print(f"files over {FILE_LIMIT} lines: {len(long_files)}")
     for n, f in sorted(long_files, reverse=True):

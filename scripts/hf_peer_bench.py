@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Hugging Face transformers on the same GPU and the same checkpoints as `gpu-bench`.
 
-The peer measurement for `src/bin/gpu_bench.rs`: the same random-weight bf16 model folders
+The peer measurement for `bench/src/bin/gpu_bench.rs`: the same random-weight bf16 model folders
 (Qwen2.5-0.5B and Llama-3.2-1B shapes, under `target/bench-models/<preset>`), the same
 prompt tokens, greedy decode at batch 1/8/32/64/128 after a 128-token prompt (median
 ms/step of 20 steps after 3 warm-up steps), prefill tokens/s at 512 and 2048 tokens, and a

@@ -79,7 +79,7 @@ pub fn run(cmd: ModelCommand) -> anyhow::Result<()> {
                 Some(d) => {
                     LoadedModel::from_dir(d).with_context(|| format!("loading {}", d.display()))?
                 }
-                None => LoadedModel::from_embedded(&crate::embedded::DEFAULT_MODEL)
+                None => LoadedModel::from_embedded(&kvmesh_gpu::embedded::DEFAULT_MODEL)
                     .context("loading the embedded model")?,
             };
             let report = inspect(&model, dir.as_deref());
@@ -158,7 +158,7 @@ pub fn run(cmd: ModelCommand) -> anyhow::Result<()> {
                 cfg,
                 seed,
                 dtype,
-                &crate::embedded::default_tokenizer(),
+                &kvmesh_gpu::embedded::default_tokenizer(),
                 &out,
             )
             .with_context(|| format!("writing {}", out.display()))?;

@@ -259,7 +259,7 @@ pub fn load_model(args: &EngineArgs) -> anyhow::Result<LoadedModel> {
         Some(dir) => {
             LoadedModel::from_dir(dir).with_context(|| format!("loading {}", dir.display()))?
         }
-        None => LoadedModel::from_embedded(&crate::embedded::DEFAULT_MODEL)
+        None => LoadedModel::from_embedded(&kvmesh_gpu::embedded::DEFAULT_MODEL)
             .context("loading the embedded model")?,
     })
 }

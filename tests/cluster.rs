@@ -7,9 +7,8 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::cluster::{
-    client, cluster_status, connected_workers, post, routed, sse, status, wait_for, Node,
-};
+use common::kvmesh;
+use kvmesh_bench::harness::{client, connected_workers, post, routed, sse, status, wait_for, Proc};
 use kvmesh_discovery::testing::Etcd;
 use serde_json::{json, Value};
 
@@ -59,17 +58,17 @@ async fn stream_ids(
 async fn a_cluster_forms_spreads_requests_and_refuses_impostors() {
     let etcd = Etcd::start();
     let http = client();
-    let gw = Node::gateway(&etcd, "c1", "gw", "round-robin");
+    let gw = kvmesh().gateway(&etcd, "c1", "gw", "round-robin");
 
     // No worker yet: 503 with a clear error, not a hang.
     let (st, body) = post(&http, &gw.http, completion(4)).await;
     assert_eq!(st, 503, "{body}");
     assert_eq!(body["error"]["code"], "no_worker_available");
 
-    let w1 = Node::worker(&etcd, "c1", "w1", &[]);
-    let mut w2 = Node::worker(&etcd, "c1", "w2", &[]);
+    let w1 = kvmesh().worker(&etcd, "c1", "w1", &[]);
+    let mut w2 = kvmesh().worker(&etcd, "c1", "w2", &[]);
     // An impostor: its record names a certificate it does not hold.
-    let _bad = Node::worker(
+    let _bad = kvmesh().worker(
         &etcd,
         "c1",
         "bad",
@@ -96,7 +95,7 @@ async fn a_cluster_forms_spreads_requests_and_refuses_impostors() {
     let served = status(&http, &w1).await["load"]["requests_served"].as_u64();
     assert_eq!(served, Some(4));
 
-    let table = cluster_status(&etcd, "c1");
+    let table = kvmesh().cluster_status(&etcd, "c1");
     println!("{table}");
     for id in ["gw", "w1", "w2", "bad"] {
         assert!(
@@ -138,7 +137,8 @@ async fn a_cluster_forms_spreads_requests_and_refuses_impostors() {
     // SIGTERM: w2 revokes its lease and leaves the table before its TTL could expire.
     w2.terminate();
     let t = Instant::now();
-    while cluster_status(&etcd, "c1")
+    while kvmesh()
+        .cluster_status(&etcd, "c1")
         .lines()
         .any(|l| l.starts_with("w2"))
     {
@@ -155,11 +155,11 @@ async fn a_cluster_forms_spreads_requests_and_refuses_impostors() {
 async fn killed_worker_loses_no_request_and_new_worker_gets_traffic() {
     let etcd = Etcd::start();
     let http = client();
-    let gw = Node::gateway(&etcd, "c2", "gw", "least-loaded");
+    let gw = kvmesh().gateway(&etcd, "c2", "gw", "least-loaded");
     // Two sequences at a time, 40 ms per step: most requests wait in the queue.
     let slow = ["--max-num-seqs", "2", "--sim-decode-ms", "40"];
-    let mut w1 = Node::worker(&etcd, "c2", "w1", &slow);
-    let w2 = Node::worker(&etcd, "c2", "w2", &slow);
+    let mut w1 = kvmesh().worker(&etcd, "c2", "w1", &slow);
+    let w2 = kvmesh().worker(&etcd, "c2", "w2", &slow);
     wait_for("both workers routable", 10, async || {
         connected_workers(&http, &gw).await.len() == 2
     })
@@ -222,7 +222,7 @@ async fn killed_worker_loses_no_request_and_new_worker_gets_traffic() {
         })
         .collect();
     tokio::time::sleep(Duration::from_millis(500)).await;
-    let w3 = Node::worker(&etcd, "c2", "w3", &slow);
+    let w3 = kvmesh().worker(&etcd, "c2", "w3", &slow);
     let took = wait_for("w3 gets traffic", 10, async || {
         status(&http, &w3).await["load"]["requests_served"].as_u64() > Some(0)
     })
@@ -243,8 +243,8 @@ async fn killed_worker_loses_no_request_and_new_worker_gets_traffic() {
 async fn etcd_restart_is_survived_without_restarting_nodes() {
     let mut etcd = Etcd::start();
     let http = client();
-    let gw = Node::gateway(&etcd, "c3", "gw", "least-loaded");
-    let _w1 = Node::worker(&etcd, "c3", "w1", &[]);
+    let gw = kvmesh().gateway(&etcd, "c3", "gw", "least-loaded");
+    let _w1 = kvmesh().worker(&etcd, "c3", "w1", &[]);
     wait_for("w1 routable", 10, async || {
         connected_workers(&http, &gw).await.len() == 1
     })
@@ -258,12 +258,12 @@ async fn etcd_restart_is_survived_without_restarting_nodes() {
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
     etcd.restart();
-    let _w2 = Node::worker(&etcd, "c3", "w2", &[]);
+    let _w2 = kvmesh().worker(&etcd, "c3", "w2", &[]);
     wait_for("w2 (joined after the restart) routable", 15, async || {
         connected_workers(&http, &gw).await.len() == 2
     })
     .await;
-    let table = cluster_status(&etcd, "c3");
+    let table = kvmesh().cluster_status(&etcd, "c3");
     for id in ["gw", "w1", "w2"] {
         assert!(
             table.lines().any(|l| l.starts_with(id)),
@@ -281,9 +281,9 @@ async fn etcd_restart_is_survived_without_restarting_nodes() {
 async fn an_unstarted_request_waits_for_a_replacement_worker() {
     let etcd = Etcd::start();
     let http = client();
-    let gw = Node::gateway(&etcd, "c4", "gw", "least-loaded");
+    let gw = kvmesh().gateway(&etcd, "c4", "gw", "least-loaded");
     let one_at_a_time = ["--max-num-seqs", "1", "--sim-decode-ms", "40"];
-    let mut w1 = Node::worker(&etcd, "c4", "w1", &one_at_a_time);
+    let mut w1 = kvmesh().worker(&etcd, "c4", "w1", &one_at_a_time);
     wait_for("w1 routable", 10, async || {
         connected_workers(&http, &gw).await.len() == 1
     })
@@ -310,7 +310,7 @@ async fn an_unstarted_request_waits_for_a_replacement_worker() {
     })
     .await;
     tokio::time::sleep(Duration::from_millis(300)).await;
-    let _w2 = Node::worker(&etcd, "c4", "w2", &one_at_a_time);
+    let _w2 = kvmesh().worker(&etcd, "c4", "w2", &one_at_a_time);
     // The running request moves to the replacement and goes on where it stopped.
     let (ids, error, done) = running.await.unwrap();
     assert_eq!(error, None, "the running request was lost");
@@ -330,8 +330,8 @@ async fn an_unstarted_request_waits_for_a_replacement_worker() {
 async fn streams_on_a_killed_worker_migrate_and_finish_token_identical() {
     let etcd = Etcd::start();
     let http = client();
-    let gw = Node::gateway(&etcd, "c5", "gw", "least-loaded");
-    let strict = Node::start(
+    let gw = kvmesh().gateway(&etcd, "c5", "gw", "least-loaded");
+    let strict = kvmesh().node(
         &etcd,
         "c5",
         "gw0",
@@ -348,7 +348,7 @@ async fn streams_on_a_killed_worker_migrate_and_finish_token_identical() {
     );
     // 60 tokens at 50 ms a step: three seconds of streaming, for w2 to join and the kill.
     let steps = ["--max-num-seqs", "16", "--sim-decode-ms", "50"];
-    let mut w1 = Node::worker(&etcd, "c5", "w1", &steps);
+    let mut w1 = kvmesh().worker(&etcd, "c5", "w1", &steps);
     wait_for("w1 routable", 10, async || {
         connected_workers(&http, &gw).await.len() == 1
             && connected_workers(&http, &strict).await.len() == 1
@@ -386,7 +386,7 @@ async fn streams_on_a_killed_worker_migrate_and_finish_token_identical() {
         status(&http, &w1).await["load"]["running"].as_u64() == Some(9)
     })
     .await;
-    let _w2 = Node::worker(&etcd, "c5", "w2", &steps);
+    let _w2 = kvmesh().worker(&etcd, "c5", "w2", &steps);
     wait_for("w2 routable", 10, async || {
         connected_workers(&http, &gw).await.len() == 2
     })
@@ -432,9 +432,9 @@ async fn streams_on_a_killed_worker_migrate_and_finish_token_identical() {
 async fn prefix_routing_follows_the_workers_kv_events() {
     let etcd = Etcd::start();
     let http = client();
-    let gw = Node::gateway(&etcd, "c6", "gw", "prefix");
-    let _w1 = Node::worker(&etcd, "c6", "w1", &[]);
-    let _w2 = Node::worker(&etcd, "c6", "w2", &[]);
+    let gw = kvmesh().gateway(&etcd, "c6", "gw", "prefix");
+    let _w1 = kvmesh().worker(&etcd, "c6", "w1", &[]);
+    let _w2 = kvmesh().worker(&etcd, "c6", "w2", &[]);
     wait_for("both workers routable and synced", 10, async || {
         let s = status(&http, &gw).await;
         let ws = s["router"]["workers"]
@@ -500,7 +500,7 @@ async fn prefix_routing_follows_the_workers_kv_events() {
 }
 
 /// Waits for the process to exit; panics after `secs`.
-fn wait_exit(node: &mut Node, secs: u64) -> Duration {
+fn wait_exit(node: &mut Proc, secs: u64) -> Duration {
     let t = Instant::now();
     loop {
         if let Ok(Some(_)) = node.child.try_wait() {
@@ -522,10 +522,10 @@ fn wait_exit(node: &mut Node, secs: u64) -> Duration {
 async fn sigterm_drains_workers_and_gateways_without_cutting_streams() {
     let etcd = Etcd::start();
     let http = client();
-    let gw = Node::gateway(&etcd, "c7", "gw", "least-loaded");
+    let gw = kvmesh().gateway(&etcd, "c7", "gw", "least-loaded");
     // 100 tokens at 50 ms a step: five seconds of streaming, for w2 to join and the drain.
     let steps = ["--max-num-seqs", "16", "--sim-decode-ms", "50"];
-    let mut w1 = Node::worker(&etcd, "c7", "w1", &steps);
+    let mut w1 = kvmesh().worker(&etcd, "c7", "w1", &steps);
     wait_for("w1 routable", 10, async || {
         connected_workers(&http, &gw).await.len() == 1
     })
@@ -544,7 +544,7 @@ async fn sigterm_drains_workers_and_gateways_without_cutting_streams() {
         status(&http, &w1).await["load"]["running"].as_u64() == Some(4)
     })
     .await;
-    let mut w2 = Node::worker(
+    let mut w2 = kvmesh().worker(
         &etcd,
         "c7",
         "w2",
@@ -598,12 +598,13 @@ async fn sigterm_drains_workers_and_gateways_without_cutting_streams() {
     }
     assert_eq!(gw.metric(&http, "kvmesh:migrations_total").await, 0.0);
     wait_exit(&mut w1, 10);
-    assert!(!cluster_status(&etcd, "c7")
+    assert!(!kvmesh()
+        .cluster_status(&etcd, "c7")
         .lines()
         .any(|l| l.starts_with("w1")));
 
     // A grace period shorter than the streams: at its end they move to w3 and finish.
-    let _w3 = Node::worker(&etcd, "c7", "w3", &steps);
+    let _w3 = kvmesh().worker(&etcd, "c7", "w3", &steps);
     wait_for("w3 routable", 10, async || {
         connected_workers(&http, &gw).await.len() == 2
     })
@@ -675,8 +676,8 @@ async fn sigterm_drains_workers_and_gateways_without_cutting_streams() {
 async fn a_client_that_leaves_mid_stream_cancels_its_sequence_on_the_worker() {
     let etcd = Etcd::start();
     let http = client();
-    let gw = Node::gateway(&etcd, "c8", "gw", "round-robin");
-    let w = Node::worker(&etcd, "c8", "w1", &["--sim-decode-ms", "20"]);
+    let gw = kvmesh().gateway(&etcd, "c8", "gw", "round-robin");
+    let w = kvmesh().worker(&etcd, "c8", "w1", &["--sim-decode-ms", "20"]);
     wait_for("the worker routable", 10, async || {
         connected_workers(&http, &gw).await.len() == 1
     })
@@ -718,11 +719,11 @@ async fn a_client_that_leaves_mid_stream_cancels_its_sequence_on_the_worker() {
 async fn a_burst_spreads_over_workers_the_router_has_not_heard_from_yet() {
     let etcd = Etcd::start();
     let http = client();
-    let gw = Node::gateway(&etcd, "c9", "gw", "least-loaded");
+    let gw = kvmesh().gateway(&etcd, "c9", "gw", "least-loaded");
     // Prompts cost 0.4 ms a token: a burst's first tokens come well after it is routed.
     let slow_prefill = ["--sim-prefill-us-per-token", "400"];
-    let _ws: Vec<Node> = (0..4)
-        .map(|i| Node::worker(&etcd, "c9", &format!("w{i}"), &slow_prefill))
+    let _ws: Vec<Proc> = (0..4)
+        .map(|i| kvmesh().worker(&etcd, "c9", &format!("w{i}"), &slow_prefill))
         .collect();
     wait_for("four workers routable", 10, async || {
         connected_workers(&http, &gw).await.len() == 4

@@ -6,7 +6,8 @@ mod common;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::cluster::{bin, client, cluster_status, post, routed, sse, status, wait_for, Node};
+use common::{bin, kvmesh};
+use kvmesh_bench::harness::{client, post, routed, sse, status, wait_for, Proc};
 use kvmesh_discovery::testing::Etcd;
 use serde_json::{json, Value};
 
@@ -15,14 +16,14 @@ fn completion(prompt: &str, max_tokens: u32) -> Value {
            "temperature": 0, "ignore_eos": true})
 }
 
-async fn workers(http: &reqwest::Client, gw: &Node) -> Vec<Value> {
+async fn workers(http: &reqwest::Client, gw: &Proc) -> Vec<Value> {
     status(http, gw).await["router"]["workers"]
         .as_array()
         .cloned()
         .unwrap_or_default()
 }
 
-async fn routable(http: &reqwest::Client, gw: &Node) -> Vec<String> {
+async fn routable(http: &reqwest::Client, gw: &Proc) -> Vec<String> {
     workers(http, gw)
         .await
         .iter()
@@ -31,7 +32,7 @@ async fn routable(http: &reqwest::Client, gw: &Node) -> Vec<String> {
         .collect()
 }
 
-async fn routed_to(http: &reqwest::Client, gw: &Node, id: &str) -> u64 {
+async fn routed_to(http: &reqwest::Client, gw: &Proc, id: &str) -> u64 {
     routed(http, gw).await.get(id).copied().unwrap_or(0)
 }
 
@@ -60,8 +61,8 @@ async fn stream(
 async fn a_duplicate_node_id_is_refused_at_start() {
     let etcd = Etcd::start();
     let http = client();
-    let gw = Node::gateway(&etcd, "h1", "gw", "round-robin");
-    let _w1 = Node::worker(&etcd, "h1", "w1", &[]);
+    let gw = kvmesh().gateway(&etcd, "h1", "gw", "round-robin");
+    let _w1 = kvmesh().worker(&etcd, "h1", "w1", &[]);
     let t = Instant::now();
     let out = Command::new(bin())
         .args([
@@ -97,10 +98,10 @@ async fn a_duplicate_node_id_is_refused_at_start() {
 async fn a_wiped_registry_cuts_no_traffic() {
     let mut etcd = Etcd::start();
     let http = client();
-    let gw = Node::gateway(&etcd, "h2", "gw", "least-loaded");
+    let gw = kvmesh().gateway(&etcd, "h2", "gw", "least-loaded");
     let steps = ["--sim-decode-ms", "50"];
-    let _w1 = Node::worker(&etcd, "h2", "w1", &steps);
-    let _w2 = Node::worker(&etcd, "h2", "w2", &steps);
+    let _w1 = kvmesh().worker(&etcd, "h2", "w1", &steps);
+    let _w2 = kvmesh().worker(&etcd, "h2", "w2", &steps);
     wait_for("both routable", 15, async || {
         routable(&http, &gw).await.len() == 2
     })
@@ -136,7 +137,7 @@ async fn a_wiped_registry_cuts_no_traffic() {
     }
     assert_eq!(gw.metric(&http, "kvmesh:migrations_total").await, 0.0);
     wait_for("every node registered again", 20, async || {
-        let table = cluster_status(&etcd, "h2");
+        let table = kvmesh().cluster_status(&etcd, "h2");
         ["gw ", "w1 ", "w2 "]
             .iter()
             .all(|id| table.lines().any(|l| l.starts_with(id)))
@@ -171,9 +172,9 @@ async fn a_different_model_under_the_same_name_is_not_routed_to() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let gw = Node::gateway(&etcd, "h3", "gw", "round-robin");
-    let _good = Node::worker(&etcd, "h3", "good", &[]);
-    let _other = Node::worker(
+    let gw = kvmesh().gateway(&etcd, "h3", "gw", "round-robin");
+    let _good = kvmesh().worker(&etcd, "h3", "good", &[]);
+    let _other = kvmesh().worker(
         &etcd,
         "h3",
         "other",
@@ -200,7 +201,7 @@ async fn a_different_model_under_the_same_name_is_not_routed_to() {
     }
     assert_eq!(routed_to(&http, &gw, "good").await, 6);
     assert_eq!(routed_to(&http, &gw, "other").await, 0);
-    let table = cluster_status(&etcd, "h3");
+    let table = kvmesh().cluster_status(&etcd, "h3");
     let line = table
         .lines()
         .find(|l| l.starts_with("other "))
@@ -221,7 +222,7 @@ async fn a_different_model_under_the_same_name_is_not_routed_to() {
 async fn an_overloaded_cluster_answers_429_with_bounded_retries() {
     let etcd = Etcd::start();
     let http = client();
-    let gw = Node::gateway(&etcd, "h4", "gw", "least-loaded");
+    let gw = kvmesh().gateway(&etcd, "h4", "gw", "least-loaded");
     let small = [
         "--max-num-seqs",
         "2",
@@ -230,8 +231,8 @@ async fn an_overloaded_cluster_answers_429_with_bounded_retries() {
         "--sim-decode-ms",
         "50",
     ];
-    let _w1 = Node::worker(&etcd, "h4", "w1", &small);
-    let _w2 = Node::worker(&etcd, "h4", "w2", &small);
+    let _w1 = kvmesh().worker(&etcd, "h4", "w1", &small);
+    let _w2 = kvmesh().worker(&etcd, "h4", "w2", &small);
     wait_for("both routable", 15, async || {
         routable(&http, &gw).await.len() == 2
     })
@@ -295,9 +296,9 @@ async fn an_overloaded_cluster_answers_429_with_bounded_retries() {
 async fn one_small_worker_does_not_shrink_the_context() {
     let etcd = Etcd::start();
     let http = client();
-    let gw = Node::gateway(&etcd, "h5", "gw", "round-robin");
-    let _small = Node::worker(&etcd, "h5", "small", &["--max-model-len", "32"]);
-    let _big = Node::worker(&etcd, "h5", "big", &[]);
+    let gw = kvmesh().gateway(&etcd, "h5", "gw", "round-robin");
+    let _small = kvmesh().worker(&etcd, "h5", "small", &["--max-model-len", "32"]);
+    let _big = kvmesh().worker(&etcd, "h5", "big", &[]);
     wait_for("both routable", 15, async || {
         routable(&http, &gw).await.len() == 2
     })
@@ -333,8 +334,8 @@ async fn one_small_worker_does_not_shrink_the_context() {
 async fn a_lost_worker_is_a_retry_or_a_502_never_a_500() {
     let etcd = Etcd::start();
     let http = client();
-    let gw = Node::gateway(&etcd, "h6", "gw", "least-loaded");
-    let strict = Node::start(
+    let gw = kvmesh().gateway(&etcd, "h6", "gw", "least-loaded");
+    let strict = kvmesh().node(
         &etcd,
         "h6",
         "gw0",
@@ -350,7 +351,7 @@ async fn a_lost_worker_is_a_retry_or_a_502_never_a_500() {
         ],
     );
     let steps = ["--sim-decode-ms", "50"];
-    let mut w1 = Node::worker(&etcd, "h6", "w1", &steps);
+    let mut w1 = kvmesh().worker(&etcd, "h6", "w1", &steps);
     wait_for("w1 routable", 15, async || {
         routable(&http, &gw).await.len() == 1 && routable(&http, &strict).await.len() == 1
     })
@@ -366,7 +367,7 @@ async fn a_lost_worker_is_a_retry_or_a_502_never_a_500() {
         status(&http, &w1).await["load"]["running"].as_u64() == Some(2)
     })
     .await;
-    let _w2 = Node::worker(&etcd, "h6", "w2", &steps);
+    let _w2 = kvmesh().worker(&etcd, "h6", "w2", &steps);
     wait_for("w2 routable", 15, async || {
         routable(&http, &gw).await.len() == 2
     })
@@ -422,8 +423,8 @@ async fn one_process_hosts_many_workers_each_a_member() {
 
     let etcd = Etcd::start();
     let http = client();
-    let gw = Node::gateway(&etcd, "h7", "gw", "least-loaded");
-    let mut w = Node::worker(
+    let gw = kvmesh().gateway(&etcd, "h7", "gw", "least-loaded");
+    let mut w = kvmesh().worker(
         &etcd,
         "h7",
         "w",
@@ -475,10 +476,11 @@ async fn one_process_hosts_many_workers_each_a_member() {
     })
     .await;
     assert!(
-        !cluster_status(&etcd, "h7")
+        !kvmesh()
+            .cluster_status(&etcd, "h7")
             .lines()
             .any(|l| l.starts_with('w')),
         "{}",
-        cluster_status(&etcd, "h7")
+        kvmesh().cluster_status(&etcd, "h7")
     );
 }

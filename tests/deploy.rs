@@ -611,7 +611,7 @@ impl LocalCluster {
         Command::new("bash")
             .arg(repo().join("deploy/local/cluster.sh"))
             .args(args)
-            .env("KVMESH_BIN", common::cluster::bin())
+            .env("KVMESH_BIN", common::bin())
             .env("ETCD_BIN", &self.etcd)
             .env("KVMESH_RUN_DIR", &self.run_dir.0)
             .env_remove("WORKERS")
@@ -739,7 +739,7 @@ async fn cluster_sh_brings_a_cluster_up_and_down() {
     assert_eq!(String::from_utf8_lossy(&url.stdout).trim(), base);
 
     // One completion through the gateway, on the model it lists.
-    let http = common::cluster::client();
+    let http = kvmesh_bench::harness::client();
     let models: Value = http
         .get(format!("{base}/v1/models"))
         .send()
@@ -752,7 +752,7 @@ async fn cluster_sh_brings_a_cluster_up_and_down() {
         .as_str()
         .expect("a model")
         .to_string();
-    let (status, body) = common::cluster::post(
+    let (status, body) = kvmesh_bench::harness::post(
         &http,
         &base,
         json!({"model": model, "prompt": "ROMEO:", "max_tokens": 8, "ignore_eos": true}),

@@ -16,8 +16,8 @@ mod common;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use common::cluster::{bin, client, post, wait_for, Node};
-use common::Server;
+use common::{bin, kvmesh, Server};
+use kvmesh_bench::harness::{client, post, wait_for, Proc};
 use kvmesh_discovery::testing::Etcd;
 use serde_json::{json, Value};
 
@@ -47,9 +47,9 @@ fn token_ids(v: &Value) -> Vec<u64> {
 
 /// A prefill, a decode and a gateway node for one model, in their own cluster.
 struct Trio {
-    gateway: Node,
-    decode: Node,
-    _prefill: Option<Node>,
+    gateway: Proc,
+    decode: Proc,
+    _prefill: Option<Proc>,
 }
 
 impl Trio {
@@ -70,7 +70,7 @@ impl Trio {
         };
         let start = |id: &str, args: Vec<String>| {
             let a: Vec<&str> = args.iter().map(String::as_str).collect();
-            Node::start(etcd, cluster, id, &a)
+            kvmesh().node(etcd, cluster, id, &a)
         };
         let (prefill, decode) = if in_process {
             let mut extra = decode.to_vec();
@@ -111,7 +111,7 @@ impl Trio {
 
 /// Waits until a gateway's router is connected to `decode` decode nodes and `prefill`
 /// prefill nodes.
-async fn ready(http: &reqwest::Client, gw: &Node, decode: usize, prefill: usize) {
+async fn ready(http: &reqwest::Client, gw: &Proc, decode: usize, prefill: usize) {
     wait_for("the router connected to every role", 20, async || {
         gw.metric(http, "kvmesh:router_workers_routable").await == decode as f64
             && gw
@@ -240,14 +240,14 @@ const SLOW_PREFILL: [&str; 8] = [
     "256",
 ];
 
-fn sim_node(etcd: &Etcd, cluster: &str, id: &str, roles: &str, extra: &[&str]) -> Node {
+fn sim_node(etcd: &Etcd, cluster: &str, id: &str, roles: &str, extra: &[&str]) -> Proc {
     let mut args = vec!["--roles", roles];
     args.extend(SLOW_PREFILL);
     args.extend(extra);
-    Node::start(etcd, cluster, id, &args)
+    kvmesh().node(etcd, cluster, id, &args)
 }
 
-fn sim_gateway(etcd: &Etcd, cluster: &str) -> Node {
+fn sim_gateway(etcd: &Etcd, cluster: &str) -> Proc {
     let mut args = vec![
         "--roles",
         "gateway,router",
@@ -261,7 +261,7 @@ fn sim_gateway(etcd: &Etcd, cluster: &str) -> Node {
         "32",
     ];
     args.extend(SLOW_PREFILL);
-    Node::start(etcd, cluster, "gw", &args)
+    kvmesh().node(etcd, cluster, "gw", &args)
 }
 
 /// What an undisturbed sim worker answers (tokens depend only on the sequence).
@@ -274,7 +274,7 @@ async fn sim_reference(prompt: &[u64], max_tokens: usize) -> Vec<u64> {
 
 const KV_USAGE: &str = "kvmesh:kv_cache_usage_perc{";
 
-async fn kv_back_to_zero(http: &reqwest::Client, node: &Node, who: &str) {
+async fn kv_back_to_zero(http: &reqwest::Client, node: &Proc, who: &str) {
     wait_for(&format!("{who}'s KV usage back to 0"), 15, async || {
         node.metric(http, KV_USAGE).await == 0.0
     })
@@ -283,7 +283,7 @@ async fn kv_back_to_zero(http: &reqwest::Client, node: &Node, who: &str) {
 
 /// Waits until a transfer is under way: the prefill node computing, the decode node holding
 /// blocks for it.
-async fn mid_transfer(http: &reqwest::Client, prefill: &Node, decode: &Node) {
+async fn mid_transfer(http: &reqwest::Client, prefill: &Proc, decode: &Proc) {
     wait_for("a transfer under way", 20, async || {
         prefill.metric(http, "kvmesh:num_requests_running{").await >= 1.0
             && decode
@@ -433,7 +433,7 @@ async fn a_decode_worker_lost_mid_transfer_frees_the_prefill_worker() {
 #[test]
 fn a_kv_layout_mismatch_is_refused_at_join() {
     let etcd = Etcd::start();
-    let _p = Node::start(
+    let _p = kvmesh().node(
         &etcd,
         "mm",
         "p1",

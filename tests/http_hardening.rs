@@ -10,7 +10,8 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::cluster::{client, status, wait_for, Node};
+use common::kvmesh;
+use kvmesh_bench::harness::{client, status, wait_for, wait_ready, Ready};
 use kvmesh_discovery::testing::Etcd;
 use serde_json::{json, Value};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -27,7 +28,7 @@ struct Proc {
 
 impl Proc {
     fn serve(args: &[&str]) -> Proc {
-        Proc::spawn(Command::new(common::cluster::bin()), args)
+        Proc::spawn(Command::new(common::bin()), args)
     }
 
     /// `kvmesh serve` under an open-file limit of `files`.
@@ -36,7 +37,7 @@ impl Proc {
         cmd.args([
             "-c",
             &format!("ulimit -n {files} && exec \"$0\" \"$@\""),
-            &common::cluster::bin(),
+            &common::bin(),
         ]);
         Proc::spawn(cmd, args)
     }
@@ -63,21 +64,11 @@ impl Proc {
                 }
             });
         }
-        let stdout = child.stdout.take().expect("stdout");
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                if let Some(url) = line.strip_prefix("kvmesh listening on ") {
-                    let _ = tx.send(url.to_string());
-                }
-            }
-        });
-        let base = rx
-            .recv_timeout(Duration::from_secs(60))
-            .unwrap_or_else(|_| {
-                let _ = child.kill();
-                panic!("kvmesh serve {args:?} did not start listening");
-            });
+        let base = wait_ready(
+            &mut child,
+            Ready::Listening,
+            &format!("kvmesh serve {args:?}"),
+        );
         let addr = base.trim_start_matches("http://").to_string();
         Proc {
             child,
@@ -663,7 +654,7 @@ async fn api_keys() {
         vec!["serve", "--api-key", " "],
         vec!["node", "--etcd", "http://127.0.0.1:9", "--api-key", ""],
     ] {
-        let mut child = Command::new(common::cluster::bin())
+        let mut child = Command::new(common::bin())
             .args(&args)
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
@@ -698,7 +689,7 @@ async fn api_keys() {
 async fn a_cluster_gateway_checks_token_ids_and_guards_debug_routes() {
     let etcd = Etcd::start();
     let http = client();
-    let gw = Node::start(
+    let gw = kvmesh().node(
         &etcd,
         "hh",
         "gw",
@@ -716,7 +707,7 @@ async fn a_cluster_gateway_checks_token_ids_and_guards_debug_routes() {
             "1",
         ],
     );
-    let _w = Node::worker(&etcd, "hh", "w1", &[]);
+    let _w = kvmesh().worker(&etcd, "hh", "w1", &[]);
     wait_for("w1 routable", 20, async || {
         status(&http, &gw).await["router"]["workers"]
             .as_array()

@@ -10,8 +10,8 @@ mod common;
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use common::cluster::{client, post, wait_for, Node};
-use common::Server;
+use common::{kvmesh, Server};
+use kvmesh_bench::harness::{client, post, wait_for};
 use kvmesh_discovery::testing::Etcd;
 use serde_json::json;
 
@@ -116,9 +116,9 @@ async fn every_page_keeps_its_metric_families() {
     // decode engine.
     let etcd = Etcd::start();
     let cluster = "families";
-    let gateway = Node::gateway(&etcd, cluster, "g", "least-loaded");
-    let worker = Node::worker(&etcd, cluster, "w", &[]);
-    let pd = Node::start(
+    let gateway = kvmesh().gateway(&etcd, cluster, "g", "least-loaded");
+    let worker = kvmesh().worker(&etcd, cluster, "w", &[]);
+    let pd = kvmesh().node(
         &etcd,
         cluster,
         "pd",

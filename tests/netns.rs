@@ -7,11 +7,10 @@
 //! Everything it makes (namespaces, the bridge, veth pairs) lives in namespaces of its own
 //! and is removed when it ends; no traffic leaves them.
 
-use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+use kvmesh_bench::harness::{wait_ready, Ready};
 use serde_json::{json, Value};
 
 fn bin() -> String {
@@ -192,19 +191,7 @@ fn start_node(host: &Host, etcd: &str, id: &str, advertise: &str, args: &[&str])
         .stderr(Stdio::inherit())
         .spawn()
         .expect("start kvmesh node");
-    let stdout = child.stdout.take().unwrap();
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            if line.contains(" ready: ") {
-                let _ = tx.send(());
-            }
-        }
-    });
-    if rx.recv_timeout(Duration::from_secs(60)).is_err() {
-        let _ = child.kill();
-        panic!("node {id} did not become ready");
-    }
+    wait_ready(&mut child, Ready::Node, &format!("node {id}"));
     Proc(child)
 }
 

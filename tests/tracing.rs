@@ -18,8 +18,8 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::{Arc, Mutex};
 
-use common::cluster::{bin, client, wait_for, Node};
-use common::Server;
+use common::{bin, kvmesh, Server};
+use kvmesh_bench::harness::{client, wait_for};
 use kvmesh_discovery::testing::Etcd;
 use serde_json::{json, Value};
 
@@ -105,7 +105,7 @@ async fn one_request_is_one_trace_across_every_process() {
     };
     let start = |id: &str, args: Vec<String>| {
         let a: Vec<&str> = args.iter().map(String::as_str).collect();
-        Node::start(&etcd, "tr", id, &a)
+        kvmesh().node(&etcd, "tr", id, &a)
     };
     let _p = start("p1", with("prefill", &[]));
     let _d = start("d1", with("decode", &[]));

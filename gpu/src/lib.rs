@@ -4,6 +4,7 @@
 pub mod backend;
 pub mod checkpoint;
 pub mod config;
+pub mod embedded;
 pub mod engine;
 pub mod error;
 pub mod init;

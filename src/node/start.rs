@@ -62,7 +62,7 @@ impl ModelInfo {
             Some(dir) => {
                 LoadedModel::from_dir(dir).with_context(|| format!("loading {}", dir.display()))?
             }
-            None => LoadedModel::from_embedded(&crate::embedded::DEFAULT_MODEL)
+            None => LoadedModel::from_embedded(&kvmesh_gpu::embedded::DEFAULT_MODEL)
                 .context("loading the embedded model")?,
         };
         Ok(ModelInfo {

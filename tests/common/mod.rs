@@ -1,17 +1,29 @@
-//! Starting real `kvmesh` processes for end-to-end tests.
+//! What the end-to-end tests share: the `kvmesh` binary under test, started through
+//! kvmesh-bench's process harness, and a `kvmesh serve` process with a client for it.
 
 #![allow(dead_code)]
 
-pub mod cluster;
-
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use kvmesh_bench::harness::{Kvmesh, Proc};
 use serde_json::Value;
 
+/// The binary under test. KVMESH_BIN: a test binary carried to another machine runs the
+/// kvmesh found there.
+pub fn bin() -> String {
+    std::env::var("KVMESH_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_kvmesh").into())
+}
+
+/// The binary under test, as the tests start it: every node on a 2 s lease, so that a lost
+/// node leaves the registry soon; every gateway open to fault injection.
+pub fn kvmesh() -> Kvmesh {
+    Kvmesh::new(bin())
+        .node_flags(&["--lease-ttl", "2"])
+        .gateway_flags(&["--enable-fault-injection"])
+}
+
 pub struct Server {
-    child: Child,
+    proc: Proc,
     pub base: String,
     pub http: reqwest::Client,
 }
@@ -19,34 +31,10 @@ pub struct Server {
 impl Server {
     /// Starts `kvmesh serve` on a free loopback port with extra flags.
     pub fn start(args: &[&str]) -> Server {
-        // KVMESH_BIN: a test binary carried to another machine runs the kvmesh found there.
-        let bin =
-            std::env::var("KVMESH_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_kvmesh").into());
-        let mut child = Command::new(bin)
-            .args(["serve", "--host", "127.0.0.1", "--port", "0"])
-            .args(args)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("start kvmesh");
-        let stdout = child.stdout.take().expect("stdout");
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                if let Some(url) = line.strip_prefix("kvmesh listening on ") {
-                    let _ = tx.send(url.to_string());
-                }
-            }
-        });
-        let base = rx
-            .recv_timeout(Duration::from_secs(60))
-            .unwrap_or_else(|_| {
-                let _ = child.kill();
-                panic!("kvmesh serve {args:?} did not start listening");
-            });
+        let proc = kvmesh().serve(args);
         Server {
-            child,
-            base,
+            base: proc.http.clone(),
+            proc,
             http: reqwest::Client::new(),
         }
     }
@@ -86,14 +74,7 @@ impl Server {
     }
 
     pub async fn metrics(&self) -> String {
-        self.http
-            .get(format!("{}/metrics", self.base))
-            .send()
-            .await
-            .expect("metrics")
-            .text()
-            .await
-            .expect("text")
+        self.proc.metrics(&self.http).await
     }
 
     /// A metric's value (the first series with that name).
@@ -116,13 +97,6 @@ impl Server {
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 }
 

@@ -21,7 +21,7 @@ use serde_json::Value;
 
 /// Shakespeare's plays, the text the embedded model was trained on; compiled in so the
 /// benchmark runs from any directory.
-const SHAKESPEARE: &str = include_str!("../../data/tinyshakespeare.txt");
+const SHAKESPEARE: &str = include_str!("../../../data/tinyshakespeare.txt");
 
 #[derive(Clone, Debug, PartialEq)]
 pub enum DatasetArg {
@@ -388,7 +388,7 @@ mod tests {
     use super::*;
 
     fn tokenizer() -> TextTokenizer {
-        TextTokenizer::from_files(&crate::embedded::default_tokenizer(), &[]).unwrap()
+        TextTokenizer::from_files(&kvmesh_gpu::embedded::default_tokenizer(), &[]).unwrap()
     }
 
     fn spec(dataset: &DatasetArg, input_len: usize, range_ratio: f64, seed: u64) -> Spec<'_> {

@@ -17,15 +17,14 @@
 //! (`--help` lists every flag). The JSON goes to `bench/results/gpu-<device name>.json`
 //! unless `--json` says otherwise.
 
-#[path = "../embedded.rs"]
-#[allow(dead_code)]
-mod embedded;
-
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
+use clap::Parser;
+use kvmesh_bench::programs::write_json;
 use kvmesh_gpu::backend::cuda::CudaBackend;
 use kvmesh_gpu::backend::{Backend, CudaOptions, ForwardBatch, SampleSpec, SeqInput};
+use kvmesh_gpu::config::ModelConfig;
 use kvmesh_gpu::init::{preset, write_random_checkpoint};
 use kvmesh_gpu::kv_cache::BlockId;
 use kvmesh_gpu::model::LoadedModel;
@@ -34,85 +33,66 @@ use kvmesh_gpu::sampler::{Rng, SamplingParams};
 
 const BLOCK_SIZE: usize = 16;
 
+/// CUDA engine benchmark: decode time per output token at several batch sizes and prefill
+/// tokens/s, beside the device-to-device copy bandwidth measured in the same run.
+#[derive(Parser)]
+#[command(name = "gpu-bench")]
 struct Args {
+    /// Where the random-weight checkpoints are made (once) and found.
+    #[arg(long, value_name = "DIR", default_value = "target/bench-models")]
     models_dir: PathBuf,
+    /// Model shapes to measure, comma-separated (presets of `kvmesh model init-random`).
+    #[arg(long, value_delimiter = ',', value_parser = trimmed::<String>,
+          default_value = "qwen2.5-0.5b,llama-3.2-1b")]
     presets: Vec<String>,
+    /// Where the results go [default: bench/results/gpu-<device name>.json]
+    #[arg(long, value_name = "PATH")]
     json: Option<PathBuf>,
+    /// The CUDA device's ordinal.
+    #[arg(long, value_name = "N", default_value_t = 0)]
     device: usize,
     /// Launch every step eagerly: no CUDA graphs for decode steps.
+    #[arg(long)]
     enforce_eager: bool,
+    /// Decode batch sizes to measure, comma-separated.
+    #[arg(long, value_delimiter = ',', value_parser = trimmed::<usize>,
+          default_value = "1,8,32,64,128")]
     batches: Vec<usize>,
+    /// Tokens of history each decoding sequence has.
+    #[arg(long, value_name = "N", default_value_t = 128)]
     prompt_len: usize,
+    /// Decode steps run before the measured ones.
+    #[arg(long, value_name = "N", default_value_t = 3)]
     warmup: usize,
+    /// Decode steps measured per batch size (the median counts).
+    #[arg(long, value_name = "N", default_value_t = 20)]
     decode_steps: usize,
+    /// Prefill lengths to measure, comma-separated.
+    #[arg(long, value_delimiter = ',', value_parser = trimmed::<usize>,
+          default_value = "512,2048")]
     prefill_lens: Vec<usize>,
+    /// Measured prefills per length, after one warm-up (the median counts).
+    #[arg(long, value_name = "N", default_value_t = 3)]
     prefill_reps: usize,
     /// Most tokens one step runs while filling the decode sequences' histories, so the
     /// activations of that fill stay the size of the largest measured prefill.
+    #[arg(long, value_name = "N", default_value_t = 2048)]
     fill_chunk: usize,
+    /// Size of the buffer the copy bandwidth is measured with, in MiB.
+    #[arg(long, value_name = "N", default_value_t = 1024)]
     copy_mib: usize,
+    /// Copies of that buffer; the best counts.
+    #[arg(long, value_name = "N", default_value_t = 10)]
     copy_reps: usize,
 }
 
-fn list<T: std::str::FromStr>(s: &str) -> anyhow::Result<Vec<T>>
-where
-    T::Err: std::error::Error + Send + Sync + 'static,
-{
-    Ok(s.split(',')
-        .map(|x| x.trim().parse())
-        .collect::<Result<_, _>>()?)
+/// A list item with the spaces around it dropped (`--batches "1, 8"`).
+fn trimmed<T: std::str::FromStr>(s: &str) -> Result<T, T::Err> {
+    s.trim().parse()
 }
 
 fn parse_args() -> anyhow::Result<Args> {
-    let mut a = Args {
-        models_dir: PathBuf::from("target/bench-models"),
-        presets: vec!["qwen2.5-0.5b".into(), "llama-3.2-1b".into()],
-        json: None,
-        device: 0,
-        enforce_eager: false,
-        batches: vec![1, 8, 32, 64, 128],
-        prompt_len: 128,
-        warmup: 3,
-        decode_steps: 20,
-        prefill_lens: vec![512, 2048],
-        prefill_reps: 3,
-        fill_chunk: 2048,
-        copy_mib: 1024,
-        copy_reps: 10,
-    };
-    let mut it = std::env::args().skip(1);
-    while let Some(flag) = it.next() {
-        let mut val = || {
-            it.next()
-                .ok_or_else(|| anyhow::anyhow!("{flag} needs a value"))
-        };
-        match flag.as_str() {
-            "--models-dir" => a.models_dir = val()?.into(),
-            "--presets" => a.presets = list(&val()?)?,
-            "--json" => a.json = Some(val()?.into()),
-            "--device" => a.device = val()?.parse()?,
-            "--enforce-eager" => a.enforce_eager = true,
-            "--batches" => a.batches = list(&val()?)?,
-            "--prompt-len" => a.prompt_len = val()?.parse()?,
-            "--warmup" => a.warmup = val()?.parse()?,
-            "--decode-steps" => a.decode_steps = val()?.parse()?,
-            "--prefill-lens" => a.prefill_lens = list(&val()?)?,
-            "--prefill-reps" => a.prefill_reps = val()?.parse()?,
-            "--fill-chunk" => a.fill_chunk = val()?.parse()?,
-            "--copy-mib" => a.copy_mib = val()?.parse()?,
-            "--copy-reps" => a.copy_reps = val()?.parse()?,
-            "-h" | "--help" => {
-                println!(
-                    "gpu-bench [--models-dir DIR] [--presets qwen2.5-0.5b,llama-3.2-1b] \
-                     [--json PATH] [--device N] [--enforce-eager] [--batches 1,8,32,64,128] \
-                     [--prompt-len N] [--warmup N] [--decode-steps N] [--prefill-lens 512,2048] \
-                     [--prefill-reps N] [--fill-chunk N] [--copy-mib N] [--copy-reps N]"
-                );
-                std::process::exit(0);
-            }
-            other => anyhow::bail!("unknown flag {other}"),
-        }
-    }
+    let a = Args::parse();
     anyhow::ensure!(
         a.decode_steps > 0 && a.prefill_reps > 0 && a.copy_reps > 0,
         "--decode-steps, --prefill-reps and --copy-reps must be at least 1"
@@ -162,7 +142,7 @@ fn checkpoint(models_dir: &Path, name: &str) -> anyhow::Result<PathBuf> {
             preset(None, name)?,
             0,
             DType::BF16,
-            &embedded::default_tokenizer(),
+            &kvmesh_gpu::embedded::default_tokenizer(),
             &d,
         )?;
     }
@@ -210,6 +190,227 @@ struct ModelResult {
     table: Vec<String>,
 }
 
+/// A model loaded onto the device, and what its measured steps need.
+struct Runner<'a> {
+    args: &'a Args,
+    name: &'a str,
+    backend: CudaBackend,
+    rngs: Vec<Rng>,
+    vocab: u32,
+    /// KV blocks each decoding sequence owns.
+    per_seq_blocks: usize,
+}
+
+impl Runner<'_> {
+    /// The `i`th token of a synthetic prompt.
+    fn token(&self, i: usize) -> u32 {
+        ((i * 7919 + 13) as u32) % self.vocab.min(2000)
+    }
+
+    /// Prefill: one sequence, one step, per `--prefill-lens`; the first run warms cuBLAS's
+    /// heuristics and grows the workspace, the median of the rest is reported. (length,
+    /// seconds) each.
+    fn prefill(&mut self) -> anyhow::Result<Vec<(usize, f64)>> {
+        let mut prefill = Vec::new();
+        for &len in &self.args.prefill_lens {
+            if len == 0 {
+                continue;
+            }
+            let prompt: Vec<u32> = (0..len).map(|i| self.token(i)).collect();
+            let table: Vec<BlockId> = (0..len.div_ceil(BLOCK_SIZE))
+                .map(|b| BlockId(b as u32))
+                .collect();
+            let batch = ForwardBatch {
+                seqs: vec![SeqInput {
+                    tokens: &prompt,
+                    start_pos: 0,
+                    context_len: 0,
+                    block_table: &table,
+                    want_logits: true,
+                }],
+            };
+            timed_step(&mut self.backend, &batch, &mut self.rngs)?;
+            let mut times = Vec::new();
+            for _ in 0..self.args.prefill_reps {
+                times.push(timed_step(&mut self.backend, &batch, &mut self.rngs)?.0);
+            }
+            let secs = median(times);
+            eprintln!("{}: prefill {len} tokens {:.1} ms", self.name, secs * 1e3);
+            prefill.push((len, secs));
+        }
+        Ok(prefill)
+    }
+
+    /// Median seconds of a decode step of `b` sequences (after filling their histories and
+    /// `--warmup` steps), each step sampling on the device.
+    fn decode(&mut self, b: usize) -> anyhow::Result<f64> {
+        let args = self.args;
+        let tables: Vec<Vec<BlockId>> = (0..b)
+            .map(|s| {
+                (0..self.per_seq_blocks)
+                    .map(|k| BlockId((s * self.per_seq_blocks + k) as u32))
+                    .collect()
+            })
+            .collect();
+        let prompts: Vec<Vec<u32>> = (0..b)
+            .map(|s| (0..args.prompt_len).map(|i| self.token(i + s)).collect())
+            .collect();
+        // Fill every sequence's history, several sequences per step but no more than
+        // `fill_chunk` tokens in a step.
+        let per_fill = (args.fill_chunk / args.prompt_len).max(1);
+        let mut s0 = 0;
+        while s0 < b {
+            let s1 = (s0 + per_fill).min(b);
+            let batch = ForwardBatch {
+                seqs: (s0..s1)
+                    .map(|s| SeqInput {
+                        tokens: &prompts[s],
+                        start_pos: 0,
+                        context_len: 0,
+                        block_table: &tables[s],
+                        want_logits: false,
+                    })
+                    .collect(),
+            };
+            timed_step(&mut self.backend, &batch, &mut self.rngs)?;
+            s0 = s1;
+        }
+        // Each sequence's next input is its last prompt token, then what it sampled.
+        let mut last: Vec<u32> = prompts
+            .iter()
+            .map(|p| p.last().copied().unwrap_or(0))
+            .collect();
+        let mut times = Vec::new();
+        for step in 0..args.warmup + args.decode_steps {
+            let toks: Vec<[u32; 1]> = last.iter().map(|&t| [t % self.vocab]).collect();
+            let batch = ForwardBatch {
+                seqs: (0..b)
+                    .map(|s| SeqInput {
+                        tokens: &toks[s],
+                        start_pos: args.prompt_len + step,
+                        context_len: 0,
+                        block_table: &tables[s],
+                        want_logits: true,
+                    })
+                    .collect(),
+            };
+            let (secs, sampled) = timed_step(&mut self.backend, &batch, &mut self.rngs)?;
+            anyhow::ensure!(
+                sampled.len() == b,
+                "a decode step of {b} sequences returned {} tokens",
+                sampled.len()
+            );
+            last = sampled;
+            if step >= args.warmup {
+                times.push(secs);
+            }
+        }
+        Ok(median(times))
+    }
+}
+
+/// What was measured for one model.
+struct Figures {
+    /// Weight bytes one step reads.
+    step_bytes: usize,
+    /// Device-to-device copy bandwidth, bytes/s.
+    bw: f64,
+    /// Read after the runs: a failed capture switches graphs off mid-run.
+    cuda_graphs: bool,
+    /// (prompt length, seconds)
+    prefill: Vec<(usize, f64)>,
+    /// (batch, seconds per step)
+    decode: Vec<(usize, f64)>,
+}
+
+impl Figures {
+    /// Seconds a batch-1 step takes at best: its weights read once at the copy bandwidth.
+    fn bound_step(&self) -> f64 {
+        self.step_bytes as f64 / self.bw
+    }
+}
+
+/// One model's table lines and JSON.
+fn summarise(args: &Args, name: &str, dir: &Path, cfg: &ModelConfig, f: &Figures) -> ModelResult {
+    let gb = 1e9;
+    let mut table = vec![
+        format!(
+            "model        {} ({}, {:.0}M parameters)",
+            dir.display(),
+            cfg.arch.architecture_name(),
+            cfg.num_params() as f64 / 1e6
+        ),
+        format!(
+            "weights/step {:.3} GB (bf16 on the device) -> bound {:.3} ms/token at batch 1",
+            f.step_bytes as f64 / gb,
+            f.bound_step() * 1e3
+        ),
+        format!(
+            "decode       CUDA graphs {} (--enforce-eager turns them off)",
+            if f.cuda_graphs { "on" } else { "off" }
+        ),
+        format!(
+            "{:>8} {:>12} {:>12} {:>14}",
+            "batch", "ms/step", "tokens/s", "bw utilisation"
+        ),
+    ];
+    let mut json_decode = Vec::new();
+    let mut util1 = None;
+    for &(b, step) in &f.decode {
+        // Weight traffic only: at larger batches the KV reads add to it, and the step is
+        // no longer bound by the weights alone, so this is a lower bound on the traffic.
+        let util = f.step_bytes as f64 / step / f.bw;
+        if b == 1 {
+            util1 = Some(util);
+        }
+        table.push(format!(
+            "{:>8} {:>12.3} {:>12.1} {:>13.1}%",
+            b,
+            step * 1e3,
+            b as f64 / step,
+            util * 100.0
+        ));
+        json_decode.push(serde_json::json!({
+            "batch": b,
+            "ms_per_step": step * 1e3,
+            "ms_per_output_token_per_sequence": step * 1e3,
+            "tokens_per_s": b as f64 / step,
+            "weight_bandwidth_utilisation": util,
+        }));
+    }
+    let mut json_prefill = Vec::new();
+    for &(len, secs) in &f.prefill {
+        table.push(format!(
+            "prefill      {len} tokens in {:.1} ms = {:.0} tokens/s",
+            secs * 1e3,
+            len as f64 / secs
+        ));
+        json_prefill.push(serde_json::json!({
+            "tokens": len,
+            "ms": secs * 1e3,
+            "tokens_per_s": len as f64 / secs,
+        }));
+    }
+    let json = serde_json::json!({
+        "preset": name,
+        "model": dir.display().to_string(),
+        "architecture": cfg.arch.architecture_name(),
+        "parameters": cfg.num_params(),
+        "dtype": "bf16",
+        "kv_block_size": BLOCK_SIZE,
+        "cuda_graphs": f.cuda_graphs,
+        "weight_bytes_per_step": f.step_bytes,
+        "bound_ms_per_token_batch1": f.bound_step() * 1e3,
+        "batch1_bandwidth_utilisation": util1,
+        "decode_prompt_tokens": args.prompt_len,
+        "decode_warmup_steps": args.warmup,
+        "decode_measured_steps": args.decode_steps,
+        "decode": json_decode,
+        "prefill": json_prefill,
+    });
+    ModelResult { json, table }
+}
+
 fn bench_model(
     args: &Args,
     name: &str,
@@ -232,7 +433,7 @@ fn bench_model(
         ordinal: args.device,
         graphs: !args.enforce_eager,
     };
-    let mut backend = CudaBackend::new(&cfg, &model.weights, cuda, num_blocks, BLOCK_SIZE)?;
+    let backend = CudaBackend::new(&cfg, &model.weights, cuda, num_blocks, BLOCK_SIZE)?;
     // The host copy of the weights is no longer needed; free it before the runs.
     drop(model);
     if device_name.is_none() {
@@ -250,196 +451,31 @@ fn bench_model(
             b
         }
     };
-    let step_bytes = backend.weight_bytes_per_step();
-    let bound_step = step_bytes as f64 / bw;
-    let vocab = cfg.vocab_size as u32;
-    let token = |i: usize| ((i * 7919 + 13) as u32) % vocab.min(2000);
-    let mut rngs: Vec<Rng> = (0..max_batch.max(1))
-        .map(|s| Rng::seeded(s as u64))
-        .collect();
-
-    // Prefill: one sequence, one step; the first run warms cuBLAS's heuristics and grows
-    // the workspace, the median of the rest is reported.
-    let mut prefill = Vec::new();
-    for &len in &args.prefill_lens {
-        if len == 0 {
-            continue;
-        }
-        let prompt: Vec<u32> = (0..len).map(token).collect();
-        let table: Vec<BlockId> = (0..len.div_ceil(BLOCK_SIZE))
-            .map(|b| BlockId(b as u32))
-            .collect();
-        let batch = ForwardBatch {
-            seqs: vec![SeqInput {
-                tokens: &prompt,
-                start_pos: 0,
-                context_len: 0,
-                block_table: &table,
-                want_logits: true,
-            }],
-        };
-        timed_step(&mut backend, &batch, &mut rngs)?;
-        let mut times = Vec::new();
-        for _ in 0..args.prefill_reps {
-            times.push(timed_step(&mut backend, &batch, &mut rngs)?.0);
-        }
-        let secs = median(times);
-        eprintln!("{name}: prefill {len} tokens {:.1} ms", secs * 1e3);
-        prefill.push((len, secs));
-    }
-
+    let mut runner = Runner {
+        args,
+        name,
+        backend,
+        rngs: (0..max_batch.max(1))
+            .map(|s| Rng::seeded(s as u64))
+            .collect(),
+        vocab: cfg.vocab_size as u32,
+        per_seq_blocks,
+    };
+    let prefill = runner.prefill()?;
     let mut decode = Vec::new();
-    for &b in &args.batches {
-        if b == 0 {
-            continue;
-        }
-        let tables: Vec<Vec<BlockId>> = (0..b)
-            .map(|s| {
-                (0..per_seq_blocks)
-                    .map(|k| BlockId((s * per_seq_blocks + k) as u32))
-                    .collect()
-            })
-            .collect();
-        let prompts: Vec<Vec<u32>> = (0..b)
-            .map(|s| (0..args.prompt_len).map(|i| token(i + s)).collect())
-            .collect();
-        // Fill every sequence's history, several sequences per step but no more than
-        // `fill_chunk` tokens in a step.
-        let per_fill = (args.fill_chunk / args.prompt_len).max(1);
-        let mut s0 = 0;
-        while s0 < b {
-            let s1 = (s0 + per_fill).min(b);
-            let batch = ForwardBatch {
-                seqs: (s0..s1)
-                    .map(|s| SeqInput {
-                        tokens: &prompts[s],
-                        start_pos: 0,
-                        context_len: 0,
-                        block_table: &tables[s],
-                        want_logits: false,
-                    })
-                    .collect(),
-            };
-            timed_step(&mut backend, &batch, &mut rngs)?;
-            s0 = s1;
-        }
-        // Each sequence's next input is its last prompt token, then what it sampled.
-        let mut last: Vec<u32> = prompts
-            .iter()
-            .map(|p| p.last().copied().unwrap_or(0))
-            .collect();
-        let mut times = Vec::new();
-        for step in 0..args.warmup + args.decode_steps {
-            let toks: Vec<[u32; 1]> = last.iter().map(|&t| [t % vocab]).collect();
-            let batch = ForwardBatch {
-                seqs: (0..b)
-                    .map(|s| SeqInput {
-                        tokens: &toks[s],
-                        start_pos: args.prompt_len + step,
-                        context_len: 0,
-                        block_table: &tables[s],
-                        want_logits: true,
-                    })
-                    .collect(),
-            };
-            let (secs, sampled) = timed_step(&mut backend, &batch, &mut rngs)?;
-            anyhow::ensure!(
-                sampled.len() == b,
-                "a decode step of {b} sequences returned {} tokens",
-                sampled.len()
-            );
-            last = sampled;
-            if step >= args.warmup {
-                times.push(secs);
-            }
-        }
-        let step = median(times);
+    for &b in args.batches.iter().filter(|&&b| b > 0) {
+        let step = runner.decode(b)?;
         eprintln!("{name}: batch {b} decode {:.2} ms/step", step * 1e3);
         decode.push((b, step));
     }
-
-    let gb = 1e9;
-    let mut table = vec![
-        format!(
-            "model        {} ({}, {:.0}M parameters)",
-            dir.display(),
-            cfg.arch.architecture_name(),
-            cfg.num_params() as f64 / 1e6
-        ),
-        format!(
-            "weights/step {:.3} GB (bf16 on the device) -> bound {:.3} ms/token at batch 1",
-            step_bytes as f64 / gb,
-            bound_step * 1e3
-        ),
-        format!(
-            "decode       CUDA graphs {} (--enforce-eager turns them off)",
-            if backend.cuda_graphs_enabled() {
-                "on"
-            } else {
-                "off"
-            }
-        ),
-        format!(
-            "{:>8} {:>12} {:>12} {:>14}",
-            "batch", "ms/step", "tokens/s", "bw utilisation"
-        ),
-    ];
-    let mut json_decode = Vec::new();
-    let mut util1 = None;
-    for &(b, step) in &decode {
-        // Weight traffic only: at larger batches the KV reads add to it, and the step is
-        // no longer bound by the weights alone, so this is a lower bound on the traffic.
-        let util = step_bytes as f64 / step / bw;
-        if b == 1 {
-            util1 = Some(util);
-        }
-        table.push(format!(
-            "{:>8} {:>12.3} {:>12.1} {:>13.1}%",
-            b,
-            step * 1e3,
-            b as f64 / step,
-            util * 100.0
-        ));
-        json_decode.push(serde_json::json!({
-            "batch": b,
-            "ms_per_step": step * 1e3,
-            "ms_per_output_token_per_sequence": step * 1e3,
-            "tokens_per_s": b as f64 / step,
-            "weight_bandwidth_utilisation": util,
-        }));
-    }
-    let mut json_prefill = Vec::new();
-    for &(len, secs) in &prefill {
-        table.push(format!(
-            "prefill      {len} tokens in {:.1} ms = {:.0} tokens/s",
-            secs * 1e3,
-            len as f64 / secs
-        ));
-        json_prefill.push(serde_json::json!({
-            "tokens": len,
-            "ms": secs * 1e3,
-            "tokens_per_s": len as f64 / secs,
-        }));
-    }
-    let json = serde_json::json!({
-        "preset": name,
-        "model": dir.display().to_string(),
-        "architecture": cfg.arch.architecture_name(),
-        "parameters": cfg.num_params(),
-        "dtype": "bf16",
-        "kv_block_size": BLOCK_SIZE,
-        // Read after the runs: a failed capture switches graphs off mid-run.
-        "cuda_graphs": backend.cuda_graphs_enabled(),
-        "weight_bytes_per_step": step_bytes,
-        "bound_ms_per_token_batch1": bound_step * 1e3,
-        "batch1_bandwidth_utilisation": util1,
-        "decode_prompt_tokens": args.prompt_len,
-        "decode_warmup_steps": args.warmup,
-        "decode_measured_steps": args.decode_steps,
-        "decode": json_decode,
-        "prefill": json_prefill,
-    });
-    Ok(ModelResult { json, table })
+    let figures = Figures {
+        step_bytes: runner.backend.weight_bytes_per_step(),
+        bw,
+        cuda_graphs: runner.backend.cuda_graphs_enabled(),
+        prefill,
+        decode,
+    };
+    Ok(summarise(args, name, &dir, &cfg, &figures))
 }
 
 fn main() -> anyhow::Result<()> {
@@ -480,10 +516,7 @@ fn main() -> anyhow::Result<()> {
         .json
         .clone()
         .unwrap_or_else(|| PathBuf::from(format!("bench/results/gpu-{}.json", sanitize(&device))));
-    if let Some(parent) = path.parent() {
-        std::fs::create_dir_all(parent)?;
-    }
-    std::fs::write(&path, serde_json::to_string_pretty(&out)?)?;
+    write_json(&path, &out)?;
     println!("wrote {}", path.display());
     Ok(())
 }
@@ -491,6 +524,29 @@ fn main() -> anyhow::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn parse(args: &[&str]) -> Result<Args, clap::Error> {
+        Args::try_parse_from(std::iter::once("gpu-bench").chain(args.iter().copied()))
+    }
+
+    #[test]
+    fn flags_and_their_defaults() {
+        use clap::CommandFactory;
+        Args::command().debug_assert();
+        let a = parse(&[]).unwrap();
+        assert_eq!(a.models_dir, Path::new("target/bench-models"));
+        assert_eq!(a.presets, ["qwen2.5-0.5b", "llama-3.2-1b"]);
+        assert_eq!((a.json, a.device), (None, 0));
+        assert_eq!(a.batches, [1, 8, 32, 64, 128]);
+        assert_eq!(a.prefill_lens, [512, 2048]);
+        assert_eq!((a.prompt_len, a.warmup, a.decode_steps), (128, 3, 20));
+        assert_eq!((a.prefill_reps, a.fill_chunk), (3, 2048));
+        assert_eq!((a.copy_mib, a.copy_reps), (1024, 10));
+        // List items may carry spaces, as the hand-written parser allowed.
+        let a = parse(&["--batches", "1, 8", "--presets", "llama-3.2-1b, qwen3-0.6b"]).unwrap();
+        assert_eq!(a.batches, [1, 8]);
+        assert_eq!(a.presets, ["llama-3.2-1b", "qwen3-0.6b"]);
+    }
 
     #[test]
     fn device_names_become_file_names() {

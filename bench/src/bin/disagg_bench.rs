@@ -14,28 +14,40 @@
 //! `cargo build --release && target/release/disagg-bench [--quick] [--json PATH]`
 //! (needs `etcd` on PATH, as the tests do).
 
-mod harness;
-
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use harness::{
-    gateway_with, kvmesh_bin, load_client, mean, node, one_body, pct, wait_workers, BenchArgs,
-    Proc, Sample,
-};
+use clap::Parser;
+use kvmesh_bench::harness::load::{mean, one_body, pct, Sample};
+use kvmesh_bench::harness::{load_client, wait_workers, Kvmesh, Proc};
+use kvmesh_bench::programs::{kvmesh, write_results};
 use kvmesh_discovery::testing::Etcd;
 use rand::{Rng, SeedableRng};
 use rand_distr::{Distribution, Exp};
 use serde_json::{json, Value};
 
+/// The disaggregation effect on sim workers: chat streams beside long prompts, aggregated
+/// against prefill + decode nodes, and the isolated TTFT a KV transfer adds.
+#[derive(Parser)]
+#[command(name = "disagg-bench")]
+struct Args {
+    /// One sweep point and the smaller setups only, with fewer requests.
+    #[arg(long)]
+    quick: bool,
+    /// Where the results go.
+    #[arg(long, value_name = "PATH", default_value = "bench/results/disagg.json")]
+    json: PathBuf,
+}
+
 /// Writes a checkpoint with Llama-3.2-1B's KV shape (16 layers, 8 KV heads of 64) and tiny
 /// everything else: sim workers never run its weights, only size their KV by it.
-fn sim_model(dir: &Path) -> PathBuf {
+fn sim_model(km: &Kvmesh, dir: &Path) -> PathBuf {
     let out = dir.join("llama-3.2-1b-kv-shape");
     if !out.join("config.json").exists() {
-        let st = std::process::Command::new(kvmesh_bin())
+        let st = km
+            .command()
             .args([
                 "model",
                 "init-random",
@@ -67,7 +79,7 @@ fn sim_model(dir: &Path) -> PathBuf {
 
 /// A streamed completion for whatever model the cluster serves.
 fn completion(prompt: Value, max_tokens: u32) -> Value {
-    let mut b = harness::completion(prompt, max_tokens);
+    let mut b = kvmesh_bench::harness::load::completion(prompt, max_tokens);
     b.as_object_mut().expect("a JSON object").remove("model");
     b
 }
@@ -85,17 +97,45 @@ struct Cluster {
     _etcd: Etcd,
 }
 
-fn start(
-    label: &str,
-    model: &Path,
-    kv_transport: &str,
+/// What machines a setup has and how they move KV.
+#[derive(Clone, Copy)]
+struct Shape {
+    label: &'static str,
+    /// The decode nodes' `--kv-transport` (`-` where there are none).
+    transport: &'static str,
+    /// The gateway's `--disagg-max-queue`.
     max_queue: usize,
     aggregated: usize,
     prefill: usize,
     decode: usize,
-) -> Cluster {
+}
+
+impl Shape {
+    const fn new(
+        label: &'static str,
+        transport: &'static str,
+        max_queue: usize,
+        (aggregated, prefill, decode): (usize, usize, usize),
+    ) -> Shape {
+        Shape {
+            label,
+            transport,
+            max_queue,
+            aggregated,
+            prefill,
+            decode,
+        }
+    }
+
+    fn machines(&self) -> usize {
+        self.aggregated + self.prefill + self.decode
+    }
+}
+
+/// Starts `shape` as the cluster `name` (its own etcd) serving `model`.
+fn start(km: &Kvmesh, name: &str, model: &Path, shape: &Shape) -> Cluster {
     let etcd = Etcd::start();
-    let cluster = format!("disagg-{}", label.replace(' ', "-"));
+    let cluster = format!("disagg-{}", name.replace(' ', "-"));
     let m = model.to_str().unwrap();
     let engine = [
         "--backend",
@@ -111,23 +151,24 @@ fn start(
     let mut add = |id: String, role: &str| {
         let mut a = vec!["--roles", role];
         a.extend_from_slice(&engine);
-        nodes.push(node(&etcd, &cluster, &id, &a));
+        nodes.push(km.node(&etcd, &cluster, &id, &a));
     };
-    for i in 0..aggregated {
+    for i in 0..shape.aggregated {
         add(format!("w{i}"), "worker");
     }
-    for i in 0..prefill {
+    for i in 0..shape.prefill {
         add(format!("p{i}"), "prefill");
     }
-    for i in 0..decode {
-        let mut a = vec!["--roles", "decode", "--kv-transport", kv_transport];
+    for i in 0..shape.decode {
+        let mut a = vec!["--roles", "decode", "--kv-transport", shape.transport];
         a.extend_from_slice(&engine);
-        nodes.push(node(&etcd, &cluster, &format!("d{i}"), &a));
+        nodes.push(km.node(&etcd, &cluster, &format!("d{i}"), &a));
     }
-    let queue = max_queue.to_string();
-    let gw = gateway_with(
+    let queue = shape.max_queue.to_string();
+    let gw = km.gateway_with(
         &etcd,
         &cluster,
+        "gw",
         "least-loaded",
         &[
             "--model",
@@ -227,16 +268,6 @@ async fn mixed(
     })
 }
 
-async fn metrics(http: &reqwest::Client, gw: &Proc) -> String {
-    http.get(format!("{}/metrics", gw.http))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap()
-}
-
 fn decisions(m: &str) -> Value {
     let mut v = serde_json::Map::new();
     for l in m
@@ -254,15 +285,22 @@ fn decisions(m: &str) -> Value {
     Value::Object(v)
 }
 
-async fn isolated_ttft(http: &reqwest::Client, model: &Path, lens: &[usize], reps: usize) -> Value {
+async fn isolated_ttft(
+    km: &Kvmesh,
+    http: &reqwest::Client,
+    model: &Path,
+    lens: &[usize],
+    reps: usize,
+) -> Value {
     let mut rows = Vec::new();
-    for (label, transport, agg, pre, dec) in [
-        ("aggregated", "-", 1, 0, 0),
-        ("1P+1D tcp", "tcp", 0, 1, 1),
-        ("1P+1D quic", "quic", 0, 1, 1),
+    for shape in [
+        Shape::new("aggregated", "-", 8, (1, 0, 0)),
+        Shape::new("1P+1D tcp", "tcp", 8, (0, 1, 1)),
+        Shape::new("1P+1D quic", "quic", 8, (0, 1, 1)),
     ] {
-        let c = start(&format!("iso-{label}"), model, transport, 8, agg, pre, dec);
-        wait_workers(http, &c.gw, agg + pre + dec).await;
+        let label = shape.label;
+        let c = start(km, &format!("iso-{label}"), model, &shape);
+        wait_workers(http, &c.gw, shape.machines()).await;
         let mut rng = rand::rngs::StdRng::seed_from_u64(5);
         for &len in lens {
             let mut ttft = Vec::new();
@@ -292,76 +330,73 @@ async fn isolated_ttft(http: &reqwest::Client, model: &Path, lens: &[usize], rep
     json!(rows)
 }
 
-#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
-async fn main() {
-    let args = BenchArgs::parse("bench/results/disagg.json");
-    let quick = args.quick;
-    let http = load_client(Duration::from_secs(120));
-    let tmp = std::env::temp_dir().join("kvmesh-disagg-bench");
-    std::fs::create_dir_all(&tmp).unwrap();
-    let model = sim_model(&tmp);
-
-    let iso = isolated_ttft(&http, &model, &[512, 2048, 4096], if quick { 3 } else { 5 }).await;
-
-    // Long prompts per second, for the 2-machine cluster (the 4-machine one gets twice as
-    // many). At 20 µs a token a 4096-token prompt is 82 ms of prefill: 6/s keeps an
-    // aggregated worker prefilling a quarter of the time, 12/s (what one prefill node can
-    // just keep up with) half the time.
-    let points: Vec<Point> = if quick {
-        vec![Point {
+/// Long prompts per second, for the 2-machine cluster (the 4-machine one gets twice as
+/// many). At 20 µs a token a 4096-token prompt is 82 ms of prefill: 6/s keeps an aggregated
+/// worker prefilling a quarter of the time, 12/s (what one prefill node can just keep up
+/// with) half the time.
+fn points(quick: bool) -> Vec<Point> {
+    if quick {
+        return vec![Point {
             prompt_len: 4096,
             rate: 10.0,
-        }]
+        }];
+    }
+    [
+        (1024, 12.0),
+        (1024, 36.0),
+        (2048, 12.0),
+        (2048, 22.0),
+        (4096, 4.0),
+        (4096, 10.0),
+        (4096, 12.0),
+    ]
+    .into_iter()
+    .map(|(prompt_len, rate)| Point { prompt_len, rate })
+    .collect()
+}
+
+/// A setup of the mixed-load sweep: how many times the 2-machine load it carries, its shape,
+/// and whether it runs every point or the lightest only.
+type Setup = (usize, Shape, bool);
+
+/// QUIC, CPU-bound on a small machine, runs the lightest point only. "queue on P" never
+/// falls back to prefilling on the decode node (a queue of 64), trading long prompts' TTFT
+/// for the chat streams' TPOT.
+fn setups(quick: bool) -> &'static [Setup] {
+    const QUICK: &[Setup] = &[
+        (1, Shape::new("2 aggregated", "-", 8, (2, 0, 0)), true),
+        (1, Shape::new("1P+1D tcp", "tcp", 8, (0, 1, 1)), true),
+        (1, Shape::new("1P+1D quic", "quic", 8, (0, 1, 1)), true),
+    ];
+    const FULL: &[Setup] = &[
+        (1, Shape::new("2 aggregated", "-", 8, (2, 0, 0)), true),
+        (1, Shape::new("1P+1D tcp", "tcp", 8, (0, 1, 1)), true),
+        (
+            1,
+            Shape::new("1P+1D tcp, queue on P", "tcp", 64, (0, 1, 1)),
+            true,
+        ),
+        (1, Shape::new("1P+1D quic", "quic", 8, (0, 1, 1)), false),
+        (2, Shape::new("4 aggregated", "-", 8, (4, 0, 0)), true),
+        (2, Shape::new("2P+2D tcp", "tcp", 8, (0, 2, 2)), true),
+    ];
+    if quick {
+        QUICK
     } else {
-        [
-            (1024, 12.0),
-            (1024, 36.0),
-            (2048, 12.0),
-            (2048, 22.0),
-            (4096, 4.0),
-            (4096, 10.0),
-            (4096, 12.0),
-        ]
-        .into_iter()
-        .map(|(prompt_len, rate)| Point { prompt_len, rate })
-        .collect()
-    };
-    // (scale, label, KV transport, --disagg-max-queue, aggregated, prefill, decode nodes,
-    // every point or the lightest): QUIC, CPU-bound on a small machine, runs the lightest
-    // point only. "queue on P" never falls back to prefilling on the decode node (a queue of
-    // 64), trading long prompts' TTFT for the chat streams' TPOT.
-    type Setup = (
-        usize,
-        &'static str,
-        &'static str,
-        usize,
-        usize,
-        usize,
-        usize,
-        bool,
-    );
-    let scales: &[Setup] = if quick {
-        &[
-            (1, "2 aggregated", "-", 8, 2, 0, 0, true),
-            (1, "1P+1D tcp", "tcp", 8, 0, 1, 1, true),
-            (1, "1P+1D quic", "quic", 8, 0, 1, 1, true),
-        ]
-    } else {
-        &[
-            (1, "2 aggregated", "-", 8, 2, 0, 0, true),
-            (1, "1P+1D tcp", "tcp", 8, 0, 1, 1, true),
-            (1, "1P+1D tcp, queue on P", "tcp", 64, 0, 1, 1, true),
-            (1, "1P+1D quic", "quic", 8, 0, 1, 1, false),
-            (2, "4 aggregated", "-", 8, 4, 0, 0, true),
-            (2, "2P+2D tcp", "tcp", 8, 0, 2, 2, true),
-        ]
-    };
+        FULL
+    }
+}
+
+/// The mixed-load sweep: every setup at its points, a row each.
+async fn mixed_sweep(km: &Kvmesh, http: &reqwest::Client, model: &Path, quick: bool) -> Vec<Value> {
+    let points = points(quick);
     let streams_per = 24; // chat streams per decode-capable machine pair
     let long_count = if quick { 30 } else { 80 };
     let mut rows = Vec::new();
-    for &(scale, label, transport, queue, agg, pre, dec, all_points) in scales {
-        let c = start(label, &model, transport, queue, agg, pre, dec);
-        wait_workers(&http, &c.gw, agg + pre + dec).await;
+    for &(scale, shape, all_points) in setups(quick) {
+        let label = shape.label;
+        let c = start(km, label, model, &shape);
+        wait_workers(http, &c.gw, shape.machines()).await;
         let lightest = points
             .iter()
             .min_by(|a, b| {
@@ -376,22 +411,15 @@ async fn main() {
                 prompt_len: p.prompt_len,
                 rate: p.rate * scale as f64,
             };
-            let before = decisions(&metrics(&http, &c.gw).await);
-            let mut r = mixed(
-                &http,
-                &c.gw,
-                &point,
-                streams_per * scale,
-                long_count * scale,
-            )
-            .await;
+            let before = decisions(&c.gw.metrics(http).await);
+            let mut r = mixed(http, &c.gw, &point, streams_per * scale, long_count * scale).await;
             r["setup"] = json!(label);
-            r["machines"] = json!(agg + pre + dec);
+            r["machines"] = json!(shape.machines());
             r["decisions_before"] = before;
-            r["decisions"] = decisions(&metrics(&http, &c.gw).await);
+            r["decisions"] = decisions(&c.gw.metrics(http).await);
             // Long prompts a decode node prefilled itself (no prefill node had room).
             let busy = |d: &Value| d["prefill_busy"].as_f64().unwrap_or(0.0);
-            r["long_on_decode"] = if agg > 0 {
+            r["long_on_decode"] = if shape.aggregated > 0 {
                 json!("-")
             } else {
                 json!(busy(&r["decisions"]) - busy(&r["decisions_before"]))
@@ -408,6 +436,11 @@ async fn main() {
             rows.push(r);
         }
     }
+    rows
+}
+
+/// The mixed-load table, each row's P99 TPOT against the aggregated setup of its size.
+fn print_mixed(rows: &[Value]) {
     println!("\n== mixed load: chat streams (128 in, 64 out) while long prompts (8 out) arrive ==");
     println!(
         "{:>22} {:>6} {:>7} {:>9} {:>9} {:>10} {:>11} {:>11} {:>9} {:>8}",
@@ -422,7 +455,7 @@ async fn main() {
         "TPOT x",
         "on D"
     );
-    for r in &rows {
+    for r in rows {
         // TPOT ratio against the aggregated setup of the same size at the same point.
         let same_size_agg = rows.iter().find(|a| {
             a["machines"] == r["machines"]
@@ -448,10 +481,36 @@ async fn main() {
             r["long_on_decode"]
         );
     }
-    args.write(json!({
-        "sim": {"prefill_us_per_token": 20, "decode_ms": 8, "decode_us_per_seq": 100,
-                 "kv_bytes_per_token": 32768, "max_num_batched_tokens": 2048},
-        "isolated_ttft": iso,
-        "mixed": rows,
-    }));
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() {
+    let args = Args::parse();
+    let quick = args.quick;
+    let km = kvmesh();
+    let http = load_client(Duration::from_secs(120));
+    let tmp = std::env::temp_dir().join("kvmesh-disagg-bench");
+    std::fs::create_dir_all(&tmp).unwrap();
+    let model = sim_model(&km, &tmp);
+
+    let iso = isolated_ttft(
+        &km,
+        &http,
+        &model,
+        &[512, 2048, 4096],
+        if quick { 3 } else { 5 },
+    )
+    .await;
+    let rows = mixed_sweep(&km, &http, &model, quick).await;
+    print_mixed(&rows);
+    write_results(
+        &args.json,
+        quick,
+        json!({
+            "sim": {"prefill_us_per_token": 20, "decode_ms": 8, "decode_us_per_seq": 100,
+                     "kv_bytes_per_token": 32768, "max_num_batched_tokens": 2048},
+            "isolated_ttft": iso,
+            "mixed": rows,
+        }),
+    );
 }

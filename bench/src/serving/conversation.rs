@@ -327,7 +327,7 @@ mod tests {
     use super::*;
 
     fn tokenizer() -> TextTokenizer {
-        TextTokenizer::from_files(&crate::embedded::default_tokenizer(), &[]).unwrap()
+        TextTokenizer::from_files(&kvmesh_gpu::embedded::default_tokenizer(), &[]).unwrap()
     }
 
     fn spec(conversations: usize, turns: usize, seed: u64) -> Spec {

@@ -8,27 +8,32 @@
 //! `cargo build --release && target/release/trace-bench [--quick] [--json PATH]`
 //! (writes `bench/results/tracing.json`; needs `etcd` on PATH).
 
-mod harness;
-
+use std::path::PathBuf;
 use std::time::Duration;
 
-use harness::{
-    gateway_with, load_client, mean, node, run_load, s, shakespeare_lines, spawn, summary,
-    wait_workers, BenchArgs,
-};
+use clap::Parser;
+use kvmesh_bench::harness::load::{mean, run_load, shakespeare_lines, summary};
+use kvmesh_bench::harness::{load_client, wait_workers};
+use kvmesh_bench::programs::{kvmesh, write_results, ZERO_COST};
 use kvmesh_discovery::testing::Etcd;
 use serde_json::{json, Value};
 
-const ZERO_COST: [&str; 8] = [
-    "--backend",
-    "sim",
-    "--sim-prefill-us-per-token",
-    "0",
-    "--sim-decode-ms",
-    "0",
-    "--sim-decode-us-per-seq",
-    "0",
-];
+/// What tracing costs: throughput with every request traced against tracing off, in
+/// `kvmesh serve` and through the mesh, on sim workers.
+#[derive(Parser)]
+#[command(name = "trace-bench")]
+struct Args {
+    /// Fewer requests per run (300 instead of 1500).
+    #[arg(long)]
+    quick: bool,
+    /// Where the results go.
+    #[arg(
+        long,
+        value_name = "PATH",
+        default_value = "bench/results/tracing.json"
+    )]
+    json: PathBuf,
+}
 
 fn ratio_flag(on: bool) -> [&'static str; 2] {
     ["--trace-sample-ratio", if on { "1" } else { "0" }]
@@ -36,8 +41,9 @@ fn ratio_flag(on: bool) -> [&'static str; 2] {
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
-    let args = BenchArgs::parse("bench/results/tracing.json");
+    let args = Args::parse();
     let quick = args.quick;
+    let km = kvmesh();
     let http = load_client(Duration::from_secs(120));
     let lines = shakespeare_lines();
     let n = if quick { 300 } else { 1500 };
@@ -52,14 +58,13 @@ async fn main() {
             for on in [false, true] {
                 // A fresh server each time, so the store starts empty.
                 let (_etcd, procs, base) = if setup.starts_with("serve") {
-                    let mut a = s(&["serve", "--host", "127.0.0.1", "--port", "0"]);
-                    if setup == "serve" {
-                        a.extend(s(&ZERO_COST));
+                    let mut a = if setup == "serve" {
+                        ZERO_COST.to_vec()
                     } else {
-                        a.extend(s(&["--backend", "sim"]));
-                    }
-                    a.extend(s(&ratio_flag(on)));
-                    let p = spawn(&a);
+                        vec!["--backend", "sim"]
+                    };
+                    a.extend(ratio_flag(on));
+                    let p = km.serve(&a);
                     let base = p.http.clone();
                     (None, vec![p], base)
                 } else {
@@ -68,8 +73,8 @@ async fn main() {
                     let mut w = vec!["--roles", "worker"];
                     w.extend(ZERO_COST);
                     w.extend(ratio_flag(on));
-                    let worker = node(&etcd, &cluster, "w1", &w);
-                    let gw = gateway_with(&etcd, &cluster, "round-robin", &ratio_flag(on));
+                    let worker = km.node(&etcd, &cluster, "w1", &w);
+                    let gw = km.gateway_with(&etcd, &cluster, "gw", "round-robin", &ratio_flag(on));
                     wait_workers(&http, &gw, 1).await;
                     let base = gw.http.clone();
                     (Some(etcd), vec![worker, gw], base)
@@ -127,5 +132,9 @@ async fn main() {
             100.0 * r["ratio"].as_f64().unwrap()
         );
     }
-    args.write(json!({"requests": n, "concurrency": conc, "rows": rows}));
+    write_results(
+        &args.json,
+        quick,
+        json!({"requests": n, "concurrency": conc, "rows": rows}),
+    );
 }

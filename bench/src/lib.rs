@@ -1,0 +1,9 @@
+//! kvmesh's benchmarks: `kvmesh bench`, the serving benchmark the binary runs as a subcommand
+//! ([`serving`]); the bench programs in `src/bin/` (engine, GPU, KV transfer, mesh,
+//! disaggregation, tracing, soak), which print figures and write JSON under `bench/results/`;
+//! and the process harness those programs and the end-to-end tests start `kvmesh` with
+//! ([`harness`]).
+
+pub mod harness;
+pub mod programs;
+pub mod serving;
