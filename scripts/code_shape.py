@@ -244,7 +244,9 @@ def edges(mods, path, s, ranges, exported):
         return best
 
     # Expand `use a::{b, c::d}` groups one level so that each branch resolves.
-    for m in re.finditer(r"\b(crate|super|self)((?:::(?:\w+|super))+)(::\{([^}]*)\})?", code):
+    for m in re.finditer(r"\b(crate|super|self)((?:::(?:\w+|super))*)(::\{([^}]*)\})?", code):
+        if not m.group(2) and not m.group(4):
+            continue
         head = m.group(1)
         rest = [p for p in m.group(2).split("::") if p]
         if head == "crate":

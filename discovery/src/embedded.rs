@@ -5,10 +5,9 @@ use std::sync::{Arc, Mutex};
 
 use tokio::sync::watch;
 
-use crate::{
-    validate_cluster, validate_record, DiscoveryError, Membership, NodeRecord, Registration,
-    RegistrationInner, Registry,
-};
+use crate::error::DiscoveryError;
+use crate::record::{validate_cluster, validate_record, Membership, NodeRecord};
+use crate::registry::{Registered, Registration, Registry};
 
 /// An in-process [`Registry`]: no etcd, no TTL. A record is there from `register` until
 /// `deregister` or until its [`Registration`] is dropped.
@@ -81,14 +80,12 @@ impl Registry for EmbeddedRegistry {
             token
         };
         tracing::debug!(node_id, cluster = %self.inner.cluster, "registered node (embedded)");
-        Ok(Registration {
-            inner: RegistrationInner::Embedded(EmbeddedRegistration {
-                registry: self.inner.clone(),
-                node_id,
-                token,
-                active: true,
-            }),
-        })
+        Ok(Registration::new(EmbeddedRegistration {
+            registry: self.inner.clone(),
+            node_id,
+            token,
+            active: true,
+        }))
     }
 
     async fn list(&self) -> Result<Vec<NodeRecord>, DiscoveryError> {
@@ -113,12 +110,17 @@ pub(crate) struct EmbeddedRegistration {
     active: bool,
 }
 
-impl EmbeddedRegistration {
-    pub(crate) fn node_id(&self) -> &str {
+#[async_trait::async_trait]
+impl Registered for EmbeddedRegistration {
+    fn node_id(&self) -> &str {
         &self.node_id
     }
 
-    pub(crate) fn update(&self, record: NodeRecord) -> Result<(), DiscoveryError> {
+    fn reregistrations(&self) -> u64 {
+        0
+    }
+
+    async fn update(&self, record: NodeRecord) -> Result<(), DiscoveryError> {
         validate_record(&record, &self.registry.cluster)?;
         if record.node_id != self.node_id {
             return Err(DiscoveryError::InvalidRecord(format!(
@@ -135,10 +137,13 @@ impl EmbeddedRegistration {
         Ok(())
     }
 
-    pub(crate) fn deregister(mut self) {
+    async fn deregister(mut self: Box<Self>) -> Result<(), DiscoveryError> {
         self.remove();
+        Ok(())
     }
+}
 
+impl EmbeddedRegistration {
     fn remove(&mut self) {
         if !std::mem::take(&mut self.active) {
             return;
@@ -162,7 +167,7 @@ impl Drop for EmbeddedRegistration {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::test_record;
+    use crate::record::test_record;
 
     #[tokio::test]
     async fn register_subscribe_deregister() {

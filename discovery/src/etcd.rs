@@ -20,10 +20,11 @@ use tokio::sync::{watch, Mutex, Notify};
 use tokio::task::JoinHandle;
 use tracing::{debug, info, warn};
 
-use crate::{
-    node_key, nodes_prefix, validate_cluster, validate_record, DiscoveryError, Membership,
-    NodeRecord, Registration, RegistrationInner, Registry,
+use crate::error::DiscoveryError;
+use crate::record::{
+    node_key, nodes_prefix, validate_cluster, validate_record, Membership, NodeRecord,
 };
+use crate::registry::{Registered, Registration, Registry};
 
 /// `connect` gives up after this long (the brief allows ~5 s).
 const CONNECT_DEADLINE: Duration = Duration::from_secs(4);
@@ -290,9 +291,7 @@ impl Registry for EtcdRegistry {
             lease_replaced: Notify::new(),
         });
         let keeper = tokio::spawn(keep_alive_loop(shared.clone()));
-        Ok(Registration {
-            inner: RegistrationInner::Etcd(EtcdRegistration { shared, keeper }),
-        })
+        Ok(Registration::new(EtcdRegistration { shared, keeper }))
     }
 
     async fn list(&self) -> Result<Vec<NodeRecord>, DiscoveryError> {
@@ -832,16 +831,17 @@ async fn keep_alive_loop(shared: Arc<Shared>) {
     }
 }
 
-impl EtcdRegistration {
-    pub(crate) fn node_id(&self) -> &str {
+#[async_trait::async_trait]
+impl Registered for EtcdRegistration {
+    fn node_id(&self) -> &str {
         &self.shared.node_id
     }
 
-    pub(crate) fn reregistrations(&self) -> u64 {
+    fn reregistrations(&self) -> u64 {
         self.shared.reregistrations.load(Ordering::SeqCst)
     }
 
-    pub(crate) async fn update(&self, record: NodeRecord) -> Result<(), DiscoveryError> {
+    async fn update(&self, record: NodeRecord) -> Result<(), DiscoveryError> {
         let shared = &self.shared;
         validate_record(&record, &shared.cluster)?;
         if record.node_id != shared.node_id {
@@ -881,7 +881,7 @@ impl EtcdRegistration {
         }
     }
 
-    pub(crate) async fn deregister(mut self) -> Result<(), DiscoveryError> {
+    async fn deregister(mut self: Box<Self>) -> Result<(), DiscoveryError> {
         self.keeper.abort();
         let _ = (&mut self.keeper).await;
         let shared = &self.shared;
@@ -918,7 +918,7 @@ mod tests {
     #[test]
     fn parse_skips_bad_values() {
         let prefix = nodes_prefix("c");
-        let good = serde_json::to_vec(&crate::test_record("c", "a")).unwrap();
+        let good = serde_json::to_vec(&crate::record::test_record("c", "a")).unwrap();
         assert!(parse_record(&prefix, b"/kvmesh/c/nodes/a", &good).is_some());
         assert!(parse_record(&prefix, b"/kvmesh/c/nodes/b", &good).is_none());
         assert!(parse_record(&prefix, b"/kvmesh/c/nodes/a", b"{not json").is_none());
@@ -945,8 +945,8 @@ mod tests {
         let etcd = crate::testing::Etcd::start();
         let mut client = Client::connect([etcd.url()], None).await.unwrap();
         let prefix = nodes_prefix("c");
-        let a = serde_json::to_string(&crate::test_record("c", "a")).unwrap();
-        let b = serde_json::to_string(&crate::test_record("c", "b")).unwrap();
+        let a = serde_json::to_string(&crate::record::test_record("c", "a")).unwrap();
+        let b = serde_json::to_string(&crate::record::test_record("c", "b")).unwrap();
         let first = client.put(node_key("c", "a"), a, None).await.unwrap();
         let stale = first.header().unwrap().revision() - 1;
         client.put(node_key("c", "b"), b, None).await.unwrap();
