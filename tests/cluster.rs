@@ -346,7 +346,7 @@ async fn streams_on_a_killed_worker_migrate_and_finish_token_identical() {
             "0",
         ],
     );
-    // 60 tokens at 50 ms a step: three seconds of streaming, for w2 to join and the kill.
+    // 80 tokens at 50 ms a step: four seconds of streaming, for w2 to join and the kill.
     let steps = ["--max-num-seqs", "16", "--sim-decode-ms", "50"];
     let mut w1 = kvmesh().worker(&etcd, "c5", "w1", &steps);
     wait_for("w1 routable", 10, async || {
@@ -357,7 +357,7 @@ async fn streams_on_a_killed_worker_migrate_and_finish_token_identical() {
     let prompts: Vec<String> = (0..8)
         .map(|i| format!("To be, or not to be, that is question number {i}:"))
         .collect();
-    let max_tokens = 60;
+    let max_tokens = 80;
     // Undisturbed: the reference tokens.
     let reference: Vec<Vec<u64>> = futures::future::join_all(
         prompts

@@ -94,25 +94,39 @@ pub enum KvKind {
 }
 
 struct RawBuf {
+    /// The first byte of the buffer, aligned to [`RawBuf::ALIGN`].
     ptr: NonNull<u8>,
+    /// What the allocator returned, and with which layout: what `dealloc` is given.
+    alloc: NonNull<u8>,
     layout: Layout,
 }
 
 impl RawBuf {
-    /// Zeroed memory. Large zeroed allocations come from fresh pages, so the memory is
-    /// resident only once written (a sim worker's pool costs what it uses).
+    /// The buffer's alignment: a cache line.
+    const ALIGN: usize = 64;
+
+    /// Zeroed memory, resident only once written (a sim worker's pool costs what it uses).
+    ///
+    /// The allocation asks for no more than the allocator's own alignment, so that it is a
+    /// `calloc`, which takes large blocks as fresh zero pages from the kernel. An
+    /// over-aligned `alloc_zeroed` would be a `posix_memalign` and a `memset` of every byte:
+    /// a gigabyte written, and made resident, before a sim worker could start. The cache-line
+    /// alignment comes from over-allocating by one line and starting at the first aligned byte.
     fn zeroed(bytes: usize) -> Option<RawBuf> {
-        let layout = Layout::from_size_align(bytes.max(64), 64).ok()?;
+        let layout = Layout::from_size_align(bytes.checked_add(Self::ALIGN)?, 16).ok()?;
         // SAFETY: the layout has a non-zero size.
-        let ptr = NonNull::new(unsafe { alloc_zeroed(layout) })?;
-        Some(RawBuf { ptr, layout })
+        let alloc = NonNull::new(unsafe { alloc_zeroed(layout) })?;
+        let skip = alloc.as_ptr().align_offset(Self::ALIGN);
+        // SAFETY: `skip < ALIGN`, and ALIGN bytes more than `bytes` were allocated.
+        let ptr = unsafe { alloc.add(skip) };
+        Some(RawBuf { ptr, alloc, layout })
     }
 }
 
 impl Drop for RawBuf {
     fn drop(&mut self) {
         // SAFETY: allocated in `zeroed` with this layout.
-        unsafe { dealloc(self.ptr.as_ptr(), self.layout) }
+        unsafe { dealloc(self.alloc.as_ptr(), self.layout) }
     }
 }
 
@@ -295,5 +309,48 @@ mod tests {
         }
         assert!(pool.check_table(&[BlockId(2)]).is_ok());
         assert!(pool.check_table(&[BlockId(3)]).is_err());
+    }
+
+    /// Resident memory of this process, in bytes (Linux).
+    fn resident() -> Option<usize> {
+        let statm = std::fs::read_to_string("/proc/self/statm").ok()?;
+        let pages: usize = statm.split_whitespace().nth(1)?.parse().ok()?;
+        Some(pages * 4096)
+    }
+
+    /// A large pool is aligned and zero, and costs no memory until written: a sim worker's
+    /// gigabyte of KV must not be written through at start-up.
+    #[test]
+    fn a_large_pool_is_aligned_zero_and_not_resident() {
+        let spec = KvSpec {
+            num_layers: 4,
+            block_size: 16,
+            num_kv_heads: 4,
+            head_dim: 64,
+            dtype: KvDtype::Bf16,
+        };
+        let before = resident();
+        let pool = HostKvPool::new(spec, 16384).unwrap();
+        let after = resident();
+        assert_eq!(pool.layer_bytes(), 128 << 20);
+        for layer in 0..4 {
+            for kind in [KvKind::K, KvKind::V] {
+                let base = pool.base(layer, kind);
+                assert_eq!(base as usize % 64, 0, "layer {layer} {kind:?} is not aligned");
+                // SAFETY: inside the layer's buffer, nothing else touches it.
+                unsafe {
+                    assert_eq!(*base, 0);
+                    assert_eq!(*base.add(pool.layer_bytes() - 1), 0);
+                }
+            }
+        }
+        if let (Some(before), Some(after)) = (before, after) {
+            let grew = after.saturating_sub(before);
+            assert!(
+                grew < 512 << 20,
+                "a 1 GiB pool made {} MiB resident before any write",
+                grew >> 20
+            );
+        }
     }
 }
