@@ -9,7 +9,8 @@ use clap::{Args, ValueEnum};
 use std::sync::Arc;
 
 use kvmesh_gateway::http::{self, HttpLimits};
-use kvmesh_gateway::{AppState, ServedModel};
+use kvmesh_gateway::{AppState, OneModel, ServedModel};
+use kvmesh_gpu::card::ModelCard;
 use kvmesh_gpu::backend::sim::SimTiming;
 use kvmesh_gpu::engine::{self, EngineConfig};
 use kvmesh_gpu::model::{build_backend, resolve_device, BackendKind, KvBudget, LoadedModel};
@@ -247,6 +248,8 @@ pub struct StartedEngine {
     pub block_size: usize,
     /// The model's fingerprint (see `LoadedModel::fingerprint`).
     pub fingerprint: String,
+    /// The model card this engine's node gives gateways, as JSON.
+    pub card: Vec<u8>,
 }
 
 pub fn start_engine(args: &EngineArgs) -> anyhow::Result<StartedEngine> {
@@ -339,6 +342,7 @@ pub fn start_engine_with(args: &EngineArgs, model: &LoadedModel) -> anyhow::Resu
         model.config.num_params() as f64 / 1e6,
         args.block_size,
     );
+    let card = ModelCard::of(model, &name, max_model_len, args.block_size, None)?.to_bytes();
     Ok(StartedEngine {
         name,
         tokenizer: model.tokenizer.clone(),
@@ -346,6 +350,7 @@ pub fn start_engine_with(args: &EngineArgs, model: &LoadedModel) -> anyhow::Resu
         max_model_len,
         device,
         block_size: args.block_size,
+        card,
         fingerprint,
     })
 }
@@ -353,13 +358,14 @@ pub fn start_engine_with(args: &EngineArgs, model: &LoadedModel) -> anyhow::Resu
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let telemetry = args.trace.init("serve")?;
     let e = start_engine(&args.engine)?;
+    let model = ServedModel::new(
+        e.name,
+        e.tokenizer,
+        Arc::new(e.handle.clone()),
+        e.max_model_len,
+    );
     let state = AppState::new(
-        ServedModel {
-            name: e.name,
-            tokenizer: e.tokenizer,
-            engine: Arc::new(e.handle.clone()),
-            default_max_model_len: e.max_model_len,
-        },
+        Arc::new(OneModel(Arc::new(model))),
         args.api_key.clone(),
         Some(kvmesh_gateway::traces::Traces::new(
             telemetry.store.clone(),

@@ -15,7 +15,7 @@ use ractor::{Actor, ActorCell, ActorProcessingErr, ActorRef, SupervisionEvent};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-use crate::router::RouterCore;
+use crate::router::Pools;
 use crate::worker::{Serving, WorkerCore};
 
 /// Messages a role actor takes.
@@ -46,7 +46,7 @@ struct RouterActor;
 impl Actor for RouterActor {
     type Msg = RoleMsg;
     type State = JoinHandle<()>;
-    type Arguments = (Arc<RouterCore>, watch::Receiver<Membership>);
+    type Arguments = (Arc<Pools>, watch::Receiver<Membership>);
 
     async fn pre_start(
         &self,
@@ -153,7 +153,7 @@ impl Actor for CoreActor {
 /// What the supervisor starts: the cores of the roles this node takes.
 #[derive(Clone)]
 pub struct NodeRoles {
-    pub router: Option<(Arc<RouterCore>, watch::Receiver<Membership>)>,
+    pub router: Option<(Arc<Pools>, watch::Receiver<Membership>)>,
     /// The node's endpoint and the worker-type roles serving on it.
     pub serving: Option<Arc<Serving>>,
     /// The worker or decode role's core.

@@ -105,18 +105,26 @@ async fn count_requests(State(st): State<Arc<AppState>>, req: Request, next: Nex
 async fn metrics_page(State(st): State<Arc<AppState>>) -> Response {
     // The engine's or the workers' families, and the gateway's own.
     let out = Exposition::new();
-    st.model.engine.render_metrics(&out, &st.model.name);
+    st.catalog.render_metrics(&out);
     st.metrics.add_to(&out);
     ([(header::CONTENT_TYPE, CONTENT_TYPE)], out.render()).into_response()
 }
 
 async fn models(State(st): State<Arc<AppState>>) -> Json<Value> {
-    Json(json!({"object": "list", "data": [{
-        "id": st.model.name,
-        "object": "model",
-        "created": st.created,
-        "owned_by": "kvmesh",
-        "root": st.model.name,
-        "max_model_len": st.max_model_len(),
-    }]}))
+    let data: Vec<Value> = st
+        .catalog
+        .listed()
+        .iter()
+        .map(|m| {
+            json!({
+                "id": m.name,
+                "object": "model",
+                "created": st.created,
+                "owned_by": "kvmesh",
+                "root": m.name,
+                "max_model_len": m.max_model_len,
+            })
+        })
+        .collect();
+    Json(json!({"object": "list", "data": data}))
 }

@@ -20,7 +20,7 @@ use kvmesh_gpu::tokenizer::TextTokenizer;
 use crate::error::ApiError;
 use crate::generate::{Chunk, Generation};
 use crate::protocol::{self, ChatRequest, CompletionRequest, Prompt, Validated};
-use crate::state::{unix_now, AppState};
+use crate::state::{unix_now, AppState, ServedModel};
 
 /// A child span of the request's, for one phase of the gateway's work.
 fn span(name: &'static str) -> tracing::Span {
@@ -47,16 +47,37 @@ struct Prepared {
 }
 
 pub(crate) async fn chat(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
-    let start = Instant::now();
-    let prepared = prepare(&st, body, prepare_chat).await;
-    respond(st, prepared, start).await
+    handle(st, body, prepare_chat).await
 }
 
 pub(crate) async fn completions(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
-    let start = Instant::now();
-    let prepared = prepare(&st, body, prepare_completion).await;
-    respond(st, prepared, start).await
+    handle(st, body, prepare_completion).await
 }
+
+/// The model the body names, then the request prepared for it and run.
+async fn handle(st: Arc<AppState>, body: Bytes, work: Work) -> Response {
+    let start = Instant::now();
+    let model = match st.catalog.resolve(named_model(&body).as_deref()).await {
+        Ok(m) => m,
+        Err(e) => return e.into_response(),
+    };
+    let prepared = prepare(&st, &model, body, work).await;
+    respond(st, model, prepared, start).await
+}
+
+/// The `model` a body names, read without keeping the rest. A body that is not JSON, or
+/// whose `model` is not a string, names none here: its checks say what is wrong with it.
+fn named_model(body: &[u8]) -> Option<String> {
+    #[derive(serde::Deserialize)]
+    struct Named {
+        model: Option<Value>,
+    }
+    let named: Named = serde_json::from_slice(body).ok()?;
+    named.model?.as_str().map(String::from)
+}
+
+/// A request's CPU work for one endpoint.
+type Work = fn(&ServedModel, &[u8]) -> Result<Prepared, ApiError>;
 
 /// Bodies up to this size are parsed and tokenized where they arrive: that takes tens of
 /// microseconds, less than the two thread hand-offs of the blocking pool would add to the
@@ -67,20 +88,22 @@ const INLINE_PREPARE_BYTES: usize = 4096;
 /// else off the async threads (see [`off_runtime`]).
 async fn prepare(
     st: &Arc<AppState>,
+    model: &Arc<ServedModel>,
     body: Bytes,
-    work: fn(&AppState, &[u8]) -> Result<Prepared, ApiError>,
+    work: Work,
 ) -> Result<Prepared, ApiError> {
     if body.len() <= INLINE_PREPARE_BYTES {
-        return work(st, &body);
+        return work(model, &body);
     }
-    off_runtime(st, move |st| work(st, &body)).await
+    let model = model.clone();
+    off_runtime(st, move || work(&model, &body)).await
 }
 
 /// Runs a request's CPU work on the blocking pool, a bounded number at a time (waiting
 /// turns in order), under the request's span.
 async fn off_runtime(
     st: &Arc<AppState>,
-    work: impl FnOnce(&AppState) -> Result<Prepared, ApiError> + Send + 'static,
+    work: impl FnOnce() -> Result<Prepared, ApiError> + Send + 'static,
 ) -> Result<Prepared, ApiError> {
     let permit = st
         .prepare_permits
@@ -89,11 +112,10 @@ async fn off_runtime(
         .await
         .map_err(|_| ApiError::internal("the gateway is shutting down"))?;
     let span = tracing::Span::current();
-    let st = st.clone();
     // The permit goes with the work: a client that hangs up does not free it early.
     tokio::task::spawn_blocking(move || {
         let _permit = permit;
-        span.in_scope(|| work(&st))
+        span.in_scope(work)
     })
     .await
     .map_err(|e| ApiError::internal(format!("preparing the request failed: {e}")))?
@@ -102,7 +124,7 @@ async fn off_runtime(
 /// The body parsed once, unsupported fields refused, read as the endpoint's request `R`
 /// and as the fields every endpoint shares; `top` says how many top logprobs `R` asks for.
 fn validate<R: serde::de::DeserializeOwned>(
-    st: &AppState,
+    st: &ServedModel,
     body: &[u8],
     top: impl FnOnce(&R) -> Result<Option<usize>, ApiError>,
 ) -> Result<(R, Validated), ApiError> {
@@ -113,24 +135,24 @@ fn validate<R: serde::de::DeserializeOwned>(
         let top = top(&req)?;
         let v = protocol::validate_common(
             &protocol::fields(&body)?,
-            &st.model.name,
-            st.model.tokenizer.sampling_defaults(),
+            &st.name,
+            st.tokenizer.sampling_defaults(),
             top,
         )?;
         Ok((req, v))
     })
 }
 
-fn prepare_chat(st: &AppState, body: &[u8]) -> Result<Prepared, ApiError> {
+fn prepare_chat(st: &ServedModel, body: &[u8]) -> Result<Prepared, ApiError> {
     let (req, v) = validate(st, body, |r: &ChatRequest| {
         protocol::chat_logprobs(r.logprobs, r.top_logprobs)
     })?;
     let text = span("chat_template").in_scope(|| {
         let messages = protocol::template_messages(&req.messages)?;
-        Ok::<_, ApiError>(st.model.tokenizer.apply_chat_template(&messages, true)?)
+        Ok::<_, ApiError>(st.tokenizer.apply_chat_template(&messages, true)?)
     })?;
     st.check_prompt_bytes(text.len(), "messages")?;
-    let prompt = span("tokenize").in_scope(|| st.model.tokenizer.encode(&text, false))?;
+    let prompt = span("tokenize").in_scope(|| st.tokenizer.encode(&text, false))?;
     Ok(Prepared {
         endpoint: Endpoint::Chat,
         prompt,
@@ -139,11 +161,11 @@ fn prepare_chat(st: &AppState, body: &[u8]) -> Result<Prepared, ApiError> {
     })
 }
 
-fn prepare_completion(st: &AppState, body: &[u8]) -> Result<Prepared, ApiError> {
+fn prepare_completion(st: &ServedModel, body: &[u8]) -> Result<Prepared, ApiError> {
     let (req, v) = validate(st, body, |r: &CompletionRequest| {
         protocol::completion_logprobs(r.logprobs)
     })?;
-    let tok = &st.model.tokenizer;
+    let tok = &st.tokenizer;
     let one = |n: usize| {
         if n == 1 {
             Ok(())
@@ -215,10 +237,11 @@ fn prepare_completion(st: &AppState, body: &[u8]) -> Result<Prepared, ApiError> 
 
 async fn respond(
     st: Arc<AppState>,
+    model: Arc<ServedModel>,
     prepared: Result<Prepared, ApiError>,
     start: Instant,
 ) -> Response {
-    match run(st, prepared, start).await {
+    match run(st, &model, prepared, start).await {
         Ok(r) => r,
         Err(e) => e.into_response(),
     }
@@ -226,6 +249,7 @@ async fn respond(
 
 async fn run(
     st: Arc<AppState>,
+    model: &ServedModel,
     prepared: Result<Prepared, ApiError>,
     start: Instant,
 ) -> Result<Response, ApiError> {
@@ -235,7 +259,7 @@ async fn run(
         echo,
         mut v,
     } = prepared?;
-    let limit = st.max_model_len();
+    let limit = model.max_model_len();
     let plen = prompt.len();
     let param = if endpoint == Endpoint::Chat {
         "messages"
@@ -250,7 +274,7 @@ async fn run(
         None => limit - plen,
     };
     v.params.max_tokens = max_tokens;
-    let sub = st.model.engine.submit(EngineRequest {
+    let sub = model.engine.submit(EngineRequest {
         prompt: prompt.clone(),
         params: v.params.clone(),
     })?;
@@ -266,7 +290,7 @@ async fn run(
     );
     let span = tracing::Span::current();
     span.record("request_id", id.as_str());
-    span.record("model", st.model.name.as_str());
+    span.record("model", model.name.as_str());
     span.record("prompt_tokens", plen);
     span.record("max_tokens", max_tokens);
     span.record("stream", v.stream);
@@ -274,26 +298,26 @@ async fn run(
         sub,
         &prompt,
         v.stops.clone(),
-        st.model.tokenizer.clone(),
-        st.metrics.clone(),
+        model.tokenizer.clone(),
+        st.metrics.model(&model.name),
         start,
         span,
     );
-    if st.model.engine.is_local() {
+    if model.engine.is_local() {
         gen = gen.with_engine_phases();
     }
     let out = Output {
         endpoint,
         id,
         created: unix_now(),
-        model: st.model.name.clone(),
+        model: model.name.clone(),
         logprobs: v.params.logprobs.is_some(),
     };
     if v.stream {
         // A routed request may find every worker full or none there: wait for its first
         // event, so that is an HTTP status (429, 503) and not a 200 stream holding only an
         // error. A local engine refuses at submission, before this point.
-        let first = if st.model.engine.is_local() {
+        let first = if model.engine.is_local() {
             None
         } else {
             match gen.next().await {

@@ -42,10 +42,20 @@ impl ApiError {
         ApiError::invalid(message, Some(param.to_string()))
     }
 
-    pub fn model_not_found(asked: &str, served: &str) -> ApiError {
+    /// A request for a model the server does not serve; `served` names those it does.
+    pub fn model_not_found(asked: &str, served: &[&str]) -> ApiError {
+        let served = match served {
+            [] => "no model yet".to_string(),
+            [one] => format!("`{one}`"),
+            many => many
+                .iter()
+                .map(|m| format!("`{m}`"))
+                .collect::<Vec<_>>()
+                .join(", "),
+        };
         ApiError {
             status: StatusCode::NOT_FOUND,
-            message: format!("The model `{asked}` does not exist. This server serves `{served}`."),
+            message: format!("The model `{asked}` does not exist. This server serves {served}."),
             kind: "invalid_request_error",
             param: Some("model".into()),
             code: Some("model_not_found"),
@@ -233,6 +243,17 @@ impl ApiError {
     }
 
     /// Nothing can serve the request right now (a cluster gateway with no worker).
+    /// What a worker gave the gateway cannot be used (a model card that fails its check).
+    pub fn bad_gateway(message: impl Into<String>) -> ApiError {
+        ApiError {
+            status: StatusCode::BAD_GATEWAY,
+            message: message.into(),
+            kind: "server_error",
+            param: None,
+            code: Some("bad_model_card"),
+        }
+    }
+
     pub fn unavailable(message: impl Into<String>) -> ApiError {
         ApiError {
             status: StatusCode::SERVICE_UNAVAILABLE,

@@ -10,7 +10,7 @@ use kvmesh_telemetry::phases::Phases;
 
 use crate::dispatch::{Event, Reply};
 use crate::error::ApiError;
-use crate::metrics::Metrics;
+use crate::metrics::ModelMetrics;
 
 #[derive(Clone, Debug)]
 pub struct TokenLogprob {
@@ -60,7 +60,7 @@ pub struct Generation {
     phases: Option<Phases>,
     text: TextStream,
     tok: Arc<TextTokenizer>,
-    metrics: Arc<Metrics>,
+    metrics: ModelMetrics,
     start: Instant,
     last: Option<Instant>,
     pub prompt_tokens: usize,
@@ -83,7 +83,7 @@ impl Generation {
         prompt: &[u32],
         stops: Vec<String>,
         tok: Arc<TextTokenizer>,
-        metrics: Arc<Metrics>,
+        metrics: ModelMetrics,
         start: Instant,
         span: tracing::Span,
     ) -> Generation {

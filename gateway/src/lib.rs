@@ -20,4 +20,6 @@ pub mod traces;
 
 pub use api::{authorized, check_api_key, router};
 pub use dispatch::Dispatch;
-pub use state::{max_bytes_per_token, AppState, ServedModel};
+pub use state::{
+    max_bytes_per_token, AppState, Catalog, ListedModel, OneModel, Resolving, ServedModel,
+};

@@ -2,6 +2,7 @@
 //! the same thing, so existing dashboards need only a prefix change.
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
 
 use kvmesh_gpu::engine::EngineHandle;
 use std::collections::BTreeMap;
@@ -16,20 +17,42 @@ const LATENCY_BUCKETS: &[f64] = &[
 
 /// What a gateway observes of the requests it serves.
 pub struct Metrics {
+    families: [HistogramVec; 3],
+    /// (model, finish reason) → count.
+    finished: Mutex<BTreeMap<(String, String), u64>>,
+    /// (endpoint, status) → count.
+    http: Mutex<BTreeMap<(String, u16), u64>>,
+}
+
+/// The latency series of one model, and where its requests' outcomes are counted.
+pub struct ModelMetrics {
     pub ttft: Histogram,
     pub itl: Histogram,
     pub e2e: Histogram,
-    families: [HistogramVec; 3],
-    /// finish reason → count.
-    finished: Mutex<BTreeMap<String, u64>>,
-    /// (endpoint, status) → count.
-    http: Mutex<BTreeMap<(String, u16), u64>>,
     model: String,
+    all: Arc<Metrics>,
+}
+
+impl ModelMetrics {
+    pub fn finished(&self, reason: &str) {
+        *self
+            .all
+            .finished
+            .lock()
+            .entry((self.model.clone(), reason.to_string()))
+            .or_default() += 1;
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
 }
 
 impl Metrics {
-    /// Metrics of a gateway serving `model`.
-    pub fn new(model: &str) -> Metrics {
+    /// A gateway's metrics; each model's series carry its name as `model_name`.
+    pub fn new() -> Metrics {
         let family =
             |name: &str, help: &str| histogram_vec(name, help, &["model_name"], LATENCY_BUCKETS);
         let families = [
@@ -43,15 +66,22 @@ impl Metrics {
                 "Request latency, arrival to last token.",
             ),
         ];
-        let child = |f: &HistogramVec| f.with_label_values(&[model]);
         Metrics {
-            ttft: child(&families[0]),
-            itl: child(&families[1]),
-            e2e: child(&families[2]),
             families,
             finished: Mutex::new(BTreeMap::new()),
             http: Mutex::new(BTreeMap::new()),
+        }
+    }
+
+    /// The series of `model`.
+    pub fn model(self: &Arc<Self>, model: &str) -> ModelMetrics {
+        let child = |f: &HistogramVec| f.with_label_values(&[model]);
+        ModelMetrics {
+            ttft: child(&self.families[0]),
+            itl: child(&self.families[1]),
+            e2e: child(&self.families[2]),
             model: model.to_string(),
+            all: self.clone(),
         }
     }
 
@@ -61,10 +91,6 @@ impl Metrics {
             .lock()
             .entry((endpoint.to_string(), status))
             .or_default() += 1;
-    }
-
-    pub fn finished(&self, reason: &str) {
-        *self.finished.lock().entry(reason.to_string()).or_default() += 1;
     }
 
     /// The gateway's own families: request latencies, outcomes and HTTP status counts.
@@ -79,7 +105,7 @@ impl Metrics {
             &["model_name", "finished_reason"],
             finished
                 .iter()
-                .map(|(reason, n)| (vec![self.model.as_str(), reason.as_str()], *n as f64)),
+                .map(|((model, reason), n)| (vec![model.as_str(), reason.as_str()], *n as f64)),
         );
         let statuses: Vec<(String, String, u64)> = self
             .http

@@ -194,7 +194,7 @@ pub fn validate_common(
 ) -> Result<Validated, ApiError> {
     if let Some(m) = &c.model {
         if m != served {
-            return Err(ApiError::model_not_found(m, served));
+            return Err(ApiError::model_not_found(m, &[served]));
         }
     }
     let max_tokens = match (c.max_completion_tokens, c.max_tokens) {

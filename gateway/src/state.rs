@@ -1,67 +1,56 @@
-//! What a gateway serves: the model, where its requests go, and the limits every request is
+//! What a gateway serves: its models, where their requests go, and the limits every request is
 //! checked against.
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use kvmesh_gpu::tokenizer::TextTokenizer;
+use kvmesh_telemetry::metrics::Exposition;
 
 use crate::dispatch::Dispatch;
 use crate::error::ApiError;
 use crate::metrics::Metrics;
 use crate::traces::Traces;
 
-/// The model a gateway serves and where its requests go.
+/// A model a gateway serves and where its requests go.
 pub struct ServedModel {
     pub name: String,
     pub tokenizer: Arc<TextTokenizer>,
     pub engine: Arc<dyn Dispatch>,
     /// Used for `max_model_len` while no worker is there to say (cluster gateways).
     pub default_max_model_len: usize,
-}
-
-pub struct AppState {
-    pub model: ServedModel,
-    pub api_key: Option<String>,
-    pub metrics: Arc<Metrics>,
-    pub created: u64,
-    /// The trace viewer's sources, when tracing is on.
-    pub traces: Option<Arc<Traces>>,
     /// The most bytes of text one token stands for (see [`max_bytes_per_token`]); `None`
     /// when this tokenizer can make one token of any length of text.
     pub bytes_per_token: Option<usize>,
-    /// Requests being parsed, templated and tokenized at once, at most: that work runs off
-    /// the async threads, so one client's huge prompts cannot stall the others.
-    pub(crate) prepare_permits: Arc<tokio::sync::Semaphore>,
 }
 
-impl AppState {
+impl ServedModel {
     pub fn new(
-        model: ServedModel,
-        api_key: Option<String>,
-        traces: Option<Arc<Traces>>,
-    ) -> Arc<AppState> {
-        let bytes_per_token = max_bytes_per_token(&model.tokenizer);
+        name: String,
+        tokenizer: Arc<TextTokenizer>,
+        engine: Arc<dyn Dispatch>,
+        default_max_model_len: usize,
+    ) -> ServedModel {
+        let bytes_per_token = max_bytes_per_token(&tokenizer);
         match bytes_per_token {
             Some(b) => tracing::debug!(
-                "no token stands for more than {b} bytes: longer prompts than max model length \
-                 x {b} bytes are refused before tokenizing"
+                "{name}: no token stands for more than {b} bytes: longer prompts than max model \
+                 length x {b} bytes are refused before tokenizing"
             ),
             None => tracing::info!(
-                "this tokenizer can make one token of arbitrarily long text: prompts are \
-                 measured only by tokenizing them"
+                "{name}: this tokenizer can make one token of arbitrarily long text: prompts \
+                 are measured only by tokenizing them"
             ),
         }
-        let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
-        Arc::new(AppState {
-            metrics: Arc::new(Metrics::new(&model.name)),
-            model,
-            api_key,
-            created: unix_now(),
-            traces,
+        ServedModel {
+            name,
+            tokenizer,
+            engine,
+            default_max_model_len,
             bytes_per_token,
-            prepare_permits: Arc::new(tokio::sync::Semaphore::new(cores.clamp(2, 16))),
-        })
+        }
     }
 
     /// Refuses a prompt text that cannot fit the context whatever its tokens, before
@@ -79,18 +68,97 @@ impl AppState {
 
     /// Token ids a prompt may hold: below both the tokenizer's and the engine's vocabulary.
     pub(crate) fn vocab_size(&self) -> usize {
-        let tok = self.model.tokenizer.vocab_size();
-        self.model
-            .engine
+        let tok = self.tokenizer.vocab_size();
+        self.engine
             .vocab_size()
             .map_or(tok, |engine| engine.min(tok))
     }
 
-    pub(crate) fn max_model_len(&self) -> usize {
-        self.model
-            .engine
+    pub fn max_model_len(&self) -> usize {
+        self.engine
             .max_model_len()
-            .unwrap_or(self.model.default_max_model_len)
+            .unwrap_or(self.default_max_model_len)
+    }
+}
+
+/// A model as `/v1/models` lists it.
+pub struct ListedModel {
+    pub name: String,
+    pub max_model_len: usize,
+}
+
+/// A future a [`Catalog`] answers with.
+pub type Resolving<'a> = Pin<Box<dyn Future<Output = Result<Arc<ServedModel>, ApiError>> + Send + 'a>>;
+
+/// The models a gateway serves: one fixed model (`kvmesh serve`), or whatever the mesh's
+/// workers serve (a cluster gateway).
+pub trait Catalog: Send + Sync {
+    /// The models `/v1/models` lists now: those a request can be served for.
+    fn listed(&self) -> Vec<ListedModel>;
+    /// The model a request names (`None`: it names none), waiting when it is being
+    /// prepared; an unknown model is a 404 naming those served.
+    fn resolve<'a>(&'a self, name: Option<&'a str>) -> Resolving<'a>;
+    /// The metric families of the engines or routers behind the models.
+    fn render_metrics(&self, out: &Exposition);
+}
+
+/// One model, always there: `kvmesh serve`.
+pub struct OneModel(pub Arc<ServedModel>);
+
+impl Catalog for OneModel {
+    fn listed(&self) -> Vec<ListedModel> {
+        vec![ListedModel {
+            name: self.0.name.clone(),
+            max_model_len: self.0.max_model_len(),
+        }]
+    }
+
+    fn resolve<'a>(&'a self, name: Option<&'a str>) -> Resolving<'a> {
+        let m = &self.0;
+        let got = match name {
+            Some(n) if n != m.name => Err(ApiError::model_not_found(n, &[m.name.as_str()])),
+            _ => Ok(m.clone()),
+        };
+        Box::pin(std::future::ready(got))
+    }
+
+    fn render_metrics(&self, out: &Exposition) {
+        self.0.engine.render_metrics(out, &self.0.name);
+    }
+}
+
+pub struct AppState {
+    pub catalog: Arc<dyn Catalog>,
+    pub api_key: Option<String>,
+    pub metrics: Arc<Metrics>,
+    pub created: u64,
+    /// The trace viewer's sources, when tracing is on.
+    pub traces: Option<Arc<Traces>>,
+    /// Requests being parsed, templated and tokenized at once, at most: that work runs off
+    /// the async threads, so one client's huge prompts cannot stall the others.
+    pub(crate) prepare_permits: Arc<tokio::sync::Semaphore>,
+}
+
+impl AppState {
+    pub fn new(
+        catalog: Arc<dyn Catalog>,
+        api_key: Option<String>,
+        traces: Option<Arc<Traces>>,
+    ) -> Arc<AppState> {
+        let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
+        let metrics = Arc::new(Metrics::new());
+        // The series of the models known at start are there from the first scrape.
+        for m in catalog.listed() {
+            metrics.model(&m.name);
+        }
+        Arc::new(AppState {
+            catalog,
+            metrics,
+            api_key,
+            created: unix_now(),
+            traces,
+            prepare_permits: Arc::new(tokio::sync::Semaphore::new(cores.clamp(2, 16))),
+        })
     }
 }
 

@@ -2,6 +2,7 @@
 //! caching, continuous batching, sampling, and the backends that run the math.
 
 pub mod backend;
+pub mod card;
 pub mod checkpoint;
 pub mod config;
 pub mod embedded;

@@ -19,6 +19,10 @@ pub struct LoadedModel {
     pub config: ModelConfig,
     pub tokenizer: Arc<TextTokenizer>,
     pub weights: WeightStore,
+    /// The text of `config.json` and the tokenizer's files as read: what a model card
+    /// gives a gateway that has no copy of the model.
+    pub config_json: String,
+    pub files: TokenizerFiles,
 }
 
 /// Files of a model compiled into the binary.
@@ -48,8 +52,8 @@ impl LoadedModel {
             ))
         })?;
         let config = ModelConfig::from_json(&text)?;
-        let tokenizer =
-            TextTokenizer::from_files(&TokenizerFiles::read_dir(dir)?, &config.eos_token_ids)?;
+        let files = TokenizerFiles::read_dir(dir)?;
+        let tokenizer = TextTokenizer::from_files(&files, &config.eos_token_ids)?;
         let weights = WeightStore::open_dir(dir)?;
         let name = std::fs::canonicalize(dir)
             .ok()
@@ -60,6 +64,8 @@ impl LoadedModel {
             config,
             tokenizer: Arc::new(tokenizer),
             weights,
+            config_json: text,
+            files,
         })
     }
 
@@ -78,25 +84,30 @@ impl LoadedModel {
             config,
             tokenizer: Arc::new(tokenizer),
             weights,
+            config_json: e.config_json.to_string(),
+            files,
         })
     }
 
-    /// A short fingerprint of what makes two copies of a model compute the same numbers:
-    /// the parsed config, the vocabulary (every token and id) and end ids, every tensor's name, dtype and
-    /// shape, and a sample of every tensor's bytes (its start, middle and end). Two workers
-    /// that disagree on it must not exchange KV.
+    /// A short fingerprint of what makes two copies of a model compute the same numbers and
+    /// read the same text: the parsed config, the tokenizer (every token and id, end ids, its
+    /// config, chat template and generation defaults) and the weights' digest
+    /// ([`LoadedModel::weights_digest`]). Two workers that disagree on it must not exchange
+    /// KV, and a gateway must not tokenize for one with the other's tokenizer.
     pub fn fingerprint(&self) -> String {
+        fingerprint_of(
+            &self.config,
+            &self.tokenizer,
+            &self.files,
+            &self.weights_digest(),
+        )
+    }
+
+    /// A digest of the weights: every tensor's name, dtype and shape, and a sample of its
+    /// bytes (its start, middle and end). A model card carries it, so that a gateway without
+    /// the weights can still recompute the fingerprint from the card's files.
+    pub fn weights_digest(&self) -> String {
         let mut h = Fnv::default();
-        h.write(format!("{:?}", self.config).as_bytes());
-        h.write(&(self.tokenizer.vocab_size() as u64).to_le_bytes());
-        for id in self.tokenizer.eos_ids() {
-            h.write(&id.to_le_bytes());
-        }
-        // The tokenizer: a gateway tokenizes for workers, so ids must mean the same text.
-        for (id, token) in self.tokenizer.vocabulary() {
-            h.write(&id.to_le_bytes());
-            h.write(token.as_bytes());
-        }
         let mut names = self.weights.names();
         names.sort_unstable();
         for name in names {
@@ -379,6 +390,45 @@ fn round_trips(tok: &TextTokenizer, words: &[u32]) -> bool {
 
 /// 64-bit FNV-1a: small and stable across machines and versions (the standard library's
 /// hashers are neither promised to be).
+/// The fingerprint of a model from its config, its tokenizer and the files that made it,
+/// and its weights' digest: what [`LoadedModel::fingerprint`] computes with the weights at
+/// hand, and what a gateway recomputes from a model card without them.
+pub fn fingerprint_of(
+    config: &ModelConfig,
+    tokenizer: &TextTokenizer,
+    files: &TokenizerFiles,
+    weights_digest: &str,
+) -> String {
+    let mut h = Fnv::default();
+    h.write(format!("{config:?}").as_bytes());
+    h.write(&(tokenizer.vocab_size() as u64).to_le_bytes());
+    for id in tokenizer.eos_ids() {
+        h.write(&id.to_le_bytes());
+    }
+    // The tokenizer: a gateway tokenizes for workers, so ids must mean the same text.
+    for (id, token) in tokenizer.vocabulary() {
+        h.write(&id.to_le_bytes());
+        h.write(token.as_bytes());
+    }
+    // What shapes the prompt and the defaults: the chat template and generation config.
+    for text in [
+        &files.tokenizer_config,
+        &files.chat_template_jinja,
+        &files.generation_config,
+    ] {
+        match text {
+            Some(t) => {
+                h.write(&[1]);
+                h.write(&(t.len() as u64).to_le_bytes());
+                h.write(t.as_bytes());
+            }
+            None => h.write(&[0]),
+        }
+    }
+    h.write(weights_digest.as_bytes());
+    format!("{:016x}", h.0)
+}
+
 struct Fnv(u64);
 
 impl Default for Fnv {

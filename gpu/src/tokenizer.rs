@@ -34,6 +34,7 @@ pub struct SamplingDefaults {
 }
 
 /// The files a tokenizer is made from, read from a model folder or from the binary.
+#[derive(Clone, Debug, PartialEq)]
 pub struct TokenizerFiles {
     pub tokenizer_json: Vec<u8>,
     pub tokenizer_config: Option<String>,

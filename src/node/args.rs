@@ -105,6 +105,11 @@ pub struct NodeArgs {
     /// it with `--num-kv-blocks`.
     #[arg(long, default_value_t = 1)]
     pub replicas: usize,
+    /// Gateway: keep the model cards fetched from workers in this folder too (as
+    /// `cards/<fingerprint>.json`), so that a restarted gateway serves its first request
+    /// without fetching them again. Cards are kept in memory either way.
+    #[arg(long)]
+    pub cache_dir: Option<std::path::PathBuf>,
     /// Publish this fingerprint instead of the node's own (tests: a record that does not
     /// match the certificate must be refused by routers).
     #[arg(long, hide = true)]

@@ -6,9 +6,12 @@
 //!   the KV, layer by layer;
 //! - `decode`: runs an engine that decodes, taking long prompts' KV from a prefill worker
 //!   when the router says so (and prefilling short or cached ones itself);
-//! - `router`: connects to every worker of its model and picks one per request (`--policy`),
-//!   and a prefill worker for a decode worker's long prompts;
-//! - `gateway`: the OpenAI HTTP API in front of this node's router.
+//! - `router`: connects to every worker, keeps one pool per served model, and picks a worker
+//!   of the request's model (`--policy`), and a prefill worker for a decode worker's long
+//!   prompts;
+//! - `gateway`: the OpenAI HTTP API in front of this node's router, for every model the
+//!   mesh serves: it fetches each model's card (tokenizer, chat template, generation
+//!   defaults) from one of its workers, so it needs no model files (`--model` pins one).
 //!
 //! `--roles prefill,decode` runs both engines in one process; their KV moves by a copy from
 //! one pool into the other.
@@ -21,6 +24,7 @@
 //! started (`start`), then it serves until SIGTERM and drains (`drain`).
 
 mod args;
+mod catalog;
 mod cluster;
 mod drain;
 mod membership;

@@ -46,6 +46,7 @@ impl Replica {
             None,
         );
         let serving = Serving::new(endpoint.clone());
+        serving.set_card(engine.fingerprint.clone(), engine.card.clone());
         let supervisor = kvmesh_actors::supervisor::start(NodeRoles {
             router: None,
             serving: Some(serving.clone()),

@@ -10,9 +10,9 @@ use axum::Router;
 use tokio::net::TcpListener;
 
 use kvmesh_actors::worker::{KvSide, KvTransport};
-use kvmesh_actors::{NodeRoles, Role, RoleRestarts, RouterCore, Serving, WorkerCore};
+use kvmesh_actors::{NodeRoles, Pinned, Pools, Role, RoleRestarts, Serving, WorkerCore};
 use kvmesh_discovery::{EtcdRegistry, Membership, NodeRecord, Registration, Registry};
-use kvmesh_gateway::{AppState, ServedModel};
+use kvmesh_gateway::AppState;
 use kvmesh_gpu::model::LoadedModel;
 use kvmesh_gpu::tokenizer::TextTokenizer;
 use kvmesh_transport::wire::KvLayout;
@@ -21,7 +21,8 @@ use kvmesh_transport::{AllowList, NodeEndpoint, NodeIdentity};
 use super::args::{KvTransportArg, NodeArgs};
 use super::membership::{check_kv_partners, follow_allow_list, gate_router_members};
 use super::replica::{unix_ms, Replica};
-use super::status::{node_routes, NodeState, RoutedDispatch};
+use super::catalog::{LocalModel, MeshCatalog};
+use super::status::{node_routes, NodeState};
 use crate::serve::{start_engine, StartedEngine};
 
 /// The node's engines (worker or decode, and prefill), or, for a gateway/router node, just
@@ -31,17 +32,21 @@ pub struct Engines {
     prefill: Option<StartedEngine>,
     /// Prefill and decode roles: the KV layout both ends of a transfer share.
     layout: Option<KvLayout>,
-    model: ModelInfo,
+    /// None: a gateway/router node started without `--model`, serving whatever models the
+    /// mesh's workers serve.
+    model: Option<ModelInfo>,
 }
 
 /// What a node tells others about its model, and what its gateway serves it with.
-struct ModelInfo {
+pub(super) struct ModelInfo {
     name: String,
     tokenizer: Arc<TextTokenizer>,
     max_model_len: usize,
     block_size: usize,
     device: String,
     fingerprint: String,
+    /// The card its workers give gateways (nodes with an engine).
+    card: Option<Vec<u8>>,
 }
 
 impl ModelInfo {
@@ -53,19 +58,19 @@ impl ModelInfo {
             block_size: e.block_size,
             device: e.device.clone(),
             fingerprint: e.fingerprint.clone(),
+            card: Some(e.card.clone()),
         }
     }
 
-    /// A node without an engine reads the model's files for its tokenizer and fingerprint.
-    fn without_engine(args: &NodeArgs) -> anyhow::Result<ModelInfo> {
-        let m = match &args.engine.model {
-            Some(dir) => {
-                LoadedModel::from_dir(dir).with_context(|| format!("loading {}", dir.display()))?
-            }
-            None => LoadedModel::from_embedded(&kvmesh_gpu::embedded::DEFAULT_MODEL)
-                .context("loading the embedded model")?,
+    /// A node without an engine given `--model` reads the model's files for its tokenizer
+    /// and fingerprint: its gateway serves that name only with that model. Without
+    /// `--model` it has none, and serves what the workers serve.
+    fn without_engine(args: &NodeArgs) -> anyhow::Result<Option<ModelInfo>> {
+        let Some(dir) = &args.engine.model else {
+            return Ok(None);
         };
-        Ok(ModelInfo {
+        let m = LoadedModel::from_dir(dir).with_context(|| format!("loading {}", dir.display()))?;
+        Ok(Some(ModelInfo {
             name: args
                 .engine
                 .served_model_name
@@ -79,7 +84,15 @@ impl ModelInfo {
             block_size: args.engine.block_size,
             device: "none".into(),
             fingerprint: m.fingerprint(),
-        })
+            card: None,
+        }))
+    }
+
+    pub(super) fn pinned(&self) -> Pinned {
+        Pinned {
+            name: self.name.clone(),
+            fingerprint: self.fingerprint.clone(),
+        }
     }
 }
 
@@ -101,7 +114,7 @@ impl Engines {
             _ => None,
         };
         let model = match first {
-            Some(e) => ModelInfo::of(e),
+            Some(e) => Some(ModelInfo::of(e)),
             None => ModelInfo::without_engine(args)?,
         };
         Ok(Engines {
@@ -254,22 +267,27 @@ pub async fn start(
     spans: Arc<kvmesh_telemetry::SpanStore>,
 ) -> anyhow::Result<Started> {
     let net = Network::bind(args, &node_id, engines.layout.is_some()).await?;
-    let capacity = args.declared_capacity(&engines.model.device);
+    let device = engines.model.as_ref().map_or("none", |m| m.device.as_str());
+    let capacity = args.declared_capacity(device);
     let record = record(args, &node_id, &engines, &net, capacity);
     if let Some(l) = &record.kv_layout {
         let members = net.registry.list().await?;
-        check_kv_partners(&node_id, &args.roles, &engines.model.name, l, &members)?;
+        check_kv_partners(&node_id, &args.roles, &record.model, l, &members)?;
     }
     let members = net.registry.subscribe();
     // Members (and only members) may dial this node.
     follow_allow_list(members.clone(), net.allowed.clone());
     let cores = cores(args, &node_id, &engines, &net, capacity);
     let serving = (!cores.is_empty()).then(|| Serving::new(net.endpoint.clone()));
+    if let (Some(s), Some(m)) = (&serving, &engines.model) {
+        if let Some(card) = &m.card {
+            s.set_card(m.fingerprint.clone(), card.clone());
+        }
+    }
     let router = args.has(Role::Router).then(|| {
-        RouterCore::new(
+        Pools::new(
             node_id.clone(),
-            engines.model.name.clone(),
-            engines.model.fingerprint.clone(),
+            engines.model.as_ref().map(ModelInfo::pinned),
             args.policy,
             args.router_config(),
             net.endpoint.clone(),
@@ -304,7 +322,7 @@ pub async fn start(
         fault_injection: args.enable_fault_injection,
         api_key: args.api_key.clone(),
     });
-    let app = app(args, &node, &engines.model, members, spans);
+    let app = app(args, &node, engines.model.as_ref(), members, spans);
     log_joined(args, &node, &net, engines.layout.as_ref());
     Ok(Started {
         node,
@@ -325,18 +343,18 @@ fn record(
     net: &Network,
     capacity: f64,
 ) -> NodeRecord {
-    let m = &engines.model;
+    let m = engines.model.as_ref();
     NodeRecord {
         node_id: node_id.to_string(),
         cluster: args.cluster.clone(),
         roles: args.roles.clone(),
         quic_addr: net.quic_addr.to_string(),
         http_url: Some(net.http_url.clone()),
-        model: m.name.clone(),
-        device: m.device.clone(),
+        model: m.map(|m| m.name.clone()).unwrap_or_default(),
+        device: m.map_or("none", |m| m.device.as_str()).to_string(),
         capacity_tokens_per_s: capacity,
-        max_model_len: m.max_model_len,
-        block_size: m.block_size,
+        max_model_len: m.map_or(0, |m| m.max_model_len),
+        block_size: m.map_or(args.engine.block_size, |m| m.block_size),
         cert_sha256: args
             .debug_advertise_fingerprint
             .clone()
@@ -346,7 +364,7 @@ fn record(
         kv_layout: engines.layout.as_ref().map(KvLayout::describe),
         kv_tcp_addr: net.kv_tcp_addr.map(|a| a.to_string()),
         draining: false,
-        model_fingerprint: Some(m.fingerprint.clone()),
+        model_fingerprint: m.map(|m| m.fingerprint.clone()),
     }
 }
 
@@ -435,7 +453,7 @@ async fn start_replicas(
 fn app(
     args: &NodeArgs,
     node: &Arc<NodeState>,
-    model: &ModelInfo,
+    model: Option<&ModelInfo>,
     members: tokio::sync::watch::Receiver<Membership>,
     spans: Arc<kvmesh_telemetry::SpanStore>,
 ) -> Router {
@@ -452,13 +470,15 @@ fn app(
             .filter_map(|r| r.http_url.clone())
             .collect::<Vec<_>>()
     });
+    let pinned = model.map(|m| LocalModel {
+        name: m.name.clone(),
+        tokenizer: m.tokenizer.clone(),
+        max_model_len: m.max_model_len,
+        fingerprint: m.fingerprint.clone(),
+    });
+    let catalog = MeshCatalog::new(r.clone(), node.restarts.clone(), pinned, args.cache_dir.clone());
     let state = AppState::new(
-        ServedModel {
-            name: model.name.clone(),
-            tokenizer: model.tokenizer.clone(),
-            engine: Arc::new(RoutedDispatch(r.clone(), node.restarts.clone())),
-            default_max_model_len: model.max_model_len,
-        },
+        catalog,
         args.api_key.clone(),
         Some(kvmesh_gateway::traces::Traces::new(spans, peers)),
     );

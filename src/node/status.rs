@@ -13,7 +13,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde_json::{json, Value};
 
-use kvmesh_actors::{NodeMsg, Role, RoleRestarts, RouterCore, Serving, WorkerCore};
+use kvmesh_actors::{NodeMsg, Pools, Role, RoleRestarts, RouterCore, Serving, WorkerCore};
 use kvmesh_discovery::NodeRecord;
 use kvmesh_gateway::dispatch::Reply;
 use kvmesh_gateway::error::ApiError;
@@ -36,7 +36,7 @@ impl Dispatch for RoutedDispatch {
     }
 
     fn render_metrics(&self, out: &Exposition, _model: &str) {
-        self.0.render_metrics(out);
+        kvmesh_actors::router::render_pools(std::slice::from_ref(&self.0), out);
         render_restarts(out, &self.1);
     }
 }
@@ -46,7 +46,7 @@ pub struct NodeState {
     pub spans: Arc<kvmesh_telemetry::SpanStore>,
     pub record: NodeRecord,
     pub started: Instant,
-    pub router: Option<Arc<RouterCore>>,
+    pub router: Option<Arc<Pools>>,
     pub serving: Option<Arc<Serving>>,
     /// The node's worker-type cores: worker, decode, prefill.
     pub cores: Vec<Arc<WorkerCore>>,
@@ -114,40 +114,8 @@ impl NodeState {
                 });
             }
         }
-        if let Some(r) = &self.router {
-            // p50 and p99 from one sort of the recent picks.
-            let recent = r.stats.picks.recent_percentiles_us(&[50.0, 99.0]);
-            v["router"] = json!({
-                "policy": r.policy.as_str(),
-                "workers": r.workers().iter().map(|w| json!({
-                    "node_id": w.record.node_id,
-                    "connected": w.connected(),
-                    "draining": w.draining(),
-                    "load": w.load(),
-                    "capacity_tokens_per_s": w.capacity(),
-                    "prompt_tokens_per_s": w.prompt_rate(),
-                    "routed": w.routed.load(Ordering::Relaxed),
-                    "kv_blocks_reported": w.kv.held(),
-                    "kv_events_synced": w.kv.synced(),
-                })).collect::<Vec<_>>(),
-                "refused": r.refused.lock().iter().map(|(id, why)| json!({
-                    "node_id": id,
-                    "reason": why,
-                })).collect::<Vec<_>>(),
-                "migrations": r.stats.migrations.load(Ordering::Relaxed),
-                "pick_time": {
-                    "count": r.stats.picks.count.load(Ordering::Relaxed),
-                    "mean_us": r.stats.picks.mean_us(),
-                    "max_us": r.stats.picks.max_ns.load(Ordering::Relaxed) as f64 / 1e3,
-                    "recent_p50_us": recent.first(),
-                    "recent_p99_us": recent.get(1),
-                },
-                "prefix_predictions": {
-                    "exact": r.stats.predictions[0].load(Ordering::Relaxed),
-                    "fewer": r.stats.predictions[1].load(Ordering::Relaxed),
-                    "more": r.stats.predictions[2].load(Ordering::Relaxed),
-                },
-            });
+        if let Some(pools) = &self.router {
+            v["router"] = router_view(pools);
         }
         v
     }
@@ -172,7 +140,90 @@ impl NodeState {
     }
 }
 
-fn render_restarts(o: &Exposition, restarts: &RoleRestarts) {
+/// A router's view: every pool's, and over all pools the workers, refusals, migrations,
+/// pick times (the recent percentiles: the busiest pool's) and prefix predictions.
+fn router_view(pools: &Pools) -> Value {
+    let all = pools.all();
+    let views: Vec<Value> = all.iter().map(|p| pool_view(p)).collect();
+    let sum = |f: &dyn Fn(&RouterCore) -> u64| all.iter().map(|p| f(p)).sum::<u64>();
+    let picks = sum(&|p| p.stats.picks.count.load(Ordering::Relaxed));
+    let busiest = all
+        .iter()
+        .max_by_key(|p| p.stats.picks.count.load(Ordering::Relaxed));
+    let recent = busiest.map_or(Vec::new(), |p| p.stats.picks.recent_percentiles_us(&[50.0, 99.0]));
+    let mean_us = if picks == 0 {
+        0.0
+    } else {
+        all.iter()
+            .map(|p| p.stats.picks.mean_us() * p.stats.picks.count.load(Ordering::Relaxed) as f64)
+            .sum::<f64>()
+            / picks as f64
+    };
+    let concat = |key: &str| {
+        views
+            .iter()
+            .flat_map(|v| v[key].as_array().cloned().unwrap_or_default())
+            .collect::<Vec<Value>>()
+    };
+    json!({
+        "policy": pools.policy().as_str(),
+        "workers": concat("workers"),
+        "refused": concat("refused"),
+        "migrations": sum(&|p| p.stats.migrations.load(Ordering::Relaxed)),
+        "pick_time": {
+            "count": picks,
+            "mean_us": mean_us,
+            "max_us": all.iter().map(|p| p.stats.picks.max_ns.load(Ordering::Relaxed)).max().unwrap_or(0) as f64 / 1e3,
+            "recent_p50_us": recent.first(),
+            "recent_p99_us": recent.get(1),
+        },
+        "prefix_predictions": {
+            "exact": sum(&|p| p.stats.predictions[0].load(Ordering::Relaxed)),
+            "fewer": sum(&|p| p.stats.predictions[1].load(Ordering::Relaxed)),
+            "more": sum(&|p| p.stats.predictions[2].load(Ordering::Relaxed)),
+        },
+        "pools": views,
+    })
+}
+
+/// One pool: its model, fingerprint and workers, what it refused, and its pick times.
+fn pool_view(r: &RouterCore) -> Value {
+    let model = r.model.as_str();
+    // p50 and p99 from one sort of the recent picks.
+    let recent = r.stats.picks.recent_percentiles_us(&[50.0, 99.0]);
+    json!({
+        "model": model,
+        "fingerprint": r.model_fingerprint,
+        "max_model_len": r.max_model_len(),
+        "workers": r.workers().iter().map(|w| json!({
+            "node_id": w.record.node_id,
+            "model": model,
+            "connected": w.connected(),
+            "draining": w.draining(),
+            "load": w.load(),
+            "capacity_tokens_per_s": w.capacity(),
+            "prompt_tokens_per_s": w.prompt_rate(),
+            "routed": w.routed.load(Ordering::Relaxed),
+            "kv_blocks_reported": w.kv.held(),
+            "kv_events_synced": w.kv.synced(),
+        })).collect::<Vec<_>>(),
+        "refused": r.refused.lock().iter().map(|(id, why)| json!({
+            "node_id": id,
+            "model": model,
+            "reason": why,
+        })).collect::<Vec<_>>(),
+        "migrations": r.stats.migrations.load(Ordering::Relaxed),
+        "pick_time": {
+            "count": r.stats.picks.count.load(Ordering::Relaxed),
+            "mean_us": r.stats.picks.mean_us(),
+            "max_us": r.stats.picks.max_ns.load(Ordering::Relaxed) as f64 / 1e3,
+            "recent_p50_us": recent.first(),
+            "recent_p99_us": recent.get(1),
+        },
+    })
+}
+
+pub(super) fn render_restarts(o: &Exposition, restarts: &RoleRestarts) {
     o.counters(
         "kvmesh:role_restarts_total",
         "Roles restarted by the node supervisor after a crash.",

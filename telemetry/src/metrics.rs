@@ -48,6 +48,49 @@ impl Exposition {
         self.gauges(name, help, &[], [(Vec::new(), value)]);
     }
 
+    /// One histogram family from several histograms of the same name, each sample given
+    /// `label` = its value (e.g. one router pool's pick times per `model_name`).
+    #[allow(deprecated)] // get_metric has no non-deprecated equivalent returning a slice
+    pub fn labelled_histograms<'a>(
+        &self,
+        label: &str,
+        histograms: impl IntoIterator<Item = (&'a str, &'a Histogram)>,
+    ) {
+        let mut family: Option<MetricFamily> = None;
+        let mut metrics = Vec::new();
+        for (value, h) in histograms {
+            for mf in h.collect() {
+                for mut m in mf.get_metric().iter().cloned() {
+                    let mut pair = LabelPair::default();
+                    pair.set_name(label.to_string());
+                    pair.set_value(value.to_string());
+                    let mut pairs = vec![pair];
+                    pairs.extend(m.take_label());
+                    m.set_label(pairs.into());
+                    metrics.push(m);
+                }
+                family.get_or_insert(mf);
+            }
+        }
+        let Some(mut mf) = family else {
+            return;
+        };
+        let desc = match Desc::new(
+            mf.name().into(),
+            mf.help().into(),
+            vec![label.to_string()],
+            HashMap::new(),
+        ) {
+            Ok(d) => d,
+            Err(e) => {
+                tracing::error!("a metric family was left out of the exposition: {e}");
+                return;
+            }
+        };
+        mf.set_metric(metrics.into());
+        self.add(Family { desc, mf });
+    }
+
     /// A counter family with one sample per set of `labels`' values (written in the order
     /// `labels` names them).
     pub fn counters<'a>(

@@ -13,7 +13,8 @@
 //! [`attempts`]'s.
 //!
 //! - `links`: the workers as the router knows them, kept connected;
-//! - `membership`: which members are routed to;
+//! - `pools`: one core per served model, picked by a request's `model`;
+//! - `membership`: which members a pool routes to;
 //! - `choice`: the candidates a policy sees, the pick, the prefill decision;
 //! - `attempts`: one request's retries and migrations;
 //! - `stream`: one attempt's token stream from its worker;
@@ -24,6 +25,7 @@ mod choice;
 mod config;
 mod links;
 mod membership;
+mod pools;
 mod stats;
 mod stream;
 
@@ -54,7 +56,14 @@ pub use attempts::{FULL_ROUNDS, UNSTARTED_PATIENCE};
 pub use config::{DisaggConfig, RouterConfig};
 pub use links::{KvSlot, WorkerLink};
 pub use membership::REGISTRY_GRACE;
-pub use stats::{Decision, PickTimes, RouterStats};
+pub use pools::{fetch_card, Pinned, Pools};
+pub use stats::{Decision, PickTimes, PoolView, RouterStats};
+
+/// The metric families of a router's pools, each series labelled with its `model_name`.
+pub fn render_pools(pools: &[Arc<RouterCore>], out: &Exposition) {
+    let views: Vec<PoolView> = pools.iter().map(|p| p.view()).collect();
+    stats::render(&views, out);
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum RouteError {
@@ -285,9 +294,13 @@ impl RouterCore {
         attempt.record("predicted_cached_tokens", expected);
     }
 
-    /// The metric families of the router's view of the cluster.
-    pub fn render_metrics(&self, out: &Exposition) {
-        stats::render(&self.stats, &self.workers(), out);
+    /// This pool's part of the router's metrics.
+    pub fn view(&self) -> stats::PoolView<'_> {
+        stats::PoolView {
+            model: &self.model,
+            stats: &self.stats,
+            workers: self.workers(),
+        }
     }
 }
 

@@ -108,11 +108,6 @@ impl PickTimes {
         }
         self.sum_ns.load(Ordering::Relaxed) as f64 / n as f64 / 1e3
     }
-
-    /// The pick-time histogram, in seconds.
-    fn render(&self, out: &Exposition) {
-        out.add(self.histogram.clone());
-    }
 }
 
 /// What the router decided about prefilling a request routed to a decode node.
@@ -147,100 +142,132 @@ impl Decision {
     }
 }
 
-/// The metric families of the router's view of the cluster.
-pub fn render(s: &RouterStats, workers: &[Arc<WorkerLink>], out: &Exposition) {
-    fn id(w: &Arc<WorkerLink>) -> Vec<&str> {
-        vec![w.record.node_id.as_str()]
-    }
+/// One pool's part of the router's metrics: its model, stats and workers.
+pub struct PoolView<'a> {
+    pub model: &'a str,
+    pub stats: &'a RouterStats,
+    pub workers: Vec<Arc<WorkerLink>>,
+}
+
+/// The metric families of the router's view of the cluster: each series carries its pool's
+/// `model_name`, as vLLM's series do.
+pub fn render(pools: &[PoolView], out: &Exposition) {
     let n = |a: &AtomicU64| a.load(Ordering::Relaxed) as f64;
-    out.counter(
+    let per_pool = |name: &str, help: &str, v: &dyn Fn(&RouterStats) -> f64| {
+        out.counters(
+            name,
+            help,
+            &["model_name"],
+            pools.iter().map(|p| (vec![p.model], v(p.stats))),
+        );
+    };
+    per_pool(
         "kvmesh:router_requests_total",
         "Requests sent to workers, retries included.",
-        n(&s.routed),
+        &|s| n(&s.routed),
     );
-    out.counter(
+    per_pool(
         "kvmesh:router_queue_full_total",
         "Requests refused with 429 because every worker's queue was full.",
-        n(&s.full),
+        &|s| n(&s.full),
     );
-    out.counter(
+    per_pool(
         "kvmesh:router_retries_total",
         "Requests moved to another worker before their first token.",
-        n(&s.retries),
+        &|s| n(&s.retries),
     );
-    out.counter(
+    per_pool(
         "kvmesh:router_midstream_failures_total",
         "Requests that ended with an error because their worker was lost mid-stream and the \
          migration limit was reached.",
-        n(&s.failed_midstream),
+        &|s| n(&s.failed_midstream),
     );
-    out.counter(
+    per_pool(
         "kvmesh:migrations_total",
         "Requests moved to another worker after tokens were streamed (their worker lost).",
-        n(&s.migrations),
+        &|s| n(&s.migrations),
     );
-    out.counter(
+    per_pool(
         "kvmesh:router_no_worker_total",
         "Requests refused because no worker could take them.",
-        n(&s.no_worker),
+        &|s| n(&s.no_worker),
     );
     out.counters(
         "kvmesh:disagg_decisions_total",
         "Requests routed to decode nodes, by whether and why their prompt was prefilled \
          elsewhere.",
-        &["reason"],
-        Decision::ALL.map(|d| (vec![d.as_str()], n(&s.disagg[d as usize]))),
+        &["model_name", "reason"],
+        pools.iter().flat_map(|p| {
+            Decision::ALL.map(|d| (vec![p.model, d.as_str()], n(&p.stats.disagg[d as usize])))
+        }),
     );
     out.counters(
         "kvmesh:router_prefix_predictions_total",
         "Prefix routing: the cached prompt tokens expected from the worker's KV events \
          against those it reported.",
-        &["outcome"],
-        ["exact", "fewer", "more"]
-            .iter()
-            .zip(&s.predictions)
-            .map(|(o, v)| (vec![*o], n(v))),
+        &["model_name", "outcome"],
+        pools.iter().flat_map(|p| {
+            ["exact", "fewer", "more"]
+                .iter()
+                .zip(&p.stats.predictions)
+                .map(|(o, v)| (vec![p.model, *o], n(v)))
+        }),
     );
-    s.picks.render(out);
-    out.gauge(
+    out.labelled_histograms(
+        "model_name",
+        pools.iter().map(|p| (p.model, &p.stats.picks.histogram)),
+    );
+    out.gauges(
         "kvmesh:router_workers_routable",
         "Workers connected and in routing.",
-        workers
-            .iter()
-            .filter(|w| w.available() && w.generates())
-            .count() as f64,
+        &["model_name"],
+        pools.iter().map(|p| {
+            let routable = p.workers.iter().filter(|w| w.available() && w.generates());
+            (vec![p.model], routable.count() as f64)
+        }),
     );
-    out.gauge(
+    out.gauges(
         "kvmesh:router_prefill_workers_connected",
         "Prefill nodes connected and reporting, available to decode nodes.",
-        workers.iter().filter(|w| w.prefill_ready()).count() as f64,
+        &["model_name"],
+        pools.iter().map(|p| {
+            let ready = p.workers.iter().filter(|w| w.prefill_ready());
+            (vec![p.model], ready.count() as f64)
+        }),
     );
+    let workers = || {
+        pools
+            .iter()
+            .flat_map(|p| p.workers.iter().map(move |w| (p.model, w)))
+    };
+    fn id<'w>(model: &'w str, w: &'w WorkerLink) -> Vec<&'w str> {
+        vec![model, w.record.node_id.as_str()]
+    }
     out.counters(
         "kvmesh:prefill_routed_total",
         "Prompts sent to each prefill node.",
-        &["worker"],
-        workers
-            .iter()
-            .filter(|w| w.prefills())
-            .map(|w| (id(w), n(&w.prefilled))),
+        &["model_name", "worker"],
+        workers()
+            .filter(|(_, w)| w.prefills())
+            .map(|(m, w)| (id(m, w), n(&w.prefilled))),
     );
     out.counters(
         "kvmesh:worker_routed_total",
         "Requests sent to each worker.",
-        &["worker"],
-        workers.iter().map(|w| (id(w), n(&w.routed))),
+        &["model_name", "worker"],
+        workers().map(|(m, w)| (id(m, w), n(&w.routed))),
     );
     out.gauges(
         "kvmesh:worker_load",
         "Requests queued or running on each worker, as this router counts them.",
-        &["worker"],
-        workers.iter().map(|w| (id(w), w.load())),
+        &["model_name", "worker"],
+        workers().map(|(m, w)| (id(m, w), w.load())),
     );
     out.gauges(
         "kvmesh:worker_capacity_tokens_per_s",
         "Generated tokens per second one sequence gets on each worker, as it reported.",
-        &["worker"],
-        workers.iter().map(|w| (id(w), w.capacity())),
+        &["model_name", "worker"],
+        workers().map(|(m, w)| (id(m, w), w.capacity())),
     );
 }
 
@@ -260,7 +287,7 @@ mod tests {
         assert_eq!(t.count.load(Ordering::Relaxed), 2000);
         assert!((t.mean_us() - 1000.5).abs() < 1e-9);
         let exposition = Exposition::new();
-        t.render(&exposition);
+        exposition.add(t.histogram.clone());
         let out = exposition.render();
         assert!(
             out.contains("kvmesh:router_pick_seconds_bucket{le=\"0.00001\"} 10\n"),

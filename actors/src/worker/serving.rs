@@ -9,7 +9,7 @@ use std::time::Duration;
 use kvmesh_discovery::Role;
 use kvmesh_gpu::kv_cache::KvEvent;
 use kvmesh_transport::wire::{
-    self, KvEventBatch, LoadReport, StreamRequest, TokenEvent, UniHeader,
+    self, CardReply, KvEventBatch, LoadReport, StreamRequest, TokenEvent, UniHeader,
 };
 use kvmesh_transport::{peer_fingerprint, Connection, NodeEndpoint, RecvStream, SendStream};
 use parking_lot::RwLock;
@@ -30,6 +30,9 @@ pub struct Serving {
     draining: tokio::sync::watch::Sender<bool>,
     /// Generate and prefill streams being served.
     in_flight: AtomicU64,
+    /// The model card of the node's model (its fingerprint, and the card as JSON), for the
+    /// gateways that ask.
+    card: RwLock<Option<(String, Arc<Vec<u8>>)>>,
 }
 
 /// Counts a stream being served for as long as it lives.
@@ -56,7 +59,32 @@ impl Serving {
             prefill: RwLock::new(None),
             draining: tokio::sync::watch::channel(false).0,
             in_flight: AtomicU64::new(0),
+            card: RwLock::new(None),
         })
+    }
+
+    /// The card served to gateways asking for the model of `fingerprint`.
+    pub fn set_card(&self, fingerprint: String, card: Vec<u8>) {
+        *self.card.write() = Some((fingerprint, Arc::new(card)));
+    }
+
+    /// Answers a gateway's request for a model card. A card is served while draining too:
+    /// it is read-only, and a gateway may still be finishing that model's requests.
+    async fn serve_card(&self, mut send: SendStream, fingerprint: String) {
+        let card = self.card.read().clone();
+        let reply = match card {
+            Some((f, card)) if f == fingerprint => CardReply::Card(card.to_vec()),
+            Some((f, _)) => CardReply::Refused {
+                message: format!(
+                    "this node serves the model of fingerprint {f}, not {fingerprint}"
+                ),
+            },
+            None => CardReply::Refused {
+                message: "this node has no model card".into(),
+            },
+        };
+        let _ = wire::write_msg(&mut send, &reply).await;
+        let _ = send.finish();
     }
 
     /// Starts the shutdown: refuse new requests, tell every router now.
@@ -171,6 +199,12 @@ impl Serving {
                 return;
             }
         };
+        let msg = match msg {
+            StreamRequest::Card { fingerprint } => {
+                return self.serve_card(send, fingerprint).await;
+            }
+            other => other,
+        };
         let _counted = InFlight::enter(&self.in_flight);
         if self.draining() {
             let why = "this node is shutting down";
@@ -178,6 +212,7 @@ impl Serving {
                 StreamRequest::Generate(_) => {
                     wire::write_msg(&mut send, &reject(why.into(), true)).await
                 }
+                StreamRequest::Card { .. } => Ok(()),
                 StreamRequest::Prefill(_) => {
                     wire::write_msg(
                         &mut send,
@@ -208,6 +243,7 @@ impl Serving {
                     }
                 }
             }
+            StreamRequest::Card { .. } => {}
             StreamRequest::Prefill(req) => {
                 let core = self.prefill.read().clone();
                 match core {

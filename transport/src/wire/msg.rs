@@ -82,6 +82,18 @@ pub enum StreamRequest {
     /// A decode worker's request to prefill into its blocks; answered with
     /// [`PrefillEvent`]s, the KV itself on data streams.
     Prefill(PrefillRequest),
+    /// A gateway's request for the model card of the model of this fingerprint; answered
+    /// with one [`CardReply`].
+    Card { fingerprint: String },
+}
+
+/// A worker's answer to [`StreamRequest::Card`].
+#[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Clone, Debug, PartialEq)]
+pub enum CardReply {
+    /// The card, as JSON (kvmesh-gpu's `ModelCard`).
+    Card(Vec<u8>),
+    /// The worker serves no model of that fingerprint, or has no card.
+    Refused { message: String },
 }
 
 /// The first message on a unidirectional stream, saying what it carries.

@@ -1,0 +1,193 @@
+//! A router's pools: one [`RouterCore`] per served model, each routing among the workers
+//! that serve that model under its name with one fingerprint. A request's `model` picks the
+//! pool; policies, the prefix index, disaggregation and migration all work inside it, so
+//! picking costs the same however many models the mesh serves.
+//!
+//! Which fingerprint a name stands for: the one a gateway was started with (`--model`),
+//! else the one its pool already routes to while any worker of it is left, else that of the
+//! earliest-started worker of the name. Workers of another fingerprint under that name are
+//! refused, each with the reason, in their pool's `refused`.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use kvmesh_discovery::{Membership, NodeRecord};
+use kvmesh_transport::wire::{self, CardReply, StreamRequest};
+use kvmesh_transport::NodeEndpoint;
+use parking_lot::RwLock;
+
+use super::config::RouterConfig;
+use super::RouterCore;
+use crate::policy::Policy;
+
+/// A model a node serves itself, or a gateway was started with: its name always means this
+/// fingerprint.
+#[derive(Clone, Debug)]
+pub struct Pinned {
+    pub name: String,
+    pub fingerprint: String,
+}
+
+pub struct Pools {
+    node_id: String,
+    policy: Policy,
+    config: RouterConfig,
+    endpoint: NodeEndpoint,
+    pinned: Option<Pinned>,
+    pools: RwLock<BTreeMap<String, Arc<RouterCore>>>,
+}
+
+impl Pools {
+    pub fn new(
+        node_id: String,
+        pinned: Option<Pinned>,
+        policy: Policy,
+        config: RouterConfig,
+        endpoint: NodeEndpoint,
+    ) -> Arc<Pools> {
+        let pools = Arc::new(Pools {
+            node_id,
+            policy,
+            config,
+            endpoint,
+            pinned: pinned.clone(),
+            pools: RwLock::new(BTreeMap::new()),
+        });
+        if let Some(p) = pinned {
+            pools.pools.write().insert(p.name.clone(), pools.core(&p));
+        }
+        pools
+    }
+
+    pub fn policy(&self) -> Policy {
+        self.policy
+    }
+
+    fn core(&self, model: &Pinned) -> Arc<RouterCore> {
+        RouterCore::new(
+            self.node_id.clone(),
+            model.name.clone(),
+            model.fingerprint.clone(),
+            self.policy,
+            self.config,
+            self.endpoint.clone(),
+        )
+    }
+
+    /// The pool serving `name`, if the mesh has one.
+    pub fn get(&self, name: &str) -> Option<Arc<RouterCore>> {
+        self.pools.read().get(name).cloned()
+    }
+
+    /// Every pool, by model name.
+    pub fn all(&self) -> Vec<Arc<RouterCore>> {
+        self.pools.read().values().cloned().collect()
+    }
+
+    /// The model a gateway was started with, if any.
+    pub fn pinned(&self) -> Option<&Pinned> {
+        self.pinned.as_ref()
+    }
+
+    /// Brings every pool in line with the registry: a pool for each model name some worker
+    /// serves, each pool's workers updated, and a pool left with no worker and no member of
+    /// its name forgotten (the pinned one is kept).
+    pub fn apply_membership(&self, members: &Membership) {
+        let mut by_name: BTreeMap<&str, Vec<&NodeRecord>> = BTreeMap::new();
+        for r in members.values() {
+            if r.roles.iter().any(|role| role.runs_engine()) {
+                by_name.entry(r.model.as_str()).or_default().push(r);
+            }
+        }
+        let mut pools = self.pools.write();
+        for (name, records) in &by_name {
+            let current = pools.get(*name);
+            let keep = current.is_some_and(|core| {
+                // A pool keeps its fingerprint while it has workers or members of it.
+                !core.workers().is_empty()
+                    || records
+                        .iter()
+                        .any(|r| r.model_fingerprint.as_deref() == Some(&core.model_fingerprint))
+                    || self.pinned.as_ref().is_some_and(|p| p.name == *name)
+            });
+            if keep {
+                continue;
+            }
+            // The earliest-started worker of the name says which model it is.
+            let Some(first) = records
+                .iter()
+                .filter(|r| r.model_fingerprint.is_some())
+                .min_by_key(|r| (r.started_unix_ms, r.node_id.as_str()))
+            else {
+                continue;
+            };
+            let model = Pinned {
+                name: name.to_string(),
+                fingerprint: first.model_fingerprint.clone().unwrap_or_default(),
+            };
+            tracing::info!(
+                "model '{}' (fingerprint {}) joined the mesh with worker {}",
+                model.name,
+                model.fingerprint,
+                first.node_id
+            );
+            pools.insert(model.name.clone(), self.core(&model));
+        }
+        let all: Vec<Arc<RouterCore>> = pools.values().cloned().collect();
+        drop(pools);
+        for core in &all {
+            core.apply_membership(members);
+        }
+        let mut pools = self.pools.write();
+        pools.retain(|name, core| {
+            let keep = by_name.contains_key(name.as_str())
+                || !core.workers().is_empty()
+                || self.pinned.as_ref().is_some_and(|p| &p.name == name);
+            if !keep {
+                tracing::info!("model '{name}' left the mesh: no worker serves it");
+            }
+            keep
+        });
+    }
+}
+
+/// Fetches the model card of `pool`'s model from one of its connected workers (the first
+/// that answers), as the JSON bytes the worker sent.
+pub async fn fetch_card(pool: &RouterCore) -> Result<Vec<u8>, String> {
+    let mut errors = Vec::new();
+    for link in pool.workers() {
+        let Some(conn) = link.connection() else {
+            continue;
+        };
+        let id = &link.record.node_id;
+        let got = async {
+            let (mut send, mut recv) = conn.open_bi().await.map_err(|e| e.to_string())?;
+            let ask = StreamRequest::Card {
+                fingerprint: pool.model_fingerprint.clone(),
+            };
+            wire::write_msg(&mut send, &ask)
+                .await
+                .map_err(|e| e.to_string())?;
+            let _ = send.finish();
+            match wire::read_msg::<CardReply>(&mut recv).await {
+                Ok(Some(CardReply::Card(bytes))) => Ok(bytes),
+                Ok(Some(CardReply::Refused { message })) => Err(message),
+                Ok(None) => Err("the worker closed the stream".to_string()),
+                Err(e) => Err(e.to_string()),
+            }
+        }
+        .await;
+        match got {
+            Ok(bytes) => return Ok(bytes),
+            Err(e) => errors.push(format!("{id}: {e}")),
+        }
+    }
+    if errors.is_empty() {
+        Err(format!(
+            "no worker of model '{}' is connected to fetch its card from",
+            pool.model
+        ))
+    } else {
+        Err(errors.join("; "))
+    }
+}
