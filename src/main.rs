@@ -23,7 +23,7 @@ enum Command {
     /// Serve a model over the OpenAI API, every role in this one process.
     Serve(serve::ServeArgs),
     /// Join a cluster through etcd as a gateway, router and/or worker.
-    Node(node::NodeArgs),
+    Node(Box<node::NodeArgs>),
     /// Look at a cluster.
     Cluster {
         #[command(subcommand)]
@@ -59,7 +59,7 @@ fn main() -> anyhow::Result<()> {
     }
     match cli.command {
         Command::Serve(args) => serve::run(args),
-        Command::Node(args) => node::run(args),
+        Command::Node(args) => node::run(*args),
         Command::Trace(args) => trace_cmd::run(args),
         Command::Cluster {
             command: ClusterCommand::Status(args),

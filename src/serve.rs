@@ -10,8 +10,8 @@ use std::sync::Arc;
 
 use kvmesh_gateway::http::{self, HttpLimits};
 use kvmesh_gateway::{AppState, OneModel, ServedModel};
-use kvmesh_gpu::card::ModelCard;
 use kvmesh_gpu::backend::sim::SimTiming;
+use kvmesh_gpu::card::ModelCard;
 use kvmesh_gpu::engine::{self, EngineConfig};
 use kvmesh_gpu::model::{build_backend, resolve_device, BackendKind, KvBudget, LoadedModel};
 

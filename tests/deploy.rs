@@ -568,6 +568,28 @@ fn kubernetes_overlays_render_and_validate() {
             Some("http://etcd:2379")
         );
 
+        // A second model behind the same gateway: its workers' model folder is written by
+        // the init container into a volume the worker reads.
+        let second = find(&docs, "Deployment", "kvmesh-worker-qwen2");
+        let q_c = check_node_pod(second, &name, 9090, "/health");
+        let q_args = strings(&q_c["args"]);
+        let folder = flag_value(&q_args, "--model").expect("the second model's --model");
+        let init = &second["spec"]["template"]["spec"]["initContainers"][0];
+        let init_args = strings(&init["args"]);
+        assert_eq!(
+            flag_value(&init_args, "--out").as_deref(),
+            Some(folder.as_str()),
+            "{name}: the init container writes another folder than the worker reads"
+        );
+        assert!(
+            init_args.iter().any(|a| a == "init-random"),
+            "{init_args:?}"
+        );
+        assert!(
+            flag_value(&gw_args, "--model").is_none(),
+            "{name}: the gateway names one model; it serves every model its workers serve"
+        );
+
         let gpu_limit = &w_c["resources"]["limits"]["nvidia.com/gpu"];
         match name.as_str() {
             "gpu" => {
@@ -676,6 +698,8 @@ fn cluster_sh_refuses_bad_worker_specs() {
         "worker:gpu",
         "worker:sim:0",
         "worker:sim:2:x",
+        "worker:sim@/no/such/model",
+        "worker:sim@",
     ] {
         let out = cluster.script(&["up", "--workers", spec]);
         assert!(!out.status.success(), "{spec} accepted:\n{}", text(&out));

@@ -126,8 +126,9 @@ async fn every_page_keeps_its_metric_families() {
     );
     wait_for("the router to reach every worker", 30, async || {
         let text = scrape(&http, &gateway.http).await;
-        text.contains("kvmesh:router_workers_routable 2")
-            && text.contains("kvmesh:router_prefill_workers_connected 1")
+        text.contains("kvmesh:router_workers_routable{model_name=\"shakespeare\"} 2")
+            && text
+                .contains("kvmesh:router_prefill_workers_connected{model_name=\"shakespeare\"} 1")
     })
     .await;
     let (status, body) = post(

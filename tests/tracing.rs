@@ -132,8 +132,8 @@ async fn one_request_is_one_trace_across_every_process() {
             .text()
             .await
             .unwrap();
-        m.contains("kvmesh:router_workers_routable 1")
-            && m.contains("kvmesh:router_prefill_workers_connected 1")
+        m.contains("kvmesh:router_workers_routable{model_name=\"shakespeare\"} 1")
+            && m.contains("kvmesh:router_prefill_workers_connected{model_name=\"shakespeare\"} 1")
     })
     .await;
 
@@ -222,6 +222,15 @@ async fn one_request_is_one_trace_across_every_process() {
     assert_eq!(parent_name("prefill.remote"), "kv.pull");
     assert_eq!(parent_name("kv.layer"), "prefill.remote");
     assert_eq!(parent_name("decode"), "worker");
+    // The route names the model and its pool (the model's fingerprint).
+    let route = spans.iter().find(|s| s["name"] == "route").unwrap();
+    assert_eq!(route["attrs"]["model"], "shakespeare", "{route}");
+    assert!(
+        route["attrs"]["pool"]
+            .as_str()
+            .is_some_and(|p| p.len() == 16),
+        "{route}"
+    );
     let layer = spans.iter().find(|s| s["name"] == "kv.layer").unwrap();
     assert!(layer["attrs"]["bytes"].as_u64().unwrap() > 0, "{layer}");
     assert!(layer["attrs"]["gb_per_s"].as_f64().is_some(), "{layer}");

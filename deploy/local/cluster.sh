@@ -28,17 +28,22 @@ Commands:
 
 Options (up):
   -w, --workers SPEC      the worker nodes (default: \$WORKERS, else worker:sim:2). SPEC is a
-                          list of ROLE[:BACKEND[:COUNT]] separated by commas or spaces:
+                          list of ROLE[:BACKEND[:COUNT]][@MODEL] separated by commas or spaces:
                             ROLE     worker, prefill, decode, or prefill+decode (one node)
                             BACKEND  sim (no math, a timing model; default) or cpu
                             COUNT    how many such nodes (default 1)
+                            MODEL    a Hugging Face model folder for these nodes (default:
+                                     --model, else the embedded model); the gateway serves
+                                     every model its workers serve
                           A bare number N means N x worker:sim.
-                          e.g. "worker:sim:2", "worker:cpu,worker:sim", "prefill:cpu,decode:cpu"
+                          e.g. "worker:sim:2", "worker:cpu,worker:sim", "prefill:cpu,decode:cpu",
+                          "worker:cpu worker:cpu@/models/qwen2"
   -p, --port PORT         the gateway's HTTP port (default: \$KVMESH_PORT, else a free one)
       --host HOST         the gateway's HTTP address (default: 127.0.0.1)
   -c, --cluster NAME      the cluster's name in etcd (default: \$KVMESH_CLUSTER, else local)
       --etcd URL          use this running etcd instead of starting one
-      --model DIR         a Hugging Face model folder for every node (default: the embedded model)
+      --model DIR         a Hugging Face model folder for every node, the gateway included
+                          (default: the workers' own; the embedded model)
       --policy POLICY     the router's policy (round-robin, least-loaded, power-of-two, prefix)
       --shutdown-grace S  seconds a node lets running requests finish on SIGTERM (node default 30)
       --timeout S         how long up waits for the cluster (default: 120)
@@ -295,11 +300,19 @@ load_env() {
 WORKER_IDS=()
 WORKER_ROLES=()
 WORKER_BACKENDS=()
+WORKER_MODELS=()
 
 parse_workers() {
-    local spec="${1//,/ }" item role backend count extra i
+    local spec="${1//,/ }" item role backend count extra i model
     declare -A seen=()
     for item in $spec; do
+        model=""
+        if [[ "$item" == *@* ]]; then
+            model="${item#*@}"
+            item="${item%%@*}"
+            [ -n "$model" ] || die "bad worker '$item@': MODEL after @ is empty"
+            [ -d "$model" ] || die "bad worker '$item@$model': $model is not a model folder"
+        fi
         if is_uint "$item"; then
             role=worker backend=sim count="$item"
         else
@@ -324,6 +337,7 @@ parse_workers() {
             WORKER_IDS+=("$stem-${seen[$stem]}")
             WORKER_ROLES+=("$role")
             WORKER_BACKENDS+=("$backend")
+            WORKER_MODELS+=("$model")
         done
     done
     [ "${#WORKER_IDS[@]}" -ge 1 ] || die "no workers in '$1'"
@@ -438,19 +452,23 @@ cmd_up() {
     fi
 
     local -a common=(--etcd "$ETCD_URL" --cluster "$CLUSTER" --listen 127.0.0.1:0)
-    [ -z "$MODEL" ] || common+=(--model "$MODEL")
     [ -z "$GRACE" ] || common+=(--shutdown-grace "$GRACE")
     local -a gw_flags=(--roles "gateway,router" --host "$HOST" --port "$PORT")
     [ -z "$POLICY" ] || gw_flags+=(--policy "$POLICY")
+    [ -z "$MODEL" ] || gw_flags+=(--model "$MODEL")
 
     # Plain log files: no colour codes.
     export NO_COLOR=1
     spawn gateway "$bin" node --node-id gateway "${common[@]}" "${gw_flags[@]}" "${NODE_FLAGS[@]}"
     local i
+    local -a model_flags
     for i in "${!WORKER_IDS[@]}"; do
+        model_flags=()
+        local model="${WORKER_MODELS[$i]:-$MODEL}"
+        [ -z "$model" ] || model_flags=(--model "$model")
         spawn "${WORKER_IDS[$i]}" "$bin" node --node-id "${WORKER_IDS[$i]}" "${common[@]}" \
-            --roles "${WORKER_ROLES[$i]}" --backend "${WORKER_BACKENDS[$i]}" --status-port 0 \
-            "${NODE_FLAGS[@]}"
+            "${model_flags[@]}" --roles "${WORKER_ROLES[$i]}" --backend "${WORKER_BACKENDS[$i]}" \
+            --status-port 0 "${NODE_FLAGS[@]}"
     done
 
     {
@@ -499,12 +517,13 @@ cmd_up() {
         sleep 0.3
     done
 
-    local model
-    model="$(http_get "$gw_url/v1/models" | sed -n 's/.*"id":"\([^"]*\)".*/\1/p' | head -n1)"
+    local models model
+    models="$(http_get "$gw_url/v1/models" | grep -o '"id":"[^"]*"' | cut -d'"' -f4 | paste -sd, -)"
+    model="${models%%,*}"
     echo
     NO_COLOR=1 RUST_LOG=warn "$bin" cluster status --etcd "$ETCD_URL" --cluster "$CLUSTER" 2>/dev/null || true
     echo
-    echo "kvmesh cluster '$CLUSTER' is up: $gw_url (model ${model:-unknown}), logs in $RUN_DIR"
+    echo "kvmesh cluster '$CLUSTER' is up: $gw_url (models ${models:-unknown}), logs in $RUN_DIR"
     echo "  curl -s $gw_url/v1/completions -H 'content-type: application/json' \\"
     echo "    -d '{\"model\": \"${model:-MODEL}\", \"prompt\": \"ROMEO:\", \"max_tokens\": 32}'"
     echo "  $0 status | logs [NAME] | down"

@@ -88,7 +88,8 @@ pub struct ListedModel {
 }
 
 /// A future a [`Catalog`] answers with.
-pub type Resolving<'a> = Pin<Box<dyn Future<Output = Result<Arc<ServedModel>, ApiError>> + Send + 'a>>;
+pub type Resolving<'a> =
+    Pin<Box<dyn Future<Output = Result<Arc<ServedModel>, ApiError>> + Send + 'a>>;
 
 /// The models a gateway serves: one fixed model (`kvmesh serve`), or whatever the mesh's
 /// workers serve (a cluster gateway).

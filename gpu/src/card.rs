@@ -180,8 +180,16 @@ mod tests {
         let card = ModelCard::of(&m, "shakespeare", 512, 16, None).unwrap();
         let fp = m.fingerprint();
         // Another model's fingerprint.
-        let err = card.clone().load("0123456789abcdef").err().unwrap().to_string();
-        assert!(err.contains("0123456789abcdef") && err.contains("shakespeare"), "{err}");
+        let err = card
+            .clone()
+            .load("0123456789abcdef")
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            err.contains("0123456789abcdef") && err.contains("shakespeare"),
+            "{err}"
+        );
         // A chat template edited on the way.
         let mut edited = card.clone();
         edited.chat_template = Some("{{ messages[0]['content'] }}".into());
@@ -204,11 +212,17 @@ mod tests {
         let card = ModelCard::of(&m, "shakespeare", 512, 16, None).unwrap();
         let mut v: serde_json::Value = serde_json::from_slice(&card.to_bytes()).unwrap();
         v["format"] = 2.into();
-        let err = ModelCard::from_bytes(v.to_string().as_bytes()).err().unwrap().to_string();
+        let err = ModelCard::from_bytes(v.to_string().as_bytes())
+            .err()
+            .unwrap()
+            .to_string();
         assert!(err.contains("format 2"), "{err}");
         v["format"] = 1.into();
         v["lora_adapters"] = serde_json::json!([]);
-        let err = ModelCard::from_bytes(v.to_string().as_bytes()).err().unwrap().to_string();
+        let err = ModelCard::from_bytes(v.to_string().as_bytes())
+            .err()
+            .unwrap()
+            .to_string();
         assert!(err.contains("lora_adapters"), "{err}");
     }
 }

@@ -336,7 +336,11 @@ mod tests {
         for layer in 0..4 {
             for kind in [KvKind::K, KvKind::V] {
                 let base = pool.base(layer, kind);
-                assert_eq!(base as usize % 64, 0, "layer {layer} {kind:?} is not aligned");
+                assert_eq!(
+                    base as usize % 64,
+                    0,
+                    "layer {layer} {kind:?} is not aligned"
+                );
                 // SAFETY: inside the layer's buffer, nothing else touches it.
                 unsafe {
                     assert_eq!(*base, 0);

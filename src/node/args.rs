@@ -114,6 +114,10 @@ pub struct NodeArgs {
     /// match the certificate must be refused by routers).
     #[arg(long, hide = true)]
     pub debug_advertise_fingerprint: Option<String>,
+    /// Give gateways a model card whose chat template was changed after it was made (tests:
+    /// a card that does not match its fingerprint must be refused).
+    #[arg(long, hide = true)]
+    pub debug_tamper_card: bool,
     #[command(flatten)]
     pub engine: EngineArgs,
     #[command(flatten)]

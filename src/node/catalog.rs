@@ -109,6 +109,13 @@ impl MeshCatalog {
     }
 
     fn not_found(&self, asked: &str) -> ApiError {
+        if self.pools.all().is_empty() {
+            // Nothing joined yet (or everything left): the cluster is starting, not wrong.
+            return ApiError::unavailable(format!(
+                "no worker has joined the mesh yet, so no model is served (asked for \
+                 '{asked}'); try again when one has joined"
+            ));
+        }
         let names = self.served_names();
         let names: Vec<&str> = names.iter().map(String::as_str).collect();
         ApiError::model_not_found(asked, &names)

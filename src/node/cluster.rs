@@ -146,7 +146,29 @@ fn print_table(rows: Vec<Row>) {
         "NODE", "ROLES", "QUIC", "MODEL", "DEVICE", "CAP tok/s", "RUN/WAIT", "KV %", "UPTIME"
     );
     let mut problems = Vec::new();
+    // Grouped by model (nodes without one, gateways and routers, first), in id order.
+    let mut rows = rows;
+    rows.sort_by(|a, b| (&a.0.model, &a.0.node_id).cmp(&(&b.0.model, &b.0.node_id)));
+    let mut fingerprints: BTreeMap<String, std::collections::BTreeSet<String>> = BTreeMap::new();
+    for (r, _) in &rows {
+        let f = r.model_fingerprint.clone().unwrap_or_else(|| "none".into());
+        fingerprints.entry(r.model.clone()).or_default().insert(f);
+    }
+    let mut group: Option<String> = None;
     for (r, s) in rows {
+        if group.as_ref() != Some(&r.model) {
+            group = Some(r.model.clone());
+            let fs: Vec<&str> = fingerprints[&r.model].iter().map(String::as_str).collect();
+            match (r.model.as_str(), fs.as_slice()) {
+                ("", _) => println!("-- no model (gateways and routers of every model)"),
+                (m, [f]) => println!("-- model {m} (fingerprint {f})"),
+                (m, fs) => println!(
+                    "-- model {m}: {} fingerprints under one name ({}); routers serve one",
+                    fs.len(),
+                    fs.join(", ")
+                ),
+            }
+        }
         let state = views.state(&r, s.as_ref(), &mut problems);
         let load = s
             .as_ref()

@@ -19,9 +19,9 @@ use kvmesh_transport::wire::KvLayout;
 use kvmesh_transport::{AllowList, NodeEndpoint, NodeIdentity};
 
 use super::args::{KvTransportArg, NodeArgs};
+use super::catalog::{LocalModel, MeshCatalog};
 use super::membership::{check_kv_partners, follow_allow_list, gate_router_members};
 use super::replica::{unix_ms, Replica};
-use super::catalog::{LocalModel, MeshCatalog};
 use super::status::{node_routes, NodeState};
 use crate::serve::{start_engine, StartedEngine};
 
@@ -274,6 +274,9 @@ pub async fn start(
         let members = net.registry.list().await?;
         check_kv_partners(&node_id, &args.roles, &record.model, l, &members)?;
     }
+    if let (Some(m), None, None) = (&engines.model, &engines.generate, &engines.prefill) {
+        check_pinned_model(args, m, &net.registry.list().await?)?;
+    }
     let members = net.registry.subscribe();
     // Members (and only members) may dial this node.
     follow_allow_list(members.clone(), net.allowed.clone());
@@ -281,7 +284,12 @@ pub async fn start(
     let serving = (!cores.is_empty()).then(|| Serving::new(net.endpoint.clone()));
     if let (Some(s), Some(m)) = (&serving, &engines.model) {
         if let Some(card) = &m.card {
-            s.set_card(m.fingerprint.clone(), card.clone());
+            let card = if args.debug_tamper_card {
+                tampered(card)?
+            } else {
+                card.clone()
+            };
+            s.set_card(m.fingerprint.clone(), card);
         }
     }
     let router = args.has(Role::Router).then(|| {
@@ -333,6 +341,44 @@ pub async fn start(
         listener: net.listener,
         app,
     })
+}
+
+/// `card` with its chat template changed, its fingerprint not (`--debug-tamper-card`).
+fn tampered(card: &[u8]) -> anyhow::Result<Vec<u8>> {
+    let mut c = kvmesh_gpu::card::ModelCard::from_bytes(card)?;
+    c.chat_template = Some("{{ messages[0]['content'] }}".into());
+    Ok(c.to_bytes())
+}
+
+/// A gateway or router given `--model` serves that name only with that model: workers
+/// already serving the name with another model stop it at start-up, naming both.
+fn check_pinned_model(
+    args: &NodeArgs,
+    m: &ModelInfo,
+    members: &[NodeRecord],
+) -> anyhow::Result<()> {
+    let other = members.iter().find(|r| {
+        r.model == m.name
+            && r.roles.iter().any(|role| role.runs_engine())
+            && r.model_fingerprint.as_deref() != Some(m.fingerprint.as_str())
+    });
+    if let Some(w) = other {
+        bail!(
+            "--model {} is model '{}' of fingerprint {}, but worker {} serves '{}' with \
+             fingerprint {}: another model (config, tokenizer or weights) under that name. Give \
+             the gateway the workers' model, or no --model to serve what the workers serve",
+            args.engine
+                .model
+                .as_ref()
+                .map_or(String::new(), |d| d.display().to_string()),
+            m.name,
+            m.fingerprint,
+            w.node_id,
+            w.model,
+            w.model_fingerprint.as_deref().unwrap_or("none"),
+        );
+    }
+    Ok(())
 }
 
 /// The record this node publishes.
@@ -476,7 +522,12 @@ fn app(
         max_model_len: m.max_model_len,
         fingerprint: m.fingerprint.clone(),
     });
-    let catalog = MeshCatalog::new(r.clone(), node.restarts.clone(), pinned, args.cache_dir.clone());
+    let catalog = MeshCatalog::new(
+        r.clone(),
+        node.restarts.clone(),
+        pinned,
+        args.cache_dir.clone(),
+    );
     let state = AppState::new(
         catalog,
         args.api_key.clone(),

@@ -150,7 +150,9 @@ fn router_view(pools: &Pools) -> Value {
     let busiest = all
         .iter()
         .max_by_key(|p| p.stats.picks.count.load(Ordering::Relaxed));
-    let recent = busiest.map_or(Vec::new(), |p| p.stats.picks.recent_percentiles_us(&[50.0, 99.0]));
+    let recent = busiest.map_or(Vec::new(), |p| {
+        p.stats.picks.recent_percentiles_us(&[50.0, 99.0])
+    });
     let mean_us = if picks == 0 {
         0.0
     } else {

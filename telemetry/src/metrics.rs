@@ -66,7 +66,7 @@ impl Exposition {
                     pair.set_value(value.to_string());
                     let mut pairs = vec![pair];
                     pairs.extend(m.take_label());
-                    m.set_label(pairs.into());
+                    m.set_label(pairs);
                     metrics.push(m);
                 }
                 family.get_or_insert(mf);
@@ -87,7 +87,7 @@ impl Exposition {
                 return;
             }
         };
-        mf.set_metric(metrics.into());
+        mf.set_metric(metrics);
         self.add(Family { desc, mf });
     }
 

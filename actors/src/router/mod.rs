@@ -188,6 +188,8 @@ impl RouterCore {
             target: TARGET,
             "route",
             node = self.node_id.as_str(),
+            model = self.model.as_str(),
+            pool = self.model_fingerprint.as_str(),
             policy = self.policy.as_str(),
             prompt_tokens = req.prompt.len(),
             attempts = Empty,

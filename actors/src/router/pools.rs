@@ -10,11 +10,12 @@
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use kvmesh_discovery::{Membership, NodeRecord};
 use kvmesh_transport::wire::{self, CardReply, StreamRequest};
 use kvmesh_transport::NodeEndpoint;
-use parking_lot::RwLock;
+use parking_lot::{Mutex, RwLock};
 
 use super::config::RouterConfig;
 use super::RouterCore;
@@ -35,7 +36,16 @@ pub struct Pools {
     endpoint: NodeEndpoint,
     pinned: Option<Pinned>,
     pools: RwLock<BTreeMap<String, Arc<RouterCore>>>,
+    /// Pools with no worker and no member of their name, since when: forgotten after
+    /// [`POOL_GRACE`].
+    emptied: Mutex<BTreeMap<String, Instant>>,
 }
+
+/// How long a pool whose last worker left is kept: a request that lost its worker waits this
+/// long for a replacement ([`super::UNSTARTED_PATIENCE`]), and a replacement of the same
+/// model joins the same pool. Requests for the model meanwhile get 503; after it, the model
+/// is unknown (404).
+pub const POOL_GRACE: Duration = super::UNSTARTED_PATIENCE;
 
 impl Pools {
     pub fn new(
@@ -52,6 +62,7 @@ impl Pools {
             endpoint,
             pinned: pinned.clone(),
             pools: RwLock::new(BTreeMap::new()),
+            emptied: Mutex::new(BTreeMap::new()),
         });
         if let Some(p) = pinned {
             pools.pools.write().insert(p.name.clone(), pools.core(&p));
@@ -139,14 +150,29 @@ impl Pools {
             core.apply_membership(members);
         }
         let mut pools = self.pools.write();
+        let mut emptied = self.emptied.lock();
+        let now = Instant::now();
         pools.retain(|name, core| {
-            let keep = by_name.contains_key(name.as_str())
-                || !core.workers().is_empty()
-                || self.pinned.as_ref().is_some_and(|p| &p.name == name);
-            if !keep {
-                tracing::info!("model '{name}' left the mesh: no worker serves it");
+            let empty = !by_name.contains_key(name.as_str())
+                && core.workers().is_empty()
+                && self.pinned.as_ref().is_none_or(|p| &p.name != name);
+            if !empty {
+                emptied.remove(name);
+                return true;
             }
-            keep
+            let since = *emptied.entry(name.clone()).or_insert_with(|| {
+                tracing::info!(
+                    "model '{name}': its last worker left; forgotten in {} s unless one joins",
+                    POOL_GRACE.as_secs()
+                );
+                now
+            });
+            if now.duration_since(since) < POOL_GRACE {
+                return true;
+            }
+            emptied.remove(name);
+            tracing::info!("model '{name}' left the mesh: no worker serves it");
+            false
         });
     }
 }

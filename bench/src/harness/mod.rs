@@ -198,16 +198,64 @@ impl Proc {
             .expect("metrics text")
     }
 
-    /// A metric's value on this process's /metrics: the series whose name and labels start
-    /// with `series` (e.g. `kvmesh:kv_cache_usage_perc{` or a full `name{labels}`).
+    /// A metric's value on this process's /metrics: the first series of that name carrying
+    /// the labels `series` gives, whatever others it has (`name`, `name{` for a series with
+    /// labels, or `name{a="x",b="y"}`).
     pub async fn metric(&self, http: &reqwest::Client, series: &str) -> f64 {
         let text = self.metrics(http).await;
         text.lines()
-            .find(|l| l.starts_with(series))
+            .find(|l| series_matches(l, series))
             .and_then(|l| l.rsplit(' ').next())
             .and_then(|v| v.parse().ok())
             .unwrap_or_else(|| panic!("no {series} in:\n{text}"))
     }
+}
+
+/// Whether the exposition `line` is a sample of `series`: the same name, and every label
+/// pair `series` names among its own.
+fn series_matches(line: &str, series: &str) -> bool {
+    if line.starts_with('#') {
+        return false;
+    }
+    let (name, wanted) = match series.split_once('{') {
+        Some((n, rest)) => (n, Some(rest.trim_end_matches('}'))),
+        None => (series, None),
+    };
+    let Some(rest) = line.strip_prefix(name) else {
+        return false;
+    };
+    match wanted {
+        None => rest.starts_with([' ', '{']),
+        Some(wanted) => {
+            let Some(labels) = rest.strip_prefix('{').and_then(|r| r.split_once('}')) else {
+                return false;
+            };
+            let have: Vec<&str> = split_labels(labels.0);
+            split_labels(wanted).iter().all(|w| have.contains(w))
+        }
+    }
+}
+
+/// `a="x",b="y,z"` as `a="x"`, `b="y,z"` (commas inside quoted values kept).
+fn split_labels(s: &str) -> Vec<&str> {
+    let mut out = Vec::new();
+    let (mut start, mut quoted, mut escaped) = (0, false, false);
+    for (i, c) in s.char_indices() {
+        match c {
+            _ if escaped => escaped = false,
+            '\\' => escaped = true,
+            '"' => quoted = !quoted,
+            ',' if !quoted => {
+                out.push(&s[start..i]);
+                start = i + 1;
+            }
+            _ => {}
+        }
+    }
+    if start < s.len() {
+        out.push(&s[start..]);
+    }
+    out
 }
 
 impl Drop for Proc {
@@ -263,4 +311,35 @@ pub fn wait_ready(child: &mut Child, ready: Ready, what: &str) -> String {
         let _ = child.wait();
         panic!("{what} did not {}", ready.awaited());
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::series_matches;
+
+    #[test]
+    fn a_series_is_found_by_its_name_and_any_of_its_labels() {
+        let line = "kvmesh:disagg_decisions_total{model_name=\"m,1\",reason=\"remote\"} 3";
+        assert!(series_matches(line, "kvmesh:disagg_decisions_total"));
+        assert!(series_matches(line, "kvmesh:disagg_decisions_total{"));
+        assert!(series_matches(
+            line,
+            "kvmesh:disagg_decisions_total{reason=\"remote\"}"
+        ));
+        assert!(series_matches(
+            line,
+            "kvmesh:disagg_decisions_total{reason=\"remote\",model_name=\"m,1\"}"
+        ));
+        assert!(!series_matches(
+            line,
+            "kvmesh:disagg_decisions_total{reason=\"short\"}"
+        ));
+        assert!(!series_matches(line, "kvmesh:disagg_decisions"));
+        assert!(!series_matches("kvmesh:a_total 1", "kvmesh:a{"));
+        assert!(series_matches("kvmesh:a_total 1", "kvmesh:a_total"));
+        assert!(!series_matches(
+            "# TYPE kvmesh:a_total counter",
+            "kvmesh:a_total"
+        ));
+    }
 }

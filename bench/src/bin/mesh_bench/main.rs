@@ -12,6 +12,10 @@
 //!    prompt tokens / prompt tokens, from the API's usage) and mean TTFT.
 //! 4. **Router scale**: pick time in a running router over 8, 64 and 256 sim workers hosted
 //!    by one `kvmesh node --replicas N` process.
+//! 5. **Models**: pick time with 64 workers as 1 model x 64 and as 8 models x 8 (one pool
+//!    per model: it must not grow with the models), and a gateway's first request for a
+//!    model (its card fetched from a worker) against the next and against a restarted
+//!    gateway with `--cache-dir`.
 //!
 //! `cargo build --release && target/release/mesh-bench [--quick] [--json PATH] [--only SECTIONS]`
 //! (needs `etcd` on PATH, as the tests do; `bash scripts/test.sh` installs it).
@@ -19,6 +23,7 @@
 mod ctx;
 mod heterogeneous;
 mod hop;
+mod models;
 mod overhead;
 mod prefix;
 mod routing;
@@ -63,6 +68,9 @@ enum Section {
     Picks,
     /// Routing decision time in a running router over up to 256 workers.
     Scale,
+    /// Several models in one mesh: pick time by models, and a gateway's first request for a
+    /// model (its card fetched) against the next.
+    Models,
 }
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
@@ -96,6 +104,12 @@ async fn main() {
     if runs(Section::Scale) {
         out["router_scale"] = routing::router_scale(&ctx).await;
     }
+    if runs(Section::Models) {
+        out["models"] = json!({
+            "pick_time": models::pick_by_models(&ctx).await,
+            "first_request": models::cold_card(&ctx).await,
+        });
+    }
     write_results(&args.json, args.quick, out);
 }
 
@@ -120,8 +134,8 @@ mod tests {
         assert!(a.quick);
         assert_eq!(a.json, Path::new("x/y.json"));
         assert_eq!(a.only, Some(vec![Section::Overhead, Section::Hop]));
-        let every = "overhead,heterogeneous,bursty,prefix,hop,picks,scale";
-        assert_eq!(parse(&["--only", every]).unwrap().only.unwrap().len(), 7);
+        let every = "overhead,heterogeneous,bursty,prefix,hop,picks,scale,models";
+        assert_eq!(parse(&["--only", every]).unwrap().only.unwrap().len(), 8);
         assert!(parse(&["--only", "nothing"]).is_err());
     }
 }
