@@ -254,9 +254,22 @@ async fn one_gateway_serves_two_models_follows_their_workers_and_a_third_joining
         )
         .await;
     assert!(remote >= 1.0, "no remote prefill for qwen2-other");
-    // The cards were kept on disk.
-    let cards = std::fs::read_dir(cache.join("cards")).unwrap().count();
-    assert_eq!(cards, 2);
+    // The cards were kept on disk, each with its model's family; the disaggregated
+    // model's with its KV layout.
+    let cards: Vec<Value> = std::fs::read_dir(cache.join("cards"))
+        .unwrap()
+        .map(|e| serde_json::from_slice(&std::fs::read(e.unwrap().path()).unwrap()).unwrap())
+        .collect();
+    assert_eq!(cards.len(), 2);
+    let card = |name: &str| cards.iter().find(|c| c["name"] == name).unwrap().clone();
+    assert_eq!(card("qwen2-other")["architecture"], "Qwen2ForCausalLM");
+    assert!(
+        card("qwen2-other")["kv_layout"].is_string(),
+        "{}",
+        card("qwen2-other")["kv_layout"]
+    );
+    assert_eq!(card("shakespeare")["architecture"], "LlamaForCausalLM");
+    assert!(card("shakespeare")["kv_layout"].is_null());
 
     // Bad input.
     let (st, e) = send(&http, &gw.http, "/v1/completions", &completion("nope", "x")).await;

@@ -74,7 +74,9 @@ impl MeshCatalog {
                 );
             }
         }
-        Arc::new(catalog)
+        let catalog = Arc::new(catalog);
+        tokio::spawn(prefetch(Arc::downgrade(&catalog)));
+        catalog
     }
 
     fn served(
@@ -248,6 +250,52 @@ impl MeshCatalog {
         if let Err(e) = written {
             tracing::warn!("cannot keep the model card in {}: {e}", path.display());
         }
+    }
+}
+
+/// How often the gateway looks for models whose card it has not fetched yet.
+const PREFETCH_EVERY: Duration = Duration::from_millis(100);
+
+/// Fetches the card of every model with a connected worker as soon as it has one, so that
+/// its first request does not wait for it; each model's fetch runs on its own. A request
+/// that comes first shares the fetch. A card that could not be fetched or checked is tried
+/// again after [`CARD_PATIENCE`] (its requests say why meanwhile). Ends with the catalog.
+async fn prefetch(catalog: std::sync::Weak<MeshCatalog>) {
+    // By fingerprint: fetching now (None), or failed at.
+    let tries: Arc<parking_lot::Mutex<BTreeMap<String, Option<tokio::time::Instant>>>> =
+        Arc::default();
+    loop {
+        let Some(c) = catalog.upgrade() else {
+            return;
+        };
+        for pool in c.pools.all() {
+            let fp = pool.model_fingerprint.clone();
+            let due = match tries.lock().get(&fp) {
+                None => true,
+                Some(None) => false,
+                Some(Some(failed)) => failed.elapsed() > CARD_PATIENCE,
+            };
+            let connected = pool.workers().iter().any(|w| w.connected());
+            if !due || !connected || c.ready_for(&pool).is_some() {
+                continue;
+            }
+            tries.lock().insert(fp.clone(), None);
+            let (c, tries) = (c.clone(), tries.clone());
+            tokio::spawn(async move {
+                let model = pool.model.clone();
+                match c.resolve_pool(pool).await {
+                    Ok(_) => {
+                        tries.lock().remove(&fp);
+                    }
+                    Err(e) => {
+                        tracing::warn!("model '{model}': {}", e.message);
+                        tries.lock().insert(fp, Some(tokio::time::Instant::now()));
+                    }
+                }
+            });
+        }
+        drop(c);
+        tokio::time::sleep(PREFETCH_EVERY).await;
     }
 }
 

@@ -284,12 +284,7 @@ pub async fn start(
     let serving = (!cores.is_empty()).then(|| Serving::new(net.endpoint.clone()));
     if let (Some(s), Some(m)) = (&serving, &engines.model) {
         if let Some(card) = &m.card {
-            let card = if args.debug_tamper_card {
-                tampered(card)?
-            } else {
-                card.clone()
-            };
-            s.set_card(m.fingerprint.clone(), card);
+            s.set_card(m.fingerprint.clone(), node_card(args, card, &record)?);
         }
     }
     let router = args.has(Role::Router).then(|| {
@@ -343,10 +338,14 @@ pub async fn start(
     })
 }
 
-/// `card` with its chat template changed, its fingerprint not (`--debug-tamper-card`).
-fn tampered(card: &[u8]) -> anyhow::Result<Vec<u8>> {
+/// The card this node serves: its engine's, with the node's KV layout when it transfers
+/// KV; with `--debug-tamper-card`, its chat template changed and its fingerprint not.
+fn node_card(args: &NodeArgs, card: &[u8], record: &NodeRecord) -> anyhow::Result<Vec<u8>> {
     let mut c = kvmesh_gpu::card::ModelCard::from_bytes(card)?;
-    c.chat_template = Some("{{ messages[0]['content'] }}".into());
+    c.kv_layout = record.kv_layout.clone();
+    if args.debug_tamper_card {
+        c.chat_template = Some("{{ messages[0]['content'] }}".into());
+    }
     Ok(c.to_bytes())
 }
 

@@ -106,7 +106,8 @@ pub async fn pick_by_models(ctx: &Ctx) -> Value {
 /// The first request for a model on a gateway that has not served it (the card fetched
 /// from a worker over QUIC and checked) against the next one, and on a restarted gateway
 /// that keeps cards in `--cache-dir`. Each round starts a new gateway; a zero-cost sim
-/// worker serves, so the times are the gateway's.
+/// worker serves, so the times are the gateway's. Beside them, the card's check and load
+/// alone, in this process.
 pub async fn cold_card(ctx: &Ctx) -> Value {
     let (km, http) = (&ctx.km, &ctx.http);
     let rounds = if ctx.quick { 3 } else { 10 };
@@ -151,6 +152,20 @@ pub async fn cold_card(ctx: &Ctx) -> Value {
         disk.push(first(&gw).await);
         let _ = std::fs::remove_dir_all(&cache);
     }
+    // What of it is the card's check and load, in-process: the tokenizer and chat template
+    // built from the card's files and the fingerprint recomputed.
+    let model = kvmesh_gpu::model::LoadedModel::from_embedded(&kvmesh_gpu::embedded::DEFAULT_MODEL)
+        .expect("the embedded model");
+    let card = kvmesh_gpu::card::ModelCard::of(&model, "shakespeare", 512, 16, None).unwrap();
+    let bytes = card.to_bytes();
+    let mut load = Vec::new();
+    for _ in 0..rounds {
+        let t = Instant::now();
+        let c = kvmesh_gpu::card::ModelCard::from_bytes(&bytes).unwrap();
+        let loaded = c.load(&model.fingerprint()).expect("the card checks");
+        std::hint::black_box(&loaded.tokenizer);
+        load.push(t.elapsed().as_secs_f64() * 1e3);
+    }
     println!("\n== first request for a model on a gateway: card fetch ({rounds} rounds, ms) ==");
     println!("{:>28} {:>8} {:>8}", "", "p50", "max");
     let mut out = json!({"rounds": rounds});
@@ -158,6 +173,7 @@ pub async fn cold_card(ctx: &Ctx) -> Value {
         ("cold (card from a worker)", "cold_ms", &mut cold),
         ("warm (card in memory)", "warm_ms", &mut warm),
         ("restarted, --cache-dir", "disk_ms", &mut disk),
+        ("card check + load alone", "card_load_ms", &mut load),
     ] {
         v.sort_by(f64::total_cmp);
         let (p50, max) = (pct(v, 50.0), v.last().copied().unwrap_or(f64::NAN));
