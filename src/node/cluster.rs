@@ -200,7 +200,7 @@ fn print_table(rows: Vec<Row>) {
             r.node_id,
             roles.join(","),
             r.quic_addr,
-            r.model,
+            if r.model.is_empty() { "-" } else { &r.model },
             r.device,
             cap,
             load,

@@ -105,7 +105,8 @@ pub async fn pick_by_models(ctx: &Ctx) -> Value {
 
 /// The first request for a model on a gateway that has not served it (the card fetched
 /// from a worker over QUIC and checked) against the next one, and on a restarted gateway
-/// that keeps cards in `--cache-dir`. Each round starts a new gateway; a zero-cost sim
+/// that keeps cards in `--cache-dir`, and one that comes half a second after the worker is
+/// connected (the gateway fetches a card unasked). Each round starts new gateways; a zero-cost sim
 /// worker serves, so the times are the gateway's. Beside them, the card's check and load
 /// alone, in this process.
 pub async fn cold_card(ctx: &Ctx) -> Value {
@@ -126,7 +127,8 @@ pub async fn cold_card(ctx: &Ctx) -> Value {
             t.elapsed().as_secs_f64() * 1e3
         }
     };
-    let (mut cold, mut warm, mut disk) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut cold, mut warm, mut disk, mut later) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for round in 0..rounds {
         let dir = cache.to_str().unwrap();
         let gw = km.gateway_with(
@@ -151,6 +153,13 @@ pub async fn cold_card(ctx: &Ctx) -> Value {
         wait_workers(http, &gw, 1).await;
         disk.push(first(&gw).await);
         let _ = std::fs::remove_dir_all(&cache);
+        drop(gw);
+        // A new gateway whose first request comes half a second after the worker is
+        // connected: the card was fetched meanwhile, unasked.
+        let gw = km.gateway(&etcd, cluster, &format!("gw-{round}-later"), "least-loaded");
+        wait_workers(http, &gw, 1).await;
+        tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+        later.push(first(&gw).await);
     }
     // What of it is the card's check and load, in-process: the tokenizer and chat template
     // built from the card's files and the fingerprint recomputed.
@@ -173,6 +182,7 @@ pub async fn cold_card(ctx: &Ctx) -> Value {
         ("cold (card from a worker)", "cold_ms", &mut cold),
         ("warm (card in memory)", "warm_ms", &mut warm),
         ("restarted, --cache-dir", "disk_ms", &mut disk),
+        ("first, 0.5 s after joining", "prefetched_ms", &mut later),
         ("card check + load alone", "card_load_ms", &mut load),
     ] {
         v.sort_by(f64::total_cmp);
