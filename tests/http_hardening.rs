@@ -783,6 +783,12 @@ async fn unsupported_fields_are_refused_by_name() {
         ),
         ("best_of", json!(2)),
         ("best_of", json!(0)),
+        ("logit_bias", json!({"50256": -100})),
+        ("structured_outputs", json!({"regex": "[a-z]+"})),
+        ("guided_json", json!({"type": "object"})),
+        ("guided_regex", json!("[a-z]+")),
+        ("guided_choice", json!(["yes", "no"])),
+        ("guided_grammar", json!("root ::= \"a\"")),
     ];
     let accepted = [
         ("tools", json!([])),
@@ -790,6 +796,7 @@ async fn unsupported_fields_are_refused_by_name() {
         ("tool_choice", json!("none")),
         ("response_format", json!({"type": "text"})),
         ("best_of", json!(1)),
+        ("logit_bias", json!({})),
     ];
     for path in ["/v1/completions", "/v1/chat/completions"] {
         let base = if path == "/v1/completions" {

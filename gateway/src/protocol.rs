@@ -124,7 +124,8 @@ pub fn fields<T: serde::de::DeserializeOwned>(v: &Value) -> Result<T, ApiError> 
 /// ignoring them would answer something else than what was asked (free text instead of a
 /// tool call or of JSON, one sample instead of the best of several). Values that ask for
 /// nothing beyond plain generation pass: `null`, `tools: []`, `tool_choice: "none"`,
-/// `response_format: {"type": "text"}`, and `best_of` equal to `n` (as vLLM accepts).
+/// `response_format: {"type": "text"}`, `logit_bias: {}`, and `best_of` equal to `n` (as
+/// vLLM accepts).
 pub fn refuse_unsupported(body: &Value) -> Result<(), ApiError> {
     let get = |k: &str| body.get(k).filter(|v| !v.is_null());
     for name in ["tools", "functions"] {
@@ -158,6 +159,29 @@ pub fn refuse_unsupported(body: &Value) -> Result<(), ApiError> {
                     "`response_format` {} is not supported: this server does not constrain output to JSON. Leave it out or send {{\"type\": \"text\"}}.",
                     kind.map_or_else(|| "without a type".to_string(), |k| format!("of type `{k}`"))
                 ),
+            ));
+        }
+    }
+    // Sampling without these would give tokens the client asked to ban, force or shape.
+    if let Some(b) = get("logit_bias") {
+        if !b.as_object().is_some_and(|m| m.is_empty()) {
+            return Err(ApiError::param(
+                "logit_bias",
+                "`logit_bias` is not supported yet: this server would sample without it. Leave it out or send {}.",
+            ));
+        }
+    }
+    for name in [
+        "structured_outputs",
+        "guided_json",
+        "guided_regex",
+        "guided_choice",
+        "guided_grammar",
+    ] {
+        if get(name).is_some() {
+            return Err(ApiError::param(
+                name,
+                format!("`{name}` is not supported: this server does not constrain output. Leave it out."),
             ));
         }
     }
