@@ -22,7 +22,7 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use common::{bin, kvmesh, Server};
-use kvmesh_bench::harness::{client, post, wait_for, Proc};
+use kvmesh_bench::harness::{client, post, status, wait_for, Proc};
 use kvmesh_discovery::testing::Etcd;
 use serde_json::{json, Value};
 
@@ -373,7 +373,7 @@ async fn one_gateway_serves_two_models_follows_their_workers_and_a_third_joining
     let table = kvmesh().cluster_status(&etcd, "mm");
     assert!(table.contains("-- model qwen2-other"), "{table}");
     assert!(table.contains("-- model bard"), "{table}");
-    let pools = common_status(&http, &gw).await["router"]["pools"].clone();
+    let pools = status(&http, &gw).await["router"]["pools"].clone();
     let pool_models: Vec<&str> = pools
         .as_array()
         .unwrap()
@@ -381,10 +381,6 @@ async fn one_gateway_serves_two_models_follows_their_workers_and_a_third_joining
         .map(|p| p["model"].as_str().unwrap())
         .collect();
     assert_eq!(pool_models, ["bard", "qwen2-other"], "{pools}");
-}
-
-async fn common_status(http: &reqwest::Client, p: &Proc) -> Value {
-    kvmesh_bench::harness::status(http, p).await
 }
 
 /// A card changed on its way (its chat template) is refused with the model named, and the
@@ -482,7 +478,7 @@ async fn a_name_means_one_model() {
         ],
     );
     wait_for("the later worker refused", 20, async || {
-        common_status(&http, &gw).await["router"]["refused"]
+        status(&http, &gw).await["router"]["refused"]
             .as_array()
             .is_some_and(|r| r.iter().any(|w| w["node_id"] == "later"))
     })

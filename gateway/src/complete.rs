@@ -57,7 +57,11 @@ pub(crate) async fn completions(State(st): State<Arc<AppState>>, body: Bytes) ->
 /// The model the body names, then the request prepared for it and run.
 async fn handle(st: Arc<AppState>, body: Bytes, work: Work) -> Response {
     let start = Instant::now();
-    let model = match st.catalog.resolve(named_model(&body).as_deref()).await {
+    let resolved = match st.catalog.only() {
+        Some(m) => Ok(m),
+        None => st.catalog.resolve(named_model(&body).as_deref()).await,
+    };
+    let model = match resolved {
         Ok(m) => m,
         Err(e) => return e.into_response(),
     };

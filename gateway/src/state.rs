@@ -101,6 +101,12 @@ pub trait Catalog: Send + Sync {
     fn resolve<'a>(&'a self, name: Option<&'a str>) -> Resolving<'a>;
     /// The metric families of the engines or routers behind the models.
     fn render_metrics(&self, out: &Exposition);
+    /// The one model served whatever a request names, when there is only ever one: its
+    /// requests skip reading `model` ahead of the rest of the body (the body's checks
+    /// refuse another name).
+    fn only(&self) -> Option<Arc<ServedModel>> {
+        None
+    }
 }
 
 /// One model, always there: `kvmesh serve`.
@@ -125,6 +131,10 @@ impl Catalog for OneModel {
 
     fn render_metrics(&self, out: &Exposition) {
         self.0.engine.render_metrics(out, &self.0.name);
+    }
+
+    fn only(&self) -> Option<Arc<ServedModel>> {
+        Some(self.0.clone())
     }
 }
 
