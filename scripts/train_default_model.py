@@ -57,14 +57,24 @@ SPECIAL_TOKENS = [BOS, EOS, END, PAD]  # ids 0, 1, 2, 3
 USER_NAME = "QUESTIONER"
 ASSISTANT_NAME = "KVMESH"
 
-# Renders a chat as speeches of the kind the model was trained on.
+# Renders a chat as speeches of the kind the model was trained on. Tools, when a request
+# offers them, are listed first, and calls are written in <tool_call> blocks (the Hermes /
+# Qwen format the server parses); without tools it renders exactly the trained format.
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
+    "{% if tools %}{{ 'TOOLS:\\n' }}{% for tool in tools %}{{ tool | tojson }}{{ '\\n' }}{% endfor %}"
+    "{{ 'To call a tool, answer with <tool_call>\\n{\"name\": <name>, \"arguments\": <object>}\\n</tool_call>\\n' }}{% endif %}"
     "{% for message in messages %}"
     "{% if message['role'] == 'system' %}"
     "{{ message['content'] + '\\n' }}"
     "{% elif message['role'] == 'assistant' %}"
-    "{{ '" + ASSISTANT_NAME + ":\\n' + message['content'] + '\\n<|end|>' }}"
+    "{{ '" + ASSISTANT_NAME + ":\\n' + message['content'] }}"
+    "{% for call in message['tool_calls'] or [] %}"
+    "{{ '<tool_call>\\n{\"name\": ' + (call['function']['name'] | tojson) + ', \"arguments\": ' + (call['function']['arguments'] | tojson) + '}\\n</tool_call>' }}"
+    "{% endfor %}"
+    "{{ '\\n<|end|>' }}"
+    "{% elif message['role'] == 'tool' %}"
+    "{{ 'TOOL:\\n' + message['content'] + '\\n<|end|>' }}"
     "{% else %}"
     "{{ '" + USER_NAME + ":\\n' + message['content'] + '\\n<|end|>' }}"
     "{% endif %}"

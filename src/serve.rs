@@ -13,6 +13,7 @@ use kvmesh_gateway::{AppState, OneModel, ServedModel};
 use kvmesh_gpu::backend::sim::SimTiming;
 use kvmesh_gpu::card::ModelCard;
 use kvmesh_gpu::engine::{self, EngineConfig};
+use kvmesh_gpu::guided::LazyGuides;
 use kvmesh_gpu::model::{build_backend, resolve_device, BackendKind, KvBudget, LoadedModel};
 
 /// What computes the model's steps.
@@ -335,7 +336,11 @@ pub fn start_engine_with(args: &EngineArgs, model: &LoadedModel) -> anyhow::Resu
         cfg,
         model.tokenizer.eos_ids().to_vec(),
         model.config.vocab_size,
-    );
+    )
+    .with_guides(Arc::new(LazyGuides::new(
+        model.tokenizer.clone(),
+        model.config.vocab_size,
+    )));
     tracing::info!(
         "model {name} ({}, {:.1}M parameters) on {device}; KV cache {num_blocks} blocks of {} tokens; max model length {max_model_len}",
         model.config.arch.architecture_name(),

@@ -4,8 +4,11 @@
 //! to one side cannot be forgotten on the other.
 
 use kvmesh_gpu::engine::{FinishReason, Request};
+use kvmesh_gpu::guided::Guide;
 use kvmesh_gpu::sampler::{Sampled, SamplingParams};
-use kvmesh_transport::wire::{Finish, GenerateRequest, TokenEvent, TopLogprob};
+use kvmesh_transport::wire::{
+    Finish, GenerateRequest, TokenBias, TokenEvent, TopLogprob, WireGuide,
+};
 
 /// A submitted request as a router sends it to a worker (no trace context, no prefill peer:
 /// the attempt adds those).
@@ -25,6 +28,15 @@ pub fn request_to_wire(request_id: u64, req: &Request) -> GenerateRequest {
         resume_draws: p.resume_draws,
         traceparent: None,
         prefill: None,
+        logit_bias: p
+            .logit_bias
+            .iter()
+            .map(|&(token, bias)| TokenBias { token, bias })
+            .collect(),
+        guide: p.guide.as_ref().map(|g| WireGuide {
+            grammar: g.grammar.to_string(),
+            replay: g.replay.min(u32::MAX as usize) as u32,
+        }),
     }
 }
 
@@ -42,6 +54,11 @@ pub fn request_from_wire(r: &GenerateRequest) -> Request {
             ignore_eos: r.ignore_eos,
             logprobs: r.logprobs.map(|n| n as usize),
             resume_draws: r.resume_draws,
+            logit_bias: r.logit_bias.iter().map(|b| (b.token, b.bias)).collect(),
+            guide: r.guide.as_ref().map(|g| Guide {
+                grammar: g.grammar.as_str().into(),
+                replay: g.replay as usize,
+            }),
         },
     }
 }
@@ -108,6 +125,11 @@ mod tests {
                 ignore_eos: true,
                 logprobs: Some(4),
                 resume_draws: 9,
+                logit_bias: vec![(5, -100.0), (8, 2.5)],
+                guide: Some(Guide {
+                    grammar: "{\"grammars\":[]}".into(),
+                    replay: 3,
+                }),
             },
         };
         let wire = request_to_wire(11, &req);

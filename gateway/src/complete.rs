@@ -21,6 +21,8 @@ use crate::error::ApiError;
 use crate::generate::{Chunk, Generation};
 use crate::protocol::{self, ChatRequest, CompletionRequest, Prompt, Validated};
 use crate::state::{unix_now, AppState, ServedModel};
+use crate::structured::{self, Shape};
+use crate::tools::{ToolFormat, ToolStream};
 
 /// A child span of the request's, for one phase of the gateway's work.
 fn span(name: &'static str) -> tracing::Span {
@@ -44,6 +46,7 @@ struct Prepared {
     /// For completions with `echo`.
     echo: Option<String>,
     v: Validated,
+    shape: Shape,
 }
 
 pub(crate) async fn chat(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
@@ -125,13 +128,15 @@ async fn off_runtime(
     .map_err(|e| ApiError::internal(format!("preparing the request failed: {e}")))?
 }
 
-/// The body parsed once, unsupported fields refused, read as the endpoint's request `R`
-/// and as the fields every endpoint shares; `top` says how many top logprobs `R` asks for.
+/// The body parsed once, unsupported fields refused, read as the endpoint's request `R`,
+/// as the fields every endpoint shares, and as the output's shape; `top` says how many top
+/// logprobs `R` asks for.
 fn validate<R: serde::de::DeserializeOwned>(
     st: &ServedModel,
     body: &[u8],
     top: impl FnOnce(&R) -> Result<Option<usize>, ApiError>,
-) -> Result<(R, Validated), ApiError> {
+    chat: bool,
+) -> Result<(R, Validated, Shape), ApiError> {
     span("validate").in_scope(|| {
         let body = protocol::parse_body(body)?;
         protocol::refuse_unsupported(&body)?;
@@ -143,17 +148,25 @@ fn validate<R: serde::de::DeserializeOwned>(
             st.tokenizer.sampling_defaults(),
             top,
         )?;
-        Ok((req, v))
+        let shape = structured::read(&body, chat, st)?;
+        Ok((req, v, shape))
     })
 }
 
 fn prepare_chat(st: &ServedModel, body: &[u8]) -> Result<Prepared, ApiError> {
-    let (req, v) = validate(st, body, |r: &ChatRequest| {
-        protocol::chat_logprobs(r.logprobs, r.top_logprobs)
-    })?;
+    let (req, v, shape) = validate(
+        st,
+        body,
+        |r: &ChatRequest| protocol::chat_logprobs(r.logprobs, r.top_logprobs),
+        true,
+    )?;
     let text = span("chat_template").in_scope(|| {
         let messages = protocol::template_messages(&req.messages)?;
-        Ok::<_, ApiError>(st.tokenizer.apply_chat_template(&messages, true)?)
+        let tools = shape.tools.as_ref().map(|t| t.request.objects.as_slice());
+        Ok::<_, ApiError>(
+            st.tokenizer
+                .apply_chat_template_with_tools(&messages, tools, true)?,
+        )
     })?;
     st.check_prompt_bytes(text.len(), "messages")?;
     let prompt = span("tokenize").in_scope(|| st.tokenizer.encode(&text, false))?;
@@ -162,13 +175,17 @@ fn prepare_chat(st: &ServedModel, body: &[u8]) -> Result<Prepared, ApiError> {
         prompt,
         echo: None,
         v,
+        shape,
     })
 }
 
 fn prepare_completion(st: &ServedModel, body: &[u8]) -> Result<Prepared, ApiError> {
-    let (req, v) = validate(st, body, |r: &CompletionRequest| {
-        protocol::completion_logprobs(r.logprobs)
-    })?;
+    let (req, v, shape) = validate(
+        st,
+        body,
+        |r: &CompletionRequest| protocol::completion_logprobs(r.logprobs),
+        false,
+    )?;
     let tok = &st.tokenizer;
     let one = |n: usize| {
         if n == 1 {
@@ -236,6 +253,7 @@ fn prepare_completion(st: &ServedModel, body: &[u8]) -> Result<Prepared, ApiErro
         prompt,
         echo: text,
         v,
+        shape,
     })
 }
 
@@ -262,6 +280,7 @@ async fn run(
         prompt,
         echo,
         mut v,
+        shape,
     } = prepared?;
     let limit = model.max_model_len();
     let plen = prompt.len();
@@ -278,6 +297,8 @@ async fn run(
         None => limit - plen,
     };
     v.params.max_tokens = max_tokens;
+    v.params.logit_bias = shape.logit_bias;
+    v.params.guide = shape.guide;
     let sub = model.engine.submit(EngineRequest {
         prompt: prompt.clone(),
         params: v.params.clone(),
@@ -316,6 +337,10 @@ async fn run(
         created: unix_now(),
         model: model.name.clone(),
         logprobs: v.params.logprobs.is_some(),
+        tools: shape
+            .tools
+            .as_ref()
+            .and_then(|t| t.format.map(|f| (f, t.forced))),
     };
     if v.stream {
         // A routed request may find every worker full or none there: wait for its first
@@ -351,6 +376,8 @@ struct Output {
     created: u64,
     model: String,
     logprobs: bool,
+    /// Calls are read out of the output in this format (forced by a grammar or not).
+    tools: Option<(ToolFormat, bool)>,
 }
 
 impl Output {
@@ -389,6 +416,11 @@ impl Output {
         }
     }
 
+    /// The id of the response's `k`th tool call.
+    fn call_id(&self, k: usize) -> String {
+        format!("call_{}_{k}", self.id.rsplit('-').next().unwrap_or("0"))
+    }
+
     fn envelope(&self, object: &str, choices: Value) -> Value {
         json!({"id": self.id, "object": object, "created": self.created, "model": self.model, "choices": choices})
     }
@@ -407,12 +439,30 @@ async fn collect(
     }
     let mut offset = 0;
     let logprobs = out.logprobs_json(gen.tokenizer(), &all, &mut offset);
-    let finish = all.finish.unwrap_or("stop");
+    let mut finish = all.finish.unwrap_or("stop");
     let mut body = match out.endpoint {
         Endpoint::Chat => {
+            let mut message = json!({"role": "assistant", "content": all.text});
+            if let Some((format, _)) = out.tools {
+                if let Some((content, calls)) = format.parse(&all.text) {
+                    message["content"] = if content.is_empty() {
+                        Value::Null
+                    } else {
+                        Value::String(content)
+                    };
+                    message["tool_calls"] = calls
+                        .iter()
+                        .enumerate()
+                        .map(|(k, c)| c.to_json(&out.call_id(k)))
+                        .collect();
+                    if finish == "stop" {
+                        finish = "tool_calls";
+                    }
+                }
+            }
             let mut choice = json!({
                 "index": 0,
-                "message": {"role": "assistant", "content": all.text},
+                "message": message,
                 "logprobs": logprobs,
                 "finish_reason": finish,
             });
@@ -466,6 +516,7 @@ fn stream(
         }
         let mut pending: Option<Chunk> = None;
         let mut offset = 0;
+        let mut calls = out.tools.map(|(f, forced)| ToolStream::new(f, forced));
         loop {
             let next = match peeked.take() {
                 Some(p) => p,
@@ -491,6 +542,12 @@ fn stream(
                 continue;
             }
             let logprobs = out.logprobs_json(gen.tokenizer(), &c, &mut offset);
+            if let Some(ts) = &mut calls {
+                for v in tool_deltas(&out, ts, &c, logprobs) {
+                    yield data(out.envelope(object, json!([v])));
+                }
+                continue;
+            }
             let mut choice = match out.endpoint {
                 Endpoint::Chat => json!({"index": 0, "delta": {"content": c.text}, "logprobs": logprobs, "finish_reason": c.finish}),
                 Endpoint::Completion => json!({"index": 0, "text": c.text, "logprobs": logprobs, "finish_reason": c.finish}),
@@ -510,4 +567,46 @@ fn stream(
         yield Ok(Event::default().data("[DONE]"));
     };
     Sse::new(s).keep_alive(KeepAlive::default())
+}
+
+/// A chunk of a chat stream whose calls are read out: its content, then each call that
+/// completed (its id and name, then its arguments), the last carrying the finish reason.
+fn tool_deltas(out: &Output, ts: &mut ToolStream, c: &Chunk, logprobs: Value) -> Vec<Value> {
+    let (content, calls) = ts.push(&c.text, c.finish.is_some());
+    let mut deltas = Vec::new();
+    if !content.is_empty() {
+        deltas.push(json!({"content": content}));
+    }
+    for (k, call) in calls {
+        deltas.push(
+            json!({"tool_calls": [{"index": k, "id": out.call_id(k), "type": "function",
+            "function": {"name": call.name, "arguments": ""}}]}),
+        );
+        deltas
+            .push(json!({"tool_calls": [{"index": k, "function": {"arguments": call.arguments}}]}));
+    }
+    let finish = c.finish.map(|f| {
+        if f == "stop" && ts.made_calls() {
+            "tool_calls"
+        } else {
+            f
+        }
+    });
+    if deltas.is_empty() && finish.is_none() {
+        return Vec::new();
+    }
+    if deltas.is_empty() {
+        deltas.push(json!({}));
+    }
+    let n = deltas.len();
+    deltas
+        .into_iter()
+        .enumerate()
+        .map(|(i, d)| {
+            let last = i + 1 == n;
+            json!({"index": 0, "delta": d,
+                "logprobs": if last { logprobs.clone() } else { Value::Null },
+                "finish_reason": if last { finish } else { None }})
+        })
+        .collect()
 }

@@ -5,6 +5,7 @@
 //! - `complete`: the two completion endpoints, request to response;
 //! - `generate`: one request's token events turned into text deltas;
 //! - `dispatch`: where token ids go (an engine here, or a router);
+//! - `structured`, `tools`: output shapes (JSON, regex, grammars, logit bias) and tool calls;
 //! - `state`, `protocol`, `error`, `metrics`, `traces`, `http`.
 
 mod api;
@@ -16,6 +17,8 @@ pub mod http;
 pub mod metrics;
 pub mod protocol;
 mod state;
+pub mod structured;
+pub mod tools;
 pub mod traces;
 
 pub use api::{authorized, check_api_key, router};

@@ -60,6 +60,11 @@ pub struct ContentPart {
 pub struct ChatMessage {
     pub role: String,
     pub content: Option<Content>,
+    /// An assistant's earlier calls.
+    pub tool_calls: Option<Vec<Value>>,
+    /// A tool's answer: the call it answers, and the function's name.
+    pub tool_call_id: Option<String>,
+    pub name: Option<String>,
 }
 
 #[derive(Deserialize, Debug)]
@@ -121,67 +126,15 @@ pub fn fields<T: serde::de::DeserializeOwned>(v: &Value) -> Result<T, ApiError> 
 }
 
 /// Refuses, by name, request fields of the OpenAI API this server does not implement:
-/// ignoring them would answer something else than what was asked (free text instead of a
-/// tool call or of JSON, one sample instead of the best of several). Values that ask for
-/// nothing beyond plain generation pass: `null`, `tools: []`, `tool_choice: "none"`,
-/// `response_format: {"type": "text"}`, `logit_bias: {}`, and `best_of` equal to `n` (as
-/// vLLM accepts).
+/// ignoring them would answer something else than what was asked (one sample instead of the
+/// best of several). `best_of` equal to `n` passes (as vLLM accepts).
 pub fn refuse_unsupported(body: &Value) -> Result<(), ApiError> {
     let get = |k: &str| body.get(k).filter(|v| !v.is_null());
-    for name in ["tools", "functions"] {
-        if let Some(t) = get(name) {
-            if !t.as_array().is_some_and(Vec::is_empty) {
-                return Err(ApiError::param(
-                    name,
-                    format!(
-                        "`{name}` is not supported: this server does not call tools. Leave it out."
-                    ),
-                ));
-            }
-        }
-    }
-    for name in ["tool_choice", "function_call"] {
-        if let Some(c) = get(name) {
-            if c.as_str() != Some("none") {
-                return Err(ApiError::param(
-                    name,
-                    format!("`{name}` is not supported: this server does not call tools. Leave it out or send \"none\"."),
-                ));
-            }
-        }
-    }
-    if let Some(f) = get("response_format") {
-        let kind = f.get("type").and_then(Value::as_str);
-        if kind != Some("text") {
+    for old in ["functions", "function_call"] {
+        if get(old).is_some() {
             return Err(ApiError::param(
-                "response_format",
-                format!(
-                    "`response_format` {} is not supported: this server does not constrain output to JSON. Leave it out or send {{\"type\": \"text\"}}.",
-                    kind.map_or_else(|| "without a type".to_string(), |k| format!("of type `{k}`"))
-                ),
-            ));
-        }
-    }
-    // Sampling without these would give tokens the client asked to ban, force or shape.
-    if let Some(b) = get("logit_bias") {
-        if !b.as_object().is_some_and(|m| m.is_empty()) {
-            return Err(ApiError::param(
-                "logit_bias",
-                "`logit_bias` is not supported yet: this server would sample without it. Leave it out or send {}.",
-            ));
-        }
-    }
-    for name in [
-        "structured_outputs",
-        "guided_json",
-        "guided_regex",
-        "guided_choice",
-        "guided_grammar",
-    ] {
-        if get(name).is_some() {
-            return Err(ApiError::param(
-                name,
-                format!("`{name}` is not supported: this server does not constrain output. Leave it out."),
+                old,
+                format!("`{old}` is the deprecated form of tools; send `tools` and `tool_choice`."),
             ));
         }
     }
@@ -311,6 +264,8 @@ pub fn validate_common(
             ignore_eos: c.ignore_eos.unwrap_or(false),
             logprobs: top_logprobs,
             resume_draws: 0,
+            logit_bias: Vec::new(),
+            guide: None,
         },
         max_tokens: max_tokens.map(|(_, v)| v as usize),
         stops,
@@ -380,7 +335,61 @@ pub fn template_messages(messages: &[ChatMessage]) -> Result<Vec<Value>, ApiErro
                 }
             };
             let role = if m.role == "developer" { "system" } else { m.role.as_str() };
-            Ok(serde_json::json!({"role": role, "content": text}))
+            let mut msg = serde_json::json!({"role": role, "content": text});
+            if let Some(calls) = &m.tool_calls {
+                msg["tool_calls"] = Value::Array(
+                    calls
+                        .iter()
+                        .enumerate()
+                        .map(|(k, c)| template_call(c, &format!("messages[{i}].tool_calls[{k}]")))
+                        .collect::<Result<_, _>>()?,
+                );
+            }
+            if let Some(id) = &m.tool_call_id {
+                msg["tool_call_id"] = Value::String(id.clone());
+            }
+            if let Some(n) = &m.name {
+                msg["name"] = Value::String(n.clone());
+            }
+            Ok(msg)
         })
         .collect()
+}
+
+/// An assistant's earlier call as templates read it: OpenAI's shape, with `arguments` also
+/// parsed into an object (Hugging Face templates render it with `tojson`).
+fn template_call(c: &Value, at: &str) -> Result<Value, ApiError> {
+    let f = c.get("function").filter(|f| f.is_object()).ok_or_else(|| {
+        ApiError::param(
+            &format!("{at}.function"),
+            "A tool call needs a `function` object.",
+        )
+    })?;
+    let name = f.get("name").and_then(Value::as_str).ok_or_else(|| {
+        ApiError::param(
+            &format!("{at}.function.name"),
+            "A tool call needs a function `name`.",
+        )
+    })?;
+    let args = match f.get("arguments") {
+        Some(Value::String(s)) => serde_json::from_str::<Value>(s).map_err(|e| {
+            ApiError::param(
+                &format!("{at}.function.arguments"),
+                format!("`arguments` is not JSON: {e}"),
+            )
+        })?,
+        Some(v @ Value::Object(_)) => v.clone(),
+        None | Some(Value::Null) => serde_json::json!({}),
+        Some(_) => {
+            return Err(ApiError::param(
+                &format!("{at}.function.arguments"),
+                "`arguments` must be a JSON object, or a string holding one.",
+            ))
+        }
+    };
+    Ok(serde_json::json!({
+        "id": c.get("id").cloned().unwrap_or(Value::Null),
+        "type": "function",
+        "function": {"name": name, "arguments": args},
+    }))
 }

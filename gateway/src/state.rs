@@ -6,6 +6,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
+use kvmesh_gpu::guided::LazyGuides;
 use kvmesh_gpu::tokenizer::TextTokenizer;
 use kvmesh_telemetry::metrics::Exposition;
 
@@ -24,6 +25,8 @@ pub struct ServedModel {
     /// The most bytes of text one token stands for (see [`max_bytes_per_token`]); `None`
     /// when this tokenizer can make one token of any length of text.
     pub bytes_per_token: Option<usize>,
+    /// Compiles requests' grammars over this model's vocabulary (built on first use).
+    pub guides: LazyGuides,
 }
 
 impl ServedModel {
@@ -44,7 +47,11 @@ impl ServedModel {
                  are measured only by tokenizing them"
             ),
         }
+        let n_logits = engine
+            .vocab_size()
+            .unwrap_or_else(|| tokenizer.vocab_size());
         ServedModel {
+            guides: LazyGuides::new(tokenizer.clone(), n_logits),
             name,
             tokenizer,
             engine,

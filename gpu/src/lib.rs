@@ -8,6 +8,7 @@ pub mod config;
 pub mod embedded;
 pub mod engine;
 pub mod error;
+pub mod guided;
 pub mod init;
 pub mod kv_cache;
 pub mod kv_pool;

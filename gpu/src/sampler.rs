@@ -19,6 +19,11 @@ pub struct SamplingParams {
     /// sequence continued on another worker after its first one was lost): the generator
     /// skips them, so a seeded request goes on exactly as it would have.
     pub resume_draws: u64,
+    /// Added to a token's logit before sampling (OpenAI's `logit_bias`: -100 bans a token in
+    /// practice, +100 forces it).
+    pub logit_bias: Vec<(u32, f32)>,
+    /// The grammar the output must follow (see [`crate::guided`]).
+    pub guide: Option<crate::guided::Guide>,
 }
 
 impl Default for SamplingParams {
@@ -33,6 +38,8 @@ impl Default for SamplingParams {
             ignore_eos: false,
             logprobs: None,
             resume_draws: 0,
+            logit_bias: Vec::new(),
+            guide: None,
         }
     }
 }
@@ -130,6 +137,24 @@ fn log_sum_exp(logits: &[f32]) -> f32 {
     max + sum.ln() as f32
 }
 
+/// The index of the highest logit (the first of ties).
+pub fn argmax_of(logits: &[f32]) -> u32 {
+    argmax(logits)
+}
+
+/// What a request does to the model's logits before a token is chosen: its `logit_bias`,
+/// then its grammar's mask (see [`crate::guided`]).
+pub fn constrain(logits: &mut [f32], bias: &[(u32, f32)], mask: Option<&[u32]>) {
+    for &(t, b) in bias {
+        if let Some(l) = logits.get_mut(t as usize) {
+            *l += b;
+        }
+    }
+    if let Some(m) = mask {
+        crate::guided::apply_mask(logits, m);
+    }
+}
+
 fn argmax(logits: &[f32]) -> u32 {
     let mut best = 0;
     for (i, &x) in logits.iter().enumerate() {
@@ -166,6 +191,8 @@ pub fn sample(logits: &[f32], p: &SamplingParams, rng: &mut Rng) -> Sampled {
     let top = match p.logprobs {
         Some(n) if n > 0 => top_n(logits, n)
             .into_iter()
+            // Tokens a mask banned are not alternatives.
+            .filter(|(_, l)| l.is_finite())
             .map(|(t, l)| (t, l - lse))
             .collect(),
         _ => Vec::new(),

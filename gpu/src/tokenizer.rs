@@ -13,6 +13,8 @@ use crate::error::{EngineError, Result};
 pub struct TextTokenizer {
     inner: tokenizers::Tokenizer,
     chat_template: Option<Environment<'static>>,
+    /// The chat template's text (what tool-call format the model speaks is read from it).
+    template_text: Option<String>,
     bos_token: Option<String>,
     eos_token: Option<String>,
     add_bos: bool,
@@ -108,7 +110,7 @@ impl TextTokenizer {
                 _ => (None, None),
             },
         };
-        let chat_template = match template_text {
+        let chat_template = match template_text.clone() {
             Some(t) => Some(Self::compile_template(t)?),
             None => None,
         };
@@ -147,6 +149,7 @@ impl TextTokenizer {
             template_source: chat_template.is_some().then_some(template_source).flatten(),
             inner,
             chat_template,
+            template_text,
             bos_token,
             eos_token,
             bos_id,
@@ -185,10 +188,34 @@ impl TextTokenizer {
         self.chat_template.is_some()
     }
 
+    pub fn chat_template_text(&self) -> Option<&str> {
+        self.template_text.as_deref()
+    }
+
+    /// The id of an added token whose text is `content`, if the vocabulary has one.
+    pub fn added_token_id(&self, content: &str) -> Option<u32> {
+        self.inner
+            .get_added_tokens_decoder()
+            .into_iter()
+            .find(|(_, t)| t.content == content)
+            .map(|(id, _)| id)
+    }
+
     /// Renders `messages` (OpenAI-shaped objects with `role` and string `content`).
     pub fn apply_chat_template(
         &self,
         messages: &[Value],
+        add_generation_prompt: bool,
+    ) -> Result<String> {
+        self.apply_chat_template_with_tools(messages, None, add_generation_prompt)
+    }
+
+    /// Renders `messages` with the functions the model may call given to the template as
+    /// `tools` (the OpenAI tool objects, as Hugging Face templates take them).
+    pub fn apply_chat_template_with_tools(
+        &self,
+        messages: &[Value],
+        tools: Option<&[Value]>,
         add_generation_prompt: bool,
     ) -> Result<String> {
         let env = self.chat_template.as_ref().ok_or_else(|| {
@@ -201,6 +228,7 @@ impl TextTokenizer {
         let tmpl = env.get_template("chat").map_err(template_error)?;
         tmpl.render(minijinja::context! {
             messages => messages,
+            tools => tools,
             add_generation_prompt => add_generation_prompt,
             bos_token => self.bos_token.clone().unwrap_or_default(),
             eos_token => self.eos_token.clone().unwrap_or_default(),
@@ -253,6 +281,12 @@ impl TextTokenizer {
 
     pub fn sampling_defaults(&self) -> &SamplingDefaults {
         &self.defaults
+    }
+
+    /// The tokenizer as its `tokenizer.json` holds it (constrained decoding reads the
+    /// vocabulary's bytes from it).
+    pub fn tokenizer_json(&self) -> Value {
+        serde_json::to_value(&self.inner).unwrap_or(Value::Null)
     }
 
     pub fn eos_ids(&self) -> &[u32] {

@@ -173,6 +173,8 @@ mod tests {
             ignore_eos: false,
             logprobs: None,
             resume_draws: 0,
+            logit_bias: vec![],
+            guide: None,
             traceparent: None,
             prefill: None,
         }

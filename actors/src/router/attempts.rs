@@ -195,6 +195,10 @@ impl Attempts {
             if !self.greedy {
                 r.resume_draws += sent.len() as u64;
             }
+            // The next worker's matcher reads the streamed tokens before it continues.
+            if let Some(g) = &mut r.guide {
+                g.replay += sent.len() as u32;
+            }
         }
         r
     }
@@ -544,6 +548,11 @@ mod tests {
             resume_draws: 2,
             traceparent: None,
             prefill: None,
+            logit_bias: vec![],
+            guide: Some(kvmesh_transport::wire::WireGuide {
+                grammar: "{}".into(),
+                replay: 1,
+            }),
         }
     }
 
@@ -629,6 +638,8 @@ mod tests {
         );
         assert_eq!(resumed.max_tokens, 5);
         assert_eq!(resumed.resume_draws, 2 + 3);
+        // Its grammar replays them too.
+        assert_eq!(resumed.guide.as_ref().map(|g| g.replay), Some(1 + 3));
         assert_eq!(
             *info,
             AttemptInfo {

@@ -69,10 +69,38 @@ impl ForwardBatch<'_> {
     }
 }
 
+/// A sequence's grammar mask (see [`crate::guided`]), computed on another thread while the
+/// step runs: a backend waits for it only when it is about to sample.
+pub type MaskSlot = std::sync::OnceLock<Vec<u32>>;
+
 /// How a sequence that wants a token samples it.
 pub struct SampleSpec<'a> {
     pub params: &'a SamplingParams,
     pub rng: &'a mut Rng,
+    /// The tokens its grammar allows, when it has one.
+    pub mask: Option<&'a MaskSlot>,
+}
+
+impl SampleSpec<'_> {
+    /// The allowed-token bitmask, waiting for it if it is still being computed.
+    pub fn mask(&self) -> Option<&[u32]> {
+        self.mask.map(|m| m.wait().as_slice())
+    }
+
+    /// Whether anything changes the logits before sampling (a bias or a mask).
+    pub fn constrained(&self) -> bool {
+        self.mask.is_some() || !self.params.logit_bias.is_empty()
+    }
+
+    /// Samples from a row of logits after the request's bias and mask.
+    pub fn sample(&mut self, logits: &[f32]) -> Sampled {
+        if !self.constrained() {
+            return sample(logits, self.params, self.rng);
+        }
+        let mut l = logits.to_vec();
+        crate::sampler::constrain(&mut l, &self.params.logit_bias, self.mask());
+        sample(&l, self.params, self.rng)
+    }
 }
 
 pub trait Backend: Send {
@@ -176,6 +204,6 @@ pub(crate) fn sample_all(logits: &[Vec<f32>], specs: &mut [SampleSpec]) -> Vec<S
     logits
         .iter()
         .zip(specs.iter_mut())
-        .map(|(l, s)| sample(l, s.params, s.rng))
+        .map(|(l, s)| s.sample(l))
         .collect()
 }

@@ -179,14 +179,26 @@ impl SimBackend {
             .collect()
     }
 
-    fn sampled(tokens: Vec<u32>) -> Vec<Sampled> {
+    /// The timing model's tokens; a request with a bias or a grammar samples from logits
+    /// that favour the model's token, so its constraint holds here as on a real backend.
+    fn sampled(&self, tokens: Vec<u32>, specs: &mut [SampleSpec]) -> Vec<Sampled> {
         tokens
             .into_iter()
-            .map(|token| Sampled {
-                token,
-                logprob: 0.0,
-                top: Vec::new(),
-            })
+            .enumerate()
+            .map(
+                |(i, token)| match specs.get_mut(i).filter(|s| s.constrained()) {
+                    Some(s) => {
+                        let mut l = vec![0f32; self.vocab];
+                        l[token as usize] = 1.0;
+                        s.sample(&l)
+                    }
+                    None => Sampled {
+                        token,
+                        logprob: 0.0,
+                        top: Vec::new(),
+                    },
+                },
+            )
             .collect()
     }
 }
@@ -224,18 +236,20 @@ impl Backend for SimBackend {
     fn forward_sample(
         &mut self,
         batch: &ForwardBatch,
-        _specs: &mut [SampleSpec],
+        specs: &mut [SampleSpec],
     ) -> Result<Vec<Sampled>> {
-        Ok(Self::sampled(self.run(batch, None)))
+        let tokens = self.run(batch, None);
+        Ok(self.sampled(tokens, specs))
     }
 
     fn forward_sample_streaming(
         &mut self,
         batch: &ForwardBatch,
-        _specs: &mut [SampleSpec],
+        specs: &mut [SampleSpec],
         kv_ready: &(dyn Fn(usize) + Sync),
     ) -> Result<Vec<Sampled>> {
-        Ok(Self::sampled(self.run(batch, Some(kv_ready))))
+        let tokens = self.run(batch, Some(kv_ready));
+        Ok(self.sampled(tokens, specs))
     }
 }
 

@@ -11,6 +11,7 @@ use super::lease::{ExportEvent, KvLease, LeaseEvent};
 use super::request::{EngineInfo, Progress, Request, SeqEvent, SeqId};
 use super::stats::EngineStats;
 use crate::error::{EngineError, Result};
+use crate::guided::{Guided, LazyGuides};
 
 /// What the engine thread is told.
 pub(super) enum Command {
@@ -20,6 +21,8 @@ pub(super) enum Command {
         events: mpsc::UnboundedSender<SeqEvent>,
         progress: mpsc::UnboundedSender<Progress>,
         mode: Mode,
+        /// Its grammar's matcher, compiled by the submitter (never on the engine thread).
+        guided: Option<Box<Guided>>,
     },
     Abort(SeqId),
     /// A lease on a sequence's blocks landed, or its last clone is gone.
@@ -56,6 +59,9 @@ pub struct EngineHandle {
     /// The prefix cache's stores and evictions, for routers.
     pub kv_events: Arc<KvEventHub>,
     pub info: Arc<EngineInfo>,
+    /// What compiles requests' grammars over this model's vocabulary; without it a request
+    /// with a grammar is refused.
+    pub guides: Option<Arc<LazyGuides>>,
 }
 
 /// A submitted request's token events. Dropping it aborts the request and frees its blocks.
@@ -104,6 +110,34 @@ impl Drop for AbortOnDrop {
 }
 
 impl EngineHandle {
+    /// Lets requests carry grammars, compiled over this tokenizer's vocabulary.
+    pub fn with_guides(mut self, guides: Arc<LazyGuides>) -> EngineHandle {
+        self.guides = Some(guides);
+        self
+    }
+
+    /// A matcher for the request's grammar, if it has one.
+    fn compile_guide(&self, req: &Request) -> Result<Option<Box<Guided>>> {
+        let Some(guide) = &req.params.guide else {
+            return Ok(None);
+        };
+        let guides = self
+            .guides
+            .as_ref()
+            .ok_or_else(|| {
+                EngineError::InvalidRequest(
+                    "this engine was started without a tokenizer, so it cannot follow a grammar"
+                        .into(),
+                )
+            })?
+            .get()
+            .map_err(EngineError::InvalidRequest)?;
+        guides
+            .start(guide, &req.prompt)
+            .map(|g| Some(Box::new(g)))
+            .map_err(|e| EngineError::InvalidRequest(format!("the grammar: {e}")))
+    }
+
     /// Checks the request against the engine's limits and queues it.
     pub fn submit(&self, req: Request) -> Result<Submission> {
         self.enqueue(req, Mode::Local)
@@ -195,6 +229,18 @@ impl EngineHandle {
                 self.info.num_blocks
             )));
         }
+        if let Some(&(bad, _)) = req
+            .params
+            .logit_bias
+            .iter()
+            .find(|&&(t, _)| t as usize >= self.info.vocab_size)
+        {
+            return Err(EngineError::InvalidRequest(format!(
+                "logit_bias names token id {bad}, outside the vocabulary (size {})",
+                self.info.vocab_size
+            )));
+        }
+        let guided = self.compile_guide(&req)?;
         // Checked and counted in one step: two requests arriving together cannot both take
         // the last place.
         let capacity = cfg.max_num_seqs.saturating_add(cfg.max_waiting);
@@ -221,6 +267,7 @@ impl EngineHandle {
                 events: etx,
                 progress: ptx,
                 mode,
+                guided,
             })
             .map_err(|_| EngineError::Stopped)?;
         Ok(Submission {

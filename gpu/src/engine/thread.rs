@@ -15,8 +15,9 @@ use super::lease::{ExportEvent, KvLease, Landed, LeaseEvent, LeaseNotify};
 use super::request::{EngineConfig, EngineInfo, FinishReason, Progress, SeqEvent, SeqId};
 use super::scheduler::{Entry, Lend, Limits, Place, Plan, Scheduler, SeqState, Transfer};
 use super::stats::{prefill_part_us, EngineStats};
-use crate::backend::{Backend, ForwardBatch, SampleSpec, SeqInput};
+use crate::backend::{Backend, ForwardBatch, MaskSlot, SampleSpec, SeqInput};
 use crate::error::{EngineError, Result};
+use crate::guided::{mask_words, Guided};
 use crate::kv_cache::BlockId;
 use crate::kv_pool::HostKvPool;
 use crate::sampler::{Rng, Sampled, SamplingParams};
@@ -37,6 +38,8 @@ struct SeqIo {
     stage: Option<Arc<HostKvPool>>,
     /// Decode side: what its transfer landed with, once it has.
     landed: Option<Landed>,
+    /// Its grammar's matcher; taken out while a step computes its mask.
+    guided: Option<Box<Guided>>,
 }
 
 type Seq = Entry<SeqIo>;
@@ -95,6 +98,7 @@ pub fn spawn(
         kv_events: kv_events.clone(),
         rx,
         notify,
+        vocab_size,
     };
     std::thread::Builder::new()
         .name("kvmesh-engine".into())
@@ -107,6 +111,7 @@ pub fn spawn(
         stats,
         kv_events,
         info,
+        guides: None,
     }
 }
 
@@ -120,6 +125,7 @@ struct Engine {
     kv_events: Arc<KvEventHub>,
     rx: crossbeam_channel::Receiver<Command>,
     notify: LeaseNotify,
+    vocab_size: usize,
 }
 
 /// An exported sequence in a step: its index in `running`, its channel, and the positions
@@ -175,7 +181,8 @@ impl Engine {
                 events,
                 progress,
                 mode,
-            } => self.add(id, req.prompt, req.params, events, progress, mode),
+                guided,
+            } => self.add(id, req.prompt, req.params, events, progress, (mode, guided)),
             Command::Abort(id) => {
                 if let Some(e) = self.sched.remove(id) {
                     self.sched.retire(e.seq);
@@ -198,7 +205,7 @@ impl Engine {
         params: SamplingParams,
         events: mpsc::UnboundedSender<SeqEvent>,
         progress: mpsc::UnboundedSender<Progress>,
-        mode: Mode,
+        (mode, guided): (Mode, Option<Box<Guided>>),
     ) {
         let rng = match params.seed {
             Some(s) => {
@@ -228,6 +235,7 @@ impl Engine {
                 export,
                 stage: None,
                 landed: None,
+                guided,
             },
         });
     }
@@ -476,6 +484,22 @@ impl Engine {
         exports: &[Export],
         started: Instant,
     ) -> Result<(Vec<usize>, Vec<Sampled>, Vec<Rng>)> {
+        let sampling: Vec<usize> = plan
+            .run
+            .iter()
+            .filter(|&&(i, n)| {
+                let s = &self.sched.running[i].seq;
+                s.num_computed + n == s.tokens.len()
+            })
+            .map(|&(i, _)| i)
+            .collect();
+        // Grammars' matchers leave their sequences for the step: their masks are computed
+        // on other threads while the batch runs.
+        let mut guided: Vec<Option<Box<Guided>>> = sampling
+            .iter()
+            .map(|&i| self.sched.running[i].io.guided.take())
+            .collect();
+        let slots: Vec<MaskSlot> = sampling.iter().map(|_| MaskSlot::new()).collect();
         let running = &self.sched.running;
         let batch = ForwardBatch {
             seqs: plan
@@ -496,12 +520,6 @@ impl Engine {
         // A backend with host KV says as each layer lands; a staging one is copied out after
         // the step.
         let streaming = !exports.is_empty() && self.pool.is_some();
-        let sampling: Vec<usize> = plan
-            .run
-            .iter()
-            .filter(|&&(i, n)| running[i].seq.num_computed + n == running[i].seq.tokens.len())
-            .map(|&(i, _)| i)
-            .collect();
         // Split borrows: the batch borrows token slices; sampling state is taken out meanwhile.
         let mut rngs: Vec<Rng> = sampling
             .iter()
@@ -514,19 +532,31 @@ impl Engine {
         let mut specs: Vec<SampleSpec> = params
             .iter()
             .zip(rngs.iter_mut())
-            .map(|(params, rng)| SampleSpec { params, rng })
+            .zip(guided.iter().zip(&slots))
+            .map(|((params, rng), (g, slot))| SampleSpec {
+                params,
+                rng,
+                mask: g.as_ref().map(|_| slot),
+            })
             .collect();
         let ready = |layer: usize| {
             for (_, tx, _, upto) in exports {
                 let _ = tx.send(ExportEvent::Layer { layer, upto: *upto });
             }
         };
-        let out = if streaming {
-            self.backend
-                .forward_sample_streaming(&batch, &mut specs, &ready)?
-        } else {
-            self.backend.forward_sample(&batch, &mut specs)?
-        };
+        let backend = &mut self.backend;
+        let words = mask_words(self.vocab_size);
+        let out = std::thread::scope(|scope| {
+            if guided.iter().any(Option::is_some) {
+                let (guided, slots) = (&mut guided, &slots);
+                scope.spawn(move || compute_masks(guided, slots, words));
+            }
+            if streaming {
+                backend.forward_sample_streaming(&batch, &mut specs, &ready)
+            } else {
+                backend.forward_sample(&batch, &mut specs)
+            }
+        });
         drop(specs);
         let prompt_tokens: usize = batch.num_tokens() - sampling.len();
         // Sequences past their prompt: each computes one generated token.
@@ -536,6 +566,12 @@ impl Engine {
             .filter(|&&(i, _)| running[i].seq.num_computed >= running[i].seq.prompt_len)
             .count();
         drop(batch);
+        for (&i, g) in sampling.iter().zip(guided) {
+            if g.is_some() {
+                self.sched.running[i].io.guided = g;
+            }
+        }
+        let out = out?;
         self.count_step(started, prompt_tokens, sampling.len(), decode_seqs);
         if !exports.is_empty() && !streaming {
             self.stage_out(exports)?;
@@ -590,6 +626,33 @@ impl Engine {
     }
 }
 
+/// Every guided sequence's mask into its slot, in parallel. A slot is always filled, with
+/// nothing allowed if its matcher failed (the engine then fails the sequence) or if this
+/// panicked, so a backend waiting on it never hangs.
+fn compute_masks(guided: &mut [Option<Box<Guided>>], slots: &[MaskSlot], words: usize) {
+    use rayon::prelude::*;
+    let fill = std::panic::AssertUnwindSafe(|| {
+        guided.par_iter_mut().zip(slots).for_each(|(g, slot)| {
+            if let Some(g) = g {
+                let mut m = Vec::with_capacity(words);
+                g.fill_mask(&mut m);
+                m.resize(words, 0);
+                let _ = slot.set(m);
+            }
+        })
+    });
+    if std::panic::catch_unwind(fill).is_err() {
+        tracing::error!("computing grammar masks panicked; the step's guided sequences fail");
+    }
+    for (g, slot) in guided.iter_mut().zip(slots) {
+        if let Some(g) = g {
+            if slot.set(vec![0; words]).is_ok() {
+                g.poison("computing its mask panicked");
+            }
+        }
+    }
+}
+
 /// Appends a generated token and sends it; whether the sequence is finished (or its receiver
 /// gone).
 fn emit(
@@ -601,15 +664,30 @@ fn emit(
 ) -> bool {
     let (s, p) = (&mut e.seq, &e.io.params);
     let tok = sampled.token;
+    // The grammar reads the token first: one it did not allow (its matcher failed) is never
+    // sent.
+    let guided = match &mut e.io.guided {
+        Some(g) => match g.consume(tok) {
+            Ok(()) => g.is_stopped(),
+            Err(m) => {
+                let _ = e.io.events.send(SeqEvent::Failed(format!(
+                    "constrained decoding failed: {m}"
+                )));
+                return true;
+            }
+        },
+        None => false,
+    };
     s.tokens.push(tok);
     stats.generation_tokens.fetch_add(1, Ordering::Relaxed);
-    let finish = if (!p.ignore_eos && eos_ids.contains(&tok)) || p.stop_token_ids.contains(&tok) {
-        Some(FinishReason::Stop)
-    } else if s.generated() >= p.max_tokens || s.tokens.len() >= cfg.max_model_len {
-        Some(FinishReason::Length)
-    } else {
-        None
-    };
+    let finish =
+        if (!p.ignore_eos && eos_ids.contains(&tok)) || p.stop_token_ids.contains(&tok) || guided {
+            Some(FinishReason::Stop)
+        } else if s.generated() >= p.max_tokens || s.tokens.len() >= cfg.max_model_len {
+            Some(FinishReason::Length)
+        } else {
+            None
+        };
     let sent = e.io.events.send(SeqEvent::Token {
         sampled,
         finish,

@@ -189,6 +189,14 @@ mod tests {
                 cert_sha256: "00".repeat(32),
                 min_tokens: 64,
             }),
+            logit_bias: vec![TokenBias {
+                token: 3,
+                bias: -100.0,
+            }],
+            guide: Some(WireGuide {
+                grammar: "{}".into(),
+                replay: 2,
+            }),
         };
         assert_eq!(decode::<GenerateRequest>(&encode(&r).unwrap()).unwrap(), r);
         let e = TokenEvent::Token {

@@ -28,6 +28,24 @@ pub struct GenerateRequest {
     pub traceparent: Option<String>,
     /// The prefill worker to take the prompt's KV from, when the router disaggregates.
     pub prefill: Option<PrefillPeer>,
+    /// OpenAI's `logit_bias`: added to these tokens' logits before sampling.
+    pub logit_bias: Vec<TokenBias>,
+    /// The grammar the output must follow.
+    pub guide: Option<WireGuide>,
+}
+
+#[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Clone, Copy, Debug, PartialEq)]
+pub struct TokenBias {
+    pub token: u32,
+    pub bias: f32,
+}
+
+/// A request's grammar: llguidance's `TopLevelGrammar` as JSON, and how many of the prompt's
+/// last tokens are output it has already read (a request continued on another worker).
+#[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Clone, Debug, PartialEq)]
+pub struct WireGuide {
+    pub grammar: String,
+    pub replay: u32,
 }
 
 /// A prefill worker as a decode worker needs to reach it.

@@ -32,6 +32,8 @@ fn request(id: u64) -> GenerateRequest {
         resume_draws: 0,
         traceparent: None,
         prefill: None,
+        logit_bias: vec![],
+        guide: None,
     }
 }
 

@@ -60,7 +60,7 @@ use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
 use crate::kv_cache::BlockId;
 use crate::kv_pool::{HostKvPool, KvSpec};
-use crate::sampler::{sample, Sampled};
+use crate::sampler::Sampled;
 use buffers::{LogitsSpace, Workspace};
 use device::drv;
 use graphs::DecodeGraphs;
@@ -167,22 +167,24 @@ impl Backend for CudaBackend {
         Ok(host.chunks_exact(v).map(<[f32]>::to_vec).collect())
     }
 
-    /// Samples on the device (see `sampling`). A request that asks for top logprobs falls
-    /// back to copying the logits and sampling with `sampler::sample`.
+    /// Samples on the device (see `sampling`). A request that asks for top logprobs, or has
+    /// a logit bias or a grammar, falls back to copying the logits and sampling on the host.
     fn forward_sample(
         &mut self,
         batch: &ForwardBatch,
         specs: &mut [SampleSpec],
     ) -> Result<Vec<Sampled>> {
+        // Top logprobs, a logit bias or a grammar's mask: the logits come to the host and
+        // are sampled there (a device-side bitmask is not written yet).
         if specs
             .iter()
-            .any(|s| !matches!(s.params.logprobs, None | Some(0)))
+            .any(|s| !matches!(s.params.logprobs, None | Some(0)) || s.constrained())
         {
             let logits = self.forward(batch)?;
             return Ok(logits
                 .iter()
                 .zip(specs.iter_mut())
-                .map(|(l, s)| sample(l, s.params, s.rng))
+                .map(|(l, s)| s.sample(l))
                 .collect());
         }
         let n = self.run(batch)?;

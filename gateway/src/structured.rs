@@ -1,0 +1,316 @@
+//! What a request asks its output to look like: OpenAI's `response_format`, vLLM's
+//! `structured_outputs` (and its older `guided_*` fields), tools that must be called, and
+//! `logit_bias`. Each is checked here, and a grammar is compiled once over the model's
+//! vocabulary, so a bad one is a 400 naming the field before anything runs.
+
+use serde_json::Value;
+
+use kvmesh_gpu::guided::{grammar, Guide, TopLevelGrammar};
+
+use crate::error::ApiError;
+use crate::state::ServedModel;
+use crate::tools::{self, Choice, ToolFormat, ToolRequest};
+
+/// The output's shape, as the engine and the response need it.
+#[derive(Default)]
+pub struct Shape {
+    pub guide: Option<Guide>,
+    pub logit_bias: Vec<(u32, f32)>,
+    /// Tools offered, and how the output is read back into calls.
+    pub tools: Option<ToolUse>,
+}
+
+pub struct ToolUse {
+    pub request: ToolRequest,
+    /// `None` when calls are not parsed (`tool_choice: "none"`).
+    pub format: Option<ToolFormat>,
+    /// A grammar makes the output calls (`required` or a named function).
+    pub forced: bool,
+}
+
+/// Reads and checks every shaping field of a request body.
+pub fn read(body: &Value, chat: bool, model: &ServedModel) -> Result<Shape, ApiError> {
+    let logit_bias = logit_bias(body, model.vocab_size())?;
+    let mut asked: Vec<(&'static str, TopLevelGrammar)> = Vec::new();
+    if let Some(g) = response_format(body)? {
+        asked.push(("response_format", g));
+    }
+    asked.extend(vllm_fields(body)?);
+    let tools = if chat {
+        tools::read(body)?
+    } else {
+        if body
+            .get("tools")
+            .is_some_and(|t| !t.is_null() && !t.as_array().is_some_and(Vec::is_empty))
+        {
+            return Err(ApiError::param(
+                "tools",
+                "`tools` belong to /v1/chat/completions.",
+            ));
+        }
+        None
+    };
+    let tools = match tools {
+        None => None,
+        Some(request) => Some(tool_use(request, model, &mut asked)?),
+    };
+    if asked.len() > 1 {
+        return Err(ApiError::param(
+            asked[1].0,
+            format!(
+                "`{}` and `{}` both constrain the output; send one.",
+                asked[0].0, asked[1].0
+            ),
+        ));
+    }
+    let guide = match asked.pop() {
+        None => None,
+        Some((field, g)) => {
+            let guides = model.guides.get().map_err(|e| {
+                ApiError::param(
+                    field,
+                    format!("This model cannot constrain its output: {e}"),
+                )
+            })?;
+            guides.compile(g.clone()).map_err(|e| {
+                ApiError::param(field, format!("`{field}` cannot be followed: {e}"))
+            })?;
+            Some(Guide::new(&g))
+        }
+    };
+    Ok(Shape {
+        guide,
+        logit_bias,
+        tools,
+    })
+}
+
+/// The template's tool format, and for `required` or a named function the grammar of calls.
+fn tool_use(
+    request: ToolRequest,
+    model: &ServedModel,
+    asked: &mut Vec<(&'static str, TopLevelGrammar)>,
+) -> Result<ToolUse, ApiError> {
+    let format = model
+        .tokenizer
+        .chat_template_text()
+        .and_then(ToolFormat::of_template);
+    if request.choice == Choice::None {
+        return Ok(ToolUse {
+            request,
+            format: None,
+            forced: false,
+        });
+    }
+    let Some(format) = format else {
+        return Err(ApiError::param(
+            "tools",
+            format!(
+                "The chat template of `{}` does not say how the model calls tools (it shows no \
+                 Hermes/Qwen <tool_call>, Llama 3 JSON or Mistral [TOOL_CALLS] format); \
+                 send tool_choice \"none\" or leave tools out.",
+                model.name
+            ),
+        ));
+    };
+    // Each function's parameters must be a schema llguidance can follow.
+    for (i, t) in request.tools.iter().enumerate() {
+        let guides = model
+            .guides
+            .get()
+            .map_err(|e| ApiError::param("tools", e))?;
+        guides
+            .compile(grammar::json_schema(t.parameters.clone()))
+            .map_err(|e| {
+                let field = format!("tools[{i}].function.parameters");
+                ApiError::param(
+                    &field,
+                    format!("`{field}` is not a usable JSON Schema: {e}"),
+                )
+            })?;
+    }
+    let forced = match &request.choice {
+        Choice::Required => Some(request.tools.clone()),
+        Choice::Named(n) => Some(
+            request
+                .tools
+                .iter()
+                .filter(|t| &t.name == n)
+                .cloned()
+                .collect(),
+        ),
+        _ => None,
+    };
+    if let Some(list) = &forced {
+        let parallel = request.parallel && request.choice == Choice::Required;
+        asked.push((
+            "tool_choice",
+            format.grammar(list, parallel, &model.tokenizer),
+        ));
+    }
+    Ok(ToolUse {
+        request,
+        format: Some(format),
+        forced: forced.is_some(),
+    })
+}
+
+/// OpenAI's `logit_bias`: token id (as a string key) to a bias in [-100, 100].
+fn logit_bias(body: &Value, vocab: usize) -> Result<Vec<(u32, f32)>, ApiError> {
+    let Some(b) = body.get("logit_bias").filter(|v| !v.is_null()) else {
+        return Ok(Vec::new());
+    };
+    let map = b.as_object().ok_or_else(|| {
+        ApiError::param(
+            "logit_bias",
+            "`logit_bias` maps token ids to biases: a JSON object.",
+        )
+    })?;
+    let mut out = Vec::with_capacity(map.len());
+    for (k, v) in map {
+        let id: u32 = k.trim().parse().map_err(|_| {
+            ApiError::param(
+                "logit_bias",
+                format!("`logit_bias` key {k:?} is not a token id."),
+            )
+        })?;
+        if id as usize >= vocab {
+            return Err(ApiError::param(
+                "logit_bias",
+                format!("`logit_bias` names token {id}, outside the vocabulary (size {vocab})."),
+            ));
+        }
+        let bias =
+            v.as_f64()
+                .filter(|b| (-100.0..=100.0).contains(b))
+                .ok_or_else(|| {
+                    ApiError::param(
+                "logit_bias",
+                format!("`logit_bias` for token {id} must be a number from -100 to 100, got {v}."),
+            )
+                })?;
+        out.push((id, bias as f32));
+    }
+    Ok(out)
+}
+
+fn response_format(body: &Value) -> Result<Option<TopLevelGrammar>, ApiError> {
+    let Some(f) = body.get("response_format").filter(|v| !v.is_null()) else {
+        return Ok(None);
+    };
+    let p = "response_format";
+    match f.get("type").and_then(Value::as_str) {
+        Some("text") => Ok(None),
+        Some("json_object") => Ok(Some(grammar::json_object())),
+        Some("json_schema") => {
+            let js = f.get("json_schema").filter(|v| v.is_object()).ok_or_else(|| {
+                ApiError::param("response_format.json_schema", "`json_schema` must be an object with `name` and `schema`.")
+            })?;
+            match js.get("schema") {
+                Some(s @ Value::Object(_)) => Ok(Some(grammar::json_schema(s.clone()))),
+                // OpenAI's SDK sends no schema for a bare name: any JSON object.
+                None | Some(Value::Null) => Ok(Some(grammar::json_object())),
+                Some(_) => Err(ApiError::param(
+                    "response_format.json_schema.schema",
+                    "`schema` must be a JSON Schema object.",
+                )),
+            }
+        }
+        Some(other) => Err(ApiError::param(
+            p,
+            format!("`response_format` type {other:?} is not supported; use text, json_object or json_schema."),
+        )),
+        None => Err(ApiError::param(p, "`response_format` needs a `type`.")),
+    }
+}
+
+/// vLLM's `structured_outputs` object and its older top-level `guided_*` fields.
+fn vllm_fields(body: &Value) -> Result<Vec<(&'static str, TopLevelGrammar)>, ApiError> {
+    let mut out = Vec::new();
+    let get = |o: &Value, k: &str| o.get(k).filter(|v| !v.is_null()).cloned();
+    if let Some(so) = body.get("structured_outputs").filter(|v| !v.is_null()) {
+        if !so.is_object() {
+            return Err(ApiError::param(
+                "structured_outputs",
+                "`structured_outputs` must be an object.",
+            ));
+        }
+        for k in so.as_object().into_iter().flat_map(|o| o.keys()) {
+            if !matches!(
+                k.as_str(),
+                "json"
+                    | "regex"
+                    | "choice"
+                    | "grammar"
+                    | "json_object"
+                    | "disable_any_whitespace"
+                    | "disable_additional_properties"
+                    | "whitespace_pattern"
+            ) {
+                return Err(ApiError::param(
+                    &format!("structured_outputs.{k}"),
+                    format!("`structured_outputs.{k}` is not supported; use json, regex, choice, grammar or json_object."),
+                ));
+            }
+        }
+        let named = [
+            ("json", "structured_outputs.json"),
+            ("regex", "structured_outputs.regex"),
+            ("choice", "structured_outputs.choice"),
+            ("grammar", "structured_outputs.grammar"),
+        ];
+        for (k, field) in named {
+            if let Some(v) = get(so, k) {
+                out.push((field, one(field, k, v)?));
+            }
+        }
+        if so.get("json_object").and_then(Value::as_bool) == Some(true) {
+            out.push(("structured_outputs.json_object", grammar::json_object()));
+        }
+    }
+    for (field, k) in [
+        ("guided_json", "json"),
+        ("guided_regex", "regex"),
+        ("guided_choice", "choice"),
+        ("guided_grammar", "grammar"),
+    ] {
+        if let Some(v) = get(body, field) {
+            out.push((field, one(field, k, v)?));
+        }
+    }
+    Ok(out)
+}
+
+/// One vLLM constraint of kind `k` (json, regex, choice, grammar).
+fn one(field: &str, k: &str, v: Value) -> Result<TopLevelGrammar, ApiError> {
+    let bad = |what: &str| ApiError::param(field, format!("`{field}` must be {what}."));
+    match k {
+        "json" => match v {
+            Value::Object(_) => Ok(grammar::json_schema(v)),
+            Value::String(s) => match serde_json::from_str::<Value>(&s) {
+                Ok(o @ Value::Object(_)) => Ok(grammar::json_schema(o)),
+                _ => Err(bad("a JSON Schema (an object, or a string holding one)")),
+            },
+            _ => Err(bad("a JSON Schema (an object, or a string holding one)")),
+        },
+        "regex" => match v {
+            Value::String(s) if !s.is_empty() => Ok(grammar::regex(&s)),
+            _ => Err(bad("a non-empty regular expression string")),
+        },
+        "choice" => {
+            let list: Option<Vec<String>> = v
+                .as_array()
+                .and_then(|a| a.iter().map(|c| c.as_str().map(String::from)).collect());
+            match list {
+                Some(l) if !l.is_empty() && l.iter().all(|c| !c.is_empty()) => {
+                    Ok(grammar::choice(&l))
+                }
+                _ => Err(bad("a non-empty list of non-empty strings")),
+            }
+        }
+        _ => match v {
+            Value::String(s) if !s.trim().is_empty() => Ok(grammar::lark(&s)),
+            _ => Err(bad("a grammar in Lark syntax, as a string")),
+        },
+    }
+}

@@ -1,0 +1,537 @@
+//! Tool calling: the functions a request offers, how the model's chat template says it calls
+//! them (read from the template's text), the grammar that makes `required` and named choices
+//! always parse, and the parser that turns the output back into OpenAI `tool_calls`.
+
+use serde_json::{json, Value};
+
+use kvmesh_gpu::guided::{grammar, TopLevelGrammar};
+use kvmesh_gpu::tokenizer::TextTokenizer;
+
+use crate::error::ApiError;
+
+/// How a family of models writes its calls.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ToolFormat {
+    /// Qwen2.5 / Qwen3 (Hermes style): `<tool_call>\n{"name": .., "arguments": {..}}\n</tool_call>`,
+    /// one block per call.
+    Hermes,
+    /// Llama 3.1+: a bare JSON object `{"name": .., "parameters": {..}}`, several joined by `; `.
+    Llama3Json,
+    /// Mistral: `[TOOL_CALLS]` then a JSON array of `{"name": .., "arguments": {..}}`.
+    Mistral,
+}
+
+impl ToolFormat {
+    /// The format a chat template speaks, if it offers tools at all.
+    pub fn of_template(text: &str) -> Option<ToolFormat> {
+        if !text.contains("tools") {
+            return None;
+        }
+        if text.contains("<tool_call>") {
+            Some(ToolFormat::Hermes)
+        } else if text.contains("[TOOL_CALLS]") {
+            Some(ToolFormat::Mistral)
+        } else if text.contains("<|python_tag|>") || text.contains("ipython") {
+            Some(ToolFormat::Llama3Json)
+        } else {
+            None
+        }
+    }
+
+    fn args_key(self) -> &'static str {
+        match self {
+            ToolFormat::Llama3Json => "parameters",
+            _ => "arguments",
+        }
+    }
+
+    /// Where the output's calls begin (Llama 3's calls are the output itself).
+    fn marker(self) -> &'static str {
+        match self {
+            ToolFormat::Hermes => "<tool_call>",
+            ToolFormat::Mistral => "[TOOL_CALLS]",
+            ToolFormat::Llama3Json => "{",
+        }
+    }
+
+    /// A grammar whose every output is one call (or several, with `parallel`) of `tools`.
+    pub fn grammar(self, tools: &[Tool], parallel: bool, tok: &TextTokenizer) -> TopLevelGrammar {
+        let one = |t: &Tool| {
+            json!({
+                "type": "object",
+                "properties": {"name": {"const": t.name}, (self.args_key()): t.parameters},
+                "required": ["name", self.args_key()],
+                "additionalProperties": false,
+            })
+        };
+        let schema = match tools {
+            [t] => one(t),
+            _ => json!({"anyOf": tools.iter().map(one).collect::<Vec<_>>()}),
+        };
+        let body = format!("%json {}", grammar::compact(schema));
+        let lit = |s: &str| match tok.added_token_id(s) {
+            Some(id) => format!("<[{id}]>"),
+            None => grammar::lark_string(s),
+        };
+        let more = |sep: &str| {
+            if parallel {
+                format!("({} call)*", grammar::lark_string(sep))
+            } else {
+                String::new()
+            }
+        };
+        let text = match self {
+            ToolFormat::Hermes => format!(
+                "start: call {}\ncall: {} {} body {}\nbody: {body}\n",
+                more("\n"),
+                lit("<tool_call>"),
+                grammar::lark_string("\n"),
+                grammar::lark_string("\n</tool_call>"),
+            ),
+            ToolFormat::Mistral => format!(
+                "start: {} \"[\" call {} \"]\"\ncall: {body}\n",
+                lit("[TOOL_CALLS]"),
+                more(", "),
+            ),
+            ToolFormat::Llama3Json => format!("start: call {}\ncall: {body}\n", more("; ")),
+        };
+        grammar::lark(&text)
+    }
+
+    /// The calls in a finished output, and the text around them. `None` when the output
+    /// holds no call in this format (or a malformed one): it is then plain content.
+    pub fn parse(self, text: &str) -> Option<(String, Vec<Call>)> {
+        let call = |v: &Value| -> Option<Call> {
+            let name = v.get("name")?.as_str()?.to_string();
+            let args = v
+                .get(self.args_key())
+                .or_else(|| v.get("arguments"))
+                .cloned()
+                .unwrap_or(json!({}));
+            let arguments = match args {
+                Value::String(s) => s,
+                other => other.to_string(),
+            };
+            Some(Call { name, arguments })
+        };
+        match self {
+            ToolFormat::Hermes => {
+                let mut content = String::new();
+                let mut calls = Vec::new();
+                let mut rest = text;
+                while let Some(at) = rest.find("<tool_call>") {
+                    content.push_str(&rest[..at]);
+                    let after = &rest[at + "<tool_call>".len()..];
+                    let (body, next) = match after.find("</tool_call>") {
+                        Some(end) => (&after[..end], &after[end + "</tool_call>".len()..]),
+                        None => (after, ""),
+                    };
+                    let v: Value = serde_json::from_str(body.trim()).ok()?;
+                    calls.push(call(&v)?);
+                    rest = next;
+                }
+                content.push_str(rest);
+                (!calls.is_empty()).then(|| (content.trim().to_string(), calls))
+            }
+            ToolFormat::Mistral => {
+                let t = text.trim_start();
+                let t = t.strip_prefix("[TOOL_CALLS]").unwrap_or(t).trim();
+                if !t.starts_with('[') {
+                    return None;
+                }
+                let v: Vec<Value> = serde_json::from_str(t).ok()?;
+                let calls = v.iter().map(call).collect::<Option<Vec<_>>>()?;
+                (!calls.is_empty()).then(|| (String::new(), calls))
+            }
+            ToolFormat::Llama3Json => {
+                let t = text.trim();
+                let t = t.strip_prefix("<|python_tag|>").unwrap_or(t).trim();
+                if !t.starts_with('{') {
+                    return None;
+                }
+                more_llama_calls(t, Vec::new(), &call)
+            }
+        }
+    }
+}
+
+/// Llama 3 calls: JSON objects joined by `;`.
+fn more_llama_calls(
+    mut rest: &str,
+    mut calls: Vec<Call>,
+    call: &dyn Fn(&Value) -> Option<Call>,
+) -> Option<(String, Vec<Call>)> {
+    loop {
+        let mut de = serde_json::Deserializer::from_str(rest).into_iter::<Value>();
+        let v = de.next()?.ok()?;
+        calls.push(call(&v)?);
+        let after = rest[de.byte_offset()..].trim_start();
+        if after.is_empty() {
+            return Some((String::new(), calls));
+        }
+        rest = after.strip_prefix(';')?;
+    }
+}
+
+/// A function the request offers.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Tool {
+    pub name: String,
+    pub parameters: Value,
+}
+
+/// A call the model made.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Call {
+    pub name: String,
+    /// A JSON object, as a string (as OpenAI gives it).
+    pub arguments: String,
+}
+
+impl Call {
+    pub fn to_json(&self, id: &str) -> Value {
+        json!({"id": id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}})
+    }
+}
+
+/// What the request asks of tools.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Choice {
+    None,
+    Auto,
+    Required,
+    Named(String),
+}
+
+/// A request's tools, read and checked: the objects the template gets, the functions, and
+/// the choice.
+#[derive(Clone, Debug)]
+pub struct ToolRequest {
+    pub objects: Vec<Value>,
+    pub tools: Vec<Tool>,
+    pub choice: Choice,
+    pub parallel: bool,
+}
+
+/// Reads `tools`, `tool_choice` and `parallel_tool_calls`; `None` without tools.
+pub fn read(body: &Value) -> Result<Option<ToolRequest>, ApiError> {
+    let get = |k: &str| body.get(k).filter(|v| !v.is_null());
+    for old in ["functions", "function_call"] {
+        if get(old).is_some() {
+            return Err(ApiError::param(
+                old,
+                format!("`{old}` is the deprecated form; send `tools` and `tool_choice`."),
+            ));
+        }
+    }
+    let list = match get("tools") {
+        None => Vec::new(),
+        Some(Value::Array(a)) => a.clone(),
+        Some(_) => return Err(ApiError::param("tools", "`tools` must be an array.")),
+    };
+    let mut tools = Vec::new();
+    for (i, t) in list.iter().enumerate() {
+        let at = |f: &str| format!("tools[{i}]{f}");
+        if t.get("type").and_then(Value::as_str) != Some("function") {
+            return Err(ApiError::param(
+                &at(".type"),
+                "Only tools of type `function` are supported.",
+            ));
+        }
+        let f = t.get("function").filter(|f| f.is_object()).ok_or_else(|| {
+            ApiError::param(&at(".function"), "A tool needs a `function` object.")
+        })?;
+        let name = f.get("name").and_then(Value::as_str).unwrap_or("");
+        let valid = !name.is_empty()
+            && name.len() <= 64
+            && name
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-');
+        if !valid {
+            return Err(ApiError::param(
+                &at(".function.name"),
+                format!("Function names are 1 to 64 of a-z, A-Z, 0-9, _ and -; got {name:?}."),
+            ));
+        }
+        if tools.iter().any(|t: &Tool| t.name == name) {
+            return Err(ApiError::param(
+                &at(".function.name"),
+                format!("Two tools are named `{name}`."),
+            ));
+        }
+        let parameters = match f.get("parameters") {
+            None | Some(Value::Null) => json!({"type": "object", "properties": {}}),
+            Some(p @ Value::Object(_)) => p.clone(),
+            Some(_) => {
+                return Err(ApiError::param(
+                    &at(".function.parameters"),
+                    "`parameters` must be a JSON Schema object.",
+                ))
+            }
+        };
+        tools.push(Tool {
+            name: name.to_string(),
+            parameters,
+        });
+    }
+    let choice = read_choice(get("tool_choice"), tools.is_empty())?;
+    if choice != Choice::None && tools.is_empty() {
+        return Err(ApiError::param(
+            "tool_choice",
+            "`tool_choice` needs `tools` to choose from.",
+        ));
+    }
+    if let Choice::Named(n) = &choice {
+        if !tools.iter().any(|t| &t.name == n) {
+            return Err(ApiError::param(
+                "tool_choice",
+                format!("`tool_choice` names `{n}`, which is not among `tools`."),
+            ));
+        }
+    }
+    let parallel = match get("parallel_tool_calls") {
+        None => true,
+        Some(Value::Bool(b)) => *b,
+        Some(_) => {
+            return Err(ApiError::param(
+                "parallel_tool_calls",
+                "`parallel_tool_calls` must be true or false.",
+            ))
+        }
+    };
+    if tools.is_empty() {
+        return Ok(None);
+    }
+    Ok(Some(ToolRequest {
+        objects: list,
+        tools,
+        choice,
+        parallel,
+    }))
+}
+
+/// `tool_choice`; without it, `auto` when there are tools.
+fn read_choice(c: Option<&Value>, no_tools: bool) -> Result<Choice, ApiError> {
+    Ok(match c {
+        None if no_tools => Choice::None,
+        None => Choice::Auto,
+        Some(Value::String(s)) => match s.as_str() {
+            "none" => Choice::None,
+            "auto" => Choice::Auto,
+            "required" => Choice::Required,
+            other => {
+                return Err(ApiError::param(
+                    "tool_choice",
+                    format!(
+                        "`tool_choice` is none, auto, required or a named function; got {other:?}."
+                    ),
+                ))
+            }
+        },
+        Some(c) => {
+            let name = c
+                .get("function")
+                .and_then(|f| f.get("name"))
+                .and_then(Value::as_str)
+                .filter(|_| c.get("type").and_then(Value::as_str) == Some("function"))
+                .ok_or_else(|| {
+                    ApiError::param(
+                        "tool_choice",
+                        "A named `tool_choice` is {\"type\": \"function\", \"function\": {\"name\": ...}}.",
+                    )
+                })?;
+            Choice::Named(name.to_string())
+        }
+    })
+}
+
+/// Follows a streamed output and hands out the calls as each completes; text before any
+/// call is content. (Arguments arrive whole, one fragment per call.)
+pub struct ToolStream {
+    format: ToolFormat,
+    text: String,
+    /// Bytes of `text` already given out as content.
+    content_sent: usize,
+    /// Calls already given out.
+    calls_sent: usize,
+    /// A marker was seen: the rest is calls.
+    in_calls: bool,
+    /// The grammar makes the whole output calls.
+    forced: bool,
+}
+
+impl ToolStream {
+    pub fn new(format: ToolFormat, forced: bool) -> ToolStream {
+        ToolStream {
+            format,
+            text: String::new(),
+            content_sent: 0,
+            calls_sent: 0,
+            in_calls: forced,
+            forced,
+        }
+    }
+
+    /// Adds output text; what can be said now: content, and calls that completed (with
+    /// their index).
+    pub fn push(&mut self, delta: &str, last: bool) -> (String, Vec<(usize, Call)>) {
+        self.text.push_str(delta);
+        let mut content = String::new();
+        if !self.in_calls {
+            let marker = self.format.marker();
+            let unsent = &self.text[self.content_sent..];
+            let at = if self.format == ToolFormat::Llama3Json {
+                // Llama's calls are the whole output: only a leading `{` starts them.
+                let lead = unsent.trim_start();
+                (self.content_sent == 0 && lead.starts_with(marker))
+                    .then(|| unsent.len() - lead.len())
+            } else {
+                unsent.find(marker)
+            };
+            match at {
+                Some(at) => {
+                    content.push_str(&unsent[..at]);
+                    self.content_sent += at;
+                    self.in_calls = true;
+                }
+                None => {
+                    // Hold back what could still become a marker.
+                    let keep = if last {
+                        0
+                    } else {
+                        held_back(
+                            unsent,
+                            marker,
+                            self.content_sent == 0 && self.format == ToolFormat::Llama3Json,
+                        )
+                    };
+                    let n = unsent.len() - keep;
+                    content.push_str(&unsent[..n]);
+                    self.content_sent += n;
+                }
+            }
+        }
+        let mut calls = Vec::new();
+        if self.in_calls {
+            let tail = &self.text[self.content_sent..];
+            // Whole calls so far: a finished output, or Hermes blocks that closed.
+            let ready = if last {
+                Some(tail)
+            } else if self.format == ToolFormat::Hermes {
+                tail.rfind("</tool_call>")
+                    .map(|end| &tail[..end + "</tool_call>".len()])
+            } else {
+                None
+            };
+            match ready.map(|r| self.format.parse(r)) {
+                Some(Some((_, parsed))) => {
+                    for c in parsed.into_iter().skip(self.calls_sent) {
+                        calls.push((self.calls_sent, c));
+                        self.calls_sent += 1;
+                    }
+                }
+                Some(None) if last && !self.forced && self.calls_sent == 0 => {
+                    // Not a call after all: it was content.
+                    content.push_str(tail);
+                    self.content_sent = self.text.len();
+                }
+                _ => {}
+            }
+        }
+        (content, calls)
+    }
+
+    pub fn made_calls(&self) -> bool {
+        self.calls_sent > 0
+    }
+}
+
+/// How many bytes at the end of `text` could be the start of `marker`.
+fn held_back(text: &str, marker: &str, leading_only: bool) -> usize {
+    if leading_only {
+        return if text.trim().is_empty() {
+            text.len()
+        } else {
+            0
+        };
+    }
+    (1..marker.len().min(text.len()) + 1)
+        .rev()
+        .find(|&n| {
+            text.is_char_boundary(text.len() - n) && marker.starts_with(&text[text.len() - n..])
+        })
+        .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_format_parses_its_calls_and_leaves_text_alone() {
+        let (c, calls) = ToolFormat::Hermes
+            .parse("Let me look.\n<tool_call>\n{\"name\": \"get\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>\n<tool_call>\n{\"name\": \"put\", \"arguments\": {}}\n</tool_call>")
+            .unwrap();
+        assert_eq!(c, "Let me look.");
+        assert_eq!(calls.len(), 2);
+        assert_eq!(calls[0].name, "get");
+        assert_eq!(calls[0].arguments, "{\"city\":\"Paris\"}");
+        let (_, calls) = ToolFormat::Llama3Json
+            .parse("{\"name\": \"a\", \"parameters\": {\"x\": 1}}; {\"name\": \"b\", \"parameters\": {}}")
+            .unwrap();
+        assert_eq!((calls[0].name.as_str(), calls[1].name.as_str()), ("a", "b"));
+        assert_eq!(calls[0].arguments, "{\"x\":1}");
+        let (_, calls) = ToolFormat::Mistral
+            .parse("[TOOL_CALLS][{\"name\": \"m\", \"arguments\": {\"q\": \"z\"}}]")
+            .unwrap();
+        assert_eq!(calls[0].name, "m");
+        assert!(ToolFormat::Hermes.parse("just words").is_none());
+        assert!(ToolFormat::Llama3Json.parse("{not json").is_none());
+        assert!(ToolFormat::Mistral.parse("[TOOL_CALLS] nope").is_none());
+    }
+
+    #[test]
+    fn a_stream_gives_content_then_each_call_once() {
+        let mut s = ToolStream::new(ToolFormat::Hermes, false);
+        let out = "Hi <tool_call>\n{\"name\": \"f\", \"arguments\": {\"a\": 1}}\n</tool_call>\n<tool_call>\n{\"name\": \"g\", \"arguments\": {}}\n</tool_call>";
+        let mut content = String::new();
+        let mut calls = Vec::new();
+        let pieces: Vec<&str> = out.split_inclusive(['<', '}', '\n']).collect();
+        for (i, p) in pieces.iter().enumerate() {
+            let (c, k) = s.push(p, i + 1 == pieces.len());
+            content.push_str(&c);
+            calls.extend(k);
+        }
+        assert_eq!(content, "Hi ");
+        assert_eq!(
+            calls
+                .iter()
+                .map(|(i, c)| (*i, c.name.as_str()))
+                .collect::<Vec<_>>(),
+            vec![(0, "f"), (1, "g")]
+        );
+        // Text that only looked like a call start is content in the end.
+        let mut s = ToolStream::new(ToolFormat::Hermes, false);
+        let (a, _) = s.push("a <tool", false);
+        let (b, k) = s.push("box>", true);
+        assert_eq!(format!("{a}{b}"), "a <toolbox>");
+        assert!(k.is_empty());
+    }
+
+    #[test]
+    fn templates_say_their_format() {
+        assert_eq!(
+            ToolFormat::of_template("{% if tools %}<tool_call>{% endif %}"),
+            Some(ToolFormat::Hermes)
+        );
+        assert_eq!(
+            ToolFormat::of_template("{% if tools %}[TOOL_CALLS]{% endif %}"),
+            Some(ToolFormat::Mistral)
+        );
+        assert_eq!(
+            ToolFormat::of_template("{% if tools %}<|python_tag|>{% endif %}"),
+            Some(ToolFormat::Llama3Json)
+        );
+        assert_eq!(ToolFormat::of_template("{{ messages }}"), None);
+    }
+}
