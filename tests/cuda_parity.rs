@@ -27,10 +27,12 @@
 mod common;
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use kvmesh_gpu::backend::cuda::CudaBackend;
 use kvmesh_gpu::backend::{Backend, CudaOptions, ForwardBatch, SeqInput};
 use kvmesh_gpu::engine::{self, EngineConfig, Request, SeqEvent};
+use kvmesh_gpu::guided::{grammar, Guide, LazyGuides};
 use kvmesh_gpu::kv_cache::BlockId;
 use kvmesh_gpu::model::{build_backend, BackendKind, KvBudget, LoadedModel};
 use kvmesh_gpu::sampler::SamplingParams;
@@ -175,7 +177,16 @@ fn logits_match_the_cpu_within_bf16_tolerance() {
 }
 
 fn run_engine(be: Box<dyn Backend>, vocab: usize, reqs: Vec<Request>) -> Vec<Vec<u32>> {
-    let h = engine::spawn(
+    run_engine_with(be, vocab, reqs, None)
+}
+
+fn run_engine_with(
+    be: Box<dyn Backend>,
+    vocab: usize,
+    reqs: Vec<Request>,
+    guides: Option<Arc<LazyGuides>>,
+) -> Vec<Vec<u32>> {
+    let mut h = engine::spawn(
         be,
         EngineConfig {
             max_model_len: 512,
@@ -185,6 +196,9 @@ fn run_engine(be: Box<dyn Backend>, vocab: usize, reqs: Vec<Request>) -> Vec<Vec
         vec![],
         vocab,
     );
+    if let Some(g) = guides {
+        h = h.with_guides(g);
+    }
     let subs: Vec<_> = reqs.into_iter().map(|r| h.submit(r).unwrap()).collect();
     subs.into_iter()
         .map(|mut s| {
@@ -248,6 +262,58 @@ fn greedy_generation_is_token_identical_with_and_without_graphs() {
         assert_eq!(got, want, "{name}: CUDA (graphs off) vs CPU greedy");
         println!("{name}: greedy identical, {} tokens", 24 * want.len());
     }
+}
+
+/// Greedy requests under a regex, a JSON schema and a logit bias (and one asking for top
+/// logprobs, which samples on the host): the device's `constrain_rows` gives the CPU's
+/// tokens, and the text follows the grammar.
+#[test]
+fn constrained_generation_matches_the_cpu() {
+    let name = "shakespeare";
+    let m = load(name);
+    let vocab = m.config.vocab_size;
+    let guides = Arc::new(LazyGuides::new(m.tokenizer.clone(), vocab));
+    let schema = json!({"type": "object", "properties": {"who": {"type": "string",
+        "maxLength": 12}, "age": {"type": "integer", "minimum": 0, "maximum": 99}},
+        "required": ["who", "age"], "additionalProperties": false});
+    let grammars = [
+        grammar::regex("[A-Z][a-z]{3,9} [a-z]{2,8}\\."),
+        grammar::json_schema(schema),
+    ];
+    let reqs = || {
+        let mut v = Vec::new();
+        for (i, prompt) in prompts(name).into_iter().enumerate() {
+            for (j, g) in grammars.iter().enumerate() {
+                v.push(Request {
+                    prompt: prompt.clone(),
+                    params: SamplingParams {
+                        temperature: 0.0,
+                        max_tokens: 40,
+                        guide: Some(Guide::new(g)),
+                        logit_bias: vec![(70 + i as u32, -100.0), (90, 3.0)],
+                        logprobs: (j == 1 && i == 0).then_some(3),
+                        ..Default::default()
+                    },
+                });
+            }
+        }
+        v
+    };
+    let (cpu, gpu) = backends(&m, 128);
+    let want = run_engine_with(cpu, vocab, reqs(), Some(guides.clone()));
+    let got = run_engine_with(gpu, vocab, reqs(), Some(guides));
+    assert_eq!(got, want, "constrained greedy: CUDA vs CPU");
+    for (k, out) in want.iter().enumerate() {
+        let banned = 70 + (k / grammars.len()) as u32;
+        assert!(
+            !out.contains(&banned),
+            "banned token {banned} sampled: {out:?}"
+        );
+    }
+    println!(
+        "{} constrained sequences identical on CUDA and CPU",
+        want.len()
+    );
 }
 
 /// 400 seeded one-token requests: the device sampler keeps the same set as the CPU sampler

@@ -22,7 +22,7 @@ use crate::generate::{Chunk, Generation};
 use crate::protocol::{self, ChatRequest, CompletionRequest, Prompt, Validated};
 use crate::state::{unix_now, AppState, ServedModel};
 use crate::structured::{self, Shape};
-use crate::tools::{ToolFormat, ToolStream};
+use crate::tools::{ToolDelta, ToolFormat, ToolStream};
 
 /// A child span of the request's, for one phase of the gateway's work.
 fn span(name: &'static str) -> tracing::Span {
@@ -569,21 +569,24 @@ fn stream(
     Sse::new(s).keep_alive(KeepAlive::default())
 }
 
-/// A chunk of a chat stream whose calls are read out: its content, then each call that
-/// completed (its id and name, then its arguments), the last carrying the finish reason.
+/// A chunk of a chat stream whose calls are read out: its content, then what it adds to
+/// the calls (a call's id and name once, then pieces of its arguments), the last carrying
+/// the finish reason.
 fn tool_deltas(out: &Output, ts: &mut ToolStream, c: &Chunk, logprobs: Value) -> Vec<Value> {
     let (content, calls) = ts.push(&c.text, c.finish.is_some());
     let mut deltas = Vec::new();
     if !content.is_empty() {
         deltas.push(json!({"content": content}));
     }
-    for (k, call) in calls {
-        deltas.push(
-            json!({"tool_calls": [{"index": k, "id": out.call_id(k), "type": "function",
-            "function": {"name": call.name, "arguments": ""}}]}),
-        );
-        deltas
-            .push(json!({"tool_calls": [{"index": k, "function": {"arguments": call.arguments}}]}));
+    for d in calls {
+        deltas.push(match d {
+            ToolDelta::Name { index, name } => json!({"tool_calls": [{"index": index,
+                "id": out.call_id(index), "type": "function",
+                "function": {"name": name, "arguments": ""}}]}),
+            ToolDelta::Args { index, text } => {
+                json!({"tool_calls": [{"index": index, "function": {"arguments": text}}]})
+            }
+        });
     }
     let finish = c.finish.map(|f| {
         if f == "stop" && ts.made_calls() {

@@ -101,19 +101,8 @@ impl ToolFormat {
     /// The calls in a finished output, and the text around them. `None` when the output
     /// holds no call in this format (or a malformed one): it is then plain content.
     pub fn parse(self, text: &str) -> Option<(String, Vec<Call>)> {
-        let call = |v: &Value| -> Option<Call> {
-            let name = v.get("name")?.as_str()?.to_string();
-            let args = v
-                .get(self.args_key())
-                .or_else(|| v.get("arguments"))
-                .cloned()
-                .unwrap_or(json!({}));
-            let arguments = match args {
-                Value::String(s) => s,
-                other => other.to_string(),
-            };
-            Some(Call { name, arguments })
-        };
+        let key = self.args_key();
+        let call = |raw: &str| call_from(raw.trim(), key);
         match self {
             ToolFormat::Hermes => {
                 let mut content = String::new();
@@ -126,8 +115,7 @@ impl ToolFormat {
                         Some(end) => (&after[..end], &after[end + "</tool_call>".len()..]),
                         None => (after, ""),
                     };
-                    let v: Value = serde_json::from_str(body.trim()).ok()?;
-                    calls.push(call(&v)?);
+                    calls.push(call(body)?);
                     rest = next;
                 }
                 content.push_str(rest);
@@ -140,7 +128,14 @@ impl ToolFormat {
                     return None;
                 }
                 let v: Vec<Value> = serde_json::from_str(t).ok()?;
-                let calls = v.iter().map(call).collect::<Option<Vec<_>>>()?;
+                let objs = objects(t);
+                if objs.len() != v.len() {
+                    return None;
+                }
+                let calls = objs
+                    .iter()
+                    .map(|&(a, b)| call(&t[a..b?]))
+                    .collect::<Option<Vec<_>>>()?;
                 (!calls.is_empty()).then(|| (String::new(), calls))
             }
             ToolFormat::Llama3Json => {
@@ -159,18 +154,120 @@ impl ToolFormat {
 fn more_llama_calls(
     mut rest: &str,
     mut calls: Vec<Call>,
-    call: &dyn Fn(&Value) -> Option<Call>,
+    call: &dyn Fn(&str) -> Option<Call>,
 ) -> Option<(String, Vec<Call>)> {
     loop {
         let mut de = serde_json::Deserializer::from_str(rest).into_iter::<Value>();
-        let v = de.next()?.ok()?;
-        calls.push(call(&v)?);
+        de.next()?.ok()?;
+        calls.push(call(&rest[..de.byte_offset()])?);
         let after = rest[de.byte_offset()..].trim_start();
         if after.is_empty() {
             return Some((String::new(), calls));
         }
         rest = after.strip_prefix(';')?;
     }
+}
+
+/// A call from its JSON object's text. Its arguments are the object's own text for them
+/// (as they were streamed), or re-serialised when given another way.
+fn call_from(raw: &str, key: &str) -> Option<Call> {
+    let v: Value = serde_json::from_str(raw).ok()?;
+    let name = v.get("name")?.as_str()?.to_string();
+    if let Some((_, Some((args, true)))) = partial(raw, key) {
+        return Some(Call {
+            name,
+            arguments: args.to_string(),
+        });
+    }
+    let args = v
+        .get(key)
+        .or_else(|| v.get("arguments"))
+        .cloned()
+        .unwrap_or(json!({}));
+    let arguments = match args {
+        Value::String(s) => s,
+        other => other.to_string(),
+    };
+    Some(Call { name, arguments })
+}
+
+/// The top-level JSON objects in `s` (what lies between them is skipped): each one's start,
+/// and its end once it closed.
+fn objects(s: &str) -> Vec<(usize, Option<usize>)> {
+    let mut out = Vec::new();
+    let (mut depth, mut in_str, mut esc) = (0usize, false, false);
+    for (i, b) in s.bytes().enumerate() {
+        if in_str {
+            match (esc, b) {
+                (true, _) => esc = false,
+                (false, b'\\') => esc = true,
+                (false, b'"') => in_str = false,
+                _ => {}
+            }
+            continue;
+        }
+        match b {
+            b'"' if depth > 0 => in_str = true,
+            b'{' => {
+                if depth == 0 {
+                    out.push((i, None));
+                }
+                depth += 1;
+            }
+            b'}' if depth > 0 => {
+                depth -= 1;
+                if depth == 0 {
+                    if let Some(last) = out.last_mut() {
+                        last.1 = Some(i + 1);
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    out
+}
+
+/// How much of `s` a JSON object at its start spans so far, and whether it closed.
+fn object_extent(s: &str) -> (usize, bool) {
+    match objects(s).first() {
+        Some(&(0, Some(end))) => (end, true),
+        _ => (s.len(), false),
+    }
+}
+
+/// A call object's name and the text of its arguments so far (and whether they are
+/// complete), when it is written name first, as the grammar writes it: `{"name": "f",
+/// "arguments": {...`. `None` until the name is complete, or for another layout.
+fn partial<'a>(o: &'a str, key: &str) -> Option<(String, Option<(&'a str, bool)>)> {
+    let rest = o.strip_prefix('{')?.trim_start().strip_prefix("\"name\"")?;
+    let rest = rest.trim_start().strip_prefix(':')?.trim_start();
+    if !rest.starts_with('"') {
+        return None;
+    }
+    let mut de = serde_json::Deserializer::from_str(rest).into_iter::<String>();
+    let name = de.next()?.ok()?;
+    let after = rest[de.byte_offset()..].trim_start();
+    let Some(after) = after.strip_prefix(',') else {
+        return Some((name, None));
+    };
+    let after = after.trim_start();
+    let quoted = format!("\"{key}\"");
+    let Some(after) = after
+        .strip_prefix(quoted.as_str())
+        .or_else(|| after.strip_prefix("\"arguments\""))
+    else {
+        return Some((name, None));
+    };
+    let Some(after) = after.trim_start().strip_prefix(':') else {
+        return Some((name, None));
+    };
+    let value = after.trim_start();
+    if !value.starts_with('{') {
+        return Some((name, None));
+    }
+    let (n, done) = object_extent(value);
+    Some((name, Some((&value[..n], done))))
 }
 
 /// A function the request offers.
@@ -345,15 +442,28 @@ fn read_choice(c: Option<&Value>, no_tools: bool) -> Result<Choice, ApiError> {
     })
 }
 
-/// Follows a streamed output and hands out the calls as each completes; text before any
-/// call is content. (Arguments arrive whole, one fragment per call.)
+/// What a streamed output says of its calls, as OpenAI streams them.
+#[derive(Clone, Debug, PartialEq)]
+pub enum ToolDelta {
+    /// A call begins: its index and function name (sent once).
+    Name { index: usize, name: String },
+    /// More of a call's arguments.
+    Args { index: usize, text: String },
+}
+
+/// Follows a streamed output: text before any call is content; each call's name is given
+/// once it is complete and its arguments as they grow.
 pub struct ToolStream {
     format: ToolFormat,
     text: String,
     /// Bytes of `text` already given out as content.
     content_sent: usize,
-    /// Calls already given out.
-    calls_sent: usize,
+    /// Calls whose arguments are all given out.
+    calls_done: usize,
+    /// Calls whose name is given out.
+    announced: usize,
+    /// Bytes of the current call's arguments given out.
+    args_sent: usize,
     /// A marker was seen: the rest is calls.
     in_calls: bool,
     /// The grammar makes the whole output calls.
@@ -366,7 +476,9 @@ impl ToolStream {
             format,
             text: String::new(),
             content_sent: 0,
-            calls_sent: 0,
+            calls_done: 0,
+            announced: 0,
+            args_sent: 0,
             in_calls: forced,
             forced,
         }
@@ -374,7 +486,7 @@ impl ToolStream {
 
     /// Adds output text; what can be said now: content, and calls that completed (with
     /// their index).
-    pub fn push(&mut self, delta: &str, last: bool) -> (String, Vec<(usize, Call)>) {
+    pub fn push(&mut self, delta: &str, last: bool) -> (String, Vec<ToolDelta>) {
         self.text.push_str(delta);
         let mut content = String::new();
         if !self.in_calls {
@@ -411,38 +523,73 @@ impl ToolStream {
                 }
             }
         }
-        let mut calls = Vec::new();
+        let mut deltas = Vec::new();
         if self.in_calls {
-            let tail = &self.text[self.content_sent..];
-            // Whole calls so far: a finished output, or Hermes blocks that closed.
-            let ready = if last {
-                Some(tail)
-            } else if self.format == ToolFormat::Hermes {
-                tail.rfind("</tool_call>")
-                    .map(|end| &tail[..end + "</tool_call>".len()])
-            } else {
-                None
-            };
-            match ready.map(|r| self.format.parse(r)) {
-                Some(Some((_, parsed))) => {
-                    for c in parsed.into_iter().skip(self.calls_sent) {
-                        calls.push((self.calls_sent, c));
-                        self.calls_sent += 1;
-                    }
-                }
-                Some(None) if last && !self.forced && self.calls_sent == 0 => {
-                    // Not a call after all: it was content.
-                    content.push_str(tail);
-                    self.content_sent = self.text.len();
-                }
-                _ => {}
+            self.follow_calls(&mut deltas);
+            if last && !self.forced && self.announced == 0 {
+                // Not a call after all: it was content.
+                content.push_str(&self.text[self.content_sent..]);
+                self.content_sent = self.text.len();
             }
         }
-        (content, calls)
+        (content, deltas)
+    }
+
+    /// Each call object after the marker: its name once it is complete, then its arguments'
+    /// text as it grows. An object written another way (auto mode) is given whole once it
+    /// closes.
+    fn follow_calls(&mut self, deltas: &mut Vec<ToolDelta>) {
+        let key = self.format.args_key();
+        let region = &self.text[self.content_sent..];
+        for (k, (start, end)) in objects(region)
+            .into_iter()
+            .enumerate()
+            .skip(self.calls_done)
+        {
+            let o = &region[start..end.unwrap_or(region.len())];
+            let (name, args) = match partial(o, key) {
+                Some(p) => p,
+                None => match end.and_then(|_| call_from(o, key)) {
+                    Some(c) => {
+                        deltas.push(ToolDelta::Name {
+                            index: k,
+                            name: c.name,
+                        });
+                        deltas.push(ToolDelta::Args {
+                            index: k,
+                            text: c.arguments,
+                        });
+                        (self.announced, self.calls_done, self.args_sent) = (k + 1, k + 1, 0);
+                        continue;
+                    }
+                    None => return,
+                },
+            };
+            if self.announced <= k {
+                deltas.push(ToolDelta::Name { index: k, name });
+                self.announced = k + 1;
+                self.args_sent = 0;
+            }
+            let Some((text, done)) = args else {
+                return;
+            };
+            if text.len() > self.args_sent {
+                deltas.push(ToolDelta::Args {
+                    index: k,
+                    text: text[self.args_sent..].to_string(),
+                });
+                self.args_sent = text.len();
+            }
+            if !done {
+                return;
+            }
+            self.calls_done = k + 1;
+            self.args_sent = 0;
+        }
     }
 
     pub fn made_calls(&self) -> bool {
-        self.calls_sent > 0
+        self.announced > 0
     }
 }
 
@@ -475,12 +622,12 @@ mod tests {
         assert_eq!(c, "Let me look.");
         assert_eq!(calls.len(), 2);
         assert_eq!(calls[0].name, "get");
-        assert_eq!(calls[0].arguments, "{\"city\":\"Paris\"}");
+        assert_eq!(calls[0].arguments, "{\"city\": \"Paris\"}");
         let (_, calls) = ToolFormat::Llama3Json
             .parse("{\"name\": \"a\", \"parameters\": {\"x\": 1}}; {\"name\": \"b\", \"parameters\": {}}")
             .unwrap();
         assert_eq!((calls[0].name.as_str(), calls[1].name.as_str()), ("a", "b"));
-        assert_eq!(calls[0].arguments, "{\"x\":1}");
+        assert_eq!(calls[0].arguments, "{\"x\": 1}");
         let (_, calls) = ToolFormat::Mistral
             .parse("[TOOL_CALLS][{\"name\": \"m\", \"arguments\": {\"q\": \"z\"}}]")
             .unwrap();
@@ -495,21 +642,41 @@ mod tests {
         let mut s = ToolStream::new(ToolFormat::Hermes, false);
         let out = "Hi <tool_call>\n{\"name\": \"f\", \"arguments\": {\"a\": 1}}\n</tool_call>\n<tool_call>\n{\"name\": \"g\", \"arguments\": {}}\n</tool_call>";
         let mut content = String::new();
-        let mut calls = Vec::new();
-        let pieces: Vec<&str> = out.split_inclusive(['<', '}', '\n']).collect();
+        let mut deltas = Vec::new();
+        let pieces: Vec<&str> = out.split_inclusive(['<', '}', '\n', ':', ' ']).collect();
         for (i, p) in pieces.iter().enumerate() {
             let (c, k) = s.push(p, i + 1 == pieces.len());
             content.push_str(&c);
-            calls.extend(k);
+            deltas.extend(k);
         }
         assert_eq!(content, "Hi ");
-        assert_eq!(
-            calls
+        let names: Vec<_> = deltas
+            .iter()
+            .filter_map(|d| match d {
+                ToolDelta::Name { index, name } => Some((*index, name.as_str())),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(names, vec![(0, "f"), (1, "g")]);
+        let args = |i: usize| -> String {
+            deltas
                 .iter()
-                .map(|(i, c)| (*i, c.name.as_str()))
-                .collect::<Vec<_>>(),
-            vec![(0, "f"), (1, "g")]
-        );
+                .filter_map(|d| match d {
+                    ToolDelta::Args { index, text } if *index == i => Some(text.as_str()),
+                    _ => None,
+                })
+                .collect()
+        };
+        // Arguments arrive in pieces and add up to the whole response's.
+        let (_, whole) = ToolFormat::Hermes.parse(out).unwrap();
+        assert_eq!(args(0), whole[0].arguments);
+        assert_eq!(args(1), whole[1].arguments);
+        assert_eq!(args(0), "{\"a\": 1}");
+        let pieces_of_first = deltas
+            .iter()
+            .filter(|d| matches!(d, ToolDelta::Args { index: 0, .. }))
+            .count();
+        assert!(pieces_of_first > 1, "{deltas:?}");
         // Text that only looked like a call start is content in the end.
         let mut s = ToolStream::new(ToolFormat::Hermes, false);
         let (a, _) = s.push("a <tool", false);

@@ -86,14 +86,25 @@ pub mod grammar {
     }
 }
 
+/// The largest grammar (as llguidance JSON: a schema, regex or Lark text with its framing)
+/// a request may bring. Compile time grows with size; past this it is refused unread.
+pub const MAX_GRAMMAR_BYTES: usize = 256 * 1024;
+
 /// How long compiling one grammar may take before the request is refused. llguidance's own
 /// limits (lexer fuel, grammar size) bound the work; this bounds the clock on top.
 pub const COMPILE_BUDGET: Duration = Duration::from_millis(500);
 
+/// Compiled grammars kept for the next request that brings the same one (the usual case:
+/// one schema or one set of tools per application). Past this many the cache starts over.
+const CACHED_GRAMMARS: usize = 256;
+
 /// A model's vocabulary as llguidance sees it, and the factory of its matchers.
 pub struct Guides {
-    factory: ParserFactory,
+    factory: Arc<ParserFactory>,
     vocab: usize,
+    /// Fresh matchers by grammar text: a new sequence starts from a clone, which shares the
+    /// original's lexer caches.
+    cache: parking_lot::Mutex<std::collections::HashMap<Arc<str>, Matcher>>,
 }
 
 impl Guides {
@@ -132,8 +143,9 @@ impl Guides {
             ..ParserLimits::default()
         };
         Ok(Guides {
-            factory,
+            factory: Arc::new(factory),
             vocab: n_logits,
+            cache: Default::default(),
         })
     }
 
@@ -144,9 +156,24 @@ impl Guides {
     /// A matcher for `guide`, its replayed tokens consumed; a grammar that does not compile
     /// (or takes longer than [`COMPILE_BUDGET`]) is refused with llguidance's reason.
     pub fn start(&self, guide: &Guide, prompt: &[u32]) -> Result<Guided, String> {
-        let grammar: TopLevelGrammar = serde_json::from_str(&guide.grammar)
-            .map_err(|e| format!("the grammar is not llguidance JSON: {e}"))?;
-        let mut g = self.compile(grammar)?;
+        let cached = self.cache.lock().get(&guide.grammar).cloned();
+        let mut g = match cached {
+            Some(matcher) => Guided {
+                matcher,
+                failed: None,
+            },
+            None => {
+                let grammar: TopLevelGrammar = serde_json::from_str(&guide.grammar)
+                    .map_err(|e| format!("the grammar is not llguidance JSON: {e}"))?;
+                let g = self.compile(grammar)?;
+                let mut cache = self.cache.lock();
+                if cache.len() >= CACHED_GRAMMARS {
+                    cache.clear();
+                }
+                cache.insert(guide.grammar.clone(), g.matcher.clone());
+                g
+            }
+        };
         if guide.replay > prompt.len() {
             return Err(format!(
                 "the grammar replays {} tokens of a {}-token prompt",
@@ -160,14 +187,41 @@ impl Guides {
         Ok(g)
     }
 
+    /// llguidance's parser for `grammar`, built on a thread of its own: past
+    /// [`COMPILE_BUDGET`] the request is refused and that thread's result discarded, so a
+    /// grammar slow to build never holds the caller.
+    fn create_within_budget(
+        &self,
+        grammar: TopLevelGrammar,
+    ) -> Result<llguidance::TokenParser, String> {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let factory = self.factory.clone();
+        std::thread::Builder::new()
+            .name("kvmesh-grammar".into())
+            .spawn(move || {
+                let _ = tx.send(factory.create_parser(grammar).map_err(|e| e.to_string()));
+            })
+            .map_err(|e| format!("cannot start compiling the grammar: {e}"))?;
+        match rx.recv_timeout(COMPILE_BUDGET) {
+            Ok(r) => r,
+            Err(_) => Err(format!(
+                "the grammar did not compile within {} ms",
+                COMPILE_BUDGET.as_millis()
+            )),
+        }
+    }
+
     /// Compiles `grammar` and computes its first mask (which is where a schema's or
     /// regex's errors surface), within [`COMPILE_BUDGET`].
     pub fn compile(&self, grammar: TopLevelGrammar) -> Result<Guided, String> {
         let started = Instant::now();
-        let parser = self
-            .factory
-            .create_parser(grammar)
-            .map_err(|e| e.to_string())?;
+        let size = serde_json::to_string(&grammar).map_or(usize::MAX, |s| s.len());
+        if size > MAX_GRAMMAR_BYTES {
+            return Err(format!(
+                "the grammar is {size} bytes, over the {MAX_GRAMMAR_BYTES} allowed"
+            ));
+        }
+        let parser = self.create_within_budget(grammar)?;
         let matcher = Matcher::new(Ok(parser));
         if let Some(e) = matcher.get_error() {
             return Err(e);
@@ -285,10 +339,15 @@ impl Guided {
 
 /// Sets the logits of tokens the mask does not allow to minus infinity.
 pub fn apply_mask(logits: &mut [f32], mask: &[u32]) {
-    for (i, l) in logits.iter_mut().enumerate() {
-        let allowed = mask.get(i / 32).is_some_and(|w| w >> (i % 32) & 1 == 1);
-        if !allowed {
-            *l = f32::NEG_INFINITY;
+    for (w, chunk) in logits.chunks_mut(32).enumerate() {
+        let word = mask.get(w).copied().unwrap_or(0);
+        if word == u32::MAX {
+            continue;
+        }
+        for (b, l) in chunk.iter_mut().enumerate() {
+            if word >> b & 1 == 0 {
+                *l = f32::NEG_INFINITY;
+            }
         }
     }
 }
@@ -376,6 +435,18 @@ mod tests {
             ))
             .unwrap_err();
         assert!(e.contains("no-such-type"), "{e}");
+    }
+
+    /// A grammar over the size limit is refused before it is read.
+    #[test]
+    fn an_oversized_grammar_is_refused_unread() {
+        let (guides, _) = guides();
+        let alts = |n: usize| -> String {
+            let a: Vec<String> = (0..n).map(|i| format!("\"w{i}x\"")).collect();
+            format!("start: a+\na: {}", a.join(" | "))
+        };
+        let e = guides.compile(grammar::lark(&alts(200_000))).unwrap_err();
+        assert!(e.contains("bytes, over the"), "{e}");
     }
 
     #[test]

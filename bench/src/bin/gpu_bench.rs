@@ -175,6 +175,7 @@ fn timed_step(
         .map(|rng| SampleSpec {
             params: &params,
             rng,
+            mask: None,
         })
         .collect();
     backend.synchronize()?;

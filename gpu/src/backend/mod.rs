@@ -117,6 +117,13 @@ pub trait Backend: Send {
         false
     }
 
+    /// Whether the step's math runs on every host core (the CPU backend): grammar masks
+    /// computed beside it would then only take turns with it, plus a hand-off between
+    /// threads, so the engine computes them just before the step instead.
+    fn occupies_host_cores(&self) -> bool {
+        false
+    }
+
     /// Next-token logits for each sequence with `want_logits`, in batch order.
     fn forward(&mut self, batch: &ForwardBatch) -> Result<Vec<Vec<f32>>>;
 

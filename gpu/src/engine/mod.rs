@@ -19,11 +19,13 @@
 //! - `scheduler`: what each step runs, as a plan, with no I/O;
 //! - `thread`: the engine thread that carries plans out;
 //! - `lease`: blocks lent to transfers; `kv_events`: the prefix cache's events for routers;
+//! - `masks`: the thread that computes grammar masks while a step runs;
 //! - `request`, `stats`: what goes in and out, and what the engine measures.
 
 mod handle;
 pub mod kv_events;
 mod lease;
+mod masks;
 mod request;
 mod scheduler;
 mod stats;

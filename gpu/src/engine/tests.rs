@@ -382,3 +382,81 @@ fn oversized_requests_are_refused_with_both_lengths() {
         .to_string();
     assert!(e.contains("vocabulary"), "{e}");
 }
+
+/// Guided sequences batched with free ones, sampled at temperature 1 over logits that do
+/// not care for the grammar: each guided output is one its grammar allows and ends there
+/// (the mask leaves only eos once the grammar is complete); the free ones are untouched.
+#[test]
+fn guided_sequences_follow_their_grammars_in_a_mixed_batch() {
+    use crate::guided::{grammar, Guide, LazyGuides};
+    let tok = Arc::new(
+        crate::tokenizer::TextTokenizer::from_files(&crate::embedded::default_tokenizer(), &[])
+            .unwrap(),
+    );
+    let vocab = tok.vocab_size();
+    let eos = tok.eos_ids().to_vec();
+    let h = spawn(
+        Box::new(Flat { vocab }),
+        EngineConfig {
+            max_model_len: 256,
+            block_size: 4,
+            ..Default::default()
+        },
+        eos.clone(),
+        vocab,
+    );
+    // Without a tokenizer the engine cannot follow a grammar, and says so.
+    let choice = Guide::new(&grammar::choice(&["thee".into(), "thou art".into()]));
+    let req = |seed: u64, guide: Option<Guide>| Request {
+        prompt: vec![5, 6, 7],
+        params: SamplingParams {
+            temperature: 1.0,
+            seed: Some(seed),
+            max_tokens: 40,
+            ignore_eos: true,
+            guide,
+            ..Default::default()
+        },
+    };
+    let e = h
+        .submit(req(1, Some(choice.clone())))
+        .err()
+        .expect("refused");
+    assert!(e.to_string().contains("grammar"), "{e}");
+    let h = h.with_guides(Arc::new(LazyGuides::new(tok.clone(), vocab)));
+    let rx = Guide::new(&grammar::regex("[0-9]{2,4}-[a-z]{3}"));
+    let mut subs = Vec::new();
+    for seed in 0..4 {
+        subs.push(("choice", h.submit(req(seed, Some(choice.clone()))).unwrap()));
+        subs.push(("regex", h.submit(req(seed, Some(rx.clone()))).unwrap()));
+        subs.push(("free", h.submit(req(seed, None)).unwrap()));
+    }
+    for (kind, mut s) in subs {
+        let out = drain(&mut s);
+        let text = tok.decode(&out, true).unwrap();
+        match kind {
+            "choice" => assert!(text == "thee" || text == "thou art", "{text:?}"),
+            "regex" => {
+                let (d, w) = text.split_once('-').unwrap_or_else(|| panic!("{text:?}"));
+                assert!((2..=4).contains(&d.len()) && d.bytes().all(|b| b.is_ascii_digit()));
+                assert!(
+                    w.len() == 3 && w.bytes().all(|b| b.is_ascii_lowercase()),
+                    "{text:?}"
+                );
+            }
+            _ => assert_eq!(out.len(), 40, "a free sequence runs to max_tokens"),
+        }
+        if kind != "free" {
+            assert!(
+                out.len() < 40,
+                "{kind} did not end with its grammar: {text:?}"
+            );
+        }
+    }
+    // A replay the grammar does not allow is refused at submission.
+    let bad = Guide {
+        replay: 2,
+        ..rx.clone()
+    };
+    assert!(h.submit(req(9, Some(bad))).is_err());
+}

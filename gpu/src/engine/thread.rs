@@ -12,6 +12,7 @@ use tokio::sync::{mpsc, oneshot};
 use super::handle::{Command, EngineHandle, Mode};
 use super::kv_events::KvEventHub;
 use super::lease::{ExportEvent, KvLease, Landed, LeaseEvent, LeaseNotify};
+use super::masks::MaskThread;
 use super::request::{EngineConfig, EngineInfo, FinishReason, Progress, SeqEvent, SeqId};
 use super::scheduler::{Entry, Lend, Limits, Place, Plan, Scheduler, SeqState, Transfer};
 use super::stats::{prefill_part_us, EngineStats};
@@ -99,6 +100,7 @@ pub fn spawn(
         rx,
         notify,
         vocab_size,
+        masks: MaskThread::default(),
     };
     std::thread::Builder::new()
         .name("kvmesh-engine".into())
@@ -126,6 +128,7 @@ struct Engine {
     rx: crossbeam_channel::Receiver<Command>,
     notify: LeaseNotify,
     vocab_size: usize,
+    masks: MaskThread,
 }
 
 /// An exported sequence in a step: its index in `running`, its channel, and the positions
@@ -499,7 +502,8 @@ impl Engine {
             .iter()
             .map(|&i| self.sched.running[i].io.guided.take())
             .collect();
-        let slots: Vec<MaskSlot> = sampling.iter().map(|_| MaskSlot::new()).collect();
+        let slots: Arc<Vec<MaskSlot>> =
+            Arc::new(sampling.iter().map(|_| MaskSlot::new()).collect());
         let running = &self.sched.running;
         let batch = ForwardBatch {
             seqs: plan
@@ -532,7 +536,7 @@ impl Engine {
         let mut specs: Vec<SampleSpec> = params
             .iter()
             .zip(rngs.iter_mut())
-            .zip(guided.iter().zip(&slots))
+            .zip(guided.iter().zip(slots.iter()))
             .map(|((params, rng), (g, slot))| SampleSpec {
                 params,
                 rng,
@@ -544,20 +548,22 @@ impl Engine {
                 let _ = tx.send(ExportEvent::Layer { layer, upto: *upto });
             }
         };
-        let backend = &mut self.backend;
         let words = mask_words(self.vocab_size);
-        let out = std::thread::scope(|scope| {
-            if guided.iter().any(Option::is_some) {
-                let (guided, slots) = (&mut guided, &slots);
-                scope.spawn(move || compute_masks(guided, slots, words));
-            }
-            if streaming {
-                backend.forward_sample_streaming(&batch, &mut specs, &ready)
-            } else {
-                backend.forward_sample(&batch, &mut specs)
-            }
+        let inline = self.backend.occupies_host_cores();
+        let pending = guided.iter().any(Option::is_some).then(|| {
+            self.masks
+                .start(std::mem::take(&mut guided), slots.clone(), words, inline)
         });
+        let out = if streaming {
+            self.backend
+                .forward_sample_streaming(&batch, &mut specs, &ready)
+        } else {
+            self.backend.forward_sample(&batch, &mut specs)
+        };
         drop(specs);
+        if let Some(p) = pending {
+            guided = p.wait();
+        }
         let prompt_tokens: usize = batch.num_tokens() - sampling.len();
         // Sequences past their prompt: each computes one generated token.
         let decode_seqs = plan
@@ -623,33 +629,6 @@ impl Engine {
             }
         }
         Ok(())
-    }
-}
-
-/// Every guided sequence's mask into its slot, in parallel. A slot is always filled, with
-/// nothing allowed if its matcher failed (the engine then fails the sequence) or if this
-/// panicked, so a backend waiting on it never hangs.
-fn compute_masks(guided: &mut [Option<Box<Guided>>], slots: &[MaskSlot], words: usize) {
-    use rayon::prelude::*;
-    let fill = std::panic::AssertUnwindSafe(|| {
-        guided.par_iter_mut().zip(slots).for_each(|(g, slot)| {
-            if let Some(g) = g {
-                let mut m = Vec::with_capacity(words);
-                g.fill_mask(&mut m);
-                m.resize(words, 0);
-                let _ = slot.set(m);
-            }
-        })
-    });
-    if std::panic::catch_unwind(fill).is_err() {
-        tracing::error!("computing grammar masks panicked; the step's guided sequences fail");
-    }
-    for (g, slot) in guided.iter_mut().zip(slots) {
-        if let Some(g) = g {
-            if slot.set(vec![0; words]).is_ok() {
-                g.poison("computing its mask panicked");
-            }
-        }
     }
 }
 

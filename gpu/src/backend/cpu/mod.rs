@@ -156,6 +156,10 @@ impl Backend for CpuBackend {
         format!("cpu ({} threads)", rayon::current_num_threads())
     }
 
+    fn occupies_host_cores(&self) -> bool {
+        true
+    }
+
     fn num_blocks(&self) -> usize {
         self.kv.num_blocks()
     }

@@ -556,6 +556,35 @@ extern "C" __global__ void sample_rows(const float* __restrict__ logits, int voc
     }
 }
 
+// A request's logit bias and grammar mask, applied to its row of logits in place before
+// sample_rows. Row r's (token, bias) pairs are bias_tok/bias_val[bias_off[r] .. bias_off[r+1]],
+// added by one thread (a short list; no two threads race on one logit). Where has_mask[r],
+// the row's `words` mask words allow token t by bit t % 32 of word t / 32; every other token
+// becomes -inf, so neither the argmax nor a draw can pick it.
+// Grid (rows), block CONSTRAIN_THREADS.
+extern "C" __global__ void constrain_rows(float* __restrict__ logits, int vocab,
+                                         const unsigned int* __restrict__ masks, int words,
+                                         const int* __restrict__ has_mask,
+                                         const int* __restrict__ bias_off,
+                                         const int* __restrict__ bias_tok,
+                                         const float* __restrict__ bias_val) {
+    int r = blockIdx.x;
+    float* x = logits + (long long)r * vocab;
+    if (threadIdx.x == 0) {
+        for (int i = bias_off[r]; i < bias_off[r + 1]; i++) {
+            int t = bias_tok[i];
+            if (t >= 0 && t < vocab) x[t] += bias_val[i];
+        }
+    }
+    __syncthreads();
+    if (has_mask[r]) {
+        const unsigned int* m = masks + (long long)r * words;
+        for (int t = threadIdx.x; t < vocab; t += blockDim.x) {
+            if (!((m[t >> 5] >> (t & 31)) & 1u)) x[t] = NEG_INF;
+        }
+    }
+}
+
 // Element-wise casts, 1-D grid-stride.
 extern "C" __global__ void f32_to_bf16(const float* __restrict__ x, bf16* __restrict__ y,
                                       long long n) {

@@ -34,6 +34,9 @@ pub const MAX_HEAD_DIM: usize = 256;
 /// of L tokens is about L^2 / PREFILL_QUERIES_PER_BLOCK rows per head.
 const PREFILL_QUERIES_PER_BLOCK: usize = 8;
 
+/// Threads per block of the `constrain_rows` kernel.
+const CONSTRAIN_THREADS: u32 = 256;
+
 /// Threads per block of the `sample_rows` kernel (its SAMPLE_THREADS).
 const SAMPLE_THREADS: u32 = 512;
 
@@ -50,6 +53,7 @@ pub struct Kernels {
     silu_mul: CudaFunction,
     gather_rows: CudaFunction,
     sample_rows: CudaFunction,
+    constrain_rows: CudaFunction,
 }
 
 impl Kernels {
@@ -81,6 +85,7 @@ impl Kernels {
             silu_mul: f("silu_mul")?,
             gather_rows: f("gather_rows_bf16")?,
             sample_rows: f("sample_rows")?,
+            constrain_rows: f("constrain_rows")?,
         };
         Ok((k, arch))
     }
@@ -494,6 +499,56 @@ impl SampleRows<'_> {
         // SAFETY: the arguments match `sample_rows`'s signature in order and type, and every
         // buffer holds the grid's rows (checked above).
         unsafe { b.launch(grid(rows, 1, 1, SAMPLE_THREADS)) }.map_err(failed(n))?;
+        Ok(())
+    }
+}
+
+/// `constrain_rows`: rows' logit biases and grammar masks, applied in place.
+pub struct ConstrainRows<'a> {
+    pub logits: &'a mut CudaSlice<f32>,
+    pub vocab: usize,
+    /// `rows * words` mask words (zero for rows without a mask).
+    pub masks: &'a CudaSlice<u32>,
+    pub words: usize,
+    pub has_mask: &'a CudaSlice<i32>,
+    /// `rows + 1` offsets into `bias_tok` / `bias_val`.
+    pub bias_off: &'a CudaSlice<i32>,
+    pub bias_tok: &'a CudaSlice<i32>,
+    pub bias_val: &'a CudaSlice<f32>,
+    pub rows: usize,
+}
+
+impl ConstrainRows<'_> {
+    pub fn launch(self, k: &Kernels, s: &CudaStream) -> Result<()> {
+        let n = "constrain_rows";
+        let rows = self.rows;
+        holds(n, "logits", self.logits.len(), rows * self.vocab)?;
+        holds(n, "masks", self.masks.len(), rows * self.words)?;
+        holds(n, "has_mask", self.has_mask.len(), rows)?;
+        holds(n, "bias_off", self.bias_off.len(), rows + 1)?;
+        if self.words * 32 < self.vocab {
+            return Err(EngineError::Backend(format!(
+                "{n}: {} mask words cover {} tokens, fewer than the vocabulary's {}",
+                self.words,
+                self.words * 32,
+                self.vocab
+            )));
+        }
+        let (vocab, words) = (self.vocab as i32, self.words as i32);
+        let mut b = s.launch_builder(&k.constrain_rows);
+        b.arg(self.logits)
+            .arg(&vocab)
+            .arg(self.masks)
+            .arg(&words)
+            .arg(self.has_mask)
+            .arg(self.bias_off)
+            .arg(self.bias_tok)
+            .arg(self.bias_val);
+        // SAFETY: the arguments match `constrain_rows`'s signature in order and type; the
+        // logits, masks and per-row arrays hold the grid's rows (checked above); bias ids
+        // outside the vocabulary are skipped on the device, and the offsets were laid out
+        // from the same lists as the ids (`sampling::constraints`).
+        unsafe { b.launch(grid(rows, 1, 1, CONSTRAIN_THREADS)) }.map_err(failed(n))?;
         Ok(())
     }
 }

@@ -167,18 +167,19 @@ impl Backend for CudaBackend {
         Ok(host.chunks_exact(v).map(<[f32]>::to_vec).collect())
     }
 
-    /// Samples on the device (see `sampling`). A request that asks for top logprobs, or has
-    /// a logit bias or a grammar, falls back to copying the logits and sampling on the host.
+    /// Samples on the device (see `sampling`), after the rows' logit biases and grammar
+    /// masks. A request that asks for top logprobs falls back to copying the logits and
+    /// sampling on the host (bias and mask applied there).
     fn forward_sample(
         &mut self,
         batch: &ForwardBatch,
         specs: &mut [SampleSpec],
     ) -> Result<Vec<Sampled>> {
-        // Top logprobs, a logit bias or a grammar's mask: the logits come to the host and
-        // are sampled there (a device-side bitmask is not written yet).
+        // Top logprobs come from the logits on the host. (A bias or a grammar's mask is
+        // applied on the device, by `constrain_rows`, before `sample_rows`.)
         if specs
             .iter()
-            .any(|s| !matches!(s.params.logprobs, None | Some(0)) || s.constrained())
+            .any(|s| !matches!(s.params.logprobs, None | Some(0)))
         {
             let logits = self.forward(batch)?;
             return Ok(logits

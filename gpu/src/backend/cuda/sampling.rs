@@ -9,7 +9,7 @@ use cudarc::driver::CudaStream;
 
 use super::buffers::LogitsSpace;
 use super::device::drv;
-use super::kernels::{Kernels, SampleRows};
+use super::kernels::{ConstrainRows, Kernels, SampleRows};
 use crate::backend::SampleSpec;
 use crate::error::Result;
 use crate::sampler::Sampled;
@@ -23,6 +23,9 @@ pub fn sample_logits(
     specs: &mut [SampleSpec],
 ) -> Result<Vec<Sampled>> {
     let n = specs.len();
+    if specs.iter().any(SampleSpec::constrained) {
+        constrain(stream, k, ls, vocab, specs)?;
+    }
     let host = sample_params(specs, ls.rows);
     stream
         .memcpy_htod(&host.floats, &mut ls.params_f)
@@ -61,6 +64,86 @@ pub fn sample_logits(
         .collect())
 }
 
+/// The rows' logit biases and grammar masks (waiting for masks still being computed),
+/// uploaded and applied to the logits on the device.
+fn constrain(
+    stream: &Arc<CudaStream>,
+    k: &Kernels,
+    ls: &mut LogitsSpace,
+    vocab: usize,
+    specs: &[SampleSpec],
+) -> Result<()> {
+    let h = constraints(specs, vocab);
+    let up = |what: &str, e| drv(&format!("{what} copy"), e);
+    let masks = stream
+        .clone_htod(&h.masks)
+        .map_err(|e| up("grammar masks", e))?;
+    let has_mask = stream
+        .clone_htod(&h.has_mask)
+        .map_err(|e| up("grammar masks", e))?;
+    let bias_off = stream
+        .clone_htod(&h.bias_off)
+        .map_err(|e| up("logit bias", e))?;
+    let bias_tok = stream
+        .clone_htod(&h.bias_tok)
+        .map_err(|e| up("logit bias", e))?;
+    let bias_val = stream
+        .clone_htod(&h.bias_val)
+        .map_err(|e| up("logit bias", e))?;
+    ConstrainRows {
+        logits: &mut ls.logits,
+        vocab,
+        masks: &masks,
+        words: h.words,
+        has_mask: &has_mask,
+        bias_off: &bias_off,
+        bias_tok: &bias_tok,
+        bias_val: &bias_val,
+        rows: specs.len(),
+    }
+    .launch(k, stream)
+}
+
+/// `constrain_rows`'s inputs laid out on the host.
+struct ConstraintsHost {
+    words: usize,
+    masks: Vec<u32>,
+    has_mask: Vec<i32>,
+    bias_off: Vec<i32>,
+    /// Never empty (a zero-length upload is refused): a row-less pad when no row has a bias.
+    bias_tok: Vec<i32>,
+    bias_val: Vec<f32>,
+}
+
+fn constraints(specs: &[SampleSpec], vocab: usize) -> ConstraintsHost {
+    let words = crate::guided::mask_words(vocab);
+    let mut h = ConstraintsHost {
+        words,
+        masks: vec![0; specs.len() * words],
+        has_mask: vec![0; specs.len()],
+        bias_off: vec![0],
+        bias_tok: Vec::new(),
+        bias_val: Vec::new(),
+    };
+    for (r, s) in specs.iter().enumerate() {
+        if let Some(m) = s.mask() {
+            let n = m.len().min(words);
+            h.masks[r * words..r * words + n].copy_from_slice(&m[..n]);
+            h.has_mask[r] = 1;
+        }
+        for &(t, b) in &s.params.logit_bias {
+            h.bias_tok.push(t.min(i32::MAX as u32) as i32);
+            h.bias_val.push(b);
+        }
+        h.bias_off.push(h.bias_tok.len() as i32);
+    }
+    if h.bias_tok.is_empty() {
+        h.bias_tok.push(-1);
+        h.bias_val.push(0.0);
+    }
+    h
+}
+
 /// The host side of `sample_rows`'s parameters, padded to the buffers' `rows`.
 struct SampleParamsHost {
     /// temperatures, then top_p, then uniforms: three runs of `rows`.
@@ -93,6 +176,38 @@ mod tests {
     use super::*;
 
     #[test]
+    fn constraints_lay_out_masks_and_biases_per_row() {
+        use crate::backend::MaskSlot;
+        use crate::sampler::{Rng, SamplingParams};
+        let plain = SamplingParams::default();
+        let biased = SamplingParams {
+            logit_bias: vec![(3, -100.0), (40, 5.0)],
+            ..Default::default()
+        };
+        let slot = MaskSlot::new();
+        slot.set(vec![0b1010, 0x8000_0000]).unwrap();
+        let (mut r0, mut r1) = (Rng::seeded(1), Rng::seeded(2));
+        let specs = [
+            SampleSpec {
+                params: &biased,
+                rng: &mut r0,
+                mask: None,
+            },
+            SampleSpec {
+                params: &plain,
+                rng: &mut r1,
+                mask: Some(&slot),
+            },
+        ];
+        let h = constraints(&specs, 64);
+        assert_eq!(h.words, 2);
+        assert_eq!(h.has_mask, [0, 1]);
+        assert_eq!(h.masks, [0, 0, 0b1010, 0x8000_0000]);
+        assert_eq!(h.bias_off, [0, 2, 2]);
+        assert_eq!((h.bias_tok, h.bias_val), (vec![3, 40], vec![-100.0, 5.0]));
+    }
+
+    #[test]
     fn sampling_parameters_draw_only_for_random_rows() {
         use crate::sampler::{Rng, SamplingParams};
         let greedy = SamplingParams {
@@ -110,10 +225,12 @@ mod tests {
             SampleSpec {
                 params: &greedy,
                 rng: &mut r0,
+                mask: None,
             },
             SampleSpec {
                 params: &random,
                 rng: &mut r1,
+                mask: None,
             },
         ];
         let h = sample_params(&mut specs, 4);
