@@ -91,15 +91,28 @@ type Work = fn(&ServedModel, &[u8]) -> Result<Prepared, ApiError>;
 /// time to first token. Larger ones go to the pool.
 const INLINE_PREPARE_BYTES: usize = 4096;
 
-/// A request's CPU work (parsing, the chat template, tokenizing): inline for a small body,
-/// else off the async threads (see [`off_runtime`]).
+/// Whether a body may carry a grammar (a schema, regex, choice, Lark text or tools): compiling
+/// one the first time takes milliseconds, so such a body is prepared off the async threads
+/// whatever its size.
+fn shapes_output(body: &[u8]) -> bool {
+    const KEYS: [&[u8]; 4] = [
+        b"response_format",
+        b"structured_outputs",
+        b"guided_",
+        b"\"tools\"",
+    ];
+    KEYS.iter().any(|k| body.windows(k.len()).any(|w| w == *k))
+}
+
+/// A request's CPU work (parsing, the chat template, tokenizing): inline for a small body
+/// without a grammar, else off the async threads (see [`off_runtime`]).
 async fn prepare(
     st: &Arc<AppState>,
     model: &Arc<ServedModel>,
     body: Bytes,
     work: Work,
 ) -> Result<Prepared, ApiError> {
-    if body.len() <= INLINE_PREPARE_BYTES {
+    if body.len() <= INLINE_PREPARE_BYTES && !shapes_output(&body) {
         return work(model, &body);
     }
     let model = model.clone();

@@ -4,9 +4,11 @@
 
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::Poll;
 
 use kvmesh_gpu::engine::{EngineHandle, Progress, Request, SeqEvent, Submission};
+use kvmesh_gpu::guided::LazyGuides;
 use kvmesh_telemetry::metrics::Exposition;
 use tokio::sync::mpsc;
 
@@ -28,6 +30,11 @@ pub trait Dispatch: Send + Sync + 'static {
     /// Token ids the model has (0 to this, exclusive), when the dispatcher knows; the
     /// gateway checks prompts of token ids against it and the tokenizer's vocabulary.
     fn vocab_size(&self) -> Option<usize> {
+        None
+    }
+    /// The engine's grammar compiler, when it is in this process: the gateway checks
+    /// grammars with it, so the engine finds them compiled.
+    fn guides(&self) -> Option<Arc<LazyGuides>> {
         None
     }
 }
@@ -53,6 +60,10 @@ impl Dispatch for EngineHandle {
 
     fn vocab_size(&self) -> Option<usize> {
         Some(self.info.vocab_size)
+    }
+
+    fn guides(&self) -> Option<Arc<LazyGuides>> {
+        self.guides.clone()
     }
 }
 

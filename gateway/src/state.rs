@@ -25,8 +25,9 @@ pub struct ServedModel {
     /// The most bytes of text one token stands for (see [`max_bytes_per_token`]); `None`
     /// when this tokenizer can make one token of any length of text.
     pub bytes_per_token: Option<usize>,
-    /// Compiles requests' grammars over this model's vocabulary (built on first use).
-    pub guides: LazyGuides,
+    /// Compiles requests' grammars over this model's vocabulary (built on first use): the
+    /// engine's own when it runs in this process.
+    pub guides: Arc<LazyGuides>,
 }
 
 impl ServedModel {
@@ -50,8 +51,11 @@ impl ServedModel {
         let n_logits = engine
             .vocab_size()
             .unwrap_or_else(|| tokenizer.vocab_size());
+        let guides = engine
+            .guides()
+            .unwrap_or_else(|| Arc::new(LazyGuides::new(tokenizer.clone(), n_logits)));
         ServedModel {
-            guides: LazyGuides::new(tokenizer.clone(), n_logits),
+            guides,
             name,
             tokenizer,
             engine,

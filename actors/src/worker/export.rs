@@ -201,6 +201,7 @@ impl WorkerCore {
         TransferError,
     > {
         let mut ereq = convert::request_from_wire(&req.request);
+        self.engine.warm_guide(&ereq).await;
         ereq.params.max_tokens = 1;
         ereq.params.ignore_eos = true;
         ereq.params.stop_token_ids.clear();

@@ -46,6 +46,11 @@ impl WorkerCore {
     async fn generate(self: Arc<Self>, mut send: SendStream, req: GenerateRequest) {
         let span = tracing::Span::current();
         let mut router_gone = Box::pin(send.stopped());
+        if req.guide.is_some() {
+            self.engine
+                .warm_guide(&convert::request_from_wire(&req))
+                .await;
+        }
         let remote =
             matches!((&req.prefill, &self.kv), (Some(_), Some(_))) && self.role == Role::Decode;
         let sub = match (&req.prefill, &self.kv) {

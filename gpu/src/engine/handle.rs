@@ -116,6 +116,23 @@ impl EngineHandle {
         self
     }
 
+    /// Compiles the request's grammar, if it has one and it is not compiled yet, on the
+    /// blocking pool: submitting it afterwards starts its matcher from the cache instead of
+    /// compiling on the caller's (async) thread. Errors are left for the submission to
+    /// report.
+    pub async fn warm_guide(&self, req: &Request) {
+        let (Some(guides), Some(guide)) = (&self.guides, &req.params.guide) else {
+            return;
+        };
+        let (guides, grammar) = (guides.clone(), guide.grammar.clone());
+        let _ = tokio::task::spawn_blocking(move || {
+            if let Ok(g) = guides.get() {
+                let _ = g.start(&crate::guided::Guide { grammar, replay: 0 }, &[]);
+            }
+        })
+        .await;
+    }
+
     /// A matcher for the request's grammar, if it has one.
     fn compile_guide(&self, req: &Request) -> Result<Option<Box<Guided>>> {
         let Some(guide) = &req.params.guide else {
