@@ -310,17 +310,11 @@ pub struct ToolRequest {
     pub parallel: bool,
 }
 
-/// Reads `tools`, `tool_choice` and `parallel_tool_calls`; `None` without tools.
+/// Reads `tools`, `tool_choice` and `parallel_tool_calls`; `None` without tools. (The
+/// deprecated `functions` / `function_call` are refused with the other unsupported fields,
+/// in `protocol::refuse_unsupported`.)
 pub fn read(body: &Value) -> Result<Option<ToolRequest>, ApiError> {
     let get = |k: &str| body.get(k).filter(|v| !v.is_null());
-    for old in ["functions", "function_call"] {
-        if get(old).is_some() {
-            return Err(ApiError::param(
-                old,
-                format!("`{old}` is the deprecated form; send `tools` and `tool_choice`."),
-            ));
-        }
-    }
     let list = match get("tools") {
         None => Vec::new(),
         Some(Value::Array(a)) => a.clone(),
