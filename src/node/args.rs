@@ -66,10 +66,22 @@ pub struct NodeArgs {
     /// `inf` lifts the bound.
     #[arg(long, value_parser = imbalance, default_value_t = PrefixTuning::default().max_imbalance)]
     pub prefix_max_imbalance: f64,
-    /// Decode: how KV arrives from prefill nodes: quic (streams on the node's QUIC
-    /// connection) or tcp (plain TCP to --kv-listen, for trusted networks).
+    /// How KV moves between prefill and decode nodes. Decode: quic (streams on the node's
+    /// QUIC connection), tcp (plain TCP to --kv-listen, for trusted networks), ucx (UCX
+    /// puts into this node's registered KV pool: RDMA where the fabric has it, shared
+    /// memory on one host, else TCP; QUIC from prefill nodes without UCX) or auto (UCX
+    /// where both ends have it, else TCP). Prefill: ucx or auto load UCX so decode nodes
+    /// can ask for it. UCX is the system's libucp.so.0 (Debian: libucx0).
     #[arg(long, value_enum, default_value = "quic")]
     pub kv_transport: KvTransportArg,
+    /// With --kv-transport ucx or auto: the UCX transports to use, as UCX_TLS takes them
+    /// (e.g. `rc,sm,tcp`, `sm`, `tcp`); by default UCX's own choice (its environment).
+    #[arg(long, value_name = "LIST")]
+    pub ucx_tls: Option<String>,
+    /// Decode: ask prefill nodes for a checksum of every UCX piece and verify it (reads
+    /// every landed byte once more; for testing a fabric).
+    #[arg(long)]
+    pub kv_checksum: bool,
     /// Decode: parallel streams (QUIC) or connections (TCP) per transfer.
     #[arg(long, default_value_t = KvSide::DEFAULT_STREAMS)]
     pub kv_streams: usize,
@@ -130,6 +142,8 @@ pub struct NodeArgs {
 pub enum KvTransportArg {
     Quic,
     Tcp,
+    Ucx,
+    Auto,
 }
 
 /// `--roles`: one role's name; unknown names are refused with the list of known ones.

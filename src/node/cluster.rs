@@ -142,8 +142,17 @@ impl RouterViews {
 fn print_table(rows: Vec<Row>) {
     let views = RouterViews::of(&rows);
     println!(
-        "{:<20} {:<21} {:<21} {:<14} {:<14} {:>9} {:>9} {:>7} {:>8}  STATE",
-        "NODE", "ROLES", "QUIC", "MODEL", "DEVICE", "CAP tok/s", "RUN/WAIT", "KV %", "UPTIME"
+        "{:<20} {:<21} {:<21} {:<14} {:<14} {:<12} {:>9} {:>9} {:>7} {:>8}  STATE",
+        "NODE",
+        "ROLES",
+        "QUIC",
+        "MODEL",
+        "DEVICE",
+        "KV XFER",
+        "CAP tok/s",
+        "RUN/WAIT",
+        "KV %",
+        "UPTIME"
     );
     let mut problems = Vec::new();
     // Grouped by model (nodes without one, gateways and routers, first), in id order.
@@ -196,12 +205,17 @@ fn print_table(rows: Vec<Row>) {
             .unwrap_or_else(|| "unreachable".into());
         let roles: Vec<&str> = r.roles.iter().map(|x| x.as_str()).collect();
         println!(
-            "{:<20} {:<21} {:<21} {:<14} {:<14} {:>9} {:>9} {:>7} {:>8}  {}",
+            "{:<20} {:<21} {:<21} {:<14} {:<14} {:<12} {:>9} {:>9} {:>7} {:>8}  {}",
             r.node_id,
             roles.join(","),
             r.quic_addr,
             if r.model.is_empty() { "-" } else { &r.model },
             r.device,
+            if r.kv_transports.is_empty() {
+                "-".to_string()
+            } else {
+                r.kv_transports.join(",")
+            },
             cap,
             load,
             kv,

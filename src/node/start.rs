@@ -9,12 +9,13 @@ use anyhow::{bail, Context};
 use axum::Router;
 use tokio::net::TcpListener;
 
-use kvmesh_actors::worker::{KvSide, KvTransport};
+use kvmesh_actors::worker::{KvSide, KvTransport, UcxSide};
 use kvmesh_actors::{NodeRoles, Pinned, Pools, Role, RoleRestarts, Serving, WorkerCore};
 use kvmesh_discovery::{EtcdRegistry, Membership, NodeRecord, Registration, Registry};
 use kvmesh_gateway::AppState;
 use kvmesh_gpu::model::LoadedModel;
 use kvmesh_gpu::tokenizer::TextTokenizer;
+use kvmesh_transport::kv::ucx::{Ucx, UcxOptions};
 use kvmesh_transport::wire::KvLayout;
 use kvmesh_transport::{AllowList, NodeEndpoint, NodeIdentity};
 
@@ -170,6 +171,8 @@ struct Network {
     /// A decode node taking KV over TCP: its KV listener and the address it advertises.
     kv_listener: Option<Arc<TcpListener>>,
     kv_tcp_addr: Option<SocketAddr>,
+    /// With --kv-transport ucx (or auto, where the library loads): the node's UCX.
+    ucx: Option<Ucx>,
 }
 
 impl Network {
@@ -211,7 +214,7 @@ impl Network {
         };
         let http_url = format!("http://{}", SocketAddr::new(http_host, local_http.port()));
         let kv_listener = match args.kv_transport {
-            KvTransportArg::Tcp if has_layout && args.has(Role::Decode) => {
+            KvTransportArg::Tcp | KvTransportArg::Auto if has_layout && args.has(Role::Decode) => {
                 let addr = args
                     .kv_listen
                     .unwrap_or_else(|| SocketAddr::new(quic_addr.ip(), 0));
@@ -243,7 +246,31 @@ impl Network {
             http_url,
             kv_listener,
             kv_tcp_addr,
+            ucx: start_ucx(args, has_layout)?,
         })
+    }
+}
+
+/// The node's UCX, when its KV transport asks for it: `ucx` fails the start without it,
+/// `auto` goes on without (TCP).
+fn start_ucx(args: &NodeArgs, has_layout: bool) -> anyhow::Result<Option<Ucx>> {
+    let wanted = matches!(
+        args.kv_transport,
+        KvTransportArg::Ucx | KvTransportArg::Auto
+    );
+    if !wanted || !has_layout {
+        return Ok(None);
+    }
+    let opts = UcxOptions {
+        tls: args.ucx_tls.clone(),
+    };
+    match (Ucx::start(&opts), args.kv_transport) {
+        (Ok(u), _) => Ok(Some(u)),
+        (Err(e), KvTransportArg::Ucx) => bail!("--kv-transport ucx: {e}"),
+        (Err(e), _) => {
+            tracing::info!("--kv-transport auto: no UCX ({e}); KV moves over TCP");
+            Ok(None)
+        }
     }
 }
 
@@ -408,6 +435,15 @@ fn record(
         started_unix_ms: unix_ms(),
         kv_layout: engines.layout.as_ref().map(KvLayout::describe),
         kv_tcp_addr: net.kv_tcp_addr.map(|a| a.to_string()),
+        kv_transports: match engines.layout {
+            Some(_) => {
+                let mut t = vec!["quic".to_string()];
+                t.extend(net.kv_tcp_addr.map(|_| "tcp".to_string()));
+                t.extend(net.ucx.as_ref().map(|_| "ucx".to_string()));
+                t
+            }
+            None => Vec::new(),
+        },
         draining: false,
         model_fingerprint: m.map(|m| m.fingerprint.clone()),
     }
@@ -423,7 +459,7 @@ fn cores(
     capacity: f64,
 ) -> Vec<Arc<WorkerCore>> {
     let kv = engines.layout.clone().map(|l| {
-        let transport = match net.kv_tcp_addr {
+        let streams = match net.kv_tcp_addr {
             Some(addr) => KvTransport::Tcp {
                 addr,
                 connections: args.kv_streams,
@@ -432,12 +468,22 @@ fn cores(
                 streams: args.kv_streams,
             },
         };
+        // `ucx`: QUIC from prefill nodes without UCX; `auto`: TCP (its listener is bound).
+        let transport = match &net.ucx {
+            Some(_) => KvTransport::Ucx {
+                lanes: args.kv_streams,
+                otherwise: Box::new(streams),
+            },
+            None => streams,
+        };
+        let ucx = net.ucx.clone().map(|u| UcxSide::new(u, args.kv_checksum));
         KvSide::new(
             l,
             transport,
             Duration::from_secs_f64(args.kv_transfer_timeout),
             net.endpoint.clone(),
             net.kv_listener.clone(),
+            ucx,
         )
     });
     let core = |role, e: &StartedEngine| {
@@ -550,6 +596,10 @@ fn log_joined(args: &NodeArgs, node: &NodeState, net: &Network, layout: Option<&
             l.describe(),
             net.kv_tcp_addr
                 .map_or(String::new(), |a| format!(", TCP listener {a}"))
+                + &net
+                    .ucx
+                    .as_ref()
+                    .map_or(String::new(), |u| format!(", {}", u.describe()))
         );
     }
     if args.has(Role::Gateway) {

@@ -26,7 +26,7 @@ use sha2::{Digest, Sha256};
 use crate::TransportError;
 
 /// ALPN of kvmesh's node-to-node protocol; a version bump changes it.
-pub const ALPN: &[u8] = b"kvmesh/5";
+pub const ALPN: &[u8] = b"kvmesh/6";
 
 /// Hex SHA-256 of a certificate's DER bytes.
 pub fn fingerprint(cert_der: &[u8]) -> String {

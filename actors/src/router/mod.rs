@@ -280,6 +280,7 @@ impl RouterCore {
             quic_addr: pl.record.quic_addr.clone(),
             cert_sha256: pl.record.cert_sha256.clone(),
             min_tokens: self.disagg.min_tokens as u32,
+            ucx: pl.record.kv_transports.iter().any(|t| t == "ucx"),
         });
         Some(PrefillInFlight::new(pl, uncached as i64))
     }

@@ -14,6 +14,7 @@ use kvmesh_gpu::error::EngineError;
 use kvmesh_telemetry::TARGET;
 use kvmesh_transport::kv::local::{LocalSender, LocalTarget};
 use kvmesh_transport::kv::streams::{StreamSender, Target};
+use kvmesh_transport::kv::ucx::{remote_keys, UcxSender};
 use kvmesh_transport::kv::KvSender;
 use kvmesh_transport::wire::{self, DataPath, PrefillEvent, PrefillRequest};
 use kvmesh_transport::{Connection, TransportError};
@@ -51,6 +52,7 @@ impl WorkerCore {
                 (SendVia::Local(_), _) => "in-process",
                 (_, DataPath::Quic { .. }) => "quic",
                 (_, DataPath::Tcp { .. }) => "tcp",
+                (_, DataPath::Ucx { .. }) => "ucx",
             },
             prompt_tokens = req.request.prompt.len(),
             from_pos = req.from_pos,
@@ -134,7 +136,8 @@ impl WorkerCore {
             span: span.clone(),
         };
         drop(lease);
-        let mut sender = open_sender(via, req, target).await?;
+        let ucx = kv.ucx.as_ref().map(|u| &u.ucx);
+        let mut sender = open_sender(via, req, target, ucx).await?;
         let layers = kv.layout.num_layers as usize;
         let mut progress = Layers::new(layers, from, to, &span);
         // The cached prefix goes at once.
@@ -269,6 +272,7 @@ async fn open_sender(
     via: SendVia,
     req: &PrefillRequest,
     target: Target,
+    ucx: Option<&kvmesh_transport::kv::ucx::Ucx>,
 ) -> Result<Box<dyn KvSender>, TransferError> {
     Ok(match (via, &req.data) {
         (SendVia::Local(t), _) => Box::new(LocalSender::new(target.source, t)),
@@ -290,6 +294,40 @@ async fn open_sender(
                 )
                 .await
                 .map_err(net)?,
+            )
+        }
+        (
+            SendVia::Network(conn),
+            DataPath::Ucx {
+                worker,
+                registration,
+                buffers,
+                lanes,
+                checksum,
+            },
+        ) => {
+            let ucx = ucx.ok_or_else(|| {
+                TransferError::fatal(
+                    "this prefill worker has no UCX (start it with --kv-transport ucx or auto)",
+                )
+            })?;
+            let keys = remote_keys(worker, *registration, buffers);
+            let lanes = (*lanes).clamp(1, 16) as usize;
+            Box::new(
+                UcxSender::quic(
+                    ucx.clone(),
+                    &conn,
+                    target,
+                    keys,
+                    req.secret,
+                    lanes,
+                    *checksum,
+                )
+                .await
+                .map_err(|e| match e {
+                    TransportError::Codec(m) => TransferError::fatal(m),
+                    e => net(e),
+                })?,
             )
         }
     })

@@ -10,9 +10,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvmesh_gpu::engine::KvLease;
+use kvmesh_gpu::kv_pool::HostKvPool;
 use kvmesh_gpu::kv_pool::KvKind;
 use kvmesh_telemetry::metrics::Exposition;
 use kvmesh_transport::kv::streams::KvInbox;
+use kvmesh_transport::kv::ucx::{MemoryType, Registration, Ucx};
 use kvmesh_transport::kv::HostRegion;
 use kvmesh_transport::wire::{self, KvLayout, PrefillPeer, UniHeader};
 use kvmesh_transport::{Connection, NodeEndpoint};
@@ -27,6 +29,12 @@ pub enum KvTransport {
         addr: SocketAddr,
         connections: usize,
     },
+    /// UCX puts into this worker's registered KV pool, with notices on `lanes` QUIC
+    /// streams; from a prefill worker without UCX, KV comes as `otherwise` says.
+    Ucx {
+        lanes: usize,
+        otherwise: Box<KvTransport>,
+    },
 }
 
 impl KvTransport {
@@ -34,7 +42,69 @@ impl KvTransport {
         match self {
             KvTransport::Quic { .. } => "quic",
             KvTransport::Tcp { .. } => "tcp",
+            KvTransport::Ucx { .. } => "ucx",
         }
+    }
+}
+
+/// A node's UCX: its worker, whether decode workers ask for checksums (tests), and the
+/// registrations of the KV pools transfers land in.
+pub struct UcxSide {
+    pub ucx: Ucx,
+    pub checksum: bool,
+    regs: parking_lot::Mutex<Vec<PoolRegistration>>,
+}
+
+struct PoolRegistration {
+    pool: std::sync::Weak<HostKvPool>,
+    reg: Arc<Registration>,
+}
+
+impl UcxSide {
+    /// Registrations kept for pools other than the engine's own (staging pools of backends
+    /// without host KV live as long as their sequence).
+    const KEPT: usize = 64;
+
+    pub fn new(ucx: Ucx, checksum: bool) -> UcxSide {
+        UcxSide {
+            ucx,
+            checksum,
+            regs: Default::default(),
+        }
+    }
+
+    /// The registration of `pool`'s buffers (per layer, K then V): made on first use and
+    /// kept while the pool lives.
+    pub async fn registration(&self, pool: &Arc<HostKvPool>) -> Result<Arc<Registration>, String> {
+        {
+            let mut regs = self.regs.lock();
+            regs.retain(|r| r.pool.strong_count() > 0);
+            if let Some(r) = regs
+                .iter()
+                .find(|r| std::ptr::eq(r.pool.as_ptr(), Arc::as_ptr(pool)))
+            {
+                return Ok(r.reg.clone());
+            }
+        }
+        let layers = pool.spec().num_layers;
+        let buffers = (0..layers)
+            .flat_map(|l| {
+                [KvKind::K, KvKind::V].map(|k| (pool.base(l, k) as usize, pool.layer_bytes()))
+            })
+            .collect();
+        // SAFETY: the buffers are the pool's, allocated while it lives; the registration is
+        // dropped (unmapped) once the pool is gone (`retain` above), and a transfer holds
+        // the pool through its lease while it uses the registration.
+        let reg = Arc::new(unsafe { self.ucx.register(buffers, MemoryType::Host) }.await?);
+        let mut regs = self.regs.lock();
+        if regs.len() >= Self::KEPT {
+            regs.remove(0);
+        }
+        regs.push(PoolRegistration {
+            pool: Arc::downgrade(pool),
+            reg: reg.clone(),
+        });
+        Ok(reg)
     }
 }
 
@@ -80,6 +150,19 @@ pub struct KvStats {
     /// Prefill side: requests refused (another layout, a full queue) or abandoned.
     pub failed: AtomicU64,
     pub bytes_out: AtomicU64,
+    /// Decode side: remote prefills landed, by transport (`VIA` order).
+    pub via: [AtomicU64; 4],
+}
+
+impl KvStats {
+    /// The transports `via` counts.
+    pub const VIA: [&'static str; 4] = ["in-process", "quic", "tcp", "ucx"];
+
+    pub fn count_via(&self, transport: &str) {
+        if let Some(i) = Self::VIA.iter().position(|&t| t == transport) {
+            self.via[i].fetch_add(1, Ordering::Relaxed);
+        }
+    }
 }
 
 /// What the prefill and decode roles need for KV transfers.
@@ -93,6 +176,8 @@ pub struct KvSide {
     pub peers: PeerLinks,
     /// The decode role's KV listener, with the TCP transport.
     pub tcp_listener: Option<Arc<tokio::net::TcpListener>>,
+    /// The node's UCX, with `--kv-transport ucx` or `auto` where the library loads.
+    pub ucx: Option<UcxSide>,
     pub stats: KvStats,
 }
 
@@ -108,6 +193,7 @@ impl KvSide {
         timeout: Duration,
         endpoint: NodeEndpoint,
         tcp_listener: Option<Arc<tokio::net::TcpListener>>,
+        ucx: Option<UcxSide>,
     ) -> Arc<KvSide> {
         let inbox = KvInbox::default();
         Arc::new(KvSide {
@@ -117,6 +203,7 @@ impl KvSide {
             peers: PeerLinks::new(endpoint, inbox.clone()),
             inbox,
             tcp_listener,
+            ucx,
             stats: KvStats::default(),
         })
     }
@@ -134,6 +221,15 @@ impl KvSide {
                 (vec!["cached_locally"], n(&s.cached_locally)),
                 (vec!["fallback"], n(&s.fallback)),
             ],
+        );
+        out.counters(
+            "kvmesh:kv_transfers_total",
+            "Remote prefills whose KV landed on this decode worker, by transport.",
+            &["transport"],
+            KvStats::VIA
+                .iter()
+                .zip(&s.via)
+                .map(|(t, c)| (vec![*t], n(c))),
         );
         out.counters(
             "kvmesh:kv_transfer_bytes_total",

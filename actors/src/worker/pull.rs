@@ -16,6 +16,7 @@ use kvmesh_gpu::error::EngineError;
 use kvmesh_telemetry::TARGET;
 use kvmesh_transport::kv::local;
 use kvmesh_transport::kv::streams::{InboxEntry, StreamReceiver};
+use kvmesh_transport::kv::ucx::{wire_buffers, Registration, UcxReceiver};
 use kvmesh_transport::kv::{random_u64, KvReceiver, Landing, TransferTotals};
 use kvmesh_transport::wire::{
     self, DataPath, GenerateRequest, PrefillEvent, PrefillPeer, PrefillRequest, StreamRequest,
@@ -68,7 +69,8 @@ pub(super) async fn decode(
         target: TARGET,
         "kv.pull",
         prefill_worker = peer.node_id.as_str(),
-        transport = kv.transport.name(),
+        transport = Empty,
+        ucx_tl = Empty,
         from_pos = lease.from_pos(),
         tokens = lease.prompt_len() - lease.from_pos(),
         bytes = Empty,
@@ -85,8 +87,9 @@ pub(super) async fn decode(
     let secs = started.elapsed().as_secs_f64();
     span.record("ms", secs * 1e3);
     match outcome {
-        Ok((landed, totals)) => {
+        Ok((landed, totals, via)) => {
             kv.stats.remote.fetch_add(1, Ordering::Relaxed);
+            kv.stats.count_via(via);
             kv.stats.bytes_in.fetch_add(totals.bytes, Ordering::Relaxed);
             kv.stats
                 .transfer_us
@@ -119,7 +122,7 @@ async fn pull(
     req: &GenerateRequest,
     peer: &PrefillPeer,
     lease: &KvLease,
-) -> Result<(Landed, TransferTotals), String> {
+) -> Result<(Landed, TransferTotals, &'static str), String> {
     let (from, to) = (lease.from_pos(), lease.prompt_len());
     let transfer_id = random_u64();
     let landing = Arc::new(Landing::new(region(lease, from..to), transfer_id));
@@ -144,10 +147,15 @@ async fn pull(
         .clone()
         .filter(|_| peer.node_id == core.node_id);
     let asked = match local_prefill {
-        Some(p) => Asked::in_process(p, preq, &landing),
-        None => Asked::over_network(kv, peer, preq, &landing).await?,
+        Some(p) => {
+            tracing::Span::current().record("transport", "in-process");
+            Asked::in_process(p, preq, &landing)
+        }
+        None => Asked::over_network(kv, peer, preq, lease, &landing).await?,
     };
-    asked.land(kv, &landing, from, to).await
+    let via = asked.via;
+    let (landed, totals) = asked.land(kv, &landing, from, to).await?;
+    Ok((landed, totals, via))
 }
 
 /// A prefill request under way: the prefill side's events, and where its bytes land. It
@@ -156,6 +164,10 @@ struct Asked {
     events: mpsc::UnboundedReceiver<PrefillEvent>,
     receiver: Box<dyn KvReceiver>,
     _entry: Option<InboxEntry>,
+    /// UCX: the registration the prefill worker puts into.
+    _registration: Option<Arc<Registration>>,
+    /// The transport's name.
+    via: &'static str,
     _work: AbortOnDrop,
 }
 
@@ -171,6 +183,8 @@ impl Asked {
                 prefill.run_export(preq, SendVia::Local(target), etx).await;
             })),
             _entry: None,
+            _registration: None,
+            via: "in-process",
         }
     }
 
@@ -180,25 +194,53 @@ impl Asked {
         kv: &KvSide,
         peer: &PrefillPeer,
         mut preq: PrefillRequest,
+        lease: &KvLease,
         landing: &Arc<Landing>,
     ) -> Result<Asked, String> {
         let conn = kv.peers.get(peer).await?;
         let (entry, incoming) = kv.inbox.register(preq.transfer_id, preq.secret);
-        let streams = match &kv.transport {
-            KvTransport::Quic { streams } => {
-                preq.data = DataPath::Quic {
-                    streams: *streams as u32,
-                };
-                *streams
+        // UCX where both ends have it; otherwise what the decode worker falls back to.
+        let mut transport = &kv.transport;
+        let mut registration = None;
+        if let KvTransport::Ucx { lanes, otherwise } = transport {
+            match (&kv.ucx, peer.ucx) {
+                (Some(u), true) => {
+                    let reg = u.registration(lease.pool()).await?;
+                    preq.data = DataPath::Ucx {
+                        worker: u.ucx.address().to_vec(),
+                        registration: reg.id,
+                        buffers: wire_buffers(&reg),
+                        lanes: *lanes as u32,
+                        checksum: u.checksum,
+                    };
+                    registration = Some((reg, *lanes, u.checksum));
+                }
+                _ => transport = otherwise,
             }
-            KvTransport::Tcp { addr, connections } => {
-                preq.data = DataPath::Tcp {
-                    addr: addr.to_string(),
-                    connections: *connections as u32,
-                };
-                *connections
-            }
-        };
+        }
+        tracing::Span::current().record("transport", transport.name());
+        let receiver: Box<dyn KvReceiver> =
+            match (transport, &registration) {
+                (KvTransport::Ucx { .. }, Some((reg, lanes, checksum))) => Box::new(
+                    UcxReceiver::new(landing.clone(), incoming, *lanes, *checksum, reg.id),
+                ),
+                (KvTransport::Quic { streams }, _) => {
+                    preq.data = DataPath::Quic {
+                        streams: *streams as u32,
+                    };
+                    Box::new(StreamReceiver::new(landing.clone(), incoming, *streams))
+                }
+                (KvTransport::Tcp { addr, connections }, _) => {
+                    preq.data = DataPath::Tcp {
+                        addr: addr.to_string(),
+                        connections: *connections as u32,
+                    };
+                    Box::new(StreamReceiver::new(landing.clone(), incoming, *connections))
+                }
+                (KvTransport::Ucx { .. }, None) => {
+                    return Err("a UCX fallback cannot itself be UCX".into());
+                }
+            };
         let (mut s, mut r) = conn
             .open_bi()
             .await
@@ -227,9 +269,11 @@ impl Asked {
         });
         Ok(Asked {
             events: erx,
-            receiver: Box::new(StreamReceiver::new(landing.clone(), incoming, streams)),
+            receiver,
             _work: AbortOnDrop(work),
             _entry: Some(entry),
+            _registration: registration.map(|r| r.0),
+            via: transport.name(),
         })
     }
 

@@ -95,24 +95,9 @@ impl KvSender for LocalSender {
 /// Every source segment must be readable and every destination segment writable, with no
 /// overlap between them.
 unsafe fn copy_segments(src: &[(usize, usize)], dst: &[(usize, usize)]) {
-    let (mut si, mut so, mut di, mut doff) = (0, 0, 0, 0);
-    while si < src.len() && di < dst.len() {
-        let n = (src[si].1 - so).min(dst[di].1 - doff);
-        std::ptr::copy_nonoverlapping(
-            (src[si].0 + so) as *const u8,
-            (dst[di].0 + doff) as *mut u8,
-            n,
-        );
-        so += n;
-        doff += n;
-        if so == src[si].1 {
-            si += 1;
-            so = 0;
-        }
-        if doff == dst[di].1 {
-            di += 1;
-            doff = 0;
-        }
+    for (s, d, n) in super::pair_runs(src, dst) {
+        // SAFETY: the caller's contract; each pair lies inside one run of each list.
+        unsafe { std::ptr::copy_nonoverlapping(s as *const u8, d as *mut u8, n) };
     }
 }
 

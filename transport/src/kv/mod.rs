@@ -55,6 +55,7 @@
 
 pub mod local;
 pub mod streams;
+pub mod ucx;
 
 use std::any::Any;
 use std::ops::Range;
@@ -167,28 +168,137 @@ impl HostRegion {
             Kind::K => self.k[layer],
             Kind::V => self.v[layer],
         };
-        let mut out = Vec::new();
-        let mut p = first;
-        while p < first + n {
-            let bi = p / self.block_size;
-            let block = *self
-                .blocks
-                .get(bi)
-                .ok_or_else(|| TransportError::Codec(format!("no block for position {p}")))?
-                as usize;
-            let off = p % self.block_size;
-            let run = (self.block_size - off).min(first + n - p);
-            let start = (block * self.block_size + off) * self.bytes_per_pos;
-            let len = run * self.bytes_per_pos;
-            if start + len > self.layer_bytes {
-                return Err(TransportError::Codec(format!(
-                    "block {block} is outside the KV pool"
-                )));
-            }
-            out.push((base + start, len));
-            p += run;
+        block_runs(&self.blocks, self.block_size, self.bytes_per_pos, first, n)?
+            .into_iter()
+            .map(|(start, len)| {
+                if start + len > self.layer_bytes {
+                    Err(TransportError::Codec(format!(
+                        "block {} is outside the KV pool",
+                        start / (self.block_size * self.bytes_per_pos)
+                    )))
+                } else {
+                    Ok((base + start, len))
+                }
+            })
+            .collect()
+    }
+}
+
+/// Where positions `first .. first + n` of a sequence lie in one layer's buffer laid out as
+/// `[blocks, block_size, bytes_per_pos]`, with `table` its block table: one `(offset,
+/// length)` in bytes per block touched, in position order.
+pub fn block_runs(
+    table: &[u32],
+    block_size: usize,
+    bytes_per_pos: usize,
+    first: usize,
+    n: usize,
+) -> Result<Vec<(usize, usize)>, TransportError> {
+    let mut out = Vec::new();
+    let mut p = first;
+    while p < first + n {
+        let bi = p / block_size;
+        let block = *table
+            .get(bi)
+            .ok_or_else(|| TransportError::Codec(format!("no block for position {p}")))?
+            as usize;
+        let off = p % block_size;
+        let run = (block_size - off).min(first + n - p);
+        out.push((
+            (block * block_size + off) * bytes_per_pos,
+            run * bytes_per_pos,
+        ));
+        p += run;
+    }
+    Ok(out)
+}
+
+/// Pairs two lists of runs of the same total length into `(source, destination, length)`
+/// copies: each copy lies inside one source run and one destination run.
+pub fn pair_runs(src: &[(usize, usize)], dst: &[(usize, usize)]) -> Vec<(usize, usize, usize)> {
+    let mut out = Vec::new();
+    let (mut si, mut so, mut di, mut doff) = (0, 0, 0, 0);
+    while si < src.len() && di < dst.len() {
+        let n = (src[si].1 - so).min(dst[di].1 - doff);
+        if n > 0 {
+            out.push((src[si].0 + so, dst[di].0 + doff, n));
         }
-        Ok(out)
+        so += n;
+        doff += n;
+        if so == src[si].1 {
+            si += 1;
+            so = 0;
+        }
+        if doff == dst[di].1 {
+            di += 1;
+            doff = 0;
+        }
+    }
+    out
+}
+
+/// A checksum of bytes fed in any split (a transfer's source and destination runs split
+/// differently): 64-bit words mixed in order, the tail padded with zeros.
+#[derive(Default)]
+pub struct Checksum {
+    h: u64,
+    tail: [u8; 8],
+    fill: usize,
+    len: u64,
+}
+
+impl Checksum {
+    fn word(&mut self, w: u64) {
+        self.h = (self.h ^ w)
+            .wrapping_mul(0x9E37_79B9_7F4A_7C15)
+            .rotate_left(27);
+    }
+
+    pub fn update(&mut self, mut b: &[u8]) {
+        self.len += b.len() as u64;
+        if self.fill > 0 {
+            let take = (8 - self.fill).min(b.len());
+            self.tail[self.fill..self.fill + take].copy_from_slice(&b[..take]);
+            self.fill += take;
+            b = &b[take..];
+            if self.fill < 8 {
+                return;
+            }
+            let w = u64::from_le_bytes(self.tail);
+            self.word(w);
+            self.fill = 0;
+        }
+        let mut words = b.chunks_exact(8);
+        for w in &mut words {
+            self.word(u64::from_le_bytes(w.try_into().expect("8 bytes")));
+        }
+        let rest = words.remainder();
+        self.tail[..rest.len()].copy_from_slice(rest);
+        self.fill = rest.len();
+    }
+
+    /// The checksum of memory runs.
+    ///
+    /// # Safety
+    /// Every run must be readable.
+    pub unsafe fn of_runs(runs: &[(usize, usize)]) -> u64 {
+        let mut c = Checksum::default();
+        for &(addr, len) in runs {
+            // SAFETY: the caller's contract.
+            c.update(unsafe { std::slice::from_raw_parts(addr as *const u8, len) });
+        }
+        c.finish()
+    }
+
+    pub fn finish(mut self) -> u64 {
+        if self.fill > 0 {
+            self.tail[self.fill..].fill(0);
+            let w = u64::from_le_bytes(self.tail);
+            self.word(w);
+        }
+        let len = self.len;
+        self.word(len);
+        self.h
     }
 }
 
@@ -225,6 +335,11 @@ pub trait KvReceiver: Send {
     async fn complete(&mut self) -> Result<TransferTotals, TransportError>;
     /// Bytes landed so far, for noticing a stalled sender.
     fn landed_bytes(&self) -> u64;
+    /// The transport layer under the transfer, where the transport has one to name (UCX's
+    /// `tcp`, `cma`, `rc_mlx5`, ...).
+    fn transport_layer(&self) -> Option<String> {
+        None
+    }
 }
 
 /// What has landed of a transfer, checked piece by piece.

@@ -137,6 +137,8 @@ impl KvSender for StreamSender {
 /// One data stream's writing end.
 #[async_trait::async_trait]
 trait PieceWriter: Send {
+    /// The transport's name, for spans.
+    const NAME: &'static str;
     /// Framing: copied.
     async fn bytes(&mut self, b: &[u8]) -> std::io::Result<()>;
     /// A payload: runs of the source region's memory.
@@ -152,6 +154,7 @@ struct TcpWriter(TcpStream);
 
 #[async_trait::async_trait]
 impl PieceWriter for TcpWriter {
+    const NAME: &'static str = "tcp";
     async fn bytes(&mut self, b: &[u8]) -> std::io::Result<()> {
         self.0.write_all(b).await
     }
@@ -196,6 +199,7 @@ impl AsRef<[u8]> for Segment {
 
 #[async_trait::async_trait]
 impl PieceWriter for QuicWriter {
+    const NAME: &'static str = "quic";
     async fn bytes(&mut self, b: &[u8]) -> std::io::Result<()> {
         self.0.write_all(b).await.map_err(std::io::Error::other)
     }
@@ -242,7 +246,7 @@ async fn write_stream<W: PieceWriter>(
     let mut layers: std::collections::HashMap<usize, LayerSpan> = Default::default();
     while let Some((layer, first, n)) = jobs.recv().await {
         if traced && !layers.contains_key(&layer) {
-            layers.insert(layer, LayerSpan::open(&target.span, layer));
+            layers.insert(layer, LayerSpan::open(&target.span, layer, W::NAME));
         }
         let mut segs = region.segments(layer, Kind::K, first, n)?;
         segs.extend(region.segments(layer, Kind::V, first, n)?);
@@ -278,21 +282,23 @@ async fn write_stream<W: PieceWriter>(
 
 /// One layer's sending, as a span: from its first piece to its last (the layer's chunks
 /// are computed meanwhile), with the time spent writing and the rate while writing.
-struct LayerSpan {
-    span: tracing::Span,
-    bytes: u64,
-    pieces: u64,
-    writing: std::time::Duration,
+pub(super) struct LayerSpan {
+    pub(super) span: tracing::Span,
+    pub(super) bytes: u64,
+    pub(super) pieces: u64,
+    pub(super) writing: std::time::Duration,
 }
 
 impl LayerSpan {
-    fn open(parent: &tracing::Span, layer: usize) -> LayerSpan {
+    pub(super) fn open(parent: &tracing::Span, layer: usize, transport: &str) -> LayerSpan {
         LayerSpan {
             span: tracing::info_span!(
                 target: kvmesh_telemetry::TARGET,
                 parent: parent,
                 "kv.layer",
                 layer,
+                transport,
+                ucx_tl = tracing::field::Empty,
                 bytes = tracing::field::Empty,
                 pieces = tracing::field::Empty,
                 write_ms = tracing::field::Empty,
@@ -304,7 +310,7 @@ impl LayerSpan {
         }
     }
 
-    fn close(self) {
+    pub(super) fn close(self) {
         let secs = self.writing.as_secs_f64();
         self.span.record("bytes", self.bytes);
         self.span.record("pieces", self.pieces);

@@ -188,6 +188,7 @@ mod tests {
                 quic_addr: "127.0.0.1:7000".into(),
                 cert_sha256: "00".repeat(32),
                 min_tokens: 64,
+                ucx: true,
             }),
             logit_bias: vec![TokenBias {
                 token: 3,

@@ -57,6 +57,8 @@ pub struct PrefillPeer {
     /// Prefill remotely only when at least this many prompt tokens are not cached on the
     /// decode worker (which knows its cache exactly; the router only estimates it).
     pub min_tokens: u32,
+    /// The prefill worker can send KV with UCX puts.
+    pub ucx: bool,
 }
 
 #[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Clone, Debug, PartialEq)]
@@ -226,6 +228,42 @@ pub enum DataPath {
     Quic { streams: u32 },
     /// TCP connections to the decode worker's KV listener.
     Tcp { addr: String, connections: u32 },
+    /// One-sided UCX puts straight into the decode worker's registered KV buffers (RDMA
+    /// writes where the fabric has them), and a [`KvLandedNotice`] per piece on `lanes` QUIC
+    /// streams once its puts are flushed.
+    Ucx {
+        /// The decode worker's UCX worker address.
+        worker: Vec<u8>,
+        /// Which registration of the decode worker's the keys belong to.
+        registration: u64,
+        /// Per layer, its K buffer then its V buffer.
+        buffers: Vec<UcxBuffer>,
+        lanes: u32,
+        /// Whether each notice carries a checksum of the piece's bytes (for tests).
+        checksum: bool,
+    },
+}
+
+/// A registered KV buffer of the decode worker.
+#[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Clone, Debug, PartialEq)]
+pub struct UcxBuffer {
+    pub base: u64,
+    pub len: u64,
+    /// UCX's packed remote key for it.
+    pub rkey: Vec<u8>,
+}
+
+/// UCX transfers: a piece's puts have completed at the decode worker (flushed). The piece's
+/// `payload_bytes` is what the puts wrote; `checksum` is of those bytes, K then V, when the
+/// decode worker asked for it.
+#[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Clone, Debug, PartialEq)]
+pub struct KvLandedNotice {
+    pub piece: KvPiece,
+    /// The decode worker's registration the puts used (its keys and buffers).
+    pub registration: u64,
+    pub checksum: Option<u64>,
+    /// UCX's transport layer for the puts (`tcp`, `cma`, `rc_mlx5`, ...), for traces.
+    pub tl: String,
 }
 
 /// The decode worker asks a prefill worker to compute a prompt into its blocks.
