@@ -321,10 +321,22 @@ async fn mid_transfer(http: &reqwest::Client, prefill: &Proc, decode: &Proc) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_prefill_worker_lost_mid_transfer_costs_no_request_and_no_block() {
     let etcd = Etcd::start();
+    for (cluster, flags) in [
+        ("pf", vec![]),
+        ("pf-ucx", vec!["--kv-transport", "ucx", "--ucx-tls", "tcp"]),
+    ] {
+        prefill_worker_lost(&etcd, cluster, &flags).await;
+    }
+}
+
+/// With UCX (one-sided puts) the decode worker also holds the blocks until the stopped
+/// sender's streams end (or a bound passes) before prefilling into them.
+async fn prefill_worker_lost(etcd: &Etcd, cluster: &str, flags: &[&str]) {
     let http = client();
-    let decode = sim_node(&etcd, "pf", "d1", "decode", &["--kv-transfer-timeout", "1"]);
-    let mut p1 = sim_node(&etcd, "pf", "p1", "prefill", &[]);
-    let gw = sim_gateway(&etcd, "pf");
+    let decode_flags = [&["--kv-transfer-timeout", "1"], flags].concat();
+    let decode = sim_node(etcd, cluster, "d1", "decode", &decode_flags);
+    let mut p1 = sim_node(etcd, cluster, "p1", "prefill", flags);
+    let gw = sim_gateway(etcd, cluster);
     ready(&http, &gw, 1, 1).await;
 
     // A short prompt is not worth a transfer.
@@ -360,7 +372,10 @@ async fn a_prefill_worker_lost_mid_transfer_costs_no_request_and_no_block() {
             .await
             .expect("the request completed")
             .unwrap();
-        assert_eq!(st, 200, "after SIG{how} of the prefill worker: {v}");
+        assert_eq!(
+            st, 200,
+            "{cluster}: after SIG{how} of the prefill worker: {v}"
+        );
         assert_eq!(token_ids(&v), want, "after SIG{how}: the same tokens");
         assert_eq!(
             decode
@@ -376,7 +391,7 @@ async fn a_prefill_worker_lost_mid_transfer_costs_no_request_and_no_block() {
                 p.signal("CONT");
                 kv_back_to_zero(&http, p, "the thawed prefill worker").await;
             }
-            None => p1 = sim_node(&etcd, "pf", "p2", "prefill", &[]),
+            None => p1 = sim_node(etcd, cluster, "p2", "prefill", flags),
         }
     }
 }

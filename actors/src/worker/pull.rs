@@ -160,9 +160,18 @@ async fn pull(
 
 /// A prefill request under way: the prefill side's events, and where its bytes land. It
 /// keeps the other side's work (a task, a stream, an inbox entry) alive while it lives.
+///
+/// Dropped before its KV landed, a transfer whose sender writes by itself (UCX puts) holds
+/// a clone of the lease until the sender has stopped (its notice streams ended), bounded:
+/// the engine prefills into those blocks only once every clone is gone, so no late put can
+/// land in them while they are being computed.
 struct Asked {
     events: mpsc::UnboundedReceiver<PrefillEvent>,
-    receiver: Box<dyn KvReceiver>,
+    receiver: Option<Box<dyn KvReceiver>>,
+    landed: bool,
+    /// UCX: the blocks, held through the quarantine.
+    lease: Option<KvLease>,
+    quarantine_for: Duration,
     _entry: Option<InboxEntry>,
     /// UCX: the registration the prefill worker puts into.
     _registration: Option<Arc<Registration>>,
@@ -178,7 +187,10 @@ impl Asked {
         let (etx, erx) = mpsc::unbounded_channel();
         Asked {
             events: erx,
-            receiver: Box::new(recv),
+            receiver: Some(Box::new(recv)),
+            landed: false,
+            lease: None,
+            quarantine_for: Duration::ZERO,
             _work: AbortOnDrop(tokio::spawn(async move {
                 prefill.run_export(preq, SendVia::Local(target), etx).await;
             })),
@@ -269,7 +281,10 @@ impl Asked {
         });
         Ok(Asked {
             events: erx,
-            receiver,
+            receiver: Some(receiver),
+            landed: false,
+            lease: registration.as_ref().map(|_| lease.clone()),
+            quarantine_for: kvmesh_transport::kv::ucx::PUT_DEADLINE + kv.timeout,
             _work: AbortOnDrop(work),
             _entry: Some(entry),
             _registration: registration.map(|r| r.0),
@@ -291,10 +306,15 @@ impl Asked {
         let mut last_bytes = 0;
         let mut last_progress = Instant::now();
         let mut tick = tokio::time::interval(Duration::from_millis(50));
-        let complete = self.receiver.complete();
+        let complete = self
+            .receiver
+            .as_mut()
+            .expect("a receiver until dropped")
+            .complete();
         tokio::pin!(complete);
         loop {
             if let (Some(_), Some(t)) = (&done, landed) {
+                self.landed = true;
                 return Ok((done.take().expect("checked"), t));
             }
             tokio::select! {
@@ -334,5 +354,32 @@ impl Asked {
                 }
             }
         }
+    }
+}
+
+impl Drop for Asked {
+    fn drop(&mut self) {
+        if self.landed {
+            return;
+        }
+        let Some(fence) = self.receiver.take().and_then(|r| r.quarantine()) else {
+            return;
+        };
+        let hold = (
+            self.lease.take(),
+            self._entry.take(),
+            self._registration.take(),
+        );
+        let bound = self.quarantine_for;
+        tokio::spawn(async move {
+            if tokio::time::timeout(bound, fence).await.is_err() {
+                tracing::warn!(
+                    "a failed UCX transfer's sender had not stopped after {:.0} s; its blocks \
+                     are released",
+                    bound.as_secs_f64()
+                );
+            }
+            drop(hold);
+        });
     }
 }

@@ -340,6 +340,14 @@ pub trait KvReceiver: Send {
     fn transport_layer(&self) -> Option<String> {
         None
     }
+    /// After a transfer failed or was given up: resolves once the sender can no longer
+    /// write into the destination, for transports whose writes the receiver does not
+    /// perform itself (UCX puts). `None`: at once.
+    fn quarantine(
+        self: Box<Self>,
+    ) -> Option<std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>> {
+        None
+    }
 }
 
 /// What has landed of a transfer, checked piece by piece.

@@ -48,7 +48,7 @@ const DEPTH: usize = 4;
 
 /// A piece whose puts have not completed in this long fails its transfer (a peer that
 /// stopped without UCX noticing, on transports that cannot report it).
-const PUT_DEADLINE: std::time::Duration = std::time::Duration::from_secs(10);
+pub const PUT_DEADLINE: std::time::Duration = std::time::Duration::from_secs(10);
 
 type Job = (usize, usize, usize);
 
@@ -205,6 +205,41 @@ struct Lane {
     tl: Mutex<Option<String>>,
 }
 
+/// A lane's notice stream and its pieces in flight. Dropped early (the transfer cancelled),
+/// it keeps the stream open until UCX is done with every put already posted: the decode
+/// side holds the transfer's blocks until the stream ends, so no put lands after it let
+/// them go.
+struct LaneIo {
+    stream: Option<NoticeStream>,
+    flight: VecDeque<InFlight>,
+}
+
+impl LaneIo {
+    fn stream(&mut self) -> &mut NoticeStream {
+        self.stream
+            .as_mut()
+            .expect("the stream is open until the lane ends")
+    }
+}
+
+impl Drop for LaneIo {
+    fn drop(&mut self) {
+        let flight = std::mem::take(&mut self.flight);
+        let stream = self.stream.take();
+        if flight.is_empty() {
+            return;
+        }
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            rt.spawn(async move {
+                for f in flight {
+                    let _ = tokio::time::timeout_at(f.started + PUT_DEADLINE, f.put).await;
+                }
+                drop(stream);
+            });
+        }
+    }
+}
+
 /// A piece whose puts are in flight.
 struct InFlight {
     notice: KvLandedNotice,
@@ -265,21 +300,24 @@ impl Lane {
 
     async fn run(
         self: Arc<Self>,
-        mut s: NoticeStream,
+        s: NoticeStream,
         preamble: Vec<u8>,
         mut jobs: mpsc::UnboundedReceiver<Job>,
     ) -> Result<TransferTotals, TransportError> {
-        s.write(&preamble).await?;
+        let mut io = LaneIo {
+            stream: Some(s),
+            flight: VecDeque::new(),
+        };
+        io.stream().write(&preamble).await?;
         let traced = kvmesh_telemetry::is_sampled(&self.target.span);
         let mut spans: std::collections::HashMap<usize, LayerSpan> = Default::default();
         let mut totals = TransferTotals::default();
-        let mut flight: VecDeque<InFlight> = VecDeque::new();
         let mut open = true;
-        while open || !flight.is_empty() {
-            let can_take = open && flight.len() < DEPTH;
+        while open || !io.flight.is_empty() {
+            let can_take = open && io.flight.len() < DEPTH;
             // The oldest piece's puts completing, or another piece to start.
             let next = {
-                let front = flight.front_mut();
+                let front = io.flight.front_mut();
                 tokio::select! {
                     biased;
                     r = async {
@@ -303,7 +341,7 @@ impl Lane {
                     // done reading them.
                     let put =
                         tokio::spawn(async move { unsafe { ucx.put(keys, ops, keep) }.await });
-                    flight.push_back(InFlight {
+                    io.flight.push_back(InFlight {
                         notice,
                         layer,
                         started: tokio::time::Instant::now(),
@@ -317,7 +355,7 @@ impl Lane {
                 }
                 Ok(done) => done,
             };
-            let mut f = flight.pop_front().expect("a piece was in flight");
+            let mut f = io.flight.pop_front().expect("a piece was in flight");
             match done {
                 Ok(r) => r
                     .map_err(|e| TransportError::Stream(format!("UCX put task: {e}")))?
@@ -332,7 +370,7 @@ impl Lane {
             }
             let tl = self.transport_layer().await;
             f.notice.tl.clone_from(&tl);
-            s.write(&wire::frame(&f.notice)?).await?;
+            io.stream().write(&wire::frame(&f.notice)?).await?;
             let p = &f.notice.piece;
             totals.bytes += p.payload_bytes;
             totals.pieces += 1;
@@ -348,7 +386,8 @@ impl Lane {
                 }
             }
         }
-        s.close().await?;
+        io.stream().close().await?;
+        io.stream.take();
         Ok(totals)
     }
 
@@ -375,6 +414,10 @@ pub struct UcxReceiver {
     checksum: bool,
     registration: u64,
     tl: Arc<Mutex<String>>,
+    arrived: usize,
+    readers: JoinSet<(Result<(), TransportError>, Option<KvInbound>)>,
+    /// Streams whose reader stopped at a bad notice, not read to their end.
+    leftover: Vec<KvInbound>,
 }
 
 impl UcxReceiver {
@@ -392,6 +435,9 @@ impl UcxReceiver {
             checksum,
             registration,
             tl: Arc::default(),
+            arrived: 0,
+            readers: JoinSet::new(),
+            leftover: Vec::new(),
         }
     }
 }
@@ -399,25 +445,29 @@ impl UcxReceiver {
 #[async_trait::async_trait]
 impl KvReceiver for UcxReceiver {
     async fn complete(&mut self) -> Result<TransferTotals, TransportError> {
-        let mut readers = JoinSet::new();
-        let (mut arrived, mut finished) = (0, 0);
+        let mut finished = 0;
         while finished < self.lanes {
             tokio::select! {
-                s = self.incoming.recv(), if arrived < self.lanes => match s {
+                s = self.incoming.recv(), if self.arrived < self.lanes => match s {
                     Some(s) => {
-                        arrived += 1;
-                        readers.spawn(read_notices(
-                            s,
-                            self.landing.clone(),
-                            (self.checksum, self.registration),
-                            self.tl.clone(),
-                        ));
+                        self.arrived += 1;
+                        let (landing, tl) = (self.landing.clone(), self.tl.clone());
+                        let check = (self.checksum, self.registration);
+                        self.readers.spawn(async move {
+                            let mut s = s;
+                            match read_notices(&mut s, landing, check, tl).await {
+                                Ok(()) => (Ok(()), None),
+                                Err(e) => (Err(e), Some(s)),
+                            }
+                        });
                     }
                     None => return Err(TransportError::Stream(
                         "the transfer was closed before its notice streams arrived".into())),
                 },
-                Some(r) = readers.join_next(), if !readers.is_empty() => {
-                    r.map_err(|e| TransportError::Stream(format!("UCX notices: {e}")))??;
+                Some(r) = self.readers.join_next(), if !self.readers.is_empty() => {
+                    let (r, rest) = r.map_err(|e| TransportError::Stream(format!("UCX notices: {e}")))?;
+                    self.leftover.extend(rest);
+                    r?;
                     finished += 1;
                 }
             }
@@ -442,15 +492,42 @@ impl KvReceiver for UcxReceiver {
     fn transport_layer(&self) -> Option<String> {
         Some(self.tl.lock().clone()).filter(|t| !t.is_empty())
     }
+
+    /// Every notice stream of the transfer read to its end: a prefill worker ends a lane's
+    /// stream only once UCX is done with every put the lane posted (`LaneIo`).
+    fn quarantine(
+        mut self: Box<Self>,
+    ) -> Option<std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>> {
+        Some(Box::pin(async move {
+            let mut streams = std::mem::take(&mut self.leftover);
+            while let Some(r) = self.readers.join_next().await {
+                if let Ok((_, Some(s))) = r {
+                    streams.push(s);
+                }
+            }
+            while self.arrived < self.lanes {
+                match self.incoming.recv().await {
+                    Some(s) => {
+                        self.arrived += 1;
+                        streams.push(s);
+                    }
+                    None => break,
+                }
+            }
+            for mut s in streams {
+                let _ = tokio::io::copy(&mut s, &mut tokio::io::sink()).await;
+            }
+        }))
+    }
 }
 
 async fn read_notices(
-    mut s: KvInbound,
+    s: &mut KvInbound,
     landing: Arc<Landing>,
     (checksum, registration): (bool, u64),
     tl: Arc<Mutex<String>>,
 ) -> Result<(), TransportError> {
-    while let Some(n) = wire::read_frame::<KvLandedNotice, _>(&mut s).await? {
+    while let Some(n) = wire::read_frame::<KvLandedNotice, _>(s).await? {
         if n.registration != registration {
             return Err(TransportError::Codec(format!(
                 "a notice names registration {:#x}; this transfer's is {registration:#x}",

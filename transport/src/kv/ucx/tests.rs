@@ -224,7 +224,8 @@ async fn a_wrong_checksum_fails_the_landing() {
     let (mut w, r) = tokio::io::duplex(4096);
     w.write_all(&wire::frame(&notice).unwrap()).await.unwrap();
     drop(w);
-    let e = read_notices(Box::new(r), landing.clone(), (true, 4), Arc::default())
+    let mut r: KvInbound = Box::new(r);
+    let e = read_notices(&mut r, landing.clone(), (true, 4), Arc::default())
         .await
         .unwrap_err()
         .to_string();
