@@ -39,6 +39,9 @@ struct Args {
     /// Where the results go.
     #[arg(long, value_name = "PATH", default_value = "bench/results/disagg.json")]
     json: PathBuf,
+    /// Only the isolated TTFT of each setup (every transport), not the mixed-load sweep.
+    #[arg(long)]
+    isolated_only: bool,
 }
 
 /// Writes a checkpoint with Llama-3.2-1B's KV shape (16 layers, 8 KV heads of 64) and tiny
@@ -148,9 +151,17 @@ fn start(km: &Kvmesh, name: &str, model: &Path, shape: &Shape) -> Cluster {
         "2",
     ];
     let mut nodes = Vec::new();
+    // UCX (here over shared memory) is loaded on both ends of a transfer.
+    let ucx: &[&str] = match shape.transport {
+        "ucx" => &["--kv-transport", "ucx", "--ucx-tls", "sm"],
+        _ => &[],
+    };
     let mut add = |id: String, role: &str| {
         let mut a = vec!["--roles", role];
         a.extend_from_slice(&engine);
+        if role == "prefill" {
+            a.extend_from_slice(ucx);
+        }
         nodes.push(km.node(&etcd, &cluster, &id, &a));
     };
     for i in 0..shape.aggregated {
@@ -162,6 +173,7 @@ fn start(km: &Kvmesh, name: &str, model: &Path, shape: &Shape) -> Cluster {
     for i in 0..shape.decode {
         let mut a = vec!["--roles", "decode", "--kv-transport", shape.transport];
         a.extend_from_slice(&engine);
+        a.extend_from_slice(ucx.get(2..).unwrap_or(&[]));
         nodes.push(km.node(&etcd, &cluster, &format!("d{i}"), &a));
     }
     let queue = shape.max_queue.to_string();
@@ -297,6 +309,7 @@ async fn isolated_ttft(
         Shape::new("aggregated", "-", 8, (1, 0, 0)),
         Shape::new("1P+1D tcp", "tcp", 8, (0, 1, 1)),
         Shape::new("1P+1D quic", "quic", 8, (0, 1, 1)),
+        Shape::new("1P+1D ucx (shm)", "ucx", 8, (0, 1, 1)),
     ] {
         let label = shape.label;
         let c = start(km, &format!("iso-{label}"), model, &shape);
@@ -501,7 +514,11 @@ async fn main() {
         if quick { 3 } else { 5 },
     )
     .await;
-    let rows = mixed_sweep(&km, &http, &model, quick).await;
+    let rows = if args.isolated_only {
+        Vec::new()
+    } else {
+        mixed_sweep(&km, &http, &model, quick).await
+    };
     print_mixed(&rows);
     write_results(
         &args.json,

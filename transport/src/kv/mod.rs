@@ -456,6 +456,63 @@ impl Landing {
     }
 }
 
+/// A sender's lanes (streams, connections): layer `l`'s pieces go to lane `l % lanes`, in
+/// order, while different layers move in parallel; each lane is a task adding up what it sent.
+pub(crate) struct Lanes {
+    jobs: Vec<tokio::sync::mpsc::UnboundedSender<(usize, usize, usize)>>,
+    tasks: tokio::task::JoinSet<Result<TransferTotals, TransportError>>,
+}
+
+impl Lanes {
+    pub(crate) fn new() -> Lanes {
+        Lanes {
+            jobs: Vec::new(),
+            tasks: tokio::task::JoinSet::new(),
+        }
+    }
+
+    /// Starts a lane: `run` gets its jobs, `(layer, first, n)`.
+    pub(crate) fn spawn<F>(
+        &mut self,
+        run: impl FnOnce(tokio::sync::mpsc::UnboundedReceiver<(usize, usize, usize)>) -> F,
+    ) where
+        F: std::future::Future<Output = Result<TransferTotals, TransportError>> + Send + 'static,
+    {
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        self.jobs.push(tx);
+        self.tasks.spawn(run(rx));
+    }
+
+    pub(crate) async fn send(
+        &mut self,
+        layer: usize,
+        first: usize,
+        n: usize,
+    ) -> Result<(), TransportError> {
+        if n == 0 {
+            return Ok(());
+        }
+        let k = layer % self.jobs.len();
+        if self.jobs[k].send((layer, first, n)).is_err() {
+            // The lane stopped: its error comes out of `finish`.
+            return Err(self.finish().await.err().unwrap_or(TransportError::Stopped));
+        }
+        Ok(())
+    }
+
+    /// Closes the lanes and waits for each: the totals, or the first lane's error.
+    pub(crate) async fn finish(&mut self) -> Result<TransferTotals, TransportError> {
+        self.jobs.clear();
+        let mut totals = TransferTotals::default();
+        while let Some(r) = self.tasks.join_next().await {
+            let t = r.map_err(|e| TransportError::Stream(format!("KV lane: {e}")))??;
+            totals.bytes += t.bytes;
+            totals.pieces += t.pieces;
+        }
+        Ok(totals)
+    }
+}
+
 /// A fresh random 64-bit value (transfer ids and secrets), from the standard library's
 /// randomly keyed hasher.
 pub fn random_u64() -> u64 {

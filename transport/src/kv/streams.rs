@@ -18,7 +18,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 
-use super::{blocks_of, HostRegion, Kind, KvReceiver, KvSender, Landing, TransferTotals};
+use super::{blocks_of, HostRegion, Kind, KvReceiver, KvSender, Landing, Lanes, TransferTotals};
 use crate::wire::{self, KvPiece, KvStreamHello, UniHeader};
 use crate::TransportError;
 
@@ -28,23 +28,17 @@ pub type KvInbound = Box<dyn AsyncRead + Send + Unpin>;
 type Job = (usize, usize, usize);
 
 /// Sends a transfer over several byte streams.
-pub struct StreamSender {
-    jobs: Vec<mpsc::UnboundedSender<Job>>,
-    writers: JoinSet<Result<TransferTotals, TransportError>>,
-}
+pub struct StreamSender(Lanes);
 
 impl StreamSender {
     /// Starts a writer on each stream; each first writes `preamble` (its framed hello).
     fn start<W: PieceWriter + 'static>(target: Target, streams: Vec<(W, Vec<u8>)>) -> Self {
         let target = Arc::new(target);
-        let mut jobs = Vec::new();
-        let mut writers = JoinSet::new();
+        let mut lanes = Lanes::new();
         for (w, preamble) in streams {
-            let (tx, rx) = mpsc::unbounded_channel();
-            jobs.push(tx);
-            writers.spawn(write_stream(w, preamble, target.clone(), rx));
+            lanes.spawn(|rx| write_stream(w, preamble, target.clone(), rx));
         }
-        StreamSender { jobs, writers }
+        StreamSender(lanes)
     }
 
     /// Opens `streams` unidirectional streams on `conn` (the connection the decode worker
@@ -111,26 +105,11 @@ pub struct Target {
 #[async_trait::async_trait]
 impl KvSender for StreamSender {
     async fn send(&mut self, layer: usize, first: usize, n: usize) -> Result<(), TransportError> {
-        if n == 0 {
-            return Ok(());
-        }
-        let k = layer % self.jobs.len();
-        if self.jobs[k].send((layer, first, n)).is_err() {
-            // The writer stopped: its error comes out of `finish`.
-            return Err(self.finish().await.err().unwrap_or(TransportError::Stopped));
-        }
-        Ok(())
+        self.0.send(layer, first, n).await
     }
 
     async fn finish(&mut self) -> Result<TransferTotals, TransportError> {
-        self.jobs.clear();
-        let mut totals = TransferTotals::default();
-        while let Some(r) = self.writers.join_next().await {
-            let t = r.map_err(|e| TransportError::Stream(format!("KV writer: {e}")))??;
-            totals.bytes += t.bytes;
-            totals.pieces += t.pieces;
-        }
-        Ok(totals)
+        self.0.finish().await
     }
 }
 

@@ -38,13 +38,15 @@ use tokio::sync::mpsc;
 use tokio::task::{JoinHandle, JoinSet};
 
 use super::streams::{KvInbound, LayerSpan, Target};
-use super::{block_runs, pair_runs, Checksum, Kind, KvReceiver, KvSender, Landing, TransferTotals};
+use super::{
+    block_runs, pair_runs, Checksum, Kind, KvReceiver, KvSender, Landing, Lanes, TransferTotals,
+};
 use crate::wire::{self, KvLandedNotice, KvPiece, KvStreamHello, UcxBuffer, UniHeader};
 use crate::TransportError;
 pub use worker::{MemoryType, PutOp, Registration, RemoteBuffer, RemoteKeys, Ucx, UcxOptions};
 
 /// Pieces whose puts may be in flight on one lane before the oldest's notice is written.
-const DEPTH: usize = 4;
+const DEPTH: usize = 16;
 
 /// A piece whose puts have not completed in this long fails its transfer (a peer that
 /// stopped without UCX noticing, on transports that cannot report it).
@@ -81,10 +83,7 @@ pub fn remote_keys(worker: &[u8], registration: u64, buffers: &[UcxBuffer]) -> R
 }
 
 /// Sends a transfer with UCX puts; notices go on `lanes` QUIC streams.
-pub struct UcxSender {
-    jobs: Vec<mpsc::UnboundedSender<Job>>,
-    lanes: JoinSet<Result<TransferTotals, TransportError>>,
-}
+pub struct UcxSender(Lanes);
 
 /// Where a lane's notices go.
 pub enum NoticeStream {
@@ -159,39 +158,22 @@ impl UcxSender {
             checksum,
             tl: Mutex::new(None),
         });
-        let mut jobs = Vec::new();
-        let mut lanes = JoinSet::new();
+        let mut lanes = Lanes::new();
         for (s, preamble) in streams {
-            let (tx, rx) = mpsc::unbounded_channel();
-            jobs.push(tx);
-            lanes.spawn(lane.clone().run(s, preamble, rx));
+            lanes.spawn(|rx| lane.clone().run(s, preamble, rx));
         }
-        Ok(UcxSender { jobs, lanes })
+        Ok(UcxSender(lanes))
     }
 }
 
 #[async_trait::async_trait]
 impl KvSender for UcxSender {
     async fn send(&mut self, layer: usize, first: usize, n: usize) -> Result<(), TransportError> {
-        if n == 0 {
-            return Ok(());
-        }
-        let k = layer % self.jobs.len();
-        if self.jobs[k].send((layer, first, n)).is_err() {
-            return Err(self.finish().await.err().unwrap_or(TransportError::Stopped));
-        }
-        Ok(())
+        self.0.send(layer, first, n).await
     }
 
     async fn finish(&mut self) -> Result<TransferTotals, TransportError> {
-        self.jobs.clear();
-        let mut totals = TransferTotals::default();
-        while let Some(r) = self.lanes.join_next().await {
-            let t = r.map_err(|e| TransportError::Stream(format!("UCX lane: {e}")))??;
-            totals.bytes += t.bytes;
-            totals.pieces += t.pieces;
-        }
-        Ok(totals)
+        self.0.finish().await
     }
 }
 

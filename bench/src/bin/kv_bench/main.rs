@@ -5,7 +5,15 @@
 //!   stream transport here);
 //! - kvmesh's transports moving a transfer between two KV pools exactly as workers do
 //!   (piece headers, block tables, payloads read straight into the destination blocks):
-//!   `in-process`, `tcp` (1 and 4 connections) and `quic` (1 and 4 streams, TLS 1.3).
+//!   `in-process`, `tcp` (1 and 4 connections), `quic` (1 and 4 streams, TLS 1.3) and
+//!   `ucx` (puts into the registered destination pool, over UCX's `tcp` and shared memory,
+//!   between two UCX workers of this process);
+//! - peers, in the same run: UCX's own `ucx_perftest` (`ucp_put_bw`, the library's ceiling)
+//!   over the same UCX transports and piece sizes, and Mooncake's transfer engine over TCP
+//!   (`kvmesh_bench::kv_peers`).
+//!
+//! Every row also gives CPU seconds per GB moved (this process's, both ends; the peers':
+//! both of their processes'), a figure that carries to other machines better than GB/s.
 //!
 //! The transfer is a prompt's KV for a model of Llama-3.2-1B's shape (16 layers, 8 KV heads
 //! of 64, bf16: 32 KiB per token), 4096 tokens (128 MiB), sent as each layer's positions in
@@ -20,6 +28,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
+use kvmesh_bench::kv_peers::{self, CpuClock};
 use kvmesh_bench::programs::write_json;
 use kvmesh_gpu::kv_pool::{HostKvPool, KvDtype, KvKind, KvSpec};
 use kvmesh_transport::kv::local::{self, LocalSender};
@@ -192,17 +201,19 @@ fn gbps(bytes: usize, secs: f64) -> f64 {
     bytes as f64 / secs / 1e9
 }
 
-/// The best of `reps` timings of `f` (each returns seconds).
-async fn best<F, Fut>(reps: usize, mut f: F) -> f64
+/// The best of `reps` timings of `f` (each returns seconds) and the CPU seconds per GB
+/// over all of them (`bytes` moved by each).
+async fn best<F, Fut>(reps: usize, bytes: usize, mut f: F) -> (f64, f64)
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = f64>,
 {
+    let cpu = CpuClock::start();
     let mut b = f64::INFINITY;
     for _ in 0..reps {
         b = b.min(f().await);
     }
-    b
+    (b, cpu.elapsed_own() / (reps * bytes) as f64 * 1e9)
 }
 
 fn memcpy(bytes: usize) -> f64 {
@@ -253,6 +264,13 @@ async fn run_sender(
     let got = recv.await.unwrap().expect("receive");
     assert_eq!(sent.bytes, got.bytes);
     t.elapsed().as_secs_f64()
+}
+
+mod ucx;
+
+async fn ucx_transfer(p: &ucx::UcxPair, s: &Setup, plan: &[(usize, usize, usize)]) -> f64 {
+    let (send, recv) = p.transfer(s.landing(), s.source(), s.dst_table.clone(), 1);
+    run_sender(send, recv, plan).await
 }
 
 async fn in_process(s: &Setup, plan: &[(usize, usize, usize)]) -> f64 {
@@ -351,6 +369,54 @@ async fn quic(q: &QuicPair, s: &Setup, plan: &[(usize, usize, usize)], streams: 
     secs.max(t.elapsed().as_secs_f64())
 }
 
+/// UCX's own put bandwidth and Mooncake's TCP transport at one piece size.
+fn peer_rows(label: &str, piece_bytes: usize, quick: bool) -> Vec<Value> {
+    let moved = if quick { 1usize << 29 } else { 3 << 29 };
+    let iters = (moved / piece_bytes).max(8);
+    let peers = [
+        kv_peers::ucx_perftest_put("tcp", piece_bytes, iters),
+        kv_peers::ucx_perftest_put("sm", piece_bytes, iters),
+        kv_peers::mooncake_tcp(piece_bytes, 64 << 20),
+    ];
+    let names = ["ucx_perftest tcp", "ucx_perftest sm", "mooncake tcp"];
+    names
+        .iter()
+        .zip(peers)
+        .map(|(what, p)| match p {
+            Ok(p) => json!({"transport": what, "pieces": label, "piece_bytes": piece_bytes,
+                "gb_per_s": p.gb_per_s, "cpu_s_per_gb": p.cpu_s_per_gb, "peer": true,
+                "detail": p.detail}),
+            Err(e) => {
+                println!("{what} ({label}): not run: {e}");
+                json!({"transport": what, "pieces": label, "piece_bytes": piece_bytes,
+                    "not_run": e, "peer": true})
+            }
+        })
+        .collect()
+}
+
+fn print_table(rows: &[Value], raw: f64) {
+    println!(
+        "\n{:<30} {:<22} {:>9} {:>11} {:>10}",
+        "transport", "pieces", "GB/s", "vs raw tcp", "CPU s/GB"
+    );
+    for r in rows {
+        let Some(g) = r["gb_per_s"].as_f64() else {
+            continue;
+        };
+        println!(
+            "{:<30} {:<22} {:>9.2} {:>10.0}% {:>10}",
+            r["transport"].as_str().unwrap(),
+            r["pieces"].as_str().unwrap_or("-"),
+            g,
+            100.0 * g / raw,
+            r["cpu_s_per_gb"]
+                .as_f64()
+                .map_or("-".to_string(), |c| format!("{c:.2}"))
+        );
+    }
+}
+
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
     let args = Args::parse();
@@ -369,12 +435,20 @@ async fn main() {
     let memcpy_s = (0..reps)
         .map(|_| memcpy(bytes))
         .fold(f64::INFINITY, f64::min);
-    let raw_s = best(reps, || raw_tcp(bytes)).await;
+    let (raw_s, raw_cpu) = best(reps, bytes, || raw_tcp(bytes)).await;
     let q = quic_pair().await;
     let mut rows: Vec<Value> = vec![
         json!({"transport": "memcpy", "piece_bytes": bytes, "gb_per_s": gbps(bytes, memcpy_s)}),
-        json!({"transport": "raw tcp (1 connection)", "piece_bytes": bytes, "gb_per_s": gbps(bytes, raw_s)}),
+        json!({"transport": "raw tcp (1 connection)", "piece_bytes": bytes, "gb_per_s": gbps(bytes, raw_s), "cpu_s_per_gb": raw_cpu}),
     ];
+    // UCX between two workers of this process, over its TCP and its shared memory.
+    let mut ucx_pairs = Vec::new();
+    for tls in ["tcp", "sm"] {
+        match ucx::UcxPair::new(&s.dst, tls).await {
+            Ok(p) => ucx_pairs.push((tls, p)),
+            Err(e) => println!("ucx over {tls}: not run: {e}"),
+        }
+    }
     let piece_sizes: Vec<usize> = if quick {
         vec![64 << 10, 1 << 20]
     } else {
@@ -394,44 +468,53 @@ async fn main() {
     for (label, piece_tokens) in &shapes {
         let plan = pieces(tokens, *piece_tokens);
         let piece_bytes = piece_tokens * per_pos_layer;
-        let mut row = |transport: &str, secs: f64| {
+        let mut row = |transport: &str, (secs, cpu): (f64, f64)| {
             rows.push(
                 json!({"transport": transport, "pieces": label, "piece_bytes": piece_bytes,
-                "gb_per_s": gbps(bytes, secs), "ms": secs * 1e3}),
+                "gb_per_s": gbps(bytes, secs), "ms": secs * 1e3, "cpu_s_per_gb": cpu}),
             );
         };
         if wanted("in-process") {
-            row("in-process", best(reps, || in_process(&s, &plan)).await);
+            row(
+                "in-process",
+                best(reps, bytes, || in_process(&s, &plan)).await,
+            );
             s.verify();
         }
         if wanted("tcp") {
-            row("tcp x1", best(reps, || tcp(&s, &plan, 1)).await);
-            row("tcp x4", best(reps, || tcp(&s, &plan, 4)).await);
+            row("tcp x1", best(reps, bytes, || tcp(&s, &plan, 1)).await);
+            row("tcp x4", best(reps, bytes, || tcp(&s, &plan, 4)).await);
             s.verify();
         }
         if wanted("quic") {
-            row("quic x1", best(reps, || quic(&q, &s, &plan, 1)).await);
-            row("quic x4", best(reps, || quic(&q, &s, &plan, 4)).await);
+            row(
+                "quic x1",
+                best(reps, bytes, || quic(&q, &s, &plan, 1)).await,
+            );
+            row(
+                "quic x4",
+                best(reps, bytes, || quic(&q, &s, &plan, 4)).await,
+            );
             s.verify();
+        }
+        if wanted("ucx") {
+            for (tls, p) in &ucx_pairs {
+                let name = format!("ucx {tls} ({})", p.tl);
+                row(
+                    &name,
+                    best(reps, bytes, || ucx_transfer(p, &s, &plan)).await,
+                );
+                s.verify();
+            }
+        }
+        if wanted("peers") {
+            rows.extend(peer_rows(label, piece_bytes, quick));
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     let raw = gbps(bytes, raw_s);
     let mem = gbps(bytes, memcpy_s);
-    println!(
-        "\n{:<26} {:<22} {:>9} {:>14}",
-        "transport", "pieces", "GB/s", "vs raw tcp"
-    );
-    for r in &rows {
-        let g = r["gb_per_s"].as_f64().unwrap();
-        println!(
-            "{:<26} {:<22} {:>9.2} {:>13.0}%",
-            r["transport"].as_str().unwrap(),
-            r["pieces"].as_str().unwrap_or("-"),
-            g,
-            100.0 * g / raw
-        );
-    }
+    print_table(&rows, raw);
     println!("(memcpy {mem:.2} GB/s, raw loopback TCP {raw:.2} GB/s, measured in this run)");
     let out = json!({
         "machine": std::fs::read_to_string("/proc/cpuinfo").ok()
