@@ -150,3 +150,30 @@ fn a_routing_bound_that_would_change_the_routing_silently_is_refused() {
         );
     }
 }
+
+#[test]
+fn kv_over_ucx_without_the_library_says_what_to_install() {
+    // Before the node joins anything, so no etcd is needed.
+    let out = Command::new(env!("CARGO_BIN_EXE_kvmesh"))
+        .args([
+            "node",
+            "--etcd",
+            "http://127.0.0.1:9",
+            "--roles",
+            "prefill",
+            "--backend",
+            "sim",
+            "--kv-transport",
+            "ucx",
+        ])
+        .env("KVMESH_UCX_LIB", "/nonexistent/libucp.so.0")
+        .output()
+        .expect("run kvmesh");
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{text}");
+    assert!(
+        text.contains("--kv-transport ucx") && text.contains("libucx0"),
+        "{text}"
+    );
+}

@@ -138,6 +138,8 @@ async fn disaggregated_greedy_output_equals_aggregated_for_every_family() {
         (Some(fixture_model("hf-llama-dynamic-f32")), 20, "quic"),
         (None, 70, "tcp"),
         (None, 70, "ucx-tcp"),
+        (None, 40, "auto"),
+        (None, 40, "auto-decode-only"),
         (Some(fixture_model("hf-qwen2-bf16")), 70, "ucx-sm"),
         (
             Some(fixture_model("hf-qwen2-yarn-window-f32")),
@@ -159,13 +161,18 @@ async fn disaggregated_greedy_output_equals_aggregated_for_every_family() {
         }
         let decode_flags: Vec<&str> = match *transport {
             "tcp" => vec!["--kv-transport", "tcp", "--kv-streams", "2"],
-            "ucx-tcp" | "ucx-sm" => vec!["--kv-streams", "2", "--kv-checksum"],
+            "ucx-tcp" | "ucx-sm" | "auto" => vec!["--kv-streams", "2", "--kv-checksum"],
+            // UCX here, none on the prefill node: KV comes over TCP.
+            "auto-decode-only" => vec!["--kv-transport", "auto", "--ucx-tls", "tcp"],
             _ => vec!["--kv-streams", "3"],
         };
         // UCX on both ends (the gateway has no KV and starts none).
         let mut node_flags = engine.clone();
         if let Some(tls) = transport.strip_prefix("ucx-") {
             node_flags.extend(["--kv-transport", "ucx", "--ucx-tls", tls]);
+        }
+        if *transport == "auto" {
+            node_flags.extend(["--kv-transport", "auto", "--ucx-tls", "tcp"]);
         }
         let cluster = format!("same-{i}");
         let trio = Trio::start(
@@ -205,7 +212,8 @@ async fn disaggregated_greedy_output_equals_aggregated_for_every_family() {
             .await;
         assert!(bytes > 0.0, "{name}: KV bytes arrived");
         let via = match *transport {
-            t if t.starts_with("ucx") => "ucx",
+            t if t.starts_with("ucx") || t == "auto" => "ucx",
+            "auto-decode-only" => "tcp",
             t => t,
         };
         let moved = trio

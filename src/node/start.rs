@@ -177,6 +177,8 @@ struct Network {
 
 impl Network {
     async fn bind(args: &NodeArgs, node_id: &str, has_layout: bool) -> anyhow::Result<Network> {
+        // Before anything is bound or joined: a missing UCX fails the start at once.
+        let ucx = start_ucx(args, has_layout)?;
         let identity = NodeIdentity::generate(node_id)?;
         let allowed = AllowList::default();
         let endpoint = NodeEndpoint::bind(args.listen, identity.clone(), allowed.clone())?;
@@ -246,7 +248,7 @@ impl Network {
             http_url,
             kv_listener,
             kv_tcp_addr,
-            ucx: start_ucx(args, has_layout)?,
+            ucx,
         })
     }
 }
