@@ -20,11 +20,22 @@ build)
 for l in sys.stdin:
     m=json.loads(l)
     if m.get("reason")=="compiler-artifact" and m["target"]["name"]=="cuda_parity" and m.get("executable"): print(m["executable"])')
+    # The offline checks (kernels, registers, library symbols) in the test profile CI uses,
+    # so its list of library calls is the committed one; on the GPU it also resolves the
+    # driver's functions.
+    offline=$(cargo test -p kvmesh-gpu --features cuda --test cuda_offline --no-run --message-format=json 2>/dev/null |
+        python3 -c 'import json,sys
+for l in sys.stdin:
+    m=json.loads(l)
+    if m.get("reason")=="compiler-artifact" and m["target"]["name"]=="cuda_offline" and m.get("executable"): print(m["executable"])')
     mkdir -p gpu-out
     cp "$CARGO_TARGET_DIR/release/kvmesh" "$CARGO_TARGET_DIR/release/gpu-bench" gpu-out/
     cp "$exe" gpu-out/cuda_parity
-    # Without debug info the three come to ~45 MB instead of ~200 MB: quick to copy over.
+    cp "$offline" gpu-out/cuda_offline
+    # Without debug info the four come to ~60 MB instead of ~300 MB: quick to copy over.
+    # cuda_offline keeps its symbol table: it reads it.
     strip gpu-out/kvmesh gpu-out/gpu-bench gpu-out/cuda_parity
+    strip --strip-debug gpu-out/cuda_offline
     ls -la gpu-out
     ;;
 run)
@@ -36,6 +47,10 @@ run)
         LD_LIBRARY_PATH="${LD_LIBRARY_PATH:-}:$d"
     done
     export LD_LIBRARY_PATH
+    # Kernels assembled for this GPU's architecture and the others, every library function
+    # resolved (the driver's too, here), before anything runs on the device.
+    gpu-out/cuda_offline --test-threads=1 --nocapture 2>&1 | tee "$out/offline.txt" ||
+        echo "OFFLINE CHECKS FAILED (see $out/offline.txt)"
     KVMESH_BIN="$PWD/gpu-out/kvmesh" gpu-out/cuda_parity --test-threads=1 --nocapture 2>&1 | tee "$out/parity.txt" ||
         echo "PARITY TESTS FAILED (see $out/parity.txt); benchmarks follow anyway"
     mkdir -p target

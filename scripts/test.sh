@@ -44,5 +44,12 @@ fi
 # under target/. On failure the test itself says what is missing.
 bash deploy/test-tools.sh || echo "test.sh: deploy/test-tools.sh failed; tests/deploy.rs will say why" >&2
 
+# The CUDA backend is checked without a GPU (gpu/tests/cuda_offline): NVIDIA's NVRTC, ptxas,
+# cuBLAS and cuda.h from their PyPI wheels, in a venv under target/. On failure the test
+# itself says what is missing.
+bash scripts/cuda-tools.sh || echo "test.sh: scripts/cuda-tools.sh failed; gpu/tests/cuda_offline will say why" >&2
+
 jobs="${CARGO_BUILD_JOBS:-$(nproc 2>/dev/null || echo 2)}"
 cargo test --workspace --all-targets -j"$jobs" "$@"
+# The same crate with `--features cuda`: the backend's unit tests and the offline checks.
+cargo test -p kvmesh-gpu --features cuda -j"$jobs" --lib --test cuda_offline -- cuda

@@ -117,6 +117,12 @@ pub trait Backend: Send {
         false
     }
 
+    /// The most tokens of one sequence a step may carry, where the backend has such a limit
+    /// (the CUDA prefill kernel's grid); the engine caps its per-step token budget at it.
+    fn max_step_tokens(&self) -> Option<usize> {
+        None
+    }
+
     /// Whether the step's math runs on every host core (the CPU backend): grammar masks
     /// computed beside it would then only take turns with it, plus a hand-off between
     /// threads, so the engine computes them just before the step instead.

@@ -224,6 +224,64 @@ fn admission_refuses_only_beyond_running_plus_waiting() {
     }
 }
 
+/// `Recorder` on a backend that takes at most `.1` tokens a step (as CUDA's prefill grid).
+struct Capped(Recorder, usize);
+
+impl Backend for Capped {
+    fn device(&self) -> String {
+        self.0.device()
+    }
+    fn num_blocks(&self) -> usize {
+        self.0.num_blocks()
+    }
+    fn max_step_tokens(&self) -> Option<usize> {
+        Some(self.1)
+    }
+    fn forward(&mut self, batch: &ForwardBatch) -> Result<Vec<Vec<f32>>> {
+        self.0.forward(batch)
+    }
+}
+
+#[test]
+fn the_step_budget_is_capped_at_what_the_backend_takes() {
+    let log = StepLog::default();
+    let vocab = 97;
+    let cfg = EngineConfig {
+        max_model_len: 64,
+        max_num_seqs: 2,
+        max_num_batched_tokens: 64,
+        block_size: 4,
+        max_waiting: 4,
+        enable_prefix_caching: false,
+    };
+    let backend = Capped(
+        Recorder {
+            blocks: 64,
+            vocab,
+            log: log.clone(),
+        },
+        5,
+    );
+    let h = spawn(Box::new(backend), cfg, vec![], vocab);
+    let prompt: Vec<u32> = (1..=23).collect();
+    let mut sub = h
+        .submit(Request {
+            prompt: prompt.clone(),
+            params: greedy(4),
+        })
+        .unwrap();
+    assert_eq!(drain(&mut sub), expected(&prompt, 4, vocab));
+    let steps = log.lock().unwrap();
+    assert!(
+        steps.len() >= 5,
+        "a 23-token prompt in steps of 5: {steps:?}"
+    );
+    for step in steps.iter() {
+        let tokens: usize = step.iter().map(|s| s.1).sum();
+        assert!(tokens <= 5, "a step of {tokens} tokens: {steps:?}");
+    }
+}
+
 #[test]
 fn budgets_chunking_and_preemption_keep_outputs_exact() {
     let log = Arc::new(Mutex::new(Vec::new()));

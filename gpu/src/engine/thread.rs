@@ -60,6 +60,17 @@ pub fn spawn(
         );
         cfg.enable_prefix_caching = false;
     }
+    if let Some(max) = backend.max_step_tokens() {
+        if cfg.max_num_batched_tokens > max {
+            tracing::warn!(
+                asked = cfg.max_num_batched_tokens,
+                max,
+                "--max-num-batched-tokens is above what the backend takes in one step; \
+                 using its maximum (longer prompts are prefilled in chunks)"
+            );
+            cfg.max_num_batched_tokens = max;
+        }
+    }
     let (tx, rx) = crossbeam_channel::unbounded();
     let num_blocks = backend.num_blocks();
     let stats = Arc::new(EngineStats::default());

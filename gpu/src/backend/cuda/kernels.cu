@@ -11,12 +11,28 @@
 //   KV cache (per layer)   bf16 [num_blocks, block_size, num_kv_heads, head_dim]
 //   block tables           i32  [S, max_blocks]
 //
-// Launch shapes are chosen on the host (cuda/mod.rs); each kernel documents the one it expects.
+// Launch shapes are chosen on the host (shapes.rs), which also passes the figures both sides
+// must agree on as macros (-DMAX_HEAD_DIM=256 -DSAMPLE_THREADS=512 ...). Each kernel declares
+// its block size in __launch_bounds__, so ptxas never gives it more registers than a block of
+// that size can have; gpu/tests/cuda_offline checks the result for every architecture.
 
 typedef unsigned short bf16;
 
+#if !defined(MAX_HEAD_DIM) || !defined(PF_Q) || !defined(EMBED_THREADS) ||             \
+    !defined(RMSNORM_THREADS) || !defined(ADD_RMSNORM_THREADS) ||                      \
+    !defined(BIAS_ADD_THREADS) || !defined(QK_NORM_THREADS) || !defined(ROPE_THREADS) || \
+    !defined(DECODE_THREADS) || !defined(SILU_MUL_THREADS) || !defined(GATHER_THREADS) || \
+    !defined(SAMPLE_THREADS) || !defined(CONSTRAIN_THREADS)
+#error "kernels.cu is compiled with the launch figures of shapes.rs (defines()) as -D options"
+#endif
+#if QK_NORM_THREADS != 32
+#error "qk_norm reduces one head with a single warp"
+#endif
+#if DECODE_THREADS != 128
+#error "paged_attention_decode merges the partial softmaxes of exactly four warps"
+#endif
+
 #define NEG_INF __int_as_float(0xff800000)
-#define MAX_HEAD_DIM 256
 #define HEAD_SLOTS (MAX_HEAD_DIM / 32)
 
 __device__ __forceinline__ float bf2f(bf16 b) {
@@ -63,9 +79,10 @@ __device__ float block_sum(float v) {
 }
 
 // out[t, :] = table[ids[t], :] widened to f32. Grid (T), any block size.
-extern "C" __global__ void embed_gather(const bf16* __restrict__ table,
-                                        const int* __restrict__ ids,
-                                        float* __restrict__ out, int hidden) {
+extern "C" __global__ void __launch_bounds__(EMBED_THREADS)
+embed_gather(const bf16* __restrict__ table,
+             const int* __restrict__ ids,
+             float* __restrict__ out, int hidden) {
     int t = blockIdx.x;
     long long src = (long long)ids[t] * hidden;
     long long dst = (long long)t * hidden;
@@ -73,9 +90,10 @@ extern "C" __global__ void embed_gather(const bf16* __restrict__ table,
 }
 
 // out = bf16(rmsnorm(x) * w), one row per block. Grid (rows), block multiple of 32.
-extern "C" __global__ void rmsnorm_to_bf16(const float* __restrict__ x,
-                                           const float* __restrict__ w,
-                                           bf16* __restrict__ out, int hidden, float eps) {
+extern "C" __global__ void __launch_bounds__(RMSNORM_THREADS)
+rmsnorm_to_bf16(const float* __restrict__ x,
+                const float* __restrict__ w,
+                bf16* __restrict__ out, int hidden, float eps) {
     long long off = (long long)blockIdx.x * hidden;
     float ss = 0.0f;
     for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
@@ -89,10 +107,11 @@ extern "C" __global__ void rmsnorm_to_bf16(const float* __restrict__ x,
 
 // residual += delta, then out = bf16(rmsnorm(residual) * w): the residual add after o_proj
 // and down_proj fused with the norm that follows it. Grid (rows), block multiple of 32.
-extern "C" __global__ void add_rmsnorm_to_bf16(float* __restrict__ residual,
-                                               const float* __restrict__ delta,
-                                               const float* __restrict__ w,
-                                               bf16* __restrict__ out, int hidden, float eps) {
+extern "C" __global__ void __launch_bounds__(ADD_RMSNORM_THREADS)
+add_rmsnorm_to_bf16(float* __restrict__ residual,
+                    const float* __restrict__ delta,
+                    const float* __restrict__ w,
+                    bf16* __restrict__ out, int hidden, float eps) {
     long long off = (long long)blockIdx.x * hidden;
     float ss = 0.0f;
     for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
@@ -108,22 +127,20 @@ extern "C" __global__ void add_rmsnorm_to_bf16(float* __restrict__ residual,
     }
 }
 
-// y[r, c] += b[c] for a [rows, cols] f32 matrix (the q/k/v biases). 1-D grid-stride.
-extern "C" __global__ void bias_add(float* __restrict__ y, const float* __restrict__ b,
-                                   int rows, int cols) {
-    long long n = (long long)rows * cols;
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
-         i += (long long)gridDim.x * blockDim.x) {
-        y[i] += b[i % cols];
-    }
+// y[r, c] += b[c] for a [rows, cols] f32 matrix (the q/k/v biases). Grid (rows).
+extern "C" __global__ void __launch_bounds__(BIAS_ADD_THREADS)
+bias_add(float* __restrict__ y, const float* __restrict__ b, int cols) {
+    float* row = y + (long long)blockIdx.x * cols;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) row[c] += b[c];
 }
 
 // Qwen3's RMSNorm over each q and k head, in place in the qkv rows. Because k heads follow
 // q heads directly, head h (q for h < nq, k after) starts at h * d.
 // Grid (T, nq + nkv), block 32.
-extern "C" __global__ void qk_norm(float* __restrict__ qkv, const float* __restrict__ q_w,
-                                  const float* __restrict__ k_w, int row_stride, int nq, int d,
-                                  float eps) {
+extern "C" __global__ void __launch_bounds__(QK_NORM_THREADS)
+qk_norm(float* __restrict__ qkv, const float* __restrict__ q_w,
+        const float* __restrict__ k_w, int row_stride, int nq, int d,
+        float eps) {
     int h = blockIdx.y;
     float* p = qkv + (long long)blockIdx.x * row_stride + (long long)h * d;
     const float* w = h < nq ? q_w : k_w;
@@ -139,12 +156,13 @@ extern "C" __global__ void qk_norm(float* __restrict__ qkv, const float* __restr
 // to the paged cache at the token's slot. Angles are pos * inv_freq[i] in f32 with the
 // precise sincosf, as the CPU backend computes them.
 // Grid (T, nq + nkv), block 64.
-extern "C" __global__ void rope_kv_write(float* __restrict__ qkv,
-                                        const int* __restrict__ positions,
-                                        const float* __restrict__ inv_freq,
-                                        const int* __restrict__ slot_mapping,
-                                        bf16* __restrict__ k_cache, bf16* __restrict__ v_cache,
-                                        int row_stride, int nq, int nkv, int d) {
+extern "C" __global__ void __launch_bounds__(ROPE_THREADS)
+rope_kv_write(float* __restrict__ qkv,
+              const int* __restrict__ positions,
+              const float* __restrict__ inv_freq,
+              const int* __restrict__ slot_mapping,
+              bf16* __restrict__ k_cache, bf16* __restrict__ v_cache,
+              int row_stride, int nq, int nkv, int d) {
     int t = blockIdx.x;
     int h = blockIdx.y;
     int half = d / 2;
@@ -182,7 +200,8 @@ extern "C" __global__ void rope_kv_write(float* __restrict__ qkv,
 // window > 0: a sliding-window layer; the query sees only the last `window` positions
 // (itself included), as transformers' mask `kv > q - window` has it. 0: the whole history.
 // Grid (S, nq), block 128. Requires d <= 256.
-extern "C" __global__ void paged_attention_decode(
+extern "C" __global__ void __launch_bounds__(DECODE_THREADS)
+paged_attention_decode(
     const float* __restrict__ qkv, int row_stride, const int* __restrict__ seq_starts,
     const int* __restrict__ seq_lens, const int* __restrict__ block_tables, int max_blocks,
     const bf16* __restrict__ k_cache, const bf16* __restrict__ v_cache, bf16* __restrict__ out,
@@ -262,7 +281,7 @@ extern "C" __global__ void paged_attention_decode(
     }
 }
 
-#define PF_Q 8         // queries (warps) per block: each tile of keys serves 8 queries
+// PF_Q (from the host): queries (warps) per block; each tile of keys serves PF_Q queries.
 #define PF_K 32        // keys per shared-memory tile
 #define PF_STRIDE (MAX_HEAD_DIM + 2)  // padded row: an odd number of 32-bit words
 
@@ -275,7 +294,8 @@ extern "C" __global__ void paged_attention_decode(
 // positions p - window + 1 ..= p (sliding-window layers).
 // Grid (S, nq, ceil(max_query_len / PF_Q)), block 256 (PF_Q warps). Requires d <= 256.
 // Shared memory: 8 KiB of queries + 2 x 16.1 KiB of key/value tiles, under the 48 KiB static cap.
-extern "C" __global__ void paged_attention_prefill(
+extern "C" __global__ void __launch_bounds__(PF_Q * 32)
+paged_attention_prefill(
     const float* __restrict__ qkv, int row_stride, const int* __restrict__ positions,
     const int* __restrict__ seq_starts, const int* __restrict__ seq_lens,
     const int* __restrict__ block_tables, int max_blocks, const bf16* __restrict__ k_cache,
@@ -376,24 +396,23 @@ extern "C" __global__ void paged_attention_prefill(
 }
 
 // out[r, i] = bf16(silu(gu[r, i]) * gu[r, inter + i]) for the stacked gate/up output.
-// 1-D grid-stride over rows * inter.
-extern "C" __global__ void silu_mul(const float* __restrict__ gu, bf16* __restrict__ out,
-                                   int rows, int inter) {
-    long long n = (long long)rows * inter;
-    for (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < n;
-         e += (long long)gridDim.x * blockDim.x) {
-        long long r = e / inter;
-        long long i = e - r * inter;
-        float g = gu[r * 2 * inter + i];
-        float u = gu[r * 2 * inter + inter + i];
-        out[e] = f2bf(g / (1.0f + expf(-g)) * u);
+// Grid (rows). (A row per block needs no 64-bit division of a flat index, whose slow path
+// made an earlier grid-stride version spill registers.)
+extern "C" __global__ void __launch_bounds__(SILU_MUL_THREADS)
+silu_mul(const float* __restrict__ gu, bf16* __restrict__ out, int inter) {
+    const float* g = gu + (long long)blockIdx.x * 2 * inter;
+    bf16* o = out + (long long)blockIdx.x * inter;
+    for (int i = threadIdx.x; i < inter; i += blockDim.x) {
+        float x = g[i];
+        o[i] = f2bf(x / (1.0f + expf(-x)) * g[inter + i]);
     }
 }
 
 // dst[k, :] = src[rows[k], :] (bf16): picks the rows that need logits. Grid (num rows).
-extern "C" __global__ void gather_rows_bf16(const bf16* __restrict__ src,
-                                           const int* __restrict__ rows,
-                                           bf16* __restrict__ dst, int cols) {
+extern "C" __global__ void __launch_bounds__(GATHER_THREADS)
+gather_rows_bf16(const bf16* __restrict__ src,
+                 const int* __restrict__ rows,
+                 bf16* __restrict__ dst, int cols) {
     long long s = (long long)rows[blockIdx.x] * cols;
     long long o = (long long)blockIdx.x * cols;
     for (int i = threadIdx.x; i < cols; i += blockDim.x) dst[o + i] = src[s + i];
@@ -405,8 +424,6 @@ __device__ __forceinline__ unsigned int order_key(float x) {
     unsigned int b = __float_as_uint(x);
     return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
 }
-
-#define SAMPLE_THREADS 512
 
 // Sampling per row on the device, so only a token id and its logprob come back to the host.
 // Row r: temperature temps[r] (<= 1e-5 or top_k 1 means greedy), top_k top_ks[r] (0 = all),
@@ -423,12 +440,13 @@ __device__ __forceinline__ unsigned int order_key(float x) {
 // sampler (which walks candidates by rank), not the same token for a given seed.
 // The logprob reported is of the raw model distribution, as the CPU sampler reports it.
 // Grid (rows), block SAMPLE_THREADS.
-extern "C" __global__ void sample_rows(const float* __restrict__ logits, int vocab,
-                                      const float* __restrict__ temps,
-                                      const int* __restrict__ top_ks,
-                                      const float* __restrict__ top_ps,
-                                      const float* __restrict__ uniforms,
-                                      int* __restrict__ token, float* __restrict__ logprob) {
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
+sample_rows(const float* __restrict__ logits, int vocab,
+            const float* __restrict__ temps,
+            const int* __restrict__ top_ks,
+            const float* __restrict__ top_ps,
+            const float* __restrict__ uniforms,
+            int* __restrict__ token, float* __restrict__ logprob) {
     __shared__ float best_v[SAMPLE_THREADS];
     __shared__ int best_i[SAMPLE_THREADS];
     __shared__ float chunk_start[SAMPLE_THREADS + 1];
@@ -562,12 +580,13 @@ extern "C" __global__ void sample_rows(const float* __restrict__ logits, int voc
 // the row's `words` mask words allow token t by bit t % 32 of word t / 32; every other token
 // becomes -inf, so neither the argmax nor a draw can pick it.
 // Grid (rows), block CONSTRAIN_THREADS.
-extern "C" __global__ void constrain_rows(float* __restrict__ logits, int vocab,
-                                         const unsigned int* __restrict__ masks, int words,
-                                         const int* __restrict__ has_mask,
-                                         const int* __restrict__ bias_off,
-                                         const int* __restrict__ bias_tok,
-                                         const float* __restrict__ bias_val) {
+extern "C" __global__ void __launch_bounds__(CONSTRAIN_THREADS)
+constrain_rows(float* __restrict__ logits, int vocab,
+               const unsigned int* __restrict__ masks, int words,
+               const int* __restrict__ has_mask,
+               const int* __restrict__ bias_off,
+               const int* __restrict__ bias_tok,
+               const float* __restrict__ bias_val) {
     int r = blockIdx.x;
     float* x = logits + (long long)r * vocab;
     if (threadIdx.x == 0) {
@@ -582,22 +601,5 @@ extern "C" __global__ void constrain_rows(float* __restrict__ logits, int vocab,
         for (int t = threadIdx.x; t < vocab; t += blockDim.x) {
             if (!((m[t >> 5] >> (t & 31)) & 1u)) x[t] = NEG_INF;
         }
-    }
-}
-
-// Element-wise casts, 1-D grid-stride.
-extern "C" __global__ void f32_to_bf16(const float* __restrict__ x, bf16* __restrict__ y,
-                                      long long n) {
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
-         i += (long long)gridDim.x * blockDim.x) {
-        y[i] = f2bf(x[i]);
-    }
-}
-
-extern "C" __global__ void bf16_to_f32(const bf16* __restrict__ x, float* __restrict__ y,
-                                      long long n) {
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
-         i += (long long)gridDim.x * blockDim.x) {
-        y[i] = bf2f(x[i]);
     }
 }

@@ -11,34 +11,21 @@
 
 use std::sync::Arc;
 
+use cudarc::driver::sys::CUresult;
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, CudaView, DriverError, LaunchConfig,
-    PushKernelArg,
+    CudaContext, CudaFunction, CudaSlice, CudaStream, CudaView, DriverError, PushKernelArg,
 };
 use cudarc::nvrtc::Ptx;
 
 use super::buffers::{StepDims, StepInputs};
 use super::device::drv;
 use super::ptx_cache;
+use super::shapes::{self, grid, KernelShape};
 use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
 
 /// The kernels' source, compiled by NVRTC on first use and then cached (see `ptx_cache`).
 pub const KERNELS_CU: &str = include_str!("kernels.cu");
-
-/// The attention kernels keep one head in fixed-size shared arrays.
-pub const MAX_HEAD_DIM: usize = 256;
-
-/// Queries per block of `paged_attention_prefill` (its PF_Q), one warp each: every key/value
-/// tile staged in shared memory serves this many queries, so the cache traffic of a prompt
-/// of L tokens is about L^2 / PREFILL_QUERIES_PER_BLOCK rows per head.
-const PREFILL_QUERIES_PER_BLOCK: usize = 8;
-
-/// Threads per block of the `constrain_rows` kernel.
-const CONSTRAIN_THREADS: u32 = 256;
-
-/// Threads per block of the `sample_rows` kernel (its SAMPLE_THREADS).
-const SAMPLE_THREADS: u32 = 512;
 
 /// The compiled module's functions.
 pub struct Kernels {
@@ -63,29 +50,48 @@ impl Kernels {
         let (major, minor) = ctx
             .compute_capability()
             .map_err(|e| drv("compute capability query", e))?;
+        let (min_major, min_minor) = shapes::MIN_COMPUTE_CAPABILITY;
+        if (major, minor) < (min_major, min_minor) {
+            return Err(EngineError::Backend(format!(
+                "the GPU has compute capability {major}.{minor}; the CUDA backend needs \
+                 {min_major}.{min_minor} or newer (its matrix products are bf16 GEMMs)"
+            )));
+        }
         let arch = ptx_cache::arch_for(major, minor);
         let ptx = ptx_cache::load_or_compile(KERNELS_CU, &arch)?;
-        let module = ctx
-            .load_module(Ptx::from_src(ptx))
-            .map_err(|e| drv("loading the compiled kernels", e))?;
-        let f = |name: &str| {
+        let isa = ptx_cache::ptx_isa(&ptx).unwrap_or("?").to_string();
+        let module = ctx.load_module(Ptx::from_src(ptx)).map_err(|e| {
+            if e.0 == CUresult::CUDA_ERROR_UNSUPPORTED_PTX_VERSION {
+                // A newer NVRTC than the driver: the PTX names an ISA the driver predates.
+                let nvrtc =
+                    ptx_cache::nvrtc_version().map_or("?".to_string(), |(a, b)| format!("{a}.{b}"));
+                EngineError::Backend(format!(
+                    "the NVIDIA driver cannot load PTX ISA {isa}, which NVRTC {nvrtc} produced: \
+                     update the driver, or use an NVRTC no newer than the driver's CUDA \
+                     version (nvidia-smi shows it)"
+                ))
+            } else {
+                drv("loading the compiled kernels", e)
+            }
+        })?;
+        let f = |k: KernelShape| {
             module
-                .load_function(name)
-                .map_err(|e| drv(&format!("kernel `{name}` lookup"), e))
+                .load_function(k.name)
+                .map_err(|e| drv(&format!("kernel `{}` lookup", k.name), e))
         };
         let k = Kernels {
-            embed_gather: f("embed_gather")?,
-            rmsnorm: f("rmsnorm_to_bf16")?,
-            add_rmsnorm: f("add_rmsnorm_to_bf16")?,
-            bias_add: f("bias_add")?,
-            qk_norm: f("qk_norm")?,
-            rope_kv_write: f("rope_kv_write")?,
-            attention_decode: f("paged_attention_decode")?,
-            attention_prefill: f("paged_attention_prefill")?,
-            silu_mul: f("silu_mul")?,
-            gather_rows: f("gather_rows_bf16")?,
-            sample_rows: f("sample_rows")?,
-            constrain_rows: f("constrain_rows")?,
+            embed_gather: f(shapes::EMBED)?,
+            rmsnorm: f(shapes::RMSNORM)?,
+            add_rmsnorm: f(shapes::ADD_RMSNORM)?,
+            bias_add: f(shapes::BIAS_ADD)?,
+            qk_norm: f(shapes::QK_NORM)?,
+            rope_kv_write: f(shapes::ROPE_KV_WRITE)?,
+            attention_decode: f(shapes::ATTENTION_DECODE)?,
+            attention_prefill: f(shapes::ATTENTION_PREFILL)?,
+            silu_mul: f(shapes::SILU_MUL)?,
+            gather_rows: f(shapes::GATHER_ROWS)?,
+            sample_rows: f(shapes::SAMPLE_ROWS)?,
+            constrain_rows: f(shapes::CONSTRAIN_ROWS)?,
         };
         Ok((k, arch))
     }
@@ -111,24 +117,6 @@ impl Heads {
     /// Width of a fused q/k/v row: `q_dim + 2 * kv_dim`.
     pub fn row(&self) -> usize {
         (self.q + 2 * self.kv) * self.dim
-    }
-}
-
-/// Enough 256-thread blocks for one thread per element (grid-stride loops cover the rest).
-fn launch_1d(n: usize) -> LaunchConfig {
-    let blocks = n.div_ceil(256).clamp(1, 1 << 16) as u32;
-    LaunchConfig {
-        grid_dim: (blocks, 1, 1),
-        block_dim: (256, 1, 1),
-        shared_mem_bytes: 0,
-    }
-}
-
-fn grid(x: usize, y: usize, z: usize, threads: u32) -> LaunchConfig {
-    LaunchConfig {
-        grid_dim: (x as u32, y as u32, z as u32),
-        block_dim: (threads, 1, 1),
-        shared_mem_bytes: 0,
     }
 }
 
@@ -164,10 +152,11 @@ impl EmbedGather<'_> {
         let hidden = self.hidden as i32;
         let mut b = s.launch_builder(&k.embed_gather);
         b.arg(self.table).arg(self.ids).arg(self.out).arg(&hidden);
+        let cfg = grid(&shapes::EMBED, self.tokens, 1, 1)?;
         // SAFETY: the arguments match `embed_gather`'s signature in order and type; `ids` and
         // `out` hold the grid's `tokens` rows (checked above) and every id is below the
         // table's rows (see the module docs).
-        unsafe { b.launch(grid(self.tokens, 1, 1, 256)) }.map_err(failed(n))?;
+        unsafe { b.launch(cfg) }.map_err(failed(n))?;
         Ok(())
     }
 }
@@ -195,9 +184,10 @@ impl RmsNorm<'_> {
             .arg(self.out)
             .arg(&hidden)
             .arg(&self.eps);
+        let cfg = grid(&shapes::RMSNORM, self.rows, 1, 1)?;
         // SAFETY: the arguments match `rmsnorm_to_bf16`'s signature in order and type, and
         // every buffer holds the grid's rows (checked above).
-        unsafe { b.launch(grid(self.rows, 1, 1, 256)) }.map_err(failed(n))?;
+        unsafe { b.launch(cfg) }.map_err(failed(n))?;
         Ok(())
     }
 }
@@ -230,9 +220,10 @@ impl AddRmsNorm<'_> {
             .arg(self.out)
             .arg(&hidden)
             .arg(&self.eps);
+        let cfg = grid(&shapes::ADD_RMSNORM, self.rows, 1, 1)?;
         // SAFETY: the arguments match `add_rmsnorm_to_bf16`'s signature in order and type,
         // and every buffer holds the grid's rows (checked above).
-        unsafe { b.launch(grid(self.rows, 1, 1, 256)) }.map_err(failed(n))?;
+        unsafe { b.launch(cfg) }.map_err(failed(n))?;
         Ok(())
     }
 }
@@ -250,12 +241,13 @@ impl BiasAdd<'_> {
         let n = "bias_add";
         holds(n, "y", self.y.len(), self.rows * self.cols)?;
         holds(n, "bias", self.bias.len(), self.cols)?;
-        let (rows, cols) = (self.rows as i32, self.cols as i32);
+        let cols = self.cols as i32;
+        let cfg = grid(&shapes::BIAS_ADD, self.rows, 1, 1)?;
         let mut b = s.launch_builder(&k.bias_add);
-        b.arg(self.y).arg(self.bias).arg(&rows).arg(&cols);
-        // SAFETY: the arguments match `bias_add`'s signature in order and type; the kernel
-        // touches `rows * cols` elements of y and `cols` of the bias (checked above).
-        unsafe { b.launch(launch_1d(self.rows * self.cols)) }.map_err(failed(n))?;
+        b.arg(self.y).arg(self.bias).arg(&cols);
+        // SAFETY: the arguments match `bias_add`'s signature in order and type; the grid's
+        // `rows` rows of `cols` fit y, and the bias holds `cols` (checked above).
+        unsafe { b.launch(cfg) }.map_err(failed(n))?;
         Ok(())
     }
 }
@@ -286,9 +278,10 @@ impl QkNorm<'_> {
             .arg(&nq)
             .arg(&d)
             .arg(&self.eps);
+        let cfg = grid(&shapes::QK_NORM, self.tokens, h.q + h.kv, 1)?;
         // SAFETY: the arguments match `qk_norm`'s signature in order and type; the grid
         // covers `tokens` rows of q and k heads, which qkv and the norms hold (checked above).
-        unsafe { b.launch(grid(self.tokens, h.q + h.kv, 1, 32)) }.map_err(failed(n))?;
+        unsafe { b.launch(cfg) }.map_err(failed(n))?;
         Ok(())
     }
 }
@@ -325,10 +318,11 @@ impl RopeKvWrite<'_> {
             .arg(&nq)
             .arg(&nkv)
             .arg(&d);
+        let cfg = grid(&shapes::ROPE_KV_WRITE, self.tokens, h.q + h.kv, 1)?;
         // SAFETY: the arguments match `rope_kv_write`'s signature in order and type; the
         // per-token arrays hold the grid's tokens (checked above) and every slot is inside
         // the cache (see the module docs).
-        unsafe { b.launch(grid(self.tokens, h.q + h.kv, 1, 64)) }.map_err(failed(n))?;
+        unsafe { b.launch(cfg) }.map_err(failed(n))?;
         Ok(())
     }
 }
@@ -376,11 +370,18 @@ impl Attention<'_> {
         // 0: the layer attends over the whole sequence.
         let window = self.window.map_or(0, |w| w.min(i32::MAX as usize) as i32);
         let (f, cfg) = if decode {
-            (&k.attention_decode, grid(dims.seqs, h.q, 1, 128))
+            (
+                &k.attention_decode,
+                grid(&shapes::ATTENTION_DECODE, dims.seqs, h.q, 1)?,
+            )
         } else {
-            let tiles = dims.max_query_len.div_ceil(PREFILL_QUERIES_PER_BLOCK);
-            let threads = 32 * PREFILL_QUERIES_PER_BLOCK as u32;
-            (&k.attention_prefill, grid(dims.seqs, h.q, tiles, threads))
+            let tiles = dims
+                .max_query_len
+                .div_ceil(shapes::PREFILL_QUERIES_PER_BLOCK);
+            (
+                &k.attention_prefill,
+                grid(&shapes::ATTENTION_PREFILL, dims.seqs, h.q, tiles)?,
+            )
         };
         let mut b = s.launch_builder(f);
         b.arg(self.qkv).arg(&row);
@@ -422,12 +423,13 @@ impl SiluMul<'_> {
         let n = "silu_mul";
         holds(n, "gate_up", self.gate_up.len(), self.rows * 2 * self.inter)?;
         holds(n, "out", self.out.len(), self.rows * self.inter)?;
-        let (rows, inter) = (self.rows as i32, self.inter as i32);
+        let inter = self.inter as i32;
+        let cfg = grid(&shapes::SILU_MUL, self.rows, 1, 1)?;
         let mut b = s.launch_builder(&k.silu_mul);
-        b.arg(self.gate_up).arg(self.out).arg(&rows).arg(&inter);
+        b.arg(self.gate_up).arg(self.out).arg(&inter);
         // SAFETY: the arguments match `silu_mul`'s signature in order and type, and both
-        // buffers hold `rows` rows (checked above).
-        unsafe { b.launch(launch_1d(self.rows * self.inter)) }.map_err(failed(n))?;
+        // buffers hold the grid's `rows` rows (checked above).
+        unsafe { b.launch(cfg) }.map_err(failed(n))?;
         Ok(())
     }
 }
@@ -449,10 +451,11 @@ impl GatherRows<'_> {
         let cols = self.cols as i32;
         let mut b = s.launch_builder(&k.gather_rows);
         b.arg(self.src).arg(self.rows).arg(self.dst).arg(&cols);
+        let cfg = grid(&shapes::GATHER_ROWS, self.n, 1, 1)?;
         // SAFETY: the arguments match `gather_rows_bf16`'s signature in order and type;
         // `rows` and `dst` hold the grid's `n` rows (checked above) and every row index is a
         // token of the step, inside `src` (see the module docs).
-        unsafe { b.launch(grid(self.n, 1, 1, 256)) }.map_err(failed(name))?;
+        unsafe { b.launch(cfg) }.map_err(failed(name))?;
         Ok(())
     }
 }
@@ -496,9 +499,10 @@ impl SampleRows<'_> {
             .arg(&self.uniforms)
             .arg(self.token)
             .arg(self.logprob);
+        let cfg = grid(&shapes::SAMPLE_ROWS, rows, 1, 1)?;
         // SAFETY: the arguments match `sample_rows`'s signature in order and type, and every
         // buffer holds the grid's rows (checked above).
-        unsafe { b.launch(grid(rows, 1, 1, SAMPLE_THREADS)) }.map_err(failed(n))?;
+        unsafe { b.launch(cfg) }.map_err(failed(n))?;
         Ok(())
     }
 }
@@ -544,11 +548,12 @@ impl ConstrainRows<'_> {
             .arg(self.bias_off)
             .arg(self.bias_tok)
             .arg(self.bias_val);
+        let cfg = grid(&shapes::CONSTRAIN_ROWS, rows, 1, 1)?;
         // SAFETY: the arguments match `constrain_rows`'s signature in order and type; the
         // logits, masks and per-row arrays hold the grid's rows (checked above); bias ids
         // outside the vocabulary are skipped on the device, and the offsets were laid out
         // from the same lists as the ids (`sampling::constraints`).
-        unsafe { b.launch(grid(rows, 1, 1, CONSTRAIN_THREADS)) }.map_err(failed(n))?;
+        unsafe { b.launch(cfg) }.map_err(failed(n))?;
         Ok(())
     }
 }

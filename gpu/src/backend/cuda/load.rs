@@ -6,8 +6,9 @@ use cudarc::driver::CudaContext;
 
 use super::device::{device_count, drv, GIB};
 use super::graphs::DecodeGraphs;
-use super::kernels::{Kernels, MAX_HEAD_DIM};
+use super::kernels::Kernels;
 use super::kv::KvCache;
+use super::shapes::MAX_HEAD_DIM;
 use super::weights::DevWeights;
 use super::CudaBackend;
 use crate::backend::CudaOptions;

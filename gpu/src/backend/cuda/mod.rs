@@ -10,10 +10,12 @@
 //! one scratch block that decode graphs pad with (see `kv`).
 //!
 //! Status: compiled and unit-tested without a GPU (the host-side layouts, graph padding,
-//! sampling parameters, PTX cache keys); it has never run on a device. Even the kernels'
-//! NVRTC compilation is unconfirmed: `ptx_cache`'s test compiles them only where libnvrtc
-//! can be loaded, and no run with it is on record. `tests/cuda_parity.rs` is the first thing
-//! to run on a GPU: it compares every path here against `CpuBackend`.
+//! sampling parameters, PTX cache keys, launch shapes), and checked on every commit with
+//! NVIDIA's compiler and libraries but no device (`gpu/tests/cuda_offline`): the kernels
+//! compile and assemble for every claimed architecture within its register and shared-memory
+//! limits, and every NVRTC and cuBLAS function called resolves. It has never run on a
+//! device: `tests/cuda_parity.rs` is the first thing to run on a GPU; it compares every path
+//! here against `CpuBackend`.
 //!
 //! Where things are:
 //! - `load`: `CudaBackend::new`, the checks before anything is uploaded, the upload;
@@ -22,7 +24,8 @@
 //! - `step`: one step, from the batch to logits, eager or through a graph (`graphs`);
 //! - `forward`: the forward pass itself, launch by launch;
 //! - `sampling`: sampling on the device; `kv`: the cache and its host copies;
-//! - `buffers`: the step's device buffers; `batch`: the batch flattened on the host.
+//! - `buffers`: the step's device buffers; `batch`: the batch flattened on the host;
+//! - `shapes`: each kernel's launch figures, shared with `kernels.cu`, and device limits.
 //!
 //! Pure decode steps replay one CUDA graph per batch-size bucket (see `graphs`) unless
 //! `CudaOptions::graphs` is off (`--enforce-eager`); every other step runs eagerly.
@@ -45,10 +48,12 @@ mod load;
 mod measure;
 pub mod ptx_cache;
 mod sampling;
+pub mod shapes;
 mod step;
 mod weights;
 
 pub use device::device_count;
+pub use kernels::KERNELS_CU;
 
 use std::sync::Arc;
 
@@ -111,6 +116,11 @@ impl Backend for CudaBackend {
 
     fn num_blocks(&self) -> usize {
         self.kv.num_blocks
+    }
+
+    /// The prefill attention kernel's query tiles are its grid's z dimension.
+    fn max_step_tokens(&self) -> Option<usize> {
+        Some(shapes::MAX_PREFILL_QUERIES)
     }
 
     /// bf16 K and V in device memory. There is no host view of it (`host_kv` is `None`): KV

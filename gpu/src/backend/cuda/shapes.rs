@@ -1,0 +1,354 @@
+//! How the host launches each kernel of `kernels.cu`, and what the devices it claims allow.
+//!
+//! One place holds every figure the host and the kernels must agree on: threads per block,
+//! queries per prefill block, the largest head. The host launches with them, and NVRTC
+//! compiles `kernels.cu` with them (`defines`, passed as `-D` options), where each kernel
+//! declares its block size in `__launch_bounds__`, so ptxas never gives a kernel more
+//! registers than a block of that size can have. `kernels.cu` refuses to compile without
+//! them.
+//!
+//! `gpu/tests/cuda_offline` compiles the kernels for every architecture in `ARCHS`,
+//! assembles them with ptxas and checks each kernel's registers, shared memory and spills
+//! against `ArchLimits::fit`: a GPU is not needed for any of it.
+
+use cudarc::driver::LaunchConfig;
+
+use crate::error::{EngineError, Result};
+
+/// One kernel as the host launches it.
+#[derive(Clone, Copy, Debug)]
+pub struct KernelShape {
+    /// The `extern "C"` name in `kernels.cu`.
+    pub name: &'static str,
+    /// Threads per block: every launch uses exactly this, and the kernel's
+    /// `__launch_bounds__` says the same.
+    pub threads: u32,
+    /// Dynamic shared memory per block (all kernels size theirs statically today).
+    pub dynamic_smem: u32,
+    /// On every token's path in every layer (attention, the norms, sampling): a register
+    /// spill there costs every step, so the offline check refuses one.
+    pub hot: bool,
+}
+
+const fn shape(name: &'static str, threads: u32, hot: bool) -> KernelShape {
+    KernelShape {
+        name,
+        threads,
+        dynamic_smem: 0,
+        hot,
+    }
+}
+
+/// The attention kernels keep one head in fixed-size shared arrays.
+pub const MAX_HEAD_DIM: usize = 256;
+
+/// Queries per block of `paged_attention_prefill` (its `PF_Q`), one warp each: every
+/// key/value tile staged in shared memory serves this many queries, so the cache traffic of
+/// a prompt of L tokens is about L^2 / PREFILL_QUERIES_PER_BLOCK rows per head.
+pub const PREFILL_QUERIES_PER_BLOCK: usize = 8;
+
+pub const EMBED: KernelShape = shape("embed_gather", 256, false);
+pub const RMSNORM: KernelShape = shape("rmsnorm_to_bf16", 256, true);
+pub const ADD_RMSNORM: KernelShape = shape("add_rmsnorm_to_bf16", 256, true);
+pub const BIAS_ADD: KernelShape = shape("bias_add", 256, false);
+/// One warp per head: the kernel reduces with a single `warp_sum`.
+pub const QK_NORM: KernelShape = shape("qk_norm", 32, true);
+pub const ROPE_KV_WRITE: KernelShape = shape("rope_kv_write", 64, true);
+/// Four warps, whose partial softmaxes the kernel merges.
+pub const ATTENTION_DECODE: KernelShape = shape("paged_attention_decode", 128, true);
+pub const ATTENTION_PREFILL: KernelShape = shape(
+    "paged_attention_prefill",
+    32 * PREFILL_QUERIES_PER_BLOCK as u32,
+    true,
+);
+pub const SILU_MUL: KernelShape = shape("silu_mul", 256, true);
+pub const GATHER_ROWS: KernelShape = shape("gather_rows_bf16", 256, false);
+pub const SAMPLE_ROWS: KernelShape = shape("sample_rows", 512, true);
+pub const CONSTRAIN_ROWS: KernelShape = shape("constrain_rows", 256, false);
+
+/// Every kernel of `kernels.cu`. A kernel missing here is one the offline check refuses.
+pub const KERNELS: &[KernelShape] = &[
+    EMBED,
+    RMSNORM,
+    ADD_RMSNORM,
+    BIAS_ADD,
+    QK_NORM,
+    ROPE_KV_WRITE,
+    ATTENTION_DECODE,
+    ATTENTION_PREFILL,
+    SILU_MUL,
+    GATHER_ROWS,
+    SAMPLE_ROWS,
+    CONSTRAIN_ROWS,
+];
+
+/// The macros `kernels.cu` is compiled with: the figures above, under the names the kernels
+/// use. Each `*_THREADS` goes into that kernel's `__launch_bounds__`.
+pub fn defines() -> Vec<(&'static str, usize)> {
+    vec![
+        ("MAX_HEAD_DIM", MAX_HEAD_DIM),
+        ("PF_Q", PREFILL_QUERIES_PER_BLOCK),
+        ("EMBED_THREADS", EMBED.threads as usize),
+        ("RMSNORM_THREADS", RMSNORM.threads as usize),
+        ("ADD_RMSNORM_THREADS", ADD_RMSNORM.threads as usize),
+        ("BIAS_ADD_THREADS", BIAS_ADD.threads as usize),
+        ("QK_NORM_THREADS", QK_NORM.threads as usize),
+        ("ROPE_THREADS", ROPE_KV_WRITE.threads as usize),
+        ("DECODE_THREADS", ATTENTION_DECODE.threads as usize),
+        ("SILU_MUL_THREADS", SILU_MUL.threads as usize),
+        ("GATHER_THREADS", GATHER_ROWS.threads as usize),
+        ("SAMPLE_THREADS", SAMPLE_ROWS.threads as usize),
+        ("CONSTRAIN_THREADS", CONSTRAIN_ROWS.threads as usize),
+    ]
+}
+
+/// Grid limits every architecture since 3.0 shares.
+const MAX_GRID_X: usize = (1 << 31) - 1;
+const MAX_GRID_YZ: usize = 65_535;
+
+/// The launch of `k` over an `x * y * z` grid, refused when a dimension is outside what the
+/// hardware takes (e.g. a prefill step so long that its query tiles pass 65,535), so the
+/// error names the kernel and the figure instead of a bare CUDA_ERROR_INVALID_VALUE.
+pub fn grid(k: &KernelShape, x: usize, y: usize, z: usize) -> Result<LaunchConfig> {
+    let fits = |v: usize, max: usize| v >= 1 && v <= max;
+    if !(fits(x, MAX_GRID_X) && fits(y, MAX_GRID_YZ) && fits(z, MAX_GRID_YZ)) {
+        return Err(EngineError::Backend(format!(
+            "{}: a grid of ({x}, {y}, {z}) blocks is outside CUDA's limits \
+             (x 1..={MAX_GRID_X}, y and z 1..={MAX_GRID_YZ}); lower --max-num-batched-tokens",
+            k.name
+        )));
+    }
+    Ok(LaunchConfig {
+        grid_dim: (x as u32, y as u32, z as u32),
+        block_dim: (k.threads, 1, 1),
+        shared_mem_bytes: k.dynamic_smem,
+    })
+}
+
+/// The longest run of query tokens one step may give `paged_attention_prefill`.
+pub const MAX_PREFILL_QUERIES: usize = MAX_GRID_YZ * PREFILL_QUERIES_PER_BLOCK;
+
+/// What one GPU architecture allows a block and a multiprocessor (the CUDA C++ Programming
+/// Guide's table of technical specifications per compute capability).
+#[derive(Clone, Copy, Debug)]
+pub struct ArchLimits {
+    /// `sm_80` etc.: ptxas's `-arch`; NVRTC compiles for the matching `compute_XY`.
+    pub sm: &'static str,
+    pub max_threads_per_block: u32,
+    pub max_threads_per_sm: u32,
+    pub max_blocks_per_sm: u32,
+    pub regs_per_sm: u32,
+    pub max_regs_per_block: u32,
+    pub max_regs_per_thread: u32,
+    /// Static `__shared__` data per block (larger needs dynamic memory and an opt-in).
+    pub max_static_smem_per_block: u32,
+    /// Static plus dynamic shared memory per block, with the opt-in.
+    pub max_smem_per_block: u32,
+    pub smem_per_sm: u32,
+}
+
+const KIB: u32 = 1024;
+
+const fn arch(
+    sm: &'static str,
+    threads_sm: u32,
+    blocks_sm: u32,
+    smem_block_kib: u32,
+) -> ArchLimits {
+    ArchLimits {
+        sm,
+        max_threads_per_block: 1024,
+        max_threads_per_sm: threads_sm,
+        max_blocks_per_sm: blocks_sm,
+        regs_per_sm: 65_536,
+        max_regs_per_block: 65_536,
+        max_regs_per_thread: 255,
+        max_static_smem_per_block: 48 * KIB,
+        max_smem_per_block: smem_block_kib * KIB,
+        smem_per_sm: (smem_block_kib + 1) * KIB,
+    }
+}
+
+/// The architectures the backend claims: A100 (8.0), consumer Ampere and the A10/A40 (8.6),
+/// Ada (8.9), Hopper (9.0), Blackwell data-centre (10.0) and consumer (12.0). Older ones are
+/// refused when the backend starts (`MIN_COMPUTE_CAPABILITY`): cuBLAS's bf16 GEMMs need 8.0.
+pub const ARCHS: &[ArchLimits] = &[
+    arch("sm_80", 2048, 32, 163),
+    arch("sm_86", 1536, 16, 99),
+    arch("sm_89", 1536, 24, 99),
+    arch("sm_90", 2048, 32, 227),
+    arch("sm_100", 2048, 32, 227),
+    arch("sm_120", 1536, 32, 99),
+];
+
+/// The oldest compute capability the backend runs on.
+pub const MIN_COMPUTE_CAPABILITY: (i32, i32) = (8, 0);
+
+/// What ptxas reported for one kernel on one architecture.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct KernelUsage {
+    pub registers: u32,
+    /// Static shared memory, bytes.
+    pub smem: u32,
+    pub stack_frame: u32,
+    pub spill_stores: u32,
+    pub spill_loads: u32,
+}
+
+/// How a kernel fits an architecture: resident blocks per multiprocessor, and the share of
+/// the multiprocessor's warp slots they fill.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Fit {
+    pub blocks_per_sm: u32,
+    pub occupancy: f64,
+}
+
+impl ArchLimits {
+    /// Whether a block of `k` with ptxas's `usage` can launch at all here, and if so how
+    /// many are resident per multiprocessor. Registers are allocated per warp in units of
+    /// 256; every block on 8.0 and later also reserves 1 KiB of shared memory.
+    pub fn fit(&self, k: &KernelShape, usage: &KernelUsage) -> std::result::Result<Fit, String> {
+        let name = k.name;
+        if k.threads == 0 || k.threads > self.max_threads_per_block || !k.threads.is_multiple_of(32)
+        {
+            return Err(format!(
+                "{name}: {} threads per block; {} takes a multiple of 32 up to {}",
+                k.threads, self.sm, self.max_threads_per_block
+            ));
+        }
+        if usage.registers > self.max_regs_per_thread {
+            return Err(format!(
+                "{name}: {} registers per thread, above {}'s {}",
+                usage.registers, self.sm, self.max_regs_per_thread
+            ));
+        }
+        let warps = k.threads / 32;
+        let regs_per_warp = (usage.registers.max(1) * 32).div_ceil(256) * 256;
+        let regs_per_block = regs_per_warp * warps;
+        if regs_per_block > self.max_regs_per_block {
+            return Err(format!(
+                "{name}: {} registers x {} threads = {regs_per_block} per block, above {}'s {} \
+                 (the launch would fail with CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES)",
+                usage.registers, k.threads, self.sm, self.max_regs_per_block
+            ));
+        }
+        if usage.smem > self.max_static_smem_per_block {
+            return Err(format!(
+                "{name}: {} bytes of static shared memory, above the {} bytes a block may declare",
+                usage.smem, self.max_static_smem_per_block
+            ));
+        }
+        let smem = usage.smem + k.dynamic_smem;
+        if smem > self.max_smem_per_block {
+            return Err(format!(
+                "{name}: {smem} bytes of shared memory per block, above {}'s {}",
+                self.sm, self.max_smem_per_block
+            ));
+        }
+        let by_threads = self.max_threads_per_sm / k.threads;
+        let by_regs = self.regs_per_sm / regs_per_block;
+        let by_smem = self.smem_per_sm / (smem + KIB);
+        let blocks = by_threads
+            .min(by_regs)
+            .min(by_smem)
+            .min(self.max_blocks_per_sm);
+        if blocks == 0 {
+            return Err(format!(
+                "{name}: not one block fits a multiprocessor of {}",
+                self.sm
+            ));
+        }
+        Ok(Fit {
+            blocks_per_sm: blocks,
+            occupancy: (blocks * warps) as f64 / (self.max_threads_per_sm / 32) as f64,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_kernel_has_a_launch_bound_define_and_a_unique_name() {
+        let src = super::super::kernels::KERNELS_CU;
+        let names: std::collections::BTreeSet<_> = KERNELS.iter().map(|k| k.name).collect();
+        assert_eq!(names.len(), KERNELS.len(), "a kernel is listed twice");
+        // Every `extern "C" __global__` in the source is listed, with a launch bound.
+        let mut in_source = std::collections::BTreeSet::new();
+        for decl in src.split("extern \"C\" __global__").skip(1) {
+            let head = &decl[..decl.find('{').expect("a kernel body")];
+            let bound = head
+                .trim_start()
+                .strip_prefix("void __launch_bounds__(")
+                .unwrap_or_else(|| panic!("a kernel without __launch_bounds__: {head}"));
+            let after = bound[bound.find(')').expect("the bound's end") + 1..].trim_start();
+            in_source.insert(after[..after.find('(').expect("a parameter list")].to_string());
+        }
+        let listed: std::collections::BTreeSet<String> =
+            names.iter().map(|s| s.to_string()).collect();
+        assert_eq!(in_source, listed, "kernels.cu and KERNELS differ");
+        for (name, _) in defines() {
+            assert!(
+                src.contains(name),
+                "kernels.cu does not use the define {name}"
+            );
+        }
+    }
+
+    #[test]
+    fn grid_refuses_what_the_hardware_does_not_take() {
+        let ok = grid(
+            &ATTENTION_PREFILL,
+            4,
+            32,
+            MAX_PREFILL_QUERIES / PREFILL_QUERIES_PER_BLOCK,
+        )
+        .unwrap();
+        assert_eq!(ok.block_dim, (256, 1, 1));
+        let too_long = MAX_PREFILL_QUERIES + 1;
+        let e = grid(
+            &ATTENTION_PREFILL,
+            1,
+            32,
+            too_long.div_ceil(PREFILL_QUERIES_PER_BLOCK),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("paged_attention_prefill") && e.contains("65535"),
+            "{e}"
+        );
+        assert!(grid(&EMBED, 0, 1, 1).is_err());
+        assert!(grid(&QK_NORM, 1, 65_536, 1).is_err());
+    }
+
+    #[test]
+    fn fit_counts_registers_per_warp_and_refuses_what_cannot_launch() {
+        let sm90 = ARCHS.iter().find(|a| a.sm == "sm_90").unwrap();
+        let usage = |registers, smem| KernelUsage {
+            registers,
+            smem,
+            ..KernelUsage::default()
+        };
+        // 512 threads at 128 registers: exactly the 64K a block may have.
+        let f = sm90.fit(&SAMPLE_ROWS, &usage(128, 6280)).unwrap();
+        assert_eq!(f.blocks_per_sm, 1);
+        assert!((f.occupancy - 0.25).abs() < 1e-9);
+        // One register more and the launch fails for lack of registers.
+        let e = sm90.fit(&SAMPLE_ROWS, &usage(129, 6280)).unwrap_err();
+        assert!(e.contains("OUT_OF_RESOURCES"), "{e}");
+        // 41 KiB of static shared memory: five blocks of 256 threads fit Hopper's 228 KiB...
+        let f = sm90.fit(&ATTENTION_PREFILL, &usage(40, 41_216)).unwrap();
+        assert_eq!(f.blocks_per_sm, 5);
+        // ...and two fit an RTX 4090's 100 KiB.
+        let sm89 = ARCHS.iter().find(|a| a.sm == "sm_89").unwrap();
+        assert_eq!(
+            sm89.fit(&ATTENTION_PREFILL, &usage(40, 41_216))
+                .unwrap()
+                .blocks_per_sm,
+            2
+        );
+        assert!(sm90.fit(&ATTENTION_PREFILL, &usage(40, 49 * 1024)).is_err());
+    }
+}
