@@ -269,6 +269,10 @@ fn cuda_kernels_compile_assemble_and_fit_every_claimed_architecture() {
                 ));
             }
             match usage.get(k.name) {
+                Some(u) if u.smem != k.static_smem => problems.push(format!(
+                    "{}: {} has {} bytes of static shared memory; shapes.rs expects {}",
+                    a.sm, k.name, u.smem, k.static_smem
+                )),
                 Some(u) => println!("{}", check_kernel(a, k, u, &mut problems)),
                 None => problems.push(format!("{}: ptxas reported nothing for {}", a.sm, k.name)),
             }

@@ -18,7 +18,7 @@
 
 typedef unsigned short bf16;
 
-#if !defined(MAX_HEAD_DIM) || !defined(PF_Q) || !defined(EMBED_THREADS) ||             \
+#if !defined(MAX_HEAD_DIM) || !defined(PF_Q) || !defined(PF_K) || !defined(EMBED_THREADS) || \
     !defined(RMSNORM_THREADS) || !defined(ADD_RMSNORM_THREADS) ||                      \
     !defined(BIAS_ADD_THREADS) || !defined(QK_NORM_THREADS) || !defined(ROPE_THREADS) || \
     !defined(DECODE_THREADS) || !defined(SILU_MUL_THREADS) || !defined(GATHER_THREADS) || \
@@ -282,7 +282,10 @@ paged_attention_decode(
 }
 
 // PF_Q (from the host): queries (warps) per block; each tile of keys serves PF_Q queries.
-#define PF_K 32        // keys per shared-memory tile
+// PF_K (from the host): keys per shared-memory tile, one per lane, so it must be 32.
+#if PF_K != 32
+#error "paged_attention_prefill scores one key of a tile per lane"
+#endif
 #define PF_STRIDE (MAX_HEAD_DIM + 2)  // padded row: an odd number of 32-bit words
 
 // Prefill attention over the paged cache (the step's own K/V were written by rope_kv_write

@@ -23,6 +23,9 @@ pub struct KernelShape {
     /// Threads per block: every launch uses exactly this, and the kernel's
     /// `__launch_bounds__` says the same.
     pub threads: u32,
+    /// Static shared memory per block, bytes, as the kernel's `__shared__` arrays come to
+    /// from the figures here (ptxas's report must say the same).
+    pub static_smem: u32,
     /// Dynamic shared memory per block (all kernels size theirs statically today).
     pub dynamic_smem: u32,
     /// On every token's path in every layer (attention, the norms, sampling): a register
@@ -30,14 +33,22 @@ pub struct KernelShape {
     pub hot: bool,
 }
 
-const fn shape(name: &'static str, threads: u32, hot: bool) -> KernelShape {
+const fn shape(name: &'static str, threads: u32, static_smem: usize, hot: bool) -> KernelShape {
     KernelShape {
         name,
         threads,
+        static_smem: static_smem as u32,
         dynamic_smem: 0,
         hot,
     }
 }
+
+const F32: usize = 4;
+const BF16: usize = 2;
+/// `block_sum`'s scratch: one f32 per warp of the largest block.
+const BLOCK_SUM: usize = 32 * F32;
+/// Keys per shared-memory tile of `paged_attention_prefill` (its `PF_K`, one per lane).
+const PREFILL_KEYS_PER_TILE: usize = 32;
 
 /// The attention kernels keep one head in fixed-size shared arrays.
 pub const MAX_HEAD_DIM: usize = 256;
@@ -47,24 +58,42 @@ pub const MAX_HEAD_DIM: usize = 256;
 /// a prompt of L tokens is about L^2 / PREFILL_QUERIES_PER_BLOCK rows per head.
 pub const PREFILL_QUERIES_PER_BLOCK: usize = 8;
 
-pub const EMBED: KernelShape = shape("embed_gather", 256, false);
-pub const RMSNORM: KernelShape = shape("rmsnorm_to_bf16", 256, true);
-pub const ADD_RMSNORM: KernelShape = shape("add_rmsnorm_to_bf16", 256, true);
-pub const BIAS_ADD: KernelShape = shape("bias_add", 256, false);
+pub const EMBED: KernelShape = shape("embed_gather", 256, 0, false);
+pub const RMSNORM: KernelShape = shape("rmsnorm_to_bf16", 256, BLOCK_SUM, true);
+pub const ADD_RMSNORM: KernelShape = shape("add_rmsnorm_to_bf16", 256, BLOCK_SUM, true);
+pub const BIAS_ADD: KernelShape = shape("bias_add", 256, 0, false);
 /// One warp per head: the kernel reduces with a single `warp_sum`.
-pub const QK_NORM: KernelShape = shape("qk_norm", 32, true);
-pub const ROPE_KV_WRITE: KernelShape = shape("rope_kv_write", 64, true);
-/// Four warps, whose partial softmaxes the kernel merges.
-pub const ATTENTION_DECODE: KernelShape = shape("paged_attention_decode", 128, true);
+pub const QK_NORM: KernelShape = shape("qk_norm", 32, 0, true);
+pub const ROPE_KV_WRITE: KernelShape = shape("rope_kv_write", 64, 0, true);
+/// Four warps, whose partial softmaxes the kernel merges: the scaled query, and each warp's
+/// running max, sum and weighted V row.
+pub const ATTENTION_DECODE: KernelShape = shape(
+    "paged_attention_decode",
+    128,
+    MAX_HEAD_DIM * F32 + 2 * 4 * F32 + 4 * MAX_HEAD_DIM * F32,
+    true,
+);
+/// A warp per query: the block's queries, and a tile of keys and one of values as bf16 in
+/// rows padded by two elements (an odd number of 32-bit words, against bank conflicts).
 pub const ATTENTION_PREFILL: KernelShape = shape(
     "paged_attention_prefill",
     32 * PREFILL_QUERIES_PER_BLOCK as u32,
+    PREFILL_QUERIES_PER_BLOCK * MAX_HEAD_DIM * F32
+        + 2 * PREFILL_KEYS_PER_TILE * (MAX_HEAD_DIM + 2) * BF16,
     true,
 );
-pub const SILU_MUL: KernelShape = shape("silu_mul", 256, true);
-pub const GATHER_ROWS: KernelShape = shape("gather_rows_bf16", 256, false);
-pub const SAMPLE_ROWS: KernelShape = shape("sample_rows", 512, true);
-pub const CONSTRAIN_ROWS: KernelShape = shape("constrain_rows", 256, false);
+pub const SILU_MUL: KernelShape = shape("silu_mul", 256, 0, true);
+pub const GATHER_ROWS: KernelShape = shape("gather_rows_bf16", 256, 0, false);
+/// Per thread a best value, its index and a chunk start (one more for the total), the
+/// chosen token, and `block_sum`'s scratch.
+pub const SAMPLE_ROWS: KernelShape = shape(
+    "sample_rows",
+    SAMPLE_THREADS,
+    SAMPLE_THREADS as usize * (F32 + 4) + (SAMPLE_THREADS as usize + 1) * F32 + 4 + BLOCK_SUM,
+    true,
+);
+const SAMPLE_THREADS: u32 = 512;
+pub const CONSTRAIN_ROWS: KernelShape = shape("constrain_rows", 256, 0, false);
 
 /// Every kernel of `kernels.cu`. A kernel missing here is one the offline check refuses.
 pub const KERNELS: &[KernelShape] = &[
@@ -88,6 +117,7 @@ pub fn defines() -> Vec<(&'static str, usize)> {
     vec![
         ("MAX_HEAD_DIM", MAX_HEAD_DIM),
         ("PF_Q", PREFILL_QUERIES_PER_BLOCK),
+        ("PF_K", PREFILL_KEYS_PER_TILE),
         ("EMBED_THREADS", EMBED.threads as usize),
         ("RMSNORM_THREADS", RMSNORM.threads as usize),
         ("ADD_RMSNORM_THREADS", ADD_RMSNORM.threads as usize),
