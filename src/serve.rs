@@ -405,6 +405,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
                 let _ = s.wait_for(|v| *v).await;
             }
         };
+        let streams = state.streams.clone();
         let server = http::serve(
             listener,
             kvmesh_gateway::router(state),
@@ -422,9 +423,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
                 );
                 match tokio::time::timeout(grace, &mut server).await {
                     Ok(r) => r.context("serving HTTP")?,
-                    Err(_) => tracing::warn!(
-                        "grace period over with HTTP connections still open; closing them"
-                    ),
+                    Err(_) => cut_streams(&streams, &mut server).await,
                 }
             }
         }
@@ -433,6 +432,20 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     })?;
     telemetry.shutdown();
     Ok(())
+}
+
+/// The grace period is over: every open stream gets an error event saying it was cut, and
+/// a moment to send it, before the server's connections are closed.
+pub async fn cut_streams<F: std::future::Future + Unpin>(
+    streams: &kvmesh_gateway::StreamCut,
+    server: &mut F,
+) {
+    tracing::warn!(
+        "grace period over with HTTP connections still open; ending their streams with an \
+         error event and closing them"
+    );
+    streams.cut();
+    let _ = tokio::time::timeout(std::time::Duration::from_millis(500), server).await;
 }
 
 /// Every 10 seconds while there is work, one line of throughput and load, as vLLM logs it.

@@ -60,12 +60,35 @@ async fn a_cluster_forms_spreads_requests_and_refuses_impostors() {
     let http = client();
     let gw = kvmesh().gateway(&etcd, "c1", "gw", "round-robin");
 
-    // No worker yet: 503 with a clear error, not a hang.
-    let (st, body) = post(&http, &gw.http, completion(4)).await;
-    assert_eq!(st, 503, "{body}");
-    assert_eq!(body["error"]["code"], "no_worker_available");
-
+    // No worker yet: a request waits for one (up to 10 s) and is served when it joins.
+    let early = {
+        let (http, base) = (http.clone(), gw.http.clone());
+        tokio::spawn(async move { post(&http, &base, completion(4)).await })
+    };
+    tokio::time::sleep(Duration::from_millis(500)).await;
     let w1 = kvmesh().worker(&etcd, "c1", "w1", &[]);
+    let (st, body) = early.await.unwrap();
+    assert_eq!(st, 200, "a request sent before any worker joined: {body}");
+    // In a cluster that gets none: 503 with a clear error and Retry-After after the wait,
+    // not a hang.
+    let lonely = kvmesh().gateway(&etcd, "c1-empty", "gw", "round-robin");
+    let t = Instant::now();
+    let r = http
+        .post(format!("{}/v1/completions", lonely.http))
+        .json(&completion(4))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 503);
+    assert_eq!(r.headers()["retry-after"], "1");
+    let waited = t.elapsed();
+    let body: Value = r.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "no_worker_available", "{body}");
+    assert!(
+        waited >= Duration::from_secs(8),
+        "refused after {waited:?}, not after waiting for a worker"
+    );
+    drop(lonely);
     let mut w2 = kvmesh().worker(&etcd, "c1", "w2", &[]);
     // An impostor: its record names a certificate it does not hold.
     let _bad = kvmesh().worker(
@@ -86,14 +109,15 @@ async fn a_cluster_forms_spreads_requests_and_refuses_impostors() {
         assert_eq!(body["usage"]["completion_tokens"], 6);
     }
     let r = routed(&http, &gw).await;
-    assert_eq!(r.get("w1"), Some(&4), "round-robin split: {r:?}");
+    // w1 also served the request sent before any worker joined.
+    assert_eq!(r.get("w1"), Some(&5), "round-robin split: {r:?}");
     assert_eq!(r.get("w2"), Some(&4), "round-robin split: {r:?}");
     assert_eq!(r.get("bad"), Some(&0), "the impostor got traffic: {r:?}");
     assert!(!connected_workers(&http, &gw)
         .await
         .contains(&"bad".to_string()));
     let served = status(&http, &w1).await["load"]["requests_served"].as_u64();
-    assert_eq!(served, Some(4));
+    assert_eq!(served, Some(5));
 
     let table = kvmesh().cluster_status(&etcd, "c1");
     println!("{table}");

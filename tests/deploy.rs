@@ -700,6 +700,8 @@ fn cluster_sh_refuses_bad_worker_specs() {
         "worker:sim:2:x",
         "worker:sim@/no/such/model",
         "worker:sim@",
+        "prefill",
+        "prefill:cpu:2",
     ] {
         let out = cluster.script(&["up", "--workers", spec]);
         assert!(!out.status.success(), "{spec} accepted:\n{}", text(&out));

@@ -113,11 +113,11 @@ impl Trio {
 /// prefill nodes.
 async fn ready(http: &reqwest::Client, gw: &Proc, decode: usize, prefill: usize) {
     wait_for("the router connected to every role", 20, async || {
-        gw.metric(http, "kvmesh:router_workers_routable").await == decode as f64
+        gw.try_metric(http, "kvmesh:router_workers_routable").await == Some(decode as f64)
             && gw
-                .metric(http, "kvmesh:router_prefill_workers_connected")
+                .try_metric(http, "kvmesh:router_prefill_workers_connected")
                 .await
-                == prefill as f64
+                == Some(prefill as f64)
     })
     .await;
 }

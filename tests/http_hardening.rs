@@ -602,6 +602,81 @@ async fn status_codes_and_error_shapes() {
     }
 }
 
+/// What a raw exchange got back: the status, the head and the JSON body, read until the
+/// server closed (at most `secs`), and how long that took.
+async fn raw_exchange(addr: &str, request: &[u8], secs: f64) -> (u16, String, Value, Duration) {
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    s.write_all(request).await.unwrap();
+    let (closed, got) = wait_closed(&mut s, secs).await;
+    let took = closed.unwrap_or_else(|| panic!("no close within {secs} s: {got:?}"));
+    let text = String::from_utf8_lossy(&got).to_string();
+    let status = text
+        .get(9..12)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or_else(|| panic!("no status line: {text:?}"));
+    let head = text.split("\r\n\r\n").next().unwrap_or("").to_string();
+    (status, head, raw_json(&got), took)
+}
+
+/// Round 3, items 4 and 5: what the HTTP library refuses itself (unparseable heads, a URI
+/// or header block over its limits) carries the OpenAI error shape like every other status,
+/// and a body declared over the limit is refused at once, without inviting it with
+/// `100 Continue`.
+#[tokio::test]
+async fn every_refusal_has_an_openai_body_and_oversized_bodies_are_refused_at_once() {
+    let s = Proc::serve(&["--backend", "sim", "--num-kv-blocks", "64"]);
+    let many_headers: String = (0..120).map(|i| format!("X-H{i}: y\r\n")).collect();
+    let long_uri = format!("GET /{} HTTP/1.1\r\nHost: x\r\n\r\n", "a".repeat(100_000));
+    let cases: Vec<(&str, Vec<u8>, u16)> = vec![
+        ("garbage request line", b"GARBAGE\r\n\r\n".to_vec(), 400),
+        ("bad version", b"GET /health HTTP/9.9\r\nHost: x\r\n\r\n".to_vec(), 400),
+        ("bad header name", b"GET /health HTTP/1.1\r\nHo st: x\r\n\r\n".to_vec(), 400),
+        ("folded header", b"GET /health HTTP/1.1\r\nHost: x\r\n folded\r\n\r\n".to_vec(), 400),
+        ("NUL in a header", b"GET /health HTTP/1.1\r\nHost: x\0y\r\n\r\n".to_vec(), 400),
+        (
+            "two Content-Lengths",
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\nContent-Length: 4\r\n\r\nabc".to_vec(),
+            400,
+        ),
+        ("100 KB URI", long_uri.into_bytes(), 414),
+        (
+            "120 headers",
+            format!("GET /health HTTP/1.1\r\nHost: x\r\n{many_headers}\r\n").into_bytes(),
+            431,
+        ),
+    ];
+    for (what, req, want) in cases {
+        let (status, head, v, _) = raw_exchange(&s.addr, &req, 5.0).await;
+        assert_eq!(status, want, "{what}: {head}");
+        assert!(
+            head.to_ascii_lowercase()
+                .contains("content-type: application/json"),
+            "{what}: {head}"
+        );
+        openai_error(&v);
+        assert_eq!(v["error"]["type"], "invalid_request_error", "{what}: {v}");
+    }
+
+    // A declared body over the 2 MiB limit: 413 at once (not after the body timeout), with
+    // the trace id, and never `100 Continue` first.
+    for expect in ["", "Expect: 100-continue\r\n"] {
+        let req = format!(
+            "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+             {expect}Content-Length: 10000000\r\n\r\n"
+        );
+        let (status, head, v, took) = raw_exchange(&s.addr, req.as_bytes(), 10.0).await;
+        assert_eq!(status, 413, "{expect:?}: {head}");
+        assert!(head.starts_with("HTTP/1.1 413"), "{expect:?}: {head}");
+        assert_eq!(openai_error(&v)["code"], "request_too_large", "{v}");
+        assert!(head.to_ascii_lowercase().contains("x-trace-id: "), "{head}");
+        assert!(
+            took < Duration::from_secs(5),
+            "{expect:?}: answered after {took:?}"
+        );
+    }
+    assert!(s.healthy_within(5).await);
+}
+
 /// Item 4: the scheme of `Authorization` is case-insensitive; an empty key is refused at
 /// start-up.
 #[tokio::test]

@@ -231,11 +231,11 @@ async fn a_constraint_holds_across_disaggregation_and_migration() {
         ],
     );
     wait_for("the router connected to both roles", 20, async || {
-        gw.metric(&http, "kvmesh:router_workers_routable").await == 1.0
+        gw.try_metric(&http, "kvmesh:router_workers_routable").await == Some(1.0)
             && gw
-                .metric(&http, "kvmesh:router_prefill_workers_connected")
+                .try_metric(&http, "kvmesh:router_prefill_workers_connected")
                 .await
-                == 1.0
+                == Some(1.0)
     })
     .await;
     let (disagg, _) = whole(&http, &gw.http, max_tokens).await;
@@ -256,7 +256,9 @@ async fn a_constraint_holds_across_disaggregation_and_migration() {
     let mut w1 = kvmesh().worker(&etcd, "s2", "w1", &slow);
     let gw2 = kvmesh().gateway(&etcd, "s2", "gw", "least-loaded");
     wait_for("w1 routable", 20, async || {
-        gw2.metric(&http, "kvmesh:router_workers_routable").await == 1.0
+        gw2.try_metric(&http, "kvmesh:router_workers_routable")
+            .await
+            == Some(1.0)
     })
     .await;
     let (undisturbed, clean) = streamed(&http, &gw2.http, max_tokens).await;
@@ -267,7 +269,9 @@ async fn a_constraint_holds_across_disaggregation_and_migration() {
     };
     let _w2 = kvmesh().worker(&etcd, "s2", "w2", &slow);
     wait_for("w2 routable", 20, async || {
-        gw2.metric(&http, "kvmesh:router_workers_routable").await == 2.0
+        gw2.try_metric(&http, "kvmesh:router_workers_routable")
+            .await
+            == Some(2.0)
     })
     .await;
     tokio::time::sleep(Duration::from_millis(300)).await;

@@ -296,6 +296,99 @@ async fn one_request_is_one_trace_across_every_process() {
     .await;
 }
 
+/// The root span of trace `id` as the gateway has it (polled: spans are stored as they end).
+async fn root_span(http: &reqwest::Client, base: &str, id: &str) -> Value {
+    let mut last = Value::Null;
+    for _ in 0..50 {
+        last = get_json(http, &format!("{base}/traces/api/trace/{id}")).await;
+        if let Some(root) = last["spans"]
+            .as_array()
+            .and_then(|a| a.iter().find(|s| s["parent_id"].is_null()))
+        {
+            return root.clone();
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    panic!("no root span for trace {id}: {last}");
+}
+
+/// Failed requests are traced with their status and their message: a 404 (unknown model),
+/// a 400 (a body that is not JSON, refused by the HTTP framework), a 408 (a body that
+/// stopped arriving) and a 413 (a body declared too large).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failures_are_traced_with_their_status_and_message() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let s = Server::start(&["--backend", "sim", "--http-body-timeout", "1"]);
+    let http = client();
+    let url = format!("{}/v1/completions", s.base);
+    let addr = s.base.trim_start_matches("http://").to_string();
+    let mut cases: Vec<(u16, String, &str)> = Vec::new();
+    for (req, says) in [
+        (
+            http.post(&url)
+                .json(&json!({"model": "no-such-model", "prompt": "hi", "max_tokens": 2})),
+            "no-such-model",
+        ),
+        (
+            http.post(&url)
+                .header("content-type", "application/json")
+                .body("{not json"),
+            "JSON",
+        ),
+    ] {
+        let r = req.send().await.unwrap();
+        let id = r.headers()["x-trace-id"].to_str().unwrap().into();
+        cases.push((r.status().as_u16(), id, says));
+    }
+    // Raw: a body that stops arriving, and one declared over the limit.
+    for (head, body) in [
+        ("Content-Length: 100", "{\"prompt\": "),
+        ("Content-Length: 10000000", ""),
+    ] {
+        let mut t = tokio::net::TcpStream::connect(&addr).await.unwrap();
+        let req = format!(
+            "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n{head}\r\n\r\n{body}"
+        );
+        t.write_all(req.as_bytes()).await.unwrap();
+        let mut got = Vec::new();
+        let _ =
+            tokio::time::timeout(std::time::Duration::from_secs(10), t.read_to_end(&mut got)).await;
+        let text = String::from_utf8_lossy(&got).to_string();
+        let status: u16 = text
+            .get(9..12)
+            .and_then(|c| c.parse().ok())
+            .unwrap_or_else(|| panic!("{text}"));
+        let id = text
+            .lines()
+            .find_map(|l| {
+                l.to_ascii_lowercase()
+                    .strip_prefix("x-trace-id: ")
+                    .map(str::to_string)
+            })
+            .unwrap_or_else(|| panic!("no trace id: {text}"));
+        cases.push((
+            status,
+            id,
+            if status == 408 {
+                "did not arrive"
+            } else {
+                "larger than"
+            },
+        ));
+    }
+    let statuses: Vec<u16> = cases.iter().map(|c| c.0).collect();
+    assert_eq!(statuses, [404, 400, 408, 413]);
+    for (status, id, says) in cases {
+        let root = root_span(&http, &s.base, &id).await;
+        assert_eq!(root["attrs"]["http.status_code"], status, "{root}");
+        let error = root["error"].as_str().unwrap_or_default();
+        assert!(
+            error.contains(says),
+            "{status}: the trace says {error:?}: {root}"
+        );
+    }
+}
+
 /// Parent-based sampling and bad context.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sampling_follows_the_caller_and_bad_context_starts_a_new_trace() {
@@ -337,6 +430,38 @@ async fn sampling_follows_the_caller_and_bad_context_starts_a_new_trace() {
     let r = send(Some("00-zzzz-not-a-context".into())).await.unwrap();
     assert_eq!(r.status().as_u16(), 200);
     assert_ne!(r.headers()["x-trace-id"].to_str().unwrap(), sampled);
+    // So is context W3C does not let a receiver continue: short or signed ids, uppercase,
+    // all-zero ids, version ff, extra fields on version 00.
+    let parent = "b7ad6b7169203331";
+    for bad in [
+        "00-abc-def-00".to_string(),
+        format!("00-+{}-{parent}-01", &sampled[1..]),
+        format!("00-{}-{parent}-01", sampled.to_uppercase()),
+        format!("00-{}-{parent}-01", "0".repeat(32)),
+        format!("00-{sampled}-{}-01", "0".repeat(16)),
+        format!("ff-{sampled}-{parent}-01"),
+        format!("00-{sampled}-{parent}-01-extra"),
+    ] {
+        let r = send(Some(bad.clone())).await.unwrap();
+        assert_eq!(r.status().as_u16(), 200, "{bad}");
+        let id = r.headers()["x-trace-id"].to_str().unwrap().to_string();
+        assert!(
+            id.len() == 32 && id != sampled && !id.ends_with("abc") && id != "0".repeat(32),
+            "{bad} was continued as trace {id}"
+        );
+    }
+    // Two traceparent headers: neither is continued.
+    let r = http
+        .post(format!("{}/v1/completions", s.base))
+        .header("traceparent", format!("00-{sampled}-{parent}-01"))
+        .header("traceparent", format!("00-{unsampled}-{parent}-01"))
+        .json(&json!({"prompt": [5, 6, 7], "max_tokens": 2}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    let id = r.headers()["x-trace-id"].to_str().unwrap();
+    assert!(id != sampled && id != unsampled, "{id}");
     // Bad ids are refused by name.
     let v = get_json(&http, &format!("{}/traces/api/trace/xyz", s.base)).await;
     assert!(v["error"]["message"]

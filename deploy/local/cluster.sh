@@ -341,6 +341,18 @@ parse_workers() {
         done
     done
     [ "${#WORKER_IDS[@]}" -ge 1 ] || die "no workers in '$1'"
+    # A prefill node only hands its KV to a decoding node: every model needs a worker or
+    # decode node, or the cluster would come up unable to serve anything.
+    declare -A decodes=()
+    for i in "${!WORKER_IDS[@]}"; do
+        case "${WORKER_ROLES[$i]}" in
+            *worker* | *decode*) decodes["m:${WORKER_MODELS[$i]}"]=1 ;;
+        esac
+    done
+    for i in "${!WORKER_IDS[@]}"; do
+        [ -n "${decodes["m:${WORKER_MODELS[$i]}"]:-}" ] ||
+            die "bad workers '$1': ${WORKER_MODELS[$i]:-the default model} has prefill nodes but no worker or decode node to serve it"
+    done
 }
 
 # Starts a background process: $1 the name (log and pid file), the rest the command.

@@ -23,6 +23,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/completions", post(complete::completions))
         .route("/v1/models", get(models))
         .route_layer(middleware::from_fn_with_state(state.clone(), require_key))
+        .route_layer(middleware::from_fn(refuse_large_bodies))
         .route_layer(middleware::from_fn(traces::trace_request));
     Router::new()
         .merge(v1)
@@ -40,6 +41,21 @@ pub fn router(state: Arc<AppState>) -> Router {
             count_requests,
         ))
         .with_state(state)
+}
+
+/// A body declared larger than the limit is refused before any of it is read: no wait for
+/// it, and no `100 Continue` inviting the client to send it. (Bodies without a declared
+/// length are cut at the limit as they arrive, by `DefaultBodyLimit`.)
+async fn refuse_large_bodies(req: Request, next: Next) -> Response {
+    if http::declared_length(&req).is_some_and(|n| n > http::MAX_BODY_BYTES as u64) {
+        let mut r = ApiError::body_too_large(http::MAX_BODY_BYTES).into_response();
+        r.headers_mut().insert(
+            header::CONNECTION,
+            header::HeaderValue::from_static("close"),
+        );
+        return r;
+    }
+    next.run(req).await
 }
 
 async fn require_key(State(st): State<Arc<AppState>>, req: Request, next: Next) -> Response {

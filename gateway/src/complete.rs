@@ -20,7 +20,7 @@ use kvmesh_gpu::tokenizer::TextTokenizer;
 use crate::error::ApiError;
 use crate::generate::{Chunk, Generation};
 use crate::protocol::{self, ChatRequest, CompletionRequest, Prompt, Validated};
-use crate::state::{unix_now, AppState, ServedModel};
+use crate::state::{unix_now, AppState, ServedModel, StreamCut};
 use crate::structured::{self, Shape};
 use crate::tools::{ToolDelta, ToolFormat, ToolStream};
 
@@ -373,8 +373,8 @@ async fn run(
             first,
             prompt,
             echo,
-            v.include_usage,
-            v.return_token_ids,
+            (v.include_usage, v.return_token_ids),
+            st.streams.clone(),
         )
         .into_response())
     } else {
@@ -511,8 +511,8 @@ fn stream(
     mut peeked: Option<Option<Result<Chunk, ApiError>>>,
     prompt: Vec<u32>,
     echo: Option<String>,
-    include_usage: bool,
-    token_ids: bool,
+    (include_usage, token_ids): (bool, bool),
+    cut: StreamCut,
 ) -> Sse<impl futures::Stream<Item = Result<Event, Infallible>>> {
     let s = async_stream::stream! {
         let data = |v: Value| Ok::<_, Infallible>(Event::default().data(v.to_string()));
@@ -533,7 +533,10 @@ fn stream(
         loop {
             let next = match peeked.take() {
                 Some(p) => p,
-                None => gen.next().await,
+                None => tokio::select! {
+                    n = gen.next() => n,
+                    () = cut.wait() => Some(Err(ApiError::stream_cut())),
+                },
             };
             let Some(next) = next else {
                 break;

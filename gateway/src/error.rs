@@ -86,7 +86,11 @@ impl ApiError {
                 "rate_limit_error",
                 Some("queue_full"),
             ),
-            U::NoWorker => (StatusCode::SERVICE_UNAVAILABLE, "service_unavailable", None),
+            U::NoWorker => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "service_unavailable",
+                Some("no_worker_available"),
+            ),
             U::WorkerLost => (StatusCode::BAD_GATEWAY, "bad_gateway", Some("worker_lost")),
         };
         ApiError {
@@ -254,6 +258,19 @@ impl ApiError {
         }
     }
 
+    /// A stream cut because the server's shutdown grace period ended.
+    pub fn stream_cut() -> ApiError {
+        ApiError {
+            status: StatusCode::SERVICE_UNAVAILABLE,
+            message: "The server is shutting down, and its grace period ended before this \
+                      stream finished; retry the request."
+                .into(),
+            kind: "service_unavailable",
+            param: None,
+            code: Some("server_shutting_down"),
+        }
+    }
+
     pub fn unavailable(message: impl Into<String>) -> ApiError {
         ApiError {
             status: StatusCode::SERVICE_UNAVAILABLE,
@@ -303,13 +320,19 @@ impl From<EngineError> for ApiError {
     }
 }
 
+/// The message of an error response, carried in its extensions so the request's root span
+/// records it (`traces::trace_request`) whichever span made the response.
+#[derive(Clone, Debug)]
+pub struct ErrorNote(pub String);
+
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         // On the request's span when there is one (the gateway's trace middleware).
         let span = tracing::Span::current();
         span.record("otel.status_code", "ERROR");
-        span.record("otel.status_message", self.message.as_str());
+        span.record("otel.status_description", self.message.as_str());
         let mut r = (self.status, Json(self.body())).into_response();
+        r.extensions_mut().insert(ErrorNote(self.message.clone()));
         // Busy or briefly without workers: say when to come back.
         if matches!(
             self.status,

@@ -218,7 +218,8 @@ impl Generation {
     fn failed(&mut self, e: ApiError) -> ApiError {
         self.stream_span = None;
         self.span.record("otel.status_code", "ERROR");
-        self.span.record("otel.status_message", e.message.as_str());
+        self.span
+            .record("otel.status_description", e.message.as_str());
         self.span
             .record("completion_tokens", self.completion_tokens);
         e

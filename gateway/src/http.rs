@@ -33,6 +33,7 @@ use axum::Router;
 use http_body::{Frame, SizeHint};
 use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
+use kvmesh_telemetry::RateLimited;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{watch, Notify, OwnedSemaphorePermit, Semaphore};
@@ -41,6 +42,7 @@ use tokio::time::Instant;
 use tower_service::Service;
 
 use crate::error::ApiError;
+use crate::raw_errors;
 
 /// Defaults of the limits, in seconds (`kvmesh serve` and `kvmesh node` flags).
 pub const DEFAULT_HEADER_TIMEOUT_S: f64 = 10.0;
@@ -274,37 +276,6 @@ impl AcceptErrors {
     }
 }
 
-/// Lets a repeated log line through once every 5 s, counting the ones held back.
-#[derive(Default)]
-struct RateLimited {
-    last: Option<Instant>,
-    suppressed: u64,
-    noted: u64,
-}
-
-impl RateLimited {
-    fn ready(&mut self) -> bool {
-        let now = Instant::now();
-        if self
-            .last
-            .is_some_and(|t| now.duration_since(t) < Duration::from_secs(5))
-        {
-            self.suppressed += 1;
-            return false;
-        }
-        self.last = Some(now);
-        self.noted = std::mem::take(&mut self.suppressed);
-        true
-    }
-
-    fn suppressed_note(&self) -> String {
-        match self.noted {
-            0 => String::new(),
-            n => format!(" ({n} more since the last report)"),
-        }
-    }
-}
-
 /// Answers a connection beyond the cap with 503 and closes it, without waiting for it.
 fn refuse(tcp: TcpStream, max: usize, refusing: &Arc<Semaphore>) {
     let body = ApiError::too_many_connections(max).body().to_string();
@@ -351,6 +322,7 @@ async fn connection(
     let io = TokioIo::new(Watched {
         io: tcp,
         clock: clock.clone(),
+        rewrite: None,
     });
     let body_timeout = limits.body_timeout;
     let svc = {
@@ -498,10 +470,33 @@ impl Drop for InFlight {
     }
 }
 
-/// The socket, telling the clock when bytes arrive.
+/// The socket, telling the clock when bytes arrive, and giving the library's own bodiless
+/// error answers an OpenAI body (`raw_errors`).
 struct Watched {
     io: TcpStream,
     clock: Arc<Clock>,
+    /// An answer written in place of one of hyper's, and how far it got: `(bytes, sent,
+    /// the length of hyper's answer)`.
+    rewrite: Option<(Vec<u8>, usize, usize)>,
+}
+
+impl Watched {
+    /// Writes the rewritten answer to its end, then says hyper's was written.
+    fn poll_rewrite(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<usize>> {
+        while let Some((bytes, sent, replaced)) = &mut self.rewrite {
+            if *sent == bytes.len() {
+                let n = *replaced;
+                self.rewrite = None;
+                return Poll::Ready(Ok(n));
+            }
+            match Pin::new(&mut self.io).poll_write(cx, &bytes[*sent..]) {
+                Poll::Ready(Ok(0)) => return Poll::Ready(Ok(0)),
+                Poll::Ready(Ok(n)) => *sent += n,
+                other => return other,
+            }
+        }
+        Poll::Ready(Ok(0))
+    }
 }
 
 impl AsyncRead for Watched {
@@ -525,6 +520,14 @@ impl AsyncWrite for Watched {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
+        if self.rewrite.is_none() {
+            if let Some(bytes) = raw_errors::with_body(buf) {
+                self.rewrite = Some((bytes, 0, buf.len()));
+            }
+        }
+        if self.rewrite.is_some() {
+            return self.poll_rewrite(cx);
+        }
         Pin::new(&mut self.io).poll_write(cx, buf)
     }
 
@@ -533,6 +536,12 @@ impl AsyncWrite for Watched {
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
+        // A library error answer is one short head; join it to look at it whole.
+        let first = bufs.iter().find(|b| !b.is_empty());
+        if self.rewrite.is_some() || first.is_some_and(|b| b.starts_with(b"HTTP/1.1 4")) {
+            let joined: Vec<u8> = bufs.iter().flat_map(|b| b.iter().copied()).collect();
+            return self.poll_write(cx, &joined);
+        }
         Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
     }
 
@@ -559,6 +568,13 @@ async fn handle(
     let method = req.method().clone();
     let path = req.uri().path().to_string();
     let late = Arc::new(AtomicBool::new(false));
+    let mut req = req;
+    if let Some(after) = body_timeout {
+        req.extensions_mut().insert(BodyLate {
+            late: late.clone(),
+            after,
+        });
+    }
     let req = req.map(|b| {
         Body::new(TimedBody {
             deadline: body_timeout
@@ -573,7 +589,9 @@ async fn handle(
         Ok(r) => r,
         Err(never) => match never {},
     };
-    let resp = if late.load(Ordering::Relaxed) {
+    // The trace middleware has already answered 408 on the API's routes (with the trace's
+    // headers); elsewhere the handler's read error becomes one here.
+    let resp = if late.load(Ordering::Relaxed) && resp.status() != StatusCode::REQUEST_TIMEOUT {
         let mut r = ApiError::body_timeout(body_timeout.unwrap_or_default()).into_response();
         r.headers_mut()
             .insert(header::CONNECTION, HeaderValue::from_static("close"));
@@ -585,6 +603,17 @@ async fn handle(
         body,
         in_flight: Some(in_flight),
     }))
+}
+
+/// The body length a request declares (hyper has refused conflicting ones already).
+pub fn declared_length<B>(req: &Request<B>) -> Option<u64> {
+    req.headers()
+        .get(header::CONTENT_LENGTH)?
+        .to_str()
+        .ok()?
+        .trim()
+        .parse()
+        .ok()
 }
 
 /// Gives error responses made outside the API's handlers (axum's rejections and
@@ -632,6 +661,26 @@ pub async fn openai_errors(resp: Response<Body>, method: &Method, path: &str) ->
         }
     }
     out
+}
+
+/// Whether a request's body missed its deadline, for the trace middleware: the handler
+/// sees only a failed read (a 400), the client gets 408.
+#[derive(Clone, Debug)]
+pub struct BodyLate {
+    late: Arc<AtomicBool>,
+    after: Duration,
+}
+
+impl BodyLate {
+    /// The 408 to answer with, once the body missed its deadline.
+    pub fn response(&self) -> Option<Response<Body>> {
+        self.late.load(Ordering::Relaxed).then(|| {
+            let mut r = ApiError::body_timeout(self.after).into_response();
+            r.headers_mut()
+                .insert(header::CONNECTION, HeaderValue::from_static("close"));
+            r
+        })
+    }
 }
 
 #[derive(Debug)]

@@ -6,7 +6,8 @@
 //! - `generate`: one request's token events turned into text deltas;
 //! - `dispatch`: where token ids go (an engine here, or a router);
 //! - `structured`, `tools`: output shapes (JSON, regex, grammars, logit bias) and tool calls;
-//! - `state`, `protocol`, `error`, `metrics`, `traces`, `http`.
+//! - `state`, `protocol`, `error`, `metrics`, `traces`, `http` (and `raw_errors`, the
+//!   OpenAI bodies of the errors the HTTP library writes itself).
 
 mod api;
 mod complete;
@@ -16,6 +17,7 @@ pub mod generate;
 pub mod http;
 pub mod metrics;
 pub mod protocol;
+mod raw_errors;
 mod state;
 pub mod structured;
 pub mod tools;
@@ -25,4 +27,5 @@ pub use api::{authorized, check_api_key, router};
 pub use dispatch::Dispatch;
 pub use state::{
     max_bytes_per_token, AppState, Catalog, ListedModel, OneModel, Resolving, ServedModel,
+    StreamCut,
 };

@@ -149,6 +149,31 @@ impl Catalog for OneModel {
     }
 }
 
+/// Ends the gateway's open streams, each with an error event in the OpenAI shape: when a
+/// shutdown's grace period is over, clients learn their stream was cut, not that it ended.
+#[derive(Clone)]
+pub struct StreamCut(Arc<tokio::sync::watch::Sender<bool>>);
+
+impl Default for StreamCut {
+    fn default() -> StreamCut {
+        StreamCut(Arc::new(tokio::sync::watch::channel(false).0))
+    }
+}
+
+impl StreamCut {
+    pub fn cut(&self) {
+        self.0.send_replace(true);
+    }
+
+    /// Resolves once the streams are cut (never, if they are not).
+    pub async fn wait(&self) {
+        let mut rx = self.0.subscribe();
+        if rx.wait_for(|c| *c).await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    }
+}
+
 pub struct AppState {
     pub catalog: Arc<dyn Catalog>,
     pub api_key: Option<String>,
@@ -159,6 +184,8 @@ pub struct AppState {
     /// Requests being parsed, templated and tokenized at once, at most: that work runs off
     /// the async threads, so one client's huge prompts cannot stall the others.
     pub(crate) prepare_permits: Arc<tokio::sync::Semaphore>,
+    /// Cut by the server's owner when its shutdown grace period ends.
+    pub streams: StreamCut,
 }
 
 impl AppState {
@@ -180,6 +207,7 @@ impl AppState {
             created: unix_now(),
             traces,
             prepare_permits: Arc::new(tokio::sync::Semaphore::new(cores.clamp(2, 16))),
+            streams: StreamCut::default(),
         })
     }
 }

@@ -23,6 +23,9 @@ use serde::Deserialize;
 use serde_json::json;
 use tracing::Instrument;
 
+use crate::error::ErrorNote;
+use crate::http;
+
 /// What the viewer reads: this node's store, and the other nodes' HTTP servers.
 pub struct Traces {
     pub store: Arc<SpanStore>,
@@ -93,19 +96,35 @@ pub async fn trace_request(req: Request, next: Next) -> Response {
         cached_tokens = tracing::field::Empty,
         finish_reason = tracing::field::Empty,
         otel.status_code = tracing::field::Empty,
-        otel.status_message = tracing::field::Empty,
+        otel.status_description = tracing::field::Empty,
     );
-    set_remote_parent(
-        &span,
-        req.headers()
-            .get("traceparent")
-            .and_then(|v| v.to_str().ok()),
-    );
+    // W3C: a request with more than one `traceparent` carries no context to continue.
+    let mut parents = req.headers().get_all("traceparent").iter();
+    let parent = match (parents.next(), parents.next()) {
+        (Some(one), None) => one.to_str().ok(),
+        _ => None,
+    };
+    set_remote_parent(&span, parent);
     let tp = traceparent(&span);
+    let late = req.extensions().get::<http::BodyLate>().cloned();
+    let method = req.method().clone();
     let mut resp = next.run(req).instrument(span.clone()).await;
+    // A body that missed its deadline failed the handler's read (a 400); the client is
+    // answered 408, and so is the trace.
+    if let Some(r) = late.and_then(|l| l.response()) {
+        resp = r;
+    }
+    let failed = resp.status().is_server_error() || resp.status().is_client_error();
+    if failed && resp.extensions().get::<ErrorNote>().is_none() {
+        // axum's own rejections (plain text): the OpenAI shape, and a message to record.
+        resp = http::openai_errors(resp, &method, &endpoint).await;
+    }
     span.record("http.status_code", resp.status().as_u16());
-    if resp.status().is_server_error() || resp.status().is_client_error() {
+    if failed {
         span.record("otel.status_code", "ERROR");
+        if let Some(ErrorNote(message)) = resp.extensions().get::<ErrorNote>() {
+            span.record("otel.status_description", message.as_str());
+        }
     }
     if let Some(tp) = tp {
         let headers = resp.headers_mut();

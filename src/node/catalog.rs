@@ -316,6 +316,13 @@ impl Catalog for MeshCatalog {
 
     fn resolve<'a>(&'a self, name: Option<&'a str>) -> Resolving<'a> {
         Box::pin(async move {
+            // No worker has joined at all (a cluster starting, or every worker restarting):
+            // wait for one, as a request for a pool without a routable worker does, before
+            // saying so.
+            let deadline = tokio::time::Instant::now() + CARD_PATIENCE;
+            while self.pools.all().is_empty() && tokio::time::Instant::now() < deadline {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
             let pool = self.pool(name)?;
             self.resolve_pool(pool).await
         })

@@ -22,6 +22,7 @@ pub async fn serve_then_drain(args: &NodeArgs, started: Started) -> anyhow::Resu
         replicas,
         listener,
         app,
+        streams,
     } = started;
     let gateway = args.has(Role::Gateway);
     // SIGTERM: a worker drains first (its status listener stays up meanwhile, saying so); a
@@ -85,9 +86,7 @@ pub async fn serve_then_drain(args: &NodeArgs, started: Started) -> anyhow::Resu
         let left = deadline.saturating_duration_since(tokio::time::Instant::now());
         match tokio::time::timeout(left.max(Duration::from_millis(200)), &mut server).await {
             Ok(r) => r.context("serving HTTP")?,
-            Err(_) => {
-                tracing::warn!("grace period over with HTTP connections still open; closing them")
-            }
+            Err(_) => crate::serve::cut_streams(&streams, &mut server).await,
         }
     }
     tracing::info!("leaving the cluster");

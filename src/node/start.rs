@@ -286,6 +286,8 @@ pub struct Started {
     pub replicas: Vec<Replica>,
     pub listener: TcpListener,
     pub app: Router,
+    /// Ends the gateway's open streams when the shutdown grace period is over.
+    pub streams: kvmesh_gateway::StreamCut,
 }
 
 /// Binds, publishes and starts every role of the node; the HTTP server is not serving yet.
@@ -354,7 +356,7 @@ pub async fn start(
         fault_injection: args.enable_fault_injection,
         api_key: args.api_key.clone(),
     });
-    let app = app(args, &node, engines.model.as_ref(), members, spans);
+    let (app, streams) = app(args, &node, engines.model.as_ref(), members, spans);
     log_joined(args, &node, &net, engines.layout.as_ref());
     Ok(Started {
         node,
@@ -364,6 +366,7 @@ pub async fn start(
         replicas,
         listener: net.listener,
         app,
+        streams,
     })
 }
 
@@ -542,16 +545,17 @@ async fn start_replicas(
 }
 
 /// The node's HTTP routes: the OpenAI API, metrics and trace viewer in front of its router
-/// (a gateway), or its status routes.
+/// (a gateway), or its status routes; and what ends the gateway's open streams when a
+/// shutdown's grace period is over.
 fn app(
     args: &NodeArgs,
     node: &Arc<NodeState>,
     model: Option<&ModelInfo>,
     members: tokio::sync::watch::Receiver<Membership>,
     spans: Arc<kvmesh_telemetry::SpanStore>,
-) -> Router {
+) -> (Router, kvmesh_gateway::StreamCut) {
     let Some(r) = node.router.as_ref().filter(|_| args.has(Role::Gateway)) else {
-        return node_routes(node.clone(), true);
+        return (node_routes(node.clone(), true), Default::default());
     };
     // A trace's spans are on every node it crossed: the viewer asks them all.
     let me = node.record.node_id.clone();
@@ -580,7 +584,11 @@ fn app(
         args.api_key.clone(),
         Some(kvmesh_gateway::traces::Traces::new(spans, peers)),
     );
-    node_routes(node.clone(), false).merge(kvmesh_gateway::router(state))
+    let streams = state.streams.clone();
+    (
+        node_routes(node.clone(), false).merge(kvmesh_gateway::router(state)),
+        streams,
+    )
 }
 
 fn log_joined(args: &NodeArgs, node: &NodeState, net: &Network, layout: Option<&KvLayout>) {

@@ -26,9 +26,7 @@ pub struct RoutedDispatch(pub Arc<RouterCore>, pub Arc<RoleRestarts>);
 
 impl Dispatch for RoutedDispatch {
     fn submit(&self, req: Request) -> Result<Reply, ApiError> {
-        self.0
-            .submit(req)
-            .map_err(|e| ApiError::unavailable(e.to_string()))
+        Ok(self.0.submit(req))
     }
 
     fn max_model_len(&self) -> Option<usize> {

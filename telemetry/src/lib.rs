@@ -19,7 +19,7 @@ pub mod view;
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use opentelemetry::propagation::TextMapPropagator;
 use opentelemetry::trace::{TraceContextExt, TracerProvider as _};
@@ -187,10 +187,44 @@ pub fn traceparent(span: &tracing::Span) -> Option<String> {
     carrier.remove("traceparent")
 }
 
+/// Whether `tp` is a `traceparent` W3C Trace Context lets a receiver continue: a version
+/// (two lowercase hex digits, not `ff`), a trace id of 32 and a parent id of 16 lowercase hex
+/// digits, neither all zeros, and flags of two; `-` between them. Version 00 has exactly those
+/// four fields; a later version may add fields after another `-`.
+pub fn valid_traceparent(tp: &str) -> bool {
+    let hex = |s: &str, n: usize| {
+        s.len() == n
+            && s.bytes()
+                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+    };
+    let b = tp.as_bytes();
+    if b.len() < 55 || [2, 35, 52].iter().any(|&i| b[i] != b'-') {
+        return false;
+    }
+    let (version, trace, parent, flags) = (&tp[..2], &tp[3..35], &tp[36..52], &tp[53..55]);
+    let nonzero = |s: &str| s.bytes().any(|c| c != b'0');
+    let rest_ok = match version {
+        "00" => b.len() == 55,
+        _ => b.len() == 55 || b[55] == b'-',
+    };
+    hex(version, 2)
+        && version != "ff"
+        && hex(trace, 32)
+        && nonzero(trace)
+        && hex(parent, 16)
+        && nonzero(parent)
+        && hex(flags, 2)
+        && rest_ok
+}
+
 /// Makes `span` the child of the remote span a `traceparent` names. Malformed or absent
-/// context is ignored: the span then starts a trace of its own.
+/// context is ignored (`valid_traceparent`): the span then starts a trace of its own.
 pub fn set_remote_parent(span: &tracing::Span, traceparent: Option<&str>) {
-    let Some(tp) = traceparent else { return };
+    let Some(tp) = traceparent.filter(|tp| valid_traceparent(tp)) else {
+        return;
+    };
+    // A later version's extra fields are not ours to read: continue from the four we know.
+    let tp = &tp[..55];
     let mut carrier = HashMap::new();
     carrier.insert("traceparent".to_string(), tp.to_string());
     let cx = TraceContextPropagator::new().extract(&carrier);
@@ -211,6 +245,37 @@ pub fn is_sampled(span: &tracing::Span) -> bool {
     span.context().span().span_context().is_sampled()
 }
 
+/// Lets a repeated log line through once every 5 s, counting the ones held back.
+#[derive(Default)]
+pub struct RateLimited {
+    last: Option<Instant>,
+    suppressed: u64,
+    noted: u64,
+}
+
+impl RateLimited {
+    pub fn ready(&mut self) -> bool {
+        let now = Instant::now();
+        if self
+            .last
+            .is_some_and(|t| now.duration_since(t) < Duration::from_secs(5))
+        {
+            self.suppressed += 1;
+            return false;
+        }
+        self.last = Some(now);
+        self.noted = std::mem::take(&mut self.suppressed);
+        true
+    }
+
+    pub fn suppressed_note(&self) -> String {
+        match self.noted {
+            0 => String::new(),
+            n => format!(" ({n} more since the last report)"),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -222,6 +287,30 @@ mod tests {
             otlp_traces_url("http://c:4318/v1/traces/"),
             "http://c:4318/v1/traces"
         );
+    }
+
+    #[test]
+    fn only_well_formed_traceparents_are_continued() {
+        let (t, p) = ("0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331");
+        assert!(valid_traceparent(&format!("00-{t}-{p}-01")));
+        assert!(valid_traceparent(&format!("00-{t}-{p}-00")));
+        assert!(valid_traceparent(&format!("01-{t}-{p}-01-future")));
+        for bad in [
+            "00-abc-def-00".to_string(),
+            format!("00-+{}-{p}-01", &t[1..]),
+            format!("00-{}-{p}-01", t.to_uppercase()),
+            format!("00-{}-{p}-01", "0".repeat(32)),
+            format!("00-{t}-{}-01", "0".repeat(16)),
+            format!("ff-{t}-{p}-01"),
+            format!("00-{t}-{p}-01-extra"),
+            format!("01-{t}-{p}-01extra"),
+            format!("0g-{t}-{p}-01"),
+            format!("00-{t}-{p}-1"),
+            format!(" 00-{t}-{p}-01"),
+            String::new(),
+        ] {
+            assert!(!valid_traceparent(&bad), "{bad:?}");
+        }
     }
 
     #[test]

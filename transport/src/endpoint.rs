@@ -19,7 +19,9 @@ const CONNECTION_WINDOW: u32 = 64 << 20;
 
 fn transport_config() -> Arc<quinn::TransportConfig> {
     let mut t = quinn::TransportConfig::default();
-    t.keep_alive_interval(Some(Duration::from_millis(500)));
+    // Each keep-alive is acknowledged at once, so a live peer is heard from at least this
+    // often even when idle: what `until_silent` watches for.
+    t.keep_alive_interval(Some(KEEP_ALIVE));
     t.max_idle_timeout(Some(
         quinn::IdleTimeout::try_from(Duration::from_secs(3)).expect("3 s is a valid idle timeout"),
     ));
@@ -114,6 +116,29 @@ impl NodeEndpoint {
     /// Closes every connection and stops accepting.
     pub fn close(&self) {
         self.endpoint.close(0u32.into(), b"node shutting down");
+    }
+}
+
+/// How often an idle connection pings its peer.
+pub const KEEP_ALIVE: Duration = Duration::from_millis(200);
+
+/// Resolves once nothing at all (no data, no acknowledgement of a keep-alive) has arrived
+/// on `conn` for `limit`: a peer that died without closing (SIGKILL, a lost machine), long
+/// before QUIC's idle timeout says so. `limit` must be several `KEEP_ALIVE`s, so a busy
+/// but live peer is never taken for a dead one.
+pub async fn until_silent(conn: &Connection, limit: Duration) {
+    let check = (limit / 8).max(Duration::from_millis(10));
+    let mut heard = conn.stats().udp_rx.datagrams;
+    let mut last = tokio::time::Instant::now();
+    loop {
+        tokio::time::sleep(check).await;
+        let now = conn.stats().udp_rx.datagrams;
+        if now != heard {
+            heard = now;
+            last = tokio::time::Instant::now();
+        } else if last.elapsed() >= limit {
+            return;
+        }
     }
 }
 

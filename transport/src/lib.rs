@@ -12,7 +12,7 @@ pub mod kv;
 pub mod tls;
 pub mod wire;
 
-pub use endpoint::{peer_fingerprint, NodeEndpoint};
+pub use endpoint::{peer_fingerprint, until_silent, NodeEndpoint, KEEP_ALIVE};
 pub use error::TransportError;
 pub use quinn::{Connection, ConnectionError, Incoming, RecvStream, SendStream};
 pub use tls::{fingerprint, AllowList, NodeIdentity};

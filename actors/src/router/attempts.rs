@@ -349,7 +349,7 @@ pub async fn drive<R: Route>(
                     };
                     counter.fetch_add(1, Ordering::Relaxed);
                     span.record("otel.status_code", "ERROR");
-                    span.record("otel.status_message", message.as_str());
+                    span.record("otel.status_description", message.as_str());
                     let _ = tx.send(Event::Unavailable { message, why });
                     return;
                 }
@@ -390,7 +390,7 @@ pub async fn drive<R: Route>(
             Next::Lost(message) => {
                 stats.failed_midstream.fetch_add(1, Ordering::Relaxed);
                 span.record("otel.status_code", "ERROR");
-                span.record("otel.status_message", message.as_str());
+                span.record("otel.status_description", message.as_str());
                 let _ = tx.send(Event::Unavailable {
                     message,
                     why: Unavailable::WorkerLost,

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use kvmesh_discovery::{NodeRecord, Role};
 use kvmesh_transport::wire::{self, KvEventBatch, LoadReport, UniHeader};
-use kvmesh_transport::{Connection, NodeEndpoint};
+use kvmesh_transport::{until_silent, Connection, NodeEndpoint};
 use parking_lot::Mutex;
 
 use crate::kv_index::KvIndex;
@@ -456,8 +456,13 @@ async fn read_reports(link: Arc<WorkerLink>, conn: Connection, wants_kv: bool) {
     }
 }
 
+/// A worker's connection from which nothing has arrived for this long is closed: a live
+/// worker is heard from at least every `KEEP_ALIVE` (200 ms; it acknowledges each ping at
+/// once) and sends its load reports as often, so this is several missed beats.
+pub const WORKER_SILENT: Duration = Duration::from_millis(700);
+
 /// Keeps one worker connected while it is a member: connect, read its load reports,
-/// notice the break, reconnect with backoff.
+/// notice the break (a closed connection, or a silent one), reconnect with backoff.
 pub(crate) async fn maintain(endpoint: NodeEndpoint, link: Arc<WorkerLink>, wants_kv: bool) {
     let id = link.record.node_id.clone();
     let addr: SocketAddr = match link.record.quic_addr.parse() {
@@ -481,7 +486,15 @@ pub(crate) async fn maintain(endpoint: NodeEndpoint, link: Arc<WorkerLink>, want
                 *link.conn.lock() = Some(conn.clone());
                 link.hot.up.store(true, Ordering::Release);
                 let reports = tokio::spawn(read_reports(link.clone(), conn.clone(), wants_kv));
-                let reason = conn.closed().await;
+                let reason = tokio::select! {
+                    reason = conn.closed() => reason.to_string(),
+                    () = until_silent(&conn, WORKER_SILENT) => {
+                        // Dead without a word (killed, or its machine lost): its streams
+                        // fail now and move, instead of at QUIC's idle timeout.
+                        conn.close(0u32.into(), b"worker silent");
+                        format!("nothing heard for {} ms", WORKER_SILENT.as_millis())
+                    }
+                };
                 reports.abort();
                 link.hot.up.store(false, Ordering::Release);
                 *link.conn.lock() = None;

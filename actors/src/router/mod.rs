@@ -65,12 +65,6 @@ pub fn render_pools(pools: &[Arc<RouterCore>], out: &Exposition) {
     stats::render(&views, out);
 }
 
-#[derive(Debug, thiserror::Error)]
-pub enum RouteError {
-    #[error("no worker is available for model '{0}'; try again when one has joined")]
-    NoWorkers(String),
-}
-
 pub struct RouterCore {
     pub node_id: String,
     pub model: String,
@@ -175,12 +169,10 @@ impl RouterCore {
     }
 
     /// Queues a request on a worker; its events arrive on the returned reply, and dropping
-    /// the reply cancels the request on the worker.
-    pub fn submit(self: &Arc<Self>, req: Request) -> Result<Reply, RouteError> {
-        if self.with_routable(|ws| ws.next().is_none()) {
-            self.stats.no_worker.fetch_add(1, Ordering::Relaxed);
-            return Err(RouteError::NoWorkers(self.model.clone()));
-        }
+    /// the reply cancels the request on the worker. With no routable worker it waits for
+    /// one (a worker restarting or joining), up to `attempts::UNSTARTED_PATIENCE`, then is
+    /// refused with 503.
+    pub fn submit(self: &Arc<Self>, req: Request) -> Reply {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = mpsc::unbounded_channel();
         // A child of the caller's span (the gateway's request).
@@ -195,7 +187,7 @@ impl RouterCore {
             attempts = Empty,
             migrations = Empty,
             otel.status_code = Empty,
-            otel.status_message = Empty,
+            otel.status_description = Empty,
         );
         let attempts = Attempts::new(
             convert::request_to_wire(id, &req),
@@ -206,7 +198,7 @@ impl RouterCore {
         // Run by the reader's own task as it awaits the events (no spawn, and no hand-off
         // between tasks per token); dropping the reply cancels it.
         let driver = async move { attempts::drive(&*core, attempts, &core.stats, &tx).await };
-        Ok(Reply::Driven(Driven::new(id, rx, driver.instrument(span))))
+        Reply::Driven(Driven::new(id, rx, driver.instrument(span)))
     }
 
     /// Tokens a request allowed `max_tokens` is expected to generate: the smoothed length
@@ -363,7 +355,7 @@ impl Route for RouterCore {
             prefill_worker = Empty,
             outcome = Empty,
             otel.status_code = Empty,
-            otel.status_message = Empty,
+            otel.status_description = Empty,
         );
         let link = choice.link.clone();
         link.routed.fetch_add(1, Ordering::Relaxed);
@@ -393,7 +385,7 @@ impl Route for RouterCore {
         attempt.record("outcome", what);
         if let Some(e) = error {
             attempt.record("otel.status_code", "ERROR");
-            attempt.record("otel.status_message", e);
+            attempt.record("otel.status_description", e);
         }
         outcome
     }

@@ -60,7 +60,7 @@ impl WorkerCore {
             bytes = Empty,
             ms = Empty,
             otel.status_code = Empty,
-            otel.status_message = Empty,
+            otel.status_description = Empty,
         );
         kvmesh_telemetry::set_remote_parent(&span, req.request.traceparent.as_deref());
         let closed = events.clone();
@@ -77,7 +77,7 @@ impl WorkerCore {
             }
             Err(e) => {
                 span.record("otel.status_code", "ERROR");
-                span.record("otel.status_message", e.message.as_str());
+                span.record("otel.status_description", e.message.as_str());
             }
         }
         let kv = self.kv.as_ref().expect("a prefill role has a KV side");

@@ -37,7 +37,7 @@ impl WorkerCore {
             generated = Empty,
             finish = Empty,
             otel.status_code = Empty,
-            otel.status_message = Empty,
+            otel.status_description = Empty,
         );
         kvmesh_telemetry::set_remote_parent(&span, req.traceparent.as_deref());
         self.generate(send, req).instrument(span).await
@@ -68,7 +68,7 @@ impl WorkerCore {
             Err(e) => {
                 let retryable = matches!(e, EngineError::QueueFull { .. });
                 span.record("otel.status_code", "ERROR");
-                span.record("otel.status_message", e.to_string().as_str());
+                span.record("otel.status_description", e.to_string().as_str());
                 let _ = wire::write_msg(
                     &mut send,
                     &TokenEvent::Rejected {
@@ -98,7 +98,7 @@ impl WorkerCore {
                 // The router stopped reading: its client went away. Dropping `sub` aborts.
                 _ = &mut router_gone => {
                     span.record("otel.status_code", "ERROR");
-                    span.record("otel.status_message", "the router went away");
+                    span.record("otel.status_description", "the router went away");
                     return;
                 }
             };
@@ -161,7 +161,7 @@ fn to_wire(phases: &mut Phases, span: &tracing::Span, ev: Option<SeqEvent>) -> (
         }
         Some(SeqEvent::Failed(m)) => {
             span.record("otel.status_code", "ERROR");
-            span.record("otel.status_message", m.as_str());
+            span.record("otel.status_description", m.as_str());
             (TokenEvent::Failed { message: m }, true)
         }
         None => (

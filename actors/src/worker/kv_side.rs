@@ -7,7 +7,7 @@ use std::net::SocketAddr;
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use kvmesh_gpu::engine::KvLease;
 use kvmesh_gpu::kv_pool::HostKvPool;
@@ -280,42 +280,81 @@ pub(super) fn region(lease: &KvLease, positions: Range<usize>) -> HostRegion {
 
 /// A decode worker's connections to prefill workers, one per peer, each with a task that
 /// hands the KV streams the peer opens to their transfers.
+///
+/// Dials happen outside the map's lock: one peer that does not answer (a frozen process,
+/// a lost machine) holds up only the requests that wanted it. At most one dial per peer is
+/// in flight; requests for that peer wait for it, and a failed dial answers the requests
+/// that come within `REDIAL_AFTER` with its error at once, so they fall back to a local
+/// prefill instead of each waiting out a handshake of their own.
 pub struct PeerLinks {
     endpoint: NodeEndpoint,
     inbox: KvInbox,
-    conns: tokio::sync::Mutex<HashMap<String, Connection>>,
+    conns: parking_lot::Mutex<HashMap<String, Arc<tokio::sync::Mutex<PeerSlot>>>>,
 }
+
+/// One prefill peer's connection, as far as it got.
+#[derive(Default)]
+enum PeerSlot {
+    #[default]
+    Unknown,
+    Live(Connection),
+    Failed(Instant, String),
+}
+
+/// How long a failed dial answers for its peer before the next request dials again.
+const REDIAL_AFTER: Duration = Duration::from_secs(1);
 
 impl PeerLinks {
     fn new(endpoint: NodeEndpoint, inbox: KvInbox) -> PeerLinks {
         PeerLinks {
             endpoint,
             inbox,
-            conns: tokio::sync::Mutex::new(HashMap::new()),
+            conns: parking_lot::Mutex::new(HashMap::new()),
         }
     }
 
     pub async fn get(&self, peer: &PrefillPeer) -> Result<Connection, String> {
         let key = format!("{}@{}#{}", peer.node_id, peer.quic_addr, peer.cert_sha256);
-        let mut conns = self.conns.lock().await;
-        if let Some(c) = conns.get(&key) {
-            if c.close_reason().is_none() {
-                return Ok(c.clone());
+        let slot = {
+            let mut conns = self.conns.lock();
+            // Forget closed connections and old failures (a slot in use is kept).
+            conns.retain(|_, s| {
+                s.try_lock().map_or(true, |s| match &*s {
+                    PeerSlot::Live(c) => c.close_reason().is_none(),
+                    PeerSlot::Failed(at, _) => at.elapsed() < REDIAL_AFTER,
+                    PeerSlot::Unknown => false,
+                })
+            });
+            conns.entry(key).or_default().clone()
+        };
+        let mut slot = slot.lock().await;
+        match &*slot {
+            PeerSlot::Live(c) if c.close_reason().is_none() => return Ok(c.clone()),
+            PeerSlot::Failed(at, e) if at.elapsed() < REDIAL_AFTER => return Err(e.clone()),
+            _ => {}
+        }
+        let dialed = match peer.quic_addr.parse::<SocketAddr>() {
+            Ok(addr) => self
+                .endpoint
+                .connect(addr, &peer.cert_sha256)
+                .await
+                .map_err(|e| format!("prefill worker {}: {e}", peer.node_id)),
+            Err(e) => Err(format!(
+                "prefill worker {} has a bad address: {e}",
+                peer.node_id
+            )),
+        };
+        match dialed {
+            Ok(conn) => {
+                tokio::spawn(dispatch_streams(conn.clone(), self.inbox.clone()));
+                *slot = PeerSlot::Live(conn.clone());
+                Ok(conn)
+            }
+            Err(e) => {
+                *slot = PeerSlot::Failed(Instant::now(), e.clone());
+                Err(e)
             }
         }
-        let addr: SocketAddr = peer
-            .quic_addr
-            .parse()
-            .map_err(|e| format!("prefill worker {} has a bad address: {e}", peer.node_id))?;
-        let conn = self
-            .endpoint
-            .connect(addr, &peer.cert_sha256)
-            .await
-            .map_err(|e| format!("prefill worker {}: {e}", peer.node_id))?;
-        tokio::spawn(dispatch_streams(conn.clone(), self.inbox.clone()));
-        conns.retain(|_, c| c.close_reason().is_none());
-        conns.insert(key, conn.clone());
-        Ok(conn)
     }
 }
 

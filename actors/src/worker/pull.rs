@@ -77,7 +77,7 @@ pub(super) async fn decode(
         ms = Empty,
         outcome = Empty,
         otel.status_code = Empty,
-        otel.status_message = Empty,
+        otel.status_description = Empty,
     );
     let started = Instant::now();
     let outcome = tokio::select! {
@@ -102,7 +102,7 @@ pub(super) async fn decode(
             kv.stats.fallback.fetch_add(1, Ordering::Relaxed);
             span.record("outcome", "fallback");
             span.record("otel.status_code", "ERROR");
-            span.record("otel.status_message", e.as_str());
+            span.record("otel.status_description", e.as_str());
             tracing::warn!(
                 "prefill on {} failed ({e}); prefilling {} tokens here",
                 peer.node_id,

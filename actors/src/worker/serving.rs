@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use kvmesh_discovery::Role;
 use kvmesh_gpu::kv_cache::KvEvent;
+use kvmesh_telemetry::RateLimited;
 use kvmesh_transport::wire::{
     self, CardReply, KvEventBatch, LoadReport, StreamRequest, TokenEvent, UniHeader,
 };
@@ -141,15 +142,35 @@ impl Serving {
         Some(report)
     }
 
-    /// Accepts connections until the endpoint closes.
+    /// Accepts connections until the endpoint closes. Refused handshakes (outsiders with
+    /// unknown certificates, garbage) are logged with the peer's address, a line every few
+    /// seconds at most, so a flood cannot flood the log.
     pub async fn accept_loop(self: Arc<Self>) {
+        let refusals = Arc::new(parking_lot::Mutex::new(RateLimited::default()));
         while let Some(incoming) = self.endpoint.accept().await {
             let serving = self.clone();
+            let refusals = refusals.clone();
+            let peer = incoming.remote_address();
             tokio::spawn(async move {
                 match incoming.await {
                     Ok(conn) => serving.serve_connection(conn).await,
-                    // Outsiders (unknown certificates) end here.
-                    Err(e) => tracing::warn!("refused a QUIC connection: {e}"),
+                    // A client's Initial packet that does not decrypt: after this process
+                    // was stopped (SIGSTOP, a debugger, a VM pause), the socket holds
+                    // retransmissions of handshakes it has since dropped, addressed to the
+                    // connection id it had chosen, from which QUIC derives other keys than
+                    // the client's. Stale, not hostile: not worth a warning.
+                    Err(e) if e.to_string().contains("authentication failed") => {
+                        tracing::debug!("dropped a stale QUIC handshake packet from {peer}: {e}");
+                    }
+                    Err(e) => {
+                        let mut log = refusals.lock();
+                        if log.ready() {
+                            tracing::warn!(
+                                "refused a QUIC connection from {peer}: {e}{}",
+                                log.suppressed_note()
+                            );
+                        }
+                    }
                 }
             });
         }

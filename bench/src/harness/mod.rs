@@ -10,6 +10,7 @@
 //! Everything here panics on what it does not expect: a process that does not start, an
 //! answer that is not JSON. Its callers are tests and measurements, where that is the report.
 
+pub mod abuse;
 pub mod http;
 pub mod load;
 
@@ -203,12 +204,21 @@ impl Proc {
     /// labels, or `name{a="x",b="y"}`).
     pub async fn metric(&self, http: &reqwest::Client, series: &str) -> f64 {
         let text = self.metrics(http).await;
-        text.lines()
-            .find(|l| series_matches(l, series))
-            .and_then(|l| l.rsplit(' ').next())
-            .and_then(|v| v.parse().ok())
-            .unwrap_or_else(|| panic!("no {series} in:\n{text}"))
+        value_of(&text, series).unwrap_or_else(|| panic!("no {series} in:\n{text}"))
     }
+
+    /// [`Proc::metric`], or `None` while the series does not exist yet (a router's pool
+    /// series appear once it has seen the pool's first worker): for waits.
+    pub async fn try_metric(&self, http: &reqwest::Client, series: &str) -> Option<f64> {
+        value_of(&self.metrics(http).await, series)
+    }
+}
+
+fn value_of(text: &str, series: &str) -> Option<f64> {
+    text.lines()
+        .find(|l| series_matches(l, series))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
 }
 
 /// Whether the exposition `line` is a sample of `series`: the same name, and every label

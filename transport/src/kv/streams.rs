@@ -12,10 +12,11 @@ use std::io::IoSlice;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
+use kvmesh_telemetry::RateLimited;
 use parking_lot::Mutex;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, Semaphore};
 use tokio::task::JoinSet;
 
 use super::{blocks_of, HostRegion, Kind, KvReceiver, KvSender, Landing, Lanes, TransferTotals};
@@ -454,9 +455,15 @@ impl KvInbox {
         self.len() == 0
     }
 
-    /// Accepts KV connections on a TCP listener until it fails; each must open with a hello
-    /// within 5 s.
+    /// Accepts KV connections on a TCP listener until it fails. Anyone who can reach the
+    /// port can connect, so nothing is committed before a connection proves it belongs to a
+    /// transfer: it must open with a hello (a frame of at most `KvStreamHello::MAX_BYTES`)
+    /// within `HELLO_TIMEOUT`, and at most `MAX_UNIDENTIFIED` connections wait for theirs;
+    /// one more is closed at once. Refusals are logged with the peer's address, a line every
+    /// few seconds at most.
     pub async fn serve_tcp(self, listener: Arc<TcpListener>) {
+        let waiting = Arc::new(Semaphore::new(MAX_UNIDENTIFIED));
+        let log = Arc::new(Mutex::new(RateLimited::default()));
         loop {
             let (mut s, peer) = match listener.accept().await {
                 Ok(x) => x,
@@ -466,24 +473,53 @@ impl KvInbox {
                     continue;
                 }
             };
+            let Ok(permit) = waiting.clone().try_acquire_owned() else {
+                refused(
+                    &log,
+                    peer,
+                    "too many connections are waiting for their hello",
+                );
+                continue;
+            };
             let _ = s.set_nodelay(true);
             let inbox = self.clone();
+            let log = log.clone();
             tokio::spawn(async move {
                 let hello = tokio::time::timeout(
-                    std::time::Duration::from_secs(5),
+                    HELLO_TIMEOUT,
                     wire::read_frame::<KvStreamHello, _>(&mut s),
                 )
                 .await;
-                match hello {
-                    Ok(Ok(Some(h))) => {
-                        if let Err(e) = inbox.deliver(&h, Box::new(s)) {
-                            tracing::warn!("KV connection from {peer} refused: {e}");
-                        }
-                    }
-                    _ => tracing::warn!("KV connection from {peer} sent no hello"),
-                }
+                drop(permit);
+                let why = match hello {
+                    Ok(Ok(Some(h))) => match inbox.deliver(&h, Box::new(s)) {
+                        Ok(()) => return,
+                        Err(e) => e,
+                    },
+                    Ok(Ok(None)) => "it closed before its hello".to_string(),
+                    Ok(Err(e)) => format!("its hello was bad: {e}"),
+                    Err(_) => format!("no hello within {HELLO_TIMEOUT:?}"),
+                };
+                refused(&log, peer, &why);
             });
         }
+    }
+}
+
+/// Connections waiting for their hello, at most; more are closed as they arrive.
+pub const MAX_UNIDENTIFIED: usize = 64;
+
+/// How long a connection has to send its hello (the sender writes it as soon as it has
+/// connected).
+pub const HELLO_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
+
+fn refused(log: &Mutex<RateLimited>, peer: SocketAddr, why: &str) {
+    let mut log = log.lock();
+    if log.ready() {
+        tracing::warn!(
+            "KV connection from {peer} refused: {why}{}",
+            log.suppressed_note()
+        );
     }
 }
 

@@ -10,6 +10,39 @@ use crate::TransportError;
 /// use their own streams).
 pub const MAX_FRAME: usize = 64 << 20;
 
+/// The largest frame a reader takes for a message type. What a peer can make a reader hold
+/// is bounded by the message it expects (a hello is a few dozen bytes), not by
+/// [`MAX_FRAME`]; and a reader grows its buffer only as bytes arrive (`body_step`), so a
+/// declared length alone commits at most [`FIRST_READ`].
+pub trait Bounded {
+    const MAX_BYTES: usize;
+}
+
+/// The most a reader allocates for a frame before any of its body has arrived.
+pub const FIRST_READ: usize = 64 << 10;
+
+/// The buffer length to read up to next, with `got` of `n` bytes in: at most double what
+/// arrived, so memory follows the bytes a peer actually sent.
+fn body_step(got: usize, n: usize) -> usize {
+    n.min((2 * got).max(FIRST_READ))
+}
+
+/// A frame's declared length, refused above `T`'s bound.
+fn checked_len<T: Bounded>(len: [u8; 4]) -> Result<usize, TransportError> {
+    let n = u32::from_le_bytes(len) as usize;
+    let max = T::MAX_BYTES.min(MAX_FRAME);
+    if n > max {
+        return Err(TransportError::Codec(format!(
+            "a {n}-byte {} frame is over its {max}-byte limit",
+            std::any::type_name::<T>()
+                .rsplit("::")
+                .next()
+                .unwrap_or("message")
+        )));
+    }
+    Ok(n)
+}
+
 /// What goes on the wire: any type rkyv archives with its default serializer.
 pub trait Encode:
     for<'a> rkyv::Serialize<
@@ -89,7 +122,7 @@ where
 pub async fn read_frame<T, R>(r: &mut R) -> Result<Option<T>, TransportError>
 where
     R: tokio::io::AsyncRead + Unpin,
-    T: rkyv::Archive,
+    T: rkyv::Archive + Bounded,
     T::Archived: for<'a> rkyv::bytecheck::CheckBytes<rkyv::api::high::HighValidator<'a, rancor::Error>>
         + rkyv::Deserialize<T, rkyv::api::high::HighDeserializer<rancor::Error>>,
 {
@@ -110,27 +143,27 @@ where
         }
         got += n;
     }
-    let n = u32::from_le_bytes(len) as usize;
-    if n > MAX_FRAME {
-        return Err(TransportError::Codec(format!(
-            "a {n}-byte frame is over the {MAX_FRAME}-byte limit"
-        )));
+    let n = checked_len::<T>(len)?;
+    let mut body = AlignedVec::<16>::new();
+    while body.len() < n {
+        let (got, next) = (body.len(), body_step(body.len(), n));
+        body.resize(next, 0);
+        r.read_exact(&mut body[got..])
+            .await
+            .map_err(|e| match e.kind() {
+                std::io::ErrorKind::UnexpectedEof => {
+                    TransportError::Codec("the stream ended inside a frame".into())
+                }
+                _ => io(e),
+            })?;
     }
-    let mut body = AlignedVec::<16>::with_capacity(n);
-    body.resize(n, 0);
-    r.read_exact(&mut body).await.map_err(|e| match e.kind() {
-        std::io::ErrorKind::UnexpectedEof => {
-            TransportError::Codec("the stream ended inside a frame".into())
-        }
-        _ => io(e),
-    })?;
     decode(&body).map(Some)
 }
 
 /// Reads one frame; `Ok(None)` when the peer finished the stream cleanly between frames.
 pub async fn read_msg<T>(recv: &mut quinn::RecvStream) -> Result<Option<T>, TransportError>
 where
-    T: rkyv::Archive,
+    T: rkyv::Archive + Bounded,
     T::Archived: for<'a> rkyv::bytecheck::CheckBytes<rkyv::api::high::HighValidator<'a, rancor::Error>>
         + rkyv::Deserialize<T, rkyv::api::high::HighDeserializer<rancor::Error>>,
 {
@@ -145,21 +178,21 @@ where
         }
         Err(quinn::ReadExactError::ReadError(e)) => return Err(e.into()),
     }
-    let n = u32::from_le_bytes(len) as usize;
-    if n > MAX_FRAME {
-        return Err(TransportError::Codec(format!(
-            "a {n}-byte frame is over the {MAX_FRAME}-byte limit"
-        )));
-    }
+    let n = checked_len::<T>(len)?;
     // Aligned, so the archive can be validated and read in place.
-    let mut body = AlignedVec::<16>::with_capacity(n);
-    body.resize(n, 0);
-    recv.read_exact(&mut body).await.map_err(|e| match e {
-        quinn::ReadExactError::FinishedEarly(_) => {
-            TransportError::Codec("the stream ended inside a frame".into())
-        }
-        quinn::ReadExactError::ReadError(e) => e.into(),
-    })?;
+    let mut body = AlignedVec::<16>::new();
+    while body.len() < n {
+        let (got, next) = (body.len(), body_step(body.len(), n));
+        body.resize(next, 0);
+        recv.read_exact(&mut body[got..])
+            .await
+            .map_err(|e| match e {
+                quinn::ReadExactError::FinishedEarly(_) => {
+                    TransportError::Codec("the stream ended inside a frame".into())
+                }
+                quinn::ReadExactError::ReadError(e) => e.into(),
+            })?;
+    }
     decode(&body).map(Some)
 }
 
@@ -229,5 +262,55 @@ mod tests {
         short.extend_from_slice(&good[..good.len() / 2]);
         assert!(decode::<TokenEvent>(&short).is_err());
         assert!(decode::<GenerateRequest>(&[1, 2, 3]).is_err());
+    }
+
+    /// A frame's bound is its message's: a hello declaring 64 MiB is refused on its length,
+    /// before anything is read or allocated; a large legitimate frame still arrives whole.
+    #[tokio::test]
+    async fn frames_are_bounded_by_their_message() {
+        let mut hostile = (64u32 * 1024 * 1024 - 16).to_le_bytes().to_vec();
+        hostile.extend_from_slice(&[0xAB; 4096]);
+        let e = read_frame::<KvStreamHello, _>(&mut &hostile[..])
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("KvStreamHello") && e.contains("256-byte limit"),
+            "{e}"
+        );
+        let e = read_frame::<LoadReport, _>(&mut &hostile[..])
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("LoadReport"), "{e}");
+
+        let hello = KvStreamHello {
+            transfer_id: 9,
+            secret: 77,
+            stream: 1,
+        };
+        let f = frame(&hello).unwrap();
+        assert!(f.len() - 4 <= KvStreamHello::MAX_BYTES);
+        assert_eq!(
+            read_frame::<KvStreamHello, _>(&mut &f[..]).await.unwrap(),
+            Some(hello)
+        );
+
+        // 3 MiB of prompt: read in growing steps, whole.
+        let big = StreamRequest::Card {
+            fingerprint: "f".repeat(3 << 20),
+        };
+        let f = frame(&big).unwrap();
+        assert!(f.len() > 16 * FIRST_READ);
+        assert_eq!(
+            read_frame::<StreamRequest, _>(&mut &f[..]).await.unwrap(),
+            Some(big)
+        );
+        // Cut short: an error, not a hang or a panic.
+        let cut = &f[..f.len() / 2];
+        assert!(read_frame::<StreamRequest, _>(&mut &cut[..]).await.is_err());
+        assert_eq!(body_step(0, 10), 10);
+        assert_eq!(body_step(0, 1 << 20), FIRST_READ);
+        assert_eq!(body_step(FIRST_READ, 1 << 20), 2 * FIRST_READ);
     }
 }

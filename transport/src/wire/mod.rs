@@ -6,6 +6,7 @@ pub mod frame;
 pub mod msg;
 
 pub use frame::{
-    decode, encode, frame, frame_into, read_frame, read_msg, write_msg, Encode, MAX_FRAME,
+    decode, encode, frame, frame_into, read_frame, read_msg, write_msg, Bounded, Encode,
+    FIRST_READ, MAX_FRAME,
 };
 pub use msg::*;

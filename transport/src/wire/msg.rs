@@ -323,3 +323,40 @@ pub struct KvPiece {
     pub bytes_per_pos: u32,
     pub payload_bytes: u64,
 }
+
+/// Each message's frame bound (see [`Bounded`]): generous for what it can legitimately hold,
+/// and far below [`MAX_FRAME`] where that is small.
+mod bounds {
+    use super::*;
+    use crate::wire::frame::{Bounded, MAX_FRAME};
+
+    const KIB: usize = 1 << 10;
+    const MIB: usize = 1 << 20;
+
+    macro_rules! bounded {
+        ($($t:ty => $max:expr),* $(,)?) => {
+            $(impl Bounded for $t { const MAX_BYTES: usize = $max; })*
+        };
+    }
+
+    bounded! {
+        // A prompt at the longest context and a grammar: as large as a frame may be.
+        GenerateRequest => MAX_FRAME,
+        StreamRequest => MAX_FRAME,
+        // A model card carries the tokenizer (tens of MB for the largest vocabularies).
+        CardReply => MAX_FRAME,
+        // A token, its text and top logprobs, or the final statistics.
+        TokenEvent => 4 * MIB,
+        // The snapshot of a large cache's block hashes.
+        KvEventBatch => 32 * MIB,
+        // A KV layout with a UCX key per buffer of every layer.
+        PrefillEvent => 16 * MIB,
+        // Fixed-size headers and reports.
+        UniHeader => 4 * KIB,
+        LoadReport => 4 * KIB,
+        KvStreamHello => 256,
+        // A piece's destination blocks.
+        KvPiece => MIB,
+        KvLandedNotice => MIB,
+    }
+}

@@ -3,12 +3,15 @@
 //! connections, connections dripping their headers, near-limit prompts of ~1.9 MB,
 //! streams dropped after their first token, and a worker killed and replaced. Prints the
 //! normal requests' latency in both phases, what the abusers got, and the gateway's memory
-//! before and after; writes JSON.
+//! before and after. Then the mesh's own ports: strangers on a decode node's KV listener,
+//! and a prefill peer frozen under 16 long prompts (`peers`). Writes JSON.
 //!
 //! Bounded: a fixed number of normal requests per phase, a fixed number of abusers, each
 //! with a deadline.
 //!
 //! `cargo build --release && target/release/soak-bench [--quick] [--json PATH]`
+
+mod peers;
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -16,8 +19,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use clap::Parser;
+use kvmesh_bench::harness::abuse::rss_mib;
 use kvmesh_bench::harness::load::{pct, run_load, shakespeare_lines, Sample};
-use kvmesh_bench::harness::{load_client, wait_workers, Proc};
+use kvmesh_bench::harness::{load_client, wait_workers};
 use kvmesh_bench::programs::{kvmesh, write_results};
 use kvmesh_discovery::testing::Etcd;
 use serde_json::{json, Value};
@@ -36,17 +40,6 @@ struct Args {
     /// Where the results go.
     #[arg(long, value_name = "PATH", default_value = "bench/results/soak.json")]
     json: PathBuf,
-}
-
-fn rss_mib(p: &Proc) -> f64 {
-    let status =
-        std::fs::read_to_string(format!("/proc/{}/status", p.child.id())).unwrap_or_default();
-    status
-        .lines()
-        .find(|l| l.starts_with("VmRSS:"))
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|kb| kb.parse::<f64>().ok())
-        .map_or(f64::NAN, |kb| kb / 1024.0)
 }
 
 fn host_port(url: &str) -> String {
@@ -312,7 +305,8 @@ async fn main() {
     abusers.extend(large_prompts(&http, &gw.http, deadline, &tally));
     abusers.extend(dropped_streams(&http, &gw.http, deadline, &tally));
     // The normal load again beside the abusers, then once more while a worker is killed
-    // (SIGKILL: its requests wait out the QUIC idle timeout, then move) and replaced.
+    // (SIGKILL: the router hears nothing from it for 0.7 s, closes its connection, and its
+    // requests move) and replaced.
     let (abused_only, abused_only_wall) = run_load(&http, &gw.http, prompts(0), 16, 8).await;
     let load = {
         let (http, base) = (http.clone(), gw.http.clone());
@@ -337,5 +331,8 @@ async fn main() {
         normal_row("with abuse", &abused_only, abused_only_wall),
         normal_row("with abuse and a worker killed", &abused, abused_wall),
     ];
-    write_results(&args.json, args.quick, report(rows, &tally, &rss));
+    let mut results = report(rows, &tally, &rss);
+    results["kv_listener"] = tokio::task::block_in_place(|| peers::kv_listener_abuse(&km, &etcd));
+    results["stalled_prefill_peer"] = peers::stalled_prefill_peer(&km, &etcd, &http).await;
+    write_results(&args.json, args.quick, results);
 }
