@@ -323,6 +323,7 @@ async fn connection(
         io: tcp,
         clock: clock.clone(),
         rewrite: None,
+        linger: None,
     });
     let body_timeout = limits.body_timeout;
     let svc = {
@@ -384,6 +385,8 @@ struct Clock {
     phase: Mutex<Phase>,
     /// Whether the phase is `Idle` (read on every socket read; the lock only on changes).
     idle_now: AtomicBool,
+    /// A request body was refused before it was read (413): drain it before closing.
+    linger: AtomicBool,
     changed: Notify,
 }
 
@@ -396,6 +399,7 @@ impl Clock {
                 limits.header_timeout.map(|d| Instant::now() + d),
             )),
             idle_now: AtomicBool::new(false),
+            linger: AtomicBool::new(false),
             changed: Notify::new(),
         }
     }
@@ -478,7 +482,17 @@ struct Watched {
     /// An answer written in place of one of hyper's, and how far it got: `(bytes, sent,
     /// the length of hyper's answer)`.
     rewrite: Option<(Vec<u8>, usize, usize)>,
+    /// Closing: until when, and how many more bytes, the rest of the request is read and
+    /// dropped (`poll_shutdown`).
+    linger: Option<(Pin<Box<tokio::time::Sleep>>, usize)>,
 }
+
+/// A closing connection reads and drops what its client is still sending, for at most this
+/// long and this much, before it closes: closing with unread bytes makes the kernel reset
+/// the connection, and a client still writing a body the server refused (a 413 sent before
+/// the body was read) would see the reset instead of the answer.
+const LINGER_TIME: Duration = Duration::from_secs(5);
+const LINGER_BYTES: usize = 64 << 20;
 
 impl Watched {
     /// Writes the rewritten answer to its end, then says hyper's was written.
@@ -553,8 +567,31 @@ impl AsyncWrite for Watched {
         Pin::new(&mut self.io).poll_flush(cx)
     }
 
+    /// Sends the end of the answer; after a body refused unread, lingers (`LINGER_TIME`)
+    /// until the client has stopped sending it.
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.io).poll_shutdown(cx)
+        if !self.clock.linger.load(Ordering::Relaxed) {
+            return Pin::new(&mut self.io).poll_shutdown(cx);
+        }
+        if self.linger.is_none() {
+            std::task::ready!(Pin::new(&mut self.io).poll_shutdown(cx))?;
+            self.linger = Some((Box::pin(tokio::time::sleep(LINGER_TIME)), LINGER_BYTES));
+        }
+        let this = &mut *self;
+        let (deadline, left) = this.linger.as_mut().expect("set above");
+        let mut buf = [0u8; 16 << 10];
+        loop {
+            if *left == 0 || deadline.as_mut().poll(cx).is_ready() {
+                return Poll::Ready(Ok(()));
+            }
+            let mut rb = ReadBuf::new(&mut buf);
+            match Pin::new(&mut this.io).poll_read(cx, &mut rb) {
+                Poll::Ready(Ok(())) if rb.filled().is_empty() => return Poll::Ready(Ok(())),
+                Poll::Ready(Ok(())) => *left = left.saturating_sub(rb.filled().len()),
+                Poll::Ready(Err(_)) => return Poll::Ready(Ok(())),
+                Poll::Pending => return Poll::Pending,
+            }
+        }
     }
 }
 
@@ -589,6 +626,9 @@ async fn handle(
         Ok(r) => r,
         Err(never) => match never {},
     };
+    if resp.status() == StatusCode::PAYLOAD_TOO_LARGE {
+        clock.linger.store(true, Ordering::Relaxed);
+    }
     // The trace middleware has already answered 408 on the API's routes (with the trace's
     // headers); elsewhere the handler's read error becomes one here.
     let resp = if late.load(Ordering::Relaxed) && resp.status() != StatusCode::REQUEST_TIMEOUT {

@@ -154,19 +154,22 @@ impl Serving {
             tokio::spawn(async move {
                 match incoming.await {
                     Ok(conn) => serving.serve_connection(conn).await,
-                    // A client's Initial packet that does not decrypt: after this process
-                    // was stopped (SIGSTOP, a debugger, a VM pause), the socket holds
-                    // retransmissions of handshakes it has since dropped, addressed to the
-                    // connection id it had chosen, from which QUIC derives other keys than
-                    // the client's. Stale, not hostile: not worth a warning.
-                    Err(e) if e.to_string().contains("authentication failed") => {
-                        tracing::debug!("dropped a stale QUIC handshake packet from {peer}: {e}");
-                    }
                     Err(e) => {
+                        // "authentication failed": a client Initial packet that does not
+                        // decrypt. Garbage does that; so do retransmissions of handshakes
+                        // this node dropped while it was paused (SIGSTOP, a debugger, a VM
+                        // pause), sent to the connection id it had chosen, from which QUIC
+                        // derives other keys than the client used.
+                        let hint = if e.to_string().contains("authentication failed") {
+                            " (a handshake packet that does not decrypt: garbage, or stale \
+                             retransmissions if this process was paused)"
+                        } else {
+                            ""
+                        };
                         let mut log = refusals.lock();
                         if log.ready() {
                             tracing::warn!(
-                                "refused a QUIC connection from {peer}: {e}{}",
+                                "refused a QUIC connection from {peer}: {e}{hint}{}",
                                 log.suppressed_note()
                             );
                         }
