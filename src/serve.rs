@@ -14,7 +14,9 @@ use kvmesh_gpu::backend::sim::SimTiming;
 use kvmesh_gpu::card::ModelCard;
 use kvmesh_gpu::engine::{self, EngineConfig};
 use kvmesh_gpu::guided::LazyGuides;
-use kvmesh_gpu::model::{build_backend, resolve_device, BackendKind, KvBudget, LoadedModel};
+use kvmesh_gpu::model::{
+    build_backend, resolve_device, BackendKind, KvBudget, LoadedModel, Numerics,
+};
 
 /// What computes the model's steps.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -98,6 +100,15 @@ pub struct EngineArgs {
 }
 
 impl EngineArgs {
+    /// Whose numbers the engine's tokens are: `--backend sim` makes them up. A node without
+    /// an engine given `--model` and `--backend sim` stands for the sim workers of that model.
+    pub fn numerics(&self) -> Numerics {
+        match self.backend {
+            BackendArg::Cpu => Numerics::Model,
+            BackendArg::Sim => Numerics::Simulated,
+        }
+    }
+
     /// What runs the model, from `--backend`, `--device`, `--enforce-eager` and the sim
     /// timing: the one place those flags are read together.
     pub fn backend_kind(&self) -> anyhow::Result<BackendKind> {
@@ -184,6 +195,10 @@ pub struct HttpArgs {
     /// Seconds a client has to send a whole request body once its head is in; then 408.
     #[arg(long, value_name = "SECONDS", value_parser = seconds, default_value_t = http::DEFAULT_BODY_TIMEOUT_S)]
     pub http_body_timeout: f64,
+    /// Seconds a client may take no byte of its answer while bytes wait for it; then the
+    /// connection is closed and its request cancelled.
+    #[arg(long, value_name = "SECONDS", value_parser = seconds, default_value_t = http::DEFAULT_SEND_TIMEOUT_S)]
+    pub http_send_timeout: f64,
     /// Open HTTP connections at most (also capped below the open-file limit); beyond it,
     /// new connections get 503.
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..), default_value_t = http::DEFAULT_MAX_CONNECTIONS as u64)]
@@ -197,6 +212,7 @@ impl HttpArgs {
             header_timeout: t(self.http_header_timeout),
             idle_timeout: t(self.http_idle_timeout),
             body_timeout: t(self.http_body_timeout),
+            send_timeout: t(self.http_send_timeout),
             max_connections: self.max_connections.min(usize::MAX as u64) as usize,
         }
     }
@@ -292,7 +308,7 @@ pub fn start_engine_with(args: &EngineArgs, model: &LoadedModel) -> anyhow::Resu
         .served_model_name
         .clone()
         .unwrap_or_else(|| model.name.clone());
-    let fingerprint = model.fingerprint();
+    let fingerprint = model.fingerprint(args.numerics());
     let budget = match args.num_kv_blocks {
         Some(n) => KvBudget::Blocks(n),
         None => KvBudget::Bytes((args.kv_cache_gib * (1u64 << 30) as f64) as usize),
@@ -347,7 +363,15 @@ pub fn start_engine_with(args: &EngineArgs, model: &LoadedModel) -> anyhow::Resu
         model.config.num_params() as f64 / 1e6,
         args.block_size,
     );
-    let card = ModelCard::of(model, &name, max_model_len, args.block_size, None)?.to_bytes();
+    let card = ModelCard::of(
+        model,
+        args.numerics(),
+        &name,
+        max_model_len,
+        args.block_size,
+        None,
+    )?
+    .to_bytes();
     Ok(StartedEngine {
         name,
         tokenizer: model.tokenizer.clone(),

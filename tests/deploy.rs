@@ -702,6 +702,7 @@ fn cluster_sh_refuses_bad_worker_specs() {
         "worker:sim@",
         "prefill",
         "prefill:cpu:2",
+        "worker:cpu,worker:sim",
     ] {
         let out = cluster.script(&["up", "--workers", spec]);
         assert!(!out.status.success(), "{spec} accepted:\n{}", text(&out));

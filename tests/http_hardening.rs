@@ -449,6 +449,58 @@ async fn the_connection_cap_stays_below_the_open_file_limit() {
     assert!(!log.contains("Too many open files"), "{log}");
 }
 
+/// A client that stops reading its answers holds its connection for the send timeout, not
+/// for ever: with one connection allowed, a client pipelining requests (megabytes of
+/// answers) and reading none is closed after `--http-send-timeout`, and others are served.
+#[tokio::test]
+async fn a_client_that_stops_reading_is_closed_after_the_send_timeout() {
+    let mut s = Proc::serve(&[
+        "--backend",
+        "sim",
+        "--num-kv-blocks",
+        "64",
+        "--max-connections",
+        "1",
+        "--http-send-timeout",
+        "1",
+    ]);
+    let sock = TcpStream::connect(&s.addr).await.unwrap();
+    let (unread, mut write) = sock.into_split();
+    // 40,000 requests (1.5 MB), answered with ~14 MB: more than the sockets' buffers hold.
+    let requests = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n".repeat(40_000);
+    let writer = tokio::spawn(async move {
+        let _ = tokio::time::timeout(Duration::from_secs(20), write.write_all(&requests)).await;
+        write
+    });
+    // The only connection is taken: another client is refused meanwhile.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut other = TcpStream::connect(&s.addr).await.unwrap();
+    other
+        .write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        .await
+        .unwrap();
+    let (_, got) = wait_closed(&mut other, 5.0).await;
+    assert!(
+        got.starts_with(b"HTTP/1.1 503"),
+        "{}",
+        String::from_utf8_lossy(&got)
+    );
+    // Then the stalled one is closed, and the place is free.
+    let t = Instant::now();
+    assert!(
+        s.healthy_within(15).await,
+        "a client that reads nothing still holds the only connection"
+    );
+    assert!(
+        s.wait_log("took no byte of the answer for 1s"),
+        "{}",
+        s.log()
+    );
+    eprintln!("served again {:?} after the refused one", t.elapsed());
+    drop((unread, writer.await.unwrap()));
+    assert!(s.alive());
+}
+
 /// Item 2: prompts longer in bytes than the context could hold are refused before
 /// tokenizing, quickly, while /health keeps answering, and memory stays small.
 #[tokio::test]

@@ -106,6 +106,32 @@ fn gateway(etcd: &Etcd, cluster: &str, extra: &[&str]) -> Proc {
     kvmesh().node(etcd, cluster, "gw", &args)
 }
 
+/// Runs a gateway node to its end (one that is refused at start-up), with its output.
+fn gateway_run(etcd: &Etcd, cluster: &str, id: &str, extra: &[&str]) -> std::process::Output {
+    Command::new(bin())
+        .args([
+            "node",
+            "--etcd",
+            &etcd.url(),
+            "--cluster",
+            cluster,
+            "--node-id",
+            id,
+        ])
+        .args([
+            "--roles",
+            "gateway,router",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+        ])
+        .args(extra)
+        .stdout(Stdio::null())
+        .output()
+        .unwrap()
+}
+
 fn completion(model: &str, prompt: &str) -> Value {
     json!({"model": model, "prompt": prompt, "max_tokens": 12, "temperature": 0,
            "ignore_eos": true, "return_token_ids": true})
@@ -432,28 +458,12 @@ async fn a_name_means_one_model() {
         &["--roles", "worker", "--backend", "sim"],
     );
     // The gateway's --model is another model under the workers' name.
-    let out = Command::new(bin())
-        .args([
-            "node",
-            "--etcd",
-            &etcd.url(),
-            "--cluster",
-            "mn",
-            "--node-id",
-            "gw-x",
-        ])
-        .args([
-            "--roles",
-            "gateway,router",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            "0",
-        ])
-        .args(["--model", other_s, "--served-model-name", "shakespeare"])
-        .stdout(Stdio::null())
-        .output()
-        .unwrap();
+    let out = gateway_run(
+        &etcd,
+        "mn",
+        "gw-x",
+        &["--model", other_s, "--served-model-name", "shakespeare"],
+    );
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
@@ -494,4 +504,102 @@ async fn a_name_means_one_model() {
         "{table}"
     );
     assert!(table.contains("2 fingerprints under one name"), "{table}");
+}
+
+/// The sim backend makes its tokens up, so a sim worker of a model publishes a fingerprint
+/// of its own: beside a worker computing the model, under the model's name, it is refused
+/// (saying why) and every answer is the model's. A gateway given `--model` stands for the
+/// model's math, and with `--backend sim` for sim workers; the wrong one is stopped at
+/// start-up naming the sim backend.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sim_workers_and_workers_computing_the_model_never_share_a_name() {
+    let etcd = Etcd::start();
+    let http = client();
+    let _real = kvmesh().node(
+        &etcd,
+        "sc",
+        "real",
+        &["--roles", "worker", "--backend", "cpu"],
+    );
+    let gw = gateway(&etcd, "sc", &[]);
+    kvmesh_bench::harness::wait_workers(&http, &gw, 1).await;
+    let _fake = kvmesh().node(
+        &etcd,
+        "sc",
+        "fake",
+        &["--roles", "worker", "--backend", "sim"],
+    );
+    wait_for("the sim worker refused", 20, async || {
+        status(&http, &gw).await["router"]["refused"]
+            .as_array()
+            .is_some_and(|r| r.iter().any(|w| w["node_id"] == "fake"))
+    })
+    .await;
+    let refused = status(&http, &gw).await["router"]["refused"].to_string();
+    assert!(refused.contains("sim backend's tokens"), "{refused}");
+    // Every answer is the model's own, as `kvmesh serve` computes it.
+    let alone = Server::start(&["--backend", "cpu"]);
+    for prompt in ["To be, or not", "ROMEO:", "Who goes there?", "My lord"] {
+        let body = completion("shakespeare", prompt);
+        let (st, mesh) = send(&http, &gw.http, "/v1/completions", &body).await;
+        assert_eq!(st, 200, "{mesh}");
+        let (_, want) = send(&http, &alone.base, "/v1/completions", &body).await;
+        assert_eq!(
+            essence(&mesh),
+            essence(&want),
+            "{prompt}: not the model's answer"
+        );
+    }
+
+    // A gateway pinned to a model on disk: with --backend sim it stands for sim workers of
+    // it, without it for the model's math and refuses to start beside them.
+    let tmp = TempDir::new("sim-pin");
+    let other = other_model(&tmp.0);
+    let other_s = other.to_str().unwrap();
+    let model = ["--model", other_s, "--served-model-name", "q"];
+    let _sim_q = kvmesh().node(
+        &etcd,
+        "sc",
+        "sim-q",
+        &[&["--roles", "worker", "--backend", "sim"][..], &model].concat(),
+    );
+    wait_for("the sim worker of q registered", 20, async || {
+        kvmesh().cluster_status(&etcd, "sc").contains("sim-q")
+    })
+    .await;
+    let out = gateway_run(&etcd, "sc", "gw-math", &model);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("sim-q") && err.contains("--backend sim"),
+        "a gateway pinned to the model's math started beside a sim worker: {err}"
+    );
+    let sim_gw = kvmesh().node(
+        &etcd,
+        "sc",
+        "gw-sim",
+        &[
+            &[
+                "--roles",
+                "gateway,router",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "0",
+            ][..],
+            &model,
+            &["--backend", "sim"],
+        ]
+        .concat(),
+    );
+    wait_for("gw-sim routes to the sim worker of q", 20, async || {
+        send(
+            &http,
+            &sim_gw.http,
+            "/v1/completions",
+            &completion("q", "Hi"),
+        )
+        .await
+        .0 == 200
+    })
+    .await;
 }

@@ -36,7 +36,7 @@ Options (up):
                                      --model, else the embedded model); the gateway serves
                                      every model its workers serve
                           A bare number N means N x worker:sim.
-                          e.g. "worker:sim:2", "worker:cpu,worker:sim", "prefill:cpu,decode:cpu",
+                          e.g. "worker:sim:2", "worker:cpu:2", "prefill:cpu,decode:cpu",
                           "worker:cpu worker:cpu@/models/qwen2"
   -p, --port PORT         the gateway's HTTP port (default: \$KVMESH_PORT, else a free one)
       --host HOST         the gateway's HTTP address (default: 127.0.0.1)
@@ -69,7 +69,7 @@ Environment:
 
 Examples:
   $PROG up                                    # etcd, a gateway and two sim workers
-  $PROG up -w "worker:cpu worker:sim:2" -p 8000
+  $PROG up -w "worker:cpu prefill:cpu decode:cpu" -p 8000
   $PROG up -w prefill:cpu,decode:cpu -- --threads 1
   $PROG up -w 4 -- --kv-cache-gib 0.25        # a sim worker's KV cache is real memory too:
                                               # about 300 MiB each instead of 1.1 GiB
@@ -353,6 +353,17 @@ parse_workers() {
         [ -n "${decodes["m:${WORKER_MODELS[$i]}"]:-}" ] ||
             die "bad workers '$1': ${WORKER_MODELS[$i]:-the default model} has prefill nodes but no worker or decode node to serve it"
     done
+    # The sim backend makes its tokens up: its nodes and those computing the model never
+    # serve one model name together (routers keep them apart by fingerprint).
+    declare -A backend_of=()
+    for i in "${!WORKER_IDS[@]}"; do
+        local key="m:${WORKER_MODELS[$i]}" b="${WORKER_BACKENDS[$i]}"
+        [ "${backend_of[$key]:-$b}" = "$b" ] ||
+            die "bad workers '$1': ${WORKER_MODELS[$i]:-${MODEL:-the embedded model}} has both sim and cpu nodes; the sim backend's tokens are not the model's, so one model is served by one of them (give the others another model with @MODEL)"
+        backend_of[$key]="$b"
+    done
+    # What the gateway's --model is computed by: the backend of the nodes serving it.
+    MODEL_BACKEND="${backend_of["m:"]:-}"
 }
 
 # Starts a background process: $1 the name (log and pid file), the rest the command.
@@ -467,7 +478,7 @@ cmd_up() {
     [ -z "$GRACE" ] || common+=(--shutdown-grace "$GRACE")
     local -a gw_flags=(--roles "gateway,router" --host "$HOST" --port "$PORT")
     [ -z "$POLICY" ] || gw_flags+=(--policy "$POLICY")
-    [ -z "$MODEL" ] || gw_flags+=(--model "$MODEL")
+    [ -z "$MODEL" ] || gw_flags+=(--model "$MODEL" --backend "${MODEL_BACKEND:-cpu}")
 
     # Plain log files: no colour codes.
     export NO_COLOR=1

@@ -54,6 +54,12 @@ impl NodeRecord {
     pub fn has_role(&self, role: Role) -> bool {
         self.roles.contains(&role)
     }
+
+    /// Whether the node runs the sim backend, whose tokens are a timing model's and not its
+    /// model's (its fingerprint is of its own for that reason).
+    pub fn simulated(&self) -> bool {
+        self.device.split([' ', ':']).next() == Some("sim")
+    }
 }
 
 /// The current members, by node_id.

@@ -9,7 +9,10 @@
 //! - At most `max_connections` connections are open (never more than the open-file limit
 //!   allows, less a margin); beyond it a new connection gets a 503 at once and is closed. An
 //!   accept that fails (out of file descriptors) is retried after a short pause.
-//! - Responses, streamed ones included, are never cut by these timeouts.
+//! - A client that takes no byte of its answer for the send timeout, while the server has
+//!   bytes waiting for it, is closed (its request is cancelled): a client that stopped
+//!   reading holds a connection and a response for that long at most.
+//! - Responses, streamed ones included, are never cut by the other timeouts.
 //! - Errors made below the API's handlers (unknown route, wrong method, body too large or
 //!   too slow, a rejected extractor) are answered in the OpenAI error shape.
 //!
@@ -48,6 +51,7 @@ use crate::raw_errors;
 pub const DEFAULT_HEADER_TIMEOUT_S: f64 = 10.0;
 pub const DEFAULT_IDLE_TIMEOUT_S: f64 = 75.0;
 pub const DEFAULT_BODY_TIMEOUT_S: f64 = 30.0;
+pub const DEFAULT_SEND_TIMEOUT_S: f64 = 30.0;
 pub const DEFAULT_MAX_CONNECTIONS: usize = 1024;
 
 /// The largest request body the API reads (axum's default, made explicit for messages).
@@ -66,6 +70,9 @@ pub struct HttpLimits {
     pub idle_timeout: Option<Duration>,
     /// A request body must be complete this long after its head.
     pub body_timeout: Option<Duration>,
+    /// A client that takes no byte of the answer for this long, while bytes wait for it, is
+    /// closed.
+    pub send_timeout: Option<Duration>,
     /// Open connections at most (capped by the open-file limit).
     pub max_connections: usize,
 }
@@ -77,6 +84,7 @@ impl Default for HttpLimits {
             header_timeout: s(DEFAULT_HEADER_TIMEOUT_S),
             idle_timeout: s(DEFAULT_IDLE_TIMEOUT_S),
             body_timeout: s(DEFAULT_BODY_TIMEOUT_S),
+            send_timeout: s(DEFAULT_SEND_TIMEOUT_S),
             max_connections: DEFAULT_MAX_CONNECTIONS,
         }
     }
@@ -324,6 +332,8 @@ async fn connection(
         clock: clock.clone(),
         rewrite: None,
         linger: None,
+        send_timeout: limits.send_timeout,
+        stalled: None,
     });
     let body_timeout = limits.body_timeout;
     let svc = {
@@ -485,6 +495,10 @@ struct Watched {
     /// Closing: until when, and how many more bytes, the rest of the request is read and
     /// dropped (`poll_shutdown`).
     linger: Option<(Pin<Box<tokio::time::Sleep>>, usize)>,
+    send_timeout: Option<Duration>,
+    /// Since the socket last refused bytes (its buffer full, the client not reading): the
+    /// send timeout's timer, dropped as soon as a write goes through.
+    stalled: Option<Pin<Box<tokio::time::Sleep>>>,
 }
 
 /// A closing connection reads and drops what its client is still sending, for at most this
@@ -494,22 +508,62 @@ struct Watched {
 const LINGER_TIME: Duration = Duration::from_secs(5);
 const LINGER_BYTES: usize = 64 << 20;
 
+/// Connections closed for a client that stopped reading, logged at most every 5 s.
+static SEND_STALLS: Mutex<RateLimited> = Mutex::new(RateLimited::new());
+
 impl Watched {
+    /// A write's outcome, timed: pending writes for the whole send timeout become an error,
+    /// which ends the connection.
+    fn timed<T>(&mut self, cx: &mut Context<'_>, r: Poll<io::Result<T>>) -> Poll<io::Result<T>> {
+        if r.is_ready() {
+            self.stalled = None;
+            return r;
+        }
+        let Some(after) = self.send_timeout else {
+            return r;
+        };
+        let timer = self
+            .stalled
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep(after)));
+        if timer.as_mut().poll(cx).is_pending() {
+            return Poll::Pending;
+        }
+        let mut log = SEND_STALLS.lock().unwrap_or_else(|e| e.into_inner());
+        if log.ready() {
+            tracing::info!(
+                "closing an HTTP connection: its client took no byte of the answer for \
+                 {after:?}{}",
+                log.suppressed_note()
+            );
+        }
+        Poll::Ready(Err(io::Error::new(
+            io::ErrorKind::TimedOut,
+            format!("the client took no byte of the answer for {after:?}"),
+        )))
+    }
+
     /// Writes the rewritten answer to its end, then says hyper's was written.
     fn poll_rewrite(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<usize>> {
-        while let Some((bytes, sent, replaced)) = &mut self.rewrite {
+        loop {
+            let Some((bytes, sent, replaced)) = &self.rewrite else {
+                return Poll::Ready(Ok(0));
+            };
             if *sent == bytes.len() {
                 let n = *replaced;
                 self.rewrite = None;
                 return Poll::Ready(Ok(n));
             }
-            match Pin::new(&mut self.io).poll_write(cx, &bytes[*sent..]) {
+            let r = Pin::new(&mut self.io).poll_write(cx, &bytes[*sent..]);
+            match self.timed(cx, r) {
                 Poll::Ready(Ok(0)) => return Poll::Ready(Ok(0)),
-                Poll::Ready(Ok(n)) => *sent += n,
+                Poll::Ready(Ok(n)) => {
+                    if let Some((_, sent, _)) = &mut self.rewrite {
+                        *sent += n;
+                    }
+                }
                 other => return other,
             }
         }
-        Poll::Ready(Ok(0))
     }
 }
 
@@ -542,7 +596,8 @@ impl AsyncWrite for Watched {
         if self.rewrite.is_some() {
             return self.poll_rewrite(cx);
         }
-        Pin::new(&mut self.io).poll_write(cx, buf)
+        let r = Pin::new(&mut self.io).poll_write(cx, buf);
+        self.timed(cx, r)
     }
 
     fn poll_write_vectored(
@@ -556,7 +611,8 @@ impl AsyncWrite for Watched {
             let joined: Vec<u8> = bufs.iter().flat_map(|b| b.iter().copied()).collect();
             return self.poll_write(cx, &joined);
         }
-        Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
+        let r = Pin::new(&mut self.io).poll_write_vectored(cx, bufs);
+        self.timed(cx, r)
     }
 
     fn is_write_vectored(&self) -> bool {

@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
-use crate::model::{fingerprint_of, LoadedModel};
+use crate::model::{fingerprint_of, LoadedModel, Numerics};
 use crate::tokenizer::{TextTokenizer, TokenizerFiles};
 
 /// The card's format; a card of another format is refused, naming both.
@@ -24,7 +24,8 @@ pub struct ModelCard {
     /// The name the model is served under.
     pub name: String,
     pub fingerprint: String,
-    /// The weights' digest ([`LoadedModel::weights_digest`]), a part of the fingerprint.
+    /// The weights' digest as served ([`LoadedModel::served_digest`]: it says whether the
+    /// tokens are the model's or the sim backend's), a part of the fingerprint.
     pub weights_digest: String,
     /// Hugging Face architecture, e.g. `LlamaForCausalLM`.
     pub architecture: String,
@@ -51,9 +52,10 @@ pub struct CardModel {
 }
 
 impl ModelCard {
-    /// The card of `model` as a worker serves it under `name`.
+    /// The card of `model` as a worker serves it under `name`, computing with `numerics`.
     pub fn of(
         model: &LoadedModel,
+        numerics: Numerics,
         name: &str,
         max_model_len: usize,
         block_size: usize,
@@ -64,8 +66,8 @@ impl ModelCard {
         Ok(ModelCard {
             format: CARD_FORMAT,
             name: name.to_string(),
-            fingerprint: model.fingerprint(),
-            weights_digest: model.weights_digest(),
+            fingerprint: model.fingerprint(numerics),
+            weights_digest: model.served_digest(numerics),
             architecture: model.config.arch.architecture_name().to_string(),
             max_model_len,
             block_size,
@@ -162,10 +164,10 @@ mod tests {
     #[test]
     fn a_card_round_trips_and_gives_back_the_fingerprint_and_tokenizer() {
         let m = embedded();
-        let card = ModelCard::of(&m, "shakespeare", 512, 16, None).unwrap();
+        let card = ModelCard::of(&m, Numerics::Model, "shakespeare", 512, 16, None).unwrap();
         let back = ModelCard::from_bytes(&card.to_bytes()).unwrap();
         assert_eq!(back, card);
-        let loaded = back.load(&m.fingerprint()).unwrap();
+        let loaded = back.load(&m.fingerprint(Numerics::Model)).unwrap();
         let text = "To be, or not to be";
         assert_eq!(
             loaded.tokenizer.encode(text, false).unwrap(),
@@ -177,8 +179,8 @@ mod tests {
     #[test]
     fn a_changed_or_foreign_card_is_refused_naming_why() {
         let m = embedded();
-        let card = ModelCard::of(&m, "shakespeare", 512, 16, None).unwrap();
-        let fp = m.fingerprint();
+        let card = ModelCard::of(&m, Numerics::Model, "shakespeare", 512, 16, None).unwrap();
+        let fp = m.fingerprint(Numerics::Model);
         // Another model's fingerprint.
         let err = card
             .clone()
@@ -207,9 +209,33 @@ mod tests {
     }
 
     #[test]
+    fn the_sim_backend_serves_another_fingerprint_and_its_card_says_so() {
+        let m = embedded();
+        let real = m.fingerprint(Numerics::Model);
+        let sim = m.fingerprint(Numerics::Simulated);
+        assert_ne!(real, sim);
+        assert!(sim.chars().all(|c| c.is_ascii_hexdigit()) && sim.len() == real.len());
+        let card = ModelCard::of(&m, Numerics::Simulated, "shakespeare", 512, 16, None).unwrap();
+        assert!(
+            card.weights_digest.starts_with("sim-"),
+            "{}",
+            card.weights_digest
+        );
+        // A gateway pinned to the model's own numbers refuses it.
+        let err = card.clone().load(&real).err().unwrap().to_string();
+        assert!(err.contains(&sim) && err.contains(&real), "{err}");
+        // Its own fingerprint loads it; a card passing sim off as the model does not.
+        assert!(card.clone().load(&sim).is_ok());
+        let mut forged = card;
+        forged.weights_digest = m.weights_digest();
+        let err = forged.load(&sim).err().unwrap().to_string();
+        assert!(err.contains("its files give fingerprint"), "{err}");
+    }
+
+    #[test]
     fn a_card_of_another_format_or_with_unknown_fields_is_refused() {
         let m = embedded();
-        let card = ModelCard::of(&m, "shakespeare", 512, 16, None).unwrap();
+        let card = ModelCard::of(&m, Numerics::Model, "shakespeare", 512, 16, None).unwrap();
         let mut v: serde_json::Value = serde_json::from_slice(&card.to_bytes()).unwrap();
         v["format"] = 2.into();
         let err = ModelCard::from_bytes(v.to_string().as_bytes())

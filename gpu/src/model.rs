@@ -25,6 +25,15 @@ pub struct LoadedModel {
     pub files: TokenizerFiles,
 }
 
+/// Whose numbers a served model's tokens are: the model's own (a backend that runs its
+/// math, on any device), or the sim backend's, which reads no weight and makes its tokens
+/// up. Part of the fingerprint: a router never routes one name's requests to both.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Numerics {
+    Model,
+    Simulated,
+}
+
 /// Files of a model compiled into the binary.
 pub struct EmbeddedModel {
     pub name: &'static str,
@@ -91,16 +100,27 @@ impl LoadedModel {
 
     /// A short fingerprint of what makes two copies of a model compute the same numbers and
     /// read the same text: the parsed config, the tokenizer (every token and id, end ids, its
-    /// config, chat template and generation defaults) and the weights' digest
-    /// ([`LoadedModel::weights_digest`]). Two workers that disagree on it must not exchange
-    /// KV, and a gateway must not tokenize for one with the other's tokenizer.
-    pub fn fingerprint(&self) -> String {
+    /// config, chat template and generation defaults) and the served digest
+    /// ([`LoadedModel::served_digest`]), which says whose numbers they are. Two workers that
+    /// disagree on it must not exchange KV or share a name's requests, and a gateway must not
+    /// tokenize for one with the other's tokenizer.
+    pub fn fingerprint(&self, numerics: Numerics) -> String {
         fingerprint_of(
             &self.config,
             &self.tokenizer,
             &self.files,
-            &self.weights_digest(),
+            &self.served_digest(numerics),
         )
+    }
+
+    /// The weights' digest as served: [`LoadedModel::weights_digest`] when the backend
+    /// computes with the weights, and a mark of the timing model in front of it when it does
+    /// not, so that the sim backend's made-up tokens never pass for the model's.
+    pub fn served_digest(&self, numerics: Numerics) -> String {
+        match numerics {
+            Numerics::Model => self.weights_digest(),
+            Numerics::Simulated => format!("sim-{}", self.weights_digest()),
+        }
     }
 
     /// A digest of the weights: every tensor's name, dtype and shape, and a sample of its

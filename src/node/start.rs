@@ -13,7 +13,7 @@ use kvmesh_actors::worker::{KvSide, KvTransport, UcxSide};
 use kvmesh_actors::{NodeRoles, Pinned, Pools, Role, RoleRestarts, Serving, WorkerCore};
 use kvmesh_discovery::{EtcdRegistry, Membership, NodeRecord, Registration, Registry};
 use kvmesh_gateway::AppState;
-use kvmesh_gpu::model::LoadedModel;
+use kvmesh_gpu::model::{LoadedModel, Numerics};
 use kvmesh_gpu::tokenizer::TextTokenizer;
 use kvmesh_transport::kv::ucx::{Ucx, UcxOptions};
 use kvmesh_transport::wire::KvLayout;
@@ -64,8 +64,9 @@ impl ModelInfo {
     }
 
     /// A node without an engine given `--model` reads the model's files for its tokenizer
-    /// and fingerprint: its gateway serves that name only with that model. Without
-    /// `--model` it has none, and serves what the workers serve.
+    /// and fingerprint: its gateway serves that name only with that model (computed by the
+    /// model's math, or with `--backend sim` by the sim backend). Without `--model` it has
+    /// none, and serves what the workers serve.
     fn without_engine(args: &NodeArgs) -> anyhow::Result<Option<ModelInfo>> {
         let Some(dir) = &args.engine.model else {
             return Ok(None);
@@ -84,7 +85,7 @@ impl ModelInfo {
                 .unwrap_or_else(|| m.config.max_context()),
             block_size: args.engine.block_size,
             device: "none".into(),
-            fingerprint: m.fingerprint(),
+            fingerprint: m.fingerprint(args.engine.numerics()),
             card: None,
         }))
     }
@@ -394,10 +395,22 @@ fn check_pinned_model(
             && r.model_fingerprint.as_deref() != Some(m.fingerprint.as_str())
     });
     if let Some(w) = other {
+        let sim_here = args.engine.numerics() == Numerics::Simulated;
+        let hint = match (sim_here, w.simulated()) {
+            (false, true) => {
+                " It runs the sim backend, whose tokens are not the model's: give the gateway \
+                 --backend sim to stand for sim workers"
+            }
+            (true, false) => {
+                " It computes the model, and this gateway's --backend sim stands for sim workers"
+            }
+            _ => "",
+        };
         bail!(
             "--model {} is model '{}' of fingerprint {}, but worker {} serves '{}' with \
-             fingerprint {}: another model (config, tokenizer or weights) under that name. Give \
-             the gateway the workers' model, or no --model to serve what the workers serve",
+             fingerprint {}: another model (config, tokenizer, weights or backend) under that \
+             name. Give the gateway the workers' model, or no --model to serve what the \
+             workers serve.{hint}",
             args.engine
                 .model
                 .as_ref()

@@ -254,6 +254,15 @@ pub struct RateLimited {
 }
 
 impl RateLimited {
+    /// One for a `static` (behind a mutex).
+    pub const fn new() -> RateLimited {
+        RateLimited {
+            last: None,
+            suppressed: 0,
+            noted: 0,
+        }
+    }
+
     pub fn ready(&mut self) -> bool {
         let now = Instant::now();
         if self

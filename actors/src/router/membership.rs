@@ -45,8 +45,17 @@ fn wanted<'m>(
             let why = match &r.model_fingerprint {
                 Some(f) if *f == model.fingerprint => return true,
                 Some(f) => format!(
-                    "serves another model under the name '{}' (fingerprint {f}, this router's is {})",
-                    model.name, model.fingerprint
+                    "serves another model under the name '{}' (fingerprint {f} on {}, this \
+                     router's is {}){}",
+                    model.name,
+                    r.device,
+                    model.fingerprint,
+                    if r.simulated() {
+                        "; the sim backend's tokens are not the model's, so its fingerprint is \
+                         of its own"
+                    } else {
+                        ""
+                    }
                 ),
                 None => format!(
                     "publishes no model fingerprint (version {}); cannot tell its model is this router's",

@@ -185,6 +185,8 @@ fn start(km: &Kvmesh, name: &str, model: &Path, shape: &Shape) -> Cluster {
         &[
             "--model",
             m,
+            "--backend",
+            "sim",
             "--disagg-min-tokens",
             "256",
             "--disagg-max-queue",

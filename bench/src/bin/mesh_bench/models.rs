@@ -9,6 +9,7 @@ use kvmesh_bench::harness::load::{completion, one_body, pct, shakespeare_lines};
 use kvmesh_bench::harness::{status, wait_workers, Proc};
 use kvmesh_bench::programs::ZERO_COST;
 use kvmesh_discovery::testing::Etcd;
+use kvmesh_gpu::model::Numerics;
 use serde_json::{json, Value};
 use tokio::sync::Semaphore;
 
@@ -165,13 +166,17 @@ pub async fn cold_card(ctx: &Ctx) -> Value {
     // built from the card's files and the fingerprint recomputed.
     let model = kvmesh_gpu::model::LoadedModel::from_embedded(&kvmesh_gpu::embedded::DEFAULT_MODEL)
         .expect("the embedded model");
-    let card = kvmesh_gpu::card::ModelCard::of(&model, "shakespeare", 512, 16, None).unwrap();
+    let card =
+        kvmesh_gpu::card::ModelCard::of(&model, Numerics::Model, "shakespeare", 512, 16, None)
+            .unwrap();
     let bytes = card.to_bytes();
     let mut load = Vec::new();
     for _ in 0..rounds {
         let t = Instant::now();
         let c = kvmesh_gpu::card::ModelCard::from_bytes(&bytes).unwrap();
-        let loaded = c.load(&model.fingerprint()).expect("the card checks");
+        let loaded = c
+            .load(&model.fingerprint(Numerics::Model))
+            .expect("the card checks");
         std::hint::black_box(&loaded.tokenizer);
         load.push(t.elapsed().as_secs_f64() * 1e3);
     }
