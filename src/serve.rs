@@ -265,8 +265,9 @@ pub struct StartedEngine {
     pub block_size: usize,
     /// The model's fingerprint (see `LoadedModel::fingerprint`).
     pub fingerprint: String,
-    /// The model card this engine's node gives gateways, as JSON.
-    pub card: Vec<u8>,
+    /// The model card this engine's node gives gateways, as JSON (shared by the engines of
+    /// one model).
+    pub card: Arc<Vec<u8>>,
 }
 
 pub fn start_engine(args: &EngineArgs) -> anyhow::Result<StartedEngine> {
@@ -363,15 +364,24 @@ pub fn start_engine_with(args: &EngineArgs, model: &LoadedModel) -> anyhow::Resu
         model.config.num_params() as f64 / 1e6,
         args.block_size,
     );
-    let card = ModelCard::of(
-        model,
-        args.numerics(),
-        &name,
-        max_model_len,
-        args.block_size,
-        None,
-    )?
-    .to_bytes();
+    let card = model.derived_bytes(
+        &format!(
+            "card {:?} {name} {max_model_len} {}",
+            args.numerics(),
+            args.block_size
+        ),
+        || {
+            Ok(ModelCard::of(
+                model,
+                args.numerics(),
+                &name,
+                max_model_len,
+                args.block_size,
+                None,
+            )?
+            .to_bytes())
+        },
+    )?;
     Ok(StartedEngine {
         name,
         tokenizer: model.tokenizer.clone(),

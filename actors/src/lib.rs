@@ -4,6 +4,7 @@
 
 pub mod convert;
 pub mod kv_index;
+pub mod pace;
 pub mod policy;
 pub mod router;
 pub mod supervisor;

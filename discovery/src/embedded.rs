@@ -116,6 +116,10 @@ impl Registered for EmbeddedRegistration {
         &self.node_id
     }
 
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+
     fn reregistrations(&self) -> u64 {
         0
     }

@@ -41,6 +41,8 @@ pub(crate) trait Registered: Send + Sync {
     async fn update(&self, record: NodeRecord) -> Result<(), DiscoveryError>;
     fn reregistrations(&self) -> u64;
     fn node_id(&self) -> &str;
+    /// The registration itself, for a registry that builds on its own registrations.
+    fn as_any(&self) -> &dyn std::any::Any;
 }
 
 impl Registration {
@@ -69,6 +71,10 @@ impl Registration {
     /// How many times the record was re-registered after a lease loss (for metrics/tests).
     pub fn reregistrations(&self) -> u64 {
         self.inner.reregistrations()
+    }
+
+    pub(crate) fn inner(&self) -> &dyn Registered {
+        self.inner.as_ref()
     }
 
     /// The node_id this registration publishes.

@@ -541,3 +541,87 @@ async fn a_deleted_record_is_put_back_by_its_live_node() {
     assert_eq!(view["w1"], record("c", "w1"));
     println!("record restored after {:?}", t.elapsed());
 }
+
+/// Records beside a registration share its lease (one keep-alive for all), are published
+/// again with it when the lease is lost, and each leaves on its own `deregister`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn records_beside_a_registration_share_its_lease_and_follow_it() {
+    init_tracing();
+    let etcd = Etcd::start();
+    let node = connect(&etcd, "b").await;
+    let observer = connect(&etcd, "b").await;
+    let mut rx = observer.subscribe();
+    let reg = node.register(record("b", "w")).await.unwrap();
+    let mut beside = Vec::new();
+    for k in 1..=3 {
+        let r = record("b", &format!("w.{k}"));
+        beside.push(node.register_beside(&reg, r).await.unwrap());
+    }
+    wait_view(&mut rx, Duration::from_secs(1), "all four", |m| {
+        m.len() == 4
+    })
+    .await;
+    let mut raw = raw_client(&etcd).await;
+    let lease_of = async |raw: &mut etcd_client::Client, id: &str| {
+        let key = node_key("b", id);
+        raw.get(key.as_str(), None).await.unwrap().kvs()[0].lease()
+    };
+    let lease = lease_of(&mut raw, "w").await;
+    for id in ["w.1", "w.2", "w.3"] {
+        assert_eq!(
+            lease_of(&mut raw, id).await,
+            lease,
+            "{id} has a lease of its own"
+        );
+    }
+    // A duplicate id beside is refused like any other live duplicate.
+    let dup = node.register_beside(&reg, record("b", "w.1")).await;
+    assert!(dup.is_err(), "a second w.1 was accepted");
+
+    // The lease lost: all four are gone, then back under the new lease.
+    raw.lease_revoke(lease).await.unwrap();
+    wait_view(&mut rx, Duration::from_secs(1), "all gone", |m| {
+        m.is_empty()
+    })
+    .await;
+    wait_view(
+        &mut rx,
+        Duration::from_secs(TTL as u64 + 2),
+        "all four back",
+        |m| m.len() == 4,
+    )
+    .await;
+    let new_lease = lease_of(&mut raw, "w").await;
+    assert_ne!(new_lease, lease);
+    for id in ["w.1", "w.2", "w.3"] {
+        assert_eq!(
+            lease_of(&mut raw, id).await,
+            new_lease,
+            "{id} was not moved"
+        );
+    }
+    // An update and a deregister of one touch that one only.
+    let mut updated = record("b", "w.2");
+    updated.capacity_tokens_per_s = 9.0;
+    beside[1].update(updated.clone()).await.unwrap();
+    wait_view(&mut rx, Duration::from_secs(1), "w.2 updated", |m| {
+        m.get("w.2") == Some(&updated)
+    })
+    .await;
+    beside.remove(0).deregister().await.unwrap();
+    wait_view(
+        &mut rx,
+        Duration::from_secs(1),
+        "w.1 gone, the rest kept",
+        |m| m.len() == 3 && !m.contains_key("w.1"),
+    )
+    .await;
+    reg.deregister().await.unwrap();
+    wait_view(
+        &mut rx,
+        Duration::from_secs(1),
+        "the rest gone with the lease",
+        |m| m.is_empty(),
+    )
+    .await;
+}

@@ -96,37 +96,81 @@ pub enum KvKind {
 struct RawBuf {
     /// The first byte of the buffer, aligned to [`RawBuf::ALIGN`].
     ptr: NonNull<u8>,
-    /// What the allocator returned, and with which layout: what `dealloc` is given.
-    alloc: NonNull<u8>,
-    layout: Layout,
+    from: Source,
+}
+
+/// Where a buffer's memory came from, and so how it is given back.
+enum Source {
+    /// A private anonymous mapping of this many bytes.
+    #[cfg(unix)]
+    Mapped(usize),
+    /// The allocator: what it returned, and with which layout.
+    Heap(NonNull<u8>, Layout),
 }
 
 impl RawBuf {
     /// The buffer's alignment: a cache line.
     const ALIGN: usize = 64;
+    /// Buffers this large or larger are mapped from the kernel.
+    #[cfg(unix)]
+    const MAP_FROM: usize = 64 << 10;
 
     /// Zeroed memory, resident only once written (a sim worker's pool costs what it uses).
     ///
-    /// The allocation asks for no more than the allocator's own alignment, so that it is a
-    /// `calloc`, which takes large blocks as fresh zero pages from the kernel. An
-    /// over-aligned `alloc_zeroed` would be a `posix_memalign` and a `memset` of every byte:
-    /// a gigabyte written, and made resident, before a sim worker could start. The cache-line
-    /// alignment comes from over-allocating by one line and starting at the first aligned byte.
+    /// Large buffers are mapped from the kernel: fresh zero pages, page-aligned. The
+    /// allocator would not promise that: once it has given back a large block it raises its
+    /// own threshold for mapping, and serves later ones of that size from its heap, zeroing
+    /// (and so making resident) every byte, so `--replicas` sim workers cost their whole
+    /// pools. Small ones come from the allocator with no more than its own alignment, so that
+    /// it is a `calloc` and not a `posix_memalign` with a `memset`; the cache-line alignment
+    /// comes from over-allocating by one line and starting at the first aligned byte.
     fn zeroed(bytes: usize) -> Option<RawBuf> {
+        #[cfg(unix)]
+        if bytes >= Self::MAP_FROM {
+            // SAFETY: a fresh private anonymous mapping; no existing memory is touched.
+            let p = unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    bytes,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                    -1,
+                    0,
+                )
+            };
+            if p == libc::MAP_FAILED {
+                return None;
+            }
+            let ptr = NonNull::new(p.cast::<u8>())?;
+            return Some(RawBuf {
+                ptr,
+                from: Source::Mapped(bytes),
+            });
+        }
         let layout = Layout::from_size_align(bytes.checked_add(Self::ALIGN)?, 16).ok()?;
         // SAFETY: the layout has a non-zero size.
         let alloc = NonNull::new(unsafe { alloc_zeroed(layout) })?;
         let skip = alloc.as_ptr().align_offset(Self::ALIGN);
         // SAFETY: `skip < ALIGN`, and ALIGN bytes more than `bytes` were allocated.
         let ptr = unsafe { alloc.add(skip) };
-        Some(RawBuf { ptr, alloc, layout })
+        Some(RawBuf {
+            ptr,
+            from: Source::Heap(alloc, layout),
+        })
     }
 }
 
 impl Drop for RawBuf {
     fn drop(&mut self) {
-        // SAFETY: allocated in `zeroed` with this layout.
-        unsafe { dealloc(self.alloc.as_ptr(), self.layout) }
+        match self.from {
+            #[cfg(unix)]
+            // SAFETY: mapped in `zeroed` with this length, and unmapped only here.
+            Source::Mapped(len) => unsafe {
+                libc::munmap(self.ptr.as_ptr().cast(), len);
+            },
+            // SAFETY: allocated in `zeroed` with this layout.
+            Source::Heap(alloc, layout) => unsafe { dealloc(alloc.as_ptr(), layout) },
+        }
     }
 }
 

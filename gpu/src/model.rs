@@ -23,6 +23,18 @@ pub struct LoadedModel {
     /// gives a gateway that has no copy of the model.
     pub config_json: String,
     pub files: TokenizerFiles,
+    /// The ids a sim backend of this model emits ([`sim_outputs`]), found once: finding
+    /// them decodes and encodes much of the vocabulary, and `--replicas` starts thousands.
+    sim_words: std::sync::OnceLock<Vec<u32>>,
+    /// What was derived from the model once for many engines of it: fingerprints by
+    /// numerics, and bytes by key ([`LoadedModel::derived_bytes`]).
+    derived: std::sync::Mutex<Derived>,
+}
+
+#[derive(Default)]
+struct Derived {
+    fingerprints: Vec<(Numerics, String)>,
+    bytes: Vec<(String, Arc<Vec<u8>>)>,
 }
 
 /// Whose numbers a served model's tokens are: the model's own (a backend that runs its
@@ -75,6 +87,8 @@ impl LoadedModel {
             weights,
             config_json: text,
             files,
+            sim_words: Default::default(),
+            derived: Default::default(),
         })
     }
 
@@ -95,6 +109,8 @@ impl LoadedModel {
             weights,
             config_json: e.config_json.to_string(),
             files,
+            sim_words: Default::default(),
+            derived: Default::default(),
         })
     }
 
@@ -105,12 +121,42 @@ impl LoadedModel {
     /// disagree on it must not exchange KV or share a name's requests, and a gateway must not
     /// tokenize for one with the other's tokenizer.
     pub fn fingerprint(&self, numerics: Numerics) -> String {
-        fingerprint_of(
+        let known = self
+            .derived()
+            .fingerprints
+            .iter()
+            .find(|(n, _)| *n == numerics)
+            .map(|(_, f)| f.clone());
+        if let Some(f) = known {
+            return f;
+        }
+        let f = fingerprint_of(
             &self.config,
             &self.tokenizer,
             &self.files,
             &self.served_digest(numerics),
-        )
+        );
+        self.derived().fingerprints.push((numerics, f.clone()));
+        f
+    }
+
+    /// Bytes derived from the model (a model card, say), made by `make` the first time
+    /// `key` is asked for and shared after that.
+    pub fn derived_bytes(
+        &self,
+        key: &str,
+        make: impl FnOnce() -> Result<Vec<u8>>,
+    ) -> Result<Arc<Vec<u8>>> {
+        if let Some((_, b)) = self.derived().bytes.iter().find(|(k, _)| k == key) {
+            return Ok(b.clone());
+        }
+        let b = Arc::new(make()?);
+        self.derived().bytes.push((key.to_string(), b.clone()));
+        Ok(b)
+    }
+
+    fn derived(&self) -> std::sync::MutexGuard<'_, Derived> {
+        self.derived.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// The weights' digest as served: [`LoadedModel::weights_digest`] when the backend
@@ -331,7 +377,10 @@ pub fn build_backend(
                 spec,
                 blocks,
                 model.config.vocab_size,
-                sim_outputs(&model.tokenizer, model.config.vocab_size),
+                model
+                    .sim_words
+                    .get_or_init(|| sim_outputs(&model.tokenizer, model.config.vocab_size))
+                    .clone(),
             )?))
         }
     }

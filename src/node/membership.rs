@@ -2,11 +2,13 @@
 //! dialling, and whether its KV partners can fill its blocks at all.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::bail;
 use tokio::sync::watch;
 
+use kvmesh_actors::pace::ReportPace;
 use kvmesh_actors::Role;
 use kvmesh_discovery::{Membership, NodeRecord};
 use kvmesh_transport::AllowList;
@@ -30,6 +32,24 @@ pub fn follow_allow_list(mut members: watch::Receiver<Membership>, allowed: Allo
                     return;
                 },
                 _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+            }
+        }
+    });
+}
+
+/// Keeps this process's load-report pace at what the cluster's worker count calls for
+/// ([`kvmesh_actors::pace`]).
+pub fn follow_pace(mut members: watch::Receiver<Membership>, pace: Arc<ReportPace>) {
+    tokio::spawn(async move {
+        loop {
+            let workers = members
+                .borrow_and_update()
+                .values()
+                .filter(|r| r.roles.iter().any(|role| role.runs_engine()))
+                .count();
+            pace.set_workers(workers);
+            if members.changed().await.is_err() {
+                return;
             }
         }
     });

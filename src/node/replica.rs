@@ -5,8 +5,9 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
+use kvmesh_actors::pace::ReportPace;
 use kvmesh_actors::{NodeMsg, NodeRoles, Role, RoleRestarts, Serving, WorkerCore};
-use kvmesh_discovery::{EtcdRegistry, NodeRecord, Registry};
+use kvmesh_discovery::{EtcdRegistry, NodeRecord, Registration};
 use kvmesh_gpu::model::LoadedModel;
 use kvmesh_transport::{AllowList, NodeEndpoint, NodeIdentity};
 
@@ -21,17 +22,34 @@ pub struct Replica {
     _supervisor: kvmesh_actors::ActorRef<NodeMsg>,
 }
 
+/// What every replica of a node shares: the node's flags, model, registry and registration
+/// (whose lease its replicas' records share), record, report pace and allow list.
+pub struct Host<'a> {
+    pub args: &'a NodeArgs,
+    pub model: Arc<LoadedModel>,
+    pub registry: &'a Arc<EtcdRegistry>,
+    pub beside: &'a Registration,
+    pub node: &'a NodeRecord,
+    pub pace: &'a Arc<ReportPace>,
+    pub allowed: &'a AllowList,
+}
+
 impl Replica {
-    pub async fn start(
-        args: &NodeArgs,
-        model: &LoadedModel,
-        registry: &Arc<EtcdRegistry>,
-        node: &NodeRecord,
-        node_id: String,
-        allowed: &AllowList,
-    ) -> anyhow::Result<Replica> {
-        let engine = crate::serve::start_engine_with(&args.engine, model)?;
-        let identity = NodeIdentity::generate(&node_id)?;
+    pub async fn start(host: &Host<'_>, node_id: String) -> anyhow::Result<Replica> {
+        let (args, model, registry, beside) = (host.args, &host.model, host.registry, host.beside);
+        let (node, pace, allowed) = (host.node, host.pace, host.allowed);
+        // The engine and key pair are work for a thread, not for the runtime that keeps the
+        // node's lease alive.
+        let (engine, identity) = tokio::task::spawn_blocking({
+            let (engine_args, model, id) = (args.engine.clone(), model.clone(), node_id.clone());
+            move || -> anyhow::Result<_> {
+                Ok((
+                    crate::serve::start_engine_with(&engine_args, &model)?,
+                    NodeIdentity::generate(&id)?,
+                ))
+            }
+        })
+        .await??;
         // Beside the node: its interface, a port of its own.
         let node_addr: SocketAddr = node.quic_addr.parse()?;
         let bind = SocketAddr::new(args.listen.ip(), 0);
@@ -45,7 +63,7 @@ impl Replica {
             capacity,
             None,
         );
-        let serving = Serving::new(endpoint.clone());
+        let serving = Serving::paced(endpoint.clone(), pace.clone());
         serving.set_card(engine.fingerprint.clone(), engine.card.clone());
         let supervisor = kvmesh_actors::supervisor::start(NodeRoles {
             router: None,
@@ -56,7 +74,8 @@ impl Replica {
         })
         .await
         .map_err(anyhow::Error::msg)?;
-        // Its own record; the node's HTTP listener answers for the process.
+        // Its own record, under the node's lease (they live and die together); the node's
+        // HTTP listener answers for the process.
         let record = NodeRecord {
             node_id,
             quic_addr: quic_addr.to_string(),
@@ -65,7 +84,7 @@ impl Replica {
             started_unix_ms: unix_ms(),
             ..node.clone()
         };
-        let registration = registry.register(record).await?;
+        let registration = registry.register_beside(beside, record).await?;
         Ok(Replica {
             serving,
             endpoint,

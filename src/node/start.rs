@@ -9,6 +9,7 @@ use anyhow::{bail, Context};
 use axum::Router;
 use tokio::net::TcpListener;
 
+use kvmesh_actors::pace::ReportPace;
 use kvmesh_actors::worker::{KvSide, KvTransport, UcxSide};
 use kvmesh_actors::{NodeRoles, Pinned, Pools, Role, RoleRestarts, Serving, WorkerCore};
 use kvmesh_discovery::{EtcdRegistry, Membership, NodeRecord, Registration, Registry};
@@ -21,8 +22,8 @@ use kvmesh_transport::{AllowList, NodeEndpoint, NodeIdentity};
 
 use super::args::{KvTransportArg, NodeArgs};
 use super::catalog::{LocalModel, MeshCatalog};
-use super::membership::{check_kv_partners, follow_allow_list, gate_router_members};
-use super::replica::{unix_ms, Replica};
+use super::membership::{check_kv_partners, follow_allow_list, follow_pace, gate_router_members};
+use super::replica::{unix_ms, Host, Replica};
 use super::status::{node_routes, NodeState};
 use crate::serve::{start_engine, StartedEngine};
 
@@ -47,7 +48,7 @@ pub(super) struct ModelInfo {
     device: String,
     fingerprint: String,
     /// The card its workers give gateways (nodes with an engine).
-    card: Option<Vec<u8>>,
+    card: Option<Arc<Vec<u8>>>,
 }
 
 impl ModelInfo {
@@ -312,11 +313,16 @@ pub async fn start(
     let members = net.registry.subscribe();
     // Members (and only members) may dial this node.
     follow_allow_list(members.clone(), net.allowed.clone());
+    let pace = Arc::new(ReportPace::default());
+    follow_pace(members.clone(), pace.clone());
     let cores = cores(args, &node_id, &engines, &net, capacity);
-    let serving = (!cores.is_empty()).then(|| Serving::new(net.endpoint.clone()));
+    let serving = (!cores.is_empty()).then(|| Serving::paced(net.endpoint.clone(), pace.clone()));
     if let (Some(s), Some(m)) = (&serving, &engines.model) {
         if let Some(card) = &m.card {
-            s.set_card(m.fingerprint.clone(), node_card(args, card, &record)?);
+            s.set_card(
+                m.fingerprint.clone(),
+                Arc::new(node_card(args, card, &record)?),
+            );
         }
     }
     let router = args.has(Role::Router).then(|| {
@@ -344,7 +350,7 @@ pub async fn start(
     }
     let registration = net.registry.register(record.clone()).await?;
     gate_router_members(members.clone(), node_id.clone(), router_members_tx);
-    let replicas = start_replicas(args, &net, &record).await?;
+    let replicas = start_replicas(args, &net, &registration, &record, &pace).await?;
     let node = Arc::new(NodeState {
         spans: spans.clone(),
         record,
@@ -530,29 +536,41 @@ fn cores(
     generate.into_iter().chain(prefill).collect()
 }
 
+/// Replicas started at once.
+const REPLICAS_STARTING: usize = 16;
+
 async fn start_replicas(
     args: &NodeArgs,
     net: &Network,
+    beside: &Registration,
     record: &NodeRecord,
+    pace: &Arc<ReportPace>,
 ) -> anyhow::Result<Vec<Replica>> {
     let mut replicas = Vec::with_capacity(args.replicas - 1);
     if args.replicas <= 1 {
         return Ok(replicas);
     }
-    let model = crate::serve::load_model(&args.engine)?;
-    for k in 1..args.replicas {
-        let r = Replica::start(
-            args,
-            &model,
-            &net.registry,
-            record,
-            format!("{}.{k}", record.node_id),
-            &net.allowed,
-        )
-        .await
-        .with_context(|| format!("starting replica {k} of {}", args.replicas))?;
-        replicas.push(r);
-    }
+    let host = &Host {
+        args,
+        model: Arc::new(crate::serve::load_model(&args.engine)?),
+        registry: &net.registry,
+        beside,
+        node: record,
+        pace,
+        allowed: &net.allowed,
+    };
+    // Several at once: each waits on etcd (its record) and makes a key pair.
+    use futures::stream::{self, StreamExt, TryStreamExt};
+    let started: Vec<Replica> = stream::iter(1..args.replicas)
+        .map(|k| async move {
+            Replica::start(host, format!("{}.{k}", record.node_id))
+                .await
+                .with_context(|| format!("starting replica {k} of {}", args.replicas))
+        })
+        .buffer_unordered(REPLICAS_STARTING)
+        .try_collect()
+        .await?;
+    replicas.extend(started);
     tracing::info!("{} sim workers in this process", args.replicas);
     Ok(replicas)
 }

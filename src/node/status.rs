@@ -6,13 +6,14 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
-use axum::extract::{Path, State};
+use axum::extract::{Path, Query, State};
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde_json::{json, Value};
 
+use kvmesh_actors::router::WorkerLink;
 use kvmesh_actors::{NodeMsg, Pools, Role, RoleRestarts, RouterCore, Serving, WorkerCore};
 use kvmesh_discovery::NodeRecord;
 use kvmesh_gateway::dispatch::Reply;
@@ -56,7 +57,7 @@ pub struct NodeState {
 }
 
 impl NodeState {
-    fn status(&self) -> Value {
+    fn status(&self, listed: usize) -> Value {
         let mut v = json!({
             "node_id": self.record.node_id,
             "cluster": self.record.cluster,
@@ -113,7 +114,7 @@ impl NodeState {
             }
         }
         if let Some(pools) = &self.router {
-            v["router"] = router_view(pools);
+            v["router"] = router_view(pools, listed);
         }
         v
     }
@@ -138,11 +139,38 @@ impl NodeState {
     }
 }
 
+/// `/status?workers=N|all`: how many of a router's workers are listed one by one (the
+/// summary counts them all).
+struct StatusQuery {
+    workers: Option<String>,
+}
+
+/// Workers a router's `/status` lists unless asked for more or fewer.
+const LISTED_WORKERS: usize = 1000;
+
+impl StatusQuery {
+    fn listed(&self) -> Result<usize, ApiError> {
+        match self.workers.as_deref() {
+            None => Ok(LISTED_WORKERS),
+            Some("all") => Ok(usize::MAX),
+            Some(n) => n.parse().map_err(|_| {
+                ApiError::param(
+                    "workers",
+                    format!("workers={n:?}: a number of workers to list, or all"),
+                )
+            }),
+        }
+    }
+}
+
 /// A router's view: every pool's, and over all pools the workers, refusals, migrations,
 /// pick times (the recent percentiles: the busiest pool's) and prefix predictions.
-fn router_view(pools: &Pools) -> Value {
+fn router_view(pools: &Pools, listed: usize) -> Value {
     let all = pools.all();
-    let views: Vec<Value> = all.iter().map(|p| pool_view(p)).collect();
+    let mut left = listed;
+    let views: Vec<Value> = all.iter().map(|p| pool_view(p, &mut left)).collect();
+    let links: Vec<_> = all.iter().flat_map(|p| p.workers()).collect();
+    let count = |f: &dyn Fn(&WorkerLink) -> bool| links.iter().filter(|w| f(w)).count();
     let sum = |f: &dyn Fn(&RouterCore) -> u64| all.iter().map(|p| f(p)).sum::<u64>();
     let picks = sum(&|p| p.stats.picks.count.load(Ordering::Relaxed));
     let busiest = all
@@ -167,6 +195,13 @@ fn router_view(pools: &Pools) -> Value {
     };
     json!({
         "policy": pools.policy().as_str(),
+        "workers_summary": {
+            "total": links.len(),
+            "connected": count(&|w| w.connected()),
+            "routable": count(&|w| w.available() && w.generates()),
+            "draining": count(&|w| w.draining()),
+            "listed": links.len().min(listed),
+        },
         "workers": concat("workers"),
         "refused": concat("refused"),
         "migrations": sum(&|p| p.stats.migrations.load(Ordering::Relaxed)),
@@ -187,7 +222,10 @@ fn router_view(pools: &Pools) -> Value {
 }
 
 /// One pool: its model, fingerprint and workers, what it refused, and its pick times.
-fn pool_view(r: &RouterCore) -> Value {
+fn pool_view(r: &RouterCore, left: &mut usize) -> Value {
+    let workers = r.workers();
+    let shown = workers.len().min(*left);
+    *left -= shown;
     let model = r.model.as_str();
     // p50 and p99 from one sort of the recent picks.
     let recent = r.stats.picks.recent_percentiles_us(&[50.0, 99.0]);
@@ -195,7 +233,7 @@ fn pool_view(r: &RouterCore) -> Value {
         "model": model,
         "fingerprint": r.model_fingerprint,
         "max_model_len": r.max_model_len(),
-        "workers": r.workers().iter().map(|w| json!({
+        "workers": workers[..shown].iter().map(|w| json!({
             "node_id": w.record.node_id,
             "model": model,
             "connected": w.connected(),
@@ -237,7 +275,18 @@ pub(super) fn render_restarts(o: &Exposition, restarts: &RoleRestarts) {
 pub fn node_routes(node: Arc<NodeState>, with_metrics: bool) -> Router {
     let mut r = Router::new().route(
         "/status",
-        get(|State(n): State<Arc<NodeState>>| async move { Json(n.status()) }),
+        get(
+            |State(n): State<Arc<NodeState>>,
+             Query(mut q): Query<std::collections::HashMap<String, String>>| async move {
+                let q = StatusQuery {
+                    workers: q.remove("workers"),
+                };
+                match q.listed() {
+                    Ok(listed) => Json(n.status(listed)).into_response(),
+                    Err(e) => e.into_response(),
+                }
+            },
+        ),
     );
     if with_metrics {
         r = r.route(

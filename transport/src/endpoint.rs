@@ -17,18 +17,56 @@ use crate::TransportError;
 const STREAM_WINDOW: u32 = 16 << 20;
 const CONNECTION_WINDOW: u32 = 64 << 20;
 
-fn transport_config() -> Arc<quinn::TransportConfig> {
+/// The largest UDP payload taken from peers: what a 9000-byte link carries (MTU discovery
+/// goes no higher). quinn sizes each endpoint's receive buffers by it, so the default
+/// (65527, for jumbo loopback datagrams) costs every endpoint megabytes, and `--replicas`
+/// hosts thousands.
+const MAX_UDP_PAYLOAD: u16 = 8952;
+
+fn endpoint_config() -> quinn::EndpointConfig {
+    let mut c = quinn::EndpointConfig::default();
+    c.max_udp_payload_size(MAX_UDP_PAYLOAD)
+        .expect("8952 is within QUIC's UDP payload bounds");
+    c
+}
+
+/// Which end of a connection the config is for: the dialed end accepts requests (bidi
+/// streams); the dialing end accepts only unidirectional ones (load reports and KV events
+/// from a worker, KV from a prefill node), and grants no bidirectional stream.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum End {
+    Dialed,
+    Dialing,
+}
+
+/// The dialing end's keep-alive: each is acknowledged at once, so a live peer is heard
+/// from at least this often even when idle, which is what `until_silent` watches for. The
+/// dialed end sends none of its own (its acknowledgements answer the dialer's), so a router
+/// holding thousands of worker links sets the pace of all of them. The idle timeout is
+/// several beats, and never under 3 s; the dialed end offers more and the smaller wins.
+fn transport_config(end: End, keep_alive: Duration) -> Arc<quinn::TransportConfig> {
     let mut t = quinn::TransportConfig::default();
-    // Each keep-alive is acknowledged at once, so a live peer is heard from at least this
-    // often even when idle: what `until_silent` watches for.
-    t.keep_alive_interval(Some(KEEP_ALIVE));
+    let idle = match end {
+        End::Dialing => {
+            t.keep_alive_interval(Some(keep_alive));
+            (keep_alive * 5).max(Duration::from_secs(3))
+        }
+        End::Dialed => {
+            t.keep_alive_interval(None);
+            Duration::from_secs(30)
+        }
+    };
     t.max_idle_timeout(Some(
-        quinn::IdleTimeout::try_from(Duration::from_secs(3)).expect("3 s is a valid idle timeout"),
+        quinn::IdleTimeout::try_from(idle).expect("an idle timeout of seconds is valid"),
     ));
-    // One stream per in-flight request: allow many at once; KV transfers use a few
-    // unidirectional streams each.
-    t.max_concurrent_bidi_streams(16_384u32.into());
-    t.max_concurrent_uni_streams(4_096u32.into());
+    // One stream per in-flight request, and a few unidirectional ones per KV transfer: a
+    // small grant at first, raised as a connection uses it (`grant`), so that a control
+    // link does not keep state for thousands of streams it never opens.
+    t.max_concurrent_bidi_streams(match end {
+        End::Dialed => crate::grant::FIRST_BIDI.into(),
+        End::Dialing => 0u32.into(),
+    });
+    t.max_concurrent_uni_streams(crate::grant::FIRST_UNI.into());
     t.stream_receive_window(STREAM_WINDOW.into());
     t.receive_window(CONNECTION_WINDOW.into());
     t.send_window(CONNECTION_WINDOW as u64);
@@ -38,7 +76,7 @@ fn transport_config() -> Arc<quinn::TransportConfig> {
     // Probe for jumbo frames (9000-byte links are common between GPU hosts); discovery
     // backs off on paths that drop them.
     let mut mtu = quinn::MtuDiscoveryConfig::default();
-    mtu.upper_bound(8952);
+    mtu.upper_bound(MAX_UDP_PAYLOAD);
     t.mtu_discovery_config(Some(mtu));
     // Large UDP sends through GSO where the kernel offers it (quinn checks at run time).
     t.enable_segmentation_offload(true);
@@ -65,9 +103,13 @@ impl NodeEndpoint {
         let quic = quinn::crypto::rustls::QuicServerConfig::try_from(crypto)
             .map_err(|e| TransportError::Tls(e.to_string()))?;
         let mut server = quinn::ServerConfig::with_crypto(Arc::new(quic));
-        server.transport_config(transport_config());
-        let endpoint = quinn::Endpoint::server(server, addr)
-            .map_err(|source| TransportError::Bind { addr, source })?;
+        server.transport_config(transport_config(End::Dialed, KEEP_ALIVE));
+        let bind = |source| TransportError::Bind { addr, source };
+        let socket = std::net::UdpSocket::bind(addr).map_err(bind)?;
+        let runtime = quinn::default_runtime()
+            .ok_or_else(|| bind(std::io::Error::other("no async runtime")))?;
+        let endpoint =
+            quinn::Endpoint::new(endpoint_config(), Some(server), socket, runtime).map_err(bind)?;
         Ok(NodeEndpoint { endpoint, identity })
     }
 
@@ -86,18 +128,29 @@ impl NodeEndpoint {
         self.endpoint.accept().await
     }
 
-    /// Dials `addr`, accepting only the certificate with `fingerprint`.
+    /// Dials `addr`, accepting only the certificate with `fingerprint`, with keep-alives
+    /// every [`KEEP_ALIVE`].
     pub async fn connect(
         &self,
         addr: SocketAddr,
         fingerprint: &str,
+    ) -> Result<Connection, TransportError> {
+        self.connect_paced(addr, fingerprint, KEEP_ALIVE).await
+    }
+
+    /// Dials `addr` as [`NodeEndpoint::connect`] does, with keep-alives every `keep_alive`.
+    pub async fn connect_paced(
+        &self,
+        addr: SocketAddr,
+        fingerprint: &str,
+        keep_alive: Duration,
     ) -> Result<Connection, TransportError> {
         let fail = |reason: String| TransportError::Connect { addr, reason };
         let crypto = tls::client_config(&self.identity, fingerprint)?;
         let quic = quinn::crypto::rustls::QuicClientConfig::try_from(crypto)
             .map_err(|e| TransportError::Tls(e.to_string()))?;
         let mut client = quinn::ClientConfig::new(Arc::new(quic));
-        client.transport_config(transport_config());
+        client.transport_config(transport_config(End::Dialing, keep_alive));
         // quinn runs the connection in a task that keeps the caller's tracing span open for
         // as long as the connection lives; a request's span must not be that caller, so the
         // connection starts from a task of its own.
@@ -123,15 +176,16 @@ impl NodeEndpoint {
 pub const KEEP_ALIVE: Duration = Duration::from_millis(200);
 
 /// Resolves once nothing at all (no data, no acknowledgement of a keep-alive) has arrived
-/// on `conn` for `limit`: a peer that died without closing (SIGKILL, a lost machine), long
-/// before QUIC's idle timeout says so. `limit` must be several `KEEP_ALIVE`s, so a busy
-/// but live peer is never taken for a dead one.
-pub async fn until_silent(conn: &Connection, limit: Duration) {
-    let check = (limit / 8).max(Duration::from_millis(10));
+/// on `conn` for `limit()` (asked again at each check, so it may follow a changing pace): a
+/// peer that died without closing (SIGKILL, a lost machine), long before QUIC's idle
+/// timeout says so. The limit must be several keep-alives, so a busy but live peer is never
+/// taken for a dead one.
+pub async fn until_silent(conn: &Connection, limit: impl Fn() -> Duration) {
     let mut heard = conn.stats().udp_rx.datagrams;
     let mut last = tokio::time::Instant::now();
     loop {
-        tokio::time::sleep(check).await;
+        let limit = limit();
+        tokio::time::sleep((limit / 4).max(Duration::from_millis(10))).await;
         let now = conn.stats().udp_rx.datagrams;
         if now != heard {
             heard = now;

@@ -8,6 +8,7 @@
 
 mod endpoint;
 mod error;
+pub mod grant;
 pub mod kv;
 pub mod tls;
 pub mod wire;

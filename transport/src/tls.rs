@@ -83,8 +83,12 @@ impl AllowList {
     }
 }
 
+/// One provider for the process: every connection's config refers to it.
 pub(crate) fn provider() -> Arc<CryptoProvider> {
-    Arc::new(rustls::crypto::ring::default_provider())
+    static PROVIDER: std::sync::OnceLock<Arc<CryptoProvider>> = std::sync::OnceLock::new();
+    PROVIDER
+        .get_or_init(|| Arc::new(rustls::crypto::ring::default_provider()))
+        .clone()
 }
 
 /// The handshake-signature checks both verifiers share: trust comes from the fingerprint,
@@ -231,6 +235,10 @@ pub(crate) fn server_config(
         .with_single_cert(vec![id.cert.clone()], id.key())
         .map_err(|e| TransportError::Tls(e.to_string()))?;
     cfg.alpn_protocols = vec![ALPN.to_vec()];
+    // Clients do not resume (see `client_config`): tickets and a session cache (~30 KB an
+    // endpoint) would only cost both ends.
+    cfg.send_tls13_tickets = 0;
+    cfg.session_storage = Arc::new(rustls::server::NoServerSessionStorage {});
     Ok(cfg)
 }
 
@@ -250,6 +258,10 @@ pub(crate) fn client_config(
         .with_client_auth_cert(vec![id.cert.clone()], id.key())
         .map_err(|e| TransportError::Tls(e.to_string()))?;
     cfg.alpn_protocols = vec![ALPN.to_vec()];
+    // Each connection has a config of its own (its peer's pinned fingerprint), so a session
+    // cache would serve no later connection; the default one costs ~16 KB a connection,
+    // a router's largest cost per worker link.
+    cfg.resumption = rustls::client::Resumption::disabled();
     Ok(cfg)
 }
 

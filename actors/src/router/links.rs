@@ -436,6 +436,7 @@ async fn read_reports(link: Arc<WorkerLink>, conn: Connection, wants_kv: bool) {
             match wire::read_msg::<UniHeader>(&mut recv).await {
                 Ok(Some(UniHeader::Load)) => {
                     while let Ok(Some(r)) = wire::read_msg::<LoadReport>(&mut recv).await {
+                        LOAD_REPORTS.fetch_add(1, Ordering::Relaxed);
                         link.set_report(Some(r));
                         *link.reported_at.lock() = Some(Instant::now());
                     }
@@ -456,13 +457,12 @@ async fn read_reports(link: Arc<WorkerLink>, conn: Connection, wants_kv: bool) {
     }
 }
 
-/// A worker's connection from which nothing has arrived for this long is closed: a live
-/// worker is heard from at least every `KEEP_ALIVE` (200 ms; it acknowledges each ping at
-/// once) and sends its load reports as often, so this is several missed beats.
-pub const WORKER_SILENT: Duration = Duration::from_millis(700);
+/// Load reports read by this process's routers (`kvmesh:router_load_reports_total`).
+pub(crate) static LOAD_REPORTS: AtomicU64 = AtomicU64::new(0);
 
 /// Keeps one worker connected while it is a member: connect, read its load reports,
-/// notice the break (a closed connection, or a silent one), reconnect with backoff.
+/// notice the break (a closed connection, or one silent for several beats: 0.7 s in a
+/// small cluster, see [`crate::pace`]), reconnect with backoff.
 pub(crate) async fn maintain(endpoint: NodeEndpoint, link: Arc<WorkerLink>, wants_kv: bool) {
     let id = link.record.node_id.clone();
     let addr: SocketAddr = match link.record.quic_addr.parse() {
@@ -477,8 +477,13 @@ pub(crate) async fn maintain(endpoint: NodeEndpoint, link: Arc<WorkerLink>, want
     };
     let mut backoff = Duration::from_millis(100);
     let mut warned = false;
+    let _held = crate::pace::Link::held();
     while !link.gone.load(Ordering::Relaxed) {
-        match endpoint.connect(addr, &link.record.cert_sha256).await {
+        let beat = crate::pace::Beat::now();
+        match endpoint
+            .connect_paced(addr, &link.record.cert_sha256, beat.0)
+            .await
+        {
             Ok(conn) => {
                 tracing::info!("connected to worker {id} at {addr}");
                 backoff = Duration::from_millis(100);
@@ -486,13 +491,19 @@ pub(crate) async fn maintain(endpoint: NodeEndpoint, link: Arc<WorkerLink>, want
                 *link.conn.lock() = Some(conn.clone());
                 link.hot.up.store(true, Ordering::Release);
                 let reports = tokio::spawn(read_reports(link.clone(), conn.clone(), wants_kv));
+                // Several of this link's beats, or of the pace the cluster has grown to since
+                // (the machine hosting it is busier too).
+                let silent = || {
+                    beat.silent_after()
+                        .max(crate::pace::Beat::now().silent_after())
+                };
                 let reason = tokio::select! {
                     reason = conn.closed() => reason.to_string(),
-                    () = until_silent(&conn, WORKER_SILENT) => {
+                    () = until_silent(&conn, silent) => {
                         // Dead without a word (killed, or its machine lost): its streams
                         // fail now and move, instead of at QUIC's idle timeout.
                         conn.close(0u32.into(), b"worker silent");
-                        format!("nothing heard for {} ms", WORKER_SILENT.as_millis())
+                        format!("nothing heard for {} ms", silent().as_millis())
                     }
                 };
                 reports.abort();

@@ -149,6 +149,9 @@ pub struct PoolView<'a> {
     pub workers: Vec<Arc<WorkerLink>>,
 }
 
+/// A router with more workers than this leaves the per-worker families out of `/metrics`.
+pub const PER_WORKER_SERIES: usize = 256;
+
 /// The metric families of the router's view of the cluster: each series carries its pool's
 /// `model_name`, as vLLM's series do.
 pub fn render(pools: &[PoolView], out: &Exposition) {
@@ -213,6 +216,12 @@ pub fn render(pools: &[PoolView], out: &Exposition) {
                 .map(|(o, v)| (vec![p.model, *o], n(v)))
         }),
     );
+    out.counters(
+        "kvmesh:router_load_reports_total",
+        "Load reports read from workers, by every router of this process.",
+        &[],
+        [(vec![], n(&super::links::LOAD_REPORTS))],
+    );
     out.labelled_histograms(
         "model_name",
         pools.iter().map(|p| (p.model, &p.stats.picks.histogram)),
@@ -235,6 +244,16 @@ pub fn render(pools: &[PoolView], out: &Exposition) {
             (vec![p.model], ready.count() as f64)
         }),
     );
+    // One series per worker and metric is what a dashboard of a few workers wants, and a
+    // page of megabytes for a router of thousands: those go to `/status?workers=all`.
+    if pools.iter().map(|p| p.workers.len()).sum::<usize>() <= PER_WORKER_SERIES {
+        render_per_worker(pools, out);
+    }
+}
+
+/// The families with a series per worker.
+fn render_per_worker(pools: &[PoolView], out: &Exposition) {
+    let n = |a: &AtomicU64| a.load(Ordering::Relaxed) as f64;
     let workers = || {
         pools
             .iter()

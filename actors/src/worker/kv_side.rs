@@ -13,6 +13,7 @@ use kvmesh_gpu::engine::KvLease;
 use kvmesh_gpu::kv_pool::HostKvPool;
 use kvmesh_gpu::kv_pool::KvKind;
 use kvmesh_telemetry::metrics::Exposition;
+use kvmesh_transport::grant::{self, Counted, StreamGrant};
 use kvmesh_transport::kv::streams::KvInbox;
 use kvmesh_transport::kv::ucx::{MemoryType, Registration, Ucx};
 use kvmesh_transport::kv::HostRegion;
@@ -360,12 +361,14 @@ impl PeerLinks {
 
 /// Hands each KV stream a prefill worker opens on `conn` to its transfer.
 async fn dispatch_streams(conn: Connection, inbox: KvInbox) {
+    let grant = StreamGrant::new(&conn, grant::Dir::Uni);
     while let Ok(mut r) = conn.accept_uni().await {
         let inbox = inbox.clone();
+        let open = grant.enter();
         tokio::spawn(async move {
             match wire::read_msg::<UniHeader>(&mut r).await {
                 Ok(Some(UniHeader::Kv(hello))) => {
-                    if let Err(e) = inbox.deliver(&hello, Box::new(r)) {
+                    if let Err(e) = inbox.deliver(&hello, Box::new(Counted::new(r, open))) {
                         tracing::warn!("KV stream refused: {e}");
                     }
                 }

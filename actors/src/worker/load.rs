@@ -6,8 +6,9 @@ use std::time::{Duration, Instant};
 use kvmesh_gpu::engine::EngineHandle;
 use kvmesh_transport::wire::{LoadReport, PrefillLoad};
 
-/// How often a worker pushes its load to each connected router.
-pub const LOAD_REPORT_INTERVAL: Duration = Duration::from_millis(200);
+/// How often a worker pushes its load to each connected router, in a small cluster (see
+/// [`crate::pace`]).
+pub const LOAD_REPORT_INTERVAL: Duration = crate::pace::LOAD_EVERY;
 
 /// Generation rate over report intervals. Capacity is the rate one running sequence gets:
 /// steps per second of the steps that computed no prompt (smoothed; all steps until there

@@ -4,11 +4,12 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use kvmesh_discovery::Role;
 use kvmesh_gpu::kv_cache::KvEvent;
 use kvmesh_telemetry::RateLimited;
+use kvmesh_transport::grant::{self, StreamGrant};
 use kvmesh_transport::wire::{
     self, CardReply, KvEventBatch, LoadReport, StreamRequest, TokenEvent, UniHeader,
 };
@@ -17,6 +18,7 @@ use parking_lot::RwLock;
 
 use super::load::LOAD_REPORT_INTERVAL;
 use super::role_core::WorkerCore;
+use crate::pace::ReportPace;
 
 /// A node's QUIC endpoint and the roles serving on it: requests are handed to whichever
 /// role takes them, while its actor has it registered.
@@ -34,6 +36,8 @@ pub struct Serving {
     /// The model card of the node's model (its fingerprint, and the card as JSON), for the
     /// gateways that ask.
     card: RwLock<Option<(String, Arc<Vec<u8>>)>>,
+    /// How often load reports go out, as the cluster's size sets it.
+    pub pace: Arc<ReportPace>,
 }
 
 /// Counts a stream being served for as long as it lives.
@@ -54,7 +58,13 @@ impl Drop for InFlight<'_> {
 
 impl Serving {
     pub fn new(endpoint: NodeEndpoint) -> Arc<Serving> {
+        Serving::paced(endpoint, Arc::default())
+    }
+
+    /// Serving with load reports at `pace` (shared by the workers of one process).
+    pub fn paced(endpoint: NodeEndpoint, pace: Arc<ReportPace>) -> Arc<Serving> {
         Arc::new(Serving {
+            pace,
             endpoint,
             generate: RwLock::new(None),
             prefill: RwLock::new(None),
@@ -65,8 +75,8 @@ impl Serving {
     }
 
     /// The card served to gateways asking for the model of `fingerprint`.
-    pub fn set_card(&self, fingerprint: String, card: Vec<u8>) {
-        *self.card.write() = Some((fingerprint, Arc::new(card)));
+    pub fn set_card(&self, fingerprint: String, card: Arc<Vec<u8>>) {
+        *self.card.write() = Some((fingerprint, card));
     }
 
     /// Answers a gateway's request for a model card. A card is served while draining too:
@@ -188,12 +198,17 @@ impl Serving {
         );
         let reporter = tokio::spawn(report_load(self.clone(), conn.clone()));
         let kv_reporter = tokio::spawn(report_kv_events(self.clone(), conn.clone()));
+        let grant = StreamGrant::new(&conn, grant::Dir::Bi);
         loop {
             match conn.accept_bi().await {
                 Ok((send, recv)) => {
                     let serving = self.clone();
                     let conn = conn.clone();
-                    tokio::spawn(async move { serving.serve_stream(conn, send, recv).await });
+                    let open = grant.enter();
+                    tokio::spawn(async move {
+                        serving.serve_stream(conn, send, recv).await;
+                        drop(open);
+                    });
                 }
                 Err(e) => {
                     tracing::info!("connection from {} ended: {e}", conn.remote_address());
@@ -352,7 +367,8 @@ async fn report_kv_events(serving: Arc<Serving>, conn: Connection) {
     }
 }
 
-/// Pushes load reports on one connection until it ends.
+/// Pushes load reports on one connection until it ends: at the cluster's pace
+/// ([`crate::pace`]), only when the report changed, and at least every ten intervals.
 async fn report_load(serving: Arc<Serving>, conn: Connection) {
     let Ok(mut send) = conn.open_uni().await else {
         return;
@@ -360,19 +376,28 @@ async fn report_load(serving: Arc<Serving>, conn: Connection) {
     if wire::write_msg(&mut send, &UniHeader::Load).await.is_err() {
         return;
     }
-    let mut tick = tokio::time::interval(LOAD_REPORT_INTERVAL);
     let mut draining = serving.draining.subscribe();
+    let mut last: Option<(LoadReport, Instant)> = None;
     loop {
+        let every = serving.pace.every();
         tokio::select! {
-            _ = tick.tick() => {}
+            _ = tokio::time::sleep(every) => {}
             // Draining started: say so now, not at the next tick.
             Ok(()) = draining.changed() => {}
         }
         let Some(report) = serving.load_report() else {
             continue;
         };
+        let news = match &last {
+            Some((sent, at)) => report != *sent || at.elapsed() >= every * 10,
+            None => true,
+        };
+        if !news {
+            continue;
+        }
         if wire::write_msg(&mut send, &report).await.is_err() {
             return;
         }
+        last = Some((report, Instant::now()));
     }
 }

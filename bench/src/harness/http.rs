@@ -43,7 +43,12 @@ pub async fn post(http: &reqwest::Client, base: &str, body: Value) -> (u16, Valu
 
 /// A process's `/status`.
 pub async fn status(http: &reqwest::Client, p: &Proc) -> Value {
-    http.get(format!("{}/status", p.http))
+    get_json(http, p, "/status").await
+}
+
+/// A JSON page of a process, e.g. `/status?workers=0`.
+pub async fn get_json(http: &reqwest::Client, p: &Proc, path: &str) -> Value {
+    http.get(format!("{}{path}", p.http))
         .send()
         .await
         .unwrap()
@@ -70,9 +75,9 @@ pub async fn wait_for(what: &str, secs: u64, mut cond: impl AsyncFnMut() -> bool
 pub async fn wait_workers(http: &reqwest::Client, gw: &Proc, n: usize) {
     let t = Instant::now();
     loop {
-        let up = status(http, gw).await["router"]["workers"]
-            .as_array()
-            .map_or(0, |w| w.iter().filter(|w| w["connected"] == true).count());
+        let up = status(http, gw).await["router"]["workers_summary"]["connected"]
+            .as_u64()
+            .unwrap_or(0) as usize;
         if up >= n {
             return;
         }

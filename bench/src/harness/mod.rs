@@ -22,7 +22,8 @@ use std::time::Duration;
 use kvmesh_discovery::testing::Etcd;
 
 pub use http::{
-    client, connected_workers, load_client, post, routed, sse, status, wait_for, wait_workers,
+    client, connected_workers, get_json, load_client, post, routed, sse, status, wait_for,
+    wait_workers,
 };
 
 /// How long a process may take to say it serves.

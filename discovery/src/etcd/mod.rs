@@ -26,6 +26,8 @@ use crate::record::{
 };
 use crate::registry::{Registered, Registration, Registry};
 
+mod beside;
+
 /// `connect` gives up after this long (the brief allows ~5 s).
 const CONNECT_DEADLINE: Duration = Duration::from_secs(4);
 /// Bound on every other request (get, put, grant, revoke, opening a stream).
@@ -132,6 +134,8 @@ impl EtcdRegistry {
                 tx,
                 nodes,
                 revision,
+                next_publish: Instant::now(),
+                unpublished: false,
             }
             .run(),
         );
@@ -289,6 +293,7 @@ impl Registry for EtcdRegistry {
             lease: AtomicI64::new(lease),
             reregistrations: AtomicU64::new(0),
             lease_replaced: Notify::new(),
+            children: Default::default(),
         });
         let keeper = tokio::spawn(keep_alive_loop(shared.clone()));
         Ok(Registration::new(EtcdRegistration { shared, keeper }))
@@ -464,7 +469,14 @@ struct Watcher {
     nodes: Nodes,
     /// Every change up to this revision is reflected in `nodes`.
     revision: i64,
+    /// When the view may be published next, and whether a change waits for it.
+    next_publish: Instant,
+    unpublished: bool,
 }
+
+/// Views of the membership are published at most this often: while thousands of nodes
+/// join, each watch message would otherwise copy the whole membership for every follower.
+const PUBLISH_EVERY: Duration = Duration::from_millis(100);
 
 /// How one watch session ended.
 enum SessionEnd {
@@ -480,10 +492,13 @@ impl Watcher {
         let mut resync = false;
         let mut lost_since: Option<Instant> = None;
         loop {
-            match self
+            let end = self
                 .session(&mut resync, &mut lost_since, &mut backoff)
-                .await
-            {
+                .await;
+            if self.unpublished {
+                self.publish();
+            }
+            match end {
                 SessionEnd::Resync(reason) => {
                     info!(endpoints = %self.endpoints, prefix = %self.prefix, %reason, "re-reading the membership from etcd");
                     resync = true;
@@ -506,8 +521,19 @@ impl Watcher {
         }
     }
 
-    fn publish(&self) {
+    fn publish(&mut self) {
         self.tx.send_replace(Arc::new(self.nodes.clone()));
+        self.unpublished = false;
+        self.next_publish = Instant::now() + PUBLISH_EVERY;
+    }
+
+    /// Publishes a change now, or at `next_publish` if one was published just before.
+    fn changed(&mut self) {
+        if Instant::now() >= self.next_publish {
+            self.publish();
+        } else {
+            self.unpublished = true;
+        }
     }
 
     async fn session(
@@ -538,7 +564,19 @@ impl Watcher {
             Err(f) => return SessionEnd::Lost(format!("watch: {f}")),
         };
         loop {
-            let resp = match stream.message().await {
+            let message = if self.unpublished {
+                let due = tokio::time::Instant::from_std(self.next_publish);
+                tokio::select! {
+                    m = stream.message() => m,
+                    _ = tokio::time::sleep_until(due) => {
+                        self.publish();
+                        continue;
+                    }
+                }
+            } else {
+                stream.message().await
+            };
+            let resp = match message {
                 Ok(Some(resp)) => resp,
                 Ok(None) => return SessionEnd::Lost("the watch stream ended".into()),
                 Err(e) => return SessionEnd::Lost(e.to_string()),
@@ -603,7 +641,7 @@ impl Watcher {
                 }
             }
             if changed {
-                self.publish();
+                self.changed();
             }
         }
     }
@@ -632,7 +670,21 @@ struct Shared {
     reregistrations: AtomicU64,
     /// Signalled when `update` replaced a lost lease, so the keep-alive task follows.
     lease_replaced: Notify,
+    /// Records published under this registration's lease ([`EtcdRegistry::register_beside`]),
+    /// published again under a new lease with this one's.
+    children: Children,
 }
+
+/// One record beside a registration (`beside`): its key and current value.
+struct Child {
+    key: String,
+    node_id: String,
+    value: std::sync::Mutex<String>,
+}
+
+/// The records beside a registration.
+#[derive(Default)]
+struct Children(std::sync::Mutex<Vec<std::sync::Weak<Child>>>);
 
 struct Published {
     value: String,
@@ -648,7 +700,7 @@ impl Shared {
 
     /// Publishes the record under a new lease after `lost` was lost. Returns false if etcd
     /// could not be reached (the caller retries).
-    async fn reregister(&self, lost: i64) -> bool {
+    async fn reregister(self: &Arc<Self>, lost: i64) -> bool {
         let mut published = self.published.lock().await;
         if published.lease != lost {
             return true; // somebody else already did
@@ -676,6 +728,7 @@ impl Shared {
         published.lease = lease;
         published.dirty = false;
         self.lease.store(lease, Ordering::SeqCst);
+        self.children.publish_all(self, lease);
         let n = self.reregistrations.fetch_add(1, Ordering::SeqCst) + 1;
         info!(
             node_id = %self.node_id,
@@ -837,6 +890,10 @@ impl Registered for EtcdRegistration {
         &self.shared.node_id
     }
 
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+
     fn reregistrations(&self) -> u64 {
         self.shared.reregistrations.load(Ordering::SeqCst)
     }
@@ -912,68 +969,4 @@ impl Drop for EtcdRegistration {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn parse_skips_bad_values() {
-        let prefix = nodes_prefix("c");
-        let good = serde_json::to_vec(&crate::record::test_record("c", "a")).unwrap();
-        assert!(parse_record(&prefix, b"/kvmesh/c/nodes/a", &good).is_some());
-        assert!(parse_record(&prefix, b"/kvmesh/c/nodes/b", &good).is_none());
-        assert!(parse_record(&prefix, b"/kvmesh/c/nodes/a", b"{not json").is_none());
-        assert!(parse_record(&prefix, b"/kvmesh/c/nodes/", &good).is_none());
-        assert!(parse_record(&prefix, b"/kvmesh/c/nodes/x/a", &good).is_none());
-        assert!(parse_record(&prefix, b"/other/a", &good).is_none());
-    }
-
-    #[test]
-    fn intervals_and_backoff() {
-        assert_eq!(keep_alive_interval(3), Duration::from_secs(1));
-        assert_eq!(keep_alive_interval(0), Duration::from_millis(333));
-        let mut b = Backoff::new(Duration::from_secs(1));
-        let delays: Vec<Duration> = (0..8).map(|_| b.next_delay()).collect();
-        assert!(delays[0] <= Duration::from_millis(125));
-        assert!(delays.iter().all(|d| *d <= Duration::from_millis(1250)));
-        b.reset();
-        assert!(b.next_delay() <= Duration::from_millis(125));
-    }
-
-    /// A watcher resuming from a compacted revision falls back to a fresh get.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn watcher_resyncs_after_compaction() {
-        let etcd = crate::testing::Etcd::start();
-        let mut client = Client::connect([etcd.url()], None).await.unwrap();
-        let prefix = nodes_prefix("c");
-        let a = serde_json::to_string(&crate::record::test_record("c", "a")).unwrap();
-        let b = serde_json::to_string(&crate::record::test_record("c", "b")).unwrap();
-        let first = client.put(node_key("c", "a"), a, None).await.unwrap();
-        let stale = first.header().unwrap().revision() - 1;
-        client.put(node_key("c", "b"), b, None).await.unwrap();
-        let head = client.put("/unrelated", "x", None).await.unwrap();
-        client
-            .compact(head.header().unwrap().revision(), None)
-            .await
-            .unwrap();
-
-        let (tx, mut rx) = watch::channel(Membership::default());
-        let task = tokio::spawn(
-            Watcher {
-                client: client.clone(),
-                endpoints: etcd.url(),
-                prefix,
-                tx,
-                nodes: Nodes::new(),
-                revision: stale,
-            }
-            .run(),
-        );
-        let view = tokio::time::timeout(Duration::from_secs(5), rx.wait_for(|m| m.len() == 2))
-            .await
-            .expect("the watcher did not resync after compaction")
-            .unwrap()
-            .clone();
-        assert_eq!(view.keys().collect::<Vec<_>>(), ["a", "b"]);
-        task.abort();
-    }
-}
+mod tests;

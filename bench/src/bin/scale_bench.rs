@@ -1,0 +1,172 @@
+//! One router over thousands of workers: for each size, a fresh etcd, a gateway
+//! (least-loaded) and one `kvmesh node --replicas N` process of sim workers (each its own
+//! member: record, QUIC endpoint, engine), all on loopback. Prints and writes, per size:
+//! the time until every worker is routable, the gateway's memory and its growth per worker
+//! link, the load reports it absorbs per second (idle and under load), pick times, and
+//! req/s and TTFT for 16-token requests at concurrency 64.
+//!
+//! Bounded: each size waits at most `--join-timeout` seconds for its workers and sends a
+//! fixed number of requests.
+//!
+//! `cargo build --release && target/release/scale-bench [--sizes 1000,2000,4000] [--json PATH]`
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use clap::Parser;
+use kvmesh_bench::harness::abuse::rss_mib;
+use kvmesh_bench::harness::load::{pct, run_load, shakespeare_lines};
+use kvmesh_bench::harness::{load_client, status, Proc};
+use kvmesh_bench::programs::{kvmesh, write_results, ZERO_COST};
+use kvmesh_discovery::testing::Etcd;
+use serde_json::{json, Value};
+
+#[derive(Parser)]
+#[command(name = "scale-bench")]
+struct Args {
+    /// Worker counts, one run each.
+    #[arg(long, value_delimiter = ',', default_value = "1000,2000,4000")]
+    sizes: Vec<usize>,
+    /// Requests per size.
+    #[arg(long, default_value_t = 2000)]
+    requests: usize,
+    /// Seconds a size waits for all its workers to be routable.
+    #[arg(long, default_value_t = 180)]
+    join_timeout: u64,
+    #[arg(long, value_name = "PATH", default_value = "bench/results/scale.json")]
+    json: PathBuf,
+}
+
+async fn summary(http: &reqwest::Client, gw: &Proc) -> Value {
+    let url = format!("{}/status?workers=0", gw.http);
+    match http.get(url).send().await {
+        Ok(r) => r.json().await.unwrap_or(Value::Null),
+        Err(_) => Value::Null,
+    }
+}
+
+async fn reports(http: &reqwest::Client, gw: &Proc) -> f64 {
+    gw.try_metric(http, "kvmesh:router_load_reports_total")
+        .await
+        .unwrap_or(f64::NAN)
+}
+
+/// Load reports the gateway reads per second, over `secs`.
+async fn report_rate(http: &reqwest::Client, gw: &Proc, secs: u64) -> f64 {
+    let a = reports(http, gw).await;
+    tokio::time::sleep(Duration::from_secs(secs)).await;
+    (reports(http, gw).await - a) / secs as f64
+}
+
+async fn one_size(args: &Args, n: usize) -> Value {
+    let km = kvmesh();
+    let http = load_client(Duration::from_secs(60));
+    let etcd = Etcd::start();
+    let cluster = format!("scale-{n}");
+    let gw = km.gateway(&etcd, &cluster, "gw", "least-loaded");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let rss0 = rss_mib(&gw);
+    let replicas = n.to_string();
+    let t0 = Instant::now();
+    let workers = km.node(
+        &etcd,
+        &cluster,
+        "w",
+        &[
+            &["--roles", "worker", "--replicas", &replicas][..],
+            &["--num-kv-blocks", "64", "--max-num-seqs", "64"],
+            &ZERO_COST[..],
+        ]
+        .concat(),
+    );
+    let mut routable = 0;
+    let mut joined = None;
+    while t0.elapsed() < Duration::from_secs(args.join_timeout) {
+        let s = summary(&http, &gw).await;
+        routable = s["router"]["workers_summary"]["routable"]
+            .as_u64()
+            .unwrap_or(0) as usize;
+        if routable >= n {
+            joined = Some(t0.elapsed().as_secs_f64());
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let rss = rss_mib(&gw);
+    let per_link_kib = (rss - rss0) * 1024.0 / n as f64;
+    let idle_reports = report_rate(&http, &gw, 10).await;
+
+    let lines = shakespeare_lines();
+    let prompts: Vec<String> = (0..args.requests)
+        .map(|i| lines[(i * 7) % lines.len()].clone())
+        .collect();
+    let before = reports(&http, &gw).await;
+    let (samples, wall) = run_load(&http, &gw.http, prompts, 16, 64).await;
+    let busy_reports = (reports(&http, &gw).await - before) / wall;
+    let ok: Vec<_> = samples.iter().filter(|s| s.ok).collect();
+    let ttft: Vec<f64> = ok.iter().map(|s| s.ttft * 1e3).collect();
+    let st = status(&http, &gw).await;
+    let pick = &st["router"]["pick_time"];
+    let row = json!({
+        "workers": n,
+        "routable": routable,
+        "all_routable_after_s": joined,
+        "gateway_rss_mib_before": rss0,
+        "gateway_rss_mib": rss,
+        "gateway_kib_per_worker": per_link_kib,
+        "worker_process_rss_mib": rss_mib(&workers),
+        "reports_per_s_idle": idle_reports,
+        "reports_per_s_loaded": busy_reports,
+        "requests": samples.len(),
+        "failed": samples.len() - ok.len(),
+        "req_per_s": ok.len() as f64 / wall,
+        "ttft_p50_ms": pct(&ttft, 50.0),
+        "ttft_p99_ms": pct(&ttft, 99.0),
+        "pick_p50_us": pick["recent_p50_us"],
+        "pick_p99_us": pick["recent_p99_us"],
+    });
+    let f = |k: &str| row[k].as_f64().unwrap_or(f64::NAN);
+    println!(
+        "{n:>7} {:>9} {:>9.1}s {:>8.0} {:>8.1} {:>9.0} {:>9.0} {:>6} {:>7.0} {:>8.1} {:>8.1} {:>8.1} {:>8.1}",
+        routable,
+        joined.unwrap_or(f64::NAN),
+        f("gateway_rss_mib"),
+        f("gateway_kib_per_worker"),
+        idle_reports,
+        busy_reports,
+        row["failed"],
+        f("req_per_s"),
+        f("ttft_p50_ms"),
+        f("ttft_p99_ms"),
+        f("pick_p50_us"),
+        f("pick_p99_us"),
+    );
+    row
+}
+
+#[tokio::main]
+async fn main() {
+    let args = Args::parse();
+    println!(
+        "{:>7} {:>9} {:>10} {:>8} {:>8} {:>9} {:>9} {:>6} {:>7} {:>8} {:>8} {:>8} {:>8}",
+        "workers",
+        "routable",
+        "joined",
+        "gw MiB",
+        "KiB/wkr",
+        "rep/s idl",
+        "rep/s ld",
+        "failed",
+        "req/s",
+        "ttft p50",
+        "ttft p99",
+        "pick p50",
+        "pick p99"
+    );
+    let mut rows = Vec::new();
+    for &n in &args.sizes {
+        rows.push(one_size(&args, n).await);
+    }
+    write_results(&args.json, false, json!({ "sizes": rows }));
+}

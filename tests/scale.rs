@@ -1,0 +1,112 @@
+//! One router over 2,000 sim workers, all members of their own (record, QUIC endpoint,
+//! engine) hosted by one `kvmesh node --replicas` process, with a real etcd on loopback:
+//! every worker routable within two minutes, every request served, the gateway's memory
+//! per worker link in kilobytes, the load reports it reads bounded by the pace, and
+//! `/status` and `/metrics` summarised at that size.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::kvmesh;
+use kvmesh_bench::harness::abuse::rss_mib;
+use kvmesh_bench::harness::load::{run_load, shakespeare_lines};
+use kvmesh_bench::harness::{client, get_json};
+use kvmesh_discovery::testing::Etcd;
+use serde_json::Value;
+
+const WORKERS: usize = 2000;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_thousand_workers_behind_one_router() {
+    let etcd = Etcd::start();
+    let http = client();
+    let gw = kvmesh().gateway(&etcd, "scale", "gw", "least-loaded");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let rss0 = rss_mib(&gw);
+    let replicas = WORKERS.to_string();
+    let t0 = Instant::now();
+    let _workers = kvmesh().worker(
+        &etcd,
+        "scale",
+        "w",
+        &[
+            "--replicas",
+            &replicas,
+            "--num-kv-blocks",
+            "64",
+            "--sim-decode-ms",
+            "1",
+        ],
+    );
+    let mut summary = Value::Null;
+    while t0.elapsed() < Duration::from_secs(120) {
+        summary =
+            get_json(&http, &gw, "/status?workers=0").await["router"]["workers_summary"].clone();
+        if summary["routable"].as_u64() == Some(WORKERS as u64) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    assert_eq!(
+        summary["routable"].as_u64(),
+        Some(WORKERS as u64),
+        "not all routable within 120 s: {summary}"
+    );
+    eprintln!("{WORKERS} routable after {:?}", t0.elapsed());
+
+    // Memory per worker link, from the gateway's growth. The aim is 64 KiB; the bound leaves
+    // room for a noisy machine's allocator (a link cost over 1 MiB before).
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let per_link_kib = (rss_mib(&gw) - rss0) * 1024.0 / WORKERS as f64;
+    eprintln!("gateway: {per_link_kib:.1} KiB per worker link");
+    assert!(per_link_kib < 96.0, "{per_link_kib:.1} KiB per worker link");
+
+    // Every request served.
+    let lines = shakespeare_lines();
+    let prompts: Vec<String> = (0..400).map(|i| lines[i % lines.len()].clone()).collect();
+    let (samples, wall) = run_load(&http, &gw.http, prompts, 16, 32).await;
+    let failed: Vec<_> = samples.iter().filter(|s| !s.ok).collect();
+    assert!(failed.is_empty(), "{} of 400 failed", failed.len());
+    eprintln!("400 requests in {wall:.1} s");
+
+    // The reports the router reads stay within the pace's bound (5,000 a second).
+    let reports = async || {
+        gw.try_metric(&http, "kvmesh:router_load_reports_total")
+            .await
+            .unwrap_or(f64::NAN)
+    };
+    let a = reports().await;
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let per_s = (reports().await - a) / 4.0;
+    eprintln!("{per_s:.0} load reports a second");
+    assert!(
+        per_s > 0.0 && per_s <= 5500.0,
+        "{per_s} load reports a second"
+    );
+
+    // /status lists 1000 by default and counts all; /metrics has no series per worker.
+    let st = get_json(&http, &gw, "/status").await;
+    assert_eq!(st["router"]["workers"].as_array().map(Vec::len), Some(1000));
+    assert_eq!(st["router"]["workers_summary"]["total"], WORKERS as u64);
+    let all = get_json(&http, &gw, "/status?workers=all").await;
+    assert_eq!(
+        all["router"]["workers"].as_array().map(Vec::len),
+        Some(WORKERS)
+    );
+    let bad = http
+        .get(format!("{}/status?workers=many", gw.http))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(bad.status().as_u16(), 400);
+    let metrics = gw.metrics(&http).await;
+    assert!(
+        metrics.contains("kvmesh:router_workers_routable"),
+        "{metrics}"
+    );
+    assert!(
+        !metrics.contains("kvmesh:worker_routed_total"),
+        "a series per worker at {WORKERS} workers"
+    );
+}
