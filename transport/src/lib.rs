@@ -2,8 +2,10 @@
 //! authenticated both ways by certificate fingerprints that the registry publishes (see
 //! [`tls`]), with rkyv-framed messages (see [`wire`]).
 //!
-//! Dead peers: keep-alives every 500 ms and a 3 s idle timeout, so a peer that vanishes
-//! without closing (SIGKILL, a pulled cable) breaks its connection within a few seconds,
+//! Dead peers: the dialing end sends keep-alives at a pace its caller picks (200 ms by
+//! default; routers stretch it as their clusters grow) and the dialed end acknowledges
+//! them, so a peer that vanishes without closing (SIGKILL, a pulled cable) is noticed by
+//! silence within a few beats, and by QUIC's idle timeout (3 s or more) at the latest,
 //! before its registry lease (the backstop) expires.
 
 mod endpoint;
