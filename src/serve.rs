@@ -287,6 +287,16 @@ pub fn load_model(args: &EngineArgs) -> anyhow::Result<LoadedModel> {
 
 /// An engine for `model` (loaded once for several engines of one process).
 pub fn start_engine_with(args: &EngineArgs, model: &LoadedModel) -> anyhow::Result<StartedEngine> {
+    start_engine_on(args, model, None)
+}
+
+/// Like [`start_engine_with`], on `pool`'s shared driver threads where one is given (sim
+/// replicas: thousands of engines, no thread each) instead of a thread of its own.
+pub fn start_engine_on(
+    args: &EngineArgs,
+    model: &LoadedModel,
+    pool: Option<&engine::EnginePool>,
+) -> anyhow::Result<StartedEngine> {
     anyhow::ensure!(args.block_size > 0, "--block-size must be positive");
     anyhow::ensure!(args.max_num_seqs > 0, "--max-num-seqs must be positive");
     anyhow::ensure!(
@@ -348,12 +358,11 @@ pub fn start_engine_with(args: &EngineArgs, model: &LoadedModel) -> anyhow::Resu
         enable_prefix_caching: !args.no_enable_prefix_caching,
     };
     let device = backend.device();
-    let handle = engine::spawn(
-        backend,
-        cfg,
-        model.tokenizer.eos_ids().to_vec(),
-        model.config.vocab_size,
-    )
+    let (eos, vocab) = (model.tokenizer.eos_ids().to_vec(), model.config.vocab_size);
+    let handle = match pool {
+        Some(pool) => pool.spawn(backend, cfg, eos, vocab),
+        None => engine::spawn(backend, cfg, eos, vocab),
+    }
     .with_guides(Arc::new(LazyGuides::new(
         model.tokenizer.clone(),
         model.config.vocab_size,

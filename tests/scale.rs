@@ -26,7 +26,7 @@ async fn two_thousand_workers_behind_one_router() {
     let rss0 = rss_mib(&gw);
     let replicas = WORKERS.to_string();
     let t0 = Instant::now();
-    let _workers = kvmesh().worker(
+    let workers = kvmesh().worker(
         &etcd,
         "scale",
         "w",
@@ -61,6 +61,16 @@ async fn two_thousand_workers_behind_one_router() {
     let per_link_kib = (rss_mib(&gw) - rss0) * 1024.0 / WORKERS as f64;
     eprintln!("gateway: {per_link_kib:.1} KiB per worker link");
     assert!(per_link_kib < 96.0, "{per_link_kib:.1} KiB per worker link");
+    // The sim engines share a few driver threads: the process does not grow a thread per
+    // worker (it had over 2,000 when each engine slept on its own).
+    let threads: usize = std::fs::read_to_string(format!("/proc/{}/status", workers.child.id()))
+        .unwrap()
+        .lines()
+        .find_map(|l| l.strip_prefix("Threads:"))
+        .and_then(|t| t.trim().parse().ok())
+        .unwrap();
+    eprintln!("worker process: {threads} threads for {WORKERS} workers");
+    assert!(threads < 64, "{threads} threads for {WORKERS} sim workers");
 
     // Every request served.
     let lines = shakespeare_lines();

@@ -10,9 +10,10 @@
 //! - A worker's load reports: every [`LOAD_EVERY`] at most, and only when something in the
 //!   report changed (a report that would say nothing new waits, up to ten intervals).
 //!   Workers count the cluster's workers from the registry.
-//! - A router's heartbeat to each worker (QUIC keep-alives, which the worker acknowledges at
-//!   once) and the silence after which it closes the connection ([`Beat::silent_after`]).
-//!   Routers count the worker links they hold. Detecting a dead worker thus takes 0.7 s up
+//! - A router's heartbeat to each worker (a datagram, which the worker acknowledges at
+//!   once; not QUIC's keep-alive, whose pace is fixed when a connection is dialed) and the
+//!   silence after which it closes the connection ([`Beat::silent_after`]). Routers count
+//!   the worker links they hold, and every link follows the count as it changes. Detecting a dead worker thus takes 0.7 s up
 //!   to 1,000 workers, and proportionally longer beyond.
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};

@@ -542,8 +542,9 @@ async fn a_deleted_record_is_put_back_by_its_live_node() {
     println!("record restored after {:?}", t.elapsed());
 }
 
-/// Records beside a registration share its lease (one keep-alive for all), are published
-/// again with it when the lease is lost, and each leaves on its own `deregister`.
+/// Records beside a registration share its lease (one keep-alive for all), are created
+/// together when they come at once (several transactions' worth here), are published again
+/// with it when the lease is lost, and each leaves on its own `deregister`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn records_beside_a_registration_share_its_lease_and_follow_it() {
     init_tracing();
@@ -552,13 +553,15 @@ async fn records_beside_a_registration_share_its_lease_and_follow_it() {
     let observer = connect(&etcd, "b").await;
     let mut rx = observer.subscribe();
     let reg = node.register(record("b", "w")).await.unwrap();
-    let mut beside = Vec::new();
-    for k in 1..=3 {
-        let r = record("b", &format!("w.{k}"));
-        beside.push(node.register_beside(&reg, r).await.unwrap());
-    }
-    wait_view(&mut rx, Duration::from_secs(1), "all four", |m| {
-        m.len() == 4
+    const BESIDE: usize = 150;
+    let started = (1..=BESIDE).map(|k| node.register_beside(&reg, record("b", &format!("w.{k}"))));
+    let mut beside: Vec<_> = futures::future::join_all(started)
+        .await
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    wait_view(&mut rx, Duration::from_secs(2), "all of them", |m| {
+        m.len() == BESIDE + 1
     })
     .await;
     let mut raw = raw_client(&etcd).await;
@@ -578,7 +581,7 @@ async fn records_beside_a_registration_share_its_lease_and_follow_it() {
     let dup = node.register_beside(&reg, record("b", "w.1")).await;
     assert!(dup.is_err(), "a second w.1 was accepted");
 
-    // The lease lost: all four are gone, then back under the new lease.
+    // The lease lost: all are gone, then back under the new lease.
     raw.lease_revoke(lease).await.unwrap();
     wait_view(&mut rx, Duration::from_secs(1), "all gone", |m| {
         m.is_empty()
@@ -587,13 +590,13 @@ async fn records_beside_a_registration_share_its_lease_and_follow_it() {
     wait_view(
         &mut rx,
         Duration::from_secs(TTL as u64 + 2),
-        "all four back",
-        |m| m.len() == 4,
+        "all back",
+        |m| m.len() == BESIDE + 1,
     )
     .await;
     let new_lease = lease_of(&mut raw, "w").await;
     assert_ne!(new_lease, lease);
-    for id in ["w.1", "w.2", "w.3"] {
+    for id in ["w.1", "w.2", "w.3", "w.150"] {
         assert_eq!(
             lease_of(&mut raw, id).await,
             new_lease,
@@ -613,7 +616,7 @@ async fn records_beside_a_registration_share_its_lease_and_follow_it() {
         &mut rx,
         Duration::from_secs(1),
         "w.1 gone, the rest kept",
-        |m| m.len() == 3 && !m.contains_key("w.1"),
+        |m| m.len() == BESIDE && !m.contains_key("w.1"),
     )
     .await;
     reg.deregister().await.unwrap();

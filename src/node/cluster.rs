@@ -18,7 +18,15 @@ pub struct ClusterStatusArgs {
     /// Print JSON instead of a table.
     #[arg(long)]
     pub json: bool,
+    /// List every node and every problem; by default a cluster of thousands shows its first
+    /// rows and problems, and counts the rest by state.
+    #[arg(long)]
+    pub all: bool,
 }
+
+/// Nodes listed, and problems printed, without `--all`.
+const ROWS_SHOWN: usize = 50;
+const PROBLEMS_SHOWN: usize = 20;
 
 /// A member's record and its `/status`, when it answered.
 type Row = (NodeRecord, Option<Value>);
@@ -42,7 +50,7 @@ pub fn cluster_status(args: ClusterStatusArgs) -> anyhow::Result<()> {
         rows.len(),
         if rows.len() == 1 { "" } else { "s" }
     );
-    print_table(rows);
+    print_table(rows, args.all);
     Ok(())
 }
 
@@ -53,17 +61,24 @@ async fn fetch(args: &ClusterStatusArgs) -> anyhow::Result<Vec<Row>> {
     let http = reqwest::Client::builder()
         .timeout(Duration::from_secs(2))
         .build()?;
-    let mut rows = Vec::new();
-    for r in records {
-        let status = match &r.http_url {
-            Some(u) => match http.get(format!("{u}/status")).send().await {
-                Ok(resp) => resp.json::<Value>().await.ok(),
-                Err(_) => None,
-            },
-            None => None,
-        };
-        rows.push((r, status));
-    }
+    // Several nodes at once; a router lists every worker link it holds (by default it
+    // lists the first thousand), so that none it cannot reach goes unsaid.
+    use futures::stream::{self, StreamExt};
+    let http = &http;
+    let rows = stream::iter(records)
+        .map(|r| async move {
+            let status = match &r.http_url {
+                Some(u) => match http.get(format!("{u}/status?workers=all")).send().await {
+                    Ok(resp) => resp.json::<Value>().await.ok(),
+                    Err(_) => None,
+                },
+                None => None,
+            };
+            (r, status)
+        })
+        .buffer_unordered(16)
+        .collect()
+        .await;
     Ok(rows)
 }
 
@@ -139,7 +154,7 @@ impl RouterViews {
     }
 }
 
-fn print_table(rows: Vec<Row>) {
+fn print_table(rows: Vec<Row>, all: bool) {
     let views = RouterViews::of(&rows);
     println!(
         "{:<20} {:<21} {:<21} {:<14} {:<14} {:<12} {:>9} {:>9} {:>7} {:>8}  STATE",
@@ -164,7 +179,14 @@ fn print_table(rows: Vec<Row>) {
         fingerprints.entry(r.model.clone()).or_default().insert(f);
     }
     let mut group: Option<String> = None;
-    for (r, s) in rows {
+    // Beyond the rows shown: how many nodes in each state.
+    let mut rest: BTreeMap<String, usize> = BTreeMap::new();
+    for (shown, (r, s)) in rows.into_iter().enumerate() {
+        if !all && shown >= ROWS_SHOWN {
+            let state = views.state(&r, s.as_ref(), &mut problems);
+            *rest.entry(state).or_default() += 1;
+            continue;
+        }
         if group.as_ref() != Some(&r.model) {
             group = Some(r.model.clone());
             let fs: Vec<&str> = fingerprints[&r.model].iter().map(String::as_str).collect();
@@ -223,7 +245,23 @@ fn print_table(rows: Vec<Row>) {
             state
         );
     }
-    for p in problems {
+    if !rest.is_empty() {
+        let counts: Vec<String> = rest.iter().map(|(s, n)| format!("{n} {s}")).collect();
+        println!(
+            "... and {} more nodes: {} (--all lists them)",
+            rest.values().sum::<usize>(),
+            counts.join(", ")
+        );
+    }
+    let more = if all {
+        0
+    } else {
+        problems.len().saturating_sub(PROBLEMS_SHOWN)
+    };
+    for p in &problems[..problems.len() - more] {
         println!("! {p}");
+    }
+    if more > 0 {
+        println!("! ... and {more} more problems (--all lists them)");
     }
 }

@@ -23,7 +23,8 @@ pub struct Replica {
 }
 
 /// What every replica of a node shares: the node's flags, model, registry and registration
-/// (whose lease its replicas' records share), record, report pace and allow list.
+/// (whose lease its replicas' records share), record, report pace, allow list and engine
+/// driver.
 pub struct Host<'a> {
     pub args: &'a NodeArgs,
     pub model: Arc<LoadedModel>,
@@ -32,6 +33,8 @@ pub struct Host<'a> {
     pub node: &'a NodeRecord,
     pub pace: &'a Arc<ReportPace>,
     pub allowed: &'a AllowList,
+    /// The threads that drive every replica's engine.
+    pub engines: Arc<kvmesh_gpu::engine::EnginePool>,
 }
 
 impl Replica {
@@ -42,9 +45,10 @@ impl Replica {
         // node's lease alive.
         let (engine, identity) = tokio::task::spawn_blocking({
             let (engine_args, model, id) = (args.engine.clone(), model.clone(), node_id.clone());
+            let engines = host.engines.clone();
             move || -> anyhow::Result<_> {
                 Ok((
-                    crate::serve::start_engine_with(&engine_args, &model)?,
+                    crate::serve::start_engine_on(&engine_args, &model, Some(&engines))?,
                     NodeIdentity::generate(&id)?,
                 ))
             }

@@ -558,6 +558,10 @@ async fn start_replicas(
         node: record,
         pace,
         allowed: &net.allowed,
+        // Sim engines model their steps' time: a thread per core waits it out for all.
+        engines: Arc::new(kvmesh_gpu::engine::EnginePool::new(
+            std::thread::available_parallelism().map_or(2, |n| n.get()),
+        )),
     };
     // Several at once: each waits on etcd (its record) and makes a key pair.
     use futures::stream::{self, StreamExt, TryStreamExt};

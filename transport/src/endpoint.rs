@@ -44,18 +44,27 @@ enum End {
 /// dialed end sends none of its own (its acknowledgements answer the dialer's), so a router
 /// holding thousands of worker links sets the pace of all of them. The idle timeout is
 /// several beats, and never under 3 s; the dialed end offers more and the smaller wins.
-fn transport_config(end: End, keep_alive: Duration) -> Arc<quinn::TransportConfig> {
+///
+/// A dialer with no keep-alive (`None`) sends heartbeats of its own instead, at a pace it
+/// may change while the connection lives (see [`until_silent`]): quinn fixes a
+/// connection's keep-alive when it is dialed, and a router's first links, dialed while the
+/// cluster was small, would ping at the small cluster's pace for ever.
+fn transport_config(end: End, keep_alive: Option<Duration>) -> Arc<quinn::TransportConfig> {
     let mut t = quinn::TransportConfig::default();
-    let idle = match end {
-        End::Dialing => {
+    let idle = match (end, keep_alive) {
+        (End::Dialing, Some(keep_alive)) => {
             t.keep_alive_interval(Some(keep_alive));
             (keep_alive * 5).max(Duration::from_secs(3))
         }
-        End::Dialed => {
+        _ => {
             t.keep_alive_interval(None);
             Duration::from_secs(30)
         }
     };
+    // Heartbeats are datagrams, acknowledged and dropped: the dialed end keeps room for a
+    // few and never reads them. (quinn sends datagrams only from an end that accepts
+    // them, so the dialing end offers the same room, which nothing fills.)
+    t.datagram_receive_buffer_size(Some(HEARTBEAT.len() * 64));
     t.max_idle_timeout(Some(
         quinn::IdleTimeout::try_from(idle).expect("an idle timeout of seconds is valid"),
     ));
@@ -103,9 +112,25 @@ impl NodeEndpoint {
         let quic = quinn::crypto::rustls::QuicServerConfig::try_from(crypto)
             .map_err(|e| TransportError::Tls(e.to_string()))?;
         let mut server = quinn::ServerConfig::with_crypto(Arc::new(quic));
-        server.transport_config(transport_config(End::Dialed, KEEP_ALIVE));
+        server.transport_config(transport_config(End::Dialed, None));
         let bind = |source| TransportError::Bind { addr, source };
         let socket = std::net::UdpSocket::bind(addr).map_err(bind)?;
+        // A router's one socket takes the packets of thousands of worker links; the
+        // default receive buffer (about 200 KiB) overflows in bursts and every drop costs a
+        // retransmission. Raised as far as the host allows (`net.core.rmem_max`).
+        let buffer = SOCKET_BUFFER as libc::c_int;
+        for opt in [libc::SO_RCVBUF, libc::SO_SNDBUF] {
+            // SAFETY: a valid socket, option and int-sized value.
+            unsafe {
+                libc::setsockopt(
+                    std::os::fd::AsRawFd::as_raw_fd(&socket),
+                    libc::SOL_SOCKET,
+                    opt,
+                    &buffer as *const libc::c_int as *const libc::c_void,
+                    std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+                );
+            }
+        }
         let runtime = quinn::default_runtime()
             .ok_or_else(|| bind(std::io::Error::other("no async runtime")))?;
         let endpoint =
@@ -135,15 +160,17 @@ impl NodeEndpoint {
         addr: SocketAddr,
         fingerprint: &str,
     ) -> Result<Connection, TransportError> {
-        self.connect_paced(addr, fingerprint, KEEP_ALIVE).await
+        self.connect_paced(addr, fingerprint, Some(KEEP_ALIVE))
+            .await
     }
 
-    /// Dials `addr` as [`NodeEndpoint::connect`] does, with keep-alives every `keep_alive`.
+    /// Dials `addr` as [`NodeEndpoint::connect`] does, with keep-alives every `keep_alive`,
+    /// or none (the caller sends heartbeats: [`until_silent`] with `ping`).
     pub async fn connect_paced(
         &self,
         addr: SocketAddr,
         fingerprint: &str,
-        keep_alive: Duration,
+        keep_alive: Option<Duration>,
     ) -> Result<Connection, TransportError> {
         let fail = |reason: String| TransportError::Connect { addr, reason };
         let crypto = tls::client_config(&self.identity, fingerprint)?;
@@ -175,16 +202,36 @@ impl NodeEndpoint {
 /// How often an idle connection pings its peer.
 pub const KEEP_ALIVE: Duration = Duration::from_millis(200);
 
+/// What a heartbeat datagram carries.
+const HEARTBEAT: &[u8] = b"\0";
+
+/// A socket's receive and send buffers, as far as the host allows.
+const SOCKET_BUFFER: usize = 4 << 20;
+
 /// Resolves once nothing at all (no data, no acknowledgement of a keep-alive) has arrived
 /// on `conn` for `limit()` (asked again at each check, so it may follow a changing pace): a
 /// peer that died without closing (SIGKILL, a lost machine), long before QUIC's idle
 /// timeout says so. The limit must be several keep-alives, so a busy but live peer is never
 /// taken for a dead one.
-pub async fn until_silent(conn: &Connection, limit: impl Fn() -> Duration) {
+///
+/// With `ping` (a connection dialed without keep-alives) it sends a heartbeat at each
+/// check, every quarter of the limit, which the peer acknowledges at once.
+pub async fn until_silent(conn: &Connection, limit: impl Fn() -> Duration, ping: bool) {
     let mut heard = conn.stats().udp_rx.datagrams;
     let mut last = tokio::time::Instant::now();
+    let mut warned = false;
     loop {
         let limit = limit();
+        if ping {
+            if let Err(e) = conn.send_datagram(bytes::Bytes::from_static(HEARTBEAT)) {
+                // A peer that takes no datagrams (another version) is soon taken for a
+                // silent one: say why once.
+                if !warned && !matches!(e, quinn::SendDatagramError::ConnectionLost(_)) {
+                    tracing::warn!(peer = %conn.remote_address(), "cannot send heartbeats: {e}");
+                    warned = true;
+                }
+            }
+        }
         tokio::time::sleep((limit / 4).max(Duration::from_millis(10))).await;
         let now = conn.stats().udp_rx.datagrams;
         if now != heard {
@@ -280,6 +327,37 @@ mod tests {
         assert!(matches!(ev, TokenEvent::Token { token: 42, .. }));
         assert!(read_msg::<TokenEvent>(&mut recv).await.unwrap().is_none());
         assert_eq!(task.await.unwrap().unwrap(), a.fingerprint);
+    }
+
+    #[tokio::test]
+    async fn heartbeats_keep_an_idle_link_heard_and_a_frozen_peer_is_silent() {
+        let (a, b) = (
+            NodeIdentity::generate("a").unwrap(),
+            NodeIdentity::generate("b").unwrap(),
+        );
+        let allow_b = AllowList::default();
+        allow_b.set([a.fingerprint.clone()]);
+        let server = NodeEndpoint::bind(loopback(), b.clone(), allow_b).unwrap();
+        let client = NodeEndpoint::bind(loopback(), a, AllowList::default()).unwrap();
+        let accepted = tokio::spawn({
+            let server = server.clone();
+            async move { server.accept().await.unwrap().await.unwrap() }
+        });
+        let conn = client
+            .connect_paced(server.local_addr(), &b.fingerprint, None)
+            .await
+            .unwrap();
+        let _held = accepted.await.unwrap();
+        let limit = || Duration::from_millis(300);
+        // No keep-alive and nothing to say: the heartbeats' acknowledgements are heard.
+        tokio::select! {
+            () = until_silent(&conn, limit, true) => panic!("a live idle peer taken for dead"),
+            () = tokio::time::sleep(Duration::from_secs(2)) => {}
+        }
+        // Without them, an idle live peer says nothing.
+        let t = tokio::time::Instant::now();
+        until_silent(&conn, limit, false).await;
+        assert!(t.elapsed() < Duration::from_secs(2));
     }
 
     #[tokio::test]

@@ -2,7 +2,7 @@
 //! router's snapshot of each eligible worker turned into the policy's candidates, the pick,
 //! and for a decode node the disaggregation decision.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
@@ -11,6 +11,7 @@ use parking_lot::{Mutex, RwLock};
 
 use super::config::DisaggConfig;
 use super::links::{assume_for_unmeasured, ReportedSpeed, WorkerLink, Workers};
+use super::shortlist::{uses_shortlist, Shortlist, SHORTLIST_FROM, SHORTLIST_LEN};
 use super::stats::{Decision, PickTimes};
 use crate::kv_index::KvIndex;
 use crate::policy::{
@@ -56,6 +57,7 @@ pub(crate) struct Picker<'a> {
     pub policy: Policy,
     pub tuning: PrefixTuning,
     pub picks: &'a PickTimes,
+    pub shortlist: &'a Shortlist,
 }
 
 impl Picker<'_> {
@@ -65,14 +67,31 @@ impl Picker<'_> {
         // The worker set is read in place for the pick (membership changes wait that
         // long); only the chosen worker's handle is copied out.
         let workers = self.workers.read();
-        let links = self.eligible(&workers, want, turn);
+        let now = Instant::now();
+        let prefix = self.policy == Policy::Prefix;
+        // Every worker's leading hits at once, from the index: the cost follows the
+        // prompt's blocks and their holders, not the number of workers.
+        let hits = if prefix && !want.hashes.is_empty() {
+            self.index.lock().leading_hits(want.hashes, now)
+        } else {
+            Vec::new()
+        };
+        let short = uses_shortlist(self.policy)
+            .then(|| self.shortlist.current())
+            .flatten();
+        let shortlisted = short.as_ref().and_then(|list| {
+            self.shortlist.saw(want.prompt_tokens, want.output_tokens);
+            self.shortlisted_for(list, &workers.by_slot, &hits, |w| can_take(w, want))
+        });
+        let links = match shortlisted {
+            Some(links) => links,
+            None => self.eligible(&workers, want, turn),
+        };
         if links.is_empty() {
             return None;
         }
         let block_size = links[0].record.block_size.max(1);
-        let now = Instant::now();
-        let prefix = self.policy == Policy::Prefix;
-        let (cands, reported) = self.candidates(&links, want.hashes, now);
+        let (cands, reported) = self.candidates(&links, &hits);
         let shape = RequestShape {
             prompt_tokens: want.prompt_tokens,
             block_size,
@@ -108,12 +127,7 @@ impl Picker<'_> {
         want: &Wanted,
         turn: u64,
     ) -> Vec<&'w Arc<WorkerLink>> {
-        let eligible = |w: &WorkerLink| {
-            w.available()
-                && w.hot.generates
-                && w.hot.max_model_len >= want.length
-                && (want.tried.is_empty() || !want.tried.contains(&w.record.node_id))
-        };
+        let eligible = |w: &WorkerLink| can_take(w, want);
         // Power-of-two draws its two from the whole set and looks at nothing else; only
         // when a drawn one cannot take the request does it draw among those that can.
         let drawn: Option<Vec<&Arc<WorkerLink>>> = (self.policy == Policy::PowerOfTwo)
@@ -140,23 +154,16 @@ impl Picker<'_> {
         }
     }
 
-    /// Each link as the policy sees it, and the leading blocks each reported holding.
-    fn candidates(
+    /// Each link as the policy sees it, and the leading blocks each reported holding;
+    /// `hits` are the prompt's leading hits by slot (prefix), sorted.
+    pub(super) fn candidates(
         &self,
         links: &[&Arc<WorkerLink>],
-        hashes: &[u64],
-        now: Instant,
+        hits: &[(u32, usize, usize)],
     ) -> (Vec<Candidate>, Vec<usize>) {
         let mut reported = vec![0; links.len()];
         let mut speeds: Vec<ReportedSpeed> = links.iter().map(|w| w.pick_inputs()).collect();
         assume_for_unmeasured(&mut speeds);
-        // Every worker's leading hits at once, from the index: the cost follows the
-        // prompt's blocks and their holders, not the number of workers.
-        let hits = if self.policy == Policy::Prefix && !hashes.is_empty() {
-            self.index.lock().leading_hits(hashes, now)
-        } else {
-            Vec::new()
-        };
         let cands = links
             .iter()
             .enumerate()
@@ -215,6 +222,15 @@ impl Picker<'_> {
     }
 }
 
+/// Whether `w` may be given the request: up, generating, with room for its context, and
+/// not tried for it yet.
+fn can_take(w: &WorkerLink, want: &Wanted) -> bool {
+    w.available()
+        && w.hot.generates
+        && w.hot.max_model_len >= want.length
+        && (want.tried.is_empty() || !want.tried.contains(&w.record.node_id))
+}
+
 /// Decides whether a request routed to `decode` is prefilled elsewhere, and where, among
 /// `workers` (the router's, in id order).
 pub(crate) fn prefill_for(
@@ -258,5 +274,66 @@ pub(crate) fn prefill_for(
     match pick_prefill(&cands, uncached, disagg.max_queue) {
         Some(i) => (Decision::Remote, Some(links[i].clone())),
         None => (Decision::PrefillBusy, None),
+    }
+}
+
+/// The [`SHORTLIST_LEN`] workers cheapest for the last request's shape, among all that take
+/// requests; none below [`SHORTLIST_FROM`].
+fn shortlisted(picker: &Picker) -> Vec<Arc<WorkerLink>> {
+    let workers = picker.workers.read();
+    if workers.list.len() < SHORTLIST_FROM {
+        return Vec::new();
+    }
+    let links: Vec<&Arc<WorkerLink>> = workers
+        .values()
+        .filter(|w| w.available() && w.hot.generates)
+        .collect();
+    let Some(first) = links.first() else {
+        return Vec::new();
+    };
+    let shape = picker.shortlist.shape(first.record.block_size.max(1));
+    let cands = picker.candidates(&links, &[]).0;
+    let n = links.len();
+    let offset = picker.shortlist.next_turn() * SHORTLIST_LEN;
+    let mut order: Vec<(f64, usize)> = cands
+        .iter()
+        .enumerate()
+        .map(|(i, c)| (cost(Policy::LeastLoaded, c, shape), (i + offset) % n))
+        .collect();
+    let by_cost = |a: &(f64, usize), b: &(f64, usize)| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1));
+    if order.len() > SHORTLIST_LEN {
+        order.select_nth_unstable_by(SHORTLIST_LEN, by_cost);
+        order.truncate(SHORTLIST_LEN);
+    }
+    order
+        .into_iter()
+        .map(|(_, k)| links[(k + n - offset % n) % n].clone())
+        .collect()
+}
+
+impl Picker<'_> {
+    /// Chooses the shortlist again (see `shortlist`).
+    pub(crate) fn refresh_shortlist(&self) {
+        self.shortlist.set(shortlisted(self));
+    }
+
+    /// The shortlisted workers that can take the request, and for `prefix` the holders of
+    /// its leading blocks (`hits`, by slot); `None` where none can (the pick then scans).
+    pub(crate) fn shortlisted_for<'w>(
+        &self,
+        list: &'w [Arc<WorkerLink>],
+        by_slot: &'w HashMap<u32, Arc<WorkerLink>>,
+        hits: &[(u32, usize, usize)],
+        eligible: impl Fn(&WorkerLink) -> bool,
+    ) -> Option<Vec<&'w Arc<WorkerLink>>> {
+        let mut links: Vec<&Arc<WorkerLink>> = list.iter().filter(|w| eligible(w)).collect();
+        for (slot, _, _) in hits {
+            if let Some(w) = by_slot.get(slot).filter(|w| eligible(w)) {
+                if !links.iter().any(|l| Arc::ptr_eq(l, w)) {
+                    links.push(w);
+                }
+            }
+        }
+        (!links.is_empty()).then_some(links)
     }
 }

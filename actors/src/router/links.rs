@@ -21,6 +21,8 @@ use crate::kv_index::KvIndex;
 pub(crate) struct Workers {
     pub(crate) by_id: BTreeMap<String, Arc<WorkerLink>>,
     pub(crate) list: Vec<Arc<WorkerLink>>,
+    /// By slot in the prefix index (see `shortlist`).
+    pub(crate) by_slot: std::collections::HashMap<u32, Arc<WorkerLink>>,
 }
 
 impl Workers {
@@ -481,7 +483,7 @@ pub(crate) async fn maintain(endpoint: NodeEndpoint, link: Arc<WorkerLink>, want
     while !link.gone.load(Ordering::Relaxed) {
         let beat = crate::pace::Beat::now();
         match endpoint
-            .connect_paced(addr, &link.record.cert_sha256, beat.0)
+            .connect_paced(addr, &link.record.cert_sha256, None)
             .await
         {
             Ok(conn) => {
@@ -499,7 +501,7 @@ pub(crate) async fn maintain(endpoint: NodeEndpoint, link: Arc<WorkerLink>, want
                 };
                 let reason = tokio::select! {
                     reason = conn.closed() => reason.to_string(),
-                    () = until_silent(&conn, silent) => {
+                    () = until_silent(&conn, silent, true) => {
                         // Dead without a word (killed, or its machine lost): its streams
                         // fail now and move, instead of at QUIC's idle timeout.
                         conn.close(0u32.into(), b"worker silent");

@@ -111,7 +111,11 @@ fn departs(id: &str, link: &WorkerLink, record: Option<&&NodeRecord>) -> bool {
 }
 
 /// A link for a new worker, not yet connected.
-fn new_link(rec: &NodeRecord, index: &Arc<Mutex<KvIndex>>, next_slot: &AtomicU32) -> WorkerLink {
+pub(super) fn new_link(
+    rec: &NodeRecord,
+    index: &Arc<Mutex<KvIndex>>,
+    next_slot: &AtomicU32,
+) -> WorkerLink {
     let kv = KvSlot::new(index, next_slot);
     WorkerLink {
         record: rec.clone(),
@@ -187,5 +191,6 @@ pub(crate) fn apply(
         added.push(link);
     }
     guard.list = guard.by_id.values().cloned().collect();
+    guard.by_slot = super::shortlist::by_slot(&guard.list);
     added
 }

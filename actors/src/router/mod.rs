@@ -26,6 +26,9 @@ mod config;
 mod links;
 mod membership;
 mod pools;
+mod shortlist;
+#[cfg(test)]
+mod shortlist_tests;
 mod stats;
 mod stream;
 
@@ -87,6 +90,10 @@ pub struct RouterCore {
     /// how long a new request is expected to decode, where its max_tokens is larger.
     mean_output: AtomicU64,
     pub stats: RouterStats,
+    /// What picks over thousands of workers cost (see `shortlist`), and whether its task
+    /// runs.
+    shortlist: shortlist::Shortlist,
+    shortlisting: std::sync::atomic::AtomicBool,
 }
 
 impl RouterCore {
@@ -115,7 +122,21 @@ impl RouterCore {
             next_slot: AtomicU32::new(0),
             mean_output: AtomicU64::new(0),
             stats: RouterStats::default(),
+            shortlist: Default::default(),
+            shortlisting: Default::default(),
         })
+    }
+
+    /// What a pick borrows of the router.
+    fn picker(&self) -> Picker<'_> {
+        Picker {
+            workers: &self.workers,
+            index: &self.kv_index,
+            policy: self.policy,
+            tuning: self.tuning,
+            picks: &self.stats.picks,
+            shortlist: &self.shortlist,
+        }
     }
 
     /// Workers in id order.
@@ -163,6 +184,11 @@ impl RouterCore {
             &self.next_slot,
         );
         let wants_kv = self.policy == Policy::Prefix;
+        if shortlist::uses_shortlist(self.policy)
+            && !self.shortlisting.swap(true, Ordering::Relaxed)
+        {
+            tokio::spawn(refresh_shortlist_while(Arc::downgrade(self)));
+        }
         for link in added {
             tokio::spawn(links::maintain(self.endpoint.clone(), link, wants_kv));
         }
@@ -317,14 +343,8 @@ impl Route for RouterCore {
             tried,
             describe,
         };
-        let picker = Picker {
-            workers: &self.workers,
-            index: &self.kv_index,
-            policy: self.policy,
-            tuning: self.tuning,
-            picks: &self.stats.picks,
-        };
-        picker.choose(&want, self.turn.fetch_add(1, Ordering::Relaxed))
+        self.picker()
+            .choose(&want, self.turn.fetch_add(1, Ordering::Relaxed))
     }
 
     fn worker<'p>(&self, pick: &'p Choice) -> &'p str {
@@ -388,5 +408,16 @@ impl Route for RouterCore {
             attempt.record("otel.status_description", e);
         }
         outcome
+    }
+}
+
+/// Chooses the router's shortlist every [`shortlist::REFRESH`] for as long as the router lives.
+async fn refresh_shortlist_while(core: std::sync::Weak<RouterCore>) {
+    let mut tick = tokio::time::interval(shortlist::REFRESH);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let Some(core) = core.upgrade() else { return };
+        core.picker().refresh_shortlist();
     }
 }

@@ -3,7 +3,8 @@
 //! member: record, QUIC endpoint, engine), all on loopback. Prints and writes, per size:
 //! the time until every worker is routable, the gateway's memory and its growth per worker
 //! link, the load reports it absorbs per second (idle and under load), pick times, and
-//! req/s and TTFT for 16-token requests at concurrency 64.
+//! req/s and TTFT for 16-token requests at concurrency 64; then the gateway is killed and a
+//! new one started, and the time it takes to re-learn every worker is measured.
 //!
 //! Bounded: each size waits at most `--join-timeout` seconds for its workers and sends a
 //! fixed number of requests.
@@ -51,6 +52,38 @@ async fn reports(http: &reqwest::Client, gw: &Proc) -> f64 {
         .unwrap_or(f64::NAN)
 }
 
+/// Polls the gateway until `n` workers are routable, for `limit` at most: the seconds it
+/// took and how many were routable at the end.
+async fn until_routable(
+    http: &reqwest::Client,
+    gw: &Proc,
+    n: usize,
+    limit: Duration,
+) -> (Option<f64>, usize) {
+    let t0 = Instant::now();
+    let mut routable = 0;
+    while t0.elapsed() < limit {
+        let s = summary(http, gw).await;
+        routable = s["router"]["workers_summary"]["routable"]
+            .as_u64()
+            .unwrap_or(0) as usize;
+        if routable >= n {
+            return (Some(t0.elapsed().as_secs_f64()), routable);
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    (None, routable)
+}
+
+/// A process's OS threads.
+fn threads(p: &Proc) -> Option<u64> {
+    std::fs::read_to_string(format!("/proc/{}/status", p.child.id()))
+        .ok()?
+        .lines()
+        .find_map(|l| l.strip_prefix("Threads:"))
+        .and_then(|t| t.trim().parse().ok())
+}
+
 /// Load reports the gateway reads per second, over `secs`.
 async fn report_rate(http: &reqwest::Client, gw: &Proc, secs: u64) -> f64 {
     let a = reports(http, gw).await;
@@ -67,7 +100,6 @@ async fn one_size(args: &Args, n: usize) -> Value {
     tokio::time::sleep(Duration::from_millis(500)).await;
     let rss0 = rss_mib(&gw);
     let replicas = n.to_string();
-    let t0 = Instant::now();
     let workers = km.node(
         &etcd,
         &cluster,
@@ -79,19 +111,8 @@ async fn one_size(args: &Args, n: usize) -> Value {
         ]
         .concat(),
     );
-    let mut routable = 0;
-    let mut joined = None;
-    while t0.elapsed() < Duration::from_secs(args.join_timeout) {
-        let s = summary(&http, &gw).await;
-        routable = s["router"]["workers_summary"]["routable"]
-            .as_u64()
-            .unwrap_or(0) as usize;
-        if routable >= n {
-            joined = Some(t0.elapsed().as_secs_f64());
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    }
+    let limit = Duration::from_secs(args.join_timeout);
+    let (joined, routable) = until_routable(&http, &gw, n, limit).await;
     tokio::time::sleep(Duration::from_secs(3)).await;
     let rss = rss_mib(&gw);
     let per_link_kib = (rss - rss0) * 1024.0 / n as f64;
@@ -108,6 +129,14 @@ async fn one_size(args: &Args, n: usize) -> Value {
     let ttft: Vec<f64> = ok.iter().map(|s| s.ttft * 1e3).collect();
     let st = status(&http, &gw).await;
     let pick = &st["router"]["pick_time"];
+    let worker_threads = threads(&workers);
+    // The router restarts: a new gateway learns every worker from etcd and dials it.
+    let mut gw = gw;
+    gw.kill();
+    let t1 = Instant::now();
+    let gw2 = km.gateway(&etcd, &cluster, "gw2", "least-loaded");
+    let (relearned, _) = until_routable(&http, &gw2, n, limit).await;
+    let relearned = relearned.map(|_| t1.elapsed().as_secs_f64());
     let row = json!({
         "workers": n,
         "routable": routable,
@@ -125,10 +154,12 @@ async fn one_size(args: &Args, n: usize) -> Value {
         "ttft_p99_ms": pct(&ttft, 99.0),
         "pick_p50_us": pick["recent_p50_us"],
         "pick_p99_us": pick["recent_p99_us"],
+        "worker_process_threads": worker_threads,
+        "router_restart_relearn_s": relearned,
     });
     let f = |k: &str| row[k].as_f64().unwrap_or(f64::NAN);
     println!(
-        "{n:>7} {:>9} {:>9.1}s {:>8.0} {:>8.1} {:>9.0} {:>9.0} {:>6} {:>7.0} {:>8.1} {:>8.1} {:>8.1} {:>8.1}",
+        "{n:>7} {:>9} {:>9.1}s {:>8.0} {:>8.1} {:>9.0} {:>9.0} {:>6} {:>7.0} {:>8.1} {:>8.1} {:>8.1} {:>8.1} {:>8.1}s {:>7}",
         routable,
         joined.unwrap_or(f64::NAN),
         f("gateway_rss_mib"),
@@ -141,6 +172,8 @@ async fn one_size(args: &Args, n: usize) -> Value {
         f("ttft_p99_ms"),
         f("pick_p50_us"),
         f("pick_p99_us"),
+        f("router_restart_relearn_s"),
+        worker_threads.map_or("-".into(), |t| t.to_string()),
     );
     row
 }
@@ -149,7 +182,7 @@ async fn one_size(args: &Args, n: usize) -> Value {
 async fn main() {
     let args = Args::parse();
     println!(
-        "{:>7} {:>9} {:>10} {:>8} {:>8} {:>9} {:>9} {:>6} {:>7} {:>8} {:>8} {:>8} {:>8}",
+        "{:>7} {:>9} {:>10} {:>8} {:>8} {:>9} {:>9} {:>6} {:>7} {:>8} {:>8} {:>8} {:>8} {:>9} {:>7}",
         "workers",
         "routable",
         "joined",
@@ -162,7 +195,9 @@ async fn main() {
         "ttft p50",
         "ttft p99",
         "pick p50",
-        "pick p99"
+        "pick p99",
+        "relearn",
+        "threads"
     );
     let mut rows = Vec::new();
     for &n in &args.sizes {

@@ -6,6 +6,13 @@
 //! which is what etcd would then spend its time on. When the lease is lost and the node
 //! registers again, its records beside it are published again under the new lease.
 //!
+//! Records started together are created together: etcd spends its time per transaction
+//! (a raft proposal and a disk sync each), so a thousand records written one by one keep it
+//! busy for seconds on a small machine, and a lease's keep-alive may starve meanwhile. Up to
+//! [`BATCH`] records waiting at once go out in one transaction; where that one fails (a
+//! record of that id exists), each is created on its own, with the checks and waits a
+//! registration of its own gets.
+//!
 //! Unlike a registration of its own, a record beside another is not restored by its
 //! keep-alive if an operator deletes it, and dropping its registration without
 //! `deregister` leaves it until the shared lease ends.
@@ -13,9 +20,13 @@
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
+use etcd_client::{Compare, CompareOp, PutOptions, Txn, TxnOp};
+use tokio::sync::oneshot;
 use tracing::warn;
 
-use super::{bounded, put, Child, Children, EtcdRegistration, EtcdRegistry, Shared};
+use super::{
+    bounded, put, Child, Children, EtcdRegistration, EtcdRegistry, Failure, Shared, Waiting,
+};
 use crate::error::DiscoveryError;
 use crate::record::{node_key, validate_record, NodeRecord};
 use crate::registry::{Registered, Registration};
@@ -29,6 +40,78 @@ impl<T> Locked<T> for Mutex<T> {
     fn locked(&self) -> MutexGuard<'_, T> {
         self.lock().unwrap_or_else(|e| e.into_inner())
     }
+}
+
+/// Records in one transaction at most (etcd refuses more than `--max-txn-ops`, 128 by
+/// default).
+const BATCH: usize = 64;
+
+/// How long the first record of a batch waits for others to join it.
+const GATHER: std::time::Duration = std::time::Duration::from_millis(5);
+
+impl Shared {
+    /// Creates `key` under this registration's lease in a batch with the records waiting
+    /// beside it: the lease it went under, or `None` where that did not work (the caller
+    /// creates it on its own).
+    async fn create_in_batch(self: &Arc<Self>, key: &str, value: &str) -> Option<i64> {
+        let (reply, answer) = oneshot::channel();
+        let waiting = Waiting {
+            key: key.to_owned(),
+            value: value.to_owned(),
+            reply,
+        };
+        let first = {
+            let mut queue = self.creating.locked();
+            let first = queue.is_none();
+            queue.get_or_insert_with(Vec::new).push(waiting);
+            first
+        };
+        if first {
+            let shared = self.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(GATHER).await;
+                let all = shared.creating.locked().take().unwrap_or_default();
+                let lease = shared.lease.load(Ordering::SeqCst);
+                let mut all = all.into_iter().peekable();
+                while all.peek().is_some() {
+                    let batch: Vec<Waiting> = all.by_ref().take(BATCH).collect();
+                    let pairs = batch.iter().map(|w| (w.key.as_str(), w.value.as_str()));
+                    let created = put_all(&shared, pairs, lease, true).await.unwrap_or(false);
+                    for w in batch {
+                        let _ = w.reply.send(created.then_some(lease));
+                    }
+                }
+            });
+        }
+        answer.await.ok().flatten()
+    }
+}
+
+/// Puts every record in one transaction under `lease`; with `create`, only if none of them
+/// exists (false where one does).
+async fn put_all<'a>(
+    shared: &Shared,
+    records: impl IntoIterator<Item = (&'a str, &'a str)> + Clone,
+    lease: i64,
+    create: bool,
+) -> Result<bool, Failure> {
+    let compares: Vec<Compare> = if create {
+        records
+            .clone()
+            .into_iter()
+            .map(|(k, _)| Compare::create_revision(k, CompareOp::Equal, 0))
+            .collect()
+    } else {
+        Vec::new()
+    };
+    let puts: Vec<TxnOp> = records
+        .into_iter()
+        .map(|(k, v)| TxnOp::put(k, v, Some(PutOptions::new().with_lease(lease))))
+        .collect();
+    let txn = Txn::new().when(compares).and_then(puts);
+    Ok(bounded(shared.client.kv_client().txn(txn))
+        .await?
+        .succeeded())
 }
 
 impl Children {
@@ -46,22 +129,22 @@ impl Children {
         if live.is_empty() {
             return;
         }
-        let permits = Arc::new(tokio::sync::Semaphore::new(16));
-        for c in live {
-            let (shared, permits) = (shared.clone(), permits.clone());
-            tokio::spawn(async move {
-                let Ok(_permit) = permits.acquire().await else {
-                    return;
-                };
+        let shared = shared.clone();
+        tokio::spawn(async move {
+            for batch in live.chunks(BATCH) {
                 if shared.lease.load(Ordering::SeqCst) != lease {
                     return;
                 }
-                let value = c.value.locked().clone();
-                if let Err(f) = put(&shared.client, &c.key, &value, lease).await {
-                    warn!(node_id = %c.node_id, error = %f, "could not publish a record again under the node's new lease");
+                let values: Vec<(String, String)> = batch
+                    .iter()
+                    .map(|c| (c.key.clone(), c.value.locked().clone()))
+                    .collect();
+                let pairs = values.iter().map(|(k, v)| (k.as_str(), v.as_str()));
+                if let Err(f) = put_all(&shared, pairs, lease, false).await {
+                    warn!(records = batch.len(), first = %batch[0].node_id, error = %f, "could not publish records again under the node's new lease");
                 }
-            });
-        }
+            }
+        });
     }
 }
 
@@ -93,7 +176,11 @@ impl EtcdRegistry {
         // node registers again under a new one, and the record follows it.
         let mut lease = parent.lease.load(Ordering::SeqCst);
         let mut tries = 0;
-        loop {
+        let batched = parent.create_in_batch(&key, &value).await;
+        if let Some(l) = batched {
+            lease = l;
+        }
+        while batched.is_none() {
             match self.create(&key, &record.node_id, &value, lease).await {
                 Ok(()) => break,
                 Err(e) if e.to_string().contains("lease not found") && tries < 3 => {

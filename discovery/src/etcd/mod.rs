@@ -294,6 +294,7 @@ impl Registry for EtcdRegistry {
             reregistrations: AtomicU64::new(0),
             lease_replaced: Notify::new(),
             children: Default::default(),
+            creating: Default::default(),
         });
         let keeper = tokio::spawn(keep_alive_loop(shared.clone()));
         Ok(Registration::new(EtcdRegistration { shared, keeper }))
@@ -673,6 +674,17 @@ struct Shared {
     /// Records published under this registration's lease ([`EtcdRegistry::register_beside`]),
     /// published again under a new lease with this one's.
     children: Children,
+    /// Records beside it waiting to be created in one transaction: `Some` while a batch
+    /// is gathering (see `beside`).
+    creating: std::sync::Mutex<Option<Vec<Waiting>>>,
+}
+
+/// A record beside a registration, waiting to be created with others.
+struct Waiting {
+    key: String,
+    value: String,
+    /// The lease it was created under, or `None` where the batch's transaction failed.
+    reply: tokio::sync::oneshot::Sender<Option<i64>>,
 }
 
 /// One record beside a registration (`beside`): its key and current value.

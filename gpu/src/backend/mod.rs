@@ -130,6 +130,19 @@ pub trait Backend: Send {
         false
     }
 
+    /// A backend that models a step's time rather than spending it (`sim`) can hand the
+    /// waiting to its driver: with this on, a step returns at once and [`Self::take_due`]
+    /// says how long it takes, so that one timer thread serves thousands of engines instead
+    /// of each sleeping on a thread of its own. Whether the backend can.
+    fn defer_steps(&mut self) -> bool {
+        false
+    }
+
+    /// With [`Self::defer_steps`] on: the modelled time of the step just computed.
+    fn take_due(&mut self) -> Option<std::time::Duration> {
+        None
+    }
+
     /// Next-token logits for each sequence with `want_logits`, in batch order.
     fn forward(&mut self, batch: &ForwardBatch) -> Result<Vec<Vec<f32>>>;
 

@@ -72,6 +72,9 @@ pub struct SimBackend {
     outputs: Vec<u32>,
     /// How far past their modelled time earlier steps' sleeps ran (see [`Overshoot`]).
     overshoot: Overshoot,
+    /// Steps do not sleep: their modelled time waits here for the engine's driver
+    /// ([`Backend::defer_steps`]).
+    deferred: Option<Option<Duration>>,
 }
 
 /// A sleep ends late: by the kernel's timer slack (50 us by default) and the wake-up. Left
@@ -126,6 +129,7 @@ impl SimBackend {
             vocab,
             outputs,
             overshoot: Overshoot::default(),
+            deferred: None,
         })
     }
 
@@ -147,6 +151,14 @@ impl SimBackend {
             .count();
         let prefill = batch.num_tokens() - decode;
         let t = self.timing.step(prefill, decode);
+        if let Some(due) = &mut self.deferred {
+            // The driver waits the step out, and tells transfers of its layers at its end.
+            *due = Some(t);
+            if let Some(ready) = kv_ready {
+                (0..self.kv.spec().num_layers).for_each(ready);
+            }
+            return self.tokens(batch);
+        }
         let started = std::time::Instant::now();
         let sleep = self.overshoot.plan(t);
         match kv_ready {
@@ -166,6 +178,11 @@ impl SimBackend {
         if !t.is_zero() {
             self.overshoot.settle(t, started.elapsed());
         }
+        self.tokens(batch)
+    }
+
+    /// Each sequence's next token, for those that want one.
+    fn tokens(&self, batch: &ForwardBatch) -> Vec<u32> {
         batch
             .seqs
             .iter()
@@ -218,6 +235,15 @@ impl Backend for SimBackend {
 
     fn host_kv(&self) -> Option<Arc<HostKvPool>> {
         Some(self.kv.clone())
+    }
+
+    fn defer_steps(&mut self) -> bool {
+        self.deferred = Some(None);
+        true
+    }
+
+    fn take_due(&mut self) -> Option<Duration> {
+        self.deferred.as_mut().and_then(Option::take)
     }
 
     fn forward(&mut self, batch: &ForwardBatch) -> Result<Vec<Vec<f32>>> {

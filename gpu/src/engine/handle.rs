@@ -29,6 +29,25 @@ pub(super) enum Command {
     Lease(LeaseEvent),
 }
 
+/// The way commands reach the engine: its channel, and for an engine on a shared driver
+/// (see `shared`) what tells the driver it has something to read.
+#[derive(Clone)]
+pub(super) struct Inbox {
+    pub(super) tx: crossbeam_channel::Sender<Command>,
+    pub(super) wake: Option<Arc<dyn Fn() + Send + Sync>>,
+}
+
+impl Inbox {
+    /// Queues a command; `Err` when the engine is gone.
+    pub(super) fn send(&self, c: Command) -> std::result::Result<(), ()> {
+        self.tx.send(c).map_err(|_| ())?;
+        if let Some(wake) = &self.wake {
+            wake();
+        }
+        Ok(())
+    }
+}
+
 /// How a sequence gets its prompt's KV, with the channels its transfer hears on.
 pub(super) enum Mode {
     /// Computed here.
@@ -49,7 +68,7 @@ pub(super) enum Mode {
 /// A cloneable way in to the engine thread.
 #[derive(Clone)]
 pub struct EngineHandle {
-    pub(super) tx: crossbeam_channel::Sender<Command>,
+    pub(super) tx: Inbox,
     pub(super) next_id: Arc<AtomicU64>,
     /// Submissions not yet finished or dropped: what admission counts against the limit.
     /// (The `stats` gauges lag the engine thread, which publishes them between steps: a
@@ -97,7 +116,7 @@ impl Drop for Slot {
 /// Dropping an unfinished submission aborts its sequence in the engine.
 struct AbortOnDrop {
     id: SeqId,
-    tx: crossbeam_channel::Sender<Command>,
+    tx: Inbox,
     armed: bool,
 }
 

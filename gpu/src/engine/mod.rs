@@ -17,7 +17,8 @@
 //!
 //! - `handle`: the way in (checks, admission count, submissions);
 //! - `scheduler`: what each step runs, as a plan, with no I/O;
-//! - `thread`: the engine thread that carries plans out;
+//! - `thread`: the engine thread that carries plans out; `shared`: the driver threads and
+//!   timer that carry many engines whose backend models time instead (sim replicas);
 //! - `lease`: blocks lent to transfers; `kv_events`: the prefix cache's events for routers;
 //! - `masks`: the thread that computes grammar masks while a step runs;
 //! - `request`, `stats`: what goes in and out, and what the engine measures.
@@ -28,6 +29,9 @@ mod lease;
 mod masks;
 mod request;
 mod scheduler;
+mod shared;
+#[cfg(test)]
+mod shared_tests;
 mod stats;
 #[cfg(test)]
 mod tests;
@@ -38,5 +42,6 @@ mod transfer_tests;
 pub use handle::{EngineHandle, Submission};
 pub use lease::{ExportEvent, KvLease, Landed};
 pub use request::{EngineConfig, EngineInfo, FinishReason, Progress, Request, SeqEvent, SeqId};
+pub use shared::EnginePool;
 pub use stats::{prefill_part_us, EngineStats, StepFit, StepModel};
 pub use thread::spawn;

@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use tokio::sync::{mpsc, oneshot};
 
-use super::handle::{Command, EngineHandle, Mode};
+use super::handle::{Command, EngineHandle, Inbox, Mode};
 use super::kv_events::KvEventHub;
 use super::lease::{ExportEvent, KvLease, Landed, LeaseEvent, LeaseNotify};
 use super::masks::MaskThread;
@@ -52,6 +52,24 @@ pub fn spawn(
     eos_ids: Vec<u32>,
     vocab_size: usize,
 ) -> EngineHandle {
+    let (mut engine, handle) = build(backend, cfg, eos_ids, vocab_size, None);
+    std::thread::Builder::new()
+        .name("kvmesh-engine".into())
+        .spawn(move || engine.run())
+        .expect("spawn engine thread");
+    handle
+}
+
+/// An engine and its handle; `wake` (an engine on a shared driver, whose backend then hands
+/// its steps' time to the driver where it can) is called after every command sent to it.
+pub(super) fn build(
+    mut backend: Box<dyn Backend>,
+    cfg: EngineConfig,
+    eos_ids: Vec<u32>,
+    vocab_size: usize,
+    wake: Option<Arc<dyn Fn() + Send + Sync>>,
+) -> (Engine, EngineHandle) {
+    let deferred = wake.is_some() && backend.defer_steps();
     let mut cfg = cfg;
     if cfg.enable_prefix_caching && backend.kv_depends_on_context() {
         tracing::info!(
@@ -72,6 +90,7 @@ pub fn spawn(
         }
     }
     let (tx, rx) = crossbeam_channel::unbounded();
+    let tx = Inbox { tx, wake };
     let num_blocks = backend.num_blocks();
     let stats = Arc::new(EngineStats::default());
     stats.free_blocks.store(num_blocks, Ordering::Relaxed);
@@ -100,7 +119,7 @@ pub fn spawn(
             let _ = tx.send(Command::Lease(e));
         })
     };
-    let mut engine = Engine {
+    let engine = Engine {
         sched: Scheduler::new(limits, num_blocks),
         backend,
         cfg,
@@ -112,12 +131,10 @@ pub fn spawn(
         notify,
         vocab_size,
         masks: MaskThread::default(),
+        deferred,
+        pending: None,
     };
-    std::thread::Builder::new()
-        .name("kvmesh-engine".into())
-        .spawn(move || engine.run())
-        .expect("spawn engine thread");
-    EngineHandle {
+    let handle = EngineHandle {
         tx,
         next_id: Arc::new(AtomicU64::new(1)),
         admitted: Arc::new(AtomicUsize::new(0)),
@@ -125,10 +142,11 @@ pub fn spawn(
         kv_events,
         info,
         guides: None,
-    }
+    };
+    (engine, handle)
 }
 
-struct Engine {
+pub(super) struct Engine {
     backend: Box<dyn Backend>,
     sched: Scheduler<SeqIo>,
     cfg: EngineConfig,
@@ -140,6 +158,43 @@ struct Engine {
     notify: LeaseNotify,
     vocab_size: usize,
     masks: MaskThread,
+    /// The backend hands its steps' time to a shared driver (see `shared`).
+    deferred: bool,
+    /// A deferred step, computed, whose time is not up yet.
+    pending: Option<Box<Stepped>>,
+}
+
+/// A step whose batch is computed: what its end needs to count it and send its tokens.
+struct Stepped {
+    plan: Plan,
+    exports: Vec<Export>,
+    /// Whether its layers were reported as they were computed.
+    streamed: bool,
+    started: Instant,
+    sampling: Vec<usize>,
+    sampled: Vec<Sampled>,
+    rngs: Vec<Rng>,
+    prompt_tokens: usize,
+    decode_seqs: usize,
+}
+
+/// What starting a step came to.
+enum Began {
+    /// Nothing could run.
+    Idle,
+    /// A request that can never fit was failed instead.
+    Retired,
+    Ran(Box<Stepped>),
+}
+
+/// What a turn on a shared driver leaves the engine waiting for.
+pub(super) enum Turn {
+    /// A command.
+    Idle,
+    /// Nothing: it has more to do.
+    Again,
+    /// The end of its step's modelled time.
+    Due(std::time::Duration),
 }
 
 /// An exported sequence in a step: its index in `running`, its channel, and the positions
@@ -166,12 +221,7 @@ impl Engine {
             let idle = match self.step() {
                 Ok(ran) => !ran,
                 Err(e) => {
-                    // A failed step fails the sequences in it; the engine keeps serving.
-                    tracing::error!("engine step failed: {e}");
-                    for s in std::mem::take(&mut self.sched.running) {
-                        let _ = s.io.events.send(SeqEvent::Failed(e.to_string()));
-                        self.sched.retire(s.seq);
-                    }
+                    self.fail_running(e);
                     false
                 }
             };
@@ -185,6 +235,50 @@ impl Engine {
                 }
             }
         }
+    }
+
+    /// A failed step fails the sequences in it; the engine keeps serving.
+    fn fail_running(&mut self, e: EngineError) {
+        tracing::error!("engine step failed: {e}");
+        for s in std::mem::take(&mut self.sched.running) {
+            let _ = s.io.events.send(SeqEvent::Failed(e.to_string()));
+            self.sched.retire(s.seq);
+        }
+    }
+
+    /// One turn on a shared driver: ends the step whose time is up, reads the commands
+    /// that arrived meanwhile, and starts the next step.
+    pub(super) fn turn(&mut self) -> Turn {
+        if let Some(s) = self.pending.take() {
+            if let Err(e) = self.end_step(s) {
+                self.fail_running(e);
+            }
+        }
+        while let Ok(c) = self.rx.try_recv() {
+            self.handle(c);
+        }
+        let turn = match self.begin_step() {
+            Ok(Began::Idle) => Turn::Idle,
+            Ok(Began::Retired) => Turn::Again,
+            Ok(Began::Ran(s)) => match self.backend.take_due().filter(|d| !d.is_zero()) {
+                Some(due) => {
+                    self.pending = Some(s);
+                    Turn::Due(due)
+                }
+                None => {
+                    if let Err(e) = self.end_step(s) {
+                        self.fail_running(e);
+                    }
+                    Turn::Again
+                }
+            },
+            Err(e) => {
+                self.fail_running(e);
+                Turn::Again
+            }
+        };
+        self.publish();
+        turn
     }
 
     fn handle(&mut self, c: Command) {
@@ -428,6 +522,15 @@ impl Engine {
 
     /// Runs one step; `false` when nothing could run.
     fn step(&mut self) -> Result<bool> {
+        match self.begin_step()? {
+            Began::Idle => Ok(false),
+            Began::Retired => Ok(true),
+            Began::Ran(s) => self.end_step(s).map(|()| true),
+        }
+    }
+
+    /// Plans a step and computes its batch.
+    fn begin_step(&mut self) -> Result<Began> {
         let mut plan = self.sched.schedule();
         self.carry_out(&mut plan);
         if plan.run.is_empty() {
@@ -436,13 +539,34 @@ impl Engine {
                     "the request does not fit in the KV cache".into(),
                 ));
                 self.sched.retire(e.seq);
-                return Ok(true);
+                return Ok(Began::Retired);
             }
-            return Ok(false);
+            return Ok(Began::Idle);
         }
         let started = Instant::now();
         let exports = self.exports(&plan);
-        let (sampling, sampled, rngs) = self.forward(&plan, &exports, started)?;
+        self.forward(plan, exports, started)
+            .map(|s| Began::Ran(Box::new(s)))
+    }
+
+    /// A computed step's end: it is counted, transfers hear of its layers if they have not,
+    /// and its tokens go out.
+    fn end_step(&mut self, s: Box<Stepped>) -> Result<()> {
+        let Stepped {
+            plan,
+            exports,
+            streamed,
+            started,
+            sampling,
+            sampled,
+            rngs,
+            prompt_tokens,
+            decode_seqs,
+        } = *s;
+        self.count_step(started, prompt_tokens, sampling.len(), decode_seqs);
+        if !exports.is_empty() && !streamed {
+            self.stage_out(&exports)?;
+        }
         let step = started.elapsed();
         for &(i, n) in &plan.run {
             let e = &self.sched.running[i];
@@ -473,7 +597,7 @@ impl Engine {
             let e = self.sched.running.remove(i);
             self.sched.retire(e.seq);
         }
-        Ok(true)
+        Ok(())
     }
 
     /// Exported sequences in this step hear of each layer as its K and V are in place:
@@ -491,13 +615,8 @@ impl Engine {
     }
 
     /// The batch through the backend: the indices of the sequences that sampled, their
-    /// tokens and their generators after the draws. Counts the step's time and tokens.
-    fn forward(
-        &mut self,
-        plan: &Plan,
-        exports: &[Export],
-        started: Instant,
-    ) -> Result<(Vec<usize>, Vec<Sampled>, Vec<Rng>)> {
+    /// tokens and their generators after the draws, with what the step's end counts.
+    fn forward(&mut self, plan: Plan, exports: Vec<Export>, started: Instant) -> Result<Stepped> {
         let sampling: Vec<usize> = plan
             .run
             .iter()
@@ -534,7 +653,8 @@ impl Engine {
         };
         // A backend with host KV says as each layer lands; a staging one is copied out after
         // the step.
-        let streaming = !exports.is_empty() && self.pool.is_some();
+        // A deferred step's layers are reported at its end, when its time is up.
+        let streaming = !exports.is_empty() && self.pool.is_some() && !self.deferred;
         // Split borrows: the batch borrows token slices; sampling state is taken out meanwhile.
         let mut rngs: Vec<Rng> = sampling
             .iter()
@@ -555,7 +675,7 @@ impl Engine {
             })
             .collect();
         let ready = |layer: usize| {
-            for (_, tx, _, upto) in exports {
+            for (_, tx, _, upto) in &exports {
                 let _ = tx.send(ExportEvent::Layer { layer, upto: *upto });
             }
         };
@@ -588,12 +708,17 @@ impl Engine {
                 self.sched.running[i].io.guided = g;
             }
         }
-        let out = out?;
-        self.count_step(started, prompt_tokens, sampling.len(), decode_seqs);
-        if !exports.is_empty() && !streaming {
-            self.stage_out(exports)?;
-        }
-        Ok((sampling, out, rngs))
+        Ok(Stepped {
+            sampled: out?,
+            plan,
+            exports,
+            streamed: streaming,
+            started,
+            sampling,
+            rngs,
+            prompt_tokens,
+            decode_seqs,
+        })
     }
 
     /// A step's time and tokens, in the counters routers and `/metrics` read.

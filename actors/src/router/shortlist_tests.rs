@@ -1,0 +1,138 @@
+//! The shortlist picks at scale cost (see `shortlist`).
+
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+
+use parking_lot::{Mutex, RwLock};
+
+use super::choice::{Picker, Wanted};
+use super::links::Workers;
+use super::shortlist::*;
+use super::stats::PickTimes;
+use crate::kv_index::KvIndex;
+use crate::policy::{Policy, PrefixTuning};
+use kvmesh_discovery::{NodeRecord, Role};
+
+fn record(i: usize, max_model_len: usize) -> NodeRecord {
+    NodeRecord {
+        node_id: format!("w{i:05}"),
+        cluster: "c".into(),
+        roles: vec![Role::Worker],
+        quic_addr: "127.0.0.1:1".into(),
+        http_url: None,
+        model: "m".into(),
+        device: "sim".into(),
+        capacity_tokens_per_s: 100.0,
+        max_model_len,
+        block_size: 16,
+        cert_sha256: String::new(),
+        version: String::new(),
+        started_unix_ms: 0,
+        kv_layout: None,
+        kv_tcp_addr: None,
+        kv_transports: Vec::new(),
+        draining: false,
+        model_fingerprint: None,
+    }
+}
+
+/// `n` workers up, worker `i` with `load(i)` requests of this router's; the last one
+/// alone takes long contexts.
+fn workers(n: usize, load: impl Fn(usize) -> i64) -> RwLock<Workers> {
+    let index = Arc::new(Mutex::new(KvIndex::default()));
+    let slot = AtomicU32::new(0);
+    let mut w = Workers::default();
+    for i in 0..n {
+        let long = if i == n - 1 { 4096 } else { 512 };
+        let link = Arc::new(super::membership::new_link(&record(i, long), &index, &slot));
+        link.hot.up.store(true, Ordering::Relaxed);
+        link.hot.outstanding.store(load(i), Ordering::Relaxed);
+        w.by_id.insert(link.record.node_id.clone(), link);
+    }
+    w.list = w.by_id.values().cloned().collect();
+    w.by_slot = by_slot(&w.list);
+    RwLock::new(w)
+}
+
+fn wanted<'a>(length: usize, tried: &'a HashSet<String>) -> Wanted<'a> {
+    Wanted {
+        hashes: &[],
+        prompt_tokens: 32,
+        output_tokens: 16,
+        length,
+        tried,
+        describe: false,
+    }
+}
+
+#[test]
+fn at_scale_picks_cost_a_shortlist_and_still_find_the_least_loaded() {
+    const N: usize = 2000;
+    // Loads 1..=9, but a scattered few idle ones.
+    let idle = |i: usize| i % 397 == 5;
+    let ws = workers(N, |i| if idle(i) { 0 } else { 1 + (i * 7 % 9) as i64 });
+    let (index, picks, shortlist) = (
+        Mutex::new(KvIndex::default()),
+        PickTimes::default(),
+        Shortlist::default(),
+    );
+    let picker = Picker {
+        workers: &ws,
+        index: &index,
+        policy: Policy::LeastLoaded,
+        tuning: PrefixTuning::default(),
+        picks: &picks,
+        shortlist: &shortlist,
+    };
+    let tried = HashSet::new();
+    // Before the first refresh: a scan of all.
+    assert!(shortlist.current().is_none());
+    let first = picker.choose(&wanted(64, &tried), 0).unwrap();
+    assert!(idle(first.link.record.node_id[1..].parse().unwrap()));
+    shortlist.saw(32, 16);
+    picker.refresh_shortlist();
+    let list = shortlist.current().expect("a shortlist at 2,000 workers");
+    assert_eq!(list.len(), SHORTLIST_LEN);
+    // Every idle worker is on it, and a pick takes one of them, then the next.
+    let idle_ids: HashSet<String> = (0..N)
+        .filter(|&i| idle(i))
+        .map(|i| format!("w{i:05}"))
+        .collect();
+    let listed: HashSet<String> = list.iter().map(|w| w.record.node_id.clone()).collect();
+    assert!(
+        idle_ids.is_subset(&listed),
+        "{idle_ids:?} not all in the list"
+    );
+    let mut taken = HashSet::new();
+    for turn in 0..idle_ids.len() as u64 {
+        let c = picker.choose(&wanted(64, &tried), turn).unwrap();
+        c.link.hot.outstanding.fetch_add(1, Ordering::Relaxed);
+        assert!(idle_ids.contains(&c.link.record.node_id), "turn {turn}");
+        taken.insert(c.link.record.node_id.clone());
+    }
+    assert_eq!(taken, idle_ids, "each idle worker took one request");
+    // A context only the last worker takes: the shortlist cannot, the scan finds it.
+    let c = picker.choose(&wanted(2048, &tried), 9).unwrap();
+    assert_eq!(c.link.record.node_id, format!("w{:05}", N - 1));
+}
+
+#[test]
+fn below_the_threshold_there_is_no_shortlist() {
+    let ws = workers(SHORTLIST_FROM - 1, |_| 0);
+    let (index, picks, shortlist) = (
+        Mutex::new(KvIndex::default()),
+        PickTimes::default(),
+        Shortlist::default(),
+    );
+    let picker = Picker {
+        workers: &ws,
+        index: &index,
+        policy: Policy::LeastLoaded,
+        tuning: PrefixTuning::default(),
+        picks: &picks,
+        shortlist: &shortlist,
+    };
+    picker.refresh_shortlist();
+    assert!(shortlist.current().is_none());
+}
