@@ -628,3 +628,29 @@ async fn records_beside_a_registration_share_its_lease_and_follow_it() {
     )
     .await;
 }
+
+/// A registry that starts beside thousands of records reads them in pages: in one answer,
+/// 10,000 records are over what a gRPC client takes in one message, and a router restarted
+/// in such a cluster could not join it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn thousands_of_records_are_read_in_pages() {
+    init_tracing();
+    let etcd = Etcd::start();
+    let node = connect(&etcd, "p").await;
+    let reg = node.register(record("p", "w")).await.unwrap();
+    const BESIDE: usize = 2500;
+    let started = (1..=BESIDE).map(|k| node.register_beside(&reg, record("p", &format!("w.{k}"))));
+    let _beside: Vec<_> = futures::future::join_all(started)
+        .await
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    let late = connect(&etcd, "p").await;
+    let view = late.subscribe().borrow().clone();
+    assert_eq!(view.len(), BESIDE + 1, "all read at start");
+    assert_eq!(view["w.2500"], record("p", "w.2500"));
+    assert_eq!(late.list().await.unwrap().len(), BESIDE + 1);
+    // Another cluster's records beside the prefix are not read.
+    let other = connect(&etcd, "p0").await;
+    assert!(other.list().await.unwrap().is_empty());
+}

@@ -55,6 +55,27 @@ fn workers(n: usize, load: impl Fn(usize) -> i64) -> RwLock<Workers> {
     RwLock::new(w)
 }
 
+/// What a least-loaded picker borrows besides the workers.
+#[derive(Default)]
+struct Parts {
+    index: Mutex<KvIndex>,
+    picks: PickTimes,
+    shortlist: Shortlist,
+}
+
+impl Parts {
+    fn picker<'a>(&'a self, workers: &'a RwLock<Workers>) -> Picker<'a> {
+        Picker {
+            workers,
+            index: &self.index,
+            policy: Policy::LeastLoaded,
+            tuning: PrefixTuning::default(),
+            picks: &self.picks,
+            shortlist: &self.shortlist,
+        }
+    }
+}
+
 fn wanted<'a>(length: usize, tried: &'a HashSet<String>) -> Wanted<'a> {
     Wanted {
         hashes: &[],
@@ -72,19 +93,9 @@ fn at_scale_picks_cost_a_shortlist_and_still_find_the_least_loaded() {
     // Loads 1..=9, but a scattered few idle ones.
     let idle = |i: usize| i % 397 == 5;
     let ws = workers(N, |i| if idle(i) { 0 } else { 1 + (i * 7 % 9) as i64 });
-    let (index, picks, shortlist) = (
-        Mutex::new(KvIndex::default()),
-        PickTimes::default(),
-        Shortlist::default(),
-    );
-    let picker = Picker {
-        workers: &ws,
-        index: &index,
-        policy: Policy::LeastLoaded,
-        tuning: PrefixTuning::default(),
-        picks: &picks,
-        shortlist: &shortlist,
-    };
+    let parts = Parts::default();
+    let picker = parts.picker(&ws);
+    let shortlist = &parts.shortlist;
     let tried = HashSet::new();
     // Before the first refresh: a scan of all.
     assert!(shortlist.current().is_none());
@@ -120,19 +131,9 @@ fn at_scale_picks_cost_a_shortlist_and_still_find_the_least_loaded() {
 #[test]
 fn below_the_threshold_there_is_no_shortlist() {
     let ws = workers(SHORTLIST_FROM - 1, |_| 0);
-    let (index, picks, shortlist) = (
-        Mutex::new(KvIndex::default()),
-        PickTimes::default(),
-        Shortlist::default(),
-    );
-    let picker = Picker {
-        workers: &ws,
-        index: &index,
-        policy: Policy::LeastLoaded,
-        tuning: PrefixTuning::default(),
-        picks: &picks,
-        shortlist: &shortlist,
-    };
+    let parts = Parts::default();
+    let picker = parts.picker(&ws);
+    let shortlist = &parts.shortlist;
     picker.refresh_shortlist();
     assert!(shortlist.current().is_none());
 }

@@ -52,15 +52,14 @@ async fn reports(http: &reqwest::Client, gw: &Proc) -> f64 {
         .unwrap_or(f64::NAN)
 }
 
-/// Polls the gateway until `n` workers are routable, for `limit` at most: the seconds it
-/// took and how many were routable at the end.
+/// Polls the gateway until `n` workers are routable, for `limit` after `t0` at most: the
+/// seconds since `t0` it took and how many were routable at the end.
 async fn until_routable(
     http: &reqwest::Client,
     gw: &Proc,
     n: usize,
-    limit: Duration,
+    (t0, limit): (Instant, Duration),
 ) -> (Option<f64>, usize) {
-    let t0 = Instant::now();
     let mut routable = 0;
     while t0.elapsed() < limit {
         let s = summary(http, gw).await;
@@ -100,6 +99,7 @@ async fn one_size(args: &Args, n: usize) -> Value {
     tokio::time::sleep(Duration::from_millis(500)).await;
     let rss0 = rss_mib(&gw);
     let replicas = n.to_string();
+    let t0 = Instant::now();
     let workers = km.node(
         &etcd,
         &cluster,
@@ -112,7 +112,7 @@ async fn one_size(args: &Args, n: usize) -> Value {
         .concat(),
     );
     let limit = Duration::from_secs(args.join_timeout);
-    let (joined, routable) = until_routable(&http, &gw, n, limit).await;
+    let (joined, routable) = until_routable(&http, &gw, n, (t0, limit)).await;
     tokio::time::sleep(Duration::from_secs(3)).await;
     let rss = rss_mib(&gw);
     let per_link_kib = (rss - rss0) * 1024.0 / n as f64;
@@ -135,8 +135,7 @@ async fn one_size(args: &Args, n: usize) -> Value {
     gw.kill();
     let t1 = Instant::now();
     let gw2 = km.gateway(&etcd, &cluster, "gw2", "least-loaded");
-    let (relearned, _) = until_routable(&http, &gw2, n, limit).await;
-    let relearned = relearned.map(|_| t1.elapsed().as_secs_f64());
+    let (relearned, _) = until_routable(&http, &gw2, n, (t1, limit)).await;
     let row = json!({
         "workers": n,
         "routable": routable,

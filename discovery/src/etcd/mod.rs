@@ -312,19 +312,43 @@ impl Registry for EtcdRegistry {
     }
 }
 
-/// Reads every record under `prefix`; returns them with the store revision they were read at.
+/// Records read per request: 10,000 records in one answer (about 4 MB) are over what a
+/// gRPC client takes in one message.
+const PAGE: i64 = 1000;
+
+/// Reads every record under `prefix`, a page at a time, all at one revision; returns them
+/// with that revision.
 async fn load(client: &Client, prefix: &str) -> Result<(Nodes, i64), etcd_client::Error> {
-    let resp = client
-        .kv_client()
-        .get(prefix, Some(GetOptions::new().with_prefix()))
-        .await?;
-    let revision = resp.header().map_or(0, |h| h.revision());
-    let nodes = resp
-        .kvs()
-        .iter()
-        .filter_map(|kv| parse_record(prefix, kv.key(), kv.value()))
-        .collect();
-    Ok((nodes, revision))
+    // The end of the prefix's range: its last byte raised by one ('/' becomes '0').
+    let mut end = prefix.as_bytes().to_vec();
+    if let Some(last) = end.last_mut() {
+        *last += 1;
+    }
+    let mut from = prefix.as_bytes().to_vec();
+    let mut revision = 0;
+    let mut nodes = Nodes::new();
+    loop {
+        let mut options = GetOptions::new().with_range(end.clone()).with_limit(PAGE);
+        if revision > 0 {
+            options = options.with_revision(revision);
+        }
+        let resp = client.kv_client().get(from.clone(), Some(options)).await?;
+        if revision == 0 {
+            revision = resp.header().map_or(0, |h| h.revision());
+        }
+        nodes.extend(
+            resp.kvs()
+                .iter()
+                .filter_map(|kv| parse_record(prefix, kv.key(), kv.value())),
+        );
+        match resp.kvs().last() {
+            Some(kv) if resp.more() => {
+                from = kv.key().to_vec();
+                from.push(0);
+            }
+            _ => return Ok((nodes, revision)),
+        }
+    }
 }
 
 /// Parses one value under the prefix; anything unusable is skipped with a warning.
