@@ -55,11 +55,7 @@ impl Shared {
     /// creates it on its own).
     async fn create_in_batch(self: &Arc<Self>, key: &str, value: &str) -> Option<i64> {
         let (reply, answer) = oneshot::channel();
-        let waiting = Waiting {
-            key: key.to_owned(),
-            value: value.to_owned(),
-            reply,
-        };
+        let waiting: Waiting = (key.to_owned(), value.to_owned(), reply);
         let first = {
             let mut queue = self.creating.locked();
             let first = queue.is_none();
@@ -75,10 +71,10 @@ impl Shared {
                 let mut all = all.into_iter().peekable();
                 while all.peek().is_some() {
                     let batch: Vec<Waiting> = all.by_ref().take(BATCH).collect();
-                    let pairs = batch.iter().map(|w| (w.key.as_str(), w.value.as_str()));
+                    let pairs = batch.iter().map(|(k, v, _)| (k.as_str(), v.as_str()));
                     let created = put_all(&shared, pairs, lease, true).await.unwrap_or(false);
-                    for w in batch {
-                        let _ = w.reply.send(created.then_some(lease));
+                    for (_, _, reply) in batch {
+                        let _ = reply.send(created.then_some(lease));
                     }
                 }
             });

@@ -312,8 +312,7 @@ impl Registry for EtcdRegistry {
     }
 }
 
-/// Records read per request: 10,000 records in one answer (about 4 MB) are over what a
-/// gRPC client takes in one message.
+/// Records read per request (10,000 in one answer, ~4 MB, are over a gRPC message).
 const PAGE: i64 = 1000;
 
 /// Reads every record under `prefix`, a page at a time, all at one revision; returns them
@@ -336,11 +335,8 @@ async fn load(client: &Client, prefix: &str) -> Result<(Nodes, i64), etcd_client
         if revision == 0 {
             revision = resp.header().map_or(0, |h| h.revision());
         }
-        nodes.extend(
-            resp.kvs()
-                .iter()
-                .filter_map(|kv| parse_record(prefix, kv.key(), kv.value())),
-        );
+        let kvs = resp.kvs().iter();
+        nodes.extend(kvs.filter_map(|kv| parse_record(prefix, kv.key(), kv.value())));
         match resp.kvs().last() {
             Some(kv) if resp.more() => {
                 from = kv.key().to_vec();
@@ -698,18 +694,13 @@ struct Shared {
     /// Records published under this registration's lease ([`EtcdRegistry::register_beside`]),
     /// published again under a new lease with this one's.
     children: Children,
-    /// Records beside it waiting to be created in one transaction: `Some` while a batch
-    /// is gathering (see `beside`).
+    /// Records beside it waiting to be created together (`Some` while a batch gathers).
     creating: std::sync::Mutex<Option<Vec<Waiting>>>,
 }
 
-/// A record beside a registration, waiting to be created with others.
-struct Waiting {
-    key: String,
-    value: String,
-    /// The lease it was created under, or `None` where the batch's transaction failed.
-    reply: tokio::sync::oneshot::Sender<Option<i64>>,
-}
+/// A record beside a registration waiting to be created with others (see `beside`): its
+/// key, its value, and where the lease it went under goes (`None`: the batch failed).
+type Waiting = (String, String, tokio::sync::oneshot::Sender<Option<i64>>);
 
 /// One record beside a registration (`beside`): its key and current value.
 struct Child {
