@@ -63,7 +63,7 @@ enum Run {
 }
 
 /// The most lateness paid back by later steps' time (as `Overshoot` caps a sleeping sim's).
-const MAX_OWED: Duration = Duration::from_millis(1);
+pub(super) const MAX_OWED: Duration = Duration::from_millis(1);
 
 impl EnginePool {
     /// A pool driven by `threads` threads (at least one).

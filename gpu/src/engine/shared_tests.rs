@@ -96,10 +96,11 @@ fn many_engines_on_two_threads_answer_as_engines_on_their_own_and_wait_out_the_m
         let alone = spawn(sim(SimTiming::zero()), cfg(64), vec![], VOCAB);
         let want = tests::drain(&mut alone.submit(request(i as u32, TOKENS)).unwrap());
         assert_eq!(out, want, "engine {i}");
-        // One prefill step, then a decode step for each token after the first.
+        // One prefill step, then a decode step for each token after the first; a step
+        // that started late is paid back by the next ones, by `MAX_OWED` at most.
         let modelled = DECODE_STEP * (TOKENS as u32 - 1);
         assert!(
-            took >= modelled,
+            took + super::shared::MAX_OWED >= modelled,
             "engine {i} answered in {took:?}, under the {modelled:?} its steps model"
         );
     }
