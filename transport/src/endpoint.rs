@@ -306,8 +306,8 @@ mod tests {
         }
     }
 
-    #[tokio::test]
-    async fn members_talk_and_the_server_sees_the_client_fingerprint() {
+    /// Members `a` (a client) and `b` (a server that admits `a`), and their endpoints.
+    fn members() -> (NodeIdentity, NodeIdentity, NodeEndpoint, NodeEndpoint) {
         let (a, b) = (
             NodeIdentity::generate("a").unwrap(),
             NodeIdentity::generate("b").unwrap(),
@@ -316,6 +316,12 @@ mod tests {
         allow_b.set([a.fingerprint.clone()]);
         let server = NodeEndpoint::bind(loopback(), b.clone(), allow_b).unwrap();
         let client = NodeEndpoint::bind(loopback(), a.clone(), AllowList::default()).unwrap();
+        (a, b, server, client)
+    }
+
+    #[tokio::test]
+    async fn members_talk_and_the_server_sees_the_client_fingerprint() {
+        let (a, b, server, client) = members();
         let task = serve(server.clone());
         let conn = client
             .connect(server.local_addr(), &b.fingerprint)
@@ -331,14 +337,7 @@ mod tests {
 
     #[tokio::test]
     async fn heartbeats_keep_an_idle_link_heard_and_a_frozen_peer_is_silent() {
-        let (a, b) = (
-            NodeIdentity::generate("a").unwrap(),
-            NodeIdentity::generate("b").unwrap(),
-        );
-        let allow_b = AllowList::default();
-        allow_b.set([a.fingerprint.clone()]);
-        let server = NodeEndpoint::bind(loopback(), b.clone(), allow_b).unwrap();
-        let client = NodeEndpoint::bind(loopback(), a, AllowList::default()).unwrap();
+        let (_, b, server, client) = members();
         let accepted = tokio::spawn({
             let server = server.clone();
             async move { server.accept().await.unwrap().await.unwrap() }

@@ -5,24 +5,15 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use super::transfer_tests::{small_spec, timed_sim, BLOCKS, VOCAB};
 use super::*;
 use crate::backend::sim::{SimBackend, SimTiming};
-use crate::kv_pool::{KvDtype, KvSpec};
 use crate::sampler::SamplingParams;
 
-const VOCAB: usize = 64;
-const BLOCKS: usize = 32;
 const DECODE_STEP: Duration = Duration::from_millis(3);
 
 fn sim(timing: SimTiming) -> Box<SimBackend> {
-    let spec = KvSpec {
-        num_layers: 3,
-        block_size: 4,
-        num_kv_heads: 1,
-        head_dim: 4,
-        dtype: KvDtype::Bf16,
-    };
-    Box::new(SimBackend::new(timing, spec, BLOCKS, VOCAB, (0..VOCAB as u32).collect()).unwrap())
+    Box::new(timed_sim(timing, small_spec()))
 }
 
 /// Decode steps take `DECODE_STEP`; prompt tokens 100 us each.

@@ -15,30 +15,32 @@ use crate::kv_cache::BlockId;
 use crate::kv_pool::{HostKvPool, KvDtype, KvKind, KvSpec};
 use crate::sampler::{Sampled, SamplingParams};
 
-const VOCAB: usize = 64;
-const BLOCKS: usize = 32;
+pub(super) const VOCAB: usize = 64;
+pub(super) const BLOCKS: usize = 32;
 
 /// A sim backend that takes no time and may emit any id of the vocabulary.
 fn zero_cost_sim(spec: KvSpec) -> SimBackend {
-    SimBackend::new(
-        SimTiming::zero(),
-        spec,
-        BLOCKS,
-        VOCAB,
-        (0..VOCAB as u32).collect(),
-    )
-    .unwrap()
+    timed_sim(SimTiming::zero(), spec)
 }
 
-fn engine(max_num_batched_tokens: usize) -> EngineHandle {
-    let spec = KvSpec {
+/// A sim backend with `timing`, emitting any id of the vocabulary.
+pub(super) fn timed_sim(timing: SimTiming, spec: KvSpec) -> SimBackend {
+    SimBackend::new(timing, spec, BLOCKS, VOCAB, (0..VOCAB as u32).collect()).unwrap()
+}
+
+/// Three small layers, blocks of 4 tokens.
+pub(super) fn small_spec() -> KvSpec {
+    KvSpec {
         num_layers: 3,
         block_size: 4,
         num_kv_heads: 1,
         head_dim: 4,
         dtype: KvDtype::Bf16,
-    };
-    let backend = zero_cost_sim(spec);
+    }
+}
+
+fn engine(max_num_batched_tokens: usize) -> EngineHandle {
+    let backend = zero_cost_sim(small_spec());
     spawn(
         Box::new(backend),
         EngineConfig {
