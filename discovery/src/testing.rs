@@ -114,6 +114,15 @@ impl Etcd {
         vec![self.url()]
     }
 
+    /// The lease `key` is attached to (0: none), or `None` when there is no such key.
+    pub async fn lease_of(&self, key: &str) -> Option<i64> {
+        let mut client = etcd_client::Client::connect(self.endpoints(), None)
+            .await
+            .expect("connect to the test etcd");
+        let got = client.get(key, None).await.expect("get from the test etcd");
+        got.kvs().first().map(|kv| kv.lease())
+    }
+
     /// The data directory (kept across [`restart`](Self::restart)).
     pub fn data_dir(&self) -> PathBuf {
         self.dir.join("data")

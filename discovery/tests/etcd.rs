@@ -206,6 +206,28 @@ async fn dropped_registration_expires_after_ttl() {
     );
 }
 
+/// A process too busy to run its tasks for longer than a lease's TTL keeps its lease and
+/// its record: keep-alives run on a thread of their own.
+#[tokio::test(flavor = "current_thread")]
+async fn a_lease_outlives_a_runtime_blocked_past_its_ttl() {
+    init_tracing();
+    let etcd = Etcd::start();
+    let node = connect(&etcd, "c").await;
+    let reg = node.register(record("c", "busy")).await.unwrap();
+    let mut raw = raw_client(&etcd).await;
+    let key = node_key("c", "busy");
+    let lease = raw.get(key.as_str(), None).await.unwrap().kvs()[0].lease();
+    // The runtime's only thread does nothing else for over twice the TTL.
+    std::thread::sleep(Duration::from_secs(TTL as u64 * 2 + 1));
+    let now = raw.get(key.as_str(), None).await.unwrap();
+    assert_eq!(
+        now.kvs().first().map(|kv| kv.lease()),
+        Some(lease),
+        "the record expired while the runtime was blocked"
+    );
+    assert_eq!(reg.reregistrations(), 0);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn survives_etcd_kill_and_restart() {
     init_tracing();
