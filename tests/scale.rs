@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use common::kvmesh;
 use kvmesh_bench::harness::abuse::rss_mib;
 use kvmesh_bench::harness::load::{run_load, shakespeare_lines};
-use kvmesh_bench::harness::{client, get_json};
+use kvmesh_bench::harness::{client, get_json, Proc};
 use kvmesh_discovery::testing::Etcd;
 use serde_json::Value;
 
@@ -39,20 +39,7 @@ async fn two_thousand_workers_behind_one_router() {
             "1",
         ],
     );
-    let mut summary = Value::Null;
-    while t0.elapsed() < Duration::from_secs(120) {
-        summary =
-            get_json(&http, &gw, "/status?workers=0").await["router"]["workers_summary"].clone();
-        if summary["routable"].as_u64() == Some(WORKERS as u64) {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    }
-    assert_eq!(
-        summary["routable"].as_u64(),
-        Some(WORKERS as u64),
-        "not all routable within 120 s: {summary}"
-    );
+    all_routable(&http, &gw, t0, "of starting").await;
     eprintln!("{WORKERS} routable after {:?}", t0.elapsed());
 
     // Memory per worker link, from the gateway's growth. The aim is 64 KiB; the bound leaves
@@ -119,4 +106,39 @@ async fn two_thousand_workers_behind_one_router() {
         !metrics.contains("kvmesh:worker_routed_total"),
         "a series per worker at {WORKERS} workers"
     );
+
+    // The router restarts. Its successor learns every worker from etcd and dials them in
+    // turns; the workers' process answers thousands of handshakes meanwhile and must not
+    // fall so far behind that its lease, and every record under it, expires.
+    let key = kvmesh_discovery::node_key("scale", "w");
+    let lease = etcd.lease_of(&key).await;
+    assert!(lease.is_some_and(|l| l != 0), "{key}: {lease:?}");
+    let mut gw = gw;
+    gw.kill();
+    let t1 = Instant::now();
+    let gw2 = kvmesh().gateway(&etcd, "scale", "gw2", "least-loaded");
+    all_routable(&http, &gw2, t1, "of the router's restart").await;
+    eprintln!(
+        "{WORKERS} routable again {:?} after the restart",
+        t1.elapsed()
+    );
+    assert_eq!(
+        etcd.lease_of(&key).await,
+        lease,
+        "the workers' lease was lost while the new router dialled them"
+    );
+}
+
+/// Waits up to two minutes from `t0` for `gw`'s router to have every worker routable.
+async fn all_routable(http: &reqwest::Client, gw: &Proc, t0: Instant, since: &str) {
+    let mut summary = Value::Null;
+    while t0.elapsed() < Duration::from_secs(120) {
+        summary =
+            get_json(http, gw, "/status?workers=0").await["router"]["workers_summary"].clone();
+        if summary["routable"].as_u64() == Some(WORKERS as u64) {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    panic!("not all routable within 120 s {since}: {summary}");
 }

@@ -12,6 +12,7 @@ use kvmesh_discovery::{NodeRecord, Role};
 use kvmesh_transport::wire::{self, KvEventBatch, LoadReport, UniHeader};
 use kvmesh_transport::{until_silent, Connection, NodeEndpoint};
 use parking_lot::Mutex;
+use tokio::sync::Semaphore;
 
 use crate::kv_index::KvIndex;
 
@@ -462,10 +463,21 @@ async fn read_reports(link: Arc<WorkerLink>, conn: Connection, wants_kv: bool) {
 /// Load reports read by this process's routers (`kvmesh:router_load_reports_total`).
 pub(crate) static LOAD_REPORTS: AtomicU64 = AtomicU64::new(0);
 
-/// Keeps one worker connected while it is a member: connect, read its load reports,
-/// notice the break (a closed connection, or one silent for several beats: 0.7 s in a
-/// small cluster, see [`crate::pace`]), reconnect with backoff.
-pub(crate) async fn maintain(endpoint: NodeEndpoint, link: Arc<WorkerLink>, wants_kv: bool) {
+/// Handshakes a router has under way at most. A router that starts, or restarts, beside
+/// thousands of registered workers would otherwise dial them all at once: the handshakes'
+/// packets overflow the sockets and are lost, and the workers' processes fall seconds
+/// behind on everything else, their load reports and lease keep-alives included. In turns,
+/// each handshake is over in milliseconds.
+pub(crate) const DIALS_AT_ONCE: usize = 64;
+
+/// Keeps one worker connected while it is a member: connect (taking a turn of `dials`),
+/// read its load reports, notice the break (a closed connection, or one silent for several
+/// beats: 0.7 s in a small cluster, see [`crate::pace`]), reconnect with backoff.
+pub(crate) async fn maintain(
+    (endpoint, dials): (NodeEndpoint, Arc<Semaphore>),
+    link: Arc<WorkerLink>,
+    wants_kv: bool,
+) {
     let id = link.record.node_id.clone();
     let addr: SocketAddr = match link.record.quic_addr.parse() {
         Ok(a) => a,
@@ -482,10 +494,14 @@ pub(crate) async fn maintain(endpoint: NodeEndpoint, link: Arc<WorkerLink>, want
     let _held = crate::pace::Link::held();
     while !link.gone.load(Ordering::Relaxed) {
         let beat = crate::pace::Beat::now();
-        match endpoint
-            .connect_paced(addr, &link.record.cert_sha256, None)
-            .await
-        {
+        let dialled = {
+            // Never closed: a turn always comes.
+            let _turn = dials.acquire().await;
+            endpoint
+                .connect_paced(addr, &link.record.cert_sha256, None)
+                .await
+        };
+        match dialled {
             Ok(conn) => {
                 tracing::info!("connected to worker {id} at {addr}");
                 backoff = Duration::from_millis(100);

@@ -94,6 +94,8 @@ pub struct RouterCore {
     /// runs.
     shortlist: shortlist::Shortlist,
     shortlisting: std::sync::atomic::AtomicBool,
+    /// Turns to dial a worker: at most [`links::DIALS_AT_ONCE`] handshakes at a time.
+    dials: Arc<tokio::sync::Semaphore>,
 }
 
 impl RouterCore {
@@ -124,6 +126,7 @@ impl RouterCore {
             stats: RouterStats::default(),
             shortlist: Default::default(),
             shortlisting: Default::default(),
+            dials: Arc::new(tokio::sync::Semaphore::new(links::DIALS_AT_ONCE)),
         })
     }
 
@@ -190,7 +193,8 @@ impl RouterCore {
             tokio::spawn(refresh_shortlist_while(Arc::downgrade(self)));
         }
         for link in added {
-            tokio::spawn(links::maintain(self.endpoint.clone(), link, wants_kv));
+            let dial = (self.endpoint.clone(), self.dials.clone());
+            tokio::spawn(links::maintain(dial, link, wants_kv));
         }
     }
 
