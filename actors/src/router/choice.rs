@@ -258,10 +258,8 @@ pub(crate) fn prefill_for(
     let cands: Vec<PrefillCandidate> = links
         .iter()
         .map(|w| {
-            let r = w.last_report().and_then(|r| r.prefill).unwrap_or_default();
-            let total = w
-                .last_report()
-                .map_or(0, |r| r.total_blocks as usize * w.record.block_size);
+            let r = w.prefill_load.load();
+            let total = r.total_blocks as usize * w.record.block_size;
             PrefillCandidate {
                 queued: r.waiting as f64 + w.prefills.load(Ordering::Relaxed).max(0) as f64,
                 tokens_queued: r.tokens_in_flight as f64

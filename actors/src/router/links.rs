@@ -104,6 +104,57 @@ impl AtomicSpeeds {
     }
 }
 
+/// What a prefill pick reads of a prefill node's last report (zeros for a report without a
+/// prefill role), in atomics like [`AtomicSpeeds`]: a report is folded in with stores.
+#[derive(Default)]
+pub(crate) struct AtomicPrefillLoad {
+    waiting: AtomicU32,
+    tokens_in_flight: AtomicU64,
+    tokens_per_s: AtomicU32,
+    kv_usage: AtomicU32,
+    total_blocks: AtomicU32,
+}
+
+/// [`AtomicPrefillLoad`] read back.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub(crate) struct PrefillView {
+    pub(crate) waiting: u32,
+    pub(crate) tokens_in_flight: u64,
+    pub(crate) tokens_per_s: f32,
+    pub(crate) kv_usage: f32,
+    /// The node's KV blocks, all roles together.
+    pub(crate) total_blocks: u32,
+}
+
+impl AtomicPrefillLoad {
+    fn store(&self, r: &LoadReport) {
+        let p = r.prefill.clone().unwrap_or_default();
+        let o = Ordering::Relaxed;
+        self.waiting.store(p.waiting, o);
+        self.tokens_in_flight.store(p.tokens_in_flight, o);
+        self.tokens_per_s.store(p.tokens_per_s.to_bits(), o);
+        self.kv_usage.store(p.kv_usage.to_bits(), o);
+        self.total_blocks.store(r.total_blocks, o);
+    }
+
+    pub(crate) fn load(&self) -> PrefillView {
+        let o = Ordering::Relaxed;
+        PrefillView {
+            waiting: self.waiting.load(o),
+            tokens_in_flight: self.tokens_in_flight.load(o),
+            tokens_per_s: f32::from_bits(self.tokens_per_s.load(o)),
+            kv_usage: f32::from_bits(self.kv_usage.load(o)),
+            total_blocks: self.total_blocks.load(o),
+        }
+    }
+}
+
+/// Milliseconds since this process's first look at the clock, plus one: 0 stays "never".
+fn now_ms() -> u64 {
+    static EPOCH: std::sync::LazyLock<Instant> = std::sync::LazyLock::new(Instant::now);
+    EPOCH.elapsed().as_millis() as u64 + 1
+}
+
 /// A worker's speeds from its last report (or its record's declaration before one).
 #[derive(Clone, Copy)]
 pub(crate) struct Speeds {
@@ -153,8 +204,8 @@ pub struct WorkerLink {
     pub(crate) conn: Mutex<Option<Connection>>,
     /// All a pick reads of it, in two cache lines.
     pub(crate) hot: PickState,
-    /// Its latest load report, and how many requests this router had there when it came.
-    pub(crate) report: Mutex<Option<(LoadReport, i64)>>,
+    /// What a prefill pick reads of its latest load report.
+    pub(crate) prefill_load: AtomicPrefillLoad,
     /// What its prefix cache holds, from its events: its slot in the router's index.
     pub kv: KvSlot,
     /// Tokens (prompt + max_tokens) of the requests this router has in flight there.
@@ -169,8 +220,8 @@ pub struct WorkerLink {
     pub(crate) gone: AtomicBool,
     /// When its record left the registry while its connection lived on.
     pub(crate) vanished: Mutex<Option<Instant>>,
-    /// When its last load report came.
-    pub(crate) reported_at: Mutex<Option<Instant>>,
+    /// When its last load report on the current connection came ([`now_ms`]; 0: none yet).
+    pub(crate) reported_at: AtomicU64,
 }
 
 impl WorkerLink {
@@ -197,22 +248,32 @@ impl WorkerLink {
         self.hot.draining.load(Ordering::Acquire)
     }
 
-    /// Takes its latest load report.
+    /// Folds in its latest load report (`None`: its connection broke) with atomic stores:
+    /// no lock, and nothing else woken.
     pub(crate) fn set_report(&self, report: Option<LoadReport>) {
         let own = self.hot.outstanding.load(Ordering::Relaxed).max(0);
         self.hot.draining.store(
             report.as_ref().is_some_and(|r| r.draining),
             Ordering::Release,
         );
-        let mut kept = self.report.lock();
-        *kept = report.map(|r| (r, own));
-        self.hot
-            .speed
-            .store(Speeds::of(kept.as_ref(), self.record.capacity_tokens_per_s));
+        let report = report.map(|r| (r, own));
+        self.hot.speed.store(Speeds::of(
+            report.as_ref(),
+            self.record.capacity_tokens_per_s,
+        ));
+        match &report {
+            Some((r, _)) => {
+                self.prefill_load.store(r);
+                self.reported_at.store(now_ms(), Ordering::Release);
+            }
+            None => self.reported_at.store(0, Ordering::Release),
+        }
     }
 
-    pub fn last_report(&self) -> Option<LoadReport> {
-        self.report.lock().as_ref().map(|(r, _)| r.clone())
+    /// A load report came on its current connection within `age`.
+    pub(crate) fn reported_within(&self, age: Duration) -> bool {
+        let at = self.reported_at.load(Ordering::Acquire);
+        at != 0 && now_ms().saturating_sub(at) < age.as_millis() as u64
     }
 
     /// Requests there: this router's own, known at once, plus those of others (the
@@ -236,7 +297,7 @@ impl WorkerLink {
     /// queue and KV room (the first report follows the connection at once). Until then its
     /// room is unknown, and a pick would take it as full.
     pub(crate) fn prefill_ready(&self) -> bool {
-        self.prefills() && self.available() && self.report.lock().is_some()
+        self.prefills() && self.available() && self.reported_at.load(Ordering::Acquire) != 0
     }
 
     /// Prompt tokens per second it computes, once measured.
@@ -441,7 +502,6 @@ async fn read_reports(link: Arc<WorkerLink>, conn: Connection, wants_kv: bool) {
                     while let Ok(Some(r)) = wire::read_msg::<LoadReport>(&mut recv).await {
                         LOAD_REPORTS.fetch_add(1, Ordering::Relaxed);
                         link.set_report(Some(r));
-                        *link.reported_at.lock() = Some(Instant::now());
                     }
                 }
                 Ok(Some(UniHeader::KvEvents)) if wants_kv => {
@@ -560,6 +620,50 @@ mod tests {
             step_per_seq: per_seq,
             max_running: 0.0,
         }
+    }
+
+    #[test]
+    fn reports_are_folded_into_atomics_and_a_broken_connection_clears_them() {
+        use kvmesh_transport::wire::PrefillLoad;
+        let mut rec = crate::router::shortlist_tests::record(0, 512);
+        rec.roles = vec![Role::Prefill];
+        let index = Arc::new(Mutex::new(KvIndex::default()));
+        let link = super::super::membership::new_link(&rec, &index, &AtomicU32::new(0));
+        link.hot.up.store(true, Ordering::Relaxed);
+        link.hot.outstanding.store(2, Ordering::Relaxed);
+        // Connected, but nothing reported yet: its room is unknown.
+        assert!(!link.prefill_ready());
+        assert!(!link.reported_within(Duration::from_secs(1)));
+        let report = LoadReport {
+            running: 3,
+            waiting: 4,
+            total_blocks: 100,
+            capacity_tokens_per_s: 50.0,
+            prefill: Some(PrefillLoad {
+                waiting: 5,
+                tokens_in_flight: 600,
+                kv_usage: 0.25,
+                tokens_per_s: 7000.0,
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        link.set_report(Some(report));
+        assert!(link.prefill_ready());
+        assert!(link.reported_within(Duration::from_secs(1)));
+        let seen = link.prefill_load.load();
+        assert_eq!(
+            (seen.waiting, seen.tokens_in_flight, seen.total_blocks),
+            (5, 600, 100)
+        );
+        assert_eq!((seen.kv_usage, seen.tokens_per_s), (0.25, 7000.0));
+        // Others' requests: the worker's 7 less this router's 2 when it reported.
+        assert_eq!(link.load(), 7.0);
+        assert_eq!(link.capacity(), 50.0);
+        link.set_report(None);
+        assert!(!link.prefill_ready());
+        assert!(!link.reported_within(Duration::from_secs(1)));
+        assert_eq!(link.load(), 2.0);
     }
 
     #[test]

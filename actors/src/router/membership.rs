@@ -90,10 +90,7 @@ fn departs(id: &str, link: &WorkerLink, record: Option<&&NodeRecord>) -> bool {
             let at = *since.get_or_insert_with(Instant::now);
             // Reports every 200 ms say it lives; a crashed worker's connection lingers
             // until the idle timeout, but its reports stop at once.
-            let reporting = link
-                .reported_at
-                .lock()
-                .is_some_and(|t| t.elapsed() < Duration::from_secs(1));
+            let reporting = link.reported_within(Duration::from_secs(1));
             if link.connected() && reporting && at.elapsed() < REGISTRY_GRACE {
                 if first {
                     tracing::warn!(
@@ -131,7 +128,7 @@ pub(super) fn new_link(
             streamed: AtomicBool::new(false),
             speed: AtomicSpeeds::new(Speeds::of(None, rec.capacity_tokens_per_s)),
         },
-        report: Mutex::new(None),
+        prefill_load: Default::default(),
         kv,
         outstanding_tokens: AtomicI64::new(0),
         prefills: AtomicI64::new(0),
@@ -140,7 +137,7 @@ pub(super) fn new_link(
         prefilled: AtomicU64::new(0),
         gone: AtomicBool::new(false),
         vanished: Mutex::new(None),
-        reported_at: Mutex::new(None),
+        reported_at: AtomicU64::new(0),
     }
 }
 

@@ -14,7 +14,7 @@ use crate::kv_index::KvIndex;
 use crate::policy::{Policy, PrefixTuning};
 use kvmesh_discovery::{NodeRecord, Role};
 
-fn record(i: usize, max_model_len: usize) -> NodeRecord {
+pub(super) fn record(i: usize, max_model_len: usize) -> NodeRecord {
     NodeRecord {
         node_id: format!("w{i:05}"),
         cluster: "c".into(),
