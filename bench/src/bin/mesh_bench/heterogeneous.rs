@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use kvmesh_bench::harness::load::{run_load, shakespeare_lines, summary};
-use kvmesh_bench::harness::{load_client, status, wait_workers, Proc};
+use kvmesh_bench::harness::{get_json, load_client, status, wait_for, wait_workers, Proc};
 use kvmesh_discovery::testing::Etcd;
 use serde_json::{json, Value};
 
@@ -224,7 +224,19 @@ pub fn bursty(ctx: &Ctx) -> Value {
         let gw = km.gateway(&etcd, &cluster, "gw", policy);
         let http = load_client(Duration::from_secs(120));
         let rt = tokio::runtime::Handle::current();
-        tokio::task::block_in_place(|| rt.block_on(wait_workers(&http, &gw, speeds.len())));
+        tokio::task::block_in_place(|| {
+            rt.block_on(async {
+                wait_workers(&http, &gw, speeds.len()).await;
+                // `kvmesh bench` names the model /v1/models lists first: a worker connected
+                // a moment ago may not be routable yet.
+                wait_for("the gateway lists its model", 20, async || {
+                    get_json(&http, &gw, "/v1/models").await["data"]
+                        .as_array()
+                        .is_some_and(|d| !d.is_empty())
+                })
+                .await;
+            })
+        });
         let dir = std::env::temp_dir().join(format!(
             "kvmesh-mesh-bench-burst-{}-{policy}",
             std::process::id()
