@@ -325,11 +325,16 @@ impl Picker<'_> {
         eligible: impl Fn(&WorkerLink) -> bool,
     ) -> Option<Vec<&'w Arc<WorkerLink>>> {
         let mut links: Vec<&Arc<WorkerLink>> = list.iter().filter(|w| eligible(w)).collect();
+        // A shared prompt prefix may have hundreds of holders: each is looked up among the
+        // shortlist's slots by bisection, not compared with every link taken so far.
+        let mut listed: Vec<u32> = links.iter().map(|w| w.hot.slot).collect();
+        listed.sort_unstable();
         for (slot, _, _) in hits {
+            if listed.binary_search(slot).is_ok() {
+                continue;
+            }
             if let Some(w) = by_slot.get(slot).filter(|w| eligible(w)) {
-                if !links.iter().any(|l| Arc::ptr_eq(l, w)) {
-                    links.push(w);
-                }
+                links.push(w);
             }
         }
         (!links.is_empty()).then_some(links)

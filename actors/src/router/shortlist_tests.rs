@@ -137,3 +137,43 @@ fn below_the_threshold_there_is_no_shortlist() {
     picker.refresh_shortlist();
     assert!(shortlist.current().is_none());
 }
+
+#[test]
+fn the_holders_of_a_shared_prefix_join_the_shortlist_once_each() {
+    let ws = workers(2000, |i| (i % 9) as i64);
+    let parts = Parts::default();
+    let picker = parts.picker(&ws);
+    parts.shortlist.saw(32, 16);
+    picker.refresh_shortlist();
+    let list = parts
+        .shortlist
+        .current()
+        .expect("a shortlist at 2,000 workers");
+    let w = ws.read();
+    // 600 holders of the prompt's blocks, the shortlisted workers among them.
+    let mut hits: Vec<(u32, usize, usize)> = list
+        .iter()
+        .map(|l| l.hot.slot)
+        .chain((0..600u32).map(|k| k * 3))
+        .map(|s| (s, 1, 1))
+        .collect();
+    hits.sort_unstable();
+    hits.dedup();
+    let got = picker
+        .shortlisted_for(&list[..], &w.by_slot, &hits, |_| true)
+        .unwrap();
+    let slots: HashSet<u32> = got.iter().map(|l| l.hot.slot).collect();
+    assert_eq!(slots.len(), got.len(), "a worker taken twice");
+    assert_eq!(slots, hits.iter().map(|h| h.0).collect::<HashSet<u32>>());
+    // One that cannot take the request is left out, holder or not.
+    let even = |l: &super::WorkerLink| l.hot.slot.is_multiple_of(2);
+    let got = picker
+        .shortlisted_for(&list[..], &w.by_slot, &hits, even)
+        .unwrap();
+    assert!(got.iter().all(|l| l.hot.slot.is_multiple_of(2)));
+    assert_eq!(
+        got.len(),
+        hits.iter().filter(|h| h.0.is_multiple_of(2)).count(),
+        "every eligible holder and shortlisted worker, once"
+    );
+}

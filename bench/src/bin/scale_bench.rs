@@ -1,5 +1,5 @@
-//! One router over thousands of workers: for each size, a fresh etcd, a gateway
-//! (least-loaded) and one `kvmesh node --replicas N` process of sim workers (each its own
+//! One router over thousands of workers: for each size, a fresh etcd, a gateway (with
+//! `--policy`, least-loaded unless named) and one `kvmesh node --replicas N` process of sim workers (each its own
 //! member: record, QUIC endpoint, engine), all on loopback. Prints and writes, per size:
 //! the time until every worker is routable, the gateway's memory and its growth per worker
 //! link, the load reports it absorbs per second (idle and under load), pick times, and
@@ -9,7 +9,9 @@
 //! Bounded: each size waits at most `--join-timeout` seconds for its workers and sends a
 //! fixed number of requests.
 //!
-//! `cargo build --release && target/release/scale-bench [--sizes 1000,2000,4000] [--json PATH]`
+//! `cargo build --release && target/release/scale-bench [--sizes 1000,2000,4000] [--policy P]
+//! [--json PATH]`. With `--policy prefix` every prompt begins with the same four lines, so
+//! that picks walk the prefix index's holders of those blocks as well as the shortlist.
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -34,6 +36,9 @@ struct Args {
     /// Seconds a size waits for all its workers to be routable.
     #[arg(long, default_value_t = 180)]
     join_timeout: u64,
+    /// The gateway's routing policy.
+    #[arg(long, default_value = "least-loaded")]
+    policy: String,
     #[arg(long, value_name = "PATH", default_value = "bench/results/scale.json")]
     json: PathBuf,
 }
@@ -95,7 +100,7 @@ async fn one_size(args: &Args, n: usize) -> Value {
     let http = load_client(Duration::from_secs(60));
     let etcd = Etcd::start();
     let cluster = format!("scale-{n}");
-    let gw = km.gateway(&etcd, &cluster, "gw", "least-loaded");
+    let gw = km.gateway(&etcd, &cluster, "gw", &args.policy);
     tokio::time::sleep(Duration::from_millis(500)).await;
     let rss0 = rss_mib(&gw);
     let replicas = n.to_string();
@@ -119,8 +124,13 @@ async fn one_size(args: &Args, n: usize) -> Value {
     let idle_reports = report_rate(&http, &gw, 10).await;
 
     let lines = shakespeare_lines();
+    // Prefix routing: a preamble every prompt shares, long enough to fill blocks.
+    let preamble = match args.policy.as_str() {
+        "prefix" => lines[..4].join("\n") + "\n",
+        _ => String::new(),
+    };
     let prompts: Vec<String> = (0..args.requests)
-        .map(|i| lines[(i * 7) % lines.len()].clone())
+        .map(|i| format!("{preamble}{}", lines[(i * 7) % lines.len()]))
         .collect();
     let before = reports(&http, &gw).await;
     let (samples, wall) = run_load(&http, &gw.http, prompts, 16, 64).await;
@@ -134,10 +144,11 @@ async fn one_size(args: &Args, n: usize) -> Value {
     let mut gw = gw;
     gw.kill();
     let t1 = Instant::now();
-    let gw2 = km.gateway(&etcd, &cluster, "gw2", "least-loaded");
+    let gw2 = km.gateway(&etcd, &cluster, "gw2", &args.policy);
     let (relearned, _) = until_routable(&http, &gw2, n, (t1, limit)).await;
     let row = json!({
         "workers": n,
+        "policy": args.policy,
         "routable": routable,
         "all_routable_after_s": joined,
         "gateway_rss_mib_before": rss0,
