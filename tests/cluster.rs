@@ -97,9 +97,16 @@ async fn a_cluster_forms_spreads_requests_and_refuses_impostors() {
         "bad",
         &["--debug-advertise-fingerprint", &"ab".repeat(32)],
     );
-    let joined = wait_for("both workers routable", 10, async || {
-        connected_workers(&http, &gw).await.len() == 2
-    })
+    // The impostor is listed once its record reaches the router (membership views are
+    // published at most every 100 ms), and never connected.
+    let joined = wait_for(
+        "both workers routable, the impostor listed",
+        10,
+        async || {
+            connected_workers(&http, &gw).await.len() == 2
+                && routed(&http, &gw).await.contains_key("bad")
+        },
+    )
     .await;
     println!("workers routable {joined:?} after start");
 
