@@ -42,11 +42,8 @@ run)
     out="${OUT:-gpu-out/results}"
     mkdir -p "$out"
     nvidia-smi | tee "$out/nvidia-smi.txt" || true
-    # NVRTC and cuBLAS: the CUDA toolkit's, or the pip wheels' beside PyTorch.
-    for d in /usr/local/cuda/lib64 $(python3 -c 'import nvidia,os;p=os.path.dirname(nvidia.__path__[0]);print(" ".join(os.path.join(r) for r,_,f in os.walk(p) if any(x.startswith(("libnvrtc","libcublas")) for x in f)))' 2>/dev/null); do
-        LD_LIBRARY_PATH="${LD_LIBRARY_PATH:-}:$d"
-    done
-    export LD_LIBRARY_PATH
+    # shellcheck source=scripts/gpu_env.sh
+    . scripts/gpu_env.sh
     # Kernels assembled for this GPU's architecture and the others, every library function
     # resolved (the driver's too, here), before anything runs on the device.
     gpu-out/cuda_offline --test-threads=1 --nocapture 2>&1 | tee "$out/offline.txt" ||

@@ -133,7 +133,8 @@ impl MemoryNeed {
         let (free, total) = ctx.mem_get_info().map_err(|e| drv("memory query", e))?;
         if need > free {
             return Err(EngineError::Backend(format!(
-                "cuda:{ordinal} has {:.2} GiB free of {:.2} GiB, but this needs {:.2} GiB \
+                "not enough GPU memory: cuda:{ordinal} has {:.2} GiB free of {:.2} GiB, but this \
+                 needs {:.2} GiB \
                  (weights {:.2} GiB + KV cache {:.2} GiB for {num_blocks} blocks + {:.2} GiB \
                  working space); ask for fewer KV blocks or use a larger GPU",
                 free as f64 / GIB,
