@@ -36,7 +36,11 @@ pub struct Kernels {
     qk_norm: CudaFunction,
     rope_kv_write: CudaFunction,
     attention_decode: CudaFunction,
+    /// `paged_attention_decode_d*`, by head dimension.
+    attention_decode_vec: Vec<(usize, CudaFunction)>,
     attention_prefill: CudaFunction,
+    /// `paged_attention_prefill_mma_d*`, by head dimension.
+    attention_prefill_mma: Vec<(usize, CudaFunction)>,
     silu_mul: CudaFunction,
     gather_rows: CudaFunction,
     sample_rows: CudaFunction,
@@ -79,6 +83,11 @@ impl Kernels {
                 .load_function(k.name)
                 .map_err(|e| drv(&format!("kernel `{}` lookup", k.name), e))
         };
+        let by_head_dim = |ks: &[(usize, KernelShape)]| {
+            ks.iter()
+                .map(|&(d, k)| f(k).map(|func| (d, func)))
+                .collect::<Result<Vec<_>>>()
+        };
         let k = Kernels {
             embed_gather: f(shapes::EMBED)?,
             rmsnorm: f(shapes::RMSNORM)?,
@@ -88,6 +97,8 @@ impl Kernels {
             rope_kv_write: f(shapes::ROPE_KV_WRITE)?,
             attention_decode: f(shapes::ATTENTION_DECODE)?,
             attention_prefill: f(shapes::ATTENTION_PREFILL)?,
+            attention_decode_vec: by_head_dim(&shapes::ATTENTION_DECODE_VEC)?,
+            attention_prefill_mma: by_head_dim(&shapes::ATTENTION_PREFILL_MMA)?,
             silu_mul: f(shapes::SILU_MUL)?,
             gather_rows: f(shapes::GATHER_ROWS)?,
             sample_rows: f(shapes::SAMPLE_ROWS)?,
@@ -347,13 +358,21 @@ pub struct Attention<'a> {
 
 impl Attention<'_> {
     pub fn launch(self, k: &Kernels, s: &CudaStream) -> Result<()> {
-        let decode = self.dims.max_query_len == 1;
-        let n = if decode {
-            "paged_attention_decode"
-        } else {
-            "paged_attention_prefill"
-        };
         let (h, dims, inp) = (self.heads, self.dims, self.inputs);
+        let decode = dims.max_query_len == 1;
+        // The kernels built for the head dimension (decode reading 16 bytes a lane, prefill
+        // on the tensor cores) where there is one; the general ones otherwise.
+        let family: &[(usize, KernelShape)] = if decode {
+            &shapes::ATTENTION_DECODE_VEC
+        } else {
+            &shapes::ATTENTION_PREFILL_MMA
+        };
+        let special = family.iter().position(|&(d, _)| d == h.dim);
+        let n = match (decode, special) {
+            (_, Some(i)) => family[i].1.name,
+            (true, None) => "paged_attention_decode",
+            (false, None) => "paged_attention_prefill",
+        };
         holds(n, "qkv", self.qkv.len(), dims.tokens * h.row())?;
         holds(n, "out", self.out.len(), dims.tokens * h.q * h.dim)?;
         holds(n, "positions", inp.positions.len(), dims.tokens)?;
@@ -369,10 +388,21 @@ impl Attention<'_> {
         );
         // 0: the layer attends over the whole sequence.
         let window = self.window.map_or(0, |w| w.min(i32::MAX as usize) as i32);
-        let (f, cfg) = if decode {
+        let (f, cfg) = if let (true, Some(i)) = (decode, special) {
+            (
+                &k.attention_decode_vec[i].1,
+                grid(&family[i].1, dims.seqs, h.q, 1)?,
+            )
+        } else if decode {
             (
                 &k.attention_decode,
                 grid(&shapes::ATTENTION_DECODE, dims.seqs, h.q, 1)?,
+            )
+        } else if let Some(i) = special {
+            let tiles = dims.max_query_len.div_ceil(shapes::PREFILL_MMA_ROWS);
+            (
+                &k.attention_prefill_mma[i].1,
+                grid(&family[i].1, dims.seqs, h.q, tiles)?,
             )
         } else {
             let tiles = dims
@@ -402,7 +432,7 @@ impl Attention<'_> {
             .arg(&self.scale)
             .arg(&window);
         // SAFETY: the arguments match the chosen kernel's signature in order and type (the
-        // two differ only in prefill's `positions` after `row_stride`); the per-token and
+        // prefill kernels share one, the decode kernels another, without `positions`); the per-token and
         // per-sequence arrays hold what the grid reads (checked above), and the tables name
         // only blocks inside the cache (see the module docs).
         unsafe { b.launch(cfg) }.map_err(failed(n))?;
@@ -424,7 +454,8 @@ impl SiluMul<'_> {
         holds(n, "gate_up", self.gate_up.len(), self.rows * 2 * self.inter)?;
         holds(n, "out", self.out.len(), self.rows * self.inter)?;
         let inter = self.inter as i32;
-        let cfg = grid(&shapes::SILU_MUL, self.rows, 1, 1)?;
+        let chunks = self.inter.div_ceil(shapes::SILU_MUL.threads as usize);
+        let cfg = grid(&shapes::SILU_MUL, self.rows, chunks, 1)?;
         let mut b = s.launch_builder(&k.silu_mul);
         b.arg(self.gate_up).arg(self.out).arg(&inter);
         // SAFETY: the arguments match `silu_mul`'s signature in order and type, and both

@@ -82,6 +82,40 @@ pub const ATTENTION_PREFILL: KernelShape = shape(
         + 2 * PREFILL_KEYS_PER_TILE * (MAX_HEAD_DIM + 2) * BF16,
     true,
 );
+const fn decode_vec(name: &'static str, d: usize) -> KernelShape {
+    // Per lane group (D / 8 lanes, 4 * 32 / (D / 8) groups): its running max and sum and
+    // its weighted V row.
+    shape(name, 128, (4 * 32 / (d / 8)) * (d + 2) * F32, true)
+}
+/// Decode attention reading 16 bytes a lane, one kernel per head dimension it is built for.
+pub const ATTENTION_DECODE_VEC: [(usize, KernelShape); 4] = [
+    (16, decode_vec("paged_attention_decode_d16", 16)),
+    (32, decode_vec("paged_attention_decode_d32", 32)),
+    (64, decode_vec("paged_attention_decode_d64", 64)),
+    (128, decode_vec("paged_attention_decode_d128", 128)),
+];
+/// Query rows per block of `paged_attention_prefill_mma_d*` (its `PFM_ROWS`): four warps of
+/// sixteen, the rows of one tensor-core product each.
+pub const PREFILL_MMA_ROWS: usize = 64;
+/// Keys per shared-memory tile of the tensor-core prefill (its `PFM_KEYS`).
+const PREFILL_MMA_KEYS: usize = 32;
+const fn prefill_mma(name: &'static str, d: usize) -> KernelShape {
+    // A key tile row-major (rows padded by 8) and a value tile transposed (rows of keys
+    // padded by 8), both bf16.
+    shape(
+        name,
+        128,
+        PREFILL_MMA_KEYS * (d + 8) * BF16 + d * (PREFILL_MMA_KEYS + 8) * BF16,
+        true,
+    )
+}
+/// The tensor-core prefill, one kernel per head dimension it is built for.
+pub const ATTENTION_PREFILL_MMA: [(usize, KernelShape); 4] = [
+    (16, prefill_mma("paged_attention_prefill_mma_d16", 16)),
+    (32, prefill_mma("paged_attention_prefill_mma_d32", 32)),
+    (64, prefill_mma("paged_attention_prefill_mma_d64", 64)),
+    (128, prefill_mma("paged_attention_prefill_mma_d128", 128)),
+];
 pub const SILU_MUL: KernelShape = shape("silu_mul", 256, 0, true);
 pub const GATHER_ROWS: KernelShape = shape("gather_rows_bf16", 256, 0, false);
 /// Per thread a best value, its index and a chunk start (one more for the total), the
@@ -104,7 +138,15 @@ pub const KERNELS: &[KernelShape] = &[
     QK_NORM,
     ROPE_KV_WRITE,
     ATTENTION_DECODE,
+    ATTENTION_DECODE_VEC[0].1,
+    ATTENTION_DECODE_VEC[1].1,
+    ATTENTION_DECODE_VEC[2].1,
+    ATTENTION_DECODE_VEC[3].1,
     ATTENTION_PREFILL,
+    ATTENTION_PREFILL_MMA[0].1,
+    ATTENTION_PREFILL_MMA[1].1,
+    ATTENTION_PREFILL_MMA[2].1,
+    ATTENTION_PREFILL_MMA[3].1,
     SILU_MUL,
     GATHER_ROWS,
     SAMPLE_ROWS,
@@ -129,6 +171,7 @@ pub fn defines() -> Vec<(&'static str, usize)> {
         ("GATHER_THREADS", GATHER_ROWS.threads as usize),
         ("SAMPLE_THREADS", SAMPLE_ROWS.threads as usize),
         ("CONSTRAIN_THREADS", CONSTRAIN_ROWS.threads as usize),
+        ("PFM_THREADS", ATTENTION_PREFILL_MMA[0].1.threads as usize),
     ]
 }
 
@@ -305,15 +348,40 @@ mod tests {
         let names: std::collections::BTreeSet<_> = KERNELS.iter().map(|k| k.name).collect();
         assert_eq!(names.len(), KERNELS.len(), "a kernel is listed twice");
         // Every `extern "C" __global__` in the source is listed, with a launch bound.
+        // A kernel declared inside a macro (`name_d##D`) is there once per invocation of
+        // that macro (`MACRO(16)` on a line of its own).
         let mut in_source = std::collections::BTreeSet::new();
-        for decl in src.split("extern \"C\" __global__").skip(1) {
+        let mut decls = src.split("extern \"C\" __global__");
+        let mut before = decls.next().expect("the source");
+        for decl in decls {
             let head = &decl[..decl.find('{').expect("a kernel body")];
             let bound = head
                 .trim_start()
                 .strip_prefix("void __launch_bounds__(")
                 .unwrap_or_else(|| panic!("a kernel without __launch_bounds__: {head}"));
             let after = bound[bound.find(')').expect("the bound's end") + 1..].trim_start();
-            in_source.insert(after[..after.find('(').expect("a parameter list")].to_string());
+            let name = after[..after.find('(').expect("a parameter list")].to_string();
+            match name.split_once("##") {
+                None => {
+                    in_source.insert(name);
+                }
+                Some((stem, param)) => {
+                    let def = &before[before.rfind("#define ").expect("the macro")..];
+                    let mac = def["#define ".len()..def.find('(').unwrap()].to_string();
+                    let open = format!("{mac}(");
+                    let uses: Vec<_> = src
+                        .lines()
+                        .filter_map(|l| l.strip_prefix(open.as_str())?.strip_suffix(')'))
+                        .collect();
+                    assert!(
+                        !uses.is_empty(),
+                        "{mac} (declaring {name}) is never invoked"
+                    );
+                    assert!(!param.is_empty());
+                    in_source.extend(uses.iter().map(|u| format!("{stem}{u}")));
+                }
+            }
+            before = decl;
         }
         let listed: std::collections::BTreeSet<String> =
             names.iter().map(|s| s.to_string()).collect();
