@@ -275,6 +275,10 @@ pub(crate) fn prefill_for(
     }
 }
 
+/// Holders of a prompt's leading blocks a shortlisted pick costs at most, besides the
+/// shortlist itself.
+pub(crate) const MAX_HOLDERS: usize = 64;
+
 /// The [`SHORTLIST_LEN`] workers cheapest for the last request's shape, among all that take
 /// requests; none below [`SHORTLIST_FROM`].
 fn shortlisted(picker: &Picker) -> Vec<Arc<WorkerLink>> {
@@ -315,8 +319,9 @@ impl Picker<'_> {
         self.shortlist.set(shortlisted(self));
     }
 
-    /// The shortlisted workers that can take the request, and for `prefix` the holders of
-    /// its leading blocks (`hits`, by slot); `None` where none can (the pick then scans).
+    /// The shortlisted workers that can take the request, and for `prefix` the
+    /// [`MAX_HOLDERS`] holders of its leading blocks (`hits`, by slot) with the longest
+    /// runs; `None` where none can (the pick then scans).
     pub(crate) fn shortlisted_for<'w>(
         &self,
         list: &'w [Arc<WorkerLink>],
@@ -329,14 +334,24 @@ impl Picker<'_> {
         // shortlist's slots by bisection, not compared with every link taken so far.
         let mut listed: Vec<u32> = links.iter().map(|w| w.hot.slot).collect();
         listed.sort_unstable();
-        for (slot, _, _) in hits {
-            if listed.binary_search(slot).is_ok() {
-                continue;
-            }
-            if let Some(w) = by_slot.get(slot).filter(|w| eligible(w)) {
-                links.push(w);
-            }
+        let mut holders: Vec<(usize, usize, &Arc<WorkerLink>)> = hits
+            .iter()
+            .filter(|h| listed.binary_search(&h.0).is_err())
+            .filter_map(|&(slot, held, with_pending)| {
+                let w = by_slot.get(&slot).filter(|w| eligible(w))?;
+                Some((with_pending, held, w))
+            })
+            .collect();
+        // Only the holders with the longest leading runs are costed: one further down has a
+        // shorter cached prefix than every holder kept, and is not among the shortlist's
+        // least loaded, so the pick's cost stays bounded however many hold the prefix.
+        if holders.len() > MAX_HOLDERS {
+            let longest =
+                |a: &(usize, usize, _), b: &(usize, usize, _)| (b.0, b.1).cmp(&(a.0, a.1));
+            holders.select_nth_unstable_by(MAX_HOLDERS - 1, longest);
+            holders.truncate(MAX_HOLDERS);
         }
+        links.extend(holders.into_iter().map(|(_, _, w)| w));
         (!links.is_empty()).then_some(links)
     }
 }

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use parking_lot::{Mutex, RwLock};
 
-use super::choice::{Picker, Wanted};
+use super::choice::{Picker, Wanted, MAX_HOLDERS};
 use super::links::Workers;
 use super::shortlist::*;
 use super::stats::PickTimes;
@@ -164,16 +164,54 @@ fn the_holders_of_a_shared_prefix_join_the_shortlist_once_each() {
         .unwrap();
     let slots: HashSet<u32> = got.iter().map(|l| l.hot.slot).collect();
     assert_eq!(slots.len(), got.len(), "a worker taken twice");
-    assert_eq!(slots, hits.iter().map(|h| h.0).collect::<HashSet<u32>>());
+    let shortlisted: HashSet<u32> = list.iter().map(|l| l.hot.slot).collect();
+    assert!(shortlisted.is_subset(&slots), "the shortlist is kept");
+    assert_eq!(
+        slots.len(),
+        shortlisted.len() + MAX_HOLDERS,
+        "{MAX_HOLDERS} of the 600 holders join"
+    );
     // One that cannot take the request is left out, holder or not.
     let even = |l: &super::WorkerLink| l.hot.slot.is_multiple_of(2);
     let got = picker
         .shortlisted_for(&list[..], &w.by_slot, &hits, even)
         .unwrap();
     assert!(got.iter().all(|l| l.hot.slot.is_multiple_of(2)));
+    let even_listed = shortlisted.iter().filter(|s| s.is_multiple_of(2)).count();
+    assert_eq!(got.len(), even_listed + MAX_HOLDERS);
+}
+
+#[test]
+fn of_many_holders_those_with_the_longest_runs_are_costed() {
+    let ws = workers(2000, |i| (i % 9) as i64);
+    let parts = Parts::default();
+    let picker = parts.picker(&ws);
+    parts.shortlist.saw(32, 16);
+    picker.refresh_shortlist();
+    let list = parts.shortlist.current().expect("a shortlist");
+    let w = ws.read();
+    let shortlisted: HashSet<u32> = list.iter().map(|l| l.hot.slot).collect();
+    // 300 holders outside the shortlist, their runs 1..=300 blocks (pending counted).
+    let outside: Vec<u32> = (0..2000u32)
+        .filter(|s| !shortlisted.contains(s))
+        .take(300)
+        .collect();
+    let hits: Vec<(u32, usize, usize)> = outside
+        .iter()
+        .enumerate()
+        .map(|(k, &s)| (s, 0, k + 1))
+        .collect();
+    let got = picker
+        .shortlisted_for(&list[..], &w.by_slot, &hits, |_| true)
+        .unwrap();
+    let joined: HashSet<u32> = got
+        .iter()
+        .map(|l| l.hot.slot)
+        .filter(|s| !shortlisted.contains(s))
+        .collect();
+    let longest: HashSet<u32> = outside[300 - MAX_HOLDERS..].iter().copied().collect();
     assert_eq!(
-        got.len(),
-        hits.iter().filter(|h| h.0.is_multiple_of(2)).count(),
-        "every eligible holder and shortlisted worker, once"
+        joined, longest,
+        "the {MAX_HOLDERS} longest runs, and only they"
     );
 }
