@@ -4,11 +4,19 @@
 //! instead of asking each worker's own set. What it answers is exactly what one
 //! `KvView` per worker (its test oracle) would: blocks a worker reported storing, plus
 //! those of prompts just sent there, pending until reported or until [`PENDING_FOR`] passes.
+//!
+//! The map is split into [`SHARDS`] shards, each behind its own lock, and every operation
+//! holds one shard's lock for one block at a time: a pick walking a prompt's blocks never
+//! waits behind a whole batch of another worker's events (or behind a thread preempted in
+//! the middle of one), only, at worst, behind one block's update in the same shard. Each
+//! worker's own bookkeeping ([`WorkerKv`]) is kept by its owner, beside its link.
 
 use std::collections::hash_map::{Entry, RandomState};
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::hash::{BuildHasher, Hasher};
 use std::time::{Duration, Instant};
+
+use parking_lot::RwLock;
 
 #[cfg(test)]
 mod oracle;
@@ -19,6 +27,9 @@ pub const PENDING_FOR: Duration = Duration::from_secs(5);
 
 /// Pending hashes remembered per worker at most (the oldest go first).
 pub const MAX_PENDING_PER_WORKER: usize = 65_536;
+
+/// Shards of the block map (a power of two).
+pub const SHARDS: usize = 64;
 
 /// Where a block stands on one worker.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -109,8 +120,10 @@ fn remove_holder(
 }
 
 /// One worker's bookkeeping, for snapshots, losses and expiry; lookups go through the map.
+/// Its owner keeps it (behind the worker's own lock) and passes it, always with the same
+/// worker id, to the [`KvIndex`] calls that change that worker's blocks.
 #[derive(Default)]
-struct WorkerKv {
+pub struct WorkerKv {
     /// A snapshot has arrived: `held` is the worker's own account.
     synced: bool,
     held: HashSet<u64>,
@@ -174,42 +187,67 @@ impl Hasher for BlockHasher {
     }
 }
 
+type Blocks = HashMap<u64, Holders, BlockHashing>;
+
 /// The cluster's KV blocks and who holds them. Worker ids are dense slots chosen by the
-/// caller.
-#[derive(Default)]
+/// caller; each worker's [`WorkerKv`] goes with its id.
 pub struct KvIndex {
-    blocks: HashMap<u64, Holders, BlockHashing>,
-    workers: Vec<WorkerKv>,
+    shards: Box<[RwLock<Blocks>]>,
+    /// Keyed apart from the shards' own hashing, so the keys of one shard still spread
+    /// over its table.
+    spread: BlockHashing,
+}
+
+impl Default for KvIndex {
+    fn default() -> Self {
+        KvIndex {
+            shards: (0..SHARDS).map(|_| RwLock::default()).collect(),
+            spread: BlockHashing::default(),
+        }
+    }
 }
 
 impl KvIndex {
-    fn worker_mut(workers: &mut Vec<WorkerKv>, worker: u32) -> &mut WorkerKv {
-        let i = worker as usize;
-        if workers.len() <= i {
-            workers.resize_with(i + 1, WorkerKv::default);
-        }
-        &mut workers[i]
+    fn shard(&self, hash: u64) -> &RwLock<Blocks> {
+        &self.shards[(self.spread.hash_one(hash) >> (64 - SHARDS.trailing_zeros())) as usize]
+    }
+
+    fn remove(&self, hash: u64, worker: u32, what: impl Fn(State) -> bool) -> Option<State> {
+        remove_holder(&mut self.shard(hash).write(), hash, worker, what)
+    }
+
+    /// Sets the worker's state for the block, returning the one it replaced.
+    fn set(&self, hash: u64, worker: u32, state: State) -> Option<State> {
+        self.shard(hash)
+            .write()
+            .entry(hash)
+            .or_default()
+            .set(worker, state)
     }
 
     /// A batch of one worker's events; a snapshot replaces everything that worker held (not
     /// its pending).
-    pub fn apply(&mut self, worker: u32, snapshot: bool, stored: &[u64], removed: &[u64]) {
-        let w = Self::worker_mut(&mut self.workers, worker);
+    pub fn apply(
+        &self,
+        worker: u32,
+        w: &mut WorkerKv,
+        snapshot: bool,
+        stored: &[u64],
+        removed: &[u64],
+    ) {
         if snapshot {
             for h in w.held.drain() {
-                remove_holder(&mut self.blocks, h, worker, |_| true);
+                self.remove(h, worker, |_| true);
             }
             w.synced = true;
         }
         for h in removed {
             if w.held.remove(h) {
-                remove_holder(&mut self.blocks, *h, worker, |_| true);
+                self.remove(*h, worker, |_| true);
             }
         }
         for &h in stored {
-            if let Some(State::Pending(_)) =
-                self.blocks.entry(h).or_default().set(worker, State::Held)
-            {
+            if let Some(State::Pending(_)) = self.set(h, worker, State::Held) {
                 w.pending -= 1;
             }
             w.held.insert(h);
@@ -217,16 +255,13 @@ impl KvIndex {
     }
 
     /// The worker was lost: forget all it held and had pending, and its synced flag.
-    pub fn clear_worker(&mut self, worker: u32) {
-        let Some(w) = self.workers.get_mut(worker as usize) else {
-            return;
-        };
+    pub fn clear_worker(&self, worker: u32, w: &mut WorkerKv) {
         for h in w.held.drain() {
-            remove_holder(&mut self.blocks, h, worker, |_| true);
+            self.remove(h, worker, |_| true);
         }
         // Every pending block has an entry in the order (the one that set its time).
         for (_, h) in w.pending_order.drain(..) {
-            remove_holder(&mut self.blocks, h, worker, |s| s != State::Held);
+            self.remove(h, worker, |s| s != State::Held);
         }
         *w = WorkerKv::default();
     }
@@ -234,25 +269,26 @@ impl KvIndex {
     /// A prompt with these block hashes was sent to `worker`: those it does not hold become
     /// pending until reported stored, or [`PENDING_FOR`] passes. Expired pending blocks are
     /// dropped here, and the oldest too past [`MAX_PENDING_PER_WORKER`].
-    pub fn expect(&mut self, worker: u32, hashes: &[u64], now: Instant) {
-        let w = Self::worker_mut(&mut self.workers, worker);
+    pub fn expect(&self, worker: u32, w: &mut WorkerKv, hashes: &[u64], now: Instant) {
         while let Some(&(t, h)) = w.pending_order.front() {
             if now < t + PENDING_FOR && w.pending < MAX_PENDING_PER_WORKER {
                 break;
             }
             w.pending_order.pop_front();
-            if remove_holder(&mut self.blocks, h, worker, |s| s == State::Pending(t)).is_some() {
+            if self.remove(h, worker, |s| s == State::Pending(t)).is_some() {
                 w.pending -= 1;
             }
         }
         for &h in hashes {
-            let holders = self.blocks.entry(h).or_default();
+            let mut shard = self.shard(h).write();
+            let holders = shard.entry(h).or_default();
             match holders.get(worker) {
                 Some(State::Held) => continue,
                 Some(State::Pending(_)) => {}
                 None => w.pending += 1,
             }
             holders.set(worker, State::Pending(now));
+            drop(shard);
             w.pending_order.push_back((now, h));
         }
     }
@@ -263,25 +299,36 @@ impl KvIndex {
     /// `(0, 0)`. Sorted by worker id.
     ///
     /// Walks `hashes` in order with the workers whose run goes on, and stops when none does.
+    /// Each block is read under its shard's lock alone, so the answer is each block's state
+    /// as the walk passed it.
     pub fn leading_hits(&self, hashes: &[u64], now: Instant) -> Vec<(u32, usize, usize)> {
-        let Some(first) = hashes.first().and_then(|h| self.blocks.get(h)) else {
+        let Some(&h0) = hashes.first() else {
             return Vec::new();
         };
-        let mut out = Vec::with_capacity(first.0.len());
+        let mut out = Vec::new();
         // Workers whose run with pending goes on: index in `out`, and whether their held
         // run goes on too.
-        let mut alive = Vec::with_capacity(first.0.len());
-        for &(w, s) in &first.0 {
-            if s.live(now) {
-                alive.push((out.len(), s == State::Held));
-                out.push((w, 0, 0));
+        let mut alive = Vec::new();
+        {
+            let shard = self.shard(h0).read();
+            let Some(first) = shard.get(&h0) else {
+                return Vec::new();
+            };
+            out.reserve(first.0.len());
+            alive.reserve(first.0.len());
+            for &(w, s) in &first.0 {
+                if s.live(now) {
+                    alive.push((out.len(), s == State::Held));
+                    out.push((w, 0, 0));
+                }
             }
         }
         for (i, h) in hashes.iter().enumerate().skip(1) {
             if alive.is_empty() {
                 return out;
             }
-            let holders = self.blocks.get(h).map_or(&[][..], |hs| &hs.0[..]);
+            let shard = self.shard(*h).read();
+            let holders = shard.get(h).map_or(&[][..], |hs| &hs.0[..]);
             // Both lists are sorted by worker: one cursor walks the holders.
             let mut at = 0;
             alive.retain_mut(|(o, in_held)| {
@@ -313,17 +360,17 @@ impl KvIndex {
         }
         out
     }
+}
 
+impl WorkerKv {
     /// A snapshot has arrived from the worker since it was created or cleared.
-    pub fn synced(&self, worker: u32) -> bool {
-        self.workers.get(worker as usize).is_some_and(|w| w.synced)
+    pub fn synced(&self) -> bool {
+        self.synced
     }
 
     /// Hashes the worker reported holding.
-    pub fn held(&self, worker: u32) -> usize {
-        self.workers
-            .get(worker as usize)
-            .map_or(0, |w| w.held.len())
+    pub fn held(&self) -> usize {
+        self.held.len()
     }
 }
 
@@ -363,25 +410,80 @@ mod tests {
             .collect()
     }
 
-    /// The map and the per-worker bookkeeping agree, and no block is kept for nobody.
-    fn check_consistent(index: &KvIndex) {
-        let mut held = vec![0; index.workers.len()];
-        let mut pending = vec![0; index.workers.len()];
-        for (h, holders) in &index.blocks {
-            assert!(!holders.0.is_empty());
-            assert!(holders.0.windows(2).all(|p| p[0].0 < p[1].0));
-            for &(w, s) in &holders.0 {
-                let w = w as usize;
-                match s {
-                    State::Held => {
-                        assert!(index.workers[w].held.contains(h));
-                        held[w] += 1;
+    /// The index with one [`WorkerKv`] per worker id, as a router keeps them beside its
+    /// links.
+    #[derive(Default)]
+    struct Table {
+        index: KvIndex,
+        workers: Vec<WorkerKv>,
+    }
+
+    impl Table {
+        fn kv(workers: &mut Vec<WorkerKv>, worker: u32) -> &mut WorkerKv {
+            let i = worker as usize;
+            if workers.len() <= i {
+                workers.resize_with(i + 1, WorkerKv::default);
+            }
+            &mut workers[i]
+        }
+
+        fn apply(&mut self, worker: u32, snapshot: bool, stored: &[u64], removed: &[u64]) {
+            let w = Self::kv(&mut self.workers, worker);
+            self.index.apply(worker, w, snapshot, stored, removed);
+        }
+
+        fn expect(&mut self, worker: u32, hashes: &[u64], now: Instant) {
+            let w = Self::kv(&mut self.workers, worker);
+            self.index.expect(worker, w, hashes, now);
+        }
+
+        fn clear_worker(&mut self, worker: u32) {
+            let w = Self::kv(&mut self.workers, worker);
+            self.index.clear_worker(worker, w);
+        }
+
+        fn leading_hits(&self, hashes: &[u64], now: Instant) -> Vec<(u32, usize, usize)> {
+            self.index.leading_hits(hashes, now)
+        }
+
+        fn synced(&self, worker: u32) -> bool {
+            self.workers
+                .get(worker as usize)
+                .is_some_and(|w| w.synced())
+        }
+
+        fn held(&self, worker: u32) -> usize {
+            self.workers.get(worker as usize).map_or(0, |w| w.held())
+        }
+
+        fn block_count(&self) -> usize {
+            self.index.shards.iter().map(|s| s.read().len()).sum()
+        }
+    }
+
+    /// The map and the per-worker bookkeeping agree, every block is in its own shard, and
+    /// no block is kept for nobody.
+    fn check_consistent(table: &Table) {
+        let mut held = vec![0; table.workers.len()];
+        let mut pending = vec![0; table.workers.len()];
+        for shard in table.index.shards.iter() {
+            for (h, holders) in shard.read().iter() {
+                assert!(std::ptr::eq(table.index.shard(*h), shard));
+                assert!(!holders.0.is_empty());
+                assert!(holders.0.windows(2).all(|p| p[0].0 < p[1].0));
+                for &(w, s) in &holders.0 {
+                    let w = w as usize;
+                    match s {
+                        State::Held => {
+                            assert!(table.workers[w].held.contains(h));
+                            held[w] += 1;
+                        }
+                        State::Pending(_) => pending[w] += 1,
                     }
-                    State::Pending(_) => pending[w] += 1,
                 }
             }
         }
-        for (i, w) in index.workers.iter().enumerate() {
+        for (i, w) in table.workers.iter().enumerate() {
             assert_eq!((w.held.len(), w.pending), (held[i], pending[i]));
         }
     }
@@ -435,7 +537,7 @@ mod tests {
             .collect();
         let t0 = Instant::now();
         let mut t = t0;
-        let mut index = KvIndex::default();
+        let mut index = Table::default();
         let mut views: Vec<KvView> = (0..WORKERS).map(|_| KvView::default()).collect();
         let mut nonempty = 0;
         for step in 0..40_000 {
@@ -488,13 +590,106 @@ mod tests {
         for w in 0..WORKERS {
             index.clear_worker(w);
         }
-        assert!(index.blocks.is_empty());
+        assert_eq!(index.block_count(), 0);
+    }
+
+    /// Workers' events and expectations from several threads at once, with picks reading
+    /// all along: no update is lost or half-seen, and the index ends as the workers' own
+    /// views say.
+    #[test]
+    fn concurrent_writers_and_readers_agree_with_the_views() {
+        const THREADS: u32 = 4;
+        const PER_THREAD: u32 = 3;
+        let index = KvIndex::default();
+        let mut rng = SplitMix(23);
+        let chains: Vec<Vec<u64>> = (0..4)
+            .map(|_| (0..10).map(|_| rng.below(64)).collect())
+            .collect();
+        let t0 = Instant::now();
+        let done = std::sync::atomic::AtomicBool::new(false);
+        let (mut kvs, views, reads) = std::thread::scope(|scope| {
+            let reader = scope.spawn(|| {
+                let mut rng = SplitMix(99);
+                let mut reads = 0u64;
+                while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                    let hs = hashes(&mut rng, &chains);
+                    let hits = index.leading_hits(&hs, t0);
+                    assert!(hits.windows(2).all(|p| p[0].0 < p[1].0), "{hits:?}");
+                    for &(w, held, with_pending) in &hits {
+                        assert!(w < THREADS * PER_THREAD);
+                        assert!(0 < with_pending && held <= with_pending);
+                        assert!(with_pending <= hs.len());
+                    }
+                    reads += 1;
+                }
+                reads
+            });
+            let writers: Vec<_> = (0..THREADS)
+                .map(|t| {
+                    let (index, chains) = (&index, &chains);
+                    scope.spawn(move || {
+                        let mut rng = SplitMix(1000 + u64::from(t));
+                        let ids: Vec<u32> = (0..PER_THREAD).map(|k| t * PER_THREAD + k).collect();
+                        let mut kvs: Vec<WorkerKv> =
+                            ids.iter().map(|_| WorkerKv::default()).collect();
+                        let mut views: Vec<KvView> =
+                            ids.iter().map(|_| KvView::default()).collect();
+                        for _ in 0..20_000 {
+                            let k = rng.below(u64::from(PER_THREAD)) as usize;
+                            let (w, kv, v) = (ids[k], &mut kvs[k], &mut views[k]);
+                            match rng.below(10) {
+                                0..=4 => {
+                                    let snapshot = rng.below(10) == 0;
+                                    let stored = hashes(&mut rng, chains);
+                                    let removed = hashes(&mut rng, chains);
+                                    index.apply(w, kv, snapshot, &stored, &removed);
+                                    v.apply(snapshot, &stored, &removed);
+                                }
+                                5..=8 => {
+                                    let hs = hashes(&mut rng, chains);
+                                    index.expect(w, kv, &hs, t0);
+                                    v.expect(&hs, t0);
+                                }
+                                _ => {
+                                    index.clear_worker(w, kv);
+                                    v.clear();
+                                }
+                            }
+                        }
+                        (kvs, views)
+                    })
+                })
+                .collect();
+            let (mut kvs, mut views) = (Vec::new(), Vec::new());
+            for w in writers {
+                let (k, v) = w.join().unwrap();
+                kvs.extend(k);
+                views.extend(v);
+            }
+            done.store(true, std::sync::atomic::Ordering::Relaxed);
+            (kvs, views, reader.join().unwrap())
+        });
+        assert!(reads > 0);
+        let mut rng = SplitMix(5);
+        let mut nonempty = 0;
+        for _ in 0..2_000 {
+            let hs = hashes(&mut rng, &chains);
+            let want = reference(&views, &hs, t0);
+            nonempty += usize::from(!want.is_empty());
+            assert_eq!(index.leading_hits(&hs, t0), want, "{hs:?}");
+        }
+        assert!(nonempty > 500, "{nonempty}");
+        let table = Table {
+            index,
+            workers: std::mem::take(&mut kvs),
+        };
+        check_consistent(&table);
     }
 
     #[test]
     fn the_chain_breaks_at_an_evicted_block() {
         let t0 = Instant::now();
-        let mut index = KvIndex::default();
+        let mut index = Table::default();
         index.apply(0, true, &[1, 2, 3, 4], &[]);
         index.apply(1, true, &[1, 2, 3, 4], &[]);
         index.apply(1, false, &[], &[3]);
@@ -512,7 +707,7 @@ mod tests {
     #[test]
     fn a_snapshot_replaces_what_the_worker_held() {
         let t0 = Instant::now();
-        let mut index = KvIndex::default();
+        let mut index = Table::default();
         assert!(!index.synced(0));
         index.apply(0, false, &[1, 2, 3], &[]);
         assert!(!index.synced(0));
@@ -533,7 +728,7 @@ mod tests {
     #[test]
     fn expired_pending_no_longer_counts() {
         let t0 = Instant::now();
-        let mut index = KvIndex::default();
+        let mut index = Table::default();
         index.apply(2, true, &[1, 2], &[]);
         index.expect(2, &[1, 2, 3, 4], t0);
         index.expect(5, &[1, 2], t0);
@@ -548,14 +743,14 @@ mod tests {
         // Expired entries go with the worker's next expectation, and their blocks with them.
         index.expect(5, &[], t0 + PENDING_FOR);
         index.expect(2, &[], t0 + PENDING_FOR);
-        assert_eq!(index.blocks.len(), 3);
+        assert_eq!(index.block_count(), 3);
         assert_eq!(index.workers[2].pending + index.workers[5].pending, 0);
     }
 
     #[test]
     fn clear_worker_forgets_it() {
         let t0 = Instant::now();
-        let mut index = KvIndex::default();
+        let mut index = Table::default();
         index.apply(3, true, &[1, 2], &[]);
         index.expect(3, &[1, 2, 3], t0);
         index.apply(4, true, &[1], &[]);
@@ -563,10 +758,10 @@ mod tests {
         assert!(!index.synced(3));
         assert_eq!(index.held(3), 0);
         assert_eq!(index.leading_hits(&[1, 2, 3], t0), vec![(4, 1, 1)]);
-        assert_eq!(index.blocks.len(), 1);
+        assert_eq!(index.block_count(), 1);
         index.clear_worker(4);
         index.clear_worker(60);
-        assert!(index.blocks.is_empty());
+        assert_eq!(index.block_count(), 0);
         // The slot is usable again.
         index.expect(3, &[1], t0);
         assert_eq!(index.leading_hits(&[1, 2], t0), vec![(3, 0, 1)]);
@@ -575,7 +770,7 @@ mod tests {
     #[test]
     fn pending_stays_bounded_per_worker() {
         let t0 = Instant::now();
-        let mut index = KvIndex::default();
+        let mut index = Table::default();
         let mut view = KvView::default();
         let n = 3 * MAX_PENDING_PER_WORKER as u64;
         for h in 0..n {
@@ -587,7 +782,7 @@ mod tests {
         assert!(w.pending <= MAX_PENDING_PER_WORKER + 1);
         assert!(w.pending_order.len() <= MAX_PENDING_PER_WORKER + 1);
         // Blocks dropped from worker 1 leave the map, except those worker 2 has.
-        assert_eq!(index.blocks.len(), w.pending + 2);
+        assert_eq!(index.block_count(), w.pending + 2);
         // The newest are kept, as the worker's own view keeps them.
         for q in [vec![n - 1], vec![0], vec![1], vec![n - 10, n - 9, n - 8]] {
             let (held, with_pending) = view.leading_hits(&q, t0);

@@ -7,7 +7,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
-use parking_lot::{Mutex, RwLock};
+use parking_lot::RwLock;
 
 use super::config::DisaggConfig;
 use super::links::{assume_for_unmeasured, ReportedSpeed, WorkerLink, Workers};
@@ -53,7 +53,7 @@ pub(crate) struct Wanted<'a> {
 /// What the router lends a pick: its worker set, prefix index, policy and counters.
 pub(crate) struct Picker<'a> {
     pub workers: &'a RwLock<Workers>,
-    pub index: &'a Mutex<KvIndex>,
+    pub index: &'a KvIndex,
     pub policy: Policy,
     pub tuning: PrefixTuning,
     pub picks: &'a PickTimes,
@@ -72,7 +72,7 @@ impl Picker<'_> {
         // Every worker's leading hits at once, from the index: the cost follows the
         // prompt's blocks and their holders, not the number of workers.
         let hits = if prefix && !want.hashes.is_empty() {
-            self.index.lock().leading_hits(want.hashes, now)
+            self.index.leading_hits(want.hashes, now)
         } else {
             Vec::new()
         };

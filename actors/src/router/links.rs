@@ -14,7 +14,7 @@ use kvmesh_transport::{until_silent, Connection, NodeEndpoint};
 use parking_lot::Mutex;
 use tokio::sync::Semaphore;
 
-use crate::kv_index::KvIndex;
+use crate::kv_index::{KvIndex, WorkerKv};
 
 /// The workers a router knows, by id, and the same in a list a draw can index (rebuilt
 /// when the set changes).
@@ -376,49 +376,53 @@ pub(crate) fn assume_for_unmeasured(speeds: &mut [ReportedSpeed]) {
 }
 
 /// A worker's place in its router's [`KvIndex`]: what its prefix cache holds, from its
-/// events, plus what was just sent there. Forgotten when the link goes.
+/// events, plus what was just sent there. Forgotten when the link goes. Its own bookkeeping
+/// has a lock of its own, taken only by this worker's events and the picks that choose it.
 pub struct KvSlot {
-    index: Arc<Mutex<KvIndex>>,
+    index: Arc<KvIndex>,
     pub slot: u32,
+    kv: Mutex<WorkerKv>,
 }
 
 impl KvSlot {
-    pub(crate) fn new(index: &Arc<Mutex<KvIndex>>, next: &AtomicU32) -> KvSlot {
+    pub(crate) fn new(index: &Arc<KvIndex>, next: &AtomicU32) -> KvSlot {
         KvSlot {
             index: index.clone(),
             slot: next.fetch_add(1, Ordering::Relaxed),
+            kv: Mutex::default(),
         }
     }
 
     pub(crate) fn apply(&self, snapshot: bool, stored: &[u64], removed: &[u64]) {
+        let mut kv = self.kv.lock();
         self.index
-            .lock()
-            .apply(self.slot, snapshot, stored, removed);
+            .apply(self.slot, &mut kv, snapshot, stored, removed);
     }
 
     /// The worker was lost: nothing it held can be counted on.
     pub(crate) fn clear(&self) {
-        self.index.lock().clear_worker(self.slot);
+        self.index.clear_worker(self.slot, &mut self.kv.lock());
     }
 
     pub(crate) fn expect(&self, hashes: &[u64], now: Instant) {
-        self.index.lock().expect(self.slot, hashes, now);
+        self.index
+            .expect(self.slot, &mut self.kv.lock(), hashes, now);
     }
 
     /// Blocks it reported holding.
     pub fn held(&self) -> usize {
-        self.index.lock().held(self.slot)
+        self.kv.lock().held()
     }
 
     /// Its snapshot has arrived: the view is its own account.
     pub fn synced(&self) -> bool {
-        self.index.lock().synced(self.slot)
+        self.kv.lock().synced()
     }
 }
 
 impl Drop for KvSlot {
     fn drop(&mut self) {
-        self.index.lock().clear_worker(self.slot);
+        self.index.clear_worker(self.slot, self.kv.get_mut());
     }
 }
 
@@ -627,7 +631,7 @@ mod tests {
         use kvmesh_transport::wire::PrefillLoad;
         let mut rec = crate::router::shortlist_tests::record(0, 512);
         rec.roles = vec![Role::Prefill];
-        let index = Arc::new(Mutex::new(KvIndex::default()));
+        let index = Arc::new(KvIndex::default());
         let link = super::super::membership::new_link(&rec, &index, &AtomicU32::new(0));
         link.hot.up.store(true, Ordering::Relaxed);
         link.hot.outstanding.store(2, Ordering::Relaxed);

@@ -110,7 +110,7 @@ fn departs(id: &str, link: &WorkerLink, record: Option<&&NodeRecord>) -> bool {
 /// A link for a new worker, not yet connected.
 pub(super) fn new_link(
     rec: &NodeRecord,
-    index: &Arc<Mutex<KvIndex>>,
+    index: &Arc<KvIndex>,
     next_slot: &AtomicU32,
 ) -> WorkerLink {
     let kv = KvSlot::new(index, next_slot);
@@ -149,7 +149,7 @@ pub(crate) fn apply(
     refused: &Mutex<BTreeMap<String, String>>,
     members: &Membership,
     model: &Model,
-    index: &Arc<Mutex<KvIndex>>,
+    index: &Arc<KvIndex>,
     next_slot: &AtomicU32,
 ) -> Vec<Arc<WorkerLink>> {
     let (wanted, now_refused) = wanted(members, model);

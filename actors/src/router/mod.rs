@@ -84,7 +84,7 @@ pub struct RouterCore {
     turn: AtomicU64,
     next_id: AtomicU64,
     /// Which workers hold which prompt blocks (prefix policy), and the next worker slot.
-    kv_index: Arc<Mutex<KvIndex>>,
+    kv_index: Arc<KvIndex>,
     next_slot: AtomicU32,
     /// Tokens a finished request generated, smoothed (f64 bits; 0 until one finished):
     /// how long a new request is expected to decode, where its max_tokens is larger.
@@ -120,7 +120,7 @@ impl RouterCore {
             workers: RwLock::new(Workers::default()),
             turn: AtomicU64::new(0),
             next_id: AtomicU64::new(1),
-            kv_index: Arc::new(Mutex::new(KvIndex::default())),
+            kv_index: Arc::new(KvIndex::default()),
             next_slot: AtomicU32::new(0),
             mean_output: AtomicU64::new(0),
             stats: RouterStats::default(),

@@ -4,7 +4,7 @@ use std::collections::HashSet;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 
-use parking_lot::{Mutex, RwLock};
+use parking_lot::RwLock;
 
 use super::choice::{Picker, Wanted, MAX_HOLDERS};
 use super::links::Workers;
@@ -40,7 +40,7 @@ pub(super) fn record(i: usize, max_model_len: usize) -> NodeRecord {
 /// `n` workers up, worker `i` with `load(i)` requests of this router's; the last one
 /// alone takes long contexts.
 fn workers(n: usize, load: impl Fn(usize) -> i64) -> RwLock<Workers> {
-    let index = Arc::new(Mutex::new(KvIndex::default()));
+    let index = Arc::new(KvIndex::default());
     let slot = AtomicU32::new(0);
     let mut w = Workers::default();
     for i in 0..n {
@@ -58,7 +58,7 @@ fn workers(n: usize, load: impl Fn(usize) -> i64) -> RwLock<Workers> {
 /// What a least-loaded picker borrows besides the workers.
 #[derive(Default)]
 struct Parts {
-    index: Mutex<KvIndex>,
+    index: KvIndex,
     picks: PickTimes,
     shortlist: Shortlist,
 }

@@ -16,7 +16,7 @@ use crate::ctx::Ctx;
 /// picking, against power-of-two's two candidates. In-process, over an index of workers
 /// holding 4096 blocks each, for a 1024-token prompt (64 blocks).
 pub fn pick_time(quick: bool) -> Value {
-    use kvmesh_actors::kv_index::KvIndex;
+    use kvmesh_actors::kv_index::{KvIndex, WorkerKv};
     use kvmesh_actors::policy::{pick, two_choices, Candidate, Policy, PrefixTuning, RequestShape};
     let iters = if quick { 2_000 } else { 20_000 };
     let hashes: Vec<u64> = (0..64).collect();
@@ -30,10 +30,12 @@ pub fn pick_time(quick: bool) -> Value {
         let now = Instant::now();
         // One index for the cluster, as the router keeps it.
         let build = |spread: bool| {
-            let mut index = KvIndex::default();
+            let index = KvIndex::default();
             for w in 0..n {
+                // Each worker's own bookkeeping, as its link keeps it.
+                let mut kv = WorkerKv::default();
                 let held: Vec<u64> = (0..4096u64).map(|k| k * 1000 + w as u64 + 64).collect();
-                index.apply(w as u32, true, &held, &[]);
+                index.apply(w as u32, &mut kv, true, &held, &[]);
                 // Spread: worker w holds the prompt's first w % 64 blocks (every worker
                 // holds some: the index's worst case). Otherwise two workers hold it all,
                 // as prefix routing leaves a conversation.
@@ -44,7 +46,7 @@ pub fn pick_time(quick: bool) -> Value {
                 } else {
                     0
                 };
-                index.apply(w as u32, false, &hashes[..upto], &[]);
+                index.apply(w as u32, &mut kv, false, &hashes[..upto], &[]);
             }
             index
         };
