@@ -9,14 +9,17 @@
 //! holds one shard's lock for one block at a time: a pick walking a prompt's blocks never
 //! waits behind a whole batch of another worker's events (or behind a thread preempted in
 //! the middle of one), only, at worst, behind one block's update in the same shard. Each
-//! worker's own bookkeeping ([`WorkerKv`]) is kept by its owner, beside its link.
+//! worker's own bookkeeping ([`WorkerKv`]) is kept by its owner, beside its link, in two
+//! parts with a lock each: what it reported (taken by its events) and what was sent there
+//! (taken by the picks that choose it), so a pick never waits for that worker's events.
 
 use std::collections::hash_map::{Entry, RandomState};
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::hash::{BuildHasher, Hasher};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use parking_lot::RwLock;
+use parking_lot::{Mutex, RwLock};
 
 #[cfg(test)]
 mod oracle;
@@ -120,18 +123,29 @@ fn remove_holder(
 }
 
 /// One worker's bookkeeping, for snapshots, losses and expiry; lookups go through the map.
-/// Its owner keeps it (behind the worker's own lock) and passes it, always with the same
-/// worker id, to the [`KvIndex`] calls that change that worker's blocks.
+/// Its owner keeps it and passes it, always with the same worker id, to the [`KvIndex`]
+/// calls that change that worker's blocks.
+///
+/// A worker's entry in a block is changed only under that block's shard lock, and only by
+/// a call holding one of the parts here: events (`held`) turn it held or take it away,
+/// picks (`pending`) make it pending unless it is held, so neither undoes the other.
 #[derive(Default)]
 pub struct WorkerKv {
-    /// A snapshot has arrived: `held` is the worker's own account.
-    synced: bool,
-    held: HashSet<u64>,
-    /// How many blocks the worker has pending in the map.
-    pending: usize,
+    held: Mutex<Held>,
     /// When each pending block was expected, oldest first; an entry whose block has since
     /// been stored or expected again is stale and skipped.
-    pending_order: VecDeque<(Instant, u64)>,
+    pending: Mutex<VecDeque<(Instant, u64)>>,
+    /// How many blocks the worker has pending in the map: raised under the block's shard
+    /// lock as the entry is made, so it is never lowered first.
+    pending_count: AtomicUsize,
+}
+
+/// What a worker reported.
+#[derive(Default)]
+struct Held {
+    /// A snapshot has arrived: `blocks` is the worker's own account.
+    synced: bool,
+    blocks: HashSet<u64>,
 }
 
 /// Block hashes are public (any router computes them from the prompt), so the map is keyed
@@ -230,66 +244,82 @@ impl KvIndex {
     pub fn apply(
         &self,
         worker: u32,
-        w: &mut WorkerKv,
+        w: &WorkerKv,
         snapshot: bool,
         stored: &[u64],
         removed: &[u64],
     ) {
+        let mut held = w.held.lock();
         if snapshot {
-            for h in w.held.drain() {
+            for h in held.blocks.drain() {
                 self.remove(h, worker, |_| true);
             }
-            w.synced = true;
+            held.synced = true;
         }
         for h in removed {
-            if w.held.remove(h) {
+            if held.blocks.remove(h) {
                 self.remove(*h, worker, |_| true);
             }
         }
         for &h in stored {
             if let Some(State::Pending(_)) = self.set(h, worker, State::Held) {
-                w.pending -= 1;
+                w.pending_count.fetch_sub(1, Ordering::Relaxed);
             }
-            w.held.insert(h);
+            held.blocks.insert(h);
         }
     }
 
     /// The worker was lost: forget all it held and had pending, and its synced flag.
-    pub fn clear_worker(&self, worker: u32, w: &mut WorkerKv) {
-        for h in w.held.drain() {
+    pub fn clear_worker(&self, worker: u32, w: &WorkerKv) {
+        let mut held = w.held.lock();
+        let mut pending = w.pending.lock();
+        for h in held.blocks.drain() {
             self.remove(h, worker, |_| true);
         }
         // Every pending block has an entry in the order (the one that set its time).
-        for (_, h) in w.pending_order.drain(..) {
+        for (_, h) in pending.drain(..) {
             self.remove(h, worker, |s| s != State::Held);
         }
-        *w = WorkerKv::default();
+        *held = Held::default();
+        *pending = VecDeque::new();
+        w.pending_count.store(0, Ordering::Relaxed);
     }
 
     /// A prompt with these block hashes was sent to `worker`: those it does not hold become
     /// pending until reported stored, or [`PENDING_FOR`] passes. Expired pending blocks are
     /// dropped here, and the oldest too past [`MAX_PENDING_PER_WORKER`].
-    pub fn expect(&self, worker: u32, w: &mut WorkerKv, hashes: &[u64], now: Instant) {
-        while let Some(&(t, h)) = w.pending_order.front() {
-            if now < t + PENDING_FOR && w.pending < MAX_PENDING_PER_WORKER {
+    pub fn expect(&self, worker: u32, w: &WorkerKv, hashes: &[u64], now: Instant) {
+        let mut order = w.pending.lock();
+        while let Some(&(t, h)) = order.front() {
+            let count = w.pending_count.load(Ordering::Relaxed);
+            if now < t + PENDING_FOR && count < MAX_PENDING_PER_WORKER {
                 break;
             }
-            w.pending_order.pop_front();
+            order.pop_front();
             if self.remove(h, worker, |s| s == State::Pending(t)).is_some() {
-                w.pending -= 1;
+                w.pending_count.fetch_sub(1, Ordering::Relaxed);
             }
         }
         for &h in hashes {
-            let mut shard = self.shard(h).write();
-            let holders = shard.entry(h).or_default();
+            // A block it holds (the shared prefix that drew the pick, usually) needs no
+            // write lock, so picks reading that hot block are not held up by this one.
+            let shard = self.shard(h);
+            if shard.read().get(&h).and_then(|hs| hs.get(worker)) == Some(State::Held) {
+                continue;
+            }
+            let mut blocks = shard.write();
+            let holders = blocks.entry(h).or_default();
             match holders.get(worker) {
+                // Its events stored it meanwhile.
                 Some(State::Held) => continue,
                 Some(State::Pending(_)) => {}
-                None => w.pending += 1,
+                None => {
+                    w.pending_count.fetch_add(1, Ordering::Relaxed);
+                }
             }
             holders.set(worker, State::Pending(now));
-            drop(shard);
-            w.pending_order.push_back((now, h));
+            drop(blocks);
+            order.push_back((now, h));
         }
     }
 
@@ -365,12 +395,18 @@ impl KvIndex {
 impl WorkerKv {
     /// A snapshot has arrived from the worker since it was created or cleared.
     pub fn synced(&self) -> bool {
-        self.synced
+        self.held.lock().synced
     }
 
     /// Hashes the worker reported holding.
     pub fn held(&self) -> usize {
-        self.held.len()
+        self.held.lock().blocks.len()
+    }
+
+    /// Its blocks pending in the map.
+    #[cfg(test)]
+    fn pending(&self) -> usize {
+        self.pending_count.load(Ordering::Relaxed)
     }
 }
 
@@ -475,7 +511,7 @@ mod tests {
                     let w = w as usize;
                     match s {
                         State::Held => {
-                            assert!(table.workers[w].held.contains(h));
+                            assert!(table.workers[w].held.lock().blocks.contains(h));
                             held[w] += 1;
                         }
                         State::Pending(_) => pending[w] += 1,
@@ -484,7 +520,7 @@ mod tests {
             }
         }
         for (i, w) in table.workers.iter().enumerate() {
-            assert_eq!((w.held.len(), w.pending), (held[i], pending[i]));
+            assert_eq!((w.held(), w.pending()), (held[i], pending[i]));
         }
     }
 
@@ -686,6 +722,71 @@ mod tests {
         check_consistent(&table);
     }
 
+    /// Each worker's events on one thread and the picks that choose it on another, as a
+    /// router runs them: the map, the held sets and the pending counts stay in step, and
+    /// what each worker holds in the end is what its events alone say.
+    #[test]
+    fn events_and_picks_of_one_worker_on_two_threads_stay_consistent() {
+        const WORKERS: u32 = 3;
+        let index = KvIndex::default();
+        let mut rng = SplitMix(31);
+        let chains: Vec<Vec<u64>> = (0..4)
+            .map(|_| (0..10).map(|_| rng.below(64)).collect())
+            .collect();
+        let kvs: Vec<WorkerKv> = (0..WORKERS).map(|_| WorkerKv::default()).collect();
+        let t0 = Instant::now();
+        let views = std::thread::scope(|scope| {
+            let (index, chains, kvs) = (&index, &chains, &kvs);
+            let mut events = Vec::new();
+            for w in 0..WORKERS {
+                let kv = &kvs[w as usize];
+                events.push(scope.spawn(move || {
+                    let mut rng = SplitMix(500 + u64::from(w));
+                    let mut view = KvView::default();
+                    for _ in 0..20_000 {
+                        let snapshot = rng.below(20) == 0;
+                        let stored = hashes(&mut rng, chains);
+                        let removed = hashes(&mut rng, chains);
+                        index.apply(w, kv, snapshot, &stored, &removed);
+                        view.apply(snapshot, &stored, &removed);
+                    }
+                    view
+                }));
+                scope.spawn(move || {
+                    let mut rng = SplitMix(700 + u64::from(w));
+                    for i in 0..20_000u64 {
+                        let hs = hashes(&mut rng, chains);
+                        // Time moves on, so expiry runs alongside the events too.
+                        index.expect(w, kv, &hs, t0 + Duration::from_millis(i));
+                    }
+                });
+            }
+            events
+                .into_iter()
+                .map(|e| e.join().unwrap())
+                .collect::<Vec<_>>()
+        });
+        let table = Table {
+            index,
+            workers: kvs,
+        };
+        check_consistent(&table);
+        // Long after every expectation has lapsed: what the events left.
+        let late = t0 + Duration::from_secs(3_600);
+        let mut rng = SplitMix(3);
+        let mut nonempty = 0;
+        for _ in 0..2_000 {
+            let hs = hashes(&mut rng, &chains);
+            let want = reference(&views, &hs, late);
+            nonempty += usize::from(!want.is_empty());
+            assert_eq!(table.leading_hits(&hs, late), want, "{hs:?}");
+        }
+        assert!(nonempty > 200, "{nonempty}");
+        for (w, v) in views.iter().enumerate() {
+            assert_eq!(table.held(w as u32), v.held());
+        }
+    }
+
     #[test]
     fn the_chain_breaks_at_an_evicted_block() {
         let t0 = Instant::now();
@@ -744,7 +845,7 @@ mod tests {
         index.expect(5, &[], t0 + PENDING_FOR);
         index.expect(2, &[], t0 + PENDING_FOR);
         assert_eq!(index.block_count(), 3);
-        assert_eq!(index.workers[2].pending + index.workers[5].pending, 0);
+        assert_eq!(index.workers[2].pending() + index.workers[5].pending(), 0);
     }
 
     #[test]
@@ -779,10 +880,10 @@ mod tests {
         }
         index.expect(2, &[0, 1], t0);
         let w = &index.workers[1];
-        assert!(w.pending <= MAX_PENDING_PER_WORKER + 1);
-        assert!(w.pending_order.len() <= MAX_PENDING_PER_WORKER + 1);
+        assert!(w.pending() <= MAX_PENDING_PER_WORKER + 1);
+        assert!(w.pending.lock().len() <= MAX_PENDING_PER_WORKER + 1);
         // Blocks dropped from worker 1 leave the map, except those worker 2 has.
-        assert_eq!(index.block_count(), w.pending + 2);
+        assert_eq!(index.block_count(), w.pending() + 2);
         // The newest are kept, as the worker's own view keeps them.
         for q in [vec![n - 1], vec![0], vec![1], vec![n - 10, n - 9, n - 8]] {
             let (held, with_pending) = view.leading_hits(&q, t0);

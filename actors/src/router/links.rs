@@ -376,12 +376,11 @@ pub(crate) fn assume_for_unmeasured(speeds: &mut [ReportedSpeed]) {
 }
 
 /// A worker's place in its router's [`KvIndex`]: what its prefix cache holds, from its
-/// events, plus what was just sent there. Forgotten when the link goes. Its own bookkeeping
-/// has a lock of its own, taken only by this worker's events and the picks that choose it.
+/// events, plus what was just sent there. Forgotten when the link goes.
 pub struct KvSlot {
     index: Arc<KvIndex>,
     pub slot: u32,
-    kv: Mutex<WorkerKv>,
+    kv: WorkerKv,
 }
 
 impl KvSlot {
@@ -389,40 +388,38 @@ impl KvSlot {
         KvSlot {
             index: index.clone(),
             slot: next.fetch_add(1, Ordering::Relaxed),
-            kv: Mutex::default(),
+            kv: WorkerKv::default(),
         }
     }
 
     pub(crate) fn apply(&self, snapshot: bool, stored: &[u64], removed: &[u64]) {
-        let mut kv = self.kv.lock();
         self.index
-            .apply(self.slot, &mut kv, snapshot, stored, removed);
+            .apply(self.slot, &self.kv, snapshot, stored, removed);
     }
 
     /// The worker was lost: nothing it held can be counted on.
     pub(crate) fn clear(&self) {
-        self.index.clear_worker(self.slot, &mut self.kv.lock());
+        self.index.clear_worker(self.slot, &self.kv);
     }
 
     pub(crate) fn expect(&self, hashes: &[u64], now: Instant) {
-        self.index
-            .expect(self.slot, &mut self.kv.lock(), hashes, now);
+        self.index.expect(self.slot, &self.kv, hashes, now);
     }
 
     /// Blocks it reported holding.
     pub fn held(&self) -> usize {
-        self.kv.lock().held()
+        self.kv.held()
     }
 
     /// Its snapshot has arrived: the view is its own account.
     pub fn synced(&self) -> bool {
-        self.kv.lock().synced()
+        self.kv.synced()
     }
 }
 
 impl Drop for KvSlot {
     fn drop(&mut self) {
-        self.index.clear_worker(self.slot, self.kv.get_mut());
+        self.index.clear_worker(self.slot, &self.kv);
     }
 }
 

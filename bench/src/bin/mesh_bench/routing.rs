@@ -33,9 +33,9 @@ pub fn pick_time(quick: bool) -> Value {
             let index = KvIndex::default();
             for w in 0..n {
                 // Each worker's own bookkeeping, as its link keeps it.
-                let mut kv = WorkerKv::default();
+                let kv = WorkerKv::default();
                 let held: Vec<u64> = (0..4096u64).map(|k| k * 1000 + w as u64 + 64).collect();
-                index.apply(w as u32, &mut kv, true, &held, &[]);
+                index.apply(w as u32, &kv, true, &held, &[]);
                 // Spread: worker w holds the prompt's first w % 64 blocks (every worker
                 // holds some: the index's worst case). Otherwise two workers hold it all,
                 // as prefix routing leaves a conversation.
@@ -46,7 +46,7 @@ pub fn pick_time(quick: bool) -> Value {
                 } else {
                     0
                 };
-                index.apply(w as u32, &mut kv, false, &hashes[..upto], &[]);
+                index.apply(w as u32, &kv, false, &hashes[..upto], &[]);
             }
             index
         };
