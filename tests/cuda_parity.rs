@@ -410,16 +410,19 @@ fn least_certain_prefix(
         .unwrap()
 }
 
-/// 400 seeded one-token requests: the device sampler keeps the same set as the CPU sampler
-/// (top-k 8, then top-p 0.9 at temperature 0.8) and, fed the same uniform per seed, picks the
-/// same token except where bf16 rounding moves a boundary. The prompt is the fixture's prefix
-/// where the CPU's next-token distribution is flattest, so both samplers have a choice.
+/// 400 seeded one-token requests per setting: the device sampler keeps the same set as the
+/// CPU sampler and, fed the same uniform per seed, picks the same token except where bf16
+/// rounding moves a boundary. The settings take each of the device's ways to its
+/// thresholds: top-k then top-p (decided among the logits gathered into shared memory),
+/// top-p alone, a top-k past what is gathered (decided over the whole row), and no
+/// truncation. The prompt is the fixture's prefix where the CPU's next-token distribution
+/// is flattest, so both samplers have a choice.
 #[test]
 fn device_sampling_follows_the_cpu_sampler() {
     let name = "shakespeare";
     let m = load(name);
     let vocab = m.config.vocab_size;
-    let (mut cpu, gpu) = backends(&m, 128);
+    let (mut cpu, _) = backends(&m, 128);
     let (prompt, top8, p1) = least_certain_prefix(cpu.as_mut(), &prompts(name).remove(1), 0.8, 8);
     println!(
         "{} prompt tokens; the likeliest next token has p = {p1:.3}",
@@ -429,53 +432,60 @@ fn device_sampling_follows_the_cpu_sampler() {
         p1 < 0.7,
         "no prefix of the fixture prompt leaves a choice (p = {p1})"
     );
-    let reqs = || {
-        (0..400u64)
-            .map(|seed| Request {
-                prompt: prompt.clone(),
-                params: SamplingParams {
-                    temperature: 0.8,
-                    top_k: 8,
-                    top_p: 0.9,
-                    seed: Some(seed),
-                    max_tokens: 1,
-                    ignore_eos: true,
-                    ..Default::default()
-                },
-            })
-            .collect::<Vec<_>>()
-    };
-    let want = run_engine(cpu, vocab, reqs());
-    let got = run_engine(gpu, vocab, reqs());
-    let distinct = |v: &[Vec<u32>]| {
-        v.iter()
-            .map(|g| g[0])
-            .collect::<std::collections::HashSet<_>>()
-            .len()
-    };
-    assert!(distinct(&want) > 1, "the CPU sampler never left the argmax");
-    let mut same = 0;
-    for (w, g) in want.iter().zip(&got) {
+    for (top_k, top_p) in [(8, 0.9), (0, 0.9), (600, 0.95), (0, 1.0)] {
+        let reqs = || {
+            (0..400u64)
+                .map(|seed| Request {
+                    prompt: prompt.clone(),
+                    params: SamplingParams {
+                        temperature: 0.8,
+                        top_k,
+                        top_p,
+                        seed: Some(seed),
+                        max_tokens: 1,
+                        ignore_eos: true,
+                        ..Default::default()
+                    },
+                })
+                .collect::<Vec<_>>()
+        };
+        let (cpu, gpu) = backends(&m, 128);
+        let want = run_engine(cpu, vocab, reqs());
+        let got = run_engine(gpu, vocab, reqs());
+        let distinct = |v: &[Vec<u32>]| {
+            v.iter()
+                .map(|g| g[0])
+                .collect::<std::collections::HashSet<_>>()
+                .len()
+        };
+        let ctx = format!("top-k {top_k}, top-p {top_p}");
         assert!(
-            top8.contains(&(g[0] as usize)),
-            "GPU sampled {} outside the top 8",
-            g[0]
+            distinct(&want) > 1,
+            "{ctx}: the CPU sampler never left the argmax"
         );
-        same += (w == g) as usize;
+        let mut same = 0;
+        for (w, g) in want.iter().zip(&got) {
+            assert!(
+                top_k != 8 || top8.contains(&(g[0] as usize)),
+                "{ctx}: GPU sampled {} outside the top 8",
+                g[0]
+            );
+            same += (w == g) as usize;
+        }
+        println!(
+            "{ctx}: {same}/400 seeds give the same token; {} distinct on the GPU, {} on the CPU",
+            distinct(&got),
+            distinct(&want)
+        );
+        assert!(
+            distinct(&got) > 1,
+            "{ctx}: temperature 0.8 never left the argmax on the GPU"
+        );
+        assert!(
+            same >= 360,
+            "{ctx}: only {same}/400 seeds agree with the CPU sampler"
+        );
     }
-    println!(
-        "{same}/400 seeds give the same token; {} distinct on the GPU, {} on the CPU",
-        distinct(&got),
-        distinct(&want)
-    );
-    assert!(
-        distinct(&got) > 1,
-        "temperature 0.8 never left the argmax on the GPU"
-    );
-    assert!(
-        same >= 360,
-        "only {same}/400 seeds agree with the CPU sampler"
-    );
 }
 
 #[test]

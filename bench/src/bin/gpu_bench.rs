@@ -67,6 +67,11 @@ struct Args {
     /// Decode steps measured per batch size (the median counts).
     #[arg(long, value_name = "N", default_value_t = 20)]
     decode_steps: usize,
+    /// Batch sizes whose decode is measured again with sampling (temperature 0.7, top-k 20,
+    /// top-p 0.8: Qwen2.5's generation defaults), comma-separated; `0` for none.
+    #[arg(long, value_delimiter = ',', value_parser = trimmed::<usize>,
+          default_value = "1,32,128")]
+    sampled_batches: Vec<usize>,
     /// Prefill lengths to measure, comma-separated.
     #[arg(long, value_delimiter = ',', value_parser = trimmed::<usize>,
           default_value = "512,2048")]
@@ -158,6 +163,17 @@ fn greedy() -> SamplingParams {
     }
 }
 
+/// Sampling as a chat model's generation config asks for it (Qwen2.5's), also done on the
+/// device: the step pays for the top-k and top-p thresholds and the draw.
+fn sampled() -> SamplingParams {
+    SamplingParams {
+        temperature: 0.7,
+        top_k: 20,
+        top_p: 0.8,
+        ..SamplingParams::default()
+    }
+}
+
 /// One step through `forward_sample`, fenced by device synchronisation on both sides so the
 /// host clock measures the step's whole device work plus its host overhead (layout,
 /// uploads, launches), which is what a serving loop pays per step. Returns the seconds and
@@ -166,14 +182,14 @@ fn timed_step(
     backend: &mut CudaBackend,
     batch: &ForwardBatch,
     rngs: &mut [Rng],
+    params: &SamplingParams,
 ) -> anyhow::Result<(f64, Vec<u32>)> {
-    let params = greedy();
     let wanted = batch.seqs.iter().filter(|s| s.want_logits).count();
     let mut specs: Vec<SampleSpec> = rngs
         .iter_mut()
         .take(wanted)
         .map(|rng| SampleSpec {
-            params: &params,
+            params,
             rng,
             mask: None,
         })
@@ -230,10 +246,11 @@ impl Runner<'_> {
                     want_logits: true,
                 }],
             };
-            timed_step(&mut self.backend, &batch, &mut self.rngs)?;
+            let greedy = greedy();
+            timed_step(&mut self.backend, &batch, &mut self.rngs, &greedy)?;
             let mut times = Vec::new();
             for _ in 0..self.args.prefill_reps {
-                times.push(timed_step(&mut self.backend, &batch, &mut self.rngs)?.0);
+                times.push(timed_step(&mut self.backend, &batch, &mut self.rngs, &greedy)?.0);
             }
             let secs = median(times);
             eprintln!("{}: prefill {len} tokens {:.1} ms", self.name, secs * 1e3);
@@ -243,8 +260,8 @@ impl Runner<'_> {
     }
 
     /// Median seconds of a decode step of `b` sequences (after filling their histories and
-    /// `--warmup` steps), each step sampling on the device.
-    fn decode(&mut self, b: usize) -> anyhow::Result<f64> {
+    /// `--warmup` steps), each step sampling on the device with `params`.
+    fn decode(&mut self, b: usize, params: &SamplingParams) -> anyhow::Result<f64> {
         let args = self.args;
         let tables: Vec<Vec<BlockId>> = (0..b)
             .map(|s| {
@@ -273,7 +290,7 @@ impl Runner<'_> {
                     })
                     .collect(),
             };
-            timed_step(&mut self.backend, &batch, &mut self.rngs)?;
+            timed_step(&mut self.backend, &batch, &mut self.rngs, params)?;
             s0 = s1;
         }
         // Each sequence's next input is its last prompt token, then what it sampled.
@@ -295,7 +312,7 @@ impl Runner<'_> {
                     })
                     .collect(),
             };
-            let (secs, sampled) = timed_step(&mut self.backend, &batch, &mut self.rngs)?;
+            let (secs, sampled) = timed_step(&mut self.backend, &batch, &mut self.rngs, params)?;
             anyhow::ensure!(
                 sampled.len() == b,
                 "a decode step of {b} sequences returned {} tokens",
@@ -322,6 +339,8 @@ struct Figures {
     prefill: Vec<(usize, f64)>,
     /// (batch, seconds per step)
     decode: Vec<(usize, f64)>,
+    /// (batch, seconds per step) with [`sampled`]'s parameters
+    decode_sampled: Vec<(usize, f64)>,
 }
 
 impl Figures {
@@ -351,8 +370,8 @@ fn summarise(args: &Args, name: &str, dir: &Path, cfg: &ModelConfig, f: &Figures
             if f.cuda_graphs { "on" } else { "off" }
         ),
         format!(
-            "{:>8} {:>12} {:>12} {:>14}",
-            "batch", "ms/step", "tokens/s", "bw utilisation"
+            "{:>8} {:>12} {:>12} {:>14} {:>12}",
+            "batch", "ms/step", "tokens/s", "bw utilisation", "sampled ms"
         ),
     ];
     let mut json_decode = Vec::new();
@@ -364,12 +383,18 @@ fn summarise(args: &Args, name: &str, dir: &Path, cfg: &ModelConfig, f: &Figures
         if b == 1 {
             util1 = Some(util);
         }
+        let sampled = f
+            .decode_sampled
+            .iter()
+            .find(|&&(sb, _)| sb == b)
+            .map(|&(_, s)| s * 1e3);
         table.push(format!(
-            "{:>8} {:>12.3} {:>12.1} {:>13.1}%",
+            "{:>8} {:>12.3} {:>12.1} {:>13.1}% {:>12}",
             b,
             step * 1e3,
             b as f64 / step,
-            util * 100.0
+            util * 100.0,
+            sampled.map_or("-".into(), |ms| format!("{ms:.3}"))
         ));
         json_decode.push(serde_json::json!({
             "batch": b,
@@ -377,6 +402,7 @@ fn summarise(args: &Args, name: &str, dir: &Path, cfg: &ModelConfig, f: &Figures
             "ms_per_output_token_per_sequence": step * 1e3,
             "tokens_per_s": b as f64 / step,
             "weight_bandwidth_utilisation": util,
+            "ms_per_step_sampled": sampled,
         }));
     }
     let mut json_prefill = Vec::new();
@@ -406,6 +432,7 @@ fn summarise(args: &Args, name: &str, dir: &Path, cfg: &ModelConfig, f: &Figures
         "decode_prompt_tokens": args.prompt_len,
         "decode_warmup_steps": args.warmup,
         "decode_measured_steps": args.decode_steps,
+        "sampled_params": {"temperature": 0.7, "top_k": 20, "top_p": 0.8},
         "decode": json_decode,
         "prefill": json_prefill,
     });
@@ -464,10 +491,16 @@ fn bench_model(
     };
     let prefill = runner.prefill()?;
     let mut decode = Vec::new();
+    let mut decode_sampled = Vec::new();
     for &b in args.batches.iter().filter(|&&b| b > 0) {
-        let step = runner.decode(b)?;
+        let step = runner.decode(b, &greedy())?;
         eprintln!("{name}: batch {b} decode {:.2} ms/step", step * 1e3);
         decode.push((b, step));
+        if args.sampled_batches.contains(&b) {
+            let step = runner.decode(b, &sampled())?;
+            eprintln!("{name}: batch {b} sampled decode {:.2} ms/step", step * 1e3);
+            decode_sampled.push((b, step));
+        }
     }
     let figures = Figures {
         step_bytes: runner.backend.weight_bytes_per_step(),
@@ -475,6 +508,7 @@ fn bench_model(
         cuda_graphs: runner.backend.cuda_graphs_enabled(),
         prefill,
         decode,
+        decode_sampled,
     };
     Ok(summarise(args, name, &dir, &cfg, &figures))
 }
@@ -510,7 +544,7 @@ fn main() -> anyhow::Result<()> {
         "copy_bandwidth_gb_s": bw / 1e9,
         "copy_buffer_bytes": args.copy_mib << 20,
         "copy_bandwidth_note": "cuMemcpyDtoD, 2 x bytes / time (read + write), best of copy_reps",
-        "timing": "host clock around forward_sample (greedy, sampled on the device), device synchronised before and after",
+        "timing": "host clock around forward_sample (greedy, and for ms_per_step_sampled the sampled_params, both sampled on the device), device synchronised before and after",
         "models": results.into_iter().map(|r| r.json).collect::<Vec<_>>(),
     });
     let path = args
@@ -541,6 +575,7 @@ mod tests {
         assert_eq!(a.batches, [1, 8, 32, 64, 128]);
         assert_eq!(a.prefill_lens, [512, 2048]);
         assert_eq!((a.prompt_len, a.warmup, a.decode_steps), (128, 3, 20));
+        assert_eq!(a.sampled_batches, [1, 32, 128]);
         assert_eq!((a.prefill_reps, a.fill_chunk), (3, 2048));
         assert_eq!((a.copy_mib, a.copy_reps), (1024, 10));
         // List items may carry spaces, as the hand-written parser allowed.

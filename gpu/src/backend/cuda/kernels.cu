@@ -22,7 +22,8 @@ typedef unsigned short bf16;
     !defined(RMSNORM_THREADS) || !defined(ADD_RMSNORM_THREADS) ||                      \
     !defined(BIAS_ADD_THREADS) || !defined(QK_NORM_THREADS) || !defined(ROPE_THREADS) || \
     !defined(DECODE_THREADS) || !defined(SILU_MUL_THREADS) || !defined(GATHER_THREADS) || \
-    !defined(SAMPLE_THREADS) || !defined(CONSTRAIN_THREADS) || !defined(PFM_THREADS)
+    !defined(SAMPLE_THREADS) || !defined(CONSTRAIN_THREADS) || !defined(PFM_THREADS) ||   \
+    !defined(SAMPLE_GATHER)
 #error "kernels.cu is compiled with the launch figures of shapes.rs (defines()) as -D options"
 #endif
 #if QK_NORM_THREADS != 32
@@ -818,19 +819,86 @@ __device__ __forceinline__ void online_max_sum(float v, int i, float& bv, int& b
     }
 }
 
+// The float a key came from (order_key's inverse).
+__device__ __forceinline__ float from_key(unsigned int k) {
+    return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
+}
+
+// Where sample_rows decides its thresholds: the whole row in global memory, or the logits
+// gathered into shared memory at or above a bound that every kept logit is above.
+struct RowKeys {
+    const float* x;
+    int n;
+    __device__ unsigned int key(int i) const { return order_key(x[i]); }
+};
+struct GatheredKeys {
+    const unsigned int* keys;
+    int n;
+    __device__ unsigned int key(int i) const { return keys[i]; }
+};
+
+// The keep threshold over `src`: top-k's is the largest key K with at least k keys at or
+// above it (k 0: none), found by bisection over the 32 key bits (a count per bit); top-p's
+// the largest key P whose mass at or above max(P, K) still reaches top_p of `total`
+// (the row's mass; below 0: the mass kept by top-k, summed here over src), found the same
+// way with sums. Ties
+// at a threshold are kept together. Every thread of the block calls it.
+template <typename Src>
+__device__ unsigned int keep_threshold(Src src, int k, float p, float mx, float inv_t,
+                                       float total) {
+    int tid = threadIdx.x;
+    unsigned int thr = 0u;
+    if (k > 0) {
+        for (int bit = 31; bit >= 0; bit--) {
+            unsigned int cand = thr | (1u << bit);
+            float c = 0.0f;
+            for (int i = tid; i < src.n; i += blockDim.x) c += src.key(i) >= cand ? 1.0f : 0.0f;
+            if (block_sum(c) >= (float)k) thr = cand;
+        }
+    }
+    if (p < 1.0f) {
+        if (total < 0.0f) {
+            float m = 0.0f;
+            for (int i = tid; i < src.n; i += blockDim.x) {
+                unsigned int key = src.key(i);
+                if (key >= thr) m += expf((from_key(key) - mx) * inv_t);
+            }
+            total = block_sum(m);
+        }
+        float want = p * total;
+        // Mass at key >= max(P, thr) only falls as P grows, so P is decided bit by bit
+        // from the top, starting from 0 (not from thr, whose bits need not be in P).
+        unsigned int pthr = 0u;
+        for (int bit = 31; bit >= 0; bit--) {
+            unsigned int cand = max(pthr | (1u << bit), thr);
+            float s = 0.0f;
+            for (int i = tid; i < src.n; i += blockDim.x) {
+                unsigned int key = src.key(i);
+                if (key >= cand) s += expf((from_key(key) - mx) * inv_t);
+            }
+            if (block_sum(s) >= want) pthr = pthr | (1u << bit);
+        }
+        thr = max(pthr, thr);
+    }
+    return thr;
+}
+
 // Sampling per row on the device, so only a token id and its logprob come back to the host.
 // Row r: temperature temps[r] (<= 1e-5 or top_k 1 means greedy), top_k top_ks[r] (0 = all),
 // top_p top_ps[r] (1 = all), and one uniform draw uniforms[r] in [0, 1) made by the
 // request's own seeded generator on the host (the CPU sampler also draws exactly one per
 // sampled token, so a seed consumes the same stream on either backend).
 //
-// No sort: the kept set is {x : key(x) >= threshold}. top-k's threshold is the k-th largest
-// key, found by bisection over the 32 key bits (a count per bit); top-p's is the largest key
-// whose kept mass still reaches top_p of the top-k mass, found the same way with sums. Ties
-// at a threshold are kept together. The draw walks the kept weights in vocabulary order:
-// each thread owns a contiguous chunk, thread 0 prefix-sums the chunk totals, and the thread
-// whose range holds u * total finds the token in its chunk. Same distribution as the CPU
-// sampler (which walks candidates by rank), not the same token for a given seed.
+// No sort: the kept set is {x : key(x) >= threshold} (keep_threshold). Deciding it over the
+// whole row costs ~65 passes over the vocabulary, so first a bound G is taken from the
+// threads' own maxima (sorted in shared memory): the k-th largest has k logits at or above
+// it; for top-p alone, the largest whose maxima above it already hold top_p of the mass.
+// The logits at or above G (a few k, typically) are gathered into shared memory and the
+// thresholds decided there, when they fit and do bound the kept set; otherwise over the
+// row. The draw walks the kept weights in vocabulary order: each thread owns a contiguous
+// chunk, thread 0 prefix-sums the chunk totals, and the thread whose range holds u * total
+// finds the token in its chunk. Same distribution as the CPU sampler (which walks the same
+// kept weights in the same order), and for a given seed the same token up to rounding.
 // The logprob reported is of the raw model distribution, as the CPU sampler reports it.
 // Grid (rows), block SAMPLE_THREADS.
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
@@ -843,6 +911,8 @@ sample_rows(const float* __restrict__ logits, int vocab,
     __shared__ float best_v[SAMPLE_THREADS];
     __shared__ int best_i[SAMPLE_THREADS];
     __shared__ float chunk_start[SAMPLE_THREADS + 1];
+    __shared__ unsigned int gathered[SAMPLE_GATHER];
+    __shared__ int n_gathered;
     __shared__ int chosen;
     int r = blockIdx.x;
     int tid = threadIdx.x;
@@ -865,6 +935,7 @@ sample_rows(const float* __restrict__ logits, int vocab,
     } else {
         for (int i = tid; i < vocab; i += blockDim.x) online_max_sum(x[i], i, bv, bi, tse);
     }
+    float own_max = bv;
     best_v[tid] = bv;
     best_i[tid] = bi;
     __syncthreads();
@@ -894,39 +965,88 @@ sample_rows(const float* __restrict__ logits, int vocab,
         return;
     }
     float inv_t = 1.0f / temp;
-
-    // top-k: the largest key K with at least k logits at or above it.
-    unsigned int thr = 0u;
-    if (k > 0 && k < vocab) {
-        for (int bit = 31; bit >= 0; bit--) {
-            unsigned int cand = thr | (1u << bit);
-            float c = 0.0f;
-            for (int i = tid; i < vocab; i += blockDim.x) c += order_key(x[i]) >= cand ? 1.0f : 0.0f;
-            if (block_sum(c) >= (float)k) thr = cand;
-        }
-    }
-    // top-p: the largest key P whose kept mass still reaches top_p of the top-k mass.
     float p = top_ps[r];
-    if (p < 1.0f) {
-        float m = 0.0f;
-        for (int i = tid; i < vocab; i += blockDim.x) {
-            float v = x[i];
-            if (order_key(v) >= thr) m += expf((v - mx) * inv_t);
+    if (k >= vocab) k = 0;
+
+    unsigned int thr = 0u;
+    if (k > 0 || p < 1.0f) {
+        // top-p alone keeps top_p of the whole row's mass (after top-k, of what top-k keeps:
+        // summed where the thresholds are decided).
+        float total = -1.0f;
+        if (k == 0) {
+            float m = 0.0f;
+            for (int i = tid; i < vocab; i += blockDim.x) m += expf((x[i] - mx) * inv_t);
+            total = block_sum(m);
         }
-        float want = p * block_sum(m);
-        // Mass at key >= max(P, thr) only falls as P grows, so P is decided bit by bit
-        // from the top, starting from 0 (not from thr, whose bits need not be in P).
-        unsigned int pthr = 0u;
-        for (int bit = 31; bit >= 0; bit--) {
-            unsigned int cand = max(pthr | (1u << bit), thr);
-            float s = 0.0f;
-            for (int i = tid; i < vocab; i += blockDim.x) {
-                float v = x[i];
-                if (order_key(v) >= cand) s += expf((v - mx) * inv_t);
+        // The threads' maxima, sorted in descending order (bitonic, one per thread).
+        unsigned int* sorted = reinterpret_cast<unsigned int*>(best_i);
+        sorted[tid] = order_key(own_max);
+        __syncthreads();
+        for (int size = 2; size <= (int)blockDim.x; size <<= 1) {
+            for (int stride = size >> 1; stride > 0; stride >>= 1) {
+                int j = tid ^ stride;
+                if (j > tid) {
+                    unsigned int a = sorted[tid], b = sorted[j];
+                    if ((tid & size) == 0 ? a < b : a > b) {
+                        sorted[tid] = b;
+                        sorted[j] = a;
+                    }
+                }
+                __syncthreads();
             }
-            if (block_sum(s) >= want) pthr = pthr | (1u << bit);
         }
-        thr = max(pthr, thr);
+        // The bound: top-k's k-th largest maximum; top-p's the first maximum where the
+        // maxima so far hold top_p of the mass (a running sum, Hillis-Steele in best_v).
+        unsigned int bound;
+        if (k > 0) {
+            bound = k <= (int)blockDim.x ? sorted[k - 1] : 0u;
+        } else {
+            best_v[tid] = expf((from_key(sorted[tid]) - mx) * inv_t);
+            __syncthreads();
+            for (int off = 1; off < (int)blockDim.x; off <<= 1) {
+                float add = tid >= off ? best_v[tid - off] : 0.0f;
+                __syncthreads();
+                best_v[tid] += add;
+                __syncthreads();
+            }
+            bool reached = best_v[tid] >= p * total;
+            bool first = reached && (tid == 0 || best_v[tid - 1] < p * total);
+            if (tid == 0) chosen = 0;
+            __syncthreads();
+            if (first) chosen = (int)sorted[tid];
+            __syncthreads();
+            bound = (unsigned int)chosen;
+        }
+        // Gather every logit at or above the bound. No bound (0), or one at -inf (a grammar
+        // mask leaving fewer than k tokens), gathers nothing; nor does the rest of the row
+        // once more than fit have been seen.
+        if (tid == 0) n_gathered = 0;
+        __syncthreads();
+        bool bounded = bound > order_key(NEG_INF);
+        if (bounded) {
+            const volatile int* seen = &n_gathered;
+            for (int i = tid; i < vocab && *seen <= SAMPLE_GATHER; i += blockDim.x) {
+                unsigned int key = order_key(x[i]);
+                if (key >= bound) {
+                    int at = atomicAdd(&n_gathered, 1);
+                    if (at < SAMPLE_GATHER) gathered[at] = key;
+                }
+            }
+        }
+        __syncthreads();
+        int n = n_gathered;
+        // They decide the thresholds if they fit and hold what is kept: at least k keys
+        // (then the top-k set is among them), or for top-p alone top_p of the mass.
+        bool fits = bounded && n > 0 && n <= SAMPLE_GATHER;
+        if (fits && k > 0) {
+            fits = n >= k;
+        } else if (fits) {
+            float m = 0.0f;
+            for (int i = tid; i < n; i += blockDim.x) m += expf((from_key(gathered[i]) - mx) * inv_t);
+            fits = block_sum(m) >= p * total;
+        }
+        thr = fits ? keep_threshold(GatheredKeys{gathered, n}, k, p, mx, inv_t, total)
+                   : keep_threshold(RowKeys{x, vocab}, k, p, mx, inv_t, total);
     }
 
     // The draw over the kept weights, in vocabulary order.

@@ -119,14 +119,23 @@ pub const ATTENTION_PREFILL_MMA: [(usize, KernelShape); 4] = [
 pub const SILU_MUL: KernelShape = shape("silu_mul", 256, 0, true);
 pub const GATHER_ROWS: KernelShape = shape("gather_rows_bf16", 256, 0, false);
 /// Per thread a best value, its index and a chunk start (one more for the total), the
-/// chosen token, and `block_sum`'s scratch.
+/// gathered keys and their count, the chosen token, and `block_sum`'s scratch.
 pub const SAMPLE_ROWS: KernelShape = shape(
     "sample_rows",
     SAMPLE_THREADS,
-    SAMPLE_THREADS as usize * (F32 + 4) + (SAMPLE_THREADS as usize + 1) * F32 + 4 + BLOCK_SUM,
+    SAMPLE_THREADS as usize * (F32 + 4)
+        + (SAMPLE_THREADS as usize + 1) * F32
+        + SAMPLE_GATHER * 4
+        + 4
+        + 4
+        + BLOCK_SUM,
     true,
 );
 const SAMPLE_THREADS: u32 = 512;
+/// Logits `sample_rows` gathers into shared memory to decide top-k and top-p there: enough
+/// for top-k up to a few hundred, and for the top-p sets of a trained model's usual
+/// distributions; a row whose kept set does not fit is decided over the whole row.
+const SAMPLE_GATHER: usize = 2048;
 pub const CONSTRAIN_ROWS: KernelShape = shape("constrain_rows", 256, 0, false);
 
 /// Every kernel of `kernels.cu`. A kernel missing here is one the offline check refuses.
@@ -170,6 +179,7 @@ pub fn defines() -> Vec<(&'static str, usize)> {
         ("SILU_MUL_THREADS", SILU_MUL.threads as usize),
         ("GATHER_THREADS", GATHER_ROWS.threads as usize),
         ("SAMPLE_THREADS", SAMPLE_ROWS.threads as usize),
+        ("SAMPLE_GATHER", SAMPLE_GATHER),
         ("CONSTRAIN_THREADS", CONSTRAIN_ROWS.threads as usize),
         ("PFM_THREADS", ATTENTION_PREFILL_MMA[0].1.threads as usize),
     ]
