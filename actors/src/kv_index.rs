@@ -629,6 +629,25 @@ mod tests {
         assert_eq!(index.block_count(), 0);
     }
 
+    /// The index answers 2,000 random queries at `now` as the views do; returns how many
+    /// answers were not empty.
+    fn answers_match(
+        index: &KvIndex,
+        views: &[KvView],
+        chains: &[Vec<u64>],
+        now: Instant,
+    ) -> usize {
+        let mut rng = SplitMix(5);
+        let mut nonempty = 0;
+        for _ in 0..2_000 {
+            let hs = hashes(&mut rng, chains);
+            let want = reference(views, &hs, now);
+            nonempty += usize::from(!want.is_empty());
+            assert_eq!(index.leading_hits(&hs, now), want, "{hs:?}");
+        }
+        nonempty
+    }
+
     /// Workers' events and expectations from several threads at once, with picks reading
     /// all along: no update is lost or half-seen, and the index ends as the workers' own
     /// views say.
@@ -706,14 +725,7 @@ mod tests {
             (kvs, views, reader.join().unwrap())
         });
         assert!(reads > 0);
-        let mut rng = SplitMix(5);
-        let mut nonempty = 0;
-        for _ in 0..2_000 {
-            let hs = hashes(&mut rng, &chains);
-            let want = reference(&views, &hs, t0);
-            nonempty += usize::from(!want.is_empty());
-            assert_eq!(index.leading_hits(&hs, t0), want, "{hs:?}");
-        }
+        let nonempty = answers_match(&index, &views, &chains, t0);
         assert!(nonempty > 500, "{nonempty}");
         let table = Table {
             index,
@@ -773,14 +785,7 @@ mod tests {
         check_consistent(&table);
         // Long after every expectation has lapsed: what the events left.
         let late = t0 + Duration::from_secs(3_600);
-        let mut rng = SplitMix(3);
-        let mut nonempty = 0;
-        for _ in 0..2_000 {
-            let hs = hashes(&mut rng, &chains);
-            let want = reference(&views, &hs, late);
-            nonempty += usize::from(!want.is_empty());
-            assert_eq!(table.leading_hits(&hs, late), want, "{hs:?}");
-        }
+        let nonempty = answers_match(&table.index, &views, &chains, late);
         assert!(nonempty > 200, "{nonempty}");
         for (w, v) in views.iter().enumerate() {
             assert_eq!(table.held(w as u32), v.held());

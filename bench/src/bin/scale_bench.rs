@@ -39,6 +39,10 @@ struct Args {
     /// The gateway's routing policy.
     #[arg(long, default_value = "least-loaded")]
     policy: String,
+    /// Niceness of the process hosting the workers: it shares the machine with the router
+    /// being measured, as no deployment's 10,000 workers would; 0 gives it equal priority.
+    #[arg(long, default_value_t = 10)]
+    workers_nice: i32,
     #[arg(long, value_name = "PATH", default_value = "bench/results/scale.json")]
     json: PathBuf,
 }
@@ -105,7 +109,7 @@ async fn one_size(args: &Args, n: usize) -> Value {
     let rss0 = rss_mib(&gw);
     let replicas = n.to_string();
     let t0 = Instant::now();
-    let workers = km.node(
+    let workers = km.clone().niceness(args.workers_nice).node(
         &etcd,
         &cluster,
         "w",
@@ -149,6 +153,7 @@ async fn one_size(args: &Args, n: usize) -> Value {
     let row = json!({
         "workers": n,
         "policy": args.policy,
+        "workers_nice": args.workers_nice,
         "routable": routable,
         "all_routable_after_s": joined,
         "gateway_rss_mib_before": rss0,

@@ -39,6 +39,8 @@ pub struct Kvmesh {
     gateway_flags: Vec<String>,
     /// Whether the processes' logs (stderr) go to ours, or nowhere.
     logs: bool,
+    /// The niceness its processes start with (every thread inherits it).
+    niceness: i32,
 }
 
 impl Kvmesh {
@@ -49,6 +51,7 @@ impl Kvmesh {
             node_flags: Vec::new(),
             gateway_flags: Vec::new(),
             logs: true,
+            niceness: 0,
         }
     }
 
@@ -61,6 +64,13 @@ impl Kvmesh {
     /// Every gateway started from here gets `flags` after its policy.
     pub fn gateway_flags(mut self, flags: &[&str]) -> Kvmesh {
         self.gateway_flags = flags.iter().map(|f| f.to_string()).collect();
+        self
+    }
+
+    /// Its processes start at this niceness (above 0: they yield the CPU to the measured
+    /// ones, as a harness should that shares their machine).
+    pub fn niceness(mut self, n: i32) -> Kvmesh {
+        self.niceness = n;
         self
     }
 
@@ -147,6 +157,20 @@ impl Kvmesh {
         } else {
             Stdio::null()
         };
+        let niceness = self.niceness;
+        if niceness != 0 {
+            use std::os::unix::process::CommandExt;
+            // SAFETY: only setpriority (a system call, async-signal-safe) runs between fork
+            // and exec, and it touches no memory of the parent's.
+            unsafe {
+                cmd.pre_exec(move || {
+                    if libc::setpriority(libc::PRIO_PROCESS, 0, niceness) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    Ok(())
+                });
+            }
+        }
         let mut child = cmd
             .stdout(Stdio::piped())
             .stderr(stderr)
