@@ -69,23 +69,26 @@ impl Picker<'_> {
         let workers = self.workers.read();
         let now = Instant::now();
         let prefix = self.policy == Policy::Prefix;
-        // Every worker's leading hits at once, from the index: the cost follows the
-        // prompt's blocks and their holders, not the number of workers.
-        let hits = if prefix && !want.hashes.is_empty() {
-            self.index.leading_hits(want.hashes, now)
-        } else {
-            Vec::new()
-        };
         let short = uses_shortlist(self.policy)
             .then(|| self.shortlist.current())
             .flatten();
+        // The prompt's leading hits (prefix): of the workers the pick costs, from the index.
+        let mut hits = Vec::new();
         let shortlisted = short.as_ref().and_then(|list| {
             self.shortlist.saw(want.prompt_tokens, want.output_tokens);
+            if prefix {
+                hits = self.shortlist_hits(list, &workers.by_slot, want, now, turn);
+            }
             self.shortlisted_for(list, &workers.by_slot, &hits, |w| can_take(w, want))
         });
         let links = match shortlisted {
             Some(links) => links,
-            None => self.eligible(&workers, want, turn),
+            None => {
+                if prefix {
+                    hits = self.index.leading_hits(want.hashes, now);
+                }
+                self.eligible(&workers, want, turn)
+            }
         };
         if links.is_empty() {
             return None;
@@ -224,7 +227,7 @@ impl Picker<'_> {
 
 /// Whether `w` may be given the request: up, generating, with room for its context, and
 /// not tried for it yet.
-fn can_take(w: &WorkerLink, want: &Wanted) -> bool {
+pub(crate) fn can_take(w: &WorkerLink, want: &Wanted) -> bool {
     w.available()
         && w.hot.generates
         && w.hot.max_model_len >= want.length
@@ -276,8 +279,9 @@ pub(crate) fn prefill_for(
 }
 
 /// Holders of a prompt's leading blocks a shortlisted pick costs at most, besides the
-/// shortlist itself.
-pub(crate) const MAX_HOLDERS: usize = 64;
+/// shortlist itself: the shortlist brings the least loaded, these the longest cached
+/// prefixes, and of equal ones each pick takes the next few.
+pub(crate) const MAX_HOLDERS: usize = 16;
 
 /// The [`SHORTLIST_LEN`] workers cheapest for the last request's shape, among all that take
 /// requests; none below [`SHORTLIST_FROM`].
@@ -319,9 +323,31 @@ impl Picker<'_> {
         self.shortlist.set(shortlisted(self));
     }
 
-    /// The shortlisted workers that can take the request, and for `prefix` the
-    /// [`MAX_HOLDERS`] holders of its leading blocks (`hits`, by slot) with the longest
-    /// runs; `None` where none can (the pick then scans).
+    /// The leading hits a shortlisted pick costs: the shortlist's own, and those of the
+    /// [`MAX_HOLDERS`] other workers able to take the request with the longest runs (of
+    /// equal ones, a different few each turn). However many workers hold a shared prompt
+    /// prefix, the pick's cost stays bounded: one left out has a cached prefix no longer
+    /// than every holder kept, and is not among the shortlist's least loaded.
+    pub(crate) fn shortlist_hits(
+        &self,
+        list: &[Arc<WorkerLink>],
+        by_slot: &HashMap<u32, Arc<WorkerLink>>,
+        want: &Wanted,
+        now: Instant,
+        turn: u64,
+    ) -> Vec<(u32, usize, usize)> {
+        let mut listed: Vec<u32> = list.iter().map(|w| w.hot.slot).collect();
+        listed.sort_unstable();
+        let keep = |slot| by_slot.get(&slot).is_some_and(|w| can_take(w, want));
+        // Successive picks start their holders where the last one's left off.
+        let from = (turn as usize).wrapping_mul(MAX_HOLDERS);
+        self.index
+            .top_hits(want.hashes, now, MAX_HOLDERS, &listed, keep, from)
+    }
+
+    /// The shortlisted workers that can take the request, and the other holders of its
+    /// leading blocks in `hits` (by slot: see `shortlist_hits`); `None` where none can (the
+    /// pick then scans).
     pub(crate) fn shortlisted_for<'w>(
         &self,
         list: &'w [Arc<WorkerLink>],
@@ -330,28 +356,13 @@ impl Picker<'_> {
         eligible: impl Fn(&WorkerLink) -> bool,
     ) -> Option<Vec<&'w Arc<WorkerLink>>> {
         let mut links: Vec<&Arc<WorkerLink>> = list.iter().filter(|w| eligible(w)).collect();
-        // A shared prompt prefix may have hundreds of holders: each is looked up among the
-        // shortlist's slots by bisection, not compared with every link taken so far.
-        let mut listed: Vec<u32> = links.iter().map(|w| w.hot.slot).collect();
+        let mut listed: Vec<u32> = list.iter().map(|w| w.hot.slot).collect();
         listed.sort_unstable();
-        let mut holders: Vec<(usize, usize, &Arc<WorkerLink>)> = hits
+        let holders = hits
             .iter()
             .filter(|h| listed.binary_search(&h.0).is_err())
-            .filter_map(|&(slot, held, with_pending)| {
-                let w = by_slot.get(&slot).filter(|w| eligible(w))?;
-                Some((with_pending, held, w))
-            })
-            .collect();
-        // Only the holders with the longest leading runs are costed: one further down has a
-        // shorter cached prefix than every holder kept, and is not among the shortlist's
-        // least loaded, so the pick's cost stays bounded however many hold the prefix.
-        if holders.len() > MAX_HOLDERS {
-            let longest =
-                |a: &(usize, usize, _), b: &(usize, usize, _)| (b.0, b.1).cmp(&(a.0, a.1));
-            holders.select_nth_unstable_by(MAX_HOLDERS - 1, longest);
-            holders.truncate(MAX_HOLDERS);
-        }
-        links.extend(holders.into_iter().map(|(_, _, w)| w));
+            .filter_map(|h| by_slot.get(&h.0).filter(|w| eligible(w)));
+        links.extend(holders);
         (!links.is_empty()).then_some(links)
     }
 }

@@ -2,7 +2,8 @@
 //! all of them (about 100 ns each: 1 ms a pick at 10,000). From [`SHORTLIST_FROM`] workers
 //! on, `least-loaded` and `prefix` cost a shortlist instead: the [`SHORTLIST_LEN`] cheapest
 //! workers for the requests of late, chosen from all of them every [`REFRESH`] by a task of
-//! the router's, plus (prefix) every worker holding the prompt's leading blocks. A pick
+//! the router's, plus (prefix) the few workers with the longest runs of the prompt's leading
+//! blocks, found without visiting every holder (`KvIndex::top_hits`). A pick
 //! reads the shortlisted workers' live load, so requests it sends move the next pick on at
 //! once; a worker whose load fell meanwhile joins the list within one refresh, far less
 //! than the interval at which workers report their load.

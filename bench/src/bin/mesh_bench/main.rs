@@ -100,6 +100,7 @@ async fn main() {
     }
     if runs(Section::Picks) {
         out["pick_time"] = routing::pick_time(ctx.quick);
+        out["shared_prefix_lookup"] = routing::shared_prefix_lookup(ctx.quick);
     }
     if runs(Section::Scale) {
         out["router_scale"] = routing::router_scale(&ctx).await;

@@ -101,6 +101,57 @@ pub fn pick_time(quick: bool) -> Value {
     json!(rows)
 }
 
+/// What the prefix index costs a pick at 10,000 workers as more of them hold a prompt's
+/// shared prefix (a system prompt every request starts with: in the end, every worker):
+/// every worker's hits (`leading_hits`, for a pick that costs every worker) against those
+/// a shortlisted pick costs (`top_hits`: the 64 shortlisted workers' and the 16 longest
+/// other runs). In-process; a 4-block prefix plus a block of each prompt's own.
+pub fn shared_prefix_lookup(quick: bool) -> Value {
+    use kvmesh_actors::kv_index::{KvIndex, WorkerKv};
+    const WORKERS: u32 = 10_000;
+    let iters = if quick { 200 } else { 2_000 };
+    println!("\n== prefix index lookups at {WORKERS} workers, by holders of a shared prefix ==");
+    println!(
+        "{:>8} {:>18} {:>18} {:>8}",
+        "holders", "all hits (us)", "pick's hits (us)", "ratio"
+    );
+    let mut rows = Vec::new();
+    for holders in [10u32, 100, 1_000, 3_000, 10_000] {
+        let index = KvIndex::default();
+        let kvs: Vec<WorkerKv> = (0..WORKERS).map(|_| WorkerKv::default()).collect();
+        let prefix = [11u64, 12, 13, 14];
+        // Spread over the slots, as holders are over a router's workers.
+        let step = WORKERS / holders;
+        for w in (0..WORKERS).step_by(step as usize).take(holders as usize) {
+            index.apply(w, &kvs[w as usize], true, &prefix, &[]);
+        }
+        // The shortlist: 64 workers from all over.
+        let listed: Vec<u32> = (0..64).map(|k| k * (WORKERS / 64) + 3).collect();
+        let now = Instant::now();
+        let prompt = |t: u64| [11, 12, 13, 14, 1_000 + t];
+        let time = |f: &dyn Fn(&[u64]) -> usize| {
+            let t0 = Instant::now();
+            let mut sink = 0;
+            for t in 0..iters {
+                sink += f(&prompt(t));
+            }
+            std::hint::black_box(sink);
+            t0.elapsed().as_secs_f64() * 1e6 / iters as f64
+        };
+        let all = time(&|hs| index.leading_hits(hs, now).len());
+        let picks = time(&|hs| index.top_hits(hs, now, 16, &listed, |_| true, 0).len());
+        println!(
+            "{holders:>8} {all:>18.2} {picks:>18.2} {:>7.1}x",
+            all / picks
+        );
+        rows.push(
+            json!({"workers": WORKERS, "holders": holders, "all_hits_us": all,
+            "pick_hits_us": picks}),
+        );
+    }
+    json!(rows)
+}
+
 /// Pick time in a real router as the cluster grows: one `kvmesh node --replicas N` process
 /// hosts N sim workers (each its own member: record, lease, QUIC endpoint, engine), and a
 /// gateway per policy routes short requests over them. The routers' own account of their
