@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use clap::Parser;
 use kvmesh_bench::harness::abuse::rss_mib;
-use kvmesh_bench::harness::load::{pct, run_load, shakespeare_lines};
+use kvmesh_bench::harness::load::{pct, run_load, shakespeare_lines, Sample};
 use kvmesh_bench::harness::{load_client, status, Proc};
 use kvmesh_bench::programs::{kvmesh, write_results, ZERO_COST};
 use kvmesh_discovery::testing::Etcd;
@@ -43,6 +43,11 @@ struct Args {
     /// being measured, as no deployment's 10,000 workers would; 0 gives it equal priority.
     #[arg(long, default_value_t = 10)]
     workers_nice: i32,
+    /// Niceness of the load generator's threads (this program's, not the processes it
+    /// starts): no deployment's clients share its router's cores either. Their delays
+    /// still count in the TTFT they measure.
+    #[arg(long, default_value_t = 10)]
+    client_nice: i32,
     #[arg(long, value_name = "PATH", default_value = "bench/results/scale.json")]
     json: PathBuf,
 }
@@ -99,6 +104,32 @@ async fn report_rate(http: &reqwest::Client, gw: &Proc, secs: u64) -> f64 {
     (reports(http, gw).await - a) / secs as f64
 }
 
+/// The requests, 16 tokens each at concurrency 64, sent from a runtime of their own whose
+/// threads run at niceness `nice`.
+async fn load_at(nice: i32, base: &str, prompts: Vec<String>) -> (Vec<Sample>, f64) {
+    let base = base.to_string();
+    let niced = move || {
+        // SAFETY: setpriority is a plain system call; 0 is the calling thread.
+        unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, nice) };
+    };
+    let load = std::thread::spawn(move || {
+        niced();
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .on_thread_start(niced)
+            .build()
+            .expect("a runtime for the load");
+        rt.block_on(async {
+            let http = load_client(Duration::from_secs(60));
+            run_load(&http, &base, prompts, 16, 64).await
+        })
+    });
+    tokio::task::spawn_blocking(move || load.join().expect("the load ran"))
+        .await
+        .expect("the load's thread joined")
+}
+
 async fn one_size(args: &Args, n: usize) -> Value {
     let km = kvmesh();
     let http = load_client(Duration::from_secs(60));
@@ -137,7 +168,7 @@ async fn one_size(args: &Args, n: usize) -> Value {
         .map(|i| format!("{preamble}{}", lines[(i * 7) % lines.len()]))
         .collect();
     let before = reports(&http, &gw).await;
-    let (samples, wall) = run_load(&http, &gw.http, prompts, 16, 64).await;
+    let (samples, wall) = load_at(args.client_nice, &gw.http, prompts).await;
     let busy_reports = (reports(&http, &gw).await - before) / wall;
     let ok: Vec<_> = samples.iter().filter(|s| s.ok).collect();
     let ttft: Vec<f64> = ok.iter().map(|s| s.ttft * 1e3).collect();
@@ -154,6 +185,7 @@ async fn one_size(args: &Args, n: usize) -> Value {
         "workers": n,
         "policy": args.policy,
         "workers_nice": args.workers_nice,
+        "client_nice": args.client_nice,
         "routable": routable,
         "all_routable_after_s": joined,
         "gateway_rss_mib_before": rss0,
