@@ -162,6 +162,19 @@ pub(crate) fn apply(
         }
         *known = now_refused;
     }
+    // Most calls change nothing (one a second keeps the grace periods on time): at 10,000
+    // workers, rebuilding the set under the write lock would hold every pick up for
+    // milliseconds, so what changes is found under the read lock first.
+    {
+        let guard = workers.read();
+        let departing = guard
+            .by_id
+            .iter()
+            .any(|(id, link)| departs(id, link, wanted.get(id)));
+        if !departing && wanted.keys().all(|id| guard.by_id.contains_key(*id)) {
+            return Vec::new();
+        }
+    }
     let mut guard = workers.write();
     let links = &mut guard.by_id;
     let departed: Vec<String> = links
