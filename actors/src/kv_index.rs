@@ -10,7 +10,9 @@
 //! The map is split into [`SHARDS`] shards, each behind its own lock, and every operation
 //! holds one shard's lock for one block at a time: a pick walking a prompt's blocks never
 //! waits behind a whole batch of another worker's events (or behind a thread preempted in
-//! the middle of one), only, at worst, behind one block's update in the same shard. Each
+//! the middle of one), only, at worst, behind one block's update in the same shard; and a
+//! reader holds a shard's lock only to take a reference to the block's holders, which it
+//! walks unlocked (a writer copies holders a reader still has). Each
 //! worker's own bookkeeping ([`WorkerKv`]) is kept by its owner, beside its link, in two
 //! parts with a lock each: what it reported (taken by its events) and what was sent there
 //! (taken by the picks that choose it), so a pick never waits for that worker's events.
@@ -19,6 +21,7 @@ use std::collections::hash_map::{Entry, RandomState};
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::hash::{BuildHasher, Hasher};
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use parking_lot::{Mutex, RwLock};
@@ -59,7 +62,7 @@ impl State {
 /// set in both memory and lookups; the ids apart from the states, so a search through
 /// thousands of holders (a prompt prefix the whole cluster shares) reads a quarter of the
 /// memory.
-#[derive(Default)]
+#[derive(Clone, Default)]
 struct Holders {
     workers: Vec<u32>,
     /// Each worker's, in the same order.
@@ -130,7 +133,7 @@ impl Holders {
 /// Removes the worker from the block's holders when `what` accepts its state, and the block
 /// itself once nobody holds it, so the map only keeps blocks somebody has.
 fn remove_holder(
-    blocks: &mut HashMap<u64, Holders, BlockHashing>,
+    blocks: &mut Blocks,
     hash: u64,
     worker: u32,
     what: impl Fn(State) -> bool,
@@ -138,12 +141,12 @@ fn remove_holder(
     let Entry::Occupied(mut e) = blocks.entry(hash) else {
         return None;
     };
-    let holders = e.get_mut();
-    let i = holders.find(worker).ok()?;
-    let state = holders.states[i];
+    let i = e.get().find(worker).ok()?;
+    let state = e.get().states[i];
     if !what(state) {
         return None;
     }
+    let holders = Arc::make_mut(e.get_mut());
     holders.remove(i);
     if holders.len() == 0 {
         e.remove();
@@ -230,7 +233,11 @@ impl Hasher for BlockHasher {
     }
 }
 
-type Blocks = HashMap<u64, Holders, BlockHashing>;
+/// Each block's holders behind an `Arc`: a reader holds its shard's lock only to take a
+/// reference, and walks the holders after letting go, so a reader preempted mid-walk holds
+/// up no writer (and, through the writer, no other reader). A writer changes them in place,
+/// or a copy while a reader still has them.
+type Blocks = HashMap<u64, Arc<Holders>, BlockHashing>;
 
 /// The cluster's KV blocks and who holds them. Worker ids are dense slots chosen by the
 /// caller; each worker's [`WorkerKv`] goes with its id.
@@ -255,17 +262,18 @@ impl KvIndex {
         &self.shards[(self.spread.hash_one(hash) >> (64 - SHARDS.trailing_zeros())) as usize]
     }
 
+    /// The block's holders as they are now.
+    fn holders(&self, hash: u64) -> Option<Arc<Holders>> {
+        self.shard(hash).read().get(&hash).cloned()
+    }
+
     fn remove(&self, hash: u64, worker: u32, what: impl Fn(State) -> bool) -> Option<State> {
         remove_holder(&mut self.shard(hash).write(), hash, worker, what)
     }
 
     /// Sets the worker's state for the block, returning the one it replaced.
     fn set(&self, hash: u64, worker: u32, state: State) -> Option<State> {
-        self.shard(hash)
-            .write()
-            .entry(hash)
-            .or_default()
-            .set(worker, state)
+        Arc::make_mut(self.shard(hash).write().entry(hash).or_default()).set(worker, state)
     }
 
     /// A batch of one worker's events; a snapshot replaces everything that worker held (not
@@ -291,6 +299,13 @@ impl KvIndex {
             }
         }
         for &h in stored {
+            // Stored again (a worker may report a block it holds): only this worker's events
+            // change its held entries, and they wait for `held`, so no write lock is needed.
+            if held.blocks.contains(&h)
+                && self.holders(h).and_then(|hs| hs.get(worker)) == Some(State::Held)
+            {
+                continue;
+            }
             if let Some(State::Pending(_)) = self.set(h, worker, State::Held) {
                 w.pending_count.fetch_sub(1, Ordering::Relaxed);
             }
@@ -332,11 +347,10 @@ impl KvIndex {
         for &h in hashes {
             // A block it holds (the shared prefix that drew the pick, usually) needs no
             // write lock, so picks reading that hot block are not held up by this one.
-            let shard = self.shard(h);
-            if shard.read().get(&h).and_then(|hs| hs.get(worker)) == Some(State::Held) {
+            if self.holders(h).and_then(|hs| hs.get(worker)) == Some(State::Held) {
                 continue;
             }
-            let mut blocks = shard.write();
+            let mut blocks = self.shard(h).write();
             let holders = blocks.entry(h).or_default();
             match holders.get(worker) {
                 // Its events stored it meanwhile.
@@ -346,7 +360,7 @@ impl KvIndex {
                     w.pending_count.fetch_add(1, Ordering::Relaxed);
                 }
             }
-            holders.set(worker, State::Pending(now));
+            Arc::make_mut(holders).set(worker, State::Pending(now));
             drop(blocks);
             order.push_back((now, h));
         }
@@ -364,13 +378,12 @@ impl KvIndex {
         let Some(&h0) = hashes.first() else {
             return Vec::new();
         };
+        let Some(first) = self.holders(h0) else {
+            return Vec::new();
+        };
         let mut out = Vec::new();
         let mut alive = Vec::new();
         {
-            let shard = self.shard(h0).read();
-            let Some(first) = shard.get(&h0) else {
-                return Vec::new();
-            };
             out.reserve(first.len());
             alive.reserve(first.len());
             for (w, s) in first.iter() {
@@ -388,13 +401,12 @@ impl KvIndex {
         let (Some(&h0), false) = (hashes.first(), workers.is_empty()) else {
             return Vec::new();
         };
+        let Some(first) = self.holders(h0) else {
+            return Vec::new();
+        };
         let mut out = Vec::new();
         let mut alive = Vec::new();
         {
-            let shard = self.shard(h0).read();
-            let Some(first) = shard.get(&h0) else {
-                return Vec::new();
-            };
             let mut at = 0;
             for &w in workers {
                 match first.seek(&mut at, w) {
@@ -423,8 +435,8 @@ impl KvIndex {
             if alive.is_empty() {
                 return out;
             }
-            let shard = self.shard(*h).read();
-            let holders = shard.get(h).unwrap_or(&NOBODY);
+            let holders = self.holders(*h);
+            let holders = holders.as_deref().unwrap_or(&NOBODY);
             // Both lists are sorted by worker: one cursor walks the holders.
             let mut at = 0;
             alive.retain_mut(|(o, in_held)| {
@@ -482,43 +494,38 @@ impl KvIndex {
         let mut met: Vec<u32> = Vec::new();
         for i in (0..hashes.len()).rev() {
             let mut long = found.iter().filter(|r| r.2 > i).count();
+            if long >= k {
+                break;
+            }
+            let Some(holders) = self.holders(hashes[i]) else {
+                continue;
+            };
+            let n = holders.len();
             // Positions of block i's holders looked at so far, from `from` round.
             let mut scanned = 0;
-            while long < k {
+            while long < k && scanned < n {
                 let mut batch = Vec::with_capacity(k - long);
-                let more = {
-                    let shard = self.shard(hashes[i]).read();
-                    let holders = shard.get(&hashes[i]).unwrap_or(&NOBODY);
-                    let n = holders.len();
-                    while scanned < n && batch.len() < k - long {
-                        let at = (from + scanned) % n;
-                        let (w, s) = (holders.workers[at], holders.states[at]);
-                        scanned += 1;
-                        if !s.live(now) || also.binary_search(&w).is_ok() {
-                            continue;
-                        }
-                        let Err(at) = met.binary_search(&w) else {
-                            continue;
-                        };
-                        met.insert(at, w);
-                        if keep(w) {
-                            batch.push(w);
-                        }
+                while scanned < n && batch.len() < k - long {
+                    let at = (from + scanned) % n;
+                    let (w, s) = (holders.workers[at], holders.states[at]);
+                    scanned += 1;
+                    if !s.live(now) || also.binary_search(&w).is_ok() {
+                        continue;
                     }
-                    scanned < n
-                };
+                    let Err(at) = met.binary_search(&w) else {
+                        continue;
+                    };
+                    met.insert(at, w);
+                    if keep(w) {
+                        batch.push(w);
+                    }
+                }
                 batch.sort_unstable();
                 // Not met further on: nothing past block i counts for them.
                 for run in self.runs_of(&hashes[..=i], now, &batch) {
                     long += usize::from(run.2 > i);
                     found.push(run);
                 }
-                if !more {
-                    break;
-                }
-            }
-            if long >= k {
-                break;
             }
         }
         if found.len() > k {
