@@ -11,7 +11,7 @@ use parking_lot::RwLock;
 
 use super::config::DisaggConfig;
 use super::links::{assume_for_unmeasured, ReportedSpeed, WorkerLink, Workers};
-use super::shortlist::{uses_shortlist, Shortlist, SHORTLIST_FROM, SHORTLIST_LEN};
+use super::shortlist::{uses_shortlist, Listed, Shortlist, SHORTLIST_FROM, SHORTLIST_LEN};
 use super::stats::{Decision, PickTimes};
 use crate::kv_index::KvIndex;
 use crate::policy::{
@@ -330,19 +330,17 @@ impl Picker<'_> {
     /// than every holder kept, and is not among the shortlist's least loaded.
     pub(crate) fn shortlist_hits(
         &self,
-        list: &[Arc<WorkerLink>],
+        list: &Listed,
         by_slot: &HashMap<u32, Arc<WorkerLink>>,
         want: &Wanted,
         now: Instant,
         turn: u64,
     ) -> Vec<(u32, usize, usize)> {
-        let mut listed: Vec<u32> = list.iter().map(|w| w.hot.slot).collect();
-        listed.sort_unstable();
         let keep = |slot| by_slot.get(&slot).is_some_and(|w| can_take(w, want));
         // Successive picks start their holders where the last one's left off.
         let from = (turn as usize).wrapping_mul(MAX_HOLDERS);
         self.index
-            .top_hits(want.hashes, now, MAX_HOLDERS, &listed, keep, from)
+            .top_hits(want.hashes, now, MAX_HOLDERS, &list.slots, keep, from)
     }
 
     /// The shortlisted workers that can take the request, and the other holders of its
@@ -350,17 +348,15 @@ impl Picker<'_> {
     /// pick then scans).
     pub(crate) fn shortlisted_for<'w>(
         &self,
-        list: &'w [Arc<WorkerLink>],
+        list: &'w Listed,
         by_slot: &'w HashMap<u32, Arc<WorkerLink>>,
         hits: &[(u32, usize, usize)],
         eligible: impl Fn(&WorkerLink) -> bool,
     ) -> Option<Vec<&'w Arc<WorkerLink>>> {
         let mut links: Vec<&Arc<WorkerLink>> = list.iter().filter(|w| eligible(w)).collect();
-        let mut listed: Vec<u32> = list.iter().map(|w| w.hot.slot).collect();
-        listed.sort_unstable();
         let holders = hits
             .iter()
-            .filter(|h| listed.binary_search(&h.0).is_err())
+            .filter(|h| list.slots.binary_search(&h.0).is_err())
             .filter_map(|h| by_slot.get(&h.0).filter(|w| eligible(w)));
         links.extend(holders);
         (!links.is_empty()).then_some(links)

@@ -32,7 +32,7 @@ pub(crate) const REFRESH: Duration = Duration::from_millis(10);
 /// Chosen by `Picker::refresh_shortlist`, read by `Picker::choose`.
 #[derive(Default)]
 pub(crate) struct Shortlist {
-    list: RwLock<Arc<Vec<Arc<WorkerLink>>>>,
+    list: RwLock<Arc<Listed>>,
     /// The last pick's request shape (prompt tokens << 32 | output tokens): what the list
     /// is ordered for.
     shape: AtomicU64,
@@ -42,13 +42,15 @@ pub(crate) struct Shortlist {
 
 impl Shortlist {
     /// The current list, if picks use one.
-    pub(crate) fn current(&self) -> Option<Arc<Vec<Arc<WorkerLink>>>> {
+    pub(crate) fn current(&self) -> Option<Arc<Listed>> {
         Some(self.list.read().clone()).filter(|l| !l.is_empty())
     }
 
     /// Puts a new list in place.
-    pub(crate) fn set(&self, list: Vec<Arc<WorkerLink>>) {
-        *self.list.write() = Arc::new(list);
+    pub(crate) fn set(&self, links: Vec<Arc<WorkerLink>>) {
+        let mut slots: Vec<u32> = links.iter().map(|w| w.hot.slot).collect();
+        slots.sort_unstable();
+        *self.list.write() = Arc::new(Listed { links, slots });
     }
 
     /// The refresh's turn: where equal workers start from.
@@ -70,6 +72,21 @@ impl Shortlist {
             block_size,
             output_tokens: (packed as u32 as usize).max(1),
         }
+    }
+}
+
+/// The shortlisted workers, and their slots in order, for the picks that look holders of a
+/// prompt's blocks up among them (sorted once a refresh, not once a pick).
+#[derive(Default)]
+pub(crate) struct Listed {
+    links: Vec<Arc<WorkerLink>>,
+    pub(crate) slots: Vec<u32>,
+}
+
+impl std::ops::Deref for Listed {
+    type Target = [Arc<WorkerLink>];
+    fn deref(&self) -> &Self::Target {
+        &self.links
     }
 }
 

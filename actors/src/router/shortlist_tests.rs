@@ -186,7 +186,7 @@ fn the_holders_of_a_shared_prefix_join_the_shortlist_once_each() {
         let want = prefix_wanted(&hs, tried);
         let hits = picker.shortlist_hits(&list, &w.by_slot, &want, Instant::now(), turn);
         let got = picker
-            .shortlisted_for(&list[..], &w.by_slot, &hits, |l| can_take(l, &want))
+            .shortlisted_for(&list, &w.by_slot, &hits, |l| can_take(l, &want))
             .unwrap();
         let slots: HashSet<u32> = got.iter().map(|l| l.hot.slot).collect();
         assert_eq!(slots.len(), got.len(), "a worker taken twice");
@@ -256,7 +256,7 @@ fn of_many_holders_those_with_the_longest_runs_are_costed() {
     let want = prefix_wanted(&hs, &tried);
     let hits = picker.shortlist_hits(&list, &w.by_slot, &want, now, 0);
     let got = picker
-        .shortlisted_for(&list[..], &w.by_slot, &hits, |_| true)
+        .shortlisted_for(&list, &w.by_slot, &hits, |_| true)
         .unwrap();
     let joined: HashSet<u32> = got
         .iter()
