@@ -62,6 +62,7 @@ impl MaskThread {
             let (done_tx, done) = crossbeam_channel::unbounded();
             let spawned = std::thread::Builder::new()
                 .name("kvmesh-masks".into())
+                .stack_size(16 << 20)
                 .spawn(move || {
                     for mut j in job_rx {
                         compute_masks(&mut j.guided, &j.slots, j.words);

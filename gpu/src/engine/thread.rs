@@ -786,7 +786,8 @@ fn emit(
             Ok(()) => g.is_stopped(),
             Err(m) => {
                 let _ = e.io.events.send(SeqEvent::Failed(format!(
-                    "constrained decoding failed: {m}"
+                    "{}{m}",
+                    crate::guided::GRAMMAR_FAILED
                 )));
                 return true;
             }
