@@ -3,7 +3,7 @@
 //!
 //! Files are memory-mapped; a tensor is converted to f32 only when a backend asks for it.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{HashMap, HashSet};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -84,58 +84,172 @@ impl File {
         if buf.len() < 8 {
             return Err(bad("file too short for a safetensors header".into()));
         }
-        let n = u64::from_le_bytes(buf[..8].try_into().expect("8 bytes")) as usize;
-        if n > buf.len() - 8 {
-            return Err(bad(format!(
-                "header length {n} exceeds the file size {}",
-                buf.len()
-            )));
-        }
-        let header: BTreeMap<String, Value> = serde_json::from_slice(&buf[8..8 + n])
-            .map_err(|e| bad(format!("header is not JSON: {e}")))?;
-        let data_start = 8 + n;
-        let mut tensors = HashMap::new();
-        for (key, v) in header {
-            if key == "__metadata__" {
-                continue;
+        let n = u64::from_le_bytes(buf[..8].try_into().expect("8 bytes"));
+        let n = match usize::try_from(n) {
+            Ok(n) if n <= buf.len() - 8 => n,
+            _ => {
+                return Err(bad(format!(
+                    "header length {n} exceeds the file size {}",
+                    buf.len()
+                )))
             }
-            let dtype_name = v.get("dtype").and_then(Value::as_str).unwrap_or("?");
-            let dtype = DType::parse(dtype_name).ok_or_else(|| {
+        };
+        let header = Header::parse(&buf[8..8 + n]).map_err(bad)?;
+        let data_start = 8 + n;
+        let data_len = buf.len() - data_start;
+        let mut tensors = HashMap::new();
+        for (key, e) in header {
+            let dtype = DType::parse(&e.dtype).ok_or_else(|| {
                 bad(format!(
-                    "tensor {key} has dtype {dtype_name}; kvmesh reads F32, F16 and BF16"
+                    "tensor {key} has dtype {}; kvmesh reads F32, F16 and BF16",
+                    e.dtype
                 ))
             })?;
-            let usizes = |field: &str| -> Option<Vec<usize>> {
-                let a = v.get(field)?.as_array()?;
-                a.iter().map(|x| x.as_u64().map(|x| x as usize)).collect()
-            };
-            let shape = usizes("shape").ok_or_else(|| bad(format!("tensor {key} has no shape")))?;
-            let offs = usizes("data_offsets").unwrap_or_default();
-            let [start, end] = offs[..] else {
-                return Err(bad(format!("tensor {key} has no data_offsets")));
-            };
-            let numel: usize = shape.iter().product();
-            if end < start || end - start != numel * dtype.size() || data_start + end > buf.len() {
+            let (start, end) = e.data_offsets;
+            let need = e
+                .shape
+                .iter()
+                .try_fold(dtype.size(), |acc, &d| acc.checked_mul(d))
+                .ok_or_else(|| {
+                    bad(format!(
+                        "tensor {key}: shape {:?} is too large to address",
+                        e.shape
+                    ))
+                })?;
+            if end < start || end - start != need {
                 return Err(bad(format!(
-                    "tensor {key}: byte range does not match its shape"
+                    "tensor {key}: data_offsets [{start}, {end}] do not match its shape {:?} \
+                     of {} ({need} bytes)",
+                    e.shape,
+                    dtype.name()
                 )));
             }
-            tensors.insert(
-                key,
-                TensorInfo {
-                    dtype,
-                    shape,
-                    start,
-                    end,
-                },
-            );
+            if end > data_len {
+                return Err(bad(format!(
+                    "tensor {key}: data_offsets [{start}, {end}] end past the data section \
+                     of {data_len} bytes"
+                )));
+            }
+            let info = TensorInfo {
+                dtype,
+                shape: e.shape,
+                start,
+                end,
+            };
+            tensors.insert(key, info);
         }
+        check_no_overlap(&tensors).map_err(bad)?;
         Ok(File {
             name,
             bytes,
             data_start,
             tensors,
         })
+    }
+}
+
+/// Refuses two tensors whose byte ranges share a byte: each would read the other's values.
+/// A zero-length tensor holds no bytes and overlaps nothing.
+fn check_no_overlap(tensors: &HashMap<String, TensorInfo>) -> std::result::Result<(), String> {
+    let mut ranges: Vec<(&str, &TensorInfo)> = tensors
+        .iter()
+        .filter(|(_, t)| t.end > t.start)
+        .map(|(k, t)| (k.as_str(), t))
+        .collect();
+    ranges.sort_unstable_by_key(|&(k, t)| (t.start, t.end, k));
+    // The range seen so far that reaches furthest: any range starting before its end
+    // shares bytes with it.
+    let mut furthest: Option<(&str, &TensorInfo)> = None;
+    for (k, t) in ranges {
+        if let Some((fk, f)) = furthest {
+            if t.start < f.end {
+                return Err(format!(
+                    "tensors `{fk}` (bytes {}..{}) and `{k}` (bytes {}..{}) overlap in the data \
+                     section; each tensor must have bytes of its own",
+                    f.start, f.end, t.start, t.end
+                ));
+            }
+        }
+        if furthest.is_none_or(|(_, f)| t.end > f.end) {
+            furthest = Some((k, t));
+        }
+    }
+    Ok(())
+}
+
+/// One tensor's entry in a safetensors header. A field given twice is refused (serde's
+/// derive does), so a second `dtype` or `data_offsets` cannot quietly win.
+#[derive(serde::Deserialize)]
+struct Entry {
+    dtype: String,
+    shape: Vec<usize>,
+    data_offsets: (usize, usize),
+}
+
+/// A safetensors header's tensor entries, in file order (`__metadata__` is skipped).
+/// Parsed with a visitor of its own: a JSON object that gives one key twice keeps only the
+/// last value in `serde_json`'s maps, and a tensor named twice must be refused instead.
+struct Header;
+
+impl Header {
+    fn parse(json: &[u8]) -> std::result::Result<Vec<(String, Entry)>, String> {
+        use serde::de::DeserializeSeed;
+        let mut at = None;
+        let mut de = serde_json::Deserializer::from_slice(json);
+        let entries = HeaderSeed(&mut at)
+            .deserialize(&mut de)
+            .and_then(|h| de.end().map(|()| h));
+        entries.map_err(|e| match at {
+            Some(key) => format!("header entry `{key}`: {e}"),
+            None => format!("header is not a JSON object of tensor entries: {e}"),
+        })
+    }
+}
+
+/// Deserializes the header, leaving in `.0` the key whose value was being read when it
+/// failed, so the error can name it.
+struct HeaderSeed<'a>(&'a mut Option<String>);
+
+impl<'de> serde::de::DeserializeSeed<'de> for HeaderSeed<'_> {
+    type Value = Vec<(String, Entry)>;
+
+    fn deserialize<D: serde::Deserializer<'de>>(
+        self,
+        d: D,
+    ) -> std::result::Result<Self::Value, D::Error> {
+        d.deserialize_map(self)
+    }
+}
+
+impl<'de> serde::de::Visitor<'de> for HeaderSeed<'_> {
+    type Value = Vec<(String, Entry)>;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a JSON object of tensor entries")
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(
+        self,
+        mut map: A,
+    ) -> std::result::Result<Self::Value, A::Error> {
+        use serde::de::Error;
+        let mut seen = HashSet::new();
+        let mut entries = Vec::new();
+        while let Some(key) = map.next_key::<String>()? {
+            *self.0 = Some(key.clone());
+            if !seen.insert(key.clone()) {
+                return Err(A::Error::custom(
+                    "the key appears twice in the header; refusing rather than keeping one",
+                ));
+            }
+            if key == "__metadata__" {
+                map.next_value::<serde::de::IgnoredAny>()?;
+            } else {
+                entries.push((key, map.next_value::<Entry>()?));
+            }
+            *self.0 = None;
+        }
+        Ok(entries)
     }
 }
 
@@ -161,20 +275,7 @@ impl WeightStore {
                 .map_err(|e| EngineError::io(index_path.display().to_string(), e))?;
             let v: Value = serde_json::from_str(&text)
                 .map_err(|e| EngineError::BadModel(format!("model.safetensors.index.json: {e}")))?;
-            let map = v
-                .get("weight_map")
-                .and_then(Value::as_object)
-                .ok_or_else(|| {
-                    EngineError::BadModel("model.safetensors.index.json has no weight_map".into())
-                })?;
-            let mut shards: Vec<String> = map
-                .values()
-                .filter_map(Value::as_str)
-                .map(String::from)
-                .collect();
-            shards.sort();
-            shards.dedup();
-            shards.into_iter().map(|s| dir.join(s)).collect()
+            shard_paths(dir, &v)?
         } else if single.exists() {
             vec![single]
         } else {
@@ -198,25 +299,29 @@ impl WeightStore {
                 .unwrap_or_default();
             files.push(File::parse(name, Bytes::Mapped(Arc::new(m)))?);
         }
-        Ok(Self::from_files(files))
+        Self::from_files(files)
     }
 
     /// A single safetensors file compiled into the binary.
     pub fn from_static(name: &str, bytes: &'static [u8]) -> Result<WeightStore> {
-        Ok(Self::from_files(vec![File::parse(
-            name.to_string(),
-            Bytes::Static(bytes),
-        )?]))
+        Self::from_files(vec![File::parse(name.to_string(), Bytes::Static(bytes))?])
     }
 
-    fn from_files(files: Vec<File>) -> WeightStore {
+    /// Indexes the files' tensors; a tensor found in two shards is refused (which copy a
+    /// lookup found would depend on the order the shards were read in).
+    fn from_files(files: Vec<File>) -> Result<WeightStore> {
         let mut index = HashMap::new();
         for (i, f) in files.iter().enumerate() {
             for k in f.tensors.keys() {
-                index.insert(k.clone(), i);
+                if let Some(j) = index.insert(k.clone(), i) {
+                    return Err(EngineError::BadModel(format!(
+                        "tensor `{k}` is in both weight shards {} and {}",
+                        files[j].name, f.name
+                    )));
+                }
             }
         }
-        WeightStore { files, index }
+        Ok(WeightStore { files, index })
     }
 
     /// Every tensor's name, sorted.
@@ -305,6 +410,40 @@ impl WeightStore {
     }
 }
 
+/// The shard files a `model.safetensors.index.json` names in its `weight_map`, each once,
+/// sorted. Every entry is checked before any file is opened: a shard must be a plain
+/// relative path inside `dir` (no root, drive, `..` or `.` component), so an index cannot
+/// point the server at a file elsewhere. Symlinks inside the folder are followed as the
+/// operator laid them out (a Hugging Face cache links every shard into a blob folder).
+fn shard_paths(dir: &Path, index: &Value) -> Result<Vec<PathBuf>> {
+    let bad = |why: String| EngineError::BadModel(format!("model.safetensors.index.json: {why}"));
+    let map = index
+        .get("weight_map")
+        .and_then(Value::as_object)
+        .ok_or_else(|| bad("has no weight_map object".into()))?;
+    let mut shards = std::collections::BTreeSet::new();
+    for (tensor, file) in map {
+        let file = file.as_str().ok_or_else(|| {
+            bad(format!(
+                "weight_map entry `{tensor}` is {file}, not a shard file name"
+            ))
+        })?;
+        let path = Path::new(file);
+        let plain = !file.is_empty()
+            && path
+                .components()
+                .all(|c| matches!(c, std::path::Component::Normal(_)));
+        if !plain {
+            return Err(bad(format!(
+                "weight_map entry `{tensor}` names the file {file:?}; a shard must be a plain \
+                 relative path inside the model folder (no leading `/`, no `..` or `.`)"
+            )));
+        }
+        shards.insert(file);
+    }
+    Ok(shards.into_iter().map(|s| dir.join(s)).collect())
+}
+
 /// Writes tensors given as f32 into one safetensors file, stored in `dtype`.
 pub fn write_file(
     path: &Path,
@@ -370,6 +509,191 @@ mod tests {
                 .to_string()
                 .contains("missing"));
         }
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
+    /// A safetensors file from a header written by hand and `data` bytes.
+    fn parse(header: &str, data: usize) -> Result<WeightStore> {
+        let mut buf = (header.len() as u64).to_le_bytes().to_vec();
+        buf.extend_from_slice(header.as_bytes());
+        buf.extend((0..data).map(|i| i as u8));
+        WeightStore::from_static("t.safetensors", Box::leak(buf.into_boxed_slice()))
+    }
+
+    fn entry(name: &str, shape: &[usize], start: usize, end: usize) -> String {
+        format!(r#""{name}":{{"dtype":"F32","shape":{shape:?},"data_offsets":[{start},{end}]}}"#)
+    }
+
+    fn refused(header: &str, data: usize) -> String {
+        match parse(header, data) {
+            Ok(_) => panic!("accepted {header}"),
+            Err(e) => e.to_string(),
+        }
+    }
+
+    #[test]
+    fn overlapping_tensors_are_refused_naming_both() {
+        // Adjacent ranges and zero-length tensors anywhere in range are fine.
+        let ok = format!(
+            "{{{},{},{},{}}}",
+            entry("a", &[2], 0, 8),
+            entry("b", &[1], 8, 12),
+            entry("empty", &[0], 4, 4),
+            entry("none", &[2, 0], 12, 12),
+        );
+        let w = parse(&ok, 12).unwrap();
+        assert_eq!(w.names(), ["a", "b", "empty", "none"]);
+        assert_eq!(w.stored_bytes(), 12);
+        for (header, pair) in [
+            // the same bytes twice
+            (
+                format!("{{{},{}}}", entry("a", &[2], 0, 8), entry("b", &[2], 0, 8)),
+                ("a", "b"),
+            ),
+            // a partial overlap, listed out of order
+            (
+                format!(
+                    "{{{},{}}}",
+                    entry("late", &[2], 4, 12),
+                    entry("early", &[2], 0, 8)
+                ),
+                ("early", "late"),
+            ),
+            // one range inside a longer one, beyond a third that ends later than neither
+            (
+                format!(
+                    "{{{},{},{}}}",
+                    entry("long", &[4], 4, 20),
+                    entry("inner", &[1], 12, 16),
+                    entry("first", &[1], 0, 4)
+                ),
+                ("long", "inner"),
+            ),
+        ] {
+            let e = refused(&header, 20);
+            assert!(
+                e.contains(&format!("`{}`", pair.0)) && e.contains(&format!("`{}`", pair.1)),
+                "{e}"
+            );
+            assert!(e.contains("overlap"), "{e}");
+        }
+    }
+
+    #[test]
+    fn offsets_must_lie_in_the_data_section_and_match_the_shape() {
+        let e = refused(&format!("{{{}}}", entry("a", &[2], 4, 12)), 8);
+        assert!(
+            e.contains("tensor a") && e.contains("past the data section of 8"),
+            "{e}"
+        );
+        let e = refused(&format!("{{{}}}", entry("a", &[3], 0, 8)), 16);
+        assert!(
+            e.contains("tensor a") && e.contains("do not match its shape"),
+            "{e}"
+        );
+        let e = refused(&format!("{{{}}}", entry("a", &[2], 8, 0)), 16);
+        assert!(e.contains("do not match"), "{e}");
+        // Sizes that overflow are refused, not wrapped around.
+        let huge = usize::MAX - 4;
+        let e = refused(&format!("{{{}}}", entry("a", &[1], huge, huge + 4)), 16);
+        assert!(e.contains("past the data section"), "{e}");
+        let e = refused(&format!("{{{}}}", entry("a", &[1 << 62, 4], 0, 16)), 16);
+        assert!(e.contains("too large"), "{e}");
+    }
+
+    #[test]
+    fn a_key_given_twice_is_refused_naming_it() {
+        let a = entry("a.weight", &[1], 0, 4);
+        let e = refused(&format!("{{{a},{}}}", entry("a.weight", &[1], 4, 8)), 8);
+        assert!(e.contains("`a.weight`") && e.contains("twice"), "{e}");
+        // The same name spelt with an escape is the same key.
+        let e = refused(
+            &format!("{{{a},{}}}", entry(r"a.weigh\u0074", &[1], 4, 8)),
+            8,
+        );
+        assert!(e.contains("`a.weight`") && e.contains("twice"), "{e}");
+        let meta = r#""__metadata__":{"format":"pt"}"#;
+        let e = refused(&format!("{{{meta},{a},{meta}}}"), 4);
+        assert!(e.contains("`__metadata__`") && e.contains("twice"), "{e}");
+        // A field given twice inside one entry is refused too.
+        let e = refused(
+            r#"{"a":{"dtype":"F32","dtype":"BF16","shape":[1],"data_offsets":[0,4]}}"#,
+            4,
+        );
+        assert!(e.contains("`a`") && e.contains("duplicate field"), "{e}");
+        let e = refused(r#"{"a":{"dtype":"F32","data_offsets":[0,4]}}"#, 4);
+        assert!(e.contains("`a`") && e.contains("shape"), "{e}");
+        let e = refused("[1, 2]", 4);
+        assert!(e.contains("not a JSON object"), "{e}");
+        assert!(parse(&format!("{{{meta},{a}}}"), 4)
+            .unwrap()
+            .contains("a.weight"));
+    }
+
+    /// A model folder holding two shards and the index naming them.
+    fn sharded(tag: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("kvmesh-st-{tag}-{}", std::process::id()));
+        std::fs::create_dir_all(dir.join("sub")).unwrap();
+        let t = |n: &str| (n.to_string(), vec![2], vec![1.0f32, 2.0]);
+        write_file(&dir.join("one.safetensors"), &[t("a")], DType::F32).unwrap();
+        write_file(&dir.join("sub/two.safetensors"), &[t("b")], DType::F32).unwrap();
+        dir
+    }
+
+    fn write_index(dir: &Path, map: Value) {
+        let index = serde_json::json!({"metadata": {}, "weight_map": map});
+        std::fs::write(dir.join("model.safetensors.index.json"), index.to_string()).unwrap();
+    }
+
+    #[test]
+    fn shard_index_names_only_files_inside_the_model_folder() {
+        let dir = sharded("index");
+        write_index(
+            &dir,
+            serde_json::json!({"a": "one.safetensors", "b": "sub/two.safetensors"}),
+        );
+        let w = WeightStore::open_dir(&dir).unwrap();
+        assert_eq!(w.names(), ["a", "b"]);
+        let outside = dir.file_name().unwrap().to_string_lossy().into_owned();
+        for name in [
+            "/etc/hostname".to_string(),
+            "../one.safetensors".into(),
+            format!("../{outside}/one.safetensors"),
+            "sub/../one.safetensors".into(),
+            "./one.safetensors".into(),
+            String::new(),
+        ] {
+            write_index(&dir, serde_json::json!({"a": "one.safetensors", "b": name}));
+            let e = WeightStore::open_dir(&dir).err().unwrap().to_string();
+            assert!(
+                e.contains("entry `b`") && e.contains("inside the model folder"),
+                "{e}"
+            );
+            assert!(e.contains(&format!("{name:?}")), "{e}");
+        }
+        write_index(&dir, serde_json::json!({"a": "one.safetensors", "b": 2}));
+        let e = WeightStore::open_dir(&dir).err().unwrap().to_string();
+        assert!(
+            e.contains("entry `b`") && e.contains("not a shard file name"),
+            "{e}"
+        );
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
+    #[test]
+    fn a_tensor_in_two_shards_is_refused() {
+        let dir = sharded("twice");
+        let t = ("a".to_string(), vec![2], vec![3.0f32, 4.0]);
+        write_file(&dir.join("sub/two.safetensors"), &[t], DType::F32).unwrap();
+        write_index(
+            &dir,
+            serde_json::json!({"a": "one.safetensors", "b": "sub/two.safetensors"}),
+        );
+        let e = WeightStore::open_dir(&dir).err().unwrap().to_string();
+        assert!(
+            e.contains("`a`") && e.contains("one.safetensors") && e.contains("two.safetensors"),
+            "{e}"
+        );
         std::fs::remove_dir_all(&dir).ok();
     }
 }
