@@ -26,6 +26,9 @@ pub struct TraceArgs {
     /// Recent list: only failed requests.
     #[arg(long)]
     pub failed: bool,
+    /// The server's API key, when it has one: its trace API is behind it.
+    #[arg(long, env = "KVMESH_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
 }
 
 pub fn run(args: TraceArgs) -> anyhow::Result<()> {
@@ -38,7 +41,7 @@ pub fn run(args: TraceArgs) -> anyhow::Result<()> {
             "{base}/traces/api/recent?min_ms={}&failed={}",
             args.min_ms, args.failed
         );
-        let v: serde_json::Value = get(&http, &url)?;
+        let v: serde_json::Value = get(&http, &url, args.api_key.as_deref())?;
         let list: Vec<RequestSummary> =
             serde_json::from_value(v["requests"].clone()).context("reading the recent requests")?;
         if args.json {
@@ -65,7 +68,8 @@ pub fn run(args: TraceArgs) -> anyhow::Result<()> {
     if id.len() != 32 || !id.bytes().all(|b| b.is_ascii_hexdigit()) {
         bail!("'{id}' is not a trace id: 32 hex digits, as in a response's x-trace-id header");
     }
-    let v: serde_json::Value = get(&http, &format!("{base}/traces/api/trace/{id}"))?;
+    let url = format!("{base}/traces/api/trace/{id}");
+    let v: serde_json::Value = get(&http, &url, args.api_key.as_deref())?;
     let spans: Vec<SpanRecord> =
         serde_json::from_value(v["spans"].clone()).context("reading the trace's spans")?;
     if args.json {
@@ -79,13 +83,16 @@ pub fn run(args: TraceArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn get(http: &reqwest::Client, url: &str) -> anyhow::Result<serde_json::Value> {
+fn get(http: &reqwest::Client, url: &str, key: Option<&str>) -> anyhow::Result<serde_json::Value> {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
     rt.block_on(async {
-        let r = http
-            .get(url)
+        let mut ask = http.get(url);
+        if let Some(k) = key {
+            ask = ask.bearer_auth(k);
+        }
+        let r = ask
             .send()
             .await
             .with_context(|| format!("cannot reach {url}"))?;

@@ -1,5 +1,5 @@
-//! The gateway's HTTP routes: the OpenAI API behind its key, the trace viewer, health,
-//! version and metrics.
+//! The gateway's HTTP routes: the OpenAI API and the trace viewer's API behind its key, the
+//! viewer's page, health, version and metrics.
 
 use std::sync::Arc;
 
@@ -27,7 +27,11 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route_layer(middleware::from_fn(traces::trace_request));
     Router::new()
         .merge(v1)
-        .merge(traces::routes(state.traces.clone()))
+        .merge(traces::page_route())
+        .merge(
+            traces::api_routes(state.traces.clone())
+                .route_layer(middleware::from_fn_with_state(state.clone(), require_key)),
+        )
         .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
         .route(
             "/version",

@@ -6,6 +6,25 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use kvmesh_gpu::EngineError;
 
+/// The most bytes of a client's text an error message quotes ([`client_text`]).
+pub const CLIENT_TEXT_MAX: usize = 200;
+
+/// The most bytes of an error message a trace keeps (the span store cuts longer ones too).
+pub const TRACE_TEXT_MAX: usize = 1024;
+
+/// Client-supplied text as an error message may echo it: whole if at most
+/// [`CLIENT_TEXT_MAX`] bytes, else cut there (on a char boundary) and marked with its length,
+/// `abc… (1048576 bytes)`. Messages that quote request content go back to the client and
+/// onto the request's trace, so a huge field must not be copied into them.
+pub fn client_text(s: &str) -> std::borrow::Cow<'_, str> {
+    kvmesh_telemetry::clip(s, CLIENT_TEXT_MAX)
+}
+
+/// [`client_text`] in backquotes, as messages name a value the client sent: `` `abc` ``.
+pub fn quoted(s: &str) -> String {
+    format!("`{}`", client_text(s))
+}
+
 /// Why a routed request found no worker.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Unavailable {
@@ -55,7 +74,10 @@ impl ApiError {
         };
         ApiError {
             status: StatusCode::NOT_FOUND,
-            message: format!("The model `{asked}` does not exist. This server serves {served}."),
+            message: format!(
+                "The model {} does not exist. This server serves {served}.",
+                quoted(asked)
+            ),
             kind: "invalid_request_error",
             param: Some("model".into()),
             code: Some("model_not_found"),
@@ -115,7 +137,7 @@ impl ApiError {
     pub fn not_found(path: &str) -> ApiError {
         ApiError {
             status: StatusCode::NOT_FOUND,
-            message: format!("No route for {path}."),
+            message: format!("No route for {}.", client_text(path)),
             kind: "invalid_request_error",
             param: None,
             code: Some("unknown_url"),
@@ -164,7 +186,11 @@ impl ApiError {
         };
         ApiError {
             status: StatusCode::METHOD_NOT_ALLOWED,
-            message: format!("Method {method} is not allowed on {path}.{allowed}"),
+            message: format!(
+                "Method {} is not allowed on {}.{allowed}",
+                client_text(method.as_str()),
+                client_text(path)
+            ),
             kind: "invalid_request_error",
             param: None,
             code: Some("method_not_allowed"),
@@ -294,11 +320,15 @@ impl ApiError {
 impl From<EngineError> for ApiError {
     fn from(e: EngineError) -> ApiError {
         match e {
-            EngineError::InvalidRequest(m) => ApiError::invalid(m, None),
-            EngineError::Tokenizer(m) => ApiError::invalid(format!("tokenizer: {m}"), None),
-            EngineError::ChatTemplate(m) => {
-                ApiError::invalid(format!("chat template: {m}"), Some("messages".into()))
+            // These may quote what the request holds (a template's own error, say): cut.
+            EngineError::InvalidRequest(m) => ApiError::invalid(engine_text(&m), None),
+            EngineError::Tokenizer(m) => {
+                ApiError::invalid(format!("tokenizer: {}", engine_text(&m)), None)
             }
+            EngineError::ChatTemplate(m) => ApiError::invalid(
+                format!("chat template: {}", engine_text(&m)),
+                Some("messages".into()),
+            ),
             EngineError::QueueFull { waiting } => ApiError {
                 status: StatusCode::TOO_MANY_REQUESTS,
                 message: format!(
@@ -320,6 +350,11 @@ impl From<EngineError> for ApiError {
     }
 }
 
+/// An engine's message about a request, cut to [`TRACE_TEXT_MAX`].
+fn engine_text(m: &str) -> String {
+    kvmesh_telemetry::clip(m, TRACE_TEXT_MAX).into_owned()
+}
+
 /// The message of an error response, carried in its extensions so the request's root span
 /// records it (`traces::trace_request`) whichever span made the response.
 #[derive(Clone, Debug)]
@@ -329,10 +364,11 @@ impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         // On the request's span when there is one (the gateway's trace middleware).
         let span = tracing::Span::current();
+        let note = kvmesh_telemetry::clip(&self.message, TRACE_TEXT_MAX).into_owned();
         span.record("otel.status_code", "ERROR");
-        span.record("otel.status_description", self.message.as_str());
+        span.record("otel.status_description", note.as_str());
         let mut r = (self.status, Json(self.body())).into_response();
-        r.extensions_mut().insert(ErrorNote(self.message.clone()));
+        r.extensions_mut().insert(ErrorNote(note));
         // Busy or briefly without workers: say when to come back.
         if matches!(
             self.status,
@@ -344,5 +380,53 @@ impl IntoResponse for ApiError {
             );
         }
         r
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_huge_model_name_is_quoted_short_with_its_length() {
+        let name = "x".repeat(1 << 20);
+        let e = ApiError::model_not_found(&name, &["m"]);
+        assert_eq!(e.status, StatusCode::NOT_FOUND);
+        assert!(e.message.len() < 400, "{} bytes", e.message.len());
+        assert!(e.message.contains("… (1048576 bytes)`"), "{}", e.message);
+        assert!(
+            e.message.ends_with("This server serves `m`."),
+            "{}",
+            e.message
+        );
+        // Short names are quoted whole, as before.
+        let e = ApiError::model_not_found("gpt-4", &["m"]);
+        assert!(e.message.starts_with("The model `gpt-4` does not exist."));
+        // Cut on a char boundary.
+        let q = quoted(&"é".repeat(1000));
+        assert!(q.starts_with(&format!("`{}", "é".repeat(100))), "{q}");
+        assert!(q.ends_with("… (2000 bytes)`"), "{q}");
+    }
+
+    #[test]
+    fn routes_and_methods_are_quoted_short() {
+        let path = format!("/{}", "p".repeat(1 << 20));
+        for e in [
+            ApiError::not_found(&path),
+            ApiError::method_not_allowed(&axum::http::Method::PUT, &path, "GET"),
+        ] {
+            assert!(e.message.len() < 400, "{} bytes", e.message.len());
+            assert!(e.message.contains("(1048577 bytes)"), "{}", e.message);
+        }
+    }
+
+    #[test]
+    fn a_huge_engine_message_is_cut_for_the_client_and_the_trace() {
+        let e = ApiError::from(EngineError::ChatTemplate("t".repeat(1 << 20)));
+        assert!(e.message.len() < TRACE_TEXT_MAX + 64, "{}", e.message.len());
+        assert!(e.message.ends_with("(1048576 bytes)"));
+        let r = ApiError::internal("i".repeat(1 << 20)).into_response();
+        let note = &r.extensions().get::<ErrorNote>().expect("a note").0;
+        assert!(note.len() < TRACE_TEXT_MAX + 64, "{}", note.len());
     }
 }

@@ -4,7 +4,7 @@
 use serde::Deserialize;
 use serde_json::Value;
 
-use crate::error::ApiError;
+use crate::error::{client_text, quoted, ApiError};
 use kvmesh_gpu::sampler::SamplingParams;
 use kvmesh_gpu::tokenizer::SamplingDefaults;
 
@@ -110,9 +110,10 @@ pub fn parse_body(body: &[u8]) -> Result<Value, ApiError> {
 /// lose the field path in errors.)
 pub fn fields<T: serde::de::DeserializeOwned>(v: &Value) -> Result<T, ApiError> {
     serde_path_to_error::deserialize(v).map_err(|e| {
-        let path = e.path().to_string();
+        // Serde's messages quote the value at fault (`invalid type: string "…"`): cut.
+        let path = client_text(&e.path().to_string()).into_owned();
         let param = (path != ".").then(|| path.clone());
-        let inner = e.into_inner().to_string();
+        let inner = client_text(&e.into_inner().to_string()).into_owned();
         let msg = if inner.contains("did not match any variant") {
             format!("`{path}` has the wrong type or shape")
         } else {
@@ -314,7 +315,10 @@ pub fn template_messages(messages: &[ChatMessage]) -> Result<Vec<Value>, ApiErro
             if !matches!(m.role.as_str(), "system" | "developer" | "user" | "assistant" | "tool") {
                 return Err(ApiError::param(
                     &format!("messages[{i}].role"),
-                    format!("Unknown role `{}`; use system, user, assistant or tool.", m.role),
+                    format!(
+                        "Unknown role {}; use system, user, assistant or tool.",
+                        quoted(&m.role)
+                    ),
                 ));
             }
             let text = match &m.content {
@@ -326,7 +330,10 @@ pub fn template_messages(messages: &[ChatMessage]) -> Result<Vec<Value>, ApiErro
                         if p.kind != "text" {
                             return Err(ApiError::param(
                                 &format!("messages[{i}].content"),
-                                format!("Content parts of type `{}` are not supported; this model reads text.", p.kind),
+                                format!(
+                                    "Content parts of type {} are not supported; this model reads text.",
+                                    quoted(&p.kind)
+                                ),
                             ));
                         }
                         s.push_str(p.text.as_deref().unwrap_or(""));
@@ -392,4 +399,25 @@ fn template_call(c: &Value, at: &str) -> Result<Value, ApiError> {
         "type": "function",
         "function": {"name": name, "arguments": args},
     }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn serde_errors_quoting_a_huge_value_are_cut() {
+        // serde quotes a string of the wrong type whole: `invalid type: string "…"`.
+        let body = serde_json::json!({"max_tokens": "9".repeat(1 << 20)});
+        let e = fields::<Common>(&body).expect_err("a string is no number");
+        assert!(e.message.len() < 400, "{} bytes", e.message.len());
+        assert!(e.message.contains("bytes)"), "{}", e.message);
+        assert_eq!(e.param.as_deref(), Some("max_tokens"));
+        let role = "r".repeat(1 << 20);
+        let m: Vec<ChatMessage> =
+            serde_json::from_value(serde_json::json!([{"role": role, "content": "hi"}])).unwrap();
+        let e = template_messages(&m).expect_err("an unknown role");
+        assert!(e.message.len() < 400, "{} bytes", e.message.len());
+        assert!(e.message.contains("… (1048576 bytes)`"), "{}", e.message);
+    }
 }

@@ -2,7 +2,9 @@
 //! `traceparent` when it sends one) and its trace id back in the response headers; and the
 //! trace viewer: a page at `/traces` and the JSON it reads.
 //!
-//! - `GET /traces`: the page (no build step, no CDN: one HTML file with its script).
+//! - `GET /traces`: the page (no build step, no CDN: one HTML file with its script). It
+//!   holds no data, so it is open; the API below is behind the server's API key (see
+//!   [`api_routes`]), which the page asks its user for when the API answers 401.
 //! - `GET /traces/api/recent?limit=&min_ms=&failed=`: recent requests seen here.
 //! - `GET /traces/api/spans/{trace}`: this node's spans of a trace.
 //! - `GET /traces/api/trace/{trace}`: the whole trace, gathered from every node of the
@@ -12,7 +14,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::extract::{Path, Query, Request, State};
-use axum::http::{header, HeaderValue, StatusCode};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::middleware::Next;
 use axum::response::{Html, IntoResponse, Response};
 use axum::routing::get;
@@ -23,7 +25,7 @@ use serde::Deserialize;
 use serde_json::json;
 use tracing::Instrument;
 
-use crate::error::ErrorNote;
+use crate::error::{quoted, ErrorNote};
 use crate::http;
 
 /// What the viewer reads: this node's store, and the other nodes' HTTP servers.
@@ -49,14 +51,19 @@ impl Traces {
         })
     }
 
-    /// Every node's spans of a trace, deduplicated, in start order.
-    pub async fn gather(&self, trace_id: &str) -> Vec<SpanRecord> {
+    /// Every node's spans of a trace, deduplicated, in start order. `auth` (the asker's
+    /// `Authorization` header) goes with the questions to the other nodes, whose span
+    /// routes check the same key.
+    pub async fn gather(&self, trace_id: &str, auth: Option<&HeaderValue>) -> Vec<SpanRecord> {
         let mut spans = self.store.trace(trace_id);
         let asks = (self.peers)().into_iter().map(|base| {
             let url = format!("{}/traces/api/spans/{trace_id}", base.trim_end_matches('/'));
-            let http = self.http.clone();
+            let mut ask = self.http.get(&url);
+            if let Some(a) = auth {
+                ask = ask.header(header::AUTHORIZATION, a.clone());
+            }
             async move {
-                match http.get(&url).send().await {
+                match ask.send().await {
                     Ok(r) if r.status().is_success() => {
                         r.json::<Vec<SpanRecord>>().await.unwrap_or_default()
                     }
@@ -140,10 +147,15 @@ pub async fn trace_request(req: Request, next: Next) -> Response {
     resp
 }
 
-/// The trace viewer's routes; without `traces` (tracing off) its API says so.
-pub fn routes<S: Clone + Send + Sync + 'static>(traces: Option<Arc<Traces>>) -> Router<S> {
+/// The trace viewer's page: static, no data in it.
+pub fn page_route<S: Clone + Send + Sync + 'static>() -> Router<S> {
+    Router::new().route("/traces", get(page))
+}
+
+/// The trace viewer's API; without `traces` (tracing off) it says so. What it answers
+/// quotes requests (their error messages), so the router puts it behind the API key.
+pub fn api_routes<S: Clone + Send + Sync + 'static>(traces: Option<Arc<Traces>>) -> Router<S> {
     Router::new()
-        .route("/traces", get(page))
         .route("/traces/api/recent", get(recent))
         .route("/traces/api/spans/{trace}", get(local_spans))
         .route("/traces/api/trace/{trace}", get(whole_trace))
@@ -206,7 +218,7 @@ async fn local_spans(
 fn bad_id(id: &str) -> Response {
     (
         StatusCode::BAD_REQUEST,
-        Json(json!({"error": {"message": format!("'{id}' is not a trace id (32 hex digits)"), "type": "invalid_request_error", "param": "trace", "code": null}})),
+        Json(json!({"error": {"message": format!("{} is not a trace id (32 hex digits)", quoted(id)), "type": "invalid_request_error", "param": "trace", "code": null}})),
     )
         .into_response()
 }
@@ -214,12 +226,14 @@ fn bad_id(id: &str) -> Response {
 async fn whole_trace(
     State(traces): State<Option<Arc<Traces>>>,
     Path(trace): Path<String>,
+    headers: HeaderMap,
 ) -> Response {
     let Some(t) = &traces else { return off() };
     if !valid_trace_id(&trace) {
         return bad_id(&trace);
     }
-    let spans = t.gather(&trace.to_ascii_lowercase()).await;
+    let auth = headers.get(header::AUTHORIZATION);
+    let spans = t.gather(&trace.to_ascii_lowercase(), auth).await;
     if spans.is_empty() {
         return (
             StatusCode::NOT_FOUND,

@@ -156,7 +156,10 @@ impl StatusQuery {
             Some(n) => n.parse().map_err(|_| {
                 ApiError::param(
                     "workers",
-                    format!("workers={n:?}: a number of workers to list, or all"),
+                    format!(
+                        "workers={}: a number of workers to list, or all",
+                        kvmesh_gateway::error::quoted(n)
+                    ),
                 )
             }),
         }
@@ -292,8 +295,16 @@ pub fn node_routes(node: Arc<NodeState>, with_metrics: bool) -> Router {
         r = r.route(
             "/traces/api/spans/{trace}",
             get(
-                |State(n): State<Arc<NodeState>>, Path(t): Path<String>| async move {
-                    Json(n.spans.trace(&t))
+                |State(n): State<Arc<NodeState>>,
+                 Path(t): Path<String>,
+                 headers: axum::http::HeaderMap| async move {
+                    // Spans quote requests (their errors): behind the key, as on a gateway.
+                    if let Some(key) = &n.api_key {
+                        if !kvmesh_gateway::authorized(&headers, key) {
+                            return ApiError::unauthorized().into_response();
+                        }
+                    }
+                    Json(n.spans.trace(&t)).into_response()
                 },
             ),
         );
@@ -345,7 +356,11 @@ async fn crash(
     let Some(role) = Role::SUPERVISED.into_iter().find(|r| r.as_str() == role) else {
         return ApiError::param(
             "role",
-            format!("unknown role '{role}' ({})", Role::list(&Role::SUPERVISED)),
+            format!(
+                "unknown role {} ({})",
+                kvmesh_gateway::error::quoted(&role),
+                Role::list(&Role::SUPERVISED)
+            ),
         )
         .into_response();
     };

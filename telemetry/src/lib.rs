@@ -32,7 +32,7 @@ use tracing_subscriber::filter::Targets;
 use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::{EnvFilter, Layer};
 
-pub use store::{SpanRecord, SpanStore};
+pub use store::{clip, SpanRecord, SpanStore};
 
 /// The `tracing` target of request-path spans and their events.
 pub const TARGET: &str = "kvmesh_trace";

@@ -3,12 +3,13 @@
 //! them over and turned into [`SpanRecord`]s only when someone asks, so a request pays for a
 //! move into a queue, not for a conversion.
 
+use std::borrow::Cow;
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use opentelemetry::trace::TraceId;
-use opentelemetry::{KeyValue, Value};
+use opentelemetry::{Key, KeyValue, Value};
 use opentelemetry_sdk::error::OTelSdkResult;
 use opentelemetry_sdk::trace::{Span, SpanData, SpanProcessor};
 use parking_lot::Mutex;
@@ -126,34 +127,138 @@ pub struct RequestSummary {
     pub nodes: Vec<String>,
 }
 
-/// A finished span as kept: the SDK's data and what it costs.
+/// The longest text a kept span holds in one place (its name, status message, an attribute's
+/// key or value, an event's name); longer text is cut there, with a marker ([`clip`]).
+pub const MAX_TEXT: usize = 1024;
+
+/// The most one kept span may cost ([`Kept::new`]'s estimate): attributes, events and links
+/// past it are dropped, and counted in the span's dropped counts.
+pub const MAX_SPAN_BYTES: usize = 64 << 10;
+
+/// `s` if it is at most `max` bytes long; else its first `max` bytes at most (cut on a char
+/// boundary), then `… (N bytes)` with its whole length.
+pub fn clip(s: &str, max: usize) -> Cow<'_, str> {
+    if s.len() <= max {
+        return Cow::Borrowed(s);
+    }
+    let mut cut = max;
+    while !s.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    Cow::Owned(format!("{}… ({} bytes)", &s[..cut], s.len()))
+}
+
+/// Cuts a kept text to [`MAX_TEXT`]; its length after.
+fn clip_cow(c: &mut Cow<'static, str>) -> usize {
+    if c.len() > MAX_TEXT {
+        *c = Cow::Owned(clip(c, MAX_TEXT).into_owned());
+    }
+    c.len()
+}
+
+/// Cuts an attribute's key and value to [`MAX_TEXT`] (an array that would show longer
+/// becomes the text it shows, cut); what it costs then.
+fn clip_kv(kv: &mut KeyValue) -> usize {
+    if kv.key.as_str().len() > MAX_TEXT {
+        kv.key = Key::from(clip(kv.key.as_str(), MAX_TEXT).into_owned());
+    }
+    let value = match &kv.value {
+        Value::String(s) if s.as_str().len() > MAX_TEXT => {
+            Some(Value::from(clip(s.as_str(), MAX_TEXT).into_owned()))
+        }
+        Value::Array(a) => {
+            let shown = a.to_string();
+            (shown.len() > MAX_TEXT).then(|| Value::from(clip(&shown, MAX_TEXT).into_owned()))
+        }
+        _ => None,
+    };
+    if let Some(v) = value {
+        kv.value = v;
+    }
+    48 + kv.key.as_str().len()
+        + match &kv.value {
+            Value::String(s) => s.as_str().len(),
+            Value::Array(a) => a.to_string().len(),
+            _ => 0,
+        }
+}
+
+/// Keeps the attributes that fit in `left` bytes (each cut first), counting the others in
+/// `dropped`; what the kept ones cost.
+fn keep_kvs(kvs: &mut Vec<KeyValue>, dropped: &mut u32, left: &mut usize) -> usize {
+    let mut cost = 0;
+    kvs.retain_mut(|kv| {
+        let c = clip_kv(kv);
+        let fits = c <= *left;
+        if fits {
+            *left -= c;
+            cost += c;
+        } else {
+            *dropped = dropped.saturating_add(1);
+        }
+        fits
+    });
+    cost
+}
+
+/// A finished span as kept: the SDK's data, cut to its bounds, and what it costs.
 struct Kept {
     data: SpanData,
     size: usize,
 }
 
 impl Kept {
-    fn new(data: SpanData) -> Kept {
-        let kv = |kvs: &[KeyValue]| {
-            kvs.iter()
-                .map(|kv| {
-                    48 + kv.key.as_str().len()
-                        + match &kv.value {
-                            Value::String(s) => s.as_str().len(),
-                            _ => 0,
-                        }
-                })
-                .sum::<usize>()
-        };
-        let size = 320
-            + data.name.len()
-            + kv(&data.attributes)
-            + data
-                .events
-                .iter()
-                .map(|e| 64 + e.name.len() + kv(&e.attributes))
-                .sum::<usize>();
-        Kept { data, size }
+    /// Every text the span holds is cut to [`MAX_TEXT`], and the span to [`MAX_SPAN_BYTES`];
+    /// `size` counts all it keeps: name, status message, attributes, events, links.
+    fn new(mut data: SpanData) -> Kept {
+        use opentelemetry::trace::Status;
+        let d = &mut data;
+        let mut base = 320 + clip_cow(&mut d.name);
+        if let Status::Error { description } = &mut d.status {
+            base += clip_cow(description);
+        }
+        // Two texts of MAX_TEXT and the fixed part always fit.
+        let mut left = MAX_SPAN_BYTES - base;
+        keep_kvs(
+            &mut d.attributes,
+            &mut d.dropped_attributes_count,
+            &mut left,
+        );
+        let mut dropped_events = 0u32;
+        d.events.events.retain_mut(|e| {
+            let c = 64 + clip_cow(&mut e.name);
+            if c > left {
+                dropped_events += 1;
+                return false;
+            }
+            left -= c;
+            keep_kvs(
+                &mut e.attributes,
+                &mut e.dropped_attributes_count,
+                &mut left,
+            );
+            true
+        });
+        d.events.dropped_count = d.events.dropped_count.saturating_add(dropped_events);
+        let mut dropped_links = 0u32;
+        d.links.links.retain_mut(|l| {
+            if 96 > left {
+                dropped_links += 1;
+                return false;
+            }
+            left -= 96;
+            keep_kvs(
+                &mut l.attributes,
+                &mut l.dropped_attributes_count,
+                &mut left,
+            );
+            true
+        });
+        d.links.dropped_count = d.links.dropped_count.saturating_add(dropped_links);
+        Kept {
+            data,
+            size: MAX_SPAN_BYTES - left,
+        }
     }
 
     fn trace_id(&self) -> TraceId {
@@ -277,7 +382,8 @@ impl SpanStore {
                     for kv in &o.data.attributes {
                         if matches!(kv.key.as_str(), "worker" | "prefill_worker") {
                             let n = kv.value.as_str();
-                            if !n.is_empty() && !nodes.iter().any(|x| x.as_str() == n) {
+                            let new = !nodes.iter().any(|x| x.as_str() == n);
+                            if !n.is_empty() && new && nodes.len() < MAX_NODES {
                                 nodes.push(n.to_string());
                             }
                         }
@@ -303,6 +409,9 @@ impl SpanStore {
             .collect()
     }
 }
+
+/// The most nodes a request's summary names (a request crosses a few).
+const MAX_NODES: usize = 64;
 
 /// Feeds finished, sampled spans into a store.
 #[derive(Debug)]
@@ -464,5 +573,81 @@ mod tests {
         assert_eq!(all[1].nodes, vec!["gw", "d1", "p1"]);
         assert_eq!(s.recent(10, 0.0, true).len(), 1);
         assert_eq!(s.recent(10, 100.0, false)[0].trace_id, hex(2));
+    }
+    #[test]
+    fn clip_cuts_on_a_char_boundary_and_says_how_long() {
+        assert_eq!(clip("short", 10), "short");
+        let s = "é".repeat(100); // 200 bytes
+        let c = clip(&s, 11);
+        assert!(c.starts_with(&"é".repeat(5)), "{c}");
+        assert!(c.ends_with("… (200 bytes)"), "{c}");
+        assert_eq!(c.len(), 10 + "… (200 bytes)".len());
+    }
+
+    #[test]
+    fn a_huge_status_message_is_cut_and_counted() {
+        let big = "m".repeat(1 << 20);
+        let mut d = data(1, 1, 0, "request", 1, vec![]);
+        d.status = Status::error(big.clone());
+        let plain = Kept::new(data(1, 1, 0, "request", 1, vec![])).size;
+        let k = Kept::new(d);
+        let Status::Error { description } = &k.data.status else {
+            panic!("the status is kept");
+        };
+        assert!(description.len() <= MAX_TEXT + 32, "{}", description.len());
+        assert!(description.ends_with("… (1048576 bytes)"));
+        assert_eq!(k.size, plain + description.len(), "the message is counted");
+        // A store of 10 such spans' worth holds about 10 of them, not 10 MB.
+        let s = SpanStore::new("n".into(), 1000, k.size * 10);
+        for i in 1..=100u128 {
+            let mut d = data(i, 1, 0, "request", 1, vec![]);
+            d.status = Status::error(big.clone());
+            s.push(d);
+        }
+        let (n, bytes) = s.usage();
+        assert_eq!(n, 10);
+        assert!(bytes <= k.size * 10);
+        let recent = s.recent(1000, 0.0, false);
+        let json = serde_json::to_string(&recent).unwrap();
+        assert!(json.len() < 10 * (MAX_TEXT + 1024), "{}", json.len());
+    }
+
+    #[test]
+    fn one_span_is_bounded_whatever_it_holds() {
+        let big = "v".repeat(4 * MAX_TEXT);
+        let attrs: Vec<KeyValue> = (0..100)
+            .map(|i| KeyValue::new(format!("k{i}"), big.clone()))
+            .collect();
+        let mut d = data(1, 1, 0, &"n".repeat(1 << 20), 1, attrs.clone());
+        d.events.events = (0..50)
+            .map(|_| opentelemetry::trace::Event::new(big.clone(), UNIX_EPOCH, attrs.clone(), 0))
+            .collect();
+        d.links.links = vec![opentelemetry::trace::Link::new(
+            SpanContext::empty_context(),
+            attrs,
+            0,
+        )];
+        let k = Kept::new(d);
+        assert!(k.size <= MAX_SPAN_BYTES, "{}", k.size);
+        assert!(k.data.name.len() <= MAX_TEXT + 32);
+        assert!(k
+            .data
+            .attributes
+            .iter()
+            .all(|kv| kv.value.as_str().len() <= MAX_TEXT + 32));
+        assert!(
+            k.data.dropped_attributes_count > 0,
+            "what did not fit is counted"
+        );
+        assert!(k.data.events.dropped_count > 0);
+        assert!(
+            k.data.links.dropped_count > 0 || k.data.links[0].dropped_attributes_count > 0,
+            "a link fits, or not, but not its attributes"
+        );
+        // What the store answers for it is as small.
+        let s = SpanStore::new("n".into(), 10, usize::MAX);
+        s.push(k.data.clone());
+        let json = serde_json::to_string(&s.trace(&hex(1))).unwrap();
+        assert!(json.len() < 2 * MAX_SPAN_BYTES, "{}", json.len());
     }
 }
