@@ -9,9 +9,10 @@
 //! - At most `max_connections` connections are open (never more than the open-file limit
 //!   allows, less a margin); beyond it a new connection gets a 503 at once and is closed. An
 //!   accept that fails (out of file descriptors) is retried after a short pause.
-//! - A client that takes no byte of its answer for the send timeout, while the server has
-//!   bytes waiting for it, is closed (its request is cancelled): a client that stopped
-//!   reading holds a connection and a response for that long at most.
+//! - A client that keeps the server's writes waiting (its socket full) and, over the send
+//!   timeout, takes its answer at under [`MIN_SEND_RATE`] bytes a second, is closed (its
+//!   request is cancelled): a client that stopped reading, or reads a few bytes at a time,
+//!   holds a connection and a response for that long at most.
 //! - Responses, streamed ones included, are never cut by the other timeouts.
 //! - Errors made below the API's handlers (unknown route, wrong method, body too large or
 //!   too slow, a rejected extractor) are answered in the OpenAI error shape.
@@ -46,6 +47,8 @@ use tower_service::Service;
 
 use crate::error::ApiError;
 use crate::raw_errors;
+use crate::send_pace::SendPace;
+pub use crate::send_pace::MIN_SEND_RATE;
 
 /// Defaults of the limits, in seconds (`kvmesh serve` and `kvmesh node` flags).
 pub const DEFAULT_HEADER_TIMEOUT_S: f64 = 10.0;
@@ -496,9 +499,15 @@ struct Watched {
     /// dropped (`poll_shutdown`).
     linger: Option<(Pin<Box<tokio::time::Sleep>>, usize)>,
     send_timeout: Option<Duration>,
-    /// Since the socket last refused bytes (its buffer full, the client not reading): the
-    /// send timeout's timer, dropped as soon as a write goes through.
-    stalled: Option<Pin<Box<tokio::time::Sleep>>>,
+    /// Since the socket refused bytes (its buffer full, the client not keeping up): the
+    /// send timeout's timer, and what the client has taken since; dropped once the client
+    /// has taken the answer at [`MIN_SEND_RATE`] over that time.
+    stalled: Option<Stall>,
+}
+
+struct Stall {
+    timer: Pin<Box<tokio::time::Sleep>>,
+    pace: SendPace,
 }
 
 /// A closing connection reads and drops what its client is still sending, for at most this
@@ -514,32 +523,36 @@ static SEND_STALLS: Mutex<RateLimited> = Mutex::new(RateLimited::new());
 impl Watched {
     /// A write's outcome, timed: pending writes for the whole send timeout become an error,
     /// which ends the connection.
-    fn timed<T>(&mut self, cx: &mut Context<'_>, r: Poll<io::Result<T>>) -> Poll<io::Result<T>> {
-        if r.is_ready() {
-            self.stalled = None;
-            return r;
-        }
+    fn timed<T: Written>(
+        &mut self,
+        cx: &mut Context<'_>,
+        r: Poll<io::Result<T>>,
+    ) -> Poll<io::Result<T>> {
         let Some(after) = self.send_timeout else {
             return r;
         };
-        let timer = self
-            .stalled
-            .get_or_insert_with(|| Box::pin(tokio::time::sleep(after)));
-        if timer.as_mut().poll(cx).is_pending() {
+        if let Poll::Ready(res) = &r {
+            if let Some(stall) = &mut self.stalled {
+                let n = res.as_ref().map_or(0, |w| w.bytes());
+                if stall.pace.took(n, Instant::now()) {
+                    self.stalled = None;
+                }
+            }
+            return r;
+        }
+        let stall = self.stalled.get_or_insert_with(|| Stall {
+            timer: Box::pin(tokio::time::sleep(after)),
+            pace: SendPace::new(Instant::now()),
+        });
+        if stall.timer.as_mut().poll(cx).is_pending() {
             return Poll::Pending;
         }
+        let why = stall.pace.verdict(after);
         let mut log = SEND_STALLS.lock().unwrap_or_else(|e| e.into_inner());
         if log.ready() {
-            tracing::info!(
-                "closing an HTTP connection: its client took no byte of the answer for \
-                 {after:?}{}",
-                log.suppressed_note()
-            );
+            tracing::info!("closing an HTTP connection: {why}{}", log.suppressed_note());
         }
-        Poll::Ready(Err(io::Error::new(
-            io::ErrorKind::TimedOut,
-            format!("the client took no byte of the answer for {after:?}"),
-        )))
+        Poll::Ready(Err(io::Error::new(io::ErrorKind::TimedOut, why)))
     }
 
     /// Writes the rewritten answer to its end, then says hyper's was written.
@@ -564,6 +577,17 @@ impl Watched {
                 other => return other,
             }
         }
+    }
+}
+
+/// What a write's result says was written.
+trait Written {
+    fn bytes(&self) -> usize;
+}
+
+impl Written for usize {
+    fn bytes(&self) -> usize {
+        *self
     }
 }
 

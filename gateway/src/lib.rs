@@ -18,6 +18,7 @@ pub mod http;
 pub mod metrics;
 pub mod protocol;
 mod raw_errors;
+mod send_pace;
 mod state;
 pub mod structured;
 pub mod tools;
