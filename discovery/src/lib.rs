@@ -25,7 +25,7 @@ pub use async_trait::async_trait;
 pub use embedded::EmbeddedRegistry;
 pub use error::DiscoveryError;
 pub use etcd::EtcdRegistry;
-pub use record::{node_key, nodes_prefix, Membership, NodeRecord};
+pub use record::{check_model_name, node_key, nodes_prefix, Membership, NodeRecord};
 pub use registry::{Registration, Registry};
 pub use role::Role;
 
@@ -71,5 +71,43 @@ mod tests {
         let e = validate_record(&test_record("other", "n"), "c").unwrap_err();
         assert!(e.to_string().contains("other"), "{e}");
         assert!(validate_cluster("").is_err() && validate_cluster("a/b").is_err());
+    }
+
+    #[test]
+    fn model_names() {
+        for ok in ["tiny", "Qwen/Qwen3-0.6B", " padded ", "modèle"] {
+            assert_eq!(check_model_name(ok), Ok(()), "{ok:?}");
+        }
+        let why = |n: &str| check_model_name(n).unwrap_err();
+        assert_eq!(why(""), "must not be empty");
+        assert_eq!(why(" \u{3000} "), "must not be only whitespace");
+        assert_eq!(
+            why("tiny\n"),
+            "contains a control character (U+000A) at byte 4"
+        );
+        assert_eq!(
+            why("é\tx"),
+            "contains a control character (U+0009) at byte 2"
+        );
+        assert!(why("a\0b").contains("U+0000) at byte 1"));
+        assert!(why("a\u{85}").contains("U+0085"));
+        // Control characters are named even in a name that is otherwise blank.
+        assert!(why(" \r\n").contains("U+000D) at byte 1"));
+    }
+
+    #[test]
+    fn records_must_carry_a_servable_model_name() {
+        let mut r = test_record("c", "w1");
+        r.model = "bad\nname".into();
+        let e = validate_record(&r, "c").unwrap_err().to_string();
+        assert!(e.contains("w1") && e.contains("U+000A"), "{e}");
+        r.model = String::new();
+        let e = validate_record(&r, "c").unwrap_err().to_string();
+        assert!(e.contains("w1") && e.contains("must not be empty"), "{e}");
+        // A gateway started without a model publishes none.
+        r.roles = vec![Role::Gateway, Role::Router];
+        assert!(validate_record(&r, "c").is_ok());
+        r.model = "\t".into();
+        assert!(validate_record(&r, "c").is_err());
     }
 }

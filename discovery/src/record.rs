@@ -86,6 +86,9 @@ pub(crate) fn validate_record(record: &NodeRecord, cluster: &str) -> Result<(), 
             record.node_id
         )));
     }
+    if let Some(why) = record_model_problem(record) {
+        return Err(DiscoveryError::InvalidRecord(why));
+    }
     if record.cluster != cluster {
         return Err(DiscoveryError::InvalidRecord(format!(
             "node {} says cluster {:?} but the registry is for cluster {:?}",
@@ -93,6 +96,42 @@ pub(crate) fn validate_record(record: &NodeRecord, cluster: &str) -> Result<(), 
         )));
     }
     Ok(())
+}
+
+/// Why `name` cannot name a served model (the `model` of API requests and of node
+/// records), or `Ok` when it can: it must not be empty or only whitespace, and must hold no
+/// control character (a newline, tab or NUL would split or cut it in logs, metrics labels
+/// and the API's replies).
+pub fn check_model_name(name: &str) -> Result<(), String> {
+    if name.is_empty() {
+        return Err("must not be empty".into());
+    }
+    if let Some((at, c)) = name.char_indices().find(|(_, c)| c.is_control()) {
+        return Err(format!(
+            "contains a control character (U+{:04X}) at byte {at}",
+            c as u32
+        ));
+    }
+    if name.trim().is_empty() {
+        return Err("must not be only whitespace".into());
+    }
+    Ok(())
+}
+
+/// Why a record's model name cannot be served, naming the node. A node that runs an engine
+/// serves its model under that name; a gateway or router started without a model publishes
+/// none (empty), which is fine.
+pub(crate) fn record_model_problem(record: &NodeRecord) -> Option<String> {
+    let engine = record.roles.iter().any(|r| r.runs_engine());
+    if record.model.is_empty() && !engine {
+        return None;
+    }
+    check_model_name(&record.model).err().map(|why| {
+        format!(
+            "node {}: its model name {:?} {why}",
+            record.node_id, record.model
+        )
+    })
 }
 
 pub(crate) fn validate_cluster(cluster: &str) -> Result<(), DiscoveryError> {

@@ -23,7 +23,8 @@ use tracing::{debug, info, warn};
 
 use crate::error::DiscoveryError;
 use crate::record::{
-    node_key, nodes_prefix, validate_cluster, validate_record, Membership, NodeRecord,
+    node_key, nodes_prefix, record_model_problem, validate_cluster, validate_record, Membership,
+    NodeRecord,
 };
 use crate::registry::{Registered, Registration, Registry};
 
@@ -367,11 +368,19 @@ fn parse_record(prefix: &str, key: &[u8], value: &[u8]) -> Option<(String, NodeR
         return None;
     }
     match serde_json::from_slice::<NodeRecord>(value) {
-        Ok(record) if record.node_id == id => Some((id.to_string(), record)),
-        Ok(record) => {
+        Ok(record) if record.node_id != id => {
             warn!(%key, record_node_id = %record.node_id, "skipping a node record whose node_id does not match its key");
             None
         }
+        Ok(record) => match record_model_problem(&record) {
+            // Its model cannot be served under that name: left out of the membership, so
+            // no router makes a pool of it or sends it requests.
+            Some(why) => {
+                warn!(%key, "skipping a node record: {why}");
+                None
+            }
+            None => Some((id.to_string(), record)),
+        },
         Err(e) => {
             warn!(%key, error = %e, "skipping a malformed node record");
             None

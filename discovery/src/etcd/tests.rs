@@ -15,6 +15,25 @@ fn parse_skips_bad_values() {
 }
 
 #[test]
+fn parse_skips_a_worker_whose_model_name_cannot_be_served() {
+    let prefix = nodes_prefix("c");
+    let mut r = crate::record::test_record("c", "a");
+    for bad in ["", "  ", "tiny\n", "ti\0ny"] {
+        r.model = bad.into();
+        let v = serde_json::to_vec(&r).unwrap();
+        assert!(
+            parse_record(&prefix, b"/kvmesh/c/nodes/a", &v).is_none(),
+            "{bad:?}"
+        );
+    }
+    // A router without a model publishes an empty name, and is kept.
+    r.roles = vec![crate::Role::Router];
+    r.model = String::new();
+    let v = serde_json::to_vec(&r).unwrap();
+    assert!(parse_record(&prefix, b"/kvmesh/c/nodes/a", &v).is_some());
+}
+
+#[test]
 fn intervals_and_backoff() {
     assert_eq!(keep_alive_interval(3), Duration::from_secs(1));
     assert_eq!(keep_alive_interval(0), Duration::from_millis(333));
