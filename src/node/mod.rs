@@ -24,6 +24,7 @@
 //! started (`start`), then it serves until SIGTERM and drains (`drain`).
 
 mod args;
+mod card_files;
 mod catalog;
 mod cluster;
 mod drain;

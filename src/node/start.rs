@@ -72,13 +72,10 @@ impl ModelInfo {
         let Some(dir) = &args.engine.model else {
             return Ok(None);
         };
+        args.engine.check_served_model_name()?;
         let m = LoadedModel::from_dir(dir).with_context(|| format!("loading {}", dir.display()))?;
         Ok(Some(ModelInfo {
-            name: args
-                .engine
-                .served_model_name
-                .clone()
-                .unwrap_or_else(|| m.name.clone()),
+            name: args.engine.served_name(&m.name)?,
             tokenizer: m.tokenizer.clone(),
             max_model_len: args
                 .engine
@@ -385,7 +382,30 @@ fn node_card(args: &NodeArgs, card: &[u8], record: &NodeRecord) -> anyhow::Resul
     if args.debug_tamper_card {
         c.chat_template = Some("{{ messages[0]['content'] }}".into());
     }
-    Ok(c.to_bytes())
+    let bytes = c.to_bytes();
+    check_card_size(&c, bytes.len())?;
+    Ok(bytes)
+}
+
+/// A card longer than one frame carries could never reach a gateway (its model would be
+/// listed and never served): the worker stops at start-up instead, naming the sizes.
+fn check_card_size(card: &kvmesh_gpu::card::ModelCard, len: usize) -> anyhow::Result<()> {
+    let max = kvmesh_transport::wire::CardReply::max_card_bytes();
+    let mib = |n: usize| n as f64 / (1 << 20) as f64;
+    if len > max {
+        bail!(
+            "the model card of '{}' is {len} bytes ({:.1} MiB), over the {max} bytes \
+             ({:.1} MiB) a card may have on the wire (its frame limit), so no gateway could \
+             fetch it; its tokenizer.json alone is {} bytes. This worker does not start: serve \
+             the model with a smaller tokenizer.json, or with `kvmesh serve`, which needs no \
+             card",
+            card.name,
+            mib(len),
+            mib(max),
+            card.tokenizer_json.len(),
+        );
+    }
+    Ok(())
 }
 
 /// A gateway or router given `--model` serves that name only with that model: workers
@@ -613,6 +633,7 @@ fn app(
         node.restarts.clone(),
         pinned,
         args.cache_dir.clone(),
+        args.tool_call_parser,
     );
     let state = AppState::new(
         catalog,

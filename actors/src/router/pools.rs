@@ -18,7 +18,7 @@ use kvmesh_transport::NodeEndpoint;
 use parking_lot::{Mutex, RwLock};
 
 use super::config::RouterConfig;
-use super::RouterCore;
+use super::{RouterCore, WorkerLink};
 use crate::policy::Policy;
 
 /// A model a node serves itself, or a gateway was started with: its name always means this
@@ -177,43 +177,40 @@ impl Pools {
     }
 }
 
-/// Fetches the model card of `pool`'s model from one of its connected workers (the first
-/// that answers), as the JSON bytes the worker sent.
-pub async fn fetch_card(pool: &RouterCore) -> Result<Vec<u8>, String> {
-    let mut errors = Vec::new();
-    for link in pool.workers() {
-        let Some(conn) = link.connection() else {
-            continue;
+/// Fetches the model card of the model of `fingerprint` from the worker of `link`, as the
+/// JSON bytes it sent, waiting at most `within` for it (a worker that takes the stream and
+/// never answers is given up on, named).
+pub async fn fetch_card_from(
+    link: &WorkerLink,
+    fingerprint: &str,
+    within: Duration,
+) -> Result<Vec<u8>, String> {
+    let id = &link.record.node_id;
+    let Some(conn) = link.connection() else {
+        return Err(format!("{id}: not connected"));
+    };
+    let got = async {
+        let (mut send, mut recv) = conn.open_bi().await.map_err(|e| e.to_string())?;
+        let ask = StreamRequest::Card {
+            fingerprint: fingerprint.to_string(),
         };
-        let id = &link.record.node_id;
-        let got = async {
-            let (mut send, mut recv) = conn.open_bi().await.map_err(|e| e.to_string())?;
-            let ask = StreamRequest::Card {
-                fingerprint: pool.model_fingerprint.clone(),
-            };
-            wire::write_msg(&mut send, &ask)
-                .await
-                .map_err(|e| e.to_string())?;
-            let _ = send.finish();
-            match wire::read_msg::<CardReply>(&mut recv).await {
-                Ok(Some(CardReply::Card(bytes))) => Ok(bytes),
-                Ok(Some(CardReply::Refused { message })) => Err(message),
-                Ok(None) => Err("the worker closed the stream".to_string()),
-                Err(e) => Err(e.to_string()),
-            }
+        wire::write_msg(&mut send, &ask)
+            .await
+            .map_err(|e| e.to_string())?;
+        let _ = send.finish();
+        match wire::read_msg::<CardReply>(&mut recv).await {
+            Ok(Some(CardReply::Card(bytes))) => Ok(bytes),
+            Ok(Some(CardReply::Refused { message })) => Err(message),
+            Ok(None) => Err("the worker closed the stream".to_string()),
+            Err(e) => Err(e.to_string()),
         }
-        .await;
-        match got {
-            Ok(bytes) => return Ok(bytes),
-            Err(e) => errors.push(format!("{id}: {e}")),
-        }
-    }
-    if errors.is_empty() {
-        Err(format!(
-            "no worker of model '{}' is connected to fetch its card from",
-            pool.model
-        ))
-    } else {
-        Err(errors.join("; "))
+    };
+    match tokio::time::timeout(within, got).await {
+        Ok(Ok(bytes)) => Ok(bytes),
+        Ok(Err(e)) => Err(format!("{id}: {e}")),
+        Err(_) => Err(format!(
+            "{id}: no card came within {:.1} s",
+            within.as_secs_f64()
+        )),
     }
 }

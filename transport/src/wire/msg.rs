@@ -116,6 +116,18 @@ pub enum CardReply {
     Refused { message: String },
 }
 
+impl CardReply {
+    /// The longest card (its JSON bytes) a [`CardReply`] frame carries. A worker with a
+    /// longer card refuses to start: no gateway could read it.
+    pub fn max_card_bytes() -> usize {
+        use crate::wire::frame::{encode, Bounded, MAX_FRAME};
+        let limit = Self::MAX_BYTES.min(MAX_FRAME);
+        // The archive around the bytes, and room to align what follows them.
+        let around = encode(&CardReply::Card(Vec::new())).map_or(64, |a| a.len()) + 16;
+        limit - around
+    }
+}
+
 /// The first message on a unidirectional stream, saying what it carries.
 #[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Clone, Debug, PartialEq)]
 pub enum UniHeader {
@@ -358,5 +370,30 @@ mod bounds {
         // A piece's destination blocks.
         KvPiece => MIB,
         KvLandedNotice => MIB,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::CardReply;
+    use crate::wire::frame::{frame, read_frame, MAX_FRAME};
+
+    #[tokio::test]
+    async fn a_card_of_the_largest_size_fits_its_frame_and_a_larger_one_does_not() {
+        let max = CardReply::max_card_bytes();
+        assert!(max > MAX_FRAME - 1024 && max < MAX_FRAME, "{max}");
+        let card = CardReply::Card(vec![b' '; max]);
+        let f = frame(&card).unwrap();
+        let back = read_frame::<CardReply, _>(&mut &f[..]).await.unwrap();
+        assert!(
+            back == Some(card),
+            "the largest card did not come back whole"
+        );
+        let over = frame(&CardReply::Card(vec![b' '; MAX_FRAME])).unwrap();
+        let e = read_frame::<CardReply, _>(&mut &over[..])
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("CardReply") && e.contains("limit"), "{e}");
     }
 }
