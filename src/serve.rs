@@ -9,6 +9,7 @@ use clap::{Args, ValueEnum};
 use std::sync::Arc;
 
 use kvmesh_gateway::http::{self, HttpLimits};
+use kvmesh_gateway::tools::ToolFormat;
 use kvmesh_gateway::{AppState, OneModel, ServedModel};
 use kvmesh_gpu::backend::sim::SimTiming;
 use kvmesh_gpu::card::ModelCard;
@@ -148,6 +149,34 @@ impl EngineArgs {
             }
         }
     }
+
+    /// Refuses a `--served-model-name` that could not name a model in the API (empty, only
+    /// whitespace, or holding a control character), before any model is loaded.
+    pub fn check_served_model_name(&self) -> anyhow::Result<()> {
+        if let Some(name) = &self.served_model_name {
+            kvmesh_discovery::check_model_name(name)
+                .map_err(|why| anyhow::anyhow!("--served-model-name {name:?} {why}"))?;
+        }
+        Ok(())
+    }
+
+    /// The model's id in the API: `--served-model-name`, else `default` (the model folder's
+    /// name, or the embedded model's), refused the same way when it could not be one.
+    pub fn served_name(&self, default: &str) -> anyhow::Result<String> {
+        self.check_served_model_name()?;
+        match &self.served_model_name {
+            Some(name) => Ok(name.clone()),
+            None => {
+                kvmesh_discovery::check_model_name(default).map_err(|why| {
+                    anyhow::anyhow!(
+                        "the model's name {default:?} (its folder's name, the default for \
+                         --served-model-name) {why}: name the model with --served-model-name"
+                    )
+                })?;
+                Ok(default.to_string())
+            }
+        }
+    }
 }
 
 /// Tracing flags `serve` and `node` share.
@@ -234,6 +263,11 @@ pub fn api_key(s: &str) -> Result<String, String> {
     Ok(s.to_string())
 }
 
+/// `--tool-call-parser`: how tool calls are read out of the model's output (vLLM's names).
+pub fn tool_call_parser(s: &str) -> Result<ToolFormat, String> {
+    ToolFormat::by_name(s)
+}
+
 #[derive(Args, Debug)]
 pub struct ServeArgs {
     #[command(flatten)]
@@ -247,6 +281,11 @@ pub struct ServeArgs {
     /// Require `Authorization: Bearer <key>` on /v1 routes.
     #[arg(long, env = "KVMESH_API_KEY", value_parser = api_key)]
     pub api_key: Option<String>,
+    /// How the model writes tool calls: hermes, llama3_json or mistral (default: the format
+    /// its chat template shows; without one, tool_choice "auto" is refused and "required" or
+    /// a named function force calls as a JSON array).
+    #[arg(long, value_parser = tool_call_parser)]
+    pub tool_call_parser: Option<ToolFormat>,
     /// On SIGTERM: stop accepting connections and give open streams this many seconds to
     /// finish before exiting.
     #[arg(long, default_value_t = SHUTDOWN_GRACE_S)]
@@ -276,6 +315,7 @@ pub fn start_engine(args: &EngineArgs) -> anyhow::Result<StartedEngine> {
 
 /// The model `--model` names, or the embedded one.
 pub fn load_model(args: &EngineArgs) -> anyhow::Result<LoadedModel> {
+    args.check_served_model_name()?;
     Ok(match &args.model {
         Some(dir) => {
             LoadedModel::from_dir(dir).with_context(|| format!("loading {}", dir.display()))?
@@ -315,10 +355,7 @@ pub fn start_engine_on(
         });
         built.context("--threads")?;
     }
-    let name = args
-        .served_model_name
-        .clone()
-        .unwrap_or_else(|| model.name.clone());
+    let name = args.served_name(&model.name)?;
     let fingerprint = model.fingerprint(args.numerics());
     let budget = match args.num_kv_blocks {
         Some(n) => KvBudget::Blocks(n),
@@ -411,7 +448,8 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         e.tokenizer,
         Arc::new(e.handle.clone()),
         e.max_model_len,
-    );
+    )
+    .with_tool_parser(args.tool_call_parser);
     let state = AppState::new(
         Arc::new(OneModel(Arc::new(model))),
         args.api_key.clone(),
@@ -534,4 +572,59 @@ pub async fn shutdown() {
     }
     #[cfg(not(unix))]
     let _ = ctrl_c.await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(name: Option<&str>) -> EngineArgs {
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            engine: EngineArgs,
+        }
+        let mut cli = <Cli as clap::Parser>::parse_from(["kvmesh"]);
+        cli.engine.served_model_name = name.map(String::from);
+        cli.engine
+    }
+
+    #[test]
+    fn served_model_names_are_checked_before_loading() {
+        assert_eq!(args(Some("tiny")).served_name("folder").unwrap(), "tiny");
+        assert_eq!(args(None).served_name("folder").unwrap(), "folder");
+        for (name, why) in [
+            ("", "must not be empty"),
+            (" \t", "contains a control character (U+0009) at byte 1"),
+            ("   ", "must not be only whitespace"),
+            ("tiny\nx", "contains a control character (U+000A) at byte 4"),
+            ("a\0", "contains a control character (U+0000) at byte 1"),
+        ] {
+            let a = args(Some(name));
+            for e in [
+                a.check_served_model_name().unwrap_err(),
+                a.served_name("folder").unwrap_err(),
+                // Refused before the model is read, not after.
+                load_model(&a).err().unwrap(),
+            ] {
+                let e = e.to_string();
+                assert!(
+                    e.starts_with("--served-model-name") && e.ends_with(why),
+                    "{e}"
+                );
+            }
+        }
+        // A folder whose name cannot be served needs the flag.
+        let e = args(None)
+            .served_name("new\nmodel")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("folder's name")
+                && e.contains("--served-model-name")
+                && e.contains("U+000A"),
+            "{e}"
+        );
+        assert_eq!(args(Some("ok")).served_name("new\nmodel").unwrap(), "ok");
+    }
 }

@@ -20,7 +20,7 @@ use kvmesh_gpu::tokenizer::TextTokenizer;
 use crate::error::ApiError;
 use crate::generate::{Chunk, Generation};
 use crate::protocol::{self, ChatRequest, CompletionRequest, Prompt, Validated};
-use crate::state::{unix_now, AppState, ServedModel, StreamCut};
+use crate::state::{unix_now, AppState, ServedModel, StreamCut, WorkPool};
 use crate::structured::{self, Shape};
 use crate::tools::{ToolDelta, ToolFormat, ToolStream};
 
@@ -112,29 +112,49 @@ async fn prepare(
     body: Bytes,
     work: Work,
 ) -> Result<Prepared, ApiError> {
-    if body.len() <= INLINE_PREPARE_BYTES && !shapes_output(&body) {
+    let shaped = shapes_output(&body);
+    if body.len() <= INLINE_PREPARE_BYTES && !shaped {
         return work(model, &body);
     }
     let model = model.clone();
-    off_runtime(st, move || work(&model, &body)).await
+    let pool = if shaped {
+        &st.compile_pool
+    } else {
+        &st.prepare_pool
+    };
+    off_runtime(pool, move || work(&model, &body)).await
 }
 
 /// Runs a request's CPU work on the blocking pool, a bounded number at a time (waiting
-/// turns in order), under the request's span.
+/// turns in order, in a bounded queue), under the request's span.
 async fn off_runtime(
-    st: &Arc<AppState>,
+    pool: &WorkPool,
     work: impl FnOnce() -> Result<Prepared, ApiError> + Send + 'static,
 ) -> Result<Prepared, ApiError> {
-    let permit = st
-        .prepare_permits
+    let Some(waiting) = pool.enter() else {
+        return Err(ApiError {
+            status: axum::http::StatusCode::TOO_MANY_REQUESTS,
+            message: format!(
+                "Too many requests are waiting for the {} pool ({} queued); retry later.",
+                pool.name,
+                pool.queued()
+            ),
+            kind: "rate_limit_error",
+            param: None,
+            code: Some("queue_full"),
+        });
+    };
+    let permit = pool
+        .permits
         .clone()
         .acquire_owned()
         .await
         .map_err(|_| ApiError::internal("the gateway is shutting down"))?;
     let span = tracing::Span::current();
-    // The permit goes with the work: a client that hangs up does not free it early.
+    // The permit and the place go with the work: a client that hangs up does not free
+    // them early.
     tokio::task::spawn_blocking(move || {
-        let _permit = permit;
+        let _held = (permit, waiting);
         span.in_scope(work)
     })
     .await
@@ -312,6 +332,7 @@ async fn run(
     v.params.max_tokens = max_tokens;
     v.params.logit_bias = shape.logit_bias;
     v.params.guide = shape.guide;
+    let guide_field = shape.guide_field;
     let sub = model.engine.submit(EngineRequest {
         prompt: prompt.clone(),
         params: v.params.clone(),
@@ -340,7 +361,8 @@ async fn run(
         st.metrics.model(&model.name),
         start,
         span,
-    );
+    )
+    .with_guide_field(guide_field);
     if model.engine.is_local() {
         gen = gen.with_engine_phases();
     }

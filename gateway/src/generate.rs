@@ -5,6 +5,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use kvmesh_gpu::engine::{Progress, SeqEvent};
+use kvmesh_gpu::guided::GRAMMAR_FAILED;
 use kvmesh_gpu::tokenizer::{TextStream, TextTokenizer};
 use kvmesh_telemetry::phases::Phases;
 
@@ -67,6 +68,8 @@ pub struct Generation {
     pub completion_tokens: usize,
     pub cached_tokens: usize,
     done: bool,
+    /// The request field whose grammar the output follows, if any.
+    guide_field: Option<&'static str>,
 }
 
 /// A span's end is its last exit: entering it once more as the generation goes (after the
@@ -101,10 +104,19 @@ impl Generation {
             completion_tokens: 0,
             cached_tokens: 0,
             done: false,
+            guide_field: None,
         }
     }
 
     /// The next token's worth of output; `None` once finished.
+    /// Names the field whose grammar the output follows (see [`Shape::guide_field`]).
+    ///
+    /// [`Shape::guide_field`]: crate::structured::Shape::guide_field
+    pub fn with_guide_field(mut self, field: Option<&'static str>) -> Generation {
+        self.guide_field = field;
+        self
+    }
+
     pub async fn next(&mut self) -> Option<Result<Chunk, ApiError>> {
         if self.done {
             return None;
@@ -130,9 +142,15 @@ impl Generation {
             }
             Some(Event::Engine(SeqEvent::Failed(m))) => {
                 self.done = true;
-                Some(Err(self.failed(ApiError::internal(format!(
-                    "generation failed: {m}"
-                )))))
+                let e = match (self.guide_field, m.strip_prefix(GRAMMAR_FAILED)) {
+                    // The grammar compiled but could not be followed to the end (it outgrew
+                    // the matcher's limits): the request's fault, not the server's.
+                    (Some(field), Some(why)) => {
+                        ApiError::param(field, format!("`{field}` cannot be followed: {why}"))
+                    }
+                    _ => ApiError::internal(format!("generation failed: {m}")),
+                };
+                Some(Err(self.failed(e)))
             }
             Some(Event::Engine(SeqEvent::Token {
                 sampled,

@@ -13,6 +13,7 @@ use kvmesh_telemetry::metrics::Exposition;
 use crate::dispatch::Dispatch;
 use crate::error::ApiError;
 use crate::metrics::Metrics;
+use crate::tools::ToolFormat;
 use crate::traces::Traces;
 
 /// A model a gateway serves and where its requests go.
@@ -28,6 +29,9 @@ pub struct ServedModel {
     /// Compiles requests' grammars over this model's vocabulary (built on first use): the
     /// engine's own when it runs in this process.
     pub guides: Arc<LazyGuides>,
+    /// How the model writes tool calls, as the operator named it (`--tool-call-parser`);
+    /// `None`: as its chat template shows.
+    pub tool_parser: Option<ToolFormat>,
 }
 
 impl ServedModel {
@@ -56,12 +60,29 @@ impl ServedModel {
             .unwrap_or_else(|| Arc::new(LazyGuides::new(tokenizer.clone(), n_logits)));
         ServedModel {
             guides,
+            tool_parser: None,
             name,
             tokenizer,
             engine,
             default_max_model_len,
             bytes_per_token,
         }
+    }
+
+    /// Reads tool calls in `format` whatever the chat template shows.
+    pub fn with_tool_parser(mut self, format: Option<ToolFormat>) -> ServedModel {
+        self.tool_parser = format;
+        self
+    }
+
+    /// The format tool calls are read (and forced) in: `--tool-call-parser`'s, else the one
+    /// the chat template shows.
+    pub fn tool_format(&self) -> Option<ToolFormat> {
+        self.tool_parser.or_else(|| {
+            self.tokenizer
+                .chat_template_text()
+                .and_then(ToolFormat::of_template)
+        })
     }
 
     /// Refuses a prompt text that cannot fit the context whatever its tokens, before
@@ -174,6 +195,54 @@ impl StreamCut {
     }
 }
 
+/// Requests with grammars that may wait for the compile pool; past this many, more are
+/// refused with 429 until the queue drains.
+pub const MAX_WAITING_COMPILES: usize = 64;
+
+/// A bounded number of blocking jobs at once, and of jobs waiting their turn.
+pub(crate) struct WorkPool {
+    pub(crate) name: &'static str,
+    pub(crate) permits: Arc<tokio::sync::Semaphore>,
+    waiting: Arc<std::sync::atomic::AtomicUsize>,
+    max_waiting: usize,
+}
+
+/// A place in a [`WorkPool`]'s queue, given back when dropped.
+pub(crate) struct Waiting(Arc<std::sync::atomic::AtomicUsize>);
+
+impl Drop for Waiting {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+    }
+}
+
+impl WorkPool {
+    fn new(name: &'static str, permits: usize, max_waiting: usize) -> WorkPool {
+        WorkPool {
+            name,
+            permits: Arc::new(tokio::sync::Semaphore::new(permits)),
+            waiting: Default::default(),
+            max_waiting,
+        }
+    }
+
+    /// A place in the queue, unless it is full.
+    pub(crate) fn enter(&self) -> Option<Waiting> {
+        use std::sync::atomic::Ordering;
+        self.waiting
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < self.max_waiting).then_some(n + 1)
+            })
+            .ok()
+            .map(|_| Waiting(self.waiting.clone()))
+    }
+
+    /// Jobs running or waiting.
+    pub fn queued(&self) -> usize {
+        self.waiting.load(std::sync::atomic::Ordering::Acquire)
+    }
+}
+
 pub struct AppState {
     pub catalog: Arc<dyn Catalog>,
     pub api_key: Option<String>,
@@ -183,7 +252,11 @@ pub struct AppState {
     pub traces: Option<Arc<Traces>>,
     /// Requests being parsed, templated and tokenized at once, at most: that work runs off
     /// the async threads, so one client's huge prompts cannot stall the others.
-    pub(crate) prepare_permits: Arc<tokio::sync::Semaphore>,
+    pub(crate) prepare_pool: WorkPool,
+    /// The same for requests that bring grammars (structured outputs, tools), whose
+    /// compiling can take hundreds of milliseconds: apart, so a flood of them never makes
+    /// plain requests wait, and with a bounded queue.
+    pub(crate) compile_pool: WorkPool,
     /// Cut by the server's owner when its shutdown grace period ends.
     pub streams: StreamCut,
 }
@@ -206,7 +279,8 @@ impl AppState {
             api_key,
             created: unix_now(),
             traces,
-            prepare_permits: Arc::new(tokio::sync::Semaphore::new(cores.clamp(2, 16))),
+            prepare_pool: WorkPool::new("prepare", cores.clamp(2, 16), usize::MAX),
+            compile_pool: WorkPool::new("compile", (cores / 2).clamp(1, 8), MAX_WAITING_COMPILES),
             streams: StreamCut::default(),
         })
     }

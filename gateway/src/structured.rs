@@ -7,7 +7,7 @@ use serde_json::Value;
 
 use kvmesh_gpu::guided::{grammar, Guide, TopLevelGrammar};
 
-use crate::error::ApiError;
+use crate::error::{client_text, quoted, ApiError};
 use crate::state::ServedModel;
 use crate::tools::{self, Choice, ToolFormat, ToolRequest};
 
@@ -15,6 +15,8 @@ use crate::tools::{self, Choice, ToolFormat, ToolRequest};
 #[derive(Default)]
 pub struct Shape {
     pub guide: Option<Guide>,
+    /// The field that made `guide`: a grammar that fails while generating is its fault.
+    pub guide_field: Option<&'static str>,
     pub logit_bias: Vec<(u32, f32)>,
     /// Tools offered, and how the output is read back into calls.
     pub tools: Option<ToolUse>,
@@ -63,38 +65,46 @@ pub fn read(body: &Value, chat: bool, model: &ServedModel) -> Result<Shape, ApiE
             ),
         ));
     }
+    let guide_field = asked.last().map(|(f, _)| *f);
     let guide = match asked.pop() {
         None => None,
         Some((field, g)) => {
             let guides = model.guides.get().map_err(|e| {
                 ApiError::param(
                     field,
-                    format!("This model cannot constrain its output: {e}"),
+                    format!(
+                        "This model cannot constrain its output: {}",
+                        client_text(&e)
+                    ),
                 )
             })?;
-            guides.compile(g.clone()).map_err(|e| {
-                ApiError::param(field, format!("`{field}` cannot be followed: {e}"))
+            // Compiled once and kept: the engine starts the sequence from this copy.
+            let guide = Guide::new(&g);
+            guides.prepare(&guide).map_err(|e| {
+                ApiError::param(
+                    field,
+                    format!("`{field}` cannot be followed: {}", client_text(&e)),
+                )
             })?;
-            Some(Guide::new(&g))
+            Some(guide)
         }
     };
     Ok(Shape {
         guide,
+        guide_field,
         logit_bias,
         tools,
     })
 }
 
-/// The template's tool format, and for `required` or a named function the grammar of calls.
+/// The tool format (`--tool-call-parser`'s, else the template's), and for `required` or a
+/// named function the grammar of calls: in that format, or as a bare JSON array of calls when
+/// there is none (what vLLM does whatever the template).
 fn tool_use(
     request: ToolRequest,
     model: &ServedModel,
     asked: &mut Vec<(&'static str, TopLevelGrammar)>,
 ) -> Result<ToolUse, ApiError> {
-    let format = model
-        .tokenizer
-        .chat_template_text()
-        .and_then(ToolFormat::of_template);
     if request.choice == Choice::None {
         return Ok(ToolUse {
             request,
@@ -102,17 +112,6 @@ fn tool_use(
             forced: false,
         });
     }
-    let Some(format) = format else {
-        return Err(ApiError::param(
-            "tools",
-            format!(
-                "The chat template of `{}` does not say how the model calls tools (it shows no \
-                 Hermes/Qwen <tool_call>, Llama 3 JSON or Mistral [TOOL_CALLS] format); \
-                 send tool_choice \"none\" or leave tools out.",
-                model.name
-            ),
-        ));
-    };
     // Each function's parameters must be a schema llguidance can follow.
     for (i, t) in request.tools.iter().enumerate() {
         let guides = model
@@ -120,15 +119,33 @@ fn tool_use(
             .get()
             .map_err(|e| ApiError::param("tools", e))?;
         guides
-            .compile(grammar::json_schema(t.parameters.clone()))
+            .validate(grammar::json_schema(t.parameters.clone()))
             .map_err(|e| {
                 let field = format!("tools[{i}].function.parameters");
                 ApiError::param(
                     &field,
-                    format!("`{field}` is not a usable JSON Schema: {e}"),
+                    format!("`{field}` is not a usable JSON Schema: {}", client_text(&e)),
                 )
             })?;
     }
+    let format = match model.tool_format() {
+        Some(f) => f,
+        None if request.choice != Choice::Auto => ToolFormat::JsonArray,
+        None => {
+            return Err(ApiError::param(
+                "tools",
+                format!(
+                    "The chat template of `{}` does not say how the model calls tools (it shows \
+                     no Hermes/Qwen <tool_call>, Llama 3 JSON or Mistral [TOOL_CALLS] format), so \
+                     calls cannot be told from text with tool_choice \"auto\": start the server \
+                     with --tool-call-parser hermes|llama3_json|mistral, or send tool_choice \
+                     \"required\" or a named function (calls are then forced as JSON), or \
+                     \"none\".",
+                    model.name
+                ),
+            ))
+        }
+    };
     let forced = match &request.choice {
         Choice::Required => Some(request.tools.clone()),
         Choice::Named(n) => Some(
@@ -171,7 +188,7 @@ fn logit_bias(body: &Value, vocab: usize) -> Result<Vec<(u32, f32)>, ApiError> {
         let id: u32 = k.trim().parse().map_err(|_| {
             ApiError::param(
                 "logit_bias",
-                format!("`logit_bias` key {k:?} is not a token id."),
+                format!("`logit_bias` key {} is not a token id.", quoted(k)),
             )
         })?;
         if id as usize >= vocab {
@@ -203,9 +220,15 @@ fn response_format(body: &Value) -> Result<Option<TopLevelGrammar>, ApiError> {
         Some("text") => Ok(None),
         Some("json_object") => Ok(Some(grammar::json_object())),
         Some("json_schema") => {
-            let js = f.get("json_schema").filter(|v| v.is_object()).ok_or_else(|| {
-                ApiError::param("response_format.json_schema", "`json_schema` must be an object with `name` and `schema`.")
-            })?;
+            let js = f
+                .get("json_schema")
+                .filter(|v| v.is_object())
+                .ok_or_else(|| {
+                    ApiError::param(
+                        "response_format.json_schema",
+                        "`json_schema` must be an object with `name` and `schema`.",
+                    )
+                })?;
             match js.get("schema") {
                 Some(s @ Value::Object(_)) => Ok(Some(grammar::json_schema(s.clone()))),
                 // OpenAI's SDK sends no schema for a bare name: any JSON object.
@@ -218,7 +241,10 @@ fn response_format(body: &Value) -> Result<Option<TopLevelGrammar>, ApiError> {
         }
         Some(other) => Err(ApiError::param(
             p,
-            format!("`response_format` type {other:?} is not supported; use text, json_object or json_schema."),
+            format!(
+                "`response_format` type {} is not supported; use text, json_object or json_schema.",
+                quoted(other)
+            ),
         )),
         None => Err(ApiError::param(p, "`response_format` needs a `type`.")),
     }

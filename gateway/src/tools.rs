@@ -7,7 +7,7 @@ use serde_json::{json, Value};
 use kvmesh_gpu::guided::{grammar, TopLevelGrammar};
 use kvmesh_gpu::tokenizer::TextTokenizer;
 
-use crate::error::ApiError;
+use crate::error::{quoted, ApiError};
 
 /// How a family of models writes its calls.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -19,6 +19,10 @@ pub enum ToolFormat {
     Llama3Json,
     /// Mistral: `[TOOL_CALLS]` then a JSON array of `{"name": .., "arguments": {..}}`.
     Mistral,
+    /// A bare JSON array of `{"name": .., "parameters": {..}}`: how calls are forced (with
+    /// `tool_choice` required or a named function) on a model whose template shows no format
+    /// and for which none was named (`--tool-call-parser`).
+    JsonArray,
 }
 
 impl ToolFormat {
@@ -38,9 +42,21 @@ impl ToolFormat {
         }
     }
 
+    /// The format `--tool-call-parser` names (vLLM's names for the same formats).
+    pub fn by_name(name: &str) -> Result<ToolFormat, String> {
+        match name {
+            "hermes" => Ok(ToolFormat::Hermes),
+            "llama3_json" => Ok(ToolFormat::Llama3Json),
+            "mistral" => Ok(ToolFormat::Mistral),
+            other => Err(format!(
+                "unknown tool call parser {other:?}: kvmesh reads hermes, llama3_json or mistral"
+            )),
+        }
+    }
+
     fn args_key(self) -> &'static str {
         match self {
-            ToolFormat::Llama3Json => "parameters",
+            ToolFormat::Llama3Json | ToolFormat::JsonArray => "parameters",
             _ => "arguments",
         }
     }
@@ -51,11 +67,15 @@ impl ToolFormat {
             ToolFormat::Hermes => "<tool_call>",
             ToolFormat::Mistral => "[TOOL_CALLS]",
             ToolFormat::Llama3Json => "{",
+            ToolFormat::JsonArray => "[",
         }
     }
 
     /// A grammar whose every output is one call (or several, with `parallel`) of `tools`.
     pub fn grammar(self, tools: &[Tool], parallel: bool, tok: &TextTokenizer) -> TopLevelGrammar {
+        if self == ToolFormat::JsonArray {
+            return json_array_grammar(tools, parallel);
+        }
         let one = |t: &Tool| {
             json!({
                 "type": "object",
@@ -94,6 +114,7 @@ impl ToolFormat {
                 more(", "),
             ),
             ToolFormat::Llama3Json => format!("start: call {}\ncall: {body}\n", more("; ")),
+            ToolFormat::JsonArray => unreachable!("returned above"),
         };
         grammar::lark(&text)
     }
@@ -121,7 +142,7 @@ impl ToolFormat {
                 content.push_str(rest);
                 (!calls.is_empty()).then(|| (content.trim().to_string(), calls))
             }
-            ToolFormat::Mistral => {
+            ToolFormat::Mistral | ToolFormat::JsonArray => {
                 let t = text.trim_start();
                 let t = t.strip_prefix("[TOOL_CALLS]").unwrap_or(t).trim();
                 if !t.starts_with('[') {
@@ -148,6 +169,28 @@ impl ToolFormat {
             }
         }
     }
+}
+
+/// Calls as a JSON array of `{"name", "parameters"}` objects: one of them (or, with
+/// `parallel`, one or more), each naming one of `tools` with arguments its schema allows.
+fn json_array_grammar(tools: &[Tool], parallel: bool) -> TopLevelGrammar {
+    let one = |t: &Tool| {
+        json!({
+            "type": "object",
+            "properties": {"name": {"const": t.name}, "parameters": t.parameters},
+            "required": ["name", "parameters"],
+            "additionalProperties": false,
+        })
+    };
+    let item = match tools {
+        [t] => one(t),
+        _ => json!({"anyOf": tools.iter().map(one).collect::<Vec<_>>()}),
+    };
+    let mut schema = json!({"type": "array", "items": item, "minItems": 1});
+    if !parallel {
+        schema["maxItems"] = json!(1);
+    }
+    grammar::json_schema(schema)
 }
 
 /// Llama 3 calls: JSON objects joined by `;`.
@@ -341,7 +384,10 @@ pub fn read(body: &Value) -> Result<Option<ToolRequest>, ApiError> {
         if !valid {
             return Err(ApiError::param(
                 &at(".function.name"),
-                format!("Function names are 1 to 64 of a-z, A-Z, 0-9, _ and -; got {name:?}."),
+                format!(
+                    "Function names are 1 to 64 of a-z, A-Z, 0-9, _ and -; got {}.",
+                    quoted(name)
+                ),
             ));
         }
         if tools.iter().any(|t: &Tool| t.name == name) {
@@ -376,7 +422,10 @@ pub fn read(body: &Value) -> Result<Option<ToolRequest>, ApiError> {
         if !tools.iter().any(|t| &t.name == n) {
             return Err(ApiError::param(
                 "tool_choice",
-                format!("`tool_choice` names `{n}`, which is not among `tools`."),
+                format!(
+                    "`tool_choice` names {}, which is not among `tools`.",
+                    quoted(n)
+                ),
             ));
         }
     }
@@ -414,7 +463,8 @@ fn read_choice(c: Option<&Value>, no_tools: bool) -> Result<Choice, ApiError> {
                 return Err(ApiError::param(
                     "tool_choice",
                     format!(
-                        "`tool_choice` is none, auto, required or a named function; got {other:?}."
+                        "`tool_choice` is none, auto, required or a named function; got {}.",
+                        quoted(other)
                     ),
                 ))
             }
@@ -677,6 +727,42 @@ mod tests {
         let (b, k) = s.push("box>", true);
         assert_eq!(format!("{a}{b}"), "a <toolbox>");
         assert!(k.is_empty());
+    }
+
+    #[test]
+    fn forced_json_array_calls_parse_whole_and_streamed() {
+        let out = "[{\"name\": \"f\", \"parameters\": {\"a\": [1, 2]}}, {\"name\": \"g\", \"parameters\": {}}]";
+        let (content, calls) = ToolFormat::JsonArray.parse(out).unwrap();
+        assert_eq!(content, "");
+        assert_eq!(calls[0].name, "f");
+        assert_eq!(calls[0].arguments, "{\"a\": [1, 2]}");
+        assert_eq!(calls[1].name, "g");
+        let mut s = ToolStream::new(ToolFormat::JsonArray, true);
+        let mut deltas = Vec::new();
+        let mut content = String::new();
+        let pieces: Vec<&str> = out.split_inclusive([',', ' ', '{']).collect();
+        for (i, p) in pieces.iter().enumerate() {
+            let (c, d) = s.push(p, i + 1 == pieces.len());
+            content.push_str(&c);
+            deltas.extend(d);
+        }
+        assert_eq!(content, "");
+        let args: String = deltas
+            .iter()
+            .filter_map(|d| match d {
+                ToolDelta::Args { index: 0, text } => Some(text.as_str()),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(args, calls[0].arguments);
+        assert!(deltas.contains(&ToolDelta::Name {
+            index: 1,
+            name: "g".into()
+        }));
+        assert_eq!(ToolFormat::by_name("hermes"), Ok(ToolFormat::Hermes));
+        assert!(ToolFormat::by_name("pythonic")
+            .unwrap_err()
+            .contains("hermes"));
     }
 
     #[test]

@@ -100,6 +100,11 @@ pub struct NodeArgs {
     /// /debug routes).
     #[arg(long, env = "KVMESH_API_KEY", value_parser = crate::serve::api_key)]
     pub api_key: Option<String>,
+    /// Gateway: how the models write tool calls: hermes, llama3_json or mistral (default:
+    /// the format each model's chat template shows; without one, tool_choice "auto" is
+    /// refused and "required" or a named function force calls as a JSON array).
+    #[arg(long, value_parser = crate::serve::tool_call_parser)]
+    pub tool_call_parser: Option<kvmesh_gateway::tools::ToolFormat>,
     /// Serve `POST /debug/crash/{router|worker|prefill|decode}`, which makes that role panic
     /// (to check that it is restarted). Off by default.
     #[arg(long)]
