@@ -459,6 +459,47 @@ impl Output {
     fn envelope(&self, object: &str, choices: Value) -> Value {
         json!({"id": self.id, "object": object, "created": self.created, "model": self.model, "choices": choices})
     }
+
+    /// One streamed chunk with one choice, as text: what [`Output::envelope`] makes of it.
+    fn chunk_event(&self, object: &str, choice: ChunkChoice<'_>) -> String {
+        serde_json::to_string(&ChunkEnvelope {
+            id: &self.id,
+            object,
+            created: self.created,
+            model: &self.model,
+            choices: [choice],
+        })
+        .expect("a chunk serialises")
+    }
+}
+
+/// A streamed chunk's envelope, its fields in the order the API's objects have them.
+#[derive(serde::Serialize)]
+struct ChunkEnvelope<'a> {
+    id: &'a str,
+    object: &'a str,
+    created: u64,
+    model: &'a str,
+    choices: [ChunkChoice<'a>; 1],
+}
+
+/// A streamed chunk's choice: `delta` (chat) or `text` (completions).
+#[derive(serde::Serialize)]
+struct ChunkChoice<'a> {
+    index: u32,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    delta: Option<ContentDelta<'a>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    text: Option<&'a str>,
+    logprobs: &'a Value,
+    finish_reason: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    token_ids: Option<&'a [u32]>,
+}
+
+#[derive(serde::Serialize)]
+struct ContentDelta<'a> {
+    content: &'a str,
 }
 
 async fn collect(
@@ -586,14 +627,28 @@ fn stream(
                 }
                 continue;
             }
-            let mut choice = match out.endpoint {
-                Endpoint::Chat => json!({"index": 0, "delta": {"content": c.text}, "logprobs": logprobs, "finish_reason": c.finish}),
-                Endpoint::Completion => json!({"index": 0, "text": c.text, "logprobs": logprobs, "finish_reason": c.finish}),
+            // The one event every token makes: written from typed fields, in the same
+            // order as the envelope's, without building a JSON map first.
+            let ids = token_ids.then_some(c.token_ids.as_slice());
+            let event = match out.endpoint {
+                Endpoint::Chat => out.chunk_event(object, ChunkChoice {
+                    index: 0,
+                    delta: Some(ContentDelta { content: &c.text }),
+                    text: None,
+                    logprobs: &logprobs,
+                    finish_reason: c.finish,
+                    token_ids: ids,
+                }),
+                Endpoint::Completion => out.chunk_event(object, ChunkChoice {
+                    index: 0,
+                    delta: None,
+                    text: Some(&c.text),
+                    logprobs: &logprobs,
+                    finish_reason: c.finish,
+                    token_ids: ids,
+                }),
             };
-            if token_ids {
-                choice["token_ids"] = json!(c.token_ids);
-            }
-            yield data(out.envelope(object, json!([choice])));
+            yield Ok(Event::default().data(event));
         }
         if include_usage {
             let mut last = out.envelope(object, json!([]));
@@ -650,4 +705,53 @@ fn tool_deltas(out: &Output, ts: &mut ToolStream, c: &Chunk, logprobs: Value) ->
                 "finish_reason": if last { finish } else { None }})
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The typed chunk is, byte for byte, what the envelope of a JSON choice would be.
+    #[test]
+    fn typed_chunks_are_the_envelope_s_bytes() {
+        for endpoint in [Endpoint::Chat, Endpoint::Completion] {
+            let out = Output {
+                endpoint,
+                id: "chatcmpl-1a".into(),
+                created: 1_700_000_000,
+                model: "m \"q\"".into(),
+                logprobs: false,
+                tools: None,
+            };
+            for (finish, ids) in [(None, None), (Some("stop"), Some(&[1u32, 2][..]))] {
+                let text = "a \"b\"\n\u{e9}";
+                let logprobs = json!({"content": [1]});
+                let mut choice = match endpoint {
+                    Endpoint::Chat => {
+                        json!({"index": 0, "delta": {"content": text}, "logprobs": logprobs, "finish_reason": finish})
+                    }
+                    Endpoint::Completion => {
+                        json!({"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish})
+                    }
+                };
+                if let Some(ids) = ids {
+                    choice["token_ids"] = json!(ids);
+                }
+                let want = out.envelope("obj", json!([choice])).to_string();
+                let chat = endpoint == Endpoint::Chat;
+                let got = out.chunk_event(
+                    "obj",
+                    ChunkChoice {
+                        index: 0,
+                        delta: chat.then_some(ContentDelta { content: text }),
+                        text: (!chat).then_some(text),
+                        logprobs: &logprobs,
+                        finish_reason: finish,
+                        token_ids: ids,
+                    },
+                );
+                assert_eq!(got, want);
+            }
+        }
+    }
 }

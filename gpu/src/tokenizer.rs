@@ -24,6 +24,9 @@ pub struct TextTokenizer {
     /// Where the chat template and the eos ids were read from, for `model inspect`.
     template_source: Option<&'static str>,
     eos_source: &'static str,
+    /// The vocabulary's size, added tokens included: counted once (the library builds the
+    /// whole vocabulary map to count it, and requests ask for it).
+    vocab_size: usize,
 }
 
 /// Sampling settings the model's `generation_config.json` recommends; requests that leave a
@@ -141,7 +144,9 @@ impl TextTokenizer {
             }
         }
         let bos_id = bos_token.as_deref().and_then(|t| inner.token_to_id(t));
+        let vocab_size = inner.get_vocab_size(true);
         Ok(TextTokenizer {
+            vocab_size,
             add_bos: tc
                 .get("add_bos_token")
                 .and_then(Value::as_bool)
@@ -298,7 +303,7 @@ impl TextTokenizer {
     }
 
     pub fn vocab_size(&self) -> usize {
-        self.inner.get_vocab_size(true)
+        self.vocab_size
     }
 }
 
