@@ -497,7 +497,7 @@ struct Watched {
     rewrite: Option<(Vec<u8>, usize, usize)>,
     /// Closing: until when, and how many more bytes, the rest of the request is read and
     /// dropped (`poll_shutdown`).
-    linger: Option<(Pin<Box<tokio::time::Sleep>>, usize)>,
+    linger: Option<(Pin<Box<tokio::time::Sleep>>, usize, Lingering)>,
     send_timeout: Option<Duration>,
     /// Since the socket refused bytes (its buffer full, the client not keeping up): the
     /// send timeout's timer, and what the client has taken since; dropped once the client
@@ -516,6 +516,33 @@ struct Stall {
 /// the body was read) would see the reset instead of the answer.
 const LINGER_TIME: Duration = Duration::from_secs(5);
 const LINGER_BYTES: usize = 64 << 20;
+
+/// Connections lingering at once, at most, across the server: past this, a connection whose
+/// body was refused unread closes at once (its client may see a reset instead of the 413).
+/// Each lingering connection holds its place for at most [`LINGER_TIME`].
+const MAX_LINGERING: usize = 64;
+
+static LINGERING: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// A place among the [`MAX_LINGERING`] connections that may linger, given back when dropped.
+struct Lingering;
+
+impl Lingering {
+    fn take() -> Option<Lingering> {
+        LINGERING
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < MAX_LINGERING).then_some(n + 1)
+            })
+            .ok()
+            .map(|_| Lingering)
+    }
+}
+
+impl Drop for Lingering {
+    fn drop(&mut self) {
+        LINGERING.fetch_sub(1, Ordering::AcqRel);
+    }
+}
 
 /// Connections closed for a client that stopped reading, logged at most every 5 s.
 static SEND_STALLS: Mutex<RateLimited> = Mutex::new(RateLimited::new());
@@ -655,10 +682,17 @@ impl AsyncWrite for Watched {
         }
         if self.linger.is_none() {
             std::task::ready!(Pin::new(&mut self.io).poll_shutdown(cx))?;
-            self.linger = Some((Box::pin(tokio::time::sleep(LINGER_TIME)), LINGER_BYTES));
+            let Some(place) = Lingering::take() else {
+                return Poll::Ready(Ok(()));
+            };
+            self.linger = Some((
+                Box::pin(tokio::time::sleep(LINGER_TIME)),
+                LINGER_BYTES,
+                place,
+            ));
         }
         let this = &mut *self;
-        let (deadline, left) = this.linger.as_mut().expect("set above");
+        let (deadline, left, _) = this.linger.as_mut().expect("set above");
         let mut buf = [0u8; 16 << 10];
         loop {
             if *left == 0 || deadline.as_mut().poll(cx).is_ready() {
@@ -902,6 +936,15 @@ mod tests {
             let needed = (asked + 64).max((asked * 8usize).div_ceil(7) + 1);
             assert!(connection_ceiling(needed) >= asked, "{asked}");
         }
+    }
+
+    #[test]
+    fn lingering_closes_share_one_bounded_budget() {
+        let held: Vec<Lingering> = std::iter::from_fn(Lingering::take).take(1000).collect();
+        assert_eq!(held.len(), MAX_LINGERING);
+        assert!(Lingering::take().is_none());
+        drop(held);
+        assert!(Lingering::take().is_some());
     }
 
     #[tokio::test]
