@@ -73,8 +73,8 @@ async fn start(bin: &Path, round: usize, label: &str) -> Cluster {
     }
 }
 
-/// Until both workers are routable: `/status` says so (in either build's shape), or, failing
-/// that, a completion goes through and 5 s have passed.
+/// Until both workers are routable and the model is listed: `/status` says so (in either
+/// build's shape), or, failing that, a completion goes through and 5 s have passed.
 async fn wait_two_workers(base: &str) {
     let http = load_client(Duration::from_secs(10));
     let t = Instant::now();
@@ -86,7 +86,13 @@ async fn wait_two_workers(base: &str) {
         let connected = st["router"]["workers_summary"]["connected"]
             .as_u64()
             .or_else(|| st["router"]["workers"].as_array().map(|a| a.len() as u64));
-        if connected >= Some(2) {
+        let listed = match http.get(format!("{base}/v1/models")).send().await {
+            Ok(r) => r.json::<Value>().await.unwrap_or(Value::Null)["data"]
+                .as_array()
+                .is_some_and(|d| !d.is_empty()),
+            Err(_) => false,
+        };
+        if connected >= Some(2) && listed {
             return;
         }
         if connected.is_none() && t.elapsed() > Duration::from_secs(5) {
