@@ -4,13 +4,16 @@
 //! streams dropped after their first token, and a worker killed and replaced. Prints the
 //! normal requests' latency in both phases, what the abusers got, and the gateway's memory
 //! before and after. Then the mesh's own ports: strangers on a decode node's KV listener,
-//! and a prefill peer frozen under 16 long prompts (`peers`). Writes JSON.
+//! and a prefill peer frozen under 16 long prompts (`peers`). Last, floods on one `kvmesh
+//! serve` (`floods`): distinct JSON schemas, hundreds of tools, 1 MB model names, slow
+//! readers and oversized bodies, each beside normal requests. Writes JSON.
 //!
 //! Bounded: a fixed number of normal requests per phase, a fixed number of abusers, each
 //! with a deadline.
 //!
-//! `cargo build --release && target/release/soak-bench [--quick] [--json PATH]`
+//! `cargo build --release && target/release/soak-bench [--quick] [--only floods] [--json PATH]`
 
+mod floods;
 mod peers;
 
 use std::path::PathBuf;
@@ -21,7 +24,7 @@ use std::time::{Duration, Instant};
 use clap::Parser;
 use kvmesh_bench::harness::abuse::rss_mib;
 use kvmesh_bench::harness::load::{pct, run_load, shakespeare_lines, Sample};
-use kvmesh_bench::harness::{load_client, wait_workers};
+use kvmesh_bench::harness::{load_client, wait_workers, Kvmesh};
 use kvmesh_bench::programs::{kvmesh, write_results};
 use kvmesh_discovery::testing::Etcd;
 use serde_json::{json, Value};
@@ -40,6 +43,10 @@ struct Args {
     /// Where the results go.
     #[arg(long, value_name = "PATH", default_value = "bench/results/soak.json")]
     json: PathBuf,
+    /// Run only these phases (`floods`: the floods on one `kvmesh serve`, without etcd);
+    /// by default every phase runs.
+    #[arg(long, value_name = "PHASES", value_parser = ["floods"])]
+    only: Option<String>,
 }
 
 fn host_port(url: &str) -> String {
@@ -270,7 +277,17 @@ fn report(rows: Vec<Value>, tally: &Tally, rss: &Memory) -> Value {
 async fn main() {
     let args = Args::parse();
     let km = kvmesh();
-    let n = if args.quick { 100 } else { 300 };
+    let mut results = match args.only.as_deref() {
+        Some("floods") => json!({"bench": "soak"}),
+        _ => cluster_phases(&km, args.quick).await,
+    };
+    results["floods"] = floods::run(&km).await;
+    write_results(&args.json, args.quick, results);
+}
+
+/// The phases through a cluster gateway, then those on the mesh's own ports.
+async fn cluster_phases(km: &Kvmesh, quick: bool) -> Value {
+    let n = if quick { 100 } else { 300 };
     let lines = shakespeare_lines();
     let prompts = |offset: usize| -> Vec<String> {
         (0..n)
@@ -297,7 +314,7 @@ async fn main() {
     let rss_after_baseline = rss_mib(&gw);
 
     // The abusers, each bounded by a deadline.
-    let deadline = Instant::now() + Duration::from_secs(if args.quick { 20 } else { 40 });
+    let deadline = Instant::now() + Duration::from_secs(if quick { 20 } else { 40 });
     let addr = host_port(&gw.http);
     let tally = Arc::new(Tally::default());
     let mut abusers = idle_connections(&addr, deadline, &tally);
@@ -332,7 +349,7 @@ async fn main() {
         normal_row("with abuse and a worker killed", &abused, abused_wall),
     ];
     let mut results = report(rows, &tally, &rss);
-    results["kv_listener"] = tokio::task::block_in_place(|| peers::kv_listener_abuse(&km, &etcd));
-    results["stalled_prefill_peer"] = peers::stalled_prefill_peer(&km, &etcd, &http).await;
-    write_results(&args.json, args.quick, results);
+    results["kv_listener"] = tokio::task::block_in_place(|| peers::kv_listener_abuse(km, &etcd));
+    results["stalled_prefill_peer"] = peers::stalled_prefill_peer(km, &etcd, &http).await;
+    results
 }
