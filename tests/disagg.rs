@@ -14,7 +14,7 @@
 mod common;
 
 use std::process::{Command, Stdio};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use common::{bin, kvmesh, Server};
 use kvmesh_bench::harness::{client, post, wait_for, Proc};
@@ -533,5 +533,49 @@ fn a_kv_layout_mismatch_is_refused_at_join() {
         "block size 32",
     ] {
         assert!(err.contains(want), "missing {want:?} in:\n{err}");
+    }
+}
+
+/// A prefill worker frozen mid-transfer (SIGSTOP: its sockets stay open, nothing closes)
+/// is noticed by its link's silence, as a router notices a worker's: with the default
+/// transfer timeout, the decode worker prefills the request itself within about a second of
+/// the freeze, over QUIC and over TCP.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_prefill_worker_is_noticed_within_a_second() {
+    let etcd = Etcd::start();
+    for (cluster, flags) in [
+        ("frozen-quic", vec![]),
+        ("frozen-tcp", vec!["--kv-transport", "tcp"]),
+    ] {
+        let http = client();
+        let decode = sim_node(&etcd, cluster, "d1", "decode", &flags);
+        let p1 = sim_node(&etcd, cluster, "p1", "prefill", &flags);
+        let gw = sim_gateway(&etcd, cluster);
+        ready(&http, &gw, 1, 1).await;
+        let p = prompt_ids(400, 77);
+        let want = sim_reference(&p, 6).await;
+        let req = {
+            let (http, base, body) = (http.clone(), gw.http.clone(), greedy(&p, 6));
+            tokio::spawn(async move { post(&http, &base, body).await })
+        };
+        mid_transfer(&http, &p1, &decode).await;
+        p1.signal("STOP");
+        let frozen = Instant::now();
+        let (st, v) = tokio::time::timeout(Duration::from_secs(30), req)
+            .await
+            .expect("the request completed")
+            .unwrap();
+        let took = frozen.elapsed();
+        assert_eq!(st, 200, "{cluster}: {v}");
+        assert_eq!(token_ids(&v), want, "{cluster}: the same tokens");
+        // The prompt's own local prefill (400 tokens at 4 ms each in chunks of 64) comes on
+        // top of noticing the silence (0.7 s); the transfer timeout alone would be 5 s.
+        println!("{cluster}: answered {took:?} after the prefill worker froze");
+        assert!(
+            took < Duration::from_secs_f64(0.7 + 1.6 + 1.5),
+            "{cluster}: {took:?} after the freeze"
+        );
+        p1.signal("CONT");
+        kv_back_to_zero(&http, &decode, "the decode worker").await;
     }
 }

@@ -348,6 +348,7 @@ impl PeerLinks {
         match dialed {
             Ok(conn) => {
                 tokio::spawn(dispatch_streams(conn.clone(), self.inbox.clone()));
+                tokio::spawn(close_when_silent(conn.clone(), peer.node_id.clone()));
                 *slot = PeerSlot::Live(conn.clone());
                 Ok(conn)
             }
@@ -356,6 +357,26 @@ impl PeerLinks {
                 Err(e)
             }
         }
+    }
+}
+
+/// A prefill worker heard from for this long (keep-alives every 200 ms, each acknowledged)
+/// is taken for gone, as a router takes a silent worker: 3.5 missed beats.
+pub const PEER_SILENT_AFTER: Duration = Duration::from_millis(700);
+
+/// Closes the link to a prefill worker that falls silent (killed, frozen, cut off): its
+/// transfers then fail at once and their requests are prefilled here, instead of waiting
+/// out the transfer timeout or QUIC's idle timeout.
+async fn close_when_silent(conn: Connection, who: String) {
+    tokio::select! {
+        () = kvmesh_transport::until_silent(&conn, || PEER_SILENT_AFTER, false) => {
+            tracing::warn!(
+                "prefill worker {who}: nothing heard for {} ms; its transfers fail over",
+                PEER_SILENT_AFTER.as_millis()
+            );
+            conn.close(0u32.into(), b"prefill worker silent");
+        }
+        _ = conn.closed() => {}
     }
 }
 
