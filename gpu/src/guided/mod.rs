@@ -183,6 +183,8 @@ pub struct Guides {
     cache_budget: usize,
     /// Grammars known to compile (see [`Guides::validate`]).
     validated: parking_lot::Mutex<TextSet>,
+    /// Grammars compiled so far.
+    compiles: std::sync::atomic::AtomicU64,
 }
 
 /// The most bytes of grammar text remembered as known to compile.
@@ -251,6 +253,7 @@ impl Guides {
             cache: Default::default(),
             cache_budget: GRAMMAR_CACHE_BYTES,
             validated: Default::default(),
+            compiles: Default::default(),
         })
     }
 
@@ -270,6 +273,11 @@ impl Guides {
 
     pub fn vocab_size(&self) -> usize {
         self.vocab
+    }
+
+    /// Grammars compiled so far (kept ones started again are not compiled again).
+    pub fn compiles(&self) -> u64 {
+        self.compiles.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// (grammars, estimated bytes) kept for reuse.
@@ -360,6 +368,8 @@ impl Guides {
             ));
         }
         depth::check(&grammar)?;
+        self.compiles
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let (tx, rx) = std::sync::mpsc::channel();
         let factory = self.factory.clone();
         // Built on a thread of its own, with a deep stack: past [`COMPILE_BUDGET`] the
@@ -715,6 +725,24 @@ mod tests {
         // A new sequence of the same grammar is unharmed, and fails only as late.
         let mut second = guides.start(&guide, &[]).unwrap();
         assert_eq!(drive(&mut second, 20), None);
+    }
+
+    /// What a gateway checks is what the engine starts from: one compile per grammar, and
+    /// tools validated once are not compiled again.
+    #[test]
+    fn a_grammar_is_compiled_once_however_often_it_is_used() {
+        let (guides, _) = guides();
+        let guide = Guide::new(&grammar::regex("[a-z]{1,5}"));
+        guides.prepare(&guide).unwrap();
+        guides.prepare(&guide).unwrap();
+        for _ in 0..3 {
+            guides.start(&guide, &[]).unwrap();
+        }
+        assert_eq!(guides.compiles(), 1);
+        let tool = || grammar::json_schema(serde_json::json!({"type": "object"}));
+        guides.validate(tool()).unwrap();
+        guides.validate(tool()).unwrap();
+        assert_eq!(guides.compiles(), 2);
     }
 
     /// Compiled grammars are kept within a byte budget, the least recently used dropped.
