@@ -369,6 +369,7 @@ async fn prefill_worker_lost(etcd: &Etcd, cluster: &str, flags: &[&str]) {
             tokio::spawn(async move { post(&http, &base, body).await })
         };
         mid_transfer(&http, &p1, &decode).await;
+        let lost_at = Instant::now();
         let frozen = if how == "KILL" {
             p1.kill();
             None
@@ -385,6 +386,15 @@ async fn prefill_worker_lost(etcd: &Etcd, cluster: &str, flags: &[&str]) {
             "{cluster}: after SIG{how} of the prefill worker: {v}"
         );
         assert_eq!(token_ids(&v), want, "after SIG{how}: the same tokens");
+        // Noticed by the link's silence (0.7 s) or the transfer timeout (1 s here), then
+        // prefilled here (1.6 s of sim time) in blocks of its own: never after a UCX
+        // quarantine of the lent blocks (up to 11 s here), which goes on alone.
+        let took = lost_at.elapsed();
+        println!("{cluster}: answered {took:?} after SIG{how} of the prefill worker");
+        assert!(
+            took < Duration::from_secs(8),
+            "{cluster}: SIG{how}: {took:?}"
+        );
         assert_eq!(
             decode
                 .metric(&http, "kvmesh:disagg_prefills_total{outcome=\"fallback\"}")

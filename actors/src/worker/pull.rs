@@ -4,8 +4,9 @@
 //! asks the prefill worker to compute the prompt into those blocks and waits for every
 //! layer to land and the first token to come ([`pull`]). Then the lease is given back as
 //! landed and the sequence decodes. If the prefill worker refuses, dies, or goes quiet for
-//! longer than the transfer timeout, the lease is given back without landing and the engine
-//! prefills the prompt itself: the request completes either way.
+//! longer than the transfer timeout, the lease is given up without landing and the engine
+//! prefills the prompt itself, in other blocks if the lent ones must stay held (UCX): the
+//! request completes either way, without waiting for the held blocks.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -108,7 +109,10 @@ pub(super) async fn decode(
                 peer.node_id,
                 lease.prompt_len() - lease.from_pos()
             );
-            // The engine prefills locally once every holder of the lease is gone.
+            // The engine prefills locally now, in blocks of its own: the lent ones stay
+            // held while a UCX transfer's quarantine keeps a clone of the lease (a sender
+            // that may still write into them), and are reused only once it is dropped.
+            lease.abandon();
             drop(lease);
         }
     }

@@ -45,6 +45,10 @@ pub(super) enum LeaseEvent {
     Landed { seq: SeqId, landed: Landed },
     /// The last clone of a sequence's lease is gone.
     Dropped(SeqId),
+    /// A decode sequence's transfer was given up while clones of its lease may live on (a
+    /// sender that may still write): the sequence goes on in blocks of its own, and the
+    /// lent ones stay held until the lease is [`LeaseEvent::Dropped`].
+    Abandoned(SeqId),
 }
 
 /// How a lease reaches its engine's thread.
@@ -95,6 +99,14 @@ impl KvLease {
 
     pub fn seq(&self) -> SeqId {
         self.0.seq
+    }
+
+    /// Gives a decode sequence's transfer up: the engine prefills the prompt itself now, in
+    /// other blocks, instead of waiting for every clone of this lease to be dropped; the lent
+    /// blocks are reused only once they all are. (Without other clones, dropping the lease
+    /// does the same.)
+    pub fn abandon(&self) {
+        (self.0.notify)(LeaseEvent::Abandoned(self.0.seq));
     }
 
     pub fn pool(&self) -> &Arc<HostKvPool> {

@@ -418,6 +418,19 @@ impl<T> Scheduler<T> {
         Some(self.awaiting.remove(i))
     }
 
+    /// A decode sequence waiting for its KV gives its transfer up while its lease is still
+    /// out: its lent blocks are held until the lease comes back, and the sequence, reset, is
+    /// returned to be prefilled here in blocks of its own.
+    pub fn abandon_lease(&mut self, id: SeqId) -> Option<Entry<T>> {
+        let i = self.awaiting.iter().position(|e| e.seq.id == id)?;
+        let mut e = self.awaiting.remove(i);
+        self.held.insert(id, std::mem::take(&mut e.seq.blocks));
+        e.seq.reset();
+        e.seq.lease_out = false;
+        e.seq.transfer = Transfer::Local;
+        Some(e)
+    }
+
     /// The last clone of a sequence's lease is gone: held blocks of a finished sequence are
     /// freed; a decode sequence waiting for its KV is returned, its blocks its own again, to
     /// decode (it landed) or to prefill here (it did not).

@@ -302,6 +302,7 @@ impl Engine {
                 }
             }
             Command::Lease(LeaseEvent::Dropped(id)) => self.lease_returned(id),
+            Command::Lease(LeaseEvent::Abandoned(id)) => self.lease_abandoned(id),
         }
         self.publish();
     }
@@ -379,6 +380,23 @@ impl Engine {
         match landed {
             Some(l) => self.land(e, l),
             None => self.sched.waiting.push_front(e),
+        }
+    }
+
+    /// A decode sequence's transfer was given up with its lease still out: it waits first in
+    /// line to be prefilled here, in blocks other than the lent ones.
+    fn lease_abandoned(&mut self, id: SeqId) {
+        let landed = self
+            .sched
+            .awaiting
+            .iter()
+            .any(|e| e.seq.id == id && e.io.landed.is_some());
+        if landed {
+            return;
+        }
+        if let Some(mut e) = self.sched.abandon_lease(id) {
+            e.io.stage = None;
+            self.sched.waiting.push_front(e);
         }
     }
 

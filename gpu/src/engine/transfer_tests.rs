@@ -199,6 +199,43 @@ fn a_lease_returned_without_landing_prefills_locally() {
     assert!(all_free(&h));
 }
 
+/// A transfer given up while a clone of its lease lives on (a UCX sender that may still
+/// write): the sequence is prefilled here at once, in other blocks, and the lent ones stay
+/// held until the last clone is dropped.
+#[test]
+fn an_abandoned_lease_prefills_locally_while_the_lent_blocks_stay_held() {
+    let h = engine(64);
+    let p = prompt(13);
+    let (mut sub, lease) = h
+        .submit_remote_prefill(
+            Request {
+                prompt: p.clone(),
+                params: greedy(5),
+            },
+            1,
+        )
+        .unwrap();
+    let lease = lease.blocking_recv().unwrap();
+    let sender = lease.clone();
+    let lent: Vec<BlockId> = lease.blocks().to_vec();
+    lease.abandon();
+    drop(lease);
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(tokens(&mut sub));
+    });
+    let got = rx
+        .recv_timeout(Duration::from_secs(5))
+        .expect("the sequence finished while the lease was still out");
+    assert_eq!(got, local_run(&p, 5));
+    assert!(eventually(
+        || h.stats.held_blocks.load(Ordering::Relaxed) == lent.len()
+    ));
+    assert_eq!(sender.blocks(), &lent[..]);
+    drop(sender);
+    assert!(all_free(&h));
+}
+
 #[test]
 fn a_cached_prompt_prefills_locally_and_an_abort_waits_for_the_lease() {
     let h = engine(64);
