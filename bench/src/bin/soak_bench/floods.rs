@@ -567,45 +567,43 @@ async fn slow_reader(addr: String) -> SlowReader {
 }
 
 /// [`SLOW_READERS`] slow readers at once: how many the server closed, and when.
-fn slow_readers(addr: String) -> impl Future<Output = FloodReport> + Send + 'static {
-    async move {
-        let tasks: Vec<JoinHandle<SlowReader>> = (0..SLOW_READERS)
-            .map(|_| tokio::spawn(slow_reader(addr.clone())))
-            .collect();
-        let mut readers = Vec::new();
-        for t in tasks {
-            readers.push(t.await.unwrap());
-        }
-        let closed: Vec<f64> = readers.iter().filter_map(|r| r.closed_after_s).collect();
-        let behind = readers.iter().filter(|r| r.closed_behind_buffer).count();
-        let taken: usize = readers.iter().map(|r| r.taken).sum();
-        let drained: usize = readers.iter().map(|r| r.drained).sum();
-        let max = closed.iter().copied().fold(f64::NAN, f64::max);
-        let when = if closed.is_empty() {
-            String::new()
-        } else {
-            format!(" (p50 {:.1} s, max {max:.1} s)", pct(&closed, 50.0))
-        };
-        let text = format!(
-            "{} of {SLOW_READERS} closed by the server while reading{when}; of the {} others given up \
-             at {} s, {behind} found closed behind their buffered answers ({drained} B \
-             waiting in all); {taken} B read in the trickle",
-            closed.len(),
-            SLOW_READERS - closed.len(),
-            SLOW_READ_LIMIT.as_secs()
-        );
-        let value = json!({
-            "connections": SLOW_READERS,
-            "pipelined_requests_each": SLOW_READER_REQUESTS,
-            "closed_while_reading": closed.len(),
-            "closed_after_s": {"p50": pct(&closed, 50.0), "max": max, "each": closed},
-            "given_up_after_s": SLOW_READ_LIMIT.as_secs(),
-            "found_closed_when_given_up": behind,
-            "bytes_read_trickling": taken,
-            "bytes_waiting_when_given_up": drained,
-        });
-        (value, text)
+async fn slow_readers(addr: String) -> FloodReport {
+    let tasks: Vec<JoinHandle<SlowReader>> = (0..SLOW_READERS)
+        .map(|_| tokio::spawn(slow_reader(addr.clone())))
+        .collect();
+    let mut readers = Vec::new();
+    for t in tasks {
+        readers.push(t.await.unwrap());
     }
+    let closed: Vec<f64> = readers.iter().filter_map(|r| r.closed_after_s).collect();
+    let behind = readers.iter().filter(|r| r.closed_behind_buffer).count();
+    let taken: usize = readers.iter().map(|r| r.taken).sum();
+    let drained: usize = readers.iter().map(|r| r.drained).sum();
+    let max = closed.iter().copied().fold(f64::NAN, f64::max);
+    let when = if closed.is_empty() {
+        String::new()
+    } else {
+        format!(" (p50 {:.1} s, max {max:.1} s)", pct(&closed, 50.0))
+    };
+    let text = format!(
+        "{} of {SLOW_READERS} closed by the server while reading{when}; of the {} others given up \
+         at {} s, {behind} found closed behind their buffered answers ({drained} B \
+         waiting in all); {taken} B read in the trickle",
+        closed.len(),
+        SLOW_READERS - closed.len(),
+        SLOW_READ_LIMIT.as_secs()
+    );
+    let value = json!({
+        "connections": SLOW_READERS,
+        "pipelined_requests_each": SLOW_READER_REQUESTS,
+        "closed_while_reading": closed.len(),
+        "closed_after_s": {"p50": pct(&closed, 50.0), "max": max, "each": closed},
+        "given_up_after_s": SLOW_READ_LIMIT.as_secs(),
+        "found_closed_when_given_up": behind,
+        "bytes_read_trickling": taken,
+        "bytes_waiting_when_given_up": drained,
+    });
+    (value, text)
 }
 
 /// 64 chat requests from 16 clients with a 3 MB body (over the 2 MiB limit).
