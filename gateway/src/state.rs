@@ -336,3 +336,26 @@ pub(crate) fn unix_now() -> u64 {
         .map(|d| d.as_secs())
         .unwrap_or(0)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The compile pool's queue is bounded: past it a place is refused (the request gets a
+    /// 429), and a place given back is free again.
+    #[test]
+    fn a_work_pool_queues_at_most_its_bound() {
+        let pool = WorkPool::new("compile", 1, 3);
+        let places: Vec<Waiting> = std::iter::from_fn(|| pool.enter()).take(10).collect();
+        assert_eq!(places.len(), 3);
+        assert_eq!(pool.queued(), 3);
+        assert!(pool.enter().is_none());
+        drop(places);
+        assert_eq!(pool.queued(), 0);
+        assert!(pool.enter().is_some());
+        // The plain pool has no bound on its queue.
+        let plain = WorkPool::new("prepare", 2, usize::MAX);
+        let many: Vec<Waiting> = std::iter::from_fn(|| plain.enter()).take(1000).collect();
+        assert_eq!(many.len(), 1000);
+    }
+}
