@@ -19,6 +19,7 @@ pub mod metrics;
 pub mod protocol;
 mod raw_errors;
 mod send_pace;
+mod shared_defs;
 mod state;
 pub mod structured;
 pub mod tools;

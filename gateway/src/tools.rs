@@ -8,6 +8,7 @@ use kvmesh_gpu::guided::{grammar, TopLevelGrammar};
 use kvmesh_gpu::tokenizer::TextTokenizer;
 
 use crate::error::{quoted, ApiError};
+use crate::shared_defs::SharedDefs;
 
 /// How a family of models writes its calls.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -76,18 +77,7 @@ impl ToolFormat {
         if self == ToolFormat::JsonArray {
             return json_array_grammar(tools, parallel);
         }
-        let one = |t: &Tool| {
-            json!({
-                "type": "object",
-                "properties": {"name": {"const": t.name}, (self.args_key()): t.parameters},
-                "required": ["name", self.args_key()],
-                "additionalProperties": false,
-            })
-        };
-        let schema = match tools {
-            [t] => one(t),
-            _ => json!({"anyOf": tools.iter().map(one).collect::<Vec<_>>()}),
-        };
+        let schema = calls_schema(tools, self.args_key());
         let body = format!("%json {}", grammar::compact(schema));
         let lit = |s: &str| match tok.added_token_id(s) {
             Some(id) => format!("<[{id}]>"),
@@ -174,23 +164,40 @@ impl ToolFormat {
 /// Calls as a JSON array of `{"name", "parameters"}` objects: one of them (or, with
 /// `parallel`, one or more), each naming one of `tools` with arguments its schema allows.
 fn json_array_grammar(tools: &[Tool], parallel: bool) -> TopLevelGrammar {
-    let one = |t: &Tool| {
-        json!({
-            "type": "object",
-            "properties": {"name": {"const": t.name}, "parameters": t.parameters},
-            "required": ["name", "parameters"],
-            "additionalProperties": false,
-        })
-    };
-    let item = match tools {
-        [t] => one(t),
-        _ => json!({"anyOf": tools.iter().map(one).collect::<Vec<_>>()}),
-    };
+    let mut item = calls_schema(tools, "parameters");
+    let defs = item.as_object_mut().and_then(|o| o.remove("$defs"));
     let mut schema = json!({"type": "array", "items": item, "minItems": 1});
     if !parallel {
         schema["maxItems"] = json!(1);
     }
+    if let Some(defs) = defs {
+        schema["$defs"] = defs;
+    }
     grammar::json_schema(schema)
+}
+
+/// One call object of any of `tools`, its arguments under `args_key`; each tool's own
+/// definitions gathered at the root (see [`SharedDefs`]).
+fn calls_schema(tools: &[Tool], args_key: &str) -> Value {
+    let mut defs = SharedDefs::default();
+    let mut calls: Vec<Value> = tools
+        .iter()
+        .enumerate()
+        .map(|(i, t)| {
+            json!({
+                "type": "object",
+                "properties": {"name": {"const": t.name}, (args_key): defs.embed(i, &t.parameters)},
+                "required": ["name", args_key],
+                "additionalProperties": false,
+            })
+        })
+        .collect();
+    let mut schema = match calls.len() {
+        1 => calls.remove(0),
+        _ => json!({ "anyOf": calls }),
+    };
+    defs.finish(&mut schema);
+    schema
 }
 
 /// Llama 3 calls: JSON objects joined by `;`.
