@@ -181,20 +181,26 @@ fn a_landed_lease_decodes_exactly_as_a_local_run() {
     assert!(all_free(&h));
 }
 
-#[test]
-fn a_lease_returned_without_landing_prefills_locally() {
-    let h = engine(64);
-    let p = prompt(13);
-    let (mut sub, lease) = h
+/// A decode sequence of `p` for `n` tokens that always asks for a transfer, and its lease.
+fn remote(h: &EngineHandle, p: &[u32], n: usize) -> (Submission, KvLease) {
+    let (sub, lease) = h
         .submit_remote_prefill(
             Request {
-                prompt: p.clone(),
-                params: greedy(5),
+                prompt: p.to_vec(),
+                params: greedy(n),
             },
             1,
         )
         .unwrap();
-    drop(lease.blocking_recv().unwrap());
+    (sub, lease.blocking_recv().unwrap())
+}
+
+#[test]
+fn a_lease_returned_without_landing_prefills_locally() {
+    let h = engine(64);
+    let p = prompt(13);
+    let (mut sub, lease) = remote(&h, &p, 5);
+    drop(lease);
     assert_eq!(tokens(&mut sub), local_run(&p, 5));
     assert!(all_free(&h));
 }
@@ -206,16 +212,7 @@ fn a_lease_returned_without_landing_prefills_locally() {
 fn an_abandoned_lease_prefills_locally_while_the_lent_blocks_stay_held() {
     let h = engine(64);
     let p = prompt(13);
-    let (mut sub, lease) = h
-        .submit_remote_prefill(
-            Request {
-                prompt: p.clone(),
-                params: greedy(5),
-            },
-            1,
-        )
-        .unwrap();
-    let lease = lease.blocking_recv().unwrap();
+    let (mut sub, lease) = remote(&h, &p, 5);
     let sender = lease.clone();
     let lent: Vec<BlockId> = lease.blocks().to_vec();
     lease.abandon();

@@ -10,14 +10,14 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use llguidance::api::ParserLimits;
-
-mod depth;
-pub use depth::MAX_GRAMMAR_DEPTH;
 pub use llguidance::api::TopLevelGrammar;
 use llguidance::earley::ParserError;
 use llguidance::toktrie::{ApproximateTokEnv, TokEnv, TokRxInfo, TokTrie};
 use llguidance::{Matcher, ParserFactory, TokenParser};
 use serde_json::Value;
+
+mod depth;
+pub use depth::MAX_GRAMMAR_DEPTH;
 
 /// A sequence's constraint as it travels: the grammar and how many of the prompt's last
 /// tokens are output the grammar has already read (a sequence continued on another worker,
