@@ -23,5 +23,6 @@ csv="$out/ncu-$preset-b$batch-p$prefill.csv"
 "$ncu" --clock-control none --metrics gpu__time_duration.sum --csv --print-units base \
     gpu-out/gpu-bench --presets "$preset" --batches "$batch" --prefill-lens "$prefill" \
     --prefill-reps 1 --decode-steps 1 --warmup 0 --copy-mib 64 --copy-reps 1 --enforce-eager \
+    --gemm-size 0 --sampled-batches 0 \
     --json "$out/profiled-run.json" >"$csv"
 python3 scripts/ncu_summary.py "$csv" | tee "$out/ncu-$preset-b$batch-p$prefill.txt"

@@ -83,9 +83,15 @@ pub struct EngineArgs {
     pub sim_decode_ms: f64,
     #[arg(long, default_value_t = sim_defaults().decode_per_seq.as_micros() as f64)]
     pub sim_decode_us_per_seq: f64,
-    /// Memory for the KV cache, in GiB.
-    #[arg(long, default_value_t = 1.0)]
-    pub kv_cache_gib: f64,
+    /// Memory for the KV cache, in GiB [default: 1 on cpu and sim; on a GPU, what
+    /// --gpu-memory-utilization leaves].
+    #[arg(long)]
+    pub kv_cache_gib: Option<f64>,
+    /// Share of a GPU's memory the engine takes in all (weights, activations, KV cache);
+    /// the KV cache gets what the rest leaves. Ignored with --kv-cache-gib or
+    /// --num-kv-blocks.
+    #[arg(long, default_value_t = 0.9)]
+    pub gpu_memory_utilization: f64,
     /// Exact number of KV blocks (overrides --kv-cache-gib).
     #[arg(long)]
     pub num_kv_blocks: Option<usize>,
@@ -112,6 +118,32 @@ impl EngineArgs {
 
     /// What runs the model, from `--backend`, `--device`, `--enforce-eager` and the sim
     /// timing: the one place those flags are read together.
+    /// The KV cache's size as the flags give it: blocks, else GiB, else on a GPU the share
+    /// of its memory, else 1 GiB.
+    pub fn kv_budget(&self, kind: &BackendKind) -> anyhow::Result<KvBudget> {
+        Ok(match (self.num_kv_blocks, self.kv_cache_gib) {
+            (Some(n), _) => KvBudget::Blocks(n),
+            (None, Some(g)) => {
+                anyhow::ensure!(
+                    g.is_finite() && g > 0.0,
+                    "--kv-cache-gib {g} must be a positive number"
+                );
+                KvBudget::Bytes((g * (1u64 << 30) as f64) as usize)
+            }
+            (None, None) => match kind {
+                BackendKind::Cuda(_) => {
+                    let u = self.gpu_memory_utilization;
+                    anyhow::ensure!(
+                        u > 0.0 && u <= 1.0,
+                        "--gpu-memory-utilization {u} must be above 0 and at most 1"
+                    );
+                    KvBudget::Share(u)
+                }
+                _ => KvBudget::Bytes(1 << 30),
+            },
+        })
+    }
+
     pub fn backend_kind(&self) -> anyhow::Result<BackendKind> {
         match self.backend {
             BackendArg::Cpu => {
@@ -343,7 +375,11 @@ pub fn start_engine_on(
         args.max_num_batched_tokens > 0,
         "--max-num-batched-tokens must be positive"
     );
-    let kind = args.backend_kind()?;
+    let mut kind = args.backend_kind()?;
+    if let BackendKind::Cuda(cuda) = &mut kind {
+        cuda.reserve_tokens = args.max_num_batched_tokens;
+        cuda.reserve_rows = args.max_num_seqs;
+    }
     if let Some(t) = args.threads {
         // A node with two engines (prefill and decode roles) shares one compute pool.
         static POOL: std::sync::Once = std::sync::Once::new();
@@ -357,10 +393,7 @@ pub fn start_engine_on(
     }
     let name = args.served_name(&model.name)?;
     let fingerprint = model.fingerprint(args.numerics());
-    let budget = match args.num_kv_blocks {
-        Some(n) => KvBudget::Blocks(n),
-        None => KvBudget::Bytes((args.kv_cache_gib * (1u64 << 30) as f64) as usize),
-    };
+    let budget = args.kv_budget(&kind)?;
     let backend = build_backend(kind, model, args.block_size, budget)?;
     let num_blocks = backend.num_blocks();
     let cache_tokens = num_blocks * args.block_size;
@@ -587,6 +620,29 @@ mod tests {
         let mut cli = <Cli as clap::Parser>::parse_from(["kvmesh"]);
         cli.engine.served_model_name = name.map(String::from);
         cli.engine
+    }
+
+    #[test]
+    fn the_kv_budget_follows_the_flags_and_the_device() {
+        let cuda = BackendKind::Cuda(kvmesh_gpu::backend::CudaOptions::device(0));
+        let cpu = resolve_device("cpu").unwrap();
+        let mut a = args(None);
+        assert_eq!(a.kv_budget(&cpu).unwrap(), KvBudget::Bytes(1 << 30));
+        assert_eq!(a.kv_budget(&cuda).unwrap(), KvBudget::Share(0.9));
+        a.gpu_memory_utilization = 0.5;
+        assert_eq!(a.kv_budget(&cuda).unwrap(), KvBudget::Share(0.5));
+        a.gpu_memory_utilization = 1.5;
+        let e = a.kv_budget(&cuda).unwrap_err().to_string();
+        assert!(e.contains("--gpu-memory-utilization 1.5"), "{e}");
+        // Explicit sizes win on every device.
+        a.kv_cache_gib = Some(0.25);
+        assert_eq!(a.kv_budget(&cuda).unwrap(), KvBudget::Bytes(1 << 28));
+        a.num_kv_blocks = Some(7);
+        assert_eq!(a.kv_budget(&cpu).unwrap(), KvBudget::Blocks(7));
+        a.num_kv_blocks = None;
+        a.kv_cache_gib = Some(-1.0);
+        let e = a.kv_budget(&cpu).unwrap_err().to_string();
+        assert!(e.contains("--kv-cache-gib -1"), "{e}");
     }
 
     #[test]

@@ -251,8 +251,8 @@ fn greedy_generation_is_token_identical_with_and_without_graphs() {
         let got = run_engine(gpu, vocab, greedy_requests(name, 24));
         assert_eq!(got, want, "{name}: CUDA (graphs on) vs CPU greedy");
         let eager = CudaOptions {
-            ordinal: 0,
             graphs: false,
+            ..CudaOptions::device(0)
         };
         let eager = build_backend(
             BackendKind::Cuda(eager),
@@ -496,7 +496,7 @@ fn kv_blocks_copied_out_and_in_decode_the_same() {
         &m.config,
         &m.weights,
         CudaOptions::device(0),
-        16,
+        KvBudget::Blocks(16),
         BLOCK_SIZE,
     )
     .expect("a CUDA device");

@@ -3,14 +3,21 @@
 
 use std::path::Path;
 
-use crate::config::{Arch, ModelConfig, Rope, RopeScaling, TensorRole};
+use crate::config::{Arch, ModelConfig, Rope, RopeScaling, TensorRole, TensorSpec};
 use crate::error::{EngineError, Result};
-use crate::safetensors::{write_file, DType};
+use crate::safetensors::{write_file_streamed, DType, STREAM_CHUNK};
 use crate::sampler::Rng;
 use crate::tokenizer::{TextTokenizer, TokenizerFiles};
 
 /// Preset names `model init-random --preset` takes.
-pub const PRESETS: &[&str] = &["tiny", "qwen2.5-0.5b", "llama-3.2-1b", "qwen3-0.6b"];
+pub const PRESETS: &[&str] = &[
+    "tiny",
+    "qwen2.5-0.5b",
+    "llama-3.2-1b",
+    "qwen3-0.6b",
+    "qwen3-8b",
+    "llama-3.1-8b",
+];
 
 fn base(arch: Arch) -> ModelConfig {
     ModelConfig {
@@ -36,6 +43,7 @@ fn base(arch: Arch) -> ModelConfig {
         eos_token_ids: Vec::new(),
         declared_dtype: None,
         ignored_fields: Vec::new(),
+        hybrid: None,
     }
 }
 
@@ -44,7 +52,8 @@ pub fn preset(arch: Option<Arch>, name: &str) -> Result<ModelConfig> {
     let real_arch = match name {
         "qwen2.5-0.5b" => Some(Arch::Qwen2),
         "llama-3.2-1b" => Some(Arch::Llama),
-        "qwen3-0.6b" => Some(Arch::Qwen3),
+        "qwen3-0.6b" | "qwen3-8b" => Some(Arch::Qwen3),
+        "llama-3.1-8b" => Some(Arch::Llama),
         "tiny" => None,
         other => {
             return Err(EngineError::InvalidRequest(format!(
@@ -110,6 +119,38 @@ pub fn preset(arch: Option<Arch>, name: &str) -> Result<ModelConfig> {
             c.max_position_embeddings = 40_960;
             c.tie_word_embeddings = true;
         }
+        // The published configs (Qwen/Qwen3-8B, meta-llama/Llama-3.1-8B).
+        "qwen3-8b" => {
+            c.vocab_size = 151_936;
+            c.hidden_size = 4096;
+            c.intermediate_size = 12_288;
+            c.num_layers = 36;
+            c.num_heads = 32;
+            c.num_kv_heads = 8;
+            c.head_dim = 128;
+            c.rope = Rope::plain(1_000_000.0);
+            c.max_position_embeddings = 40_960;
+        }
+        "llama-3.1-8b" => {
+            c.vocab_size = 128_256;
+            c.hidden_size = 4096;
+            c.intermediate_size = 14_336;
+            c.num_layers = 32;
+            c.num_heads = 32;
+            c.num_kv_heads = 8;
+            c.head_dim = 128;
+            c.rms_norm_eps = 1e-5;
+            c.rope = Rope {
+                scaling: RopeScaling::Llama3 {
+                    factor: 8.0,
+                    low_freq_factor: 1.0,
+                    high_freq_factor: 4.0,
+                    original_max_position_embeddings: 8192.0,
+                },
+                ..Rope::plain(500_000.0)
+            };
+            c.max_position_embeddings = 131_072;
+        }
         _ => match arch {
             // Small shapes that still exercise what makes each family different.
             Arch::Llama => {
@@ -126,6 +167,9 @@ pub fn preset(arch: Option<Arch>, name: &str) -> Result<ModelConfig> {
                 c.tie_word_embeddings = true;
             }
             Arch::Mistral => c.sliding_window = Some(4096),
+            Arch::Qwen35 => {
+                return Err(EngineError::InvalidRequest("no Qwen3.5 preset yet".into()))
+            }
         },
     }
     Ok(c)
@@ -147,39 +191,49 @@ pub fn write_random_checkpoint(
     std::fs::create_dir_all(out)
         .map_err(|e| EngineError::io(format!("create {}", out.display()), e))?;
 
-    write_file(
+    let specs = cfg.tensors();
+    let names: Vec<(String, Vec<usize>)> = specs
+        .iter()
+        .map(|t| (t.name.clone(), t.shape.clone()))
+        .collect();
+    write_file_streamed(
         &out.join("model.safetensors"),
-        &random_tensors(&cfg, seed),
+        &names,
         dtype,
+        &|ti, start, vals| random_values(&specs[ti], seed, ti, start, vals),
     )?;
 
     write_side_files(&cfg, dtype, tokenizer, out)?;
     Ok(cfg)
 }
 
-/// Random weights for every tensor of `cfg`, drawn in the checkpoint's order from `seed`:
+/// Random values of tensor `t` (the `ti`th of the checkpoint) from element `start` on:
 /// embeddings of unit variance, projections scaled by their fan-in, norms near one, small
-/// biases, a final norm of ones.
-fn random_tensors(cfg: &ModelConfig, seed: u64) -> Vec<(String, Vec<usize>, Vec<f32>)> {
-    let mut rng = Rng::seeded(seed);
-    let mut normal =
-        |n: usize, std: f64| -> Vec<f32> { (0..n).map(|_| (rng.normal() * std) as f32).collect() };
+/// biases, a final norm of ones. Each chunk of `STREAM_CHUNK` elements has its own stream,
+/// drawn from `seed`, the tensor's index and the chunk's, so chunks can be made in parallel
+/// and the checkpoint is the same however they are scheduled.
+fn random_values(t: &TensorSpec, seed: u64, ti: usize, start: usize, vals: &mut [f32]) {
+    let chunk = (start / STREAM_CHUNK) as u64;
+    let mut rng = Rng::seeded(
+        seed ^ (ti as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15)
+            ^ (chunk + 1).wrapping_mul(0xC2B2_AE3D_27D4_EB4F),
+    );
     let dense = |fan_in: usize| 1.0 / (fan_in as f64).sqrt();
-    cfg.tensors()
-        .into_iter()
-        .map(|t| {
-            let n: usize = t.shape.iter().product();
-            let values = match t.role {
-                TensorRole::Embedding => normal(n, 1.0),
-                TensorRole::Norm => normal(n, 0.1).into_iter().map(|e| 1.0 + e).collect(),
-                TensorRole::Dense => normal(n, dense(t.shape[1])),
-                TensorRole::Bias => normal(n, 0.1),
-                TensorRole::FinalNorm => vec![1.0; n],
-                TensorRole::Head => normal(n, 4.0 * dense(t.shape[1])),
-            };
-            (t.name, t.shape, values)
-        })
-        .collect()
+    let (scale, offset) = match t.role {
+        TensorRole::Embedding => (1.0, 0.0),
+        TensorRole::Norm => (0.1, 1.0),
+        TensorRole::Dense => (dense(t.shape[1]), 0.0),
+        TensorRole::Bias => (0.1, 0.0),
+        TensorRole::FinalNorm => (0.0, 1.0),
+        TensorRole::Head => (4.0 * dense(t.shape[1]), 0.0),
+    };
+    for v in vals {
+        *v = if scale == 0.0 {
+            offset as f32
+        } else {
+            (offset + rng.normal() * scale) as f32
+        };
+    }
 }
 
 /// The files beside the weights: config (declaring `dtype`), tokenizer, chat template and
@@ -224,4 +278,73 @@ fn write_side_files(
         serde_json::to_string_pretty(&gen).expect("json").as_bytes(),
     )?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_8b_presets_have_the_published_parameter_counts() {
+        // Totals of the published checkpoints (their safetensors index's `total_size` / 2).
+        assert_eq!(
+            preset(None, "qwen3-8b").unwrap().num_params(),
+            8_190_735_360
+        );
+        assert_eq!(
+            preset(None, "llama-3.1-8b").unwrap().num_params(),
+            8_030_261_248
+        );
+        assert!(preset(Some(Arch::Llama), "qwen3-8b")
+            .unwrap_err()
+            .to_string()
+            .contains("qwen3"));
+    }
+
+    #[test]
+    fn random_values_depend_only_on_the_chunk_they_are_in() {
+        let t = TensorSpec {
+            name: "w".into(),
+            shape: vec![4, 3 * STREAM_CHUNK / 4],
+            role: TensorRole::Dense,
+        };
+        let mut whole = vec![0f32; 2 * STREAM_CHUNK];
+        random_values(&t, 7, 3, 0, &mut whole[..STREAM_CHUNK]);
+        random_values(&t, 7, 3, STREAM_CHUNK, &mut whole[STREAM_CHUNK..]);
+        let mut again = vec![0f32; STREAM_CHUNK];
+        random_values(&t, 7, 3, STREAM_CHUNK, &mut again);
+        assert_eq!(&whole[STREAM_CHUNK..], &again[..]);
+        // Different chunks, tensors and seeds draw different streams.
+        assert_ne!(&whole[..16], &whole[STREAM_CHUNK..STREAM_CHUNK + 16]);
+        random_values(&t, 7, 4, STREAM_CHUNK, &mut again);
+        assert_ne!(&whole[STREAM_CHUNK..STREAM_CHUNK + 16], &again[..16]);
+        random_values(&t, 8, 3, STREAM_CHUNK, &mut again);
+        assert_ne!(&whole[STREAM_CHUNK..STREAM_CHUNK + 16], &again[..16]);
+        // Scaled by the fan-in: standard deviation 1/sqrt(columns).
+        let var = whole.iter().map(|&x| (x as f64).powi(2)).sum::<f64>() / whole.len() as f64;
+        let want = 1.0 / t.shape[1] as f64;
+        assert!((var / want - 1.0).abs() < 0.01, "variance {var} vs {want}");
+    }
+
+    #[test]
+    fn a_streamed_checkpoint_loads_with_its_shapes() {
+        let dir = std::env::temp_dir().join(format!("kvmesh-init-{}", std::process::id()));
+        let cfg = write_random_checkpoint(
+            preset(Some(Arch::Qwen3), "tiny").unwrap(),
+            1,
+            DType::BF16,
+            &crate::embedded::default_tokenizer(),
+            &dir,
+        )
+        .unwrap();
+        let w = crate::safetensors::WeightStore::open_dir(&dir).unwrap();
+        for t in cfg.tensors() {
+            let v = w.f32(&t.name, &t.shape).unwrap();
+            assert!(v.iter().all(|x| x.is_finite()), "{}", t.name);
+            if t.role == TensorRole::FinalNorm {
+                assert!(v.iter().all(|&x| x == 1.0));
+            }
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }

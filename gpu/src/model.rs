@@ -321,11 +321,17 @@ fn cuda_devices() -> Result<usize> {
     ))
 }
 
-/// How much KV memory to give the backend.
-#[derive(Clone, Copy, Debug)]
-pub enum KvBudget {
-    Blocks(usize),
-    Bytes(usize),
+pub use crate::backend::KvBudget;
+
+/// Blocks of `per_block` bytes a host-memory budget buys (the CPU and sim backends').
+fn host_blocks(kv: KvBudget, per_block: usize) -> Result<usize> {
+    match kv {
+        KvBudget::Blocks(n) => Ok(n),
+        KvBudget::Bytes(b) => Ok((b / per_block).max(1)),
+        KvBudget::Share(_) => Err(EngineError::InvalidRequest(
+            "a share of device memory sizes a GPU's KV cache; give this backend its KV cache in bytes or blocks".into(),
+        )),
+    }
 }
 
 pub fn build_backend(
@@ -337,22 +343,14 @@ pub fn build_backend(
     match kind {
         BackendKind::Cpu => {
             let per_block = CpuBackend::kv_bytes_per_block(&model.config, block_size);
-            let blocks = match kv {
-                KvBudget::Blocks(n) => n,
-                KvBudget::Bytes(b) => (b / per_block).max(1),
-            };
+            let blocks = host_blocks(kv, per_block)?;
             let m = CpuModel::load(&model.config, &model.weights)?;
             Ok(Box::new(CpuBackend::new(m, blocks, block_size)?))
         }
         #[cfg(feature = "cuda")]
         BackendKind::Cuda(opts) => {
             use crate::backend::cuda::CudaBackend;
-            let per_block = CudaBackend::kv_bytes_per_block(&model.config, block_size);
-            let blocks = match kv {
-                KvBudget::Blocks(n) => n,
-                KvBudget::Bytes(b) => (b / per_block).max(1),
-            };
-            Ok(Box::new(CudaBackend::new(&model.config, &model.weights, opts, blocks, block_size)?))
+            Ok(Box::new(CudaBackend::new(&model.config, &model.weights, opts, kv, block_size)?))
         }
         #[cfg(not(feature = "cuda"))]
         BackendKind::Cuda(_) => Err(EngineError::Backend(
@@ -368,10 +366,7 @@ pub fn build_backend(
                 dtype: KvDtype::Bf16,
             };
             let per_block = spec.bytes_per_token() * block_size;
-            let blocks = match kv {
-                KvBudget::Blocks(n) => n,
-                KvBudget::Bytes(b) => (b / per_block).max(1),
-            };
+            let blocks = host_blocks(kv, per_block)?;
             Ok(Box::new(SimBackend::new(
                 timing,
                 spec,

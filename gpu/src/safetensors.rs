@@ -470,18 +470,80 @@ pub fn write_file(
     out.write_all(&(h.len() as u64).to_le_bytes()).map_err(io)?;
     out.write_all(&h).map_err(io)?;
     for (_, _, data) in tensors {
-        let mut buf = Vec::with_capacity(data.len() * dtype.size());
-        for &x in data {
-            match dtype {
-                DType::F32 => buf.extend_from_slice(&x.to_le_bytes()),
-                DType::F16 => buf.extend_from_slice(&f16::from_f32(x).to_le_bytes()),
-                DType::BF16 => buf.extend_from_slice(&bf16::from_f32(x).to_le_bytes()),
-            }
-        }
-        out.write_all(&buf).map_err(io)?;
+        out.write_all(&encode(data, dtype)).map_err(io)?;
     }
     out.flush().map_err(io)?;
     Ok(())
+}
+
+/// Elements one fill call makes: large enough to amortise the call, small enough that a
+/// batch of them per core stays a few hundred MB.
+pub const STREAM_CHUNK: usize = 1 << 20;
+
+/// Writes a safetensors file whose values are made on the fly, `STREAM_CHUNK` elements at a
+/// time and many chunks in parallel, so a checkpoint of billions of parameters needs neither
+/// its f32 values in memory nor a single core to draw them. `fill(tensor, start, out)` fills
+/// `out` with tensor `tensor`'s elements from `start` on; it must depend on nothing else, so
+/// the file is the same however the chunks are scheduled.
+pub fn write_file_streamed(
+    path: &Path,
+    tensors: &[(String, Vec<usize>)],
+    dtype: DType,
+    fill: &(dyn Fn(usize, usize, &mut [f32]) + Sync),
+) -> Result<()> {
+    use rayon::prelude::*;
+    let mut header = serde_json::Map::new();
+    let mut offset = 0usize;
+    for (name, shape) in tensors {
+        let n = shape.iter().product::<usize>() * dtype.size();
+        header.insert(
+            name.clone(),
+            serde_json::json!({"dtype": dtype.name(), "shape": shape, "data_offsets": [offset, offset + n]}),
+        );
+        offset += n;
+    }
+    header.insert("__metadata__".into(), serde_json::json!({"format": "pt"}));
+    let mut h = serde_json::to_vec(&Value::Object(header)).expect("json");
+    while !h.len().is_multiple_of(8) {
+        h.push(b' ');
+    }
+    let io = |e| EngineError::io(format!("write {}", path.display()), e);
+    let mut out = std::io::BufWriter::new(std::fs::File::create(path).map_err(io)?);
+    out.write_all(&(h.len() as u64).to_le_bytes()).map_err(io)?;
+    out.write_all(&h).map_err(io)?;
+    // Chunks are made a batch at a time (a few per core) and written in order.
+    let batch = rayon::current_num_threads().max(1) * 4;
+    for (ti, (_, shape)) in tensors.iter().enumerate() {
+        let n: usize = shape.iter().product();
+        let starts: Vec<usize> = (0..n).step_by(STREAM_CHUNK).collect();
+        for group in starts.chunks(batch) {
+            let bytes: Vec<Vec<u8>> = group
+                .par_iter()
+                .map(|&start| {
+                    let mut vals = vec![0f32; STREAM_CHUNK.min(n - start)];
+                    fill(ti, start, &mut vals);
+                    encode(&vals, dtype)
+                })
+                .collect();
+            for b in &bytes {
+                out.write_all(b).map_err(io)?;
+            }
+        }
+    }
+    out.flush().map_err(io)?;
+    Ok(())
+}
+
+fn encode(vals: &[f32], dtype: DType) -> Vec<u8> {
+    let mut buf = Vec::with_capacity(vals.len() * dtype.size());
+    for &x in vals {
+        match dtype {
+            DType::F32 => buf.extend_from_slice(&x.to_le_bytes()),
+            DType::F16 => buf.extend_from_slice(&f16::from_f32(x).to_le_bytes()),
+            DType::BF16 => buf.extend_from_slice(&bf16::from_f32(x).to_le_bytes()),
+        }
+    }
+    buf
 }
 
 #[cfg(test)]

@@ -98,13 +98,20 @@ impl ModelInfo {
 
 impl Engines {
     pub fn start(args: &NodeArgs) -> anyhow::Result<Engines> {
-        let generate = if args.has(Role::Worker) || args.has(Role::Decode) {
-            Some(start_engine(&args.engine)?)
+        let wants_generate = args.has(Role::Worker) || args.has(Role::Decode);
+        let wants_prefill = args.has(Role::Prefill);
+        // Two engines on one device split its memory share between them.
+        let mut engine = args.engine.clone();
+        if wants_generate && wants_prefill {
+            engine.gpu_memory_utilization /= 2.0;
+        }
+        let generate = if wants_generate {
+            Some(start_engine(&engine)?)
         } else {
             None
         };
-        let prefill = if args.has(Role::Prefill) {
-            Some(start_engine(&args.engine)?)
+        let prefill = if wants_prefill {
+            Some(start_engine(&engine)?)
         } else {
             None
         };

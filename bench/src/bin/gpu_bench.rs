@@ -22,8 +22,8 @@ use std::time::Instant;
 
 use clap::Parser;
 use kvmesh_bench::programs::write_json;
-use kvmesh_gpu::backend::cuda::CudaBackend;
-use kvmesh_gpu::backend::{Backend, CudaOptions, ForwardBatch, SampleSpec, SeqInput};
+use kvmesh_gpu::backend::cuda::{CudaBackend, MemoryPlan};
+use kvmesh_gpu::backend::{Backend, CudaOptions, ForwardBatch, KvBudget, SampleSpec, SeqInput};
 use kvmesh_gpu::config::ModelConfig;
 use kvmesh_gpu::init::{preset, write_random_checkpoint};
 use kvmesh_gpu::kv_cache::BlockId;
@@ -56,7 +56,7 @@ struct Args {
     enforce_eager: bool,
     /// Decode batch sizes to measure, comma-separated.
     #[arg(long, value_delimiter = ',', value_parser = trimmed::<usize>,
-          default_value = "1,8,32,64,128")]
+          default_value = "1,8,32,64,128,256")]
     batches: Vec<usize>,
     /// Tokens of history each decoding sequence has.
     #[arg(long, value_name = "N", default_value_t = 128)]
@@ -74,7 +74,7 @@ struct Args {
     sampled_batches: Vec<usize>,
     /// Prefill lengths to measure, comma-separated.
     #[arg(long, value_delimiter = ',', value_parser = trimmed::<usize>,
-          default_value = "512,2048")]
+          default_value = "512,2048,8192")]
     prefill_lens: Vec<usize>,
     /// Measured prefills per length, after one warm-up (the median counts).
     #[arg(long, value_name = "N", default_value_t = 3)]
@@ -89,6 +89,14 @@ struct Args {
     /// Copies of that buffer; the best counts.
     #[arg(long, value_name = "N", default_value_t = 10)]
     copy_reps: usize,
+    /// The square GEMM (m = n = k) whose bf16 tensor-core throughput prefill is compared
+    /// against; 0 skips it.
+    #[arg(long, value_name = "N", default_value_t = 8192)]
+    gemm_size: usize,
+    /// Share of the device's memory the KV capacity is reported at (the engine's default
+    /// `--gpu-memory-utilization`).
+    #[arg(long, value_name = "F", default_value_t = 0.9)]
+    memory_share: f64,
 }
 
 /// A list item with the spaces around it dropped (`--batches "1, 8"`).
@@ -327,12 +335,34 @@ impl Runner<'_> {
     }
 }
 
+/// What is measured once per run, on the first model's device.
+#[derive(Default)]
+struct DeviceFigures {
+    name: Option<String>,
+    /// Device-to-device copy bandwidth, bytes/s.
+    copy_bw: Option<f64>,
+    /// bf16 GEMM throughput, FLOP/s (`--gemm-size`).
+    gemm: Option<f64>,
+}
+
+/// The KV cache a served engine gives itself on this device at `--memory-share`, with the
+/// engine's default step limits, the device otherwise empty.
+struct KvCapacity {
+    tokens: Option<usize>,
+    plan: MemoryPlan,
+    total: usize,
+    /// Why there is none, when the model does not fit.
+    refusal: Option<String>,
+}
+
 /// What was measured for one model.
 struct Figures {
     /// Weight bytes one step reads.
     step_bytes: usize,
     /// Device-to-device copy bandwidth, bytes/s.
     bw: f64,
+    gemm: Option<f64>,
+    kv: KvCapacity,
     /// Read after the runs: a failed capture switches graphs off mid-run.
     cuda_graphs: bool,
     /// (prompt length, seconds)
@@ -407,17 +437,32 @@ fn summarise(args: &Args, name: &str, dir: &Path, cfg: &ModelConfig, f: &Figures
     }
     let mut json_prefill = Vec::new();
     for &(len, secs) in &f.prefill {
+        let flops = prefill_flops(cfg, len);
+        let share = f.gemm.map(|peak| flops / secs / peak);
+        let share_2p = f
+            .gemm
+            .map(|peak| 2.0 * cfg.num_params() as f64 * len as f64 / secs / peak);
         table.push(format!(
-            "prefill      {len} tokens in {:.1} ms = {:.0} tokens/s",
+            "prefill      {len} tokens in {:.1} ms = {:.0} tokens/s, {:.0} TFLOP/s{}",
             secs * 1e3,
-            len as f64 / secs
+            len as f64 / secs,
+            flops / secs / 1e12,
+            share.map_or(String::new(), |x| format!(
+                " = {:.1}% of the GEMM peak",
+                x * 100.0
+            ))
         ));
         json_prefill.push(serde_json::json!({
             "tokens": len,
             "ms": secs * 1e3,
             "tokens_per_s": len as f64 / secs,
+            "model_flops": flops,
+            "model_tflop_per_s": flops / secs / 1e12,
+            "share_of_gemm_peak": share,
+            "share_of_gemm_peak_2x_params": share_2p,
         }));
     }
+    table.push(kv_line(&f.kv));
     let json = serde_json::json!({
         "preset": name,
         "model": dir.display().to_string(),
@@ -435,16 +480,56 @@ fn summarise(args: &Args, name: &str, dir: &Path, cfg: &ModelConfig, f: &Figures
         "sampled_params": {"temperature": 0.7, "top_k": 20, "top_p": 0.8},
         "decode": json_decode,
         "prefill": json_prefill,
+        "prefill_flops_note": "model_flops: 2 x the linear layers' parameters (not the embedding; the LM head for one row) per token, plus causal attention's 4 x q_dim x (T^2/2) per layer; share_of_gemm_peak_2x_params counts 2 x all parameters per token instead",
+        "kv_capacity": kv_json(&f.kv, args.memory_share),
     });
     ModelResult { json, table }
 }
 
-fn bench_model(
-    args: &Args,
-    name: &str,
-    copy_bw: &mut Option<f64>,
-    device_name: &mut Option<String>,
-) -> anyhow::Result<ModelResult> {
+/// FLOPs of a `len`-token prefill that wants one row of logits.
+fn prefill_flops(cfg: &ModelConfig, len: usize) -> f64 {
+    let head = cfg.vocab_size * cfg.hidden_size;
+    let embed_and_head = if cfg.tie_word_embeddings {
+        head
+    } else {
+        2 * head
+    };
+    let linear = (cfg.num_params() - embed_and_head) as f64;
+    let t = len as f64;
+    let attn = 4.0 * (cfg.num_layers * cfg.q_dim()) as f64 * t * t / 2.0;
+    2.0 * linear * t + 2.0 * head as f64 + attn
+}
+
+fn kv_line(kv: &KvCapacity) -> String {
+    let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
+    match (kv.tokens, &kv.refusal) {
+        (Some(t), _) => format!(
+            "KV capacity  {t} tokens at the default memory share of {:.1} GiB (weights {:.2} GiB, activations {:.2} GiB)",
+            gib(kv.total),
+            gib(kv.plan.weights),
+            gib(kv.plan.activations)
+        ),
+        (None, Some(why)) => format!("KV capacity  none: {why}"),
+        (None, None) => "KV capacity  unknown".into(),
+    }
+}
+
+fn kv_json(kv: &KvCapacity, share: f64) -> serde_json::Value {
+    serde_json::json!({
+        "memory_share": share,
+        "device_total_bytes": kv.total,
+        "tokens": kv.tokens,
+        "weights_bytes": kv.plan.weights,
+        "activations_bytes": kv.plan.activations,
+        "step_tokens": kv.plan.tokens,
+        "logit_rows": kv.plan.rows,
+        "fixed_bytes": kv.plan.fixed,
+        "bytes_per_block": kv.plan.per_block,
+        "refusal": kv.refusal,
+    })
+}
+
+fn bench_model(args: &Args, name: &str, dev: &mut DeviceFigures) -> anyhow::Result<ModelResult> {
     let dir = checkpoint(&args.models_dir, name)?;
     let model = LoadedModel::from_dir(&dir)?;
     let cfg = model.config.clone();
@@ -460,14 +545,22 @@ fn bench_model(
     let cuda = CudaOptions {
         ordinal: args.device,
         graphs: !args.enforce_eager,
+        reserve_tokens: max_prefill.max(args.fill_chunk),
+        reserve_rows: max_batch,
     };
-    let backend = CudaBackend::new(&cfg, &model.weights, cuda, num_blocks, BLOCK_SIZE)?;
+    let backend = CudaBackend::new(
+        &cfg,
+        &model.weights,
+        cuda,
+        KvBudget::Blocks(num_blocks),
+        BLOCK_SIZE,
+    )?;
     // The host copy of the weights is no longer needed; free it before the runs.
     drop(model);
-    if device_name.is_none() {
-        *device_name = Some(backend.device_name()?);
+    if dev.name.is_none() {
+        dev.name = Some(backend.device_name()?);
     }
-    let bw = match *copy_bw {
+    let bw = match dev.copy_bw {
         Some(b) => b,
         None => {
             eprintln!(
@@ -475,10 +568,16 @@ fn bench_model(
                 args.copy_mib
             );
             let b = backend.copy_bandwidth(args.copy_mib << 20, args.copy_reps)?;
-            *copy_bw = Some(b);
+            dev.copy_bw = Some(b);
             b
         }
     };
+    if dev.gemm.is_none() && args.gemm_size > 0 {
+        let n = args.gemm_size;
+        eprintln!("measuring bf16 GEMM throughput ({n} x {n} x {n})...");
+        dev.gemm = Some(backend.gemm_flops((n, n, n), args.copy_reps)?);
+    }
+    let kv = kv_capacity(args, &cfg, &backend)?;
     let mut runner = Runner {
         args,
         name,
@@ -505,6 +604,8 @@ fn bench_model(
     let figures = Figures {
         step_bytes: runner.backend.weight_bytes_per_step(),
         bw,
+        gemm: dev.gemm,
+        kv,
         cuda_graphs: runner.backend.cuda_graphs_enabled(),
         prefill,
         decode,
@@ -513,16 +614,40 @@ fn bench_model(
     Ok(summarise(args, name, &dir, &cfg, &figures))
 }
 
+/// What a served engine would give itself for KV on this device (see [`KvCapacity`]).
+fn kv_capacity(
+    args: &Args,
+    cfg: &ModelConfig,
+    backend: &CudaBackend,
+) -> anyhow::Result<KvCapacity> {
+    let (_, total) = backend.memory_info()?;
+    let plan = MemoryPlan::of(cfg, &CudaOptions::device(args.device), BLOCK_SIZE);
+    let (tokens, refusal) = match plan.blocks(
+        KvBudget::Share(args.memory_share),
+        args.device,
+        total,
+        total,
+    ) {
+        Ok(b) => (Some(b * BLOCK_SIZE), None),
+        Err(e) => (None, Some(e.to_string())),
+    };
+    Ok(KvCapacity {
+        tokens,
+        plan,
+        total,
+        refusal,
+    })
+}
+
 fn main() -> anyhow::Result<()> {
     let args = parse_args()?;
-    let mut copy_bw = None;
-    let mut device_name = None;
+    let mut dev = DeviceFigures::default();
     let mut results = Vec::new();
     for name in &args.presets {
-        results.push(bench_model(&args, name, &mut copy_bw, &mut device_name)?);
+        results.push(bench_model(&args, name, &mut dev)?);
     }
-    let device = device_name.unwrap_or_else(|| "unknown".into());
-    let bw = copy_bw.unwrap_or(f64::NAN);
+    let device = dev.name.clone().unwrap_or_else(|| "unknown".into());
+    let bw = dev.copy_bw.unwrap_or(f64::NAN);
     println!("device       cuda:{} {device}", args.device);
     println!(
         "copy bw      {:.1} GB/s (device-to-device, {} MiB, read + write, best of {})",
@@ -530,6 +655,14 @@ fn main() -> anyhow::Result<()> {
         args.copy_mib,
         args.copy_reps
     );
+    if let Some(g) = dev.gemm {
+        println!(
+            "bf16 GEMM    {:.0} TFLOP/s ({n} x {n} x {n}, f32 accumulation, best of {})",
+            g / 1e12,
+            args.copy_reps,
+            n = args.gemm_size
+        );
+    }
     for r in &results {
         println!();
         for line in &r.table {
@@ -544,6 +677,8 @@ fn main() -> anyhow::Result<()> {
         "copy_bandwidth_gb_s": bw / 1e9,
         "copy_buffer_bytes": args.copy_mib << 20,
         "copy_bandwidth_note": "cuMemcpyDtoD, 2 x bytes / time (read + write), best of copy_reps",
+        "gemm_tflop_per_s": dev.gemm.map(|g| g / 1e12),
+        "gemm_size": args.gemm_size,
         "timing": "host clock around forward_sample (greedy, and for ms_per_step_sampled the sampled_params, both sampled on the device), device synchronised before and after",
         "models": results.into_iter().map(|r| r.json).collect::<Vec<_>>(),
     });
@@ -572,8 +707,9 @@ mod tests {
         assert_eq!(a.models_dir, Path::new("target/bench-models"));
         assert_eq!(a.presets, ["qwen2.5-0.5b", "llama-3.2-1b"]);
         assert_eq!((a.json, a.device), (None, 0));
-        assert_eq!(a.batches, [1, 8, 32, 64, 128]);
-        assert_eq!(a.prefill_lens, [512, 2048]);
+        assert_eq!(a.batches, [1, 8, 32, 64, 128, 256]);
+        assert_eq!(a.prefill_lens, [512, 2048, 8192]);
+        assert_eq!((a.gemm_size, a.memory_share), (8192, 0.9));
         assert_eq!((a.prompt_len, a.warmup, a.decode_steps), (128, 3, 20));
         assert_eq!(a.sampled_batches, [1, 32, 128]);
         assert_eq!((a.prefill_reps, a.fill_chunk), (3, 2048));

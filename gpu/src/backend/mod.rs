@@ -28,16 +28,38 @@ pub struct CudaOptions {
     /// Whether decode steps replay CUDA graphs (the default); `--enforce-eager` turns this
     /// off so that every step launches its kernels one by one.
     pub graphs: bool,
+    /// Most tokens one step runs (the engine's `max_num_batched_tokens`) and most rows that
+    /// want logits (its `max_num_seqs`): the activations for them are allocated and counted
+    /// at start, so a step within the engine's limits never runs out of device memory
+    /// halfway through serving.
+    pub reserve_tokens: usize,
+    pub reserve_rows: usize,
 }
 
 impl CudaOptions {
-    /// Device `ordinal`, with CUDA graphs on.
+    /// Device `ordinal`, with CUDA graphs on and the engine's default step limits.
     pub fn device(ordinal: usize) -> CudaOptions {
+        let d = crate::engine::EngineConfig::default();
         CudaOptions {
             ordinal,
             graphs: true,
+            reserve_tokens: d.max_num_batched_tokens,
+            reserve_rows: d.max_num_seqs,
         }
     }
+}
+
+/// How much memory to give the KV cache.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum KvBudget {
+    /// Exactly this many blocks.
+    Blocks(usize),
+    /// As many blocks as fit in these bytes.
+    Bytes(usize),
+    /// A GPU's: this share of the device's total memory for everything the engine puts on
+    /// it (weights, activations, KV cache), the KV cache taking what the rest leaves, as
+    /// vLLM's `--gpu-memory-utilization` does.
+    Share(f64),
 }
 
 /// One sequence's share of a step.

@@ -113,6 +113,13 @@ pub struct Workspace {
 }
 
 impl Workspace {
+    /// Bytes `alloc(.., c, cap)` takes.
+    pub fn bytes(c: &ModelConfig, cap: usize) -> usize {
+        let f32s = c.hidden_size * 2 + c.q_dim() + 2 * c.kv_dim() + 2 * c.intermediate_size;
+        let bf16s = c.hidden_size + c.q_dim() + c.intermediate_size;
+        cap * (4 * f32s + 2 * bf16s)
+    }
+
     /// Buffers for `cap` tokens of a model shaped like `c`.
     pub fn alloc(stream: &Arc<CudaStream>, c: &ModelConfig, cap: usize) -> Result<Workspace> {
         let f = |n: usize| {
@@ -152,6 +159,11 @@ pub struct LogitsSpace {
 }
 
 impl LogitsSpace {
+    /// Bytes `alloc(.., c, cap)` takes.
+    pub fn bytes(c: &ModelConfig, cap: usize) -> usize {
+        cap * (2 * c.hidden_size + 4 * c.vocab_size + 4 * 6)
+    }
+
     /// Buffers for `cap` rows of a model shaped like `c`.
     pub fn alloc(stream: &Arc<CudaStream>, c: &ModelConfig, cap: usize) -> Result<LogitsSpace> {
         let e = |x| drv(&format!("logits for {cap} rows"), x);

@@ -4,6 +4,7 @@
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::CudaContext;
 
+use super::buffers::{LogitsSpace, Workspace};
 use super::device::{device_count, drv, GIB};
 use super::graphs::DecodeGraphs;
 use super::kernels::Kernels;
@@ -11,28 +12,31 @@ use super::kv::KvCache;
 use super::shapes::MAX_HEAD_DIM;
 use super::weights::DevWeights;
 use super::CudaBackend;
-use crate::backend::CudaOptions;
+use crate::backend::{CudaOptions, KvBudget};
 use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
 use crate::safetensors::WeightStore;
 
 impl CudaBackend {
-    /// Loads the model onto device `opts.ordinal` and allocates `num_blocks` KV blocks of
-    /// `block_size` tokens. Checks free memory first so an oversized request fails with the
-    /// numbers rather than with an allocation error halfway through the upload.
+    /// Loads the model onto device `opts.ordinal` with a KV cache of blocks of `block_size`
+    /// tokens, as many as `kv` says. Plans the device's memory first (weights, the
+    /// activations of the largest step the engine will run, the KV cache) so that a model or
+    /// a cache that does not fit is refused with the sizes, before anything is uploaded and
+    /// not with an allocation error halfway through serving.
     pub fn new(
         cfg: &ModelConfig,
         weights: &WeightStore,
         opts: CudaOptions,
-        num_blocks: usize,
+        kv: KvBudget,
         block_size: usize,
     ) -> Result<CudaBackend> {
         let ordinal = opts.ordinal;
-        refuse_unsupported(cfg, ordinal, num_blocks, block_size)?;
+        refuse_unsupported(cfg, ordinal, block_size)?;
         let ctx = CudaContext::new(ordinal).map_err(|e| drv("context creation", e))?;
         let stream = ctx.new_stream().map_err(|e| drv("stream creation", e))?;
-        let need = MemoryNeed::of(cfg, num_blocks, block_size);
-        need.check(&ctx, ordinal, num_blocks)?;
+        let (free, total) = ctx.mem_get_info().map_err(|e| drv("memory query", e))?;
+        let plan = MemoryPlan::of(cfg, &opts, block_size);
+        let num_blocks = plan.blocks(kv, ordinal, free, total)?;
 
         let (k, arch) = Kernels::load(&ctx)?;
         let blas = CudaBlas::new(stream.clone())
@@ -41,14 +45,24 @@ impl CudaBackend {
         // One block more than asked for: the scratch block decode graphs pad with.
         let kv = KvCache::alloc(&stream, ordinal, cfg, num_blocks, block_size)?;
         let graphs = DecodeGraphs::new(opts.graphs, cfg, num_blocks, block_size);
+        let ws = match plan.tokens {
+            0 => None,
+            t => Some(Workspace::alloc(&stream, cfg, t)?),
+        };
+        let ls = match plan.rows {
+            0 => None,
+            r => Some(LogitsSpace::alloc(&stream, cfg, r)?),
+        };
         stream
             .synchronize()
             .map_err(|e| drv("finishing the upload", e))?;
         tracing::info!(
             device = ordinal,
             arch = %arch,
-            weights_gib = need.weights as f64 / GIB,
-            kv_gib = need.kv as f64 / GIB,
+            weights_gib = plan.weights as f64 / GIB,
+            activations_gib = plan.activations as f64 / GIB,
+            kv_gib = (num_blocks * plan.per_block) as f64 / GIB,
+            kv_tokens = num_blocks * block_size,
             "CUDA backend ready"
         );
         Ok(CudaBackend {
@@ -60,8 +74,8 @@ impl CudaBackend {
             k,
             w,
             kv,
-            ws: None,
-            ls: None,
+            ws,
+            ls,
             graphs,
         })
     }
@@ -73,12 +87,7 @@ impl CudaBackend {
 }
 
 /// What the backend cannot run, refused before any device memory is touched.
-fn refuse_unsupported(
-    cfg: &ModelConfig,
-    ordinal: usize,
-    num_blocks: usize,
-    block_size: usize,
-) -> Result<()> {
+fn refuse_unsupported(cfg: &ModelConfig, ordinal: usize, block_size: usize) -> Result<()> {
     let count = device_count()?;
     if ordinal >= count {
         return Err(EngineError::Backend(format!(
@@ -92,9 +101,9 @@ fn refuse_unsupported(
             "head_dim {d} is not supported by the CUDA kernels (even, at most {MAX_HEAD_DIM})"
         )));
     }
-    if block_size == 0 || num_blocks == 0 {
+    if block_size == 0 {
         return Err(EngineError::Backend(
-            "the KV cache needs at least one block of at least one token".into(),
+            "the KV cache needs blocks of at least one token".into(),
         ));
     }
     if cfg.rope_depends_on_length() {
@@ -109,49 +118,227 @@ fn refuse_unsupported(
     Ok(())
 }
 
-/// Device memory the backend will take, in bytes.
-struct MemoryNeed {
-    weights: usize,
-    kv: usize,
-    /// cuBLAS workspaces, activations of a large prefill and the module.
-    headroom: usize,
+/// Device memory the backend takes besides its KV cache, and what one KV block takes.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MemoryPlan {
+    pub weights: usize,
+    /// Activations for `tokens` tokens a step and logits for `rows` rows, allocated at
+    /// start (the engine's step limits, rounded up as the buffers are).
+    pub activations: usize,
+    pub tokens: usize,
+    pub rows: usize,
+    /// cuBLAS's workspaces, the kernels' module, graphs and step inputs.
+    pub fixed: usize,
+    pub per_block: usize,
 }
 
-impl MemoryNeed {
-    fn of(cfg: &ModelConfig, num_blocks: usize, block_size: usize) -> MemoryNeed {
-        MemoryNeed {
+/// Working space beyond what is counted buffer by buffer.
+const FIXED_BYTES: usize = 512 << 20;
+
+impl MemoryPlan {
+    pub fn of(cfg: &ModelConfig, opts: &CudaOptions, block_size: usize) -> MemoryPlan {
+        let round = |n: usize| if n == 0 { 0 } else { n.next_power_of_two() };
+        let (tokens, rows) = (round(opts.reserve_tokens), round(opts.reserve_rows));
+        MemoryPlan {
             weights: 2 * cfg.num_params()
                 + 4 * (cfg.num_layers * (2 * cfg.hidden_size + 2 * cfg.head_dim) + cfg.hidden_size),
-            kv: CudaBackend::kv_bytes_per_block(cfg, block_size) * num_blocks,
-            headroom: 512 << 20,
+            activations: Workspace::bytes(cfg, tokens) + LogitsSpace::bytes(cfg, rows),
+            tokens,
+            rows,
+            fixed: FIXED_BYTES,
+            per_block: CudaBackend::kv_bytes_per_block(cfg, block_size),
         }
     }
 
-    /// Refuses, with the numbers, a need beyond the device's free memory.
-    fn check(&self, ctx: &CudaContext, ordinal: usize, num_blocks: usize) -> Result<()> {
-        let need = self.kv + self.weights + self.headroom;
-        let (free, total) = ctx.mem_get_info().map_err(|e| drv("memory query", e))?;
+    /// Everything but the KV cache.
+    pub fn base(&self) -> usize {
+        self.weights + self.activations + self.fixed
+    }
+
+    /// The KV blocks `kv` gives on device `ordinal` with `free` of `total` bytes free, or
+    /// the refusal, with the sizes, of a plan that does not fit.
+    pub fn blocks(&self, kv: KvBudget, ordinal: usize, free: usize, total: usize) -> Result<usize> {
+        let g = |b: usize| b as f64 / GIB;
+        let sizes = format!(
+            "weights {:.2} GiB + activations {:.2} GiB (steps of up to {} tokens, {} rows of \
+             logits) + {:.2} GiB working space",
+            g(self.weights),
+            g(self.activations),
+            self.tokens,
+            self.rows,
+            g(self.fixed)
+        );
+        let blocks = match kv {
+            KvBudget::Blocks(n) => n,
+            KvBudget::Bytes(b) => (b / self.per_block).max(1),
+            KvBudget::Share(share) => {
+                if !(share > 0.0 && share <= 1.0) {
+                    return Err(EngineError::InvalidRequest(format!(
+                        "--gpu-memory-utilization {share} must be above 0 and at most 1"
+                    )));
+                }
+                let budget = (share * total as f64) as usize;
+                if budget > free {
+                    return Err(EngineError::Backend(format!(
+                        "cuda:{ordinal} has {:.2} GiB free of {:.2} GiB, less than the \
+                         {:.2} GiB --gpu-memory-utilization {share} asks for (something else \
+                         holds the rest); lower it to at most {:.2} or free the GPU",
+                        g(free),
+                        g(total),
+                        g(budget),
+                        (free as f64 / total as f64 * 100.0).floor() / 100.0
+                    )));
+                }
+                if budget < self.base() + self.per_block {
+                    return Err(EngineError::Backend(format!(
+                        "the model does not fit in {share} of cuda:{ordinal}'s {:.2} GiB \
+                         ({:.2} GiB): it needs {sizes} = {:.2} GiB before any KV cache; raise \
+                         --gpu-memory-utilization, lower --max-num-batched-tokens, or use a \
+                         larger GPU",
+                        g(total),
+                        g(budget),
+                        g(self.base())
+                    )));
+                }
+                (budget - self.base()) / self.per_block
+            }
+        };
+        if blocks == 0 {
+            return Err(EngineError::Backend(
+                "the KV cache needs at least one block".into(),
+            ));
+        }
+        let need = self.base() + blocks * self.per_block;
         if need > free {
             return Err(EngineError::Backend(format!(
-                "not enough GPU memory: cuda:{ordinal} has {:.2} GiB free of {:.2} GiB, but this \
-                 needs {:.2} GiB \
-                 (weights {:.2} GiB + KV cache {:.2} GiB for {num_blocks} blocks + {:.2} GiB \
-                 working space); ask for fewer KV blocks or use a larger GPU",
-                free as f64 / GIB,
-                total as f64 / GIB,
-                need as f64 / GIB,
-                self.weights as f64 / GIB,
-                self.kv as f64 / GIB,
-                self.headroom as f64 / GIB
+                "not enough GPU memory: cuda:{ordinal} has {:.2} GiB free of {:.2} GiB, but \
+                 this needs {:.2} GiB ({sizes} + KV cache {:.2} GiB for {blocks} blocks); ask \
+                 for fewer KV blocks or use a larger GPU",
+                g(free),
+                g(total),
+                g(need),
+                g(blocks * self.per_block)
             )));
         }
-        Ok(())
+        Ok(blocks)
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    const GB: usize = 1 << 30;
+
+    fn qwen3_8b() -> ModelConfig {
+        crate::init::preset(None, "qwen3-8b").unwrap()
+    }
+
+    fn plan(tokens: usize, rows: usize) -> MemoryPlan {
+        let opts = CudaOptions {
+            reserve_tokens: tokens,
+            reserve_rows: rows,
+            ..CudaOptions::device(0)
+        };
+        MemoryPlan::of(&qwen3_8b(), &opts, 16)
+    }
+
+    #[test]
+    fn an_8b_model_at_the_default_share_of_an_h100_gets_the_rest_as_kv() {
+        let p = plan(2048, 64);
+        // 8.19 B bf16 parameters; 36 layers of 8 KV heads of 128, K and V in bf16.
+        assert!(p.weights > 16_381_000_000 && p.weights < 16_383_000_000);
+        assert_eq!(p.per_block, 2 * 36 * 16 * 1024 * 2);
+        // The activations of a 2,048-token step are counted: ~0.4 GB, not a guess.
+        assert!(
+            p.activations > 300 << 20 && p.activations < 600 << 20,
+            "{p:?}"
+        );
+        let (total, free) = (80 * GB, 79 * GB);
+        let blocks = p.blocks(KvBudget::Share(0.9), 0, free, total).unwrap();
+        let used = p.base() + blocks * p.per_block;
+        assert!(used <= (0.9 * total as f64) as usize);
+        assert!(used + p.per_block > (0.9 * total as f64) as usize);
+        // ~60 GB of KV at 144 KiB a token: ~400k tokens.
+        assert!((350_000..420_000).contains(&(blocks * 16)), "{blocks}");
+    }
+
+    #[test]
+    fn a_plan_that_does_not_fit_is_refused_with_its_sizes() {
+        let p = plan(8192, 256);
+        // A 16 GB card at 0.9: the weights alone are 16.4 GB.
+        let e = p
+            .blocks(KvBudget::Share(0.9), 1, 15 * GB, 16 * GB)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("does not fit") && e.contains("weights 15.2"),
+            "{e}"
+        );
+        assert!(e.contains("8192 tokens") && e.contains("cuda:1"), "{e}");
+        // Another process holds memory: the share cannot be had.
+        let e = p
+            .blocks(KvBudget::Share(0.9), 0, 40 * GB, 80 * GB)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("40.00 GiB free of 80.00") && e.contains("at most 0.5"),
+            "{e}"
+        );
+        // Fixed sizes beyond the free memory name every part.
+        let e = p
+            .blocks(KvBudget::Blocks(100_000), 0, 40 * GB, 80 * GB)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("100000 blocks") && e.contains("activations"),
+            "{e}"
+        );
+        for bad in [0.0, -0.5, 1.5, f64::NAN] {
+            let e = p.blocks(KvBudget::Share(bad), 0, 80 * GB, 80 * GB);
+            assert!(e.unwrap_err().to_string().contains("at most 1"));
+        }
+    }
+
+    /// The example the README gives, word for word.
+    #[test]
+    fn the_readme_quotes_the_refusal_as_it_is() {
+        let e = plan(2048, 64)
+            .blocks(KvBudget::Share(0.9), 0, 16 * GB, 16 * GB)
+            .unwrap_err()
+            .to_string();
+        let quoted = "the model does not fit in 0.9 of cuda:0's 16.00 GiB (14.40 GiB): it \
+                      needs weights 15.26 GiB + activations 0.41 GiB (steps of up to 2048 \
+                      tokens, 64 rows of logits) + 0.50 GiB working space = 16.17 GiB before \
+                      any KV cache; raise --gpu-memory-utilization, lower \
+                      --max-num-batched-tokens, or use a larger GPU";
+        assert!(e.ends_with(quoted), "{e}");
+        let readme = include_str!("../../../../README.md")
+            .split_whitespace()
+            .collect::<Vec<_>>()
+            .join(" ");
+        assert!(
+            readme.contains(quoted),
+            "README.md no longer quotes: {quoted}"
+        );
+    }
+
+    #[test]
+    fn blocks_and_bytes_are_taken_as_asked_when_they_fit() {
+        let p = plan(0, 0);
+        assert_eq!((p.tokens, p.rows, p.activations), (0, 0, 0));
+        assert_eq!(
+            p.blocks(KvBudget::Blocks(10), 0, 80 * GB, 80 * GB).unwrap(),
+            10
+        );
+        let b = p.blocks(KvBudget::Bytes(GB), 0, 80 * GB, 80 * GB).unwrap();
+        assert_eq!(b, GB / p.per_block);
+        assert_eq!(
+            p.blocks(KvBudget::Bytes(1), 0, 80 * GB, 80 * GB).unwrap(),
+            1
+        );
+        assert!(p.blocks(KvBudget::Blocks(0), 0, 80 * GB, 80 * GB).is_err());
+    }
 
     #[test]
     fn kv_block_bytes_are_bf16_k_and_v_for_every_layer() {

@@ -62,6 +62,40 @@ impl CudaBackend {
     }
 }
 
+impl CudaBackend {
+    /// The device's free and total memory, in bytes.
+    pub fn memory_info(&self) -> Result<(usize, usize)> {
+        self.ctx.mem_get_info().map_err(|e| drv("memory query", e))
+    }
+
+    /// Tensor-core throughput of the GEMMs the engine runs (bf16 inputs, f32 accumulation
+    /// and output, through the same cuBLAS call), in FLOP/s: the best of `reps` timed
+    /// `[m, k] x [n, k]ᵀ` products after one warm-up. A prefill's share of this peak is
+    /// what says how much of its time is anything but matrix math.
+    pub fn gemm_flops(&self, (m, n, k): (usize, usize, usize), reps: usize) -> Result<f64> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| drv("binding the context", e))?;
+        let s = &self.stream;
+        let what = "the GEMM benchmark's matrices";
+        let x = s.alloc_zeros::<u16>(m * k).map_err(|e| drv(what, e))?;
+        let w = s.alloc_zeros::<u16>(n * k).map_err(|e| drv(what, e))?;
+        let mut y = s.alloc_zeros::<f32>(m * n).map_err(|e| drv(what, e))?;
+        let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let mut best = 0f64;
+        for i in 0..=reps {
+            let start = s.record_event(timing).map_err(|e| drv("GEMM event", e))?;
+            super::gemm::gemm_bf16_f32(&self.blas, s, &x, &w, &mut y, (m, n, k))?;
+            let end = s.record_event(timing).map_err(|e| drv("GEMM event", e))?;
+            let ms = start.elapsed_ms(&end).map_err(|e| drv("GEMM timing", e))?;
+            if i > 0 && ms > 0.0 {
+                best = best.max(2.0 * (m * n * k) as f64 / (f64::from(ms) * 1e-3));
+            }
+        }
+        Ok(best)
+    }
+}
+
 fn oom_bw(bytes: usize, e: DriverError) -> EngineError {
     drv(
         &format!(

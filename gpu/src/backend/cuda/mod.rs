@@ -9,16 +9,16 @@
 //! `[num_blocks, block_size, num_kv_heads, head_dim]` for K and for V, as on the CPU, plus
 //! one scratch block that decode graphs pad with (see `kv`).
 //!
-//! Status: compiled and unit-tested without a GPU (the host-side layouts, graph padding,
-//! sampling parameters, PTX cache keys, launch shapes), and checked on every commit with
-//! NVIDIA's compiler and libraries but no device (`gpu/tests/cuda_offline`): the kernels
-//! compile and assemble for every claimed architecture within its register and shared-memory
-//! limits, and every NVRTC and cuBLAS function called resolves. It has never run on a
-//! device: `tests/cuda_parity.rs` is the first thing to run on a GPU; it compares every path
-//! here against `CpuBackend`.
+//! Checked on every commit without a GPU: the host-side layouts, graph padding, sampling
+//! parameters, PTX cache keys, launch shapes and the memory plan are unit-tested, and
+//! `gpu/tests/cuda_offline` compiles and assembles the kernels for every claimed architecture
+//! within its register and shared-memory limits and resolves every NVRTC and cuBLAS function
+//! called. On a GPU, `tests/cuda_parity.rs` compares every path here against `CpuBackend`
+//! (`scripts/gpu_verify.sh run`).
 //!
 //! Where things are:
-//! - `load`: `CudaBackend::new`, the checks before anything is uploaded, the upload;
+//! - `load`: `CudaBackend::new`, the checks and the memory plan before anything is
+//!   uploaded, the upload;
 //! - `weights`: the model on the device, from the `checkpoint` walk both backends share;
 //! - `kernels`: one typed launch per kernel of `kernels.cu`; `gemm`: the cuBLAS products;
 //! - `step`: one step, from the batch to logits, eager or through a graph (`graphs`);
@@ -31,10 +31,9 @@
 //! `CudaOptions::graphs` is off (`--enforce-eager`); every other step runs eagerly.
 //!
 //! Sampling (greedy, temperature, top-k, top-p) runs on the device; only top logprobs fall
-//! back to copying logits. Prefill attention is flash-style over the paged cache with 8
-//! queries per key tile; a prompt's key traffic is still quadratic over 8, which a
-//! tensor-core (mma) version would cut further. Activations are sized for the step's token
-//! count, so the scheduler's per-step token budget bounds their memory.
+//! back to copying logits. Prefill attention runs on the tensor cores over the paged cache.
+//! The activations of the engine's largest step are allocated at start and counted in the
+//! memory plan (`load::MemoryPlan`), so serving never grows them.
 
 pub mod batch;
 mod buffers;
@@ -54,6 +53,7 @@ mod weights;
 
 pub use device::device_count;
 pub use kernels::KERNELS_CU;
+pub use load::MemoryPlan;
 
 use std::sync::Arc;
 

@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# The engine served through its gateway on the GPU machine, under the four profiles of vLLM's
+# H100 tuning tables, each scaled down to fit a short GPU lease (the scale is in each run's
+# label and in the JSON):
+#
+#   profile            vLLM's table                                  here
+#   throughput         random 1,024 in / 128 out, all at once,       ${TP_N:-300} requests
+#                      max concurrency 512, 1,000 requests
+#   generation-heavy   1,000 in / 2,000 out, 1 req/s                  ${GEN_N:-12} requests
+#   long-context       32,000 in / 100 out, 1 req/s                   ${LONG_N:-8} requests
+#   sharegpt-like      ShareGPT, all at once                          ${SG_N:-300} requests,
+#                                                                     lengths of scripts/sharegpt_like.py
+#
+#   MODEL=target/bench-models/qwen3-8b bash scripts/gpu_serve_bench.sh
+#
+# Needs gpu-out/kvmesh (`scripts/gpu_verify.sh build`) and the model folder (gpu-bench makes
+# it). Writes bench/results/serve-<device>.json and the per-run JSON under $OUT/serve.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out="${OUT:-gpu-out/results}"
+model="${MODEL:-target/bench-models/qwen3-8b}"
+port="${PORT:-8471}"
+bin="${KVMESH_BIN:-gpu-out/kvmesh}"
+mkdir -p "$out/serve"
+# shellcheck source=scripts/gpu_env.sh
+. scripts/gpu_env.sh
+# vLLM's defaults on an H100 (V1 engine, OpenAI server): up to 1,024 sequences and 8,192
+# tokens a step; 256 sequences here, so that the throughput profile's KV (up to 1,152 tokens
+# each) fits the cache an 8B model leaves on an 80 GB card without preemption.
+"$bin" serve --device cuda --model "$model" --max-model-len 32768 \
+    --max-num-seqs 256 --max-num-batched-tokens 8192 --port "$port" \
+    >"$out/serve/server.log" 2>&1 &
+server=$!
+trap 'kill $server 2>/dev/null || true' EXIT
+for _ in $(seq 1 300); do
+    curl -sf "http://127.0.0.1:$port/health" >/dev/null && break
+    kill -0 $server 2>/dev/null || { tail -20 "$out/serve/server.log"; exit 1; }
+    sleep 1
+done
+curl -sf "http://127.0.0.1:$port/health" >/dev/null || { echo "the server did not come up"; exit 1; }
+grep -m1 "KV cache" "$out/serve/server.log" || true
+bench() {
+    local label=$1
+    shift
+    "$bin" bench --base-url "http://127.0.0.1:$port" --tokenizer "$model" --label "$label" \
+        --result-dir "$out/serve" --percentiles 50,99 --timeout 300 "$@" 2>&1 | tee -a "$out/serve/bench.txt"
+}
+python3 scripts/sharegpt_like.py "$out/serve/sharegpt-like.json" --n "${SG_N:-300}"
+bench throughput --dataset random --input-len 1024 --output-len 128 \
+    --num-prompts "${TP_N:-300}" --request-rate inf --max-concurrency 512
+bench sharegpt-like --dataset "sharegpt:$out/serve/sharegpt-like.json" \
+    --num-prompts "${SG_N:-300}" --request-rate inf
+bench generation-heavy --dataset random --input-len 1000 --output-len 2000 \
+    --num-prompts "${GEN_N:-12}" --request-rate 1
+bench long-context --dataset random --input-len 32000 --output-len 100 \
+    --num-prompts "${LONG_N:-8}" --request-rate 1
+kill $server 2>/dev/null || true
+python3 - "$out/serve" "$model" <<'PY'
+import glob, json, re, subprocess, sys
+from pathlib import Path
+d, model = Path(sys.argv[1]), sys.argv[2]
+name = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                      capture_output=True, text=True).stdout.strip().splitlines()[0]
+runs = {}
+for f in sorted(glob.glob(str(d / "*-summary.json"))):
+    label = Path(f).name[: -len("-summary.json")]
+    runs[label] = json.loads(Path(f).read_text())
+out = {
+    "benchmark": "serve-profiles",
+    "engine": "kvmesh serve --device cuda",
+    "device": name,
+    "model": model,
+    "server_flags": "--max-model-len 32768 --max-num-seqs 256 --max-num-batched-tokens 8192 (KV: --gpu-memory-utilization 0.9)",
+    "scaled": "request counts scaled down from vLLM's tuning tables to fit a GPU lease; lengths and rates as published",
+    "runs": runs,
+}
+p = Path("bench/results") / ("serve-" + (re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "unknown") + ".json")
+p.parent.mkdir(parents=True, exist_ok=True)
+p.write_text(json.dumps(out, indent=2))
+print(f"wrote {p}")
+PY
