@@ -43,8 +43,9 @@ pub enum ModelCommand {
         /// Model family.
         #[arg(long, value_enum)]
         arch: Option<ArchArg>,
-        /// Shape preset: tiny, qwen2.5-0.5b, llama-3.2-1b, qwen3-0.6b.
-        #[arg(long, default_value = "tiny")]
+        /// Shape preset: tiny, or a published model's shape (qwen2.5-0.5b, llama-3.2-1b,
+        /// qwen3-0.6b, qwen3-8b, llama-3.1-8b).
+        #[arg(long, default_value = "tiny", value_parser = clap::builder::PossibleValuesParser::new(kvmesh_gpu::init::PRESETS))]
         preset: String,
         #[arg(long)]
         layers: Option<usize>,
@@ -205,7 +206,12 @@ fn inspect(m: &LoadedModel, dir: Option<&std::path::Path>) -> Value {
     let windows: Vec<Value> = (0..c.num_layers)
         .map(|i| c.layer_window(i).map_or(Value::Null, |w| w.into()))
         .collect();
-    let kv_elems = 2 * c.num_layers * c.kv_dim();
+    // Hybrid models keep K/V for their full-attention layers only.
+    let kv_layers = c
+        .hybrid
+        .as_ref()
+        .map_or(c.num_layers, |h| h.num_full_layers());
+    let kv_elems = 2 * kv_layers * c.kv_dim();
     let context_from = match &c.rope.scaling {
         RopeScaling::Linear { factor } | RopeScaling::Dynamic { factor } => format!(
             "max_position_embeddings {} x {} factor {factor}",
@@ -233,6 +239,9 @@ fn inspect(m: &LoadedModel, dir: Option<&std::path::Path>) -> Value {
             c.max_position_embeddings
         ));
     }
+    if let Some(h) = &c.hybrid {
+        notes.push(hybrid_note(c, h));
+    }
     if m.tokenizer.vocab_size() > c.vocab_size {
         notes.push(format!(
             "the tokenizer has {} tokens, the model {}: ids past the model's are refused",
@@ -244,7 +253,7 @@ fn inspect(m: &LoadedModel, dir: Option<&std::path::Path>) -> Value {
         "path": dir.map(|d| d.display().to_string()),
         "name": m.name,
         "family": c.arch.model_type(),
-        "architecture": c.arch.architecture_name(),
+        "architecture": c.architecture_name(),
         "vocab_size": c.vocab_size,
         "tokenizer_vocab_size": m.tokenizer.vocab_size(),
         "hidden_size": c.hidden_size,
@@ -285,6 +294,31 @@ fn inspect(m: &LoadedModel, dir: Option<&std::path::Path>) -> Value {
         },
         "ignored_config_fields": c.ignored_fields,
     })
+}
+
+/// What a Qwen3.5 model adds to the dense shape, and why it is not served yet.
+fn hybrid_note(
+    c: &kvmesh_gpu::config::ModelConfig,
+    h: &kvmesh_gpu::config::HybridConfig,
+) -> String {
+    let types: Vec<&str> = h.layer_types.iter().map(|t| t.name()).collect();
+    format!(
+        "Qwen3.5 hybrid: {} Gated DeltaNet layers ({} key heads of {}, {} value heads of {}, \
+         conv kernel {}) and {} gated full-attention layers ({}); RoPE on the first {} of each \
+         head's {} dimensions; recurrent state {} bytes per sequence (f32). The CPU reference \
+         runs it; engines do not serve it yet",
+        h.num_linear_layers(),
+        h.linear_num_key_heads,
+        h.linear_key_head_dim,
+        h.linear_num_value_heads,
+        h.linear_value_head_dim,
+        h.linear_conv_kernel_dim,
+        h.num_full_layers(),
+        types.join(", "),
+        h.rotary_dim,
+        c.head_dim,
+        h.state_bytes_per_sequence()
+    )
 }
 
 /// An f32 as JSON through its shortest decimal form (1e-5, not 9.999999747378752e-6).

@@ -68,7 +68,7 @@ impl ModelCard {
             name: name.to_string(),
             fingerprint: model.fingerprint(numerics),
             weights_digest: model.served_digest(numerics),
-            architecture: model.config.arch.architecture_name().to_string(),
+            architecture: model.config.architecture_name().to_string(),
             max_model_len,
             block_size,
             kv_layout,

@@ -13,6 +13,13 @@ use crate::config::ModelConfig;
 use crate::error::Result;
 use crate::safetensors::{TensorData, WeightStore};
 
+/// Why an engine cannot be built for a Qwen3.5 model yet.
+pub const HYBRID_NOT_SERVED: &str = "Qwen3.5 hybrid (Gated DeltaNet) layers are read and run by \
+    the CPU reference but not yet served: the engine has no per-sequence slot for their \
+    recurrent state (conv window and delta-rule state) beside the paged KV blocks, and the \
+    CUDA backend has no kernels for them; `kvmesh_gpu::backend::cpu::HybridModel` runs the \
+    model on its own (prefill, then greedy decode)";
+
 /// A dense layer as the checkpoint holds it: `y = x · Wᵀ (+ b)` with `W` row-major
 /// `[out, inp]`, bf16 as stored or f32 (see `WeightStore::load`).
 pub struct Projection {
@@ -26,7 +33,7 @@ impl Projection {
     /// Projections that read the same input, stacked row-wise into one product (q, k and v;
     /// gate and up). The weight stays bf16 only when every part is bf16 (else every part is
     /// widened to f32, exactly); when any part has a bias, the others get zeros.
-    fn stack(parts: Vec<Projection>) -> Projection {
+    pub(crate) fn stack(parts: Vec<Projection>) -> Projection {
         let inp = parts.first().map_or(0, |p| p.inp);
         debug_assert!(parts.iter().all(|p| p.inp == inp));
         let out = parts.iter().map(|p| p.out).sum();
@@ -122,6 +129,13 @@ impl<'a> Checkpoint<'a> {
     /// Layer `i`, `model.layers.{i}.*`.
     pub fn layer(&self, i: usize) -> Result<LayerWeights> {
         let c = self.cfg;
+        if c.hybrid.is_some() {
+            // Every serving backend loads its layers here: refusing here keeps any of them
+            // from running a hybrid checkpoint as if it were dense.
+            return Err(crate::error::EngineError::BadModel(
+                HYBRID_NOT_SERVED.into(),
+            ));
+        }
         let (h, q, kv, inter) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size);
         let p = format!("model.layers.{i}");
         let a = format!("{p}.self_attn");

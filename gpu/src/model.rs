@@ -230,6 +230,9 @@ pub fn check_tensors(cfg: &ModelConfig, w: &WeightStore) -> Result<()> {
         // Rotary tables some old checkpoints carry; recomputed from the config, as
         // transformers does.
         .filter(|n| !known.contains(n) && !n.ends_with("rotary_emb.inv_freq"))
+        // Parts of a checkpoint the config knows of and leaves unread (Qwen3.5's vision
+        // tower and multi-token-prediction head).
+        .filter(|n| !cfg.ignores_tensor(n))
         .collect();
     for name in extra {
         if name == "lm_head.weight" && cfg.tie_word_embeddings {

@@ -12,11 +12,16 @@ pub enum Arch {
     Qwen2,
     Qwen3,
     Mistral,
+    /// Qwen3.5's text model: Gated DeltaNet layers between gated full-attention layers
+    /// (see `config::hybrid`).
+    Qwen35,
 }
 
 /// Appended to every refusal of an unknown or ambiguous family.
 const SUPPORTED: &str = "kvmesh runs LlamaForCausalLM (llama), Qwen2ForCausalLM (qwen2), \
-                         Qwen3ForCausalLM (qwen3) and MistralForCausalLM (mistral)";
+                         Qwen3ForCausalLM (qwen3), MistralForCausalLM (mistral), and \
+                         Qwen3.5's text model: Qwen3_5ForCausalLM (qwen3_5_text) or \
+                         Qwen3_5ForConditionalGeneration (qwen3_5)";
 
 impl Arch {
     pub fn from_architecture(name: &str) -> Option<Arch> {
@@ -25,6 +30,7 @@ impl Arch {
             "Qwen2ForCausalLM" => Some(Arch::Qwen2),
             "Qwen3ForCausalLM" => Some(Arch::Qwen3),
             "MistralForCausalLM" => Some(Arch::Mistral),
+            "Qwen3_5ForCausalLM" | "Qwen3_5ForConditionalGeneration" => Some(Arch::Qwen35),
             _ => None,
         }
     }
@@ -35,6 +41,7 @@ impl Arch {
             "qwen2" => Some(Arch::Qwen2),
             "qwen3" => Some(Arch::Qwen3),
             "mistral" => Some(Arch::Mistral),
+            "qwen3_5_text" | "qwen3_5" => Some(Arch::Qwen35),
             _ => None,
         }
     }
@@ -45,6 +52,7 @@ impl Arch {
             Arch::Qwen2 => "Qwen2ForCausalLM",
             Arch::Qwen3 => "Qwen3ForCausalLM",
             Arch::Mistral => "MistralForCausalLM",
+            Arch::Qwen35 => "Qwen3_5ForCausalLM",
         }
     }
 
@@ -54,6 +62,7 @@ impl Arch {
             Arch::Qwen2 => "qwen2",
             Arch::Qwen3 => "qwen3",
             Arch::Mistral => "mistral",
+            Arch::Qwen35 => "qwen3_5_text",
         }
     }
 
@@ -61,7 +70,7 @@ impl Arch {
     pub(super) fn default_max_position_embeddings(self) -> usize {
         match self {
             Arch::Llama => 2048,
-            Arch::Qwen2 | Arch::Qwen3 => 32_768,
+            Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen35 => 32_768,
             Arch::Mistral => 131_072,
         }
     }
@@ -72,6 +81,7 @@ impl Arch {
             Arch::Llama => num_heads,
             Arch::Qwen2 | Arch::Qwen3 => 32,
             Arch::Mistral => 8,
+            Arch::Qwen35 => 4,
         }
     }
 
@@ -79,6 +89,7 @@ impl Arch {
     pub(super) fn default_head_dim(self, hidden_size: usize, num_heads: usize) -> usize {
         match self {
             Arch::Qwen3 => 128,
+            Arch::Qwen35 => 256,
             _ => hidden_size / num_heads,
         }
     }
@@ -86,7 +97,7 @@ impl Arch {
     /// Biases on (q/k/v, o) projections, given the file's `attention_bias`.
     pub(super) fn attention_biases(self, attention_bias: bool) -> (bool, bool) {
         match self {
-            Arch::Llama | Arch::Qwen3 => (attention_bias, attention_bias),
+            Arch::Llama | Arch::Qwen3 | Arch::Qwen35 => (attention_bias, attention_bias),
             Arch::Qwen2 => (true, false),
             Arch::Mistral => (false, false),
         }
@@ -108,6 +119,15 @@ impl Arch {
             ],
             // `layer_types` only to refuse it with the reason (see `read_window`).
             Arch::Mistral => &["head_dim", "sliding_window", "layer_types"],
+            Arch::Qwen35 => super::hybrid::OWN_FIELDS,
+        }
+    }
+
+    /// Fields this family knows and skips: they do not change the forward pass.
+    pub(super) fn skipped_fields(self) -> &'static [&'static str] {
+        match self {
+            Arch::Qwen35 => super::hybrid::SKIPPED_FIELDS,
+            _ => &[],
         }
     }
 }
@@ -117,6 +137,12 @@ impl Arch {
 pub(super) fn read_arch(f: &Fields) -> Result<Arch> {
     let model_type = f.str("model_type")?;
     let archs = architectures(f)?;
+    if let Some(t) = model_type.filter(|t| t.starts_with("qwen3_5_moe")) {
+        return Err(super::hybrid::moe_refusal(&format!("model_type {t:?}")));
+    }
+    if let Some(a) = archs.iter().find(|a| a.starts_with("Qwen3_5Moe")) {
+        return Err(super::hybrid::moe_refusal(a));
+    }
     let from_archs = match archs.as_slice() {
         [] => None,
         [one] => Some(Arch::from_architecture(one).ok_or_else(|| {

@@ -125,6 +125,7 @@ pub(super) fn screen(obj: &Map<String, Value>, arch: Arch) -> Result<Vec<String>
             continue;
         }
         if IGNORED_FIELDS.contains(&key)
+            || arch.skipped_fields().contains(&key)
             || key.starts_with('_')
             || key.ends_with("_version")
             || is_off(v)

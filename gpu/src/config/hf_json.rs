@@ -4,6 +4,7 @@
 use serde_json::{Map, Value};
 
 use super::arch::Arch;
+use super::hybrid::HybridLayout;
 use super::model::ModelConfig;
 use super::rope::RopeScaling;
 
@@ -42,7 +43,20 @@ impl ModelConfig {
             }
         }
         self.put_family_fields(o);
-        v
+        match &self.hybrid {
+            Some(hy) if hy.layout == HybridLayout::ConditionalGeneration => {
+                // The wrapper's layout: the text model's fields nested, the head's tie at the
+                // top (the vision tower is not written: kvmesh has none to describe).
+                let tie = o.remove("tie_word_embeddings").unwrap_or(false.into());
+                serde_json::json!({
+                    "architectures": [hy.layout.architecture_name()],
+                    "model_type": "qwen3_5",
+                    "text_config": v,
+                    "tie_word_embeddings": tie,
+                })
+            }
+            _ => v,
+        }
     }
 
     /// The fields only some families read: biases and windows.
@@ -54,6 +68,25 @@ impl ModelConfig {
             }
             Arch::Mistral => {
                 o.insert("sliding_window".into(), self.sliding_window.into());
+            }
+            Arch::Qwen35 => {
+                let Some(hy) = &self.hybrid else { return };
+                o.insert("attention_bias".into(), self.o_bias.into());
+                let types: Vec<&str> = hy.layer_types.iter().map(|t| t.name()).collect();
+                o.insert("layer_types".into(), types.into());
+                for (k, x) in [
+                    ("linear_num_key_heads", hy.linear_num_key_heads),
+                    ("linear_num_value_heads", hy.linear_num_value_heads),
+                    ("linear_key_head_dim", hy.linear_key_head_dim),
+                    ("linear_value_head_dim", hy.linear_value_head_dim),
+                    ("linear_conv_kernel_dim", hy.linear_conv_kernel_dim),
+                ] {
+                    o.insert(k.into(), x.into());
+                }
+                if let Some(Value::Object(r)) = o.get_mut("rope_parameters") {
+                    let partial = hy.rotary_dim as f64 / self.head_dim as f64;
+                    r.insert("partial_rotary_factor".into(), partial.into());
+                }
             }
             Arch::Qwen2 | Arch::Qwen3 => {
                 if self.arch == Arch::Qwen3 {

@@ -23,12 +23,17 @@
 //! Where each part lives: the family and its defaults in `arch`; typed reads of top-level
 //! fields in `reader`; which fields are read, skipped or refused in `fields`; RoPE in `rope`
 //! (a typed pass over the dict, then the refusals); sliding windows in `window`; the order of
-//! it all in `model`; writing a config back in `hf_json`.
+//! it all in `model` (and `parse`, which picks the reader by family); writing a config back
+//! in `hf_json`; Qwen3.5's hybrid text model in `hybrid` (what it adds to the dense shape)
+//! and `qwen35` (its two layouts read into that).
 
 mod arch;
 mod fields;
 mod hf_json;
+mod hybrid;
 mod model;
+mod parse;
+mod qwen35;
 mod reader;
 mod rope;
 #[cfg(test)]
@@ -37,6 +42,7 @@ mod window;
 
 pub use arch::Arch;
 pub use fields::IGNORED_FIELDS;
+pub use hybrid::{HybridConfig, HybridLayout, LayerType};
 pub use model::{ModelConfig, TensorRole, TensorSpec};
 pub(crate) use reader::token_ids;
 pub use rope::{Rope, RopeLayout, RopeScaling};

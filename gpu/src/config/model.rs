@@ -1,9 +1,9 @@
 //! `ModelConfig`, the one normalised view of a model's shape the backends use, and the order
 //! in which `config.json` is read into it.
 
-use serde_json::Value;
+use serde_json::{Map, Value};
 
-use super::arch::{read_arch, Arch};
+use super::arch::Arch;
 use super::fields::screen;
 use super::reader::{bad, token_ids, Fields};
 use super::rope::{read_rope, Rope, RopeScaling};
@@ -43,18 +43,21 @@ pub struct ModelConfig {
     pub declared_dtype: Option<String>,
     /// Fields present in the file and skipped because they do not change the math.
     pub ignored_fields: Vec<String>,
+    /// Qwen3.5's linear-attention layers and what else sets it apart (`None` for the dense
+    /// families).
+    pub hybrid: Option<super::hybrid::HybridConfig>,
 }
 
 /// The attention heads' shape.
-struct Heads {
-    hidden_size: usize,
-    num_heads: usize,
-    num_kv_heads: usize,
-    head_dim: usize,
+pub(super) struct Heads {
+    pub(super) hidden_size: usize,
+    pub(super) num_heads: usize,
+    pub(super) num_kv_heads: usize,
+    pub(super) head_dim: usize,
 }
 
 impl Heads {
-    fn read(f: &Fields, arch: Arch) -> Result<Heads> {
+    pub(super) fn read(f: &Fields, arch: Arch) -> Result<Heads> {
         let hidden_size = f.need("hidden_size")?;
         let num_heads = f.need("num_attention_heads")?;
         if num_heads == 0 || hidden_size == 0 {
@@ -86,7 +89,7 @@ impl Heads {
 }
 
 /// The families kvmesh runs all use SwiGLU; any other activation is refused.
-fn check_activation(f: &Fields) -> Result<()> {
+pub(super) fn check_activation(f: &Fields) -> Result<()> {
     let act = f.str("hidden_act")?.unwrap_or("silu");
     if act != "silu" && act != "swish" {
         return Err(bad(format!(
@@ -97,7 +100,7 @@ fn check_activation(f: &Fields) -> Result<()> {
     Ok(())
 }
 
-fn read_max_position_embeddings(f: &Fields, arch: Arch) -> Result<usize> {
+pub(super) fn read_max_position_embeddings(f: &Fields, arch: Arch) -> Result<usize> {
     let max = f
         .usize("max_position_embeddings")?
         .unwrap_or_else(|| arch.default_max_position_embeddings());
@@ -107,7 +110,7 @@ fn read_max_position_embeddings(f: &Fields, arch: Arch) -> Result<usize> {
     Ok(max)
 }
 
-fn read_rms_norm_eps(f: &Fields) -> Result<f64> {
+pub(super) fn read_rms_norm_eps(f: &Fields) -> Result<f64> {
     let eps = f.f64("rms_norm_eps")?.unwrap_or(1e-6);
     if !(eps > 0.0 && eps.is_finite()) {
         return Err(bad(format!(
@@ -141,16 +144,9 @@ pub enum TensorRole {
 }
 
 impl ModelConfig {
-    /// Reads `config.json`. The order of the reads is the order of the refusals: a file with
-    /// several problems is refused for the first.
-    pub fn from_json(text: &str) -> Result<ModelConfig> {
-        let root: Value =
-            serde_json::from_str(text).map_err(|e| bad(format!("not valid JSON: {e}")))?;
-        let obj = root
-            .as_object()
-            .ok_or_else(|| bad("expected a JSON object at the top level"))?;
+    /// The dense families' fields, once `arch` is known (see `parse`).
+    pub(super) fn read_dense(obj: &Map<String, Value>, arch: Arch) -> Result<ModelConfig> {
         let f = Fields { obj };
-        let arch = read_arch(&f)?;
         let ignored_fields = screen(obj, arch)?;
         let heads = Heads::read(&f, arch)?;
         check_activation(&f)?;
@@ -198,6 +194,7 @@ impl ModelConfig {
             eos_token_ids: f.get("eos_token_id").map(token_ids).unwrap_or_default(),
             declared_dtype: f.str("dtype")?.or(f.str("torch_dtype")?).map(String::from),
             ignored_fields,
+            hybrid: None,
         })
     }
 
@@ -263,6 +260,13 @@ impl ModelConfig {
 
     /// Number of parameters the weights hold (embeddings counted once when tied).
     pub fn num_params(&self) -> usize {
+        if self.hybrid.is_some() {
+            return self
+                .tensors()
+                .iter()
+                .map(|t| t.shape.iter().product::<usize>())
+                .sum();
+        }
         let h = self.hidden_size;
         let per_layer = h * self.q_dim()
             + 2 * h * self.kv_dim()
@@ -288,6 +292,9 @@ impl ModelConfig {
     /// Every tensor a checkpoint of this config holds, with its shape and what it is, in the
     /// order transformers' modules hold them.
     pub fn tensors(&self) -> Vec<TensorSpec> {
+        if let Some(hy) = &self.hybrid {
+            return self.hybrid_tensors(hy);
+        }
         let (h, q, kv, inter, d) = (
             self.hidden_size,
             self.q_dim(),

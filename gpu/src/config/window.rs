@@ -14,6 +14,8 @@ pub(super) fn read_window(f: &Fields, arch: Arch) -> Result<Windows> {
         Arch::Llama => llama(f),
         Arch::Mistral => mistral(f),
         Arch::Qwen2 | Arch::Qwen3 => qwen(f),
+        // Its `layer_types` name token mixers, not windows (see `hybrid`).
+        Arch::Qwen35 => Ok((None, None)),
     }
 }
 

@@ -4,10 +4,14 @@
 //! sequence through the layers together (one matrix product per projection for the whole
 //! batch); attention reads each sequence's history through its block table.
 
+pub mod delta;
+mod hybrid;
+mod hybrid_layers;
 mod ops;
 
 use rayon::prelude::*;
 
+pub use hybrid::{argmax, HybridModel, HybridSequence, HybridState, StateLayout, DEFAULT_CHUNK};
 pub use ops::{Linear, Matrix};
 
 use std::sync::Arc;

@@ -17,7 +17,7 @@ impl ModelConfig {
     /// `dynamic` RoPE looks at the length, as transformers' rotary embedding does when it
     /// recomputes its frequencies for the longest position in the pass.
     pub fn rope_inv_freq_for_len(&self, seq_len: usize) -> Vec<f32> {
-        let d = self.head_dim;
+        let d = self.rotary_dim();
         let theta = self.rope.theta;
         let freqs: Vec<f64> = match &self.rope.scaling {
             RopeScaling::Default => plain(theta, d),

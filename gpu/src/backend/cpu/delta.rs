@@ -1,0 +1,255 @@
+//! The gated delta rule (Gated DeltaNet's token mixer) and the short causal convolution in
+//! front of it, for one value head of one sequence.
+//!
+//! The state `S` is `dk x dv` (row `i` for key dimension `i`), f32. Each token with query
+//! `q`, key `k` (both L2-normalised, `q` also scaled by `1/sqrt(dk)` by the caller), value
+//! `v`, log-decay `g <= 0` and write strength `beta` in (0, 1) does:
+//!
+//! ```text
+//! S <- e^g S;   delta = beta (v - S^T k);   S <- S + k delta^T;   o = S^T q
+//! ```
+//!
+//! Three ways to run it, which must agree (the tests hold them to it):
+//! - [`reference`]: the rule as written, token by token, accumulating in f64. It exists to
+//!   check the other two.
+//! - [`step`]: one token, as decode runs it, reading and writing the state once.
+//! - [`chunked`]: prefill. Within a chunk of `L` tokens the updates are one lower-triangular
+//!   system: with `G_t` the cumulative log-decay from the chunk's start (inclusive) and `S0`
+//!   the state before it,
+//!
+//!   ```text
+//!   delta_t = beta_t (v_t - e^{G_t} S0^T k_t) - sum_{s<t} beta_t e^{G_t - G_s} (k_t . k_s) delta_s
+//!   o_t     = e^{G_t} S0^T q_t + sum_{s<=t} e^{G_t - G_s} (q_t . k_s) delta_s
+//!   S_L     = e^{G_L} S0 + sum_s e^{G_L - G_s} k_s delta_s^T
+//!   ```
+//!
+//!   which is the chunk-wise (WY / UT-transform) form of the Gated DeltaNet paper, solved
+//!   here by forward substitution on the right-hand side instead of inverting the matrix:
+//!   the same products, no inverse kept. The state is read and written once per chunk
+//!   instead of once per token, and every exponent is of a difference `G_t - G_s <= 0`, so
+//!   nothing overflows however long the chunk.
+
+/// The state update of one token (see the module's comment). `q` is already normalised and
+/// scaled. Writes the token's output to `out` (`dv`).
+#[allow(clippy::too_many_arguments)]
+pub fn step(
+    state: &mut [f32],
+    dk: usize,
+    dv: usize,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    g: f32,
+    beta: f32,
+    out: &mut [f32],
+) {
+    let decay = g.exp();
+    // delta = beta (v - (e^g S)^T k)
+    let mut delta = vec![0f32; dv];
+    for (i, &ki) in k.iter().enumerate().take(dk) {
+        let row = &state[i * dv..(i + 1) * dv];
+        for (d, &s) in delta.iter_mut().zip(row) {
+            *d += s * ki;
+        }
+    }
+    for (d, &vj) in delta.iter_mut().zip(v) {
+        *d = beta * (vj - decay * *d);
+    }
+    out[..dv].fill(0.0);
+    for i in 0..dk {
+        let row = &mut state[i * dv..(i + 1) * dv];
+        let (ki, qi) = (k[i], q[i]);
+        for ((s, &d), o) in row.iter_mut().zip(&delta).zip(out.iter_mut()) {
+            *s = decay * *s + ki * d;
+            *o += *s * qi;
+        }
+    }
+}
+
+/// The rule token by token exactly as written, in f64; `state` is updated. `q`, `k` are
+/// `[t, dk]`, `v` and `out` `[t, dv]`.
+#[allow(clippy::too_many_arguments)]
+pub fn reference(
+    state: &mut [f32],
+    dk: usize,
+    dv: usize,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    g: &[f32],
+    beta: &[f32],
+    out: &mut [f32],
+) {
+    let mut s: Vec<f64> = state.iter().map(|&x| x as f64).collect();
+    for t in 0..g.len() {
+        let (qt, kt, vt) = (
+            &q[t * dk..(t + 1) * dk],
+            &k[t * dk..(t + 1) * dk],
+            &v[t * dv..(t + 1) * dv],
+        );
+        let decay = (g[t] as f64).exp();
+        for x in s.iter_mut() {
+            *x *= decay;
+        }
+        for j in 0..dv {
+            let mem: f64 = (0..dk).map(|i| s[i * dv + j] * kt[i] as f64).sum();
+            let delta = beta[t] as f64 * (vt[j] as f64 - mem);
+            for i in 0..dk {
+                s[i * dv + j] += kt[i] as f64 * delta;
+            }
+        }
+        for j in 0..dv {
+            let o: f64 = (0..dk).map(|i| s[i * dv + j] * qt[i] as f64).sum();
+            out[t * dv + j] = o as f32;
+        }
+    }
+    for (a, b) in state.iter_mut().zip(&s) {
+        *a = *b as f32;
+    }
+}
+
+/// Prefill of `g.len()` tokens in chunks of `chunk` (see the module's comment); `state` is
+/// updated. Shapes as for [`reference`].
+#[allow(clippy::too_many_arguments)]
+pub fn chunked(
+    state: &mut [f32],
+    dk: usize,
+    dv: usize,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    g: &[f32],
+    beta: &[f32],
+    chunk: usize,
+    out: &mut [f32],
+) {
+    let n = g.len();
+    let chunk = chunk.max(1);
+    let mut start = 0;
+    while start < n {
+        let end = (start + chunk).min(n);
+        one_chunk(
+            state,
+            dk,
+            dv,
+            &q[start * dk..end * dk],
+            &k[start * dk..end * dk],
+            &v[start * dv..end * dv],
+            &g[start..end],
+            &beta[start..end],
+            &mut out[start * dv..end * dv],
+        );
+        start = end;
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn one_chunk(
+    state: &mut [f32],
+    dk: usize,
+    dv: usize,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    g: &[f32],
+    beta: &[f32],
+    out: &mut [f32],
+) {
+    let l = g.len();
+    let mut cum = vec![0f32; l];
+    let mut acc = 0f32;
+    for (c, &x) in cum.iter_mut().zip(g) {
+        acc += x;
+        *c = acc;
+    }
+    let row = |t: usize, d: usize| t * d..(t + 1) * d;
+    // What the state before the chunk gives each token: S0^T k_t and S0^T q_t.
+    let mut s0k = vec![0f32; l * dv];
+    let mut s0q = vec![0f32; l * dv];
+    for t in 0..l {
+        let (kt, qt) = (&k[row(t, dk)], &q[row(t, dk)]);
+        let (ak, aq) = (
+            &mut s0k[t * dv..(t + 1) * dv],
+            &mut s0q[t * dv..(t + 1) * dv],
+        );
+        for i in 0..dk {
+            let srow = &state[i * dv..(i + 1) * dv];
+            let (ki, qi) = (kt[i], qt[i]);
+            for ((a, b), &s) in ak.iter_mut().zip(aq.iter_mut()).zip(srow) {
+                *a += s * ki;
+                *b += s * qi;
+            }
+        }
+    }
+    // delta by forward substitution.
+    let mut delta = vec![0f32; l * dv];
+    for t in 0..l {
+        let et = cum[t].exp();
+        let kt = &k[row(t, dk)];
+        let mut d: Vec<f32> = (0..dv)
+            .map(|j| beta[t] * (v[t * dv + j] - et * s0k[t * dv + j]))
+            .collect();
+        for s in 0..t {
+            let a = beta[t] * (cum[t] - cum[s]).exp() * super::ops::dot(kt, &k[row(s, dk)]);
+            super::ops::axpy(&mut d, -a, &delta[s * dv..(s + 1) * dv]);
+        }
+        delta[t * dv..(t + 1) * dv].copy_from_slice(&d);
+    }
+    // Outputs.
+    for t in 0..l {
+        let et = cum[t].exp();
+        let qt = &q[row(t, dk)];
+        let o = &mut out[t * dv..(t + 1) * dv];
+        for (x, &a) in o.iter_mut().zip(&s0q[t * dv..(t + 1) * dv]) {
+            *x = et * a;
+        }
+        for s in 0..=t {
+            let a = (cum[t] - cum[s]).exp() * super::ops::dot(qt, &k[row(s, dk)]);
+            super::ops::axpy(o, a, &delta[s * dv..(s + 1) * dv]);
+        }
+    }
+    // The state after the chunk.
+    let last = cum[l - 1];
+    let el = last.exp();
+    for x in state.iter_mut() {
+        *x *= el;
+    }
+    for s in 0..l {
+        let w = (last - cum[s]).exp();
+        let ks = &k[row(s, dk)];
+        let ds = &delta[s * dv..(s + 1) * dv];
+        for (i, &ki) in ks.iter().enumerate() {
+            super::ops::axpy(&mut state[i * dv..(i + 1) * dv], w * ki, ds);
+        }
+    }
+}
+
+/// The depthwise causal convolution (kernel `kw`) over `x` (`[t, c]`), then SiLU, carrying
+/// the last `kw - 1` inputs across calls in `window` (`[kw - 1, c]`, oldest first; zeros
+/// before a sequence's first token). `weight` is `[c, kw]`, as transformers' `conv1d`
+/// holds it; its last tap meets the current input.
+pub fn causal_conv(x: &[f32], c: usize, weight: &[f32], kw: usize, window: &mut [f32]) -> Vec<f32> {
+    let t = x.len() / c;
+    let hist = kw - 1;
+    // The inputs the outputs read: the carried window, then this call's.
+    let mut full = Vec::with_capacity((hist + t) * c);
+    full.extend_from_slice(&window[..hist * c]);
+    full.extend_from_slice(x);
+    let mut y = vec![0f32; t * c];
+    for (ti, out) in y.chunks_exact_mut(c).enumerate() {
+        for (ch, o) in out.iter_mut().enumerate() {
+            let w = &weight[ch * kw..(ch + 1) * kw];
+            let mut acc = 0f32;
+            for (j, &wj) in w.iter().enumerate() {
+                acc += wj * full[(ti + j) * c + ch];
+            }
+            *o = super::ops::silu(acc);
+        }
+    }
+    window[..hist * c].copy_from_slice(&full[t * c..(t + hist) * c]);
+    y
+}
+
+#[cfg(test)]
+#[path = "delta_tests.rs"]
+mod tests;

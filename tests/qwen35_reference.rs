@@ -1,0 +1,347 @@
+//! Qwen3.5's hybrid text model on the CPU against Hugging Face transformers.
+//!
+//! `scripts/qwen35_fixtures.py` wrote the `hf-qwen35-*` checkpoints with transformers'
+//! own `save_pretrained` (both layouts: `Qwen3_5ForCausalLM`, and
+//! `Qwen3_5ForConditionalGeneration` with its vision tower and an `mtp.*` head kvmesh must
+//! leave unread) and recorded what transformers computes on them in
+//! `tests/fixtures/reference/<model>.json`. Here kvmesh's config reader and
+//! `HybridModel` answer the same questions with no PyTorch involved:
+//!
+//! - the last prompt position's logits, prefilling the delta rule in chunks of 64
+//!   (transformers' own), 16 and 7 (so the 45-token prompt crosses chunk boundaries at
+//!   places that do not divide it), in two calls (a prefill continued mid-chunk), and one
+//!   token at a time (the recurrent step alone);
+//! - the greedy continuation of 24 tokens: prefill, then one decode step per token.
+//!
+//! Floats are compared within `2e-3 + 2e-3 * |reference|`, as `forward_reference.rs`
+//! does; a greedy token may differ only after a position where transformers' best two
+//! logits were within `TIE_GAP`. Both the f32 and the bf16 checkpoints are held to that:
+//! bf16 weights are widened to f32 on both sides, so the math is the same.
+//!
+//! Then what must be refused: building a serving engine for such a model (not served
+//! yet), and configs with an unknown layer type, a mixture-of-experts variant or a state
+//! dtype kvmesh does not keep, each naming the field.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use common::ModelWithConfig;
+use kvmesh_gpu::backend::cpu::{argmax, CpuModel, HybridModel};
+use kvmesh_gpu::config::{HybridLayout, LayerType};
+use kvmesh_gpu::model::{build_backend, BackendKind, KvBudget, LoadedModel};
+use serde::Deserialize;
+use serde_json::Value;
+
+const TIE_GAP: f32 = 1e-3;
+
+#[derive(Deserialize)]
+struct Fixture {
+    format: u32,
+    model: String,
+    architecture: String,
+    layer_types: Vec<String>,
+    transformers_version: String,
+    torch_version: String,
+    safetensors_fnv1a64: String,
+    new_tokens: usize,
+    prompts: Vec<Prompt>,
+}
+
+#[derive(Deserialize)]
+struct Prompt {
+    name: String,
+    ids: Vec<u32>,
+    last_logits: Vec<f32>,
+    argmax_top2_gap: Vec<f32>,
+    argmax: Vec<u32>,
+    greedy: Vec<u32>,
+    greedy_gaps: Vec<f32>,
+}
+
+fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn model_dir(name: &str) -> PathBuf {
+    repo().join("tests/fixtures/models").join(name)
+}
+
+fn fixture(name: &str) -> Fixture {
+    let path = repo()
+        .join("tests/fixtures/reference")
+        .join(format!("{name}.json"));
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let fx: Fixture =
+        serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    assert_eq!(
+        fx.format,
+        1,
+        "{}: rerun scripts/qwen35_fixtures.py",
+        path.display()
+    );
+    fx
+}
+
+fn fnv1a64(bytes: &[u8]) -> String {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for &b in bytes {
+        h = (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    format!("{h:016x}")
+}
+
+fn load(name: &str, fx: &Fixture) -> LoadedModel {
+    let dir = model_dir(name);
+    let st = std::fs::read(dir.join("model.safetensors")).expect("read model.safetensors");
+    assert_eq!(
+        fnv1a64(&st),
+        fx.safetensors_fnv1a64,
+        "{name}: model.safetensors is not the file the reference was computed from; rerun \
+         scripts/qwen35_fixtures.py (the fixture is stale, this is not a forward-pass bug)"
+    );
+    LoadedModel::from_dir(&dir).unwrap_or_else(|e| panic!("{name}: {e}"))
+}
+
+fn assert_close(ctx: &str, got: &[f32], want: &[f32]) -> f32 {
+    assert_eq!(got.len(), want.len(), "{ctx}: logits length");
+    let mut worst = 0f32;
+    for (i, (&a, &b)) in got.iter().zip(want).enumerate() {
+        let d = (a - b).abs();
+        assert!(
+            d <= 2e-3 + 2e-3 * b.abs(),
+            "{ctx}: logit {i} is {a}, transformers {b} (diff {d})"
+        );
+        worst = worst.max(d);
+    }
+    worst
+}
+
+fn assert_last_argmax(ctx: &str, got: &[f32], p: &Prompt) {
+    let n = p.ids.len() - 1;
+    let g = argmax(got);
+    if p.argmax_top2_gap[n] >= TIE_GAP {
+        assert_eq!(g, p.argmax[n], "{ctx}: argmax");
+    }
+}
+
+/// Equal to transformers' continuation, or equal up to a near-tie of theirs.
+fn assert_greedy(ctx: &str, got: &[u32], p: &Prompt) {
+    for (k, (&g, &w)) in got.iter().zip(&p.greedy).enumerate() {
+        if g != w {
+            let gap = p.greedy_gaps[k];
+            assert!(
+                gap < TIE_GAP,
+                "{ctx}: token {k} is {g}, transformers chose {w} (their gap {gap}); got \
+                 {got:?}, want {:?}",
+                p.greedy
+            );
+            eprintln!("{ctx}: parts from transformers at token {k} on a near-tie (gap {gap})");
+            return;
+        }
+    }
+    assert_eq!(got.len(), p.greedy.len(), "{ctx}: length");
+}
+
+fn check(name: &str) {
+    let fx = fixture(name);
+    assert_eq!(fx.model, name);
+    println!(
+        "{name}: reference from transformers {} / torch {}",
+        fx.transformers_version, fx.torch_version
+    );
+    let model = load(name, &fx);
+    let cfg = &model.config;
+    let hy = cfg.hybrid.as_ref().expect("a hybrid config");
+    let layout_name = hy.layout.architecture_name();
+    assert_eq!(layout_name, fx.architecture);
+    let types: Vec<&str> = hy.layer_types.iter().map(|t| t.name()).collect();
+    assert_eq!(
+        types, fx.layer_types,
+        "{name}: layer types as transformers read them"
+    );
+
+    let base = HybridModel::load(cfg, &model.weights).expect("HybridModel::load");
+    let mut worst = 0f32;
+    for p in &fx.prompts {
+        let ctx = format!("{name} {}", p.name);
+        let n = p.ids.len();
+        for chunk in [64, 16, 7] {
+            let m = HybridModel::load(cfg, &model.weights)
+                .unwrap()
+                .with_chunk(chunk);
+            let mut seq = m.new_sequence();
+            let got = m.forward(&mut seq, &p.ids).expect("prefill");
+            let c = format!("{ctx} prefill (chunk {chunk})");
+            worst = worst.max(assert_close(&c, &got, &p.last_logits));
+            assert_last_argmax(&c, &got, p);
+        }
+        // A prefill continued mid-chunk: the state of the first call carries.
+        let m = HybridModel::load(cfg, &model.weights)
+            .unwrap()
+            .with_chunk(16);
+        let mut seq = m.new_sequence();
+        let cut = n / 2 + 1;
+        m.forward(&mut seq, &p.ids[..cut]).expect("first part");
+        let got = m.forward(&mut seq, &p.ids[cut..]).expect("second part");
+        worst = worst.max(assert_close(
+            &format!("{ctx} prefill in two calls"),
+            &got,
+            &p.last_logits,
+        ));
+        // Token by token: the recurrent step only.
+        let mut seq = base.new_sequence();
+        let mut got = Vec::new();
+        for &t in &p.ids {
+            got = base.forward(&mut seq, &[t]).expect("step");
+        }
+        assert_eq!(seq.len(), n);
+        worst = worst.max(assert_close(
+            &format!("{ctx} token by token"),
+            &got,
+            &p.last_logits,
+        ));
+
+        let cont = base.greedy(&p.ids, fx.new_tokens).expect("greedy");
+        assert_greedy(&format!("{ctx} greedy"), &cont, p);
+    }
+    println!("{name}: prompts max |diff| {worst:.2e}; greedy matches");
+}
+
+#[test]
+fn hf_qwen35_f32() {
+    check("hf-qwen35-f32");
+}
+
+#[test]
+fn hf_qwen35_interval_bf16() {
+    check("hf-qwen35-interval-bf16");
+}
+
+#[test]
+fn hf_qwen35_gqa_bias_f32() {
+    check("hf-qwen35-gqa-bias-f32");
+}
+
+#[test]
+fn hf_qwen35_cg_bf16() {
+    let fx = fixture("hf-qwen35-cg-bf16");
+    let model = load("hf-qwen35-cg-bf16", &fx);
+    let hy = model.config.hybrid.as_ref().unwrap();
+    assert_eq!(hy.layout, HybridLayout::ConditionalGeneration);
+    // The vision tower and the mtp head are in the file, and knowingly unread.
+    let names = model.weights.names();
+    assert!(names.iter().any(|n| n.starts_with("model.visual.")));
+    assert!(names.iter().any(|n| n.starts_with("mtp.")));
+    assert!(model
+        .config
+        .ignored_fields
+        .contains(&"vision_config".to_string()));
+    check("hf-qwen35-cg-bf16");
+}
+
+/// The recurrent slot's size follows from the config alone.
+#[test]
+fn state_slot_size_comes_from_the_config() {
+    let fx = fixture("hf-qwen35-f32");
+    let model = load("hf-qwen35-f32", &fx);
+    let hy = model.config.hybrid.as_ref().unwrap();
+    let m = HybridModel::load(&model.config, &model.weights).unwrap();
+    let layout = m.state_layout();
+    assert_eq!(layout.layers, 2);
+    assert_eq!(layout.bytes_per_slot(), hy.state_bytes_per_sequence());
+    // conv window: 3 x (2 * 2 * 16 + 4 * 16); state: 4 heads of 16 x 16; two layers.
+    assert_eq!(layout.bytes_per_slot(), 4 * 2 * (3 * 128 + 4 * 16 * 16));
+    assert_eq!(
+        hy.layer_types
+            .iter()
+            .filter(|&&t| t == LayerType::FullAttention)
+            .count(),
+        2
+    );
+    let mut seq = m.new_sequence();
+    assert!(seq.state.as_slice().iter().all(|&x| x == 0.0));
+    m.forward(&mut seq, &[0, 5, 9]).unwrap();
+    assert_eq!(seq.state.as_slice().len() * 4, layout.bytes_per_slot());
+    assert!(seq.state.as_slice().iter().any(|&x| x != 0.0));
+}
+
+/// An engine is not built for a model it cannot serve right: the dense path would load
+/// the wrong layers, so it is refused, naming what is missing.
+#[test]
+fn serving_engines_refuse_hybrid_models_for_now() {
+    let fx = fixture("hf-qwen35-f32");
+    let model = load("hf-qwen35-f32", &fx);
+    let e = build_backend(BackendKind::Cpu, &model, 16, KvBudget::Blocks(8))
+        .err()
+        .expect("refused")
+        .to_string();
+    assert!(
+        e.contains("Qwen3.5 hybrid (Gated DeltaNet)") && e.contains("not yet served"),
+        "{e}"
+    );
+    let e = CpuModel::load(&model.config, &model.weights)
+        .err()
+        .expect("refused")
+        .to_string();
+    assert!(e.contains("not yet served"), "{e}");
+}
+
+/// `hf-qwen35-f32` with its config.json edited by `edit`; the refusal's message.
+fn refusal(edit: impl FnOnce(&mut Value)) -> String {
+    let dir = model_dir("hf-qwen35-f32");
+    let mut cfg: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    edit(&mut cfg);
+    let tmp = std::env::temp_dir().join(format!("kvmesh-qwen35-{}.json", std::process::id()));
+    std::fs::write(&tmp, cfg.to_string()).unwrap();
+    let m = ModelWithConfig::new(Path::new(&dir), &tmp);
+    let _ = std::fs::remove_file(&tmp);
+    // Names are checked as the folder loads; shapes as the weights are read.
+    let loaded = LoadedModel::from_dir(&m.path)
+        .and_then(|l| HybridModel::load(&l.config, &l.weights).map(|_| ()));
+    match loaded {
+        Ok(()) => panic!("the edited config was accepted"),
+        Err(e) => e.to_string(),
+    }
+}
+
+#[test]
+fn bad_configs_are_refused_naming_the_field() {
+    let e = refusal(|c| c["layer_types"][1] = "sliding_attention".into());
+    assert!(
+        e.contains("layer_types[1]") && e.contains("sliding_attention"),
+        "{e}"
+    );
+    let e = refusal(|c| c["mamba_ssm_dtype"] = "float16".into());
+    assert!(
+        e.contains("mamba_ssm_dtype") && e.contains("float16"),
+        "{e}"
+    );
+    let e = refusal(|c| {
+        c["num_experts"] = 64.into();
+        c["num_experts_per_tok"] = 8.into();
+    });
+    assert!(
+        e.contains("num_experts") && e.contains("mixture-of-experts"),
+        "{e}"
+    );
+    let e = refusal(|c| {
+        c["model_type"] = "qwen3_5_moe_text".into();
+        c["architectures"] = serde_json::json!(["Qwen3_5MoeForCausalLM"]);
+    });
+    assert!(
+        e.contains("qwen3_5_moe_text") && e.contains("mixture-of-experts"),
+        "{e}"
+    );
+    let e = refusal(|c| c["full_attention_interval"] = 3.into());
+    assert!(e.contains("full_attention_interval"), "{e}");
+    let e = refusal(|c| c["linear_conv_kernel_dim"] = 3.into());
+    assert!(
+        e.contains("conv1d"),
+        "a kernel the weights do not have: {e}"
+    );
+    // A tensor of a part the config does not describe is still refused.
+    let e = refusal(|c| c["num_hidden_layers"] = 3.into());
+    assert!(e.contains("layer_types") || e.contains("layers"), "{e}");
+}
