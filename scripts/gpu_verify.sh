@@ -4,56 +4,109 @@
 #
 #   bash scripts/gpu_verify.sh build
 #
-# then on the GPU machine, from the repository root, with gpu-out/ copied along:
+# then on the GPU machine, from the repository root, with gpu-out/ copied along (the device
+# tool: `carry: ["gpu-out"]`):
 #
-#   bash scripts/gpu_verify.sh run      # parity tests, gpu-bench, transformers peer bench
+#   bash scripts/gpu_verify.sh run      # parity, gpu-bench, serving profiles, profile, peer
 #
-# `run` writes its logs and JSON under ${OUT:-gpu-out/results}.
+# `run` packs its logs into ${OUT:-gpu-out/results}/gpu-results.tgz and copies the JSON
+# there; `STAGES="parity bench-8b"` runs a subset, `GPU_BUDGET_S` bounds the whole run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
 build)
+    # The `gpu` profile (fat LTO, no symbols) and xz keep what travels small: the device
+    # takes 64 MiB in all, the repository's tracked files included.
     export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-target}"
-    cargo build --release --features cuda --bin kvmesh --bin gpu-bench
-    exe=$(cargo test --release --features cuda --test cuda_parity --no-run --message-format=json 2>/dev/null |
-        python3 -c 'import json,sys
+    cargo build --profile gpu --features cuda --bin kvmesh --bin gpu-bench
+    artifact() { # the executable of test target $2 of package $1, in the gpu profile
+        cargo test --profile gpu $1 --features cuda --test "$2" --no-run --message-format=json 2>/dev/null |
+            python3 -c 'import json,sys
 for l in sys.stdin:
     m=json.loads(l)
-    if m.get("reason")=="compiler-artifact" and m["target"]["name"]=="cuda_parity" and m.get("executable"): print(m["executable"])')
-    # The offline checks (kernels, registers, library symbols) in the test profile CI uses,
-    # so its list of library calls is the committed one; on the GPU it also resolves the
-    # driver's functions.
-    offline=$(cargo test -p kvmesh-gpu --features cuda --test cuda_offline --no-run --message-format=json 2>/dev/null |
-        python3 -c 'import json,sys
-for l in sys.stdin:
-    m=json.loads(l)
-    if m.get("reason")=="compiler-artifact" and m["target"]["name"]=="cuda_offline" and m.get("executable"): print(m["executable"])')
+    if m.get("reason")=="compiler-artifact" and m["target"]["name"]==sys.argv[1] and m.get("executable"): print(m["executable"])' "$2"
+    }
+    exe=$(artifact "" cuda_parity)
+    rm -rf gpu-out
     mkdir -p gpu-out
-    cp "$CARGO_TARGET_DIR/release/kvmesh" "$CARGO_TARGET_DIR/release/gpu-bench" gpu-out/
+    cp "$CARGO_TARGET_DIR/gpu/kvmesh" "$CARGO_TARGET_DIR/gpu/gpu-bench" gpu-out/
     cp "$exe" gpu-out/cuda_parity
-    cp "$offline" gpu-out/cuda_offline
-    # Without debug info the four come to ~60 MB instead of ~300 MB: quick to copy over.
-    # cuda_offline keeps its symbol table: it reads it.
+    # The offline checks (kernels, registers, library symbols) run on every commit here; on
+    # the GPU they would also resolve the driver's functions, which the parity tests call
+    # anyway. GPU_OFFLINE=1 carries them too, when the transfer has room.
+    if [ "${GPU_OFFLINE:-0}" = 1 ]; then
+        cp "$(artifact "-p kvmesh-gpu" cuda_offline)" gpu-out/cuda_offline
+        strip --strip-debug gpu-out/cuda_offline # it reads its own symbol table
+    fi
     strip gpu-out/kvmesh gpu-out/gpu-bench gpu-out/cuda_parity
-    strip --strip-debug gpu-out/cuda_offline
+    xz -T0 -6 gpu-out/*
     ls -la gpu-out
+    tracked=$(git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
+    untracked=$(git ls-files -z -o --exclude-standard | xargs -0 -r du -cb 2>/dev/null | tail -1 | cut -f1)
+    packed=$(du -cb gpu-out/* | tail -1 | cut -f1)
+    total=$((tracked + ${untracked:-0} + packed))
+    echo "transfer: $((total >> 20)) MiB (tracked $((tracked >> 20)), untracked $((${untracked:-0} >> 20)), gpu-out $((packed >> 20))) of 64"
+    [ "$total" -lt $((64 << 20)) ] || { echo "over the device's 64 MiB transfer limit" >&2; exit 1; }
     ;;
 run)
+    # One GPU visit gives every figure, most important first, each stage bounded, and the
+    # whole run within ${GPU_BUDGET_S:-540} s: a stage starts only if its bound still fits,
+    # else it is skipped and says so. STAGES picks stages (default: all, in this order).
     out="${OUT:-gpu-out/results}"
-    mkdir -p "$out"
-    nvidia-smi | tee "$out/nvidia-smi.txt" || true
+    mkdir -p "$out" target
+    work=$(mktemp -d /tmp/kvmesh-gpu.XXXX) # packed into $out at the end
+    mkdir -p "$work"
+    t0=$(date +%s)
+    budget="${GPU_BUDGET_S:-540}"
+    stages="${STAGES:-offline parity bench-8b serve-8b bench-llama-8b profile-8b bench-small peer-8b}"
+    # The device returns at most 8 files from $OUT: everything is packed into one archive
+    # (and a summary printed) however the run ends.
+    touch "$work/.start"
+    pack() { # the JSON this run wrote, beside the archive (at most 7 of them come back)
+        find bench/results -name '*.json' -newer "$work/.start" -exec cp {} "$out/" \; 2>/dev/null || true
+        tar -C "$work" -czf "$out/gpu-results.tgz" . 2>/dev/null || true
+        echo "== stages: $(cat "$work/stages.txt" 2>/dev/null | tr '\n' ' ')"
+    }
+    trap pack EXIT
+    for f in gpu-out/*.xz; do
+        [ -e "$f" ] && xz -d -f "$f"
+    done
+    chmod +x gpu-out/*
+    nvidia-smi | tee "$work/nvidia-smi.txt" || true
     # shellcheck source=scripts/gpu_env.sh
     . scripts/gpu_env.sh
+    stage() { # NAME BOUND_S COMMAND...: runs COMMAND under timeout if BOUND_S still fits
+        local name=$1 bound=$2
+        shift 2
+        case " $stages " in *" $name "*) ;; *) return 0 ;; esac
+        local left=$((budget - ($(date +%s) - t0)))
+        if [ "$left" -lt "$bound" ]; then
+            echo "$name: skipped ($left s left, needs $bound)" | tee -a "$work/stages.txt"
+            return 0
+        fi
+        local s1
+        s1=$(date +%s)
+        echo "== $name (at most $bound s)"
+        set +e
+        timeout "$bound" "$@" >"$work/$name.txt" 2>&1
+        local rc=$?
+        set -e
+        tail -40 "$work/$name.txt"
+        echo "$name: rc=$rc in $(($(date +%s) - s1)) s" | tee -a "$work/stages.txt"
+    }
     # Kernels assembled for this GPU's architecture and the others, every library function
     # resolved (the driver's too, here), before anything runs on the device.
-    gpu-out/cuda_offline --test-threads=1 --nocapture 2>&1 | tee "$out/offline.txt" ||
-        echo "OFFLINE CHECKS FAILED (see $out/offline.txt)"
-    KVMESH_BIN="$PWD/gpu-out/kvmesh" gpu-out/cuda_parity --test-threads=1 --nocapture 2>&1 | tee "$out/parity.txt" ||
-        echo "PARITY TESTS FAILED (see $out/parity.txt); benchmarks follow anyway"
-    mkdir -p target
-    gpu-out/gpu-bench 2>&1 | tee "$out/gpu-bench.txt" || echo "gpu-bench FAILED"
-    python3 scripts/hf_peer_bench.py 2>&1 | tee "$out/hf-peer.txt" || true
-    cp bench/results/*.json "$out/" 2>/dev/null || true
+    [ -x gpu-out/cuda_offline ] && stage offline 90 gpu-out/cuda_offline --test-threads=1 --nocapture
+    stage parity 200 env KVMESH_BIN="$PWD/gpu-out/kvmesh" gpu-out/cuda_parity --test-threads=1 --nocapture
+    # The 8B shapes (issue: batch-1 decode against the copy bound, prefill against the GEMM
+    # peak, KV capacity at the default memory share); the checkpoints are written here.
+    stage bench-8b 150 gpu-out/gpu-bench --presets qwen3-8b --json "bench/results/gpu-8b-qwen3.json"
+    stage serve-8b 170 env OUT="$work" MODEL=target/bench-models/qwen3-8b bash scripts/gpu_serve_bench.sh
+    stage bench-llama-8b 110 gpu-out/gpu-bench --presets llama-3.1-8b --json "bench/results/gpu-8b-llama.json"
+    stage profile-8b 120 env OUT="$work" PRESET=qwen3-8b BATCH=1 PREFILL=512 bash scripts/gpu_profile.sh
+    stage bench-small 60 gpu-out/gpu-bench
+    stage peer-8b 150 python3 scripts/hf_peer_bench.py --presets qwen3-8b --compile --batches 1,32 \
+        --prefill-lens 512,2048 --gpu-json bench/results/gpu-8b-qwen3.json --json bench/results/hf-compiled-8b.json
     ;;
 *)
     echo "usage: $0 build|run" >&2

@@ -151,28 +151,31 @@ pub fn preset(arch: Option<Arch>, name: &str) -> Result<ModelConfig> {
             };
             c.max_position_embeddings = 131_072;
         }
-        _ => match arch {
-            // Small shapes that still exercise what makes each family different.
-            Arch::Llama => {
-                c.rope.scaling = RopeScaling::Llama3 {
-                    factor: 4.0,
-                    low_freq_factor: 1.0,
-                    high_freq_factor: 4.0,
-                    original_max_position_embeddings: 64.0,
-                };
-            }
-            Arch::Qwen2 => c.tie_word_embeddings = true,
-            Arch::Qwen3 => {
-                c.head_dim = 32;
-                c.tie_word_embeddings = true;
-            }
-            Arch::Mistral => c.sliding_window = Some(4096),
-            Arch::Qwen35 => {
-                return Err(EngineError::InvalidRequest("no Qwen3.5 preset yet".into()))
-            }
-        },
+        _ => tiny_shape(arch, &mut c)?,
     }
     Ok(c)
+}
+
+/// The tiny preset's shape of `arch`: small, but with what makes each family different.
+fn tiny_shape(arch: Arch, c: &mut ModelConfig) -> Result<()> {
+    match arch {
+        Arch::Llama => {
+            c.rope.scaling = RopeScaling::Llama3 {
+                factor: 4.0,
+                low_freq_factor: 1.0,
+                high_freq_factor: 4.0,
+                original_max_position_embeddings: 64.0,
+            };
+        }
+        Arch::Qwen2 => c.tie_word_embeddings = true,
+        Arch::Qwen3 => {
+            c.head_dim = 32;
+            c.tie_word_embeddings = true;
+        }
+        Arch::Mistral => c.sliding_window = Some(4096),
+        Arch::Qwen35 => return Err(EngineError::InvalidRequest("no Qwen3.5 preset yet".into())),
+    }
+    Ok(())
 }
 
 /// Writes a checkpoint with `cfg`'s shape and random weights. The tokenizer files are
@@ -227,12 +230,26 @@ fn random_values(t: &TensorSpec, seed: u64, ti: usize, start: usize, vals: &mut 
         TensorRole::FinalNorm => (0.0, 1.0),
         TensorRole::Head => (4.0 * dense(t.shape[1]), 0.0),
     };
-    for v in vals {
-        *v = if scale == 0.0 {
-            offset as f32
-        } else {
-            (offset + rng.normal() * scale) as f32
+    if scale == 0.0 {
+        vals.fill(offset as f32);
+        return;
+    }
+    // Normals two at a time by Marsaglia's polar method: one logarithm and one square root
+    // per pair, no trigonometry, which is most of the cost of an 8B checkpoint.
+    for pair in vals.chunks_mut(2) {
+        let (a, b) = loop {
+            let u = 2.0 * rng.next_f64() - 1.0;
+            let v = 2.0 * rng.next_f64() - 1.0;
+            let s = u * u + v * v;
+            if s > 0.0 && s < 1.0 {
+                let f = (-2.0 * s.ln() / s).sqrt();
+                break (u * f, v * f);
+            }
         };
+        pair[0] = (offset + a * scale) as f32;
+        if let Some(x) = pair.get_mut(1) {
+            *x = (offset + b * scale) as f32;
+        }
     }
 }
 
@@ -324,6 +341,10 @@ mod tests {
         let var = whole.iter().map(|&x| (x as f64).powi(2)).sum::<f64>() / whole.len() as f64;
         let want = 1.0 / t.shape[1] as f64;
         assert!((var / want - 1.0).abs() < 0.01, "variance {var} vs {want}");
+        // Normal, not merely of that variance: 68.27% within one standard deviation.
+        let sd = want.sqrt() as f32;
+        let within = whole.iter().filter(|x| x.abs() < sd).count() as f64 / whole.len() as f64;
+        assert!((within - 0.6827).abs() < 0.002, "{within}");
     }
 
     #[test]
