@@ -13,6 +13,7 @@
 //!
 //! [`testing::Etcd`] starts a throw-away etcd server for tests.
 
+mod backoff;
 mod embedded;
 mod error;
 mod etcd;
@@ -22,6 +23,7 @@ mod role;
 pub mod testing;
 
 pub use async_trait::async_trait;
+pub use backoff::Backoff;
 pub use embedded::EmbeddedRegistry;
 pub use error::DiscoveryError;
 pub use etcd::EtcdRegistry;

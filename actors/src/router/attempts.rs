@@ -18,6 +18,7 @@ use std::future::Future;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
+use kvmesh_discovery::Backoff;
 use kvmesh_gateway::dispatch::{Event, Unavailable};
 use kvmesh_gpu::engine::{FinishReason, SeqEvent};
 use kvmesh_gpu::sampler::Sampled;
@@ -35,7 +36,9 @@ pub const UNSTARTED_PATIENCE: Duration = Duration::from_secs(10);
 /// every worker's queue was full, before it is refused with 429.
 pub const FULL_ROUNDS: u32 = 2;
 
-/// The first wait between rounds; it doubles each round up to [`MAX_BACKOFF`].
+/// The first wait between rounds; it doubles each round up to [`MAX_BACKOFF`]. Unjittered:
+/// a round's wait is part of what a client sees (three full rounds are 300 ms before a
+/// 429), and requests already arrive spread out; the reconnecting loops jitter.
 const FIRST_BACKOFF: Duration = Duration::from_millis(100);
 const MAX_BACKOFF: Duration = Duration::from_secs(1);
 
@@ -143,7 +146,7 @@ pub struct Attempts {
     tried: HashSet<String>,
     last_error: String,
     give_up: Instant,
-    backoff: Duration,
+    backoff: Backoff,
     /// This round: whether some worker refused as full, and whether every one did.
     full_seen: bool,
     all_full: bool,
@@ -162,7 +165,7 @@ impl Attempts {
             tried: HashSet::new(),
             last_error: String::from("no worker was connected"),
             give_up: now + UNSTARTED_PATIENCE,
-            backoff: FIRST_BACKOFF,
+            backoff: Backoff::new(FIRST_BACKOFF, MAX_BACKOFF).with_jitter(0.0),
             full_seen: false,
             all_full: true,
             full_rounds: 0,
@@ -215,8 +218,7 @@ impl Attempts {
         if round_full {
             self.full_rounds += 1;
         }
-        let wait = self.backoff;
-        self.backoff = (self.backoff * 2).min(MAX_BACKOFF);
+        let wait = self.backoff.next_delay();
         let patient = if round_full {
             self.full_rounds <= FULL_ROUNDS
         } else {
@@ -282,7 +284,7 @@ impl Attempts {
                     self.migrations += 1;
                     self.last_error = format!("{worker}: {reason}");
                     self.give_up = now + UNSTARTED_PATIENCE;
-                    self.backoff = FIRST_BACKOFF;
+                    self.backoff.reset();
                     return Next::Migrate;
                 }
                 Next::Lost(format!(

@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvmesh_discovery::{NodeRecord, Role};
+use kvmesh_discovery::{Backoff, NodeRecord, Role};
 use kvmesh_transport::wire::{self, KvEventBatch, LoadReport, UniHeader};
 use kvmesh_transport::{until_silent, Connection, NodeEndpoint};
 use parking_lot::Mutex;
@@ -550,7 +550,7 @@ pub(crate) async fn maintain(
             return;
         }
     };
-    let mut backoff = Duration::from_millis(100);
+    let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(2));
     let mut warned = false;
     let _held = crate::pace::Link::held();
     while !link.gone.load(Ordering::Relaxed) {
@@ -565,7 +565,7 @@ pub(crate) async fn maintain(
         match dialled {
             Ok(conn) => {
                 tracing::info!("connected to worker {id} at {addr}");
-                backoff = Duration::from_millis(100);
+                backoff.reset();
                 warned = false;
                 *link.conn.lock() = Some(conn.clone());
                 link.hot.up.store(true, Ordering::Release);
@@ -602,8 +602,7 @@ pub(crate) async fn maintain(
                 }
             }
         }
-        tokio::time::sleep(backoff).await;
-        backoff = (backoff * 2).min(Duration::from_secs(2));
+        tokio::time::sleep(backoff.next_delay()).await;
     }
 }
 

@@ -7,7 +7,10 @@ use std::time::Instant;
 
 use tracing::{debug, info, warn};
 
-use super::{bounded, grant, put, put_if_absent, Backoff, Shared, BACKOFF_MAX, REQUEST_TIMEOUT};
+use super::{
+    bounded, grant, put, put_if_absent, Shared, BACKOFF_MAX, BACKOFF_MIN, REQUEST_TIMEOUT,
+};
+use crate::Backoff;
 
 impl Shared {
     /// Publishes the record under a new lease after `lost` was lost. Returns false if etcd
@@ -118,7 +121,7 @@ impl Shared {
     /// from under it. Runs on the keeper's thread (`keeper`).
     pub(super) async fn keep_alive(self: Arc<Self>) {
         let shared = self;
-        let mut backoff = Backoff::new(shared.interval.min(BACKOFF_MAX));
+        let mut backoff = Backoff::new(BACKOFF_MIN, shared.interval.min(BACKOFF_MAX));
         let mut lost_since: Option<Instant> = None;
         let mut takeover_reported = false;
         loop {

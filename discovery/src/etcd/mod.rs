@@ -19,6 +19,8 @@ use etcd_client::{
 };
 use tokio::sync::{watch, Mutex, Notify};
 use tokio::task::JoinHandle;
+
+use crate::Backoff;
 use tracing::{debug, info, warn};
 
 use crate::error::DiscoveryError;
@@ -470,36 +472,6 @@ fn keep_alive_interval(ttl_secs: i64) -> Duration {
     Duration::from_millis((ttl_secs.max(1) as u64 * 1000 / 3).max(300))
 }
 
-/// Exponential backoff with jitter.
-struct Backoff {
-    next: Duration,
-    max: Duration,
-}
-
-impl Backoff {
-    fn new(max: Duration) -> Self {
-        Self {
-            next: BACKOFF_MIN,
-            max: max.max(BACKOFF_MIN),
-        }
-    }
-
-    fn reset(&mut self) {
-        self.next = BACKOFF_MIN;
-    }
-
-    /// The next delay: ±25 % around the current step, which then doubles up to the maximum.
-    fn next_delay(&mut self) -> Duration {
-        let base = self.next;
-        self.next = (self.next * 2).min(self.max);
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.subsec_nanos());
-        let factor = 0.75 + f64::from(nanos % 1000) / 2000.0;
-        base.mul_f64(factor)
-    }
-}
-
 // ----- the membership watch -------------------------------------------------------------------
 
 struct Watcher {
@@ -529,7 +501,7 @@ enum SessionEnd {
 
 impl Watcher {
     async fn run(mut self) {
-        let mut backoff = Backoff::new(BACKOFF_MAX);
+        let mut backoff = Backoff::new(BACKOFF_MIN, BACKOFF_MAX);
         let mut resync = false;
         let mut lost_since: Option<Instant> = None;
         loop {

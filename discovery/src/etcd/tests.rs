@@ -37,12 +37,13 @@ fn parse_skips_a_worker_whose_model_name_cannot_be_served() {
 fn intervals_and_backoff() {
     assert_eq!(keep_alive_interval(3), Duration::from_secs(1));
     assert_eq!(keep_alive_interval(0), Duration::from_millis(333));
-    let mut b = Backoff::new(Duration::from_secs(1));
+    // The watch's and the keeper's bounds: from 100 ms, never past the maximum.
+    let mut b = crate::Backoff::new(BACKOFF_MIN, Duration::from_secs(1));
     let delays: Vec<Duration> = (0..8).map(|_| b.next_delay()).collect();
-    assert!(delays[0] <= Duration::from_millis(125));
-    assert!(delays.iter().all(|d| *d <= Duration::from_millis(1250)));
+    assert!(delays[0] <= BACKOFF_MIN);
+    assert!(delays.iter().all(|d| *d <= Duration::from_secs(1)));
     b.reset();
-    assert!(b.next_delay() <= Duration::from_millis(125));
+    assert!(b.next_delay() <= BACKOFF_MIN);
 }
 
 /// A watcher resuming from a compacted revision falls back to a fresh get.
