@@ -7,7 +7,8 @@ modules of a crate. Prints what exceeds the limits and exits 1 when anything doe
 
 What counts:
 - Non-test sources: every `.rs` file under a crate's `src/` (tests/ folders are whole-system
-  tests), except files that are test modules themselves (declared under `#[cfg(test)]`).
+  tests), except files that are test modules themselves (declared under `#[cfg(test)]`), and
+  every CUDA source (`.cu`, `.cuh`) there, for the file limit.
 - A function's length: from its `fn` line to its closing brace; functions inside
   `#[cfg(test)]` modules and `#[test]` functions are not counted.
 - Module imports: a module uses another when its code (outside test modules, and not a
@@ -315,8 +316,18 @@ def main():
     long_files, long_fns, all_files, all_fns, found_cycles = [], [], [], [], []
     for crate_dir, src_dir in sorted(crates(root)):
         files = []
+        kernels = []
         for dirpath, _, filenames in os.walk(src_dir):
             files += [os.path.normpath(os.path.join(dirpath, f)) for f in filenames if f.endswith(".rs")]
+            kernels += [os.path.normpath(os.path.join(dirpath, f)) for f in filenames if f.endswith((".cu", ".cuh"))]
+        # CUDA sources count for the file limit (their functions are not parsed).
+        for f in sorted(kernels):
+            raw = open(f, encoding="utf-8").read()
+            n = raw.count("\n") + (0 if raw.endswith("\n") else 1)
+            rel = os.path.relpath(f, root)
+            all_files.append((n, rel))
+            if n > FILE_LIMIT:
+                long_files.append((n, rel))
         tests = test_only_files(src_dir, files)
         sources_by_file = {}
         for f in sorted(files):

@@ -3,7 +3,7 @@
 # environment, target/cuda-tools ($KVMESH_CUDA_TOOLS), for gpu/tests/cuda_offline, which
 # checks the CUDA backend on a machine with no GPU and no CUDA toolkit:
 #   - nvidia-cuda-nvrtc: libnvrtc.so.13, which the backend loads at run time to compile
-#     kernels.cu (the test compiles it the same way, for every architecture it claims);
+#     the kernels (the test compiles it the same way, for every architecture it claims);
 #   - nvidia-cuda-nvcc: ptxas, which assembles that PTX and reports registers, shared memory
 #     and spills per kernel;
 #   - nvidia-cublas: libcublas.so.13, in which every cuBLAS function the backend calls must

@@ -1,7 +1,7 @@
 //! The CUDA backend checked on a machine with no GPU and no CUDA toolkit, from NVIDIA's
 //! wheels on PyPI (`bash scripts/cuda-tools.sh` puts them in target/cuda-tools):
 //!
-//! - `kernels.cu` compiled by NVRTC through the backend's own path (cudarc, loaded at run
+//! - the kernels (`kernels/*.cu`) compiled by NVRTC through the backend's own path (cudarc, loaded at run
 //!   time, the backend's options) for every architecture it claims, then assembled by ptxas:
 //!   registers, shared memory and spills per kernel, checked against the launch the host
 //!   makes and the limits of each architecture (`shapes`);
@@ -226,7 +226,7 @@ fn cuda_kernels_compile_assemble_and_fit_every_claimed_architecture() {
     );
     for a in shapes::ARCHS {
         let ptx = ptx_cache::compile_kernels(KERNELS_CU, &arch_of(a))
-            .unwrap_or_else(|e| panic!("NVRTC refused kernels.cu for {}: {e}", a.sm));
+            .unwrap_or_else(|e| panic!("NVRTC refused the kernels for {}: {e}", a.sm));
         assert!(ptx.contains(&format!(".target {}", a.sm)), "{}", a.sm);
         // The oldest driver the backend supports, 580 (CUDA 13.0), loads PTX ISA up to 9.0.
         let isa = ptx_cache::ptx_isa(&ptx).expect("a .version directive");

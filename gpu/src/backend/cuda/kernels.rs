@@ -1,9 +1,9 @@
-//! The kernels of `kernels.cu`, one typed launch each.
+//! The kernels of `kernels/*.cu`, one typed launch each.
 //!
 //! Each kernel has a struct naming its arguments and a `launch` that looks the function up,
 //! builds the grid, checks that every buffer holds what the grid touches and pushes the
 //! arguments in the kernel's order, in one `unsafe` block. A kernel's argument list is
-//! written once, here, so a change to its signature in `kernels.cu` has one place to follow.
+//! written once, here, so a change to its signature in `kernels/*.cu` has one place to follow.
 //!
 //! What the host cannot check from lengths alone, the indices inside the buffers (token ids,
 //! cache slots, block tables), was checked when the batch was laid out (`batch::build`), or
@@ -24,8 +24,16 @@ use super::shapes::{self, grid, KernelShape};
 use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
 
-/// The kernels' source, compiled by NVRTC on first use and then cached (see `ptx_cache`).
-pub const KERNELS_CU: &str = include_str!("kernels.cu");
+/// The kernels' source, compiled by NVRTC on first use and then cached (see `ptx_cache`):
+/// one file per family, joined into one translation unit (one module, one compile, one
+/// cache entry) after the shared definitions.
+pub const KERNELS_CU: &str = concat!(
+    include_str!("kernels/common.cuh"),
+    include_str!("kernels/layers.cu"),
+    include_str!("kernels/attention_decode.cu"),
+    include_str!("kernels/attention_prefill.cu"),
+    include_str!("kernels/sampling.cu"),
+);
 
 /// The compiled module's functions.
 pub struct Kernels {
@@ -48,7 +56,7 @@ pub struct Kernels {
 }
 
 impl Kernels {
-    /// Compiles `kernels.cu` for the device's architecture (or reads the cached PTX) and
+    /// Compiles the kernels (`kernels/*.cu`) for the device's architecture (or reads the cached PTX) and
     /// loads it. Returns the kernels and the architecture they were built for.
     pub fn load(ctx: &Arc<CudaContext>) -> Result<(Kernels, String)> {
         let (major, minor) = ctx

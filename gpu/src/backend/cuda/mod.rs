@@ -5,7 +5,7 @@
 //! It mirrors the CPU backend's forward pass step for step (`cpu/mod.rs` is the reference):
 //! weights live on the device as bf16, the hidden stream stays f32, matrix products go
 //! through cuBLAS with bf16 inputs and f32 accumulation, and the rest is the NVRTC-compiled
-//! kernels in `kernels.cu`. The KV pool is bf16, per layer
+//! kernels in `kernels/*.cu`. The KV pool is bf16, per layer
 //! `[num_blocks, block_size, num_kv_heads, head_dim]` for K and for V, as on the CPU, plus
 //! one scratch block that decode graphs pad with (see `kv`).
 //!
@@ -20,12 +20,12 @@
 //! - `load`: `CudaBackend::new`, the checks and the memory plan before anything is
 //!   uploaded, the upload;
 //! - `weights`: the model on the device, from the `checkpoint` walk both backends share;
-//! - `kernels`: one typed launch per kernel of `kernels.cu`; `gemm`: the cuBLAS products;
+//! - `kernels`: one typed launch per kernel of `kernels/*.cu`; `gemm`: the cuBLAS products;
 //! - `step`: one step, from the batch to logits, eager or through a graph (`graphs`);
 //! - `forward`: the forward pass itself, launch by launch;
 //! - `sampling`: sampling on the device; `kv`: the cache and its host copies;
 //! - `buffers`: the step's device buffers; `batch`: the batch flattened on the host;
-//! - `shapes`: each kernel's launch figures, shared with `kernels.cu`, and device limits.
+//! - `shapes`: each kernel's launch figures, shared with `kernels/*.cu`, and device limits.
 //!
 //! Pure decode steps replay one CUDA graph per batch-size bucket (see `graphs`) unless
 //! `CudaOptions::graphs` is off (`--enforce-eager`); every other step runs eagerly.

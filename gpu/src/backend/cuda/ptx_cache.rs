@@ -1,6 +1,6 @@
 //! NVRTC compilation of the kernels, cached on disk.
 //!
-//! Compiling `kernels.cu` takes a second or more; a worker restarts often enough that paying
+//! Compiling the kernels (`kernels/*.cu`) takes a second or more; a worker restarts often enough that paying
 //! it each time matters. The PTX is stored under `$XDG_CACHE_HOME/kvmesh/ptx` (or
 //! `~/.cache/kvmesh/ptx`) in a file named by a hash of everything that affects the output:
 //! the source, the options and the target architecture. The hash is our own FNV-1a (64-bit)

@@ -1,5 +1,5 @@
 //! Sampling on the device (greedy, temperature, top-k, top-p; see `sample_rows` in
-//! kernels.cu): only the chosen token and its logprob per sequence are copied back, not a
+//! kernels/sampling.cu): only the chosen token and its logprob per sequence are copied back, not a
 //! vocabulary of logits. Each non-greedy row takes one uniform draw from its request's
 //! seeded generator here, as the CPU sampler does.
 

@@ -1,10 +1,10 @@
-//! How the host launches each kernel of `kernels.cu`, and what the devices it claims allow.
+//! How the host launches each kernel (`kernels/*.cu`), and what the devices it claims allow.
 //!
 //! One place holds every figure the host and the kernels must agree on: threads per block,
 //! queries per prefill block, the largest head. The host launches with them, and NVRTC
-//! compiles `kernels.cu` with them (`defines`, passed as `-D` options), where each kernel
+//! compiles the kernels (`kernels/*.cu`) with them (`defines`, passed as `-D` options), where each kernel
 //! declares its block size in `__launch_bounds__`, so ptxas never gives a kernel more
-//! registers than a block of that size can have. `kernels.cu` refuses to compile without
+//! registers than a block of that size can have. The kernels refuse to compile without
 //! them.
 //!
 //! `gpu/tests/cuda_offline` compiles the kernels for every architecture in `ARCHS`,
@@ -18,7 +18,7 @@ use crate::error::{EngineError, Result};
 /// One kernel as the host launches it.
 #[derive(Clone, Copy, Debug)]
 pub struct KernelShape {
-    /// The `extern "C"` name in `kernels.cu`.
+    /// The `extern "C"` name in `kernels/*.cu`.
     pub name: &'static str,
     /// Threads per block: every launch uses exactly this, and the kernel's
     /// `__launch_bounds__` says the same.
@@ -138,7 +138,7 @@ const SAMPLE_THREADS: u32 = 512;
 const SAMPLE_GATHER: usize = 2048;
 pub const CONSTRAIN_ROWS: KernelShape = shape("constrain_rows", 256, 0, false);
 
-/// Every kernel of `kernels.cu`. A kernel missing here is one the offline check refuses.
+/// Every kernel of `kernels/*.cu`. A kernel missing here is one the offline check refuses.
 pub const KERNELS: &[KernelShape] = &[
     EMBED,
     RMSNORM,
@@ -162,7 +162,7 @@ pub const KERNELS: &[KernelShape] = &[
     CONSTRAIN_ROWS,
 ];
 
-/// The macros `kernels.cu` is compiled with: the figures above, under the names the kernels
+/// The macros the kernels (`kernels/*.cu`) are compiled with: the figures above, under the names the kernels
 /// use. Each `*_THREADS` goes into that kernel's `__launch_bounds__`.
 pub fn defines() -> Vec<(&'static str, usize)> {
     vec![
@@ -395,11 +395,11 @@ mod tests {
         }
         let listed: std::collections::BTreeSet<String> =
             names.iter().map(|s| s.to_string()).collect();
-        assert_eq!(in_source, listed, "kernels.cu and KERNELS differ");
+        assert_eq!(in_source, listed, "the kernels' source and KERNELS differ");
         for (name, _) in defines() {
             assert!(
                 src.contains(name),
-                "kernels.cu does not use the define {name}"
+                "the kernels do not use the define {name}"
             );
         }
     }

@@ -1,0 +1,383 @@
+// Paged attention for prefill and prompt chunks, on the tensor cores where the head size
+// has a specialisation.
+// Part of the kernels' one source: common.cuh, then layers.cu, attention_decode.cu,
+// attention_prefill.cu and sampling.cu, joined in that order (kernels.rs, KERNELS_CU).
+
+// The query rows a prefill block of `rows` rows takes (grid (S, nq, tiles): sequence
+// blockIdx.x, tile blockIdx.z), its sequence's block table, and the keys the block needs: up
+// to the last row's position (within the sequence) and, with a window, from the first
+// row's window start. False when the tile is past the sequence's rows.
+struct PrefillRows {
+    int first;
+    int last;
+    int kv_lo;
+    int kv_end;
+    const int* table;
+};
+
+__device__ __forceinline__ bool prefill_rows(int rows, const int* __restrict__ positions,
+                                             const int* __restrict__ seq_starts,
+                                             const int* __restrict__ seq_lens,
+                                             const int* __restrict__ block_tables,
+                                             int max_blocks, int window, PrefillRows& b) {
+    int s = blockIdx.x;
+    int end = seq_starts[s + 1];
+    b.first = seq_starts[s] + blockIdx.z * rows;
+    if (b.first >= end) return false;
+    b.last = min(b.first + rows, end) - 1;
+    b.kv_end = min(positions[b.last] + 1, seq_lens[s]);
+    b.kv_lo = window > 0 ? max(0, positions[b.first] - window + 1) : 0;
+    b.table = block_tables + (long long)s * max_blocks;
+    return true;
+}
+
+// PF_Q (from the host): queries (warps) per block; each tile of keys serves PF_Q queries.
+// PF_K (from the host): keys per shared-memory tile, one per lane, so it must be 32.
+#if PF_K != 32
+#error "paged_attention_prefill scores one key of a tile per lane"
+#endif
+#define PF_STRIDE (MAX_HEAD_DIM + 2)  // padded row: an odd number of 32-bit words
+
+// Prefill attention over the paged cache (the step's own K/V were written by rope_kv_write
+// first, so chunked prefill after a cached prefix works the same way). Causal: the query at
+// position p sees positions 0..=p of its sequence. Flash-style: keys and values are staged
+// PF_K at a time in shared memory (bf16), each warp owns one query, lane j scores key j of
+// the tile, and an online softmax keeps the running max, sum and weighted V sum, so scores
+// are never materialised. GQA as in decode. window > 0: the query at position p sees only
+// positions p - window + 1 ..= p (sliding-window layers).
+// Grid (S, nq, ceil(max_query_len / PF_Q)), block 256 (PF_Q warps). Requires d <= 256.
+// Shared memory: 8 KiB of queries + 2 x 16.1 KiB of key/value tiles, under the 48 KiB static cap.
+extern "C" __global__ void __launch_bounds__(PF_Q * 32)
+paged_attention_prefill(
+    const float* __restrict__ qkv, int row_stride, const int* __restrict__ positions,
+    const int* __restrict__ seq_starts, const int* __restrict__ seq_lens,
+    const int* __restrict__ block_tables, int max_blocks, const bf16* __restrict__ k_cache,
+    const bf16* __restrict__ v_cache, bf16* __restrict__ out, int nq, int nkv, int d,
+    int block_size, float scale, int window) {
+    __shared__ float q_s[PF_Q][MAX_HEAD_DIM];
+    __shared__ bf16 k_s[PF_K * PF_STRIDE];
+    __shared__ bf16 v_s[PF_K * PF_STRIDE];
+
+    int h = blockIdx.y;
+    PrefillRows b;
+    // The whole block exits together: no barrier is skipped.
+    if (!prefill_rows(PF_Q, positions, seq_starts, seq_lens, block_tables, max_blocks, window, b))
+        return;
+    int first = b.first;
+    int last = b.last;
+    int g = h / (nq / nkv);
+    long long kvd = (long long)nkv * d;
+    const int* table = b.table;
+    int kv_end = b.kv_end;
+    int kv_lo = b.kv_lo;
+
+    int lane = threadIdx.x & 31;
+    int warp = threadIdx.x >> 5;
+    int row = first + warp;
+    bool active = row <= last;
+    int my_pos = active ? positions[row] : -1;
+
+    if (active) {
+        const float* q = qkv + (long long)row * row_stride + (long long)h * d;
+        for (int i = lane; i < d; i += 32) q_s[warp][i] = q[i] * scale;
+    }
+
+    float m = NEG_INF;
+    float l = 0.0f;
+    float acc[HEAD_SLOTS];
+#pragma unroll
+    for (int j = 0; j < HEAD_SLOTS; j++) acc[j] = 0.0f;
+
+    for (int k0 = kv_lo; k0 < kv_end; k0 += PF_K) {
+        __syncthreads();  // the previous tile is no longer read
+        int n = min(PF_K, kv_end - k0);
+        for (int e = threadIdx.x; e < n * d; e += blockDim.x) {
+            int j = e / d;
+            int i = e - j * d;
+            int p = k0 + j;
+            long long src = ((long long)table[p / block_size] * block_size + p % block_size) * kvd
+                            + (long long)g * d + i;
+            k_s[j * PF_STRIDE + i] = k_cache[src];
+            v_s[j * PF_STRIDE + i] = v_cache[src];
+        }
+        __syncthreads();
+        if (!active || k0 > my_pos) continue;
+
+        // Lane j scores key k0 + j.
+        float sc = NEG_INF;
+        int p = k0 + lane;
+        if (lane < n && p <= my_pos && (window <= 0 || p > my_pos - window)) {
+            float dot = 0.0f;
+            const bf16* kr = k_s + lane * PF_STRIDE;
+            for (int i = 0; i < d; i++) dot += q_s[warp][i] * bf2f(kr[i]);
+            sc = dot;
+        }
+        float tile_max = warp_max(sc);
+        float m_new = fmaxf(m, tile_max);
+        // No key of this tile is in the query's window and none was before: nothing to add
+        // (and exp(-inf - -inf) would be NaN). Uniform across the warp.
+        if (m_new == NEG_INF) continue;
+        float corr = expf(m - m_new);
+        float pr = (sc == NEG_INF) ? 0.0f : expf(sc - m_new);
+        l = l * corr + warp_sum(pr);
+#pragma unroll
+        for (int j = 0; j < HEAD_SLOTS; j++) acc[j] *= corr;
+        for (int kk = 0; kk < n; kk++) {
+            float pk = __shfl_sync(0xffffffffu, pr, kk);
+            const bf16* vr = v_s + kk * PF_STRIDE;
+#pragma unroll
+            for (int j = 0; j < HEAD_SLOTS; j++) {
+                int i = lane + 32 * j;
+                if (i < d) acc[j] += pk * bf2f(vr[i]);
+            }
+        }
+        m = m_new;
+    }
+
+    if (active) {
+        float inv = 1.0f / l;
+        bf16* o = out + (long long)row * nq * d + (long long)h * d;
+#pragma unroll
+        for (int j = 0; j < HEAD_SLOTS; j++) {
+            int i = lane + 32 * j;
+            if (i < d) o[i] = f2bf(acc[j] * inv);
+        }
+    }
+}
+
+#if PFM_THREADS != 128
+#error "paged_attention_prefill_mma gives each of its four warps 16 query rows"
+#endif
+#define PFM_ROWS 64        // query rows per block: 16 per warp, the m of an m16n8k16 product
+#define PFM_KEYS 32        // keys per shared-memory tile
+#define PFM_VT (PFM_KEYS + 8)  // row of the transposed V tile, in bf16: 16-byte aligned
+
+__device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
+    return (unsigned)f2bf(lo) | ((unsigned)f2bf(hi) << 16);
+}
+
+// c += a * b on the tensor cores: a 16x16 bf16 tile (row-major fragments), b 16x8 (column
+// fragments), c 16x8 f32. Fragment layout (g = lane / 4, t = lane % 4): a holds rows g and
+// g + 8 at columns 2t, 2t + 1 (a[0], a[1]) and 2t + 8, 2t + 9 (a[2], a[3]); b holds rows
+// 2t, 2t + 1 (b0) and 2t + 8, 2t + 9 (b1) of column g; c holds row g (c[0], c[1]) and row
+// g + 8 (c[2], c[3]) at columns 2t, 2t + 1.
+__device__ __forceinline__ void mma_bf16(float (&c)[4], const unsigned (&a)[4], unsigned b0,
+                                         unsigned b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Whether the query at position `pos` (-1: no query) sees key position p.
+__device__ __forceinline__ bool sees(int p, int pos, int kv_end, int window) {
+    return p < kv_end && p <= pos && (window <= 0 || p > pos - window);
+}
+
+// Prefill attention on the tensor cores, for head dimension D (16, 32, 64 or 128); the same
+// inputs, masks and output as paged_attention_prefill. Each warp owns 16 query rows: Q
+// (scaled, bf16) stays in registers as mma fragments, S = Q K^T for a tile of 32 keys is
+// four m16n8k16 products per 16 dims, the online softmax runs on S's fragments (a row's
+// four lanes agree on its max by shuffles), and P, rounded to bf16, is fed straight back as
+// the A operand of P V, so scores never leave registers. K is staged row-major and V
+// transposed, so both B operands are 32-bit shared loads. Keys past the block's last
+// position are zeros in the tiles and masked in S.
+// Grid (S, nq, ceil(max_query_len / 64)), block 128.
+template <int D>
+__device__ __forceinline__ void prefill_mma(
+    const float* __restrict__ qkv, int row_stride, const int* __restrict__ positions,
+    const int* __restrict__ seq_starts, const int* __restrict__ seq_lens,
+    const int* __restrict__ block_tables, int max_blocks, const bf16* __restrict__ k_cache,
+    const bf16* __restrict__ v_cache, bf16* __restrict__ out, int nq, int nkv,
+    int block_size, float scale, int window) {
+    constexpr int KS = D + 8;     // K tile row, bf16: 16-byte aligned, no bank conflicts
+    constexpr int VEC = D / 8;    // 16-byte vectors in one key's row
+    __shared__ __align__(16) bf16 k_s[PFM_KEYS * KS];
+    __shared__ __align__(16) bf16 vt_s[D * PFM_VT];
+
+    int h = blockIdx.y;
+    PrefillRows b;
+    // The whole block exits together: no barrier is skipped.
+    if (!prefill_rows(PFM_ROWS, positions, seq_starts, seq_lens, block_tables, max_blocks,
+                      window, b))
+        return;
+    int first = b.first;
+    int last = b.last;
+    int kvh = h / (nq / nkv);
+    long long kvd = (long long)nkv * D;
+    const int* table = b.table;
+    int kv_end = b.kv_end;
+    int kv_lo = b.kv_lo;
+
+    int lane = threadIdx.x & 31;
+    int warp = threadIdx.x >> 5;
+    int gq = lane >> 2;
+    int tq = lane & 3;
+    int r0 = first + warp * 16 + gq;  // the row of c[0], c[1]
+    int r1 = r0 + 8;                  // the row of c[2], c[3]
+    int pos0 = r0 <= last ? positions[r0] : -1;
+    int pos1 = r1 <= last ? positions[r1] : -1;
+    // The keys the warp's rows see, together, bound the tiles it computes: none past its
+    // highest position, and with a window none before its lowest position's window.
+    int warp_hi = __reduce_max_sync(0xffffffffu, max(pos0, pos1));
+    int warp_from = 0;
+    if (window > 0) {
+        unsigned lo = __reduce_min_sync(0xffffffffu, (unsigned)min(pos0 < 0 ? 0x7fffffff : pos0,
+                                                                    pos1 < 0 ? 0x7fffffff : pos1));
+        warp_from = (int)lo - window + 1;
+    }
+
+    unsigned qa[D / 16][4];
+    {
+        const float* q0 = qkv + (long long)r0 * row_stride + (long long)h * D;
+        const float* q1 = qkv + (long long)r1 * row_stride + (long long)h * D;
+#pragma unroll
+        for (int kk = 0; kk < D / 16; kk++) {
+            int c = kk * 16 + 2 * tq;
+            qa[kk][0] = pos0 < 0 ? 0u : pack_bf16(q0[c] * scale, q0[c + 1] * scale);
+            qa[kk][1] = pos1 < 0 ? 0u : pack_bf16(q1[c] * scale, q1[c + 1] * scale);
+            qa[kk][2] = pos0 < 0 ? 0u : pack_bf16(q0[c + 8] * scale, q0[c + 9] * scale);
+            qa[kk][3] = pos1 < 0 ? 0u : pack_bf16(q1[c + 8] * scale, q1[c + 9] * scale);
+        }
+    }
+
+    float o[D / 8][4];
+#pragma unroll
+    for (int nd = 0; nd < D / 8; nd++) o[nd][0] = o[nd][1] = o[nd][2] = o[nd][3] = 0.0f;
+    float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.0f, l1 = 0.0f;
+
+    for (int k0 = kv_lo; k0 < kv_end; k0 += PFM_KEYS) {
+        __syncthreads();  // the previous tile is no longer read
+        for (int e = threadIdx.x; e < PFM_KEYS * VEC; e += PFM_THREADS) {
+            int j = e / VEC;
+            int c = e % VEC;
+            int p = k0 + j;
+            uint4 kv4 = make_uint4(0u, 0u, 0u, 0u);
+            uint4 vv4 = make_uint4(0u, 0u, 0u, 0u);
+            if (p < kv_end) {
+                long long src = ((long long)table[p / block_size] * block_size + p % block_size) * kvd
+                                + (long long)kvh * D + c * 8;
+                kv4 = *reinterpret_cast<const uint4*>(k_cache + src);
+                vv4 = *reinterpret_cast<const uint4*>(v_cache + src);
+            }
+            *reinterpret_cast<uint4*>(k_s + j * KS + c * 8) = kv4;
+            // (Halves taken by shifts: taking vv4's address would put it in local memory.)
+            unsigned vw[4] = {vv4.x, vv4.y, vv4.z, vv4.w};
+#pragma unroll
+            for (int x = 0; x < 8; x++) {
+                vt_s[(c * 8 + x) * PFM_VT + j] = (bf16)(vw[x >> 1] >> ((x & 1) * 16));
+            }
+        }
+        __syncthreads();
+        // Warp-uniform: every row of the warp is before this tile, or past its window.
+        if (warp_hi < k0 || k0 + PFM_KEYS <= warp_from) continue;
+
+        float sc[4][4];
+#pragma unroll
+        for (int nt = 0; nt < 4; nt++) sc[nt][0] = sc[nt][1] = sc[nt][2] = sc[nt][3] = 0.0f;
+#pragma unroll
+        for (int kk = 0; kk < D / 16; kk++) {
+#pragma unroll
+            for (int nt = 0; nt < 4; nt++) {
+                const bf16* kr = k_s + (nt * 8 + gq) * KS + kk * 16 + 2 * tq;
+                mma_bf16(sc[nt], qa[kk], *reinterpret_cast<const unsigned*>(kr),
+                         *reinterpret_cast<const unsigned*>(kr + 8));
+            }
+        }
+        float mx0 = NEG_INF;
+        float mx1 = NEG_INF;
+#pragma unroll
+        for (int nt = 0; nt < 4; nt++) {
+#pragma unroll
+            for (int c = 0; c < 2; c++) {
+                int p = k0 + nt * 8 + 2 * tq + c;
+                if (!sees(p, pos0, kv_end, window)) sc[nt][c] = NEG_INF;
+                if (!sees(p, pos1, kv_end, window)) sc[nt][2 + c] = NEG_INF;
+                mx0 = fmaxf(mx0, sc[nt][c]);
+                mx1 = fmaxf(mx1, sc[nt][2 + c]);
+            }
+        }
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+        float n0 = fmaxf(m0, mx0);
+        float n1 = fmaxf(m1, mx1);
+        // A row that has seen no key yet subtracts 0: every exp is then exp(-inf) = 0.
+        float b0 = n0 == NEG_INF ? 0.0f : n0;
+        float b1 = n1 == NEG_INF ? 0.0f : n1;
+        float c0 = expf(m0 - b0);
+        float c1 = expf(m1 - b1);
+        m0 = n0;
+        m1 = n1;
+        l0 *= c0;
+        l1 *= c1;
+#pragma unroll
+        for (int nd = 0; nd < D / 8; nd++) {
+            o[nd][0] *= c0;
+            o[nd][1] *= c0;
+            o[nd][2] *= c1;
+            o[nd][3] *= c1;
+        }
+#pragma unroll
+        for (int nt = 0; nt < 4; nt++) {
+#pragma unroll
+            for (int c = 0; c < 2; c++) {
+                sc[nt][c] = expf(sc[nt][c] - b0);
+                sc[nt][2 + c] = expf(sc[nt][2 + c] - b1);
+                l0 += sc[nt][c];
+                l1 += sc[nt][2 + c];
+            }
+        }
+#pragma unroll
+        for (int ks = 0; ks < 2; ks++) {
+            unsigned pa[4] = {pack_bf16(sc[2 * ks][0], sc[2 * ks][1]),
+                              pack_bf16(sc[2 * ks][2], sc[2 * ks][3]),
+                              pack_bf16(sc[2 * ks + 1][0], sc[2 * ks + 1][1]),
+                              pack_bf16(sc[2 * ks + 1][2], sc[2 * ks + 1][3])};
+#pragma unroll
+            for (int nd = 0; nd < D / 8; nd++) {
+                const bf16* vr = vt_s + (nd * 8 + gq) * PFM_VT + ks * 16 + 2 * tq;
+                mma_bf16(o[nd], pa, *reinterpret_cast<const unsigned*>(vr),
+                         *reinterpret_cast<const unsigned*>(vr + 8));
+            }
+        }
+    }
+
+    // Each lane summed its own columns: the row's four lanes add theirs.
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+    if (pos0 >= 0) {
+        float inv = 1.0f / l0;
+        unsigned* o0 = reinterpret_cast<unsigned*>(out + (long long)r0 * nq * D + (long long)h * D);
+#pragma unroll
+        for (int nd = 0; nd < D / 8; nd++) o0[nd * 4 + tq] = pack_bf16(o[nd][0] * inv, o[nd][1] * inv);
+    }
+    if (pos1 >= 0) {
+        float inv = 1.0f / l1;
+        unsigned* o1 = reinterpret_cast<unsigned*>(out + (long long)r1 * nq * D + (long long)h * D);
+#pragma unroll
+        for (int nd = 0; nd < D / 8; nd++) o1[nd * 4 + tq] = pack_bf16(o[nd][2] * inv, o[nd][3] * inv);
+    }
+}
+
+// One entry point per head dimension; `d` is there so the host passes the arguments of
+// paged_attention_prefill unchanged (it equals D).
+#define PREFILL_MMA(D)                                                                        \
+    extern "C" __global__ void __launch_bounds__(PFM_THREADS) paged_attention_prefill_mma_d##D( \
+        const float* __restrict__ qkv, int row_stride, const int* __restrict__ positions,     \
+        const int* __restrict__ seq_starts, const int* __restrict__ seq_lens,                 \
+        const int* __restrict__ block_tables, int max_blocks,                                 \
+        const bf16* __restrict__ k_cache, const bf16* __restrict__ v_cache,                   \
+        bf16* __restrict__ out, int nq, int nkv, int d, int block_size, float scale,          \
+        int window) {                                                                         \
+        prefill_mma<D>(qkv, row_stride, positions, seq_starts, seq_lens, block_tables,        \
+                       max_blocks, k_cache, v_cache, out, nq, nkv, block_size, scale,         \
+                       window);                                                               \
+    }
+PREFILL_MMA(16)
+PREFILL_MMA(32)
+PREFILL_MMA(64)
+PREFILL_MMA(128)

@@ -1,0 +1,144 @@
+// Per-layer elementwise and row kernels: embedding, norms, bias, RoPE with the KV write,
+// SiLU-gated product, row gather.
+// Part of the kernels' one source: common.cuh, then layers.cu, attention_decode.cu,
+// attention_prefill.cu and sampling.cu, joined in that order (kernels.rs, KERNELS_CU).
+
+// out[t, :] = table[ids[t], :] widened to f32. Grid (T), any block size.
+extern "C" __global__ void __launch_bounds__(EMBED_THREADS)
+embed_gather(const bf16* __restrict__ table,
+             const int* __restrict__ ids,
+             float* __restrict__ out, int hidden) {
+    int t = blockIdx.x;
+    long long src = (long long)ids[t] * hidden;
+    long long dst = (long long)t * hidden;
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x) out[dst + i] = bf2f(table[src + i]);
+}
+
+// out = bf16(rmsnorm(x) * w), one row per block. Grid (rows), block multiple of 32.
+extern "C" __global__ void __launch_bounds__(RMSNORM_THREADS)
+rmsnorm_to_bf16(const float* __restrict__ x,
+                const float* __restrict__ w,
+                bf16* __restrict__ out, int hidden, float eps) {
+    long long off = (long long)blockIdx.x * hidden;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
+        float v = x[off + i];
+        ss += v * v;
+    }
+    ss = block_sum(ss);
+    float inv = 1.0f / sqrtf(ss / (float)hidden + eps);
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x) out[off + i] = f2bf(x[off + i] * inv * w[i]);
+}
+
+// residual += delta, then out = bf16(rmsnorm(residual) * w): the residual add after o_proj
+// and down_proj fused with the norm that follows it. Grid (rows), block multiple of 32.
+extern "C" __global__ void __launch_bounds__(ADD_RMSNORM_THREADS)
+add_rmsnorm_to_bf16(float* __restrict__ residual,
+                    const float* __restrict__ delta,
+                    const float* __restrict__ w,
+                    bf16* __restrict__ out, int hidden, float eps) {
+    long long off = (long long)blockIdx.x * hidden;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
+        float v = residual[off + i] + delta[off + i];
+        residual[off + i] = v;
+        ss += v * v;
+    }
+    ss = block_sum(ss);
+    float inv = 1.0f / sqrtf(ss / (float)hidden + eps);
+    // Each thread reads back only the elements it wrote above.
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
+        out[off + i] = f2bf(residual[off + i] * inv * w[i]);
+    }
+}
+
+// y[r, c] += b[c] for a [rows, cols] f32 matrix (the q/k/v biases). Grid (rows).
+extern "C" __global__ void __launch_bounds__(BIAS_ADD_THREADS)
+bias_add(float* __restrict__ y, const float* __restrict__ b, int cols) {
+    float* row = y + (long long)blockIdx.x * cols;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) row[c] += b[c];
+}
+
+// Qwen3's RMSNorm over each q and k head, in place in the qkv rows. Because k heads follow
+// q heads directly, head h (q for h < nq, k after) starts at h * d.
+// Grid (T, nq + nkv), block 32.
+extern "C" __global__ void __launch_bounds__(QK_NORM_THREADS)
+qk_norm(float* __restrict__ qkv, const float* __restrict__ q_w,
+        const float* __restrict__ k_w, int row_stride, int nq, int d,
+        float eps) {
+    int h = blockIdx.y;
+    float* p = qkv + (long long)blockIdx.x * row_stride + (long long)h * d;
+    const float* w = h < nq ? q_w : k_w;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < d; i += 32) ss += p[i] * p[i];
+    ss = warp_sum(ss);
+    float inv = 1.0f / sqrtf(ss / (float)d + eps);
+    for (int i = threadIdx.x; i < d; i += 32) p[i] = p[i] * inv * w[i];
+}
+
+// Rotary embedding (rotate-half: element i pairs with i + d/2) on the q and k heads of each
+// token, in place; for k heads the rotated k and the token's v are also written, as bf16,
+// to the paged cache at the token's slot. Angles are pos * inv_freq[i] in f32 with the
+// precise sincosf, as the CPU backend computes them.
+// Grid (T, nq + nkv), block 64.
+extern "C" __global__ void __launch_bounds__(ROPE_THREADS)
+rope_kv_write(float* __restrict__ qkv,
+              const int* __restrict__ positions,
+              const float* __restrict__ inv_freq,
+              const int* __restrict__ slot_mapping,
+              bf16* __restrict__ k_cache, bf16* __restrict__ v_cache,
+              int row_stride, int nq, int nkv, int d) {
+    int t = blockIdx.x;
+    int h = blockIdx.y;
+    int half = d / 2;
+    float* row = qkv + (long long)t * row_stride;
+    float* p = row + (long long)h * d;
+    float pos = (float)positions[t];
+    long long kvd = (long long)nkv * d;
+    long long slot_off = (long long)slot_mapping[t] * kvd;
+    for (int i = threadIdx.x; i < half; i += blockDim.x) {
+        float s, c;
+        sincosf(pos * inv_freq[i], &s, &c);
+        float x1 = p[i];
+        float x2 = p[i + half];
+        float y1 = x1 * c - x2 * s;
+        float y2 = x2 * c + x1 * s;
+        p[i] = y1;
+        p[i + half] = y2;
+        if (h >= nq) {
+            int kh = h - nq;
+            long long o = slot_off + (long long)kh * d;
+            const float* v = row + (long long)(nq + nkv) * d + (long long)kh * d;
+            k_cache[o + i] = f2bf(y1);
+            k_cache[o + i + half] = f2bf(y2);
+            v_cache[o + i] = f2bf(v[i]);
+            v_cache[o + i + half] = f2bf(v[i + half]);
+        }
+    }
+}
+
+// out[r, i] = bf16(silu(gu[r, i]) * gu[r, inter + i]) for the stacked gate/up output.
+// Grid (rows, ceil(inter / SILU_MUL_THREADS)), one element per thread: a decode step's few
+// rows still spread over many multiprocessors (one block looping over a row was bound by
+// its loads' latency). The row is the grid's x, so no flat index needs a 64-bit division,
+// whose slow path made an earlier grid-stride version spill registers.
+extern "C" __global__ void __launch_bounds__(SILU_MUL_THREADS)
+silu_mul(const float* __restrict__ gu, bf16* __restrict__ out, int inter) {
+    int i = blockIdx.y * blockDim.x + threadIdx.x;
+    if (i >= inter) return;
+    const float* g = gu + (long long)blockIdx.x * 2 * inter;
+    float x = g[i];
+    out[(long long)blockIdx.x * inter + i] = f2bf(x / (1.0f + expf(-x)) * g[inter + i]);
+}
+
+// dst[k, :] = src[rows[k], :] (bf16): picks the rows that need logits. Grid (num rows).
+extern "C" __global__ void __launch_bounds__(GATHER_THREADS)
+gather_rows_bf16(const bf16* __restrict__ src,
+                 const int* __restrict__ rows,
+                 bf16* __restrict__ dst, int cols) {
+    long long s = (long long)rows[blockIdx.x] * cols;
+    long long o = (long long)blockIdx.x * cols;
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) dst[o + i] = src[s + i];
+}
+
+// A float's bits mapped to an unsigned key with the same order (negative values reversed),
