@@ -18,9 +18,11 @@ build)
     # The `gpu` profile (fat LTO, no symbols) and xz keep what travels small: the device
     # takes 64 MiB in all, the repository's tracked files included.
     export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-target}"
-    cargo build --profile gpu --features cuda --bin kvmesh --bin gpu-bench
+    # external-default-model: the default model is read from models/shakespeare there, not
+    # carried twice (10 MB of the binary).
+    cargo build --profile gpu --features cuda,external-default-model --bin kvmesh --bin gpu-bench
     artifact() { # the executable of test target $2 of package $1, in the gpu profile
-        cargo test --profile gpu $1 --features cuda --test "$2" --no-run --message-format=json 2>/dev/null |
+        cargo test --profile gpu $1 --features cuda,external-default-model --test "$2" --no-run --message-format=json 2>/dev/null |
             python3 -c 'import json,sys
 for l in sys.stdin:
     m=json.loads(l)

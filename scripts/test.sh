@@ -49,7 +49,28 @@ bash deploy/test-tools.sh || echo "test.sh: deploy/test-tools.sh failed; tests/d
 # itself says what is missing.
 bash scripts/cuda-tools.sh || echo "test.sh: scripts/cuda-tools.sh failed; gpu/tests/cuda_offline will say why" >&2
 
+# Each phase's seconds, printed at the end (and on failure), to see where CI's time goes.
+phases=""
+t_phase=$(date +%s)
+phase() {
+    local now
+    now=$(date +%s)
+    phases="$phases$1 $((now - t_phase)) s; "
+    t_phase=$now
+}
+trap 'echo "test.sh phases: $phases"' EXIT
+phase tools
+
+# The shape of the sources (file and function lengths, module cycles): seconds, so first.
+python3 scripts/code_shape.py
+phase code-shape
+
 jobs="${CARGO_BUILD_JOBS:-$(nproc 2>/dev/null || echo 2)}"
 cargo test --workspace --all-targets -j"$jobs" "$@"
+phase "build+tests"
 # The same crate with `--features cuda`: the backend's unit tests and the offline checks.
 cargo test -p kvmesh-gpu --features cuda -j"$jobs" --lib --test cuda_offline -- cuda
+phase cuda-offline
+# Lints, warnings as errors, on everything the tests built.
+cargo clippy --workspace --all-targets -j"$jobs" -- -D warnings
+phase clippy

@@ -36,7 +36,7 @@ enum Command {
     },
     /// Measure a running OpenAI-compatible server: throughput and TTFT / TPOT / ITL / E2E
     /// latency under a set concurrency or request rate, swept, tabled and charted.
-    Bench(kvmesh_bench::serving::BenchArgs),
+    Bench(kvmesh_loadgen::BenchArgs),
     /// A request's trace across the mesh as a text waterfall (or the recent requests).
     Trace(trace_cmd::TraceArgs),
 }
@@ -65,6 +65,6 @@ fn main() -> anyhow::Result<()> {
             command: ClusterCommand::Status(args),
         } => node::cluster_status(args),
         Command::Model { command } => model_cmd::run(command),
-        Command::Bench(args) => kvmesh_bench::serving::run(args),
+        Command::Bench(args) => kvmesh_loadgen::run(args),
     }
 }

@@ -1,6 +1,7 @@
-//! kvmesh's benchmarks: `kvmesh bench`, the serving benchmark the binary runs as a subcommand
-//! ([`serving`]); the bench programs in `src/bin/` (engine, GPU, KV transfer, mesh,
-//! disaggregation, tracing, soak), which print figures and write JSON under `bench/results/`;
+//! kvmesh's bench programs and test harness; the server does not depend on this crate
+//! (`kvmesh bench`, the load generator, is `kvmesh-loadgen`). The programs in `src/bin/`
+//! (engine, GPU, KV transfer, mesh, disaggregation, tracing, soak) print figures and write
+//! JSON under `bench/results/`;
 //! the process harness those programs and the end-to-end tests start `kvmesh` with
 //! ([`harness`]); and other projects' transfer tools, run beside kvmesh's transports by the KV
 //! transfer bench for reference figures ([`kv_peers`]).
@@ -8,4 +9,3 @@
 pub mod harness;
 pub mod kv_peers;
 pub mod programs;
-pub mod serving;

@@ -11,7 +11,8 @@
 //!   per registry that resumes after disconnects.
 //! * [`EmbeddedRegistry`]: in-process, for `kvmesh serve` (every role in one process, no etcd).
 //!
-//! [`testing::Etcd`] starts a throw-away etcd server for tests.
+//! With the `testing` feature (tests and bench programs), `testing::Etcd` starts a
+//! throw-away etcd server.
 
 mod backoff;
 mod embedded;
@@ -20,6 +21,7 @@ mod etcd;
 mod record;
 mod registry;
 mod role;
+#[cfg(any(test, feature = "testing"))]
 pub mod testing;
 
 pub use async_trait::async_trait;

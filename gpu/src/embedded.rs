@@ -9,7 +9,10 @@ use crate::tokenizer::TokenizerFiles;
 pub const DEFAULT_MODEL: EmbeddedModel = EmbeddedModel {
     name: "shakespeare",
     config_json: include_str!("../../models/shakespeare/config.json"),
+    #[cfg(not(feature = "external-default-model"))]
     safetensors: include_bytes!("../../models/shakespeare/model.safetensors"),
+    #[cfg(feature = "external-default-model")]
+    safetensors: &[],
     tokenizer_json: include_bytes!("../../models/shakespeare/tokenizer.json"),
     tokenizer_config: Some(include_str!(
         "../../models/shakespeare/tokenizer_config.json"
@@ -19,6 +22,15 @@ pub const DEFAULT_MODEL: EmbeddedModel = EmbeddedModel {
         "../../models/shakespeare/generation_config.json"
     )),
 };
+
+/// Where a build with the `external-default-model` feature reads the default model's
+/// weights: `$KVMESH_DEFAULT_MODEL_DIR`, else `models/shakespeare` under the working
+/// directory (the repository root, where the GPU checks run).
+pub fn external_weights_dir() -> std::path::PathBuf {
+    std::env::var_os("KVMESH_DEFAULT_MODEL_DIR")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| std::path::PathBuf::from("models/shakespeare"))
+}
 
 /// The default model's tokenizer, given to checkpoints made with random weights.
 pub fn default_tokenizer() -> TokenizerFiles {

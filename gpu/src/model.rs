@@ -101,7 +101,20 @@ impl LoadedModel {
             generation_config: e.generation_config.map(String::from),
         };
         let tokenizer = TextTokenizer::from_files(&files, &config.eos_token_ids)?;
-        let weights = WeightStore::from_static("model.safetensors", e.safetensors)?;
+        let weights = if e.safetensors.is_empty() {
+            // Built with `external-default-model`: the same files, read from the repository.
+            let dir = crate::embedded::external_weights_dir();
+            WeightStore::open_dir(&dir).map_err(|err| {
+                EngineError::InvalidRequest(format!(
+                    "this kvmesh was built without the default model's weights (feature \
+                     external-default-model) and reads them from {}: {err}; run it from the \
+                     repository root or set KVMESH_DEFAULT_MODEL_DIR",
+                    dir.display()
+                ))
+            })?
+        } else {
+            WeightStore::from_static("model.safetensors", e.safetensors)?
+        };
         Self::checked(LoadedModel {
             name: e.name.to_string(),
             config,

@@ -21,7 +21,7 @@ use serde_json::Value;
 
 /// Shakespeare's plays, the text the embedded model was trained on; compiled in so the
 /// benchmark runs from any directory.
-const SHAKESPEARE: &str = include_str!("../../../data/tinyshakespeare.txt");
+const SHAKESPEARE: &str = include_str!("../../data/tinyshakespeare.txt");
 
 #[derive(Clone, Debug, PartialEq)]
 pub enum DatasetArg {

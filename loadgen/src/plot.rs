@@ -15,8 +15,8 @@ use plotters::prelude::*;
 use super::report::SummaryRow;
 use super::run::{fmt_x, Axis};
 
-/// DejaVu Sans; its license is beside it in bench/fonts/.
-const FONT: &[u8] = include_bytes!("../../fonts/DejaVuSans.ttf");
+/// DejaVu Sans; its license is beside it in loadgen/fonts/.
+const FONT: &[u8] = include_bytes!("../fonts/DejaVuSans.ttf");
 const FAMILY: &str = "sans-serif";
 
 /// A labelled sweep: one line on each chart.
