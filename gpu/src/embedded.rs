@@ -23,15 +23,6 @@ pub const DEFAULT_MODEL: EmbeddedModel = EmbeddedModel {
     )),
 };
 
-/// Where a build with the `external-default-model` feature reads the default model's
-/// weights: `$KVMESH_DEFAULT_MODEL_DIR`, else `models/shakespeare` under the working
-/// directory (the repository root, where the GPU checks run).
-pub fn external_weights_dir() -> std::path::PathBuf {
-    std::env::var_os("KVMESH_DEFAULT_MODEL_DIR")
-        .map(std::path::PathBuf::from)
-        .unwrap_or_else(|| std::path::PathBuf::from("models/shakespeare"))
-}
-
 /// The default model's tokenizer, given to checkpoints made with random weights.
 pub fn default_tokenizer() -> TokenizerFiles {
     TokenizerFiles {

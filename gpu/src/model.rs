@@ -57,6 +57,15 @@ pub struct EmbeddedModel {
     pub generation_config: Option<&'static str>,
 }
 
+/// Where a build with the `external-default-model` feature reads the default model's
+/// weights: `$KVMESH_DEFAULT_MODEL_DIR`, else `models/shakespeare` under the working
+/// directory (the repository root, where the GPU checks run).
+fn external_weights_dir() -> std::path::PathBuf {
+    std::env::var_os("KVMESH_DEFAULT_MODEL_DIR")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| std::path::PathBuf::from("models/shakespeare"))
+}
+
 impl LoadedModel {
     pub fn from_dir(dir: &Path) -> Result<LoadedModel> {
         if !dir.is_dir() {
@@ -103,7 +112,7 @@ impl LoadedModel {
         let tokenizer = TextTokenizer::from_files(&files, &config.eos_token_ids)?;
         let weights = if e.safetensors.is_empty() {
             // Built with `external-default-model`: the same files, read from the repository.
-            let dir = crate::embedded::external_weights_dir();
+            let dir = external_weights_dir();
             WeightStore::open_dir(&dir).map_err(|err| {
                 EngineError::InvalidRequest(format!(
                     "this kvmesh was built without the default model's weights (feature \
