@@ -45,6 +45,7 @@ use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tower_service::Service;
 
+use crate::conn_phase::{ConnPhase, Expired};
 use crate::error::ApiError;
 use crate::raw_errors;
 use crate::send_pace::SendPace;
@@ -376,27 +377,11 @@ async fn connection(
     }
 }
 
-/// What a connection is doing, for its timeouts.
-#[derive(Clone, Copy, Debug)]
-enum Phase {
-    /// Waiting for a request head to be complete, until the deadline.
-    Head(Option<Instant>),
-    /// Nothing in flight and no byte of the next request yet.
-    Idle(Option<Instant>),
-    /// This many requests in flight (their heads were read; their responses not yet sent).
-    Busy(usize),
-}
-
-enum Expired {
-    Head,
-    Idle,
-}
-
+/// A connection's [`ConnPhase`] behind a lock, and the wake-up of the task that closes the
+/// connection when the phase's deadline passes.
 struct Clock {
-    header: Option<Duration>,
-    idle: Option<Duration>,
-    phase: Mutex<Phase>,
-    /// Whether the phase is `Idle` (read on every socket read; the lock only on changes).
+    phase: Mutex<ConnPhase>,
+    /// Whether the phase is idle (read on every socket read; the lock only on changes).
     idle_now: AtomicBool,
     /// A request body was refused before it was read (413): drain it before closing.
     linger: AtomicBool,
@@ -406,10 +391,10 @@ struct Clock {
 impl Clock {
     fn new(limits: &HttpLimits) -> Clock {
         Clock {
-            header: limits.header_timeout,
-            idle: limits.idle_timeout,
-            phase: Mutex::new(Phase::Head(
-                limits.header_timeout.map(|d| Instant::now() + d),
+            phase: Mutex::new(ConnPhase::new(
+                limits.header_timeout,
+                limits.idle_timeout,
+                Instant::now(),
             )),
             idle_now: AtomicBool::new(false),
             linger: AtomicBool::new(false),
@@ -417,11 +402,10 @@ impl Clock {
         }
     }
 
-    fn set(&self, f: impl FnOnce(Phase) -> Phase) {
+    fn set(&self, f: impl FnOnce(&mut ConnPhase)) {
         let mut p = self.phase.lock().unwrap_or_else(|e| e.into_inner());
-        *p = f(*p);
-        self.idle_now
-            .store(matches!(*p, Phase::Idle(_)), Ordering::Relaxed);
+        f(&mut p);
+        self.idle_now.store(p.is_idle(), Ordering::Relaxed);
         drop(p);
         self.changed.notify_one();
     }
@@ -429,47 +413,37 @@ impl Clock {
     /// Bytes came in: after an idle pause, the next head's time starts.
     fn bytes_read(&self) {
         if self.idle_now.load(Ordering::Relaxed) {
-            let header = self.header;
-            self.set(|p| match p {
-                Phase::Idle(_) => Phase::Head(header.map(|d| Instant::now() + d)),
-                p => p,
+            self.set(|p| {
+                p.bytes_read(Instant::now());
             });
         }
     }
 
     /// A request head was read: no head or idle timeout until its response is sent.
     fn request_started(self: &Arc<Self>) -> InFlight {
-        self.set(|p| match p {
-            Phase::Busy(n) => Phase::Busy(n + 1),
-            _ => Phase::Busy(1),
-        });
+        self.set(ConnPhase::request_started);
         InFlight(self.clone())
     }
 
     fn request_done(&self) {
-        let idle = self.idle;
-        self.set(|p| match p {
-            Phase::Busy(n) if n > 1 => Phase::Busy(n - 1),
-            _ => Phase::Idle(idle.map(|d| Instant::now() + d)),
-        });
+        self.set(|p| p.request_done(Instant::now()));
     }
 
     /// Resolves when the phase's deadline passes.
     async fn expired(&self) -> Expired {
         loop {
             let changed = self.changed.notified();
-            let phase = *self.phase.lock().unwrap_or_else(|e| e.into_inner());
-            let (deadline, kind) = match phase {
-                Phase::Head(Some(d)) => (d, Expired::Head),
-                Phase::Idle(Some(d)) => (d, Expired::Idle),
-                _ => {
-                    changed.await;
-                    continue;
-                }
+            let (deadline, passed) = {
+                let p = self.phase.lock().unwrap_or_else(|e| e.into_inner());
+                (p.deadline(), p.expired(Instant::now()))
             };
-            if Instant::now() >= deadline {
-                return kind;
+            if let Some(why) = passed {
+                return why;
             }
+            let Some((deadline, _)) = deadline else {
+                changed.await;
+                continue;
+            };
             tokio::select! {
                 _ = tokio::time::sleep_until(deadline) => {}
                 _ = changed => {}

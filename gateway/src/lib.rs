@@ -7,10 +7,12 @@
 //! - `dispatch`: where token ids go (an engine here, or a router);
 //! - `structured`, `tools`: output shapes (JSON, regex, grammars, logit bias) and tool calls;
 //! - `state`, `protocol`, `error`, `metrics`, `traces`, `http` (and `raw_errors`, the
-//!   OpenAI bodies of the errors the HTTP library writes itself).
+//!   OpenAI bodies of the errors the HTTP library writes itself; `conn_phase`, a
+//!   connection's timeouts as a pure state machine).
 
 mod api;
 mod complete;
+mod conn_phase;
 pub mod dispatch;
 pub mod error;
 pub mod generate;
