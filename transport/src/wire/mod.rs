@@ -3,6 +3,7 @@
 //! carry them (`kv` imports `wire`, never the reverse).
 
 pub mod frame;
+pub mod fuzz;
 pub mod msg;
 
 pub use frame::{
