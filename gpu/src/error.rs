@@ -13,6 +13,15 @@ pub enum EngineError {
     ChatTemplate(String),
     #[error("backend: {0}")]
     Backend(String),
+    /// A GPU library call failed: what was being done, and the library's own error (the
+    /// driver's `CUresult`, cuBLAS's or NVRTC's status) kept as the source, so a caller can
+    /// tell out-of-memory from a lost device without reading text.
+    #[error("backend: {what}: {source:?}")]
+    Device {
+        what: String,
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
     /// A request the engine cannot take as given (too long, bad ids).
     #[error("{0}")]
     InvalidRequest(String),
@@ -33,6 +42,17 @@ pub enum EngineError {
 pub type Result<T, E = EngineError> = std::result::Result<T, E>;
 
 impl EngineError {
+    /// A GPU library error while doing `what`.
+    pub fn device(
+        what: impl Into<String>,
+        source: impl std::error::Error + Send + Sync + 'static,
+    ) -> EngineError {
+        EngineError::Device {
+            what: what.into(),
+            source: Box::new(source),
+        }
+    }
+
     pub fn io(context: impl Into<String>, source: std::io::Error) -> EngineError {
         EngineError::Io {
             context: context.into(),

@@ -80,7 +80,7 @@ pub fn gemm_bf16_f32(
             blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
         )
     }
-    .map_err(|e| EngineError::Backend(format!("cuBLAS GEMM ({m}x{k} by {n}x{k}): {e:?}")))
+    .map_err(|e| EngineError::device(format!("cuBLAS GEMM ({m}x{k} by {n}x{k})"), e))
 }
 
 fn too_big(what: &str) -> EngineError {

@@ -186,7 +186,7 @@ fn compile(source: &str, options: &[String]) -> Result<String> {
         ..Default::default()
     };
     let ptx = cudarc::nvrtc::compile_ptx_with_opts(source, opts)
-        .map_err(|e| EngineError::Backend(format!("compiling the CUDA kernels failed: {e:?}")))?;
+        .map_err(|e| EngineError::device("compiling the CUDA kernels failed", e))?;
     match ptx.as_bytes() {
         Some(bytes) => {
             // The image is a NUL-terminated C string.
