@@ -269,6 +269,7 @@ fn inspect(m: &LoadedModel, dir: Option<&std::path::Path>) -> Value {
             "bytes": m.weights.stored_bytes(),
             "dtypes": dtypes,
         },
+        "quantization": quantization(m),
         "rms_norm_eps": shortest(c.rms_norm_eps),
         "activation": "silu",
         "tie_word_embeddings": c.tie_word_embeddings,
@@ -296,7 +297,131 @@ fn inspect(m: &LoadedModel, dir: Option<&std::path::Path>) -> Value {
     })
 }
 
-/// What a Qwen3.5 model adds to the dense shape, and why it is not served yet.
+/// The FP8 scheme of each quantized linear layer (the layers named per decoder layer, with
+/// the decoder layers they are in), the layers left as stored, and the bytes the weights
+/// take on a GPU that keeps them in FP8 beside the same model's in bf16.
+fn quantization(m: &LoadedModel) -> Value {
+    let c = &m.config;
+    let Some(q) = &c.quantization else {
+        return Value::Null;
+    };
+    // scheme -> layer kind (`mlp.down_proj`) -> decoder layers holding it
+    let mut schemes: std::collections::BTreeMap<
+        String,
+        std::collections::BTreeMap<String, Vec<usize>>,
+    > = Default::default();
+    let mut unquantized = Vec::new();
+    for (name, _, _) in c.linear_layers() {
+        let Some(s) = q.scheme_of(&name) else {
+            unquantized.push(name);
+            continue;
+        };
+        let (kind, layer) = match name
+            .strip_prefix("model.layers.")
+            .and_then(|r| r.split_once('.'))
+        {
+            Some((i, kind)) => (kind.to_string(), i.parse::<usize>().ok()),
+            None => (name.clone(), None),
+        };
+        let layers = schemes
+            .entry(s.describe())
+            .or_default()
+            .entry(kind)
+            .or_default();
+        layers.extend(layer);
+    }
+    let schemes: Vec<Value> = schemes
+        .into_iter()
+        .map(|(scheme, kinds)| {
+            let layers: Vec<Value> = kinds
+                .into_iter()
+                .map(|(kind, l)| json!({"layer": kind, "in_decoder_layers": l}))
+                .collect();
+            json!({"scheme": scheme, "layers": layers})
+        })
+        .collect();
+    let (fp8, bf16) = kvmesh_gpu::quant::gpu_bytes(c, &m.weights);
+    json!({
+        "method": q.method.name(),
+        "summary": q.summary(),
+        "schemes": schemes,
+        "unquantized_layers": unquantized,
+        "gpu_bytes_fp8": fp8,
+        "gpu_bytes_bf16": bf16,
+        "cpu": "dequantized to f32 at load",
+        "cuda": "refused (FP8 GEMMs not implemented yet)",
+    })
+}
+
+/// The text view of the quantization: one line per scheme, then the bytes.
+fn quantization_lines(r: &Value) -> Vec<(&'static str, String)> {
+    let q = &r["quantization"];
+    if q.is_null() {
+        return Vec::new();
+    }
+    let num_layers = r["num_layers"].as_u64().unwrap_or(0) as usize;
+    let mut lines = vec![(
+        "quantization",
+        format!("{} ({})", text(q, "summary"), text(q, "cpu")),
+    )];
+    for s in q["schemes"].as_array().into_iter().flatten() {
+        let kinds: Vec<String> = s["layers"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|l| {
+                let n = l["in_decoder_layers"].as_array().map_or(0, Vec::len);
+                match n {
+                    0 => text(l, "layer"),
+                    n if n == num_layers => format!("{} (all layers)", text(l, "layer")),
+                    n => format!("{} ({n} of {num_layers} layers)", text(l, "layer")),
+                }
+            })
+            .collect();
+        lines.push((
+            "  scheme",
+            format!("{}: {}", text(s, "scheme"), kinds.join(", ")),
+        ));
+    }
+    let kept: Vec<&str> = q["unquantized_layers"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(Value::as_str)
+        .collect();
+    lines.push((
+        "  unquantized",
+        if kept.is_empty() {
+            "none".into()
+        } else {
+            kept.join(", ")
+        },
+    ));
+    lines.push((
+        "  GPU bytes",
+        format!(
+            "{} kept in FP8 ({} in bf16); cuda backend: {}",
+            human_bytes(num(q, "gpu_bytes_fp8")),
+            human_bytes(num(q, "gpu_bytes_bf16")),
+            text(q, "cuda")
+        ),
+    ));
+    lines
+}
+
+/// Bytes in the largest binary unit that leaves a number of at least 1.
+fn human_bytes(b: u64) -> String {
+    let mut x = b as f64;
+    for unit in ["bytes", "KiB", "MiB"] {
+        if x < 1024.0 {
+            return format!("{x:.2} {unit}").replace(".00 bytes", " bytes");
+        }
+        x /= 1024.0;
+    }
+    format!("{x:.2} GiB")
+}
+
+/// What a Qwen3.5 model adds to the dense shape, and where it is served.
 fn hybrid_note(
     c: &kvmesh_gpu::config::ModelConfig,
     h: &kvmesh_gpu::config::HybridConfig,
@@ -305,8 +430,9 @@ fn hybrid_note(
     format!(
         "Qwen3.5 hybrid: {} Gated DeltaNet layers ({} key heads of {}, {} value heads of {}, \
          conv kernel {}) and {} gated full-attention layers ({}); RoPE on the first {} of each \
-         head's {} dimensions; recurrent state {} bytes per sequence (f32). The CPU reference \
-         runs it; engines do not serve it yet",
+         head's {} dimensions; recurrent state {} bytes per sequence (f32), one slot per \
+         running sequence. Served by the CPU backend (without prefix caching); the CUDA \
+         backend does not serve it yet",
         h.num_linear_layers(),
         h.linear_num_key_heads,
         h.linear_key_head_dim,
@@ -380,6 +506,7 @@ fn render(r: &Value) -> String {
         }),
         ("ignored", ignored(r)),
     ];
+    lines.extend(quantization_lines(r));
     for note in r["notes"].as_array().into_iter().flatten() {
         lines.push(("note", note.as_str().unwrap_or("").to_string()));
     }

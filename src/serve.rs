@@ -16,7 +16,7 @@ use kvmesh_gpu::card::ModelCard;
 use kvmesh_gpu::engine::{self, EngineConfig};
 use kvmesh_gpu::guided::LazyGuides;
 use kvmesh_gpu::model::{
-    build_backend, resolve_device, BackendKind, KvBudget, LoadedModel, Numerics,
+    build_backend_for, resolve_device, BackendKind, KvBudget, LoadedModel, Numerics,
 };
 
 /// What computes the model's steps.
@@ -116,8 +116,6 @@ impl EngineArgs {
         }
     }
 
-    /// What runs the model, from `--backend`, `--device`, `--enforce-eager` and the sim
-    /// timing: the one place those flags are read together.
     /// The KV cache's size as the flags give it: blocks, else GiB, else on a GPU the share
     /// of its memory, else 1 GiB.
     pub fn kv_budget(&self, kind: &BackendKind) -> anyhow::Result<KvBudget> {
@@ -144,6 +142,8 @@ impl EngineArgs {
         })
     }
 
+    /// What runs the model, from `--backend`, `--device`, `--enforce-eager` and the sim
+    /// timing: the one place those flags are read together.
     pub fn backend_kind(&self) -> anyhow::Result<BackendKind> {
         match self.backend {
             BackendArg::Cpu => {
@@ -394,7 +394,7 @@ pub fn start_engine_on(
     let name = args.served_name(&model.name)?;
     let fingerprint = model.fingerprint(args.numerics());
     let budget = args.kv_budget(&kind)?;
-    let backend = build_backend(kind, model, args.block_size, budget)?;
+    let backend = build_backend_for(kind, model, args.block_size, budget, args.max_num_seqs)?;
     let num_blocks = backend.num_blocks();
     let cache_tokens = num_blocks * args.block_size;
     let model_max = model.config.max_context();

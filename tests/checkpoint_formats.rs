@@ -25,6 +25,7 @@ fn last_logits(dir: &Path) -> Vec<f32> {
         context_len: 0,
         block_table: &table,
         want_logits: true,
+        state_slot: None,
     }];
     b.forward(&ForwardBatch { seqs }).unwrap().remove(0)
 }

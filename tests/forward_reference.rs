@@ -224,6 +224,7 @@ fn one(
             context_len,
             block_table: table,
             want_logits: want,
+            state_slot: None,
         }],
     };
     let mut out = backend.forward(&batch).expect("forward");
@@ -331,6 +332,7 @@ fn check_prompts(model: &LoadedModel, fx: &Fixture, ctx: &str) -> f32 {
                 context_len: p.ids.len(),
                 block_table: t,
                 want_logits: true,
+                state_slot: None,
             })
             .collect(),
     };

@@ -5,7 +5,9 @@
 //! The `hf-*` folders were written by transformers' `save_pretrained` (see
 //! `scripts/reference_logits.py`), whose greedy continuations are in
 //! `tests/fixtures/reference/`. Each is served twice: with its own config.json (the
-//! `rope_parameters` layout) and with the same config in the legacy layout.
+//! `rope_parameters` layout) and with the same config in the legacy layout. Qwen3.5's
+//! hybrid checkpoints (`scripts/qwen35_fixtures.py`, which has no legacy layout to write)
+//! are served once each, alone and in concurrent batches.
 
 mod common;
 
@@ -23,20 +25,33 @@ fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }
 
-/// Every checkpoint scripts/reference_logits.py wrote with transformers.
+/// Every dense checkpoint scripts/reference_logits.py wrote with transformers.
 fn hf_models() -> Vec<String> {
     let mut v: Vec<String> = std::fs::read_dir(repo().join("tests/fixtures/models"))
         .expect("fixtures")
         .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
-        .filter(|n| n.starts_with("hf-") && !is_hybrid(n))
+        // FP8 checkpoints have their own reference (tests/fp8_reference.rs, no legacy layout).
+        .filter(|n| n.starts_with("hf-") && !is_hybrid(n) && !n.contains("-fp8"))
         .collect();
     v.sort();
     assert!(v.len() >= 9, "hf-* fixtures missing: {v:?}");
     v
 }
 
-/// Qwen3.5's hybrid checkpoints, which no engine serves yet (`tests/qwen35_reference.rs`
-/// holds their forward pass to transformers').
+/// Every hybrid (Qwen3.5) checkpoint scripts/qwen35_fixtures.py wrote with transformers.
+fn hybrid_models() -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(repo().join("tests/fixtures/models"))
+        .expect("fixtures")
+        .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("hf-") && is_hybrid(n))
+        .collect();
+    v.sort();
+    assert!(v.len() >= 4, "hf-qwen35-* fixtures missing: {v:?}");
+    v
+}
+
+/// Qwen3.5's hybrid checkpoints: their fixtures have no legacy layout and record their
+/// near-ties per generated token (`greedy_gaps`).
 fn is_hybrid(name: &str) -> bool {
     let text = std::fs::read_to_string(model_dir(name).join("config.json")).expect("config");
     let cfg: Value = serde_json::from_str(&text).expect("config json");
@@ -125,6 +140,77 @@ async fn greedy_over_http_matches_transformers_in_both_config_layouts() {
             }
             println!("{name} ({layout}): greedy continuations match transformers over HTTP");
         }
+    }
+}
+
+/// Qwen3.5 served over HTTP: each prompt's greedy continuation is transformers' (exactly in
+/// f32; up to a near-tie of theirs in bf16), then every prompt three times at once answers
+/// as it did alone. The step budget of 16 tokens splits the long prompt over several steps
+/// beside the others' decode tokens; the state slots are all free again at the end, and no
+/// prompt was resumed from the prefix cache.
+#[tokio::test]
+async fn hybrid_models_serve_greedy_like_transformers_alone_and_batched() {
+    for name in hybrid_models() {
+        let name = name.as_str();
+        let fx = fixture(name);
+        let dir = model_dir(name);
+        let s = Server::start(&[
+            "--model",
+            dir.to_str().unwrap(),
+            "--num-kv-blocks",
+            "64",
+            "--max-num-batched-tokens",
+            "16",
+            "--max-num-seqs",
+            "8",
+        ]);
+        let body = |prompt: &[u64], n: usize| {
+            json!({"prompt": prompt, "max_tokens": n, "temperature": 0,
+                   "ignore_eos": true, "return_token_ids": true})
+        };
+        let prompts = fx["prompts"].as_array().unwrap();
+        let mut alone = Vec::new();
+        for p in prompts {
+            let ctx = format!("{name} {}", p["name"]);
+            let prompt = ids(&p["ids"]);
+            let want = ids(&p["greedy"]);
+            let (status, r) = s.post("/v1/completions", body(&prompt, want.len())).await;
+            assert_eq!(status, 200, "{ctx}: {r}");
+            let got = ids(&r["choices"][0]["token_ids"]);
+            if let Some(k) = got.iter().zip(&want).position(|(a, b)| a != b) {
+                let gap = p["greedy_gaps"][k].as_f64().unwrap();
+                assert!(
+                    !name.ends_with("-f32") && gap < TIE_GAP,
+                    "{ctx}: token {k} differs from transformers' ({got:?} vs {want:?}) \
+                     where their top two logits are {gap} apart"
+                );
+            } else {
+                assert_eq!(got, want, "{ctx}");
+            }
+            alone.push((prompt, got));
+        }
+        let batch: Vec<_> = alone.iter().cycle().take(3 * alone.len()).collect();
+        let together = futures::future::join_all(
+            batch
+                .iter()
+                .map(|(prompt, want)| s.post("/v1/completions", body(prompt, want.len()))),
+        )
+        .await;
+        for ((status, r), (_, want)) in together.iter().zip(&batch) {
+            assert_eq!(*status, 200, "{name}: {r}");
+            assert_eq!(
+                &ids(&r["choices"][0]["token_ids"]),
+                want,
+                "{name}: a request in a batch answers as alone"
+            );
+        }
+        assert_eq!(s.metric("kvmesh:num_state_slots").await, 8.0, "{name}");
+        let used = s
+            .wait_metric("kvmesh:state_slots_used", 5, |v| v == 0.0)
+            .await;
+        assert_eq!(used, 0.0, "{name}: every state slot is free again");
+        assert_eq!(s.metric("kvmesh:prefix_cache_hits_total").await, 0.0);
+        println!("{name}: greedy continuations match transformers over HTTP, alone and batched");
     }
 }
 

@@ -18,18 +18,18 @@
 //! logits were within `TIE_GAP`. Both the f32 and the bf16 checkpoints are held to that:
 //! bf16 weights are widened to f32 on both sides, so the math is the same.
 //!
-//! Then what must be refused: building a serving engine for such a model (not served
-//! yet), and configs with an unknown layer type, a mixture-of-experts variant or a state
-//! dtype kvmesh does not keep, each naming the field.
+//! Then what must be refused: configs with an unknown layer type, a mixture-of-experts
+//! variant or a state dtype kvmesh does not keep, each naming the field. How the engine
+//! serves these models is `qwen35_serving.rs`'s.
 
 mod common;
 
 use std::path::{Path, PathBuf};
 
 use common::ModelWithConfig;
-use kvmesh_gpu::backend::cpu::{argmax, CpuModel, HybridModel};
+use kvmesh_gpu::backend::cpu::{argmax, HybridModel};
 use kvmesh_gpu::config::{HybridLayout, LayerType};
-use kvmesh_gpu::model::{build_backend, BackendKind, KvBudget, LoadedModel};
+use kvmesh_gpu::model::LoadedModel;
 use serde::Deserialize;
 use serde_json::Value;
 
@@ -264,27 +264,6 @@ fn state_slot_size_comes_from_the_config() {
     m.forward(&mut seq, &[0, 5, 9]).unwrap();
     assert_eq!(seq.state.as_slice().len() * 4, layout.bytes_per_slot());
     assert!(seq.state.as_slice().iter().any(|&x| x != 0.0));
-}
-
-/// An engine is not built for a model it cannot serve right: the dense path would load
-/// the wrong layers, so it is refused, naming what is missing.
-#[test]
-fn serving_engines_refuse_hybrid_models_for_now() {
-    let fx = fixture("hf-qwen35-f32");
-    let model = load("hf-qwen35-f32", &fx);
-    let e = build_backend(BackendKind::Cpu, &model, 16, KvBudget::Blocks(8))
-        .err()
-        .expect("refused")
-        .to_string();
-    assert!(
-        e.contains("Qwen3.5 hybrid (Gated DeltaNet)") && e.contains("not yet served"),
-        "{e}"
-    );
-    let e = CpuModel::load(&model.config, &model.weights)
-        .err()
-        .expect("refused")
-        .to_string();
-    assert!(e.contains("not yet served"), "{e}");
 }
 
 /// `hf-qwen35-f32` with its config.json edited by `edit`; the refusal's message.

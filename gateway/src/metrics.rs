@@ -179,6 +179,21 @@ pub fn render_engines(o: &Exposition, model: &str, engines: &[(Option<&str>, &En
     gauge("kvmesh:num_kv_blocks", "KV blocks in the cache.", &|e| {
         e.info.num_blocks.max(1) as f64
     });
+    gauge(
+        "kvmesh:num_state_slots",
+        "Recurrent-state slots beside the KV blocks, one per running sequence of a model with \
+         linear-attention layers (0 for other models).",
+        &|e| e.info.num_state_slots as f64,
+    );
+    gauge(
+        "kvmesh:state_slots_used",
+        "Recurrent-state slots held by running sequences.",
+        &|e| {
+            e.info
+                .num_state_slots
+                .saturating_sub(load(&e.stats.free_state_slots) as usize) as f64
+        },
+    );
     counter(
         "kvmesh:prefix_cache_queries_total",
         "Prompt tokens looked up in the prefix cache.",

@@ -13,12 +13,11 @@ use crate::config::ModelConfig;
 use crate::error::Result;
 use crate::safetensors::{TensorData, WeightStore};
 
-/// Why an engine cannot be built for a Qwen3.5 model yet.
-pub const HYBRID_NOT_SERVED: &str = "Qwen3.5 hybrid (Gated DeltaNet) layers are read and run by \
-    the CPU reference but not yet served: the engine has no per-sequence slot for their \
-    recurrent state (conv window and delta-rule state) beside the paged KV blocks, and the \
-    CUDA backend has no kernels for them; `kvmesh_gpu::backend::cpu::HybridModel` runs the \
-    model on its own (prefill, then greedy decode)";
+/// Why a dense loader refuses a Qwen3.5 model: its layers are not dense layers.
+pub const HYBRID_NOT_SERVED: &str = "Qwen3.5 hybrid (Gated DeltaNet) layers are not dense \
+    layers and are not yet served by this backend: the CPU backend serves these models \
+    through its hybrid path (`HybridBackend`, recurrent state slots beside paged KV), and the \
+    CUDA backend has no kernels for them yet";
 
 /// A dense layer as the checkpoint holds it: `y = x · Wᵀ (+ b)` with `W` row-major
 /// `[out, inp]`, bf16 as stored or f32 (see `WeightStore::load`).
@@ -175,9 +174,23 @@ impl<'a> Checkpoint<'a> {
 
     /// `{name}.weight` `[out, inp]`, and `{name}.bias` `[out]` exactly when the config says
     /// the projection has one (`model::check_tensors` refuses weights that disagree).
+    ///
+    /// A layer the `quantization_config` quantizes is dequantized here, to f32: every
+    /// backend that loads through this walk gets the weights as the config means them (the
+    /// CUDA backend refuses FP8 checkpoints before it gets here, so that it never uploads
+    /// them widened).
     fn projection(&self, name: &str, out: usize, inp: usize, bias: bool) -> Result<Projection> {
+        let scheme = self
+            .cfg
+            .quantization
+            .as_ref()
+            .and_then(|q| q.scheme_of(name));
+        let weight = match scheme {
+            Some(s) => TensorData::F32(crate::quant::dequantize(self.store, name, out, inp, &s)?),
+            None => self.store.load(&format!("{name}.weight"), &[out, inp])?,
+        };
         Ok(Projection {
-            weight: self.store.load(&format!("{name}.weight"), &[out, inp])?,
+            weight,
             out,
             inp,
             bias: if bias {

@@ -44,6 +44,7 @@ fn base(arch: Arch) -> ModelConfig {
         declared_dtype: None,
         ignored_fields: Vec::new(),
         hybrid: None,
+        quantization: None,
     }
 }
 
@@ -266,6 +267,7 @@ fn write_side_files(
         DType::F32 => "float32",
         DType::F16 => "float16",
         DType::BF16 => "bfloat16",
+        DType::F8E4M3 => "float8_e4m3fn",
     }
     .into();
     let write = |name: &str, bytes: &[u8]| {

@@ -13,6 +13,7 @@ pub mod init;
 pub mod kv_cache;
 pub mod kv_pool;
 pub mod model;
+pub mod quant;
 pub mod safetensors;
 pub mod sampler;
 pub mod tokenizer;

@@ -4,7 +4,7 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use crate::backend::cpu::{CpuBackend, CpuModel};
+use crate::backend::cpu::{CpuBackend, CpuModel, HybridBackend, HybridModel};
 use crate::backend::sim::SimBackend;
 use crate::backend::{Backend, CudaOptions};
 use crate::config::ModelConfig;
@@ -284,7 +284,7 @@ pub fn check_tensors(cfg: &ModelConfig, w: &WeightStore) -> Result<()> {
             cfg.arch.architecture_name()
         )));
     }
-    Ok(())
+    crate::quant::check_tensors(cfg, w)
 }
 
 /// Which backend runs the math.
@@ -359,13 +359,45 @@ fn host_blocks(kv: KvBudget, per_block: usize) -> Result<usize> {
     }
 }
 
+/// The backend for an engine with the default limits (see [`build_backend_for`]).
 pub fn build_backend(
     kind: BackendKind,
     model: &LoadedModel,
     block_size: usize,
     kv: KvBudget,
 ) -> Result<Box<dyn Backend>> {
+    let max_num_seqs = crate::engine::EngineConfig::default().max_num_seqs;
+    build_backend_for(kind, model, block_size, kv, max_num_seqs)
+}
+
+/// The backend for an engine that runs at most `max_num_seqs` sequences at once, which
+/// sizes what a model with recurrent layers keeps per running sequence (its state slots;
+/// see [`HybridBackend::split_budget`]). Qwen3.5's hybrid models run on the CPU only.
+pub fn build_backend_for(
+    kind: BackendKind,
+    model: &LoadedModel,
+    block_size: usize,
+    kv: KvBudget,
+    max_num_seqs: usize,
+) -> Result<Box<dyn Backend>> {
     match kind {
+        BackendKind::Cpu if model.config.hybrid.is_some() => {
+            let cfg = &model.config;
+            let (blocks, slots) = HybridBackend::split_budget(cfg, block_size, kv, max_num_seqs)?;
+            if slots < max_num_seqs {
+                tracing::warn!(
+                    "the KV budget holds recurrent state for {slots} sequences at once, fewer \
+                     than --max-num-seqs {max_num_seqs}: their states would take more than half \
+                     of it ({} MiB each); raise --kv-cache-gib to run more",
+                    cfg.hybrid.as_ref().map_or(0, |h| h.state_bytes_per_sequence()) >> 20
+                );
+            }
+            let m = HybridModel::load(cfg, &model.weights)?;
+            Ok(Box::new(HybridBackend::new(m, blocks, block_size, slots)?))
+        }
+        BackendKind::Cuda(_) if model.config.hybrid.is_some() => {
+            Err(EngineError::BadModel(HYBRID_NOT_ON_CUDA.into()))
+        }
         BackendKind::Cpu => {
             let per_block = CpuBackend::kv_bytes_per_block(&model.config, block_size);
             let blocks = host_blocks(kv, per_block)?;
@@ -382,7 +414,10 @@ pub fn build_backend(
             "this kvmesh was built without CUDA support; rebuild with `cargo build --release --features cuda`".into(),
         )),
         BackendKind::Sim(timing) => {
-            // Budgeted as a GPU would hold it: bf16 K and V for every layer.
+            // Budgeted as a GPU would hold it: bf16 K and V for every layer. A hybrid model
+            // is timed as a dense one of its shape (its linear layers' KV counted as if
+            // they kept it, its state slots not at all): the sim makes its tokens up, and
+            // its timing model has no recurrent layers.
             let spec = KvSpec {
                 num_layers: model.config.num_layers,
                 block_size,
@@ -405,6 +440,11 @@ pub fn build_backend(
         }
     }
 }
+
+/// Why the CUDA backend refuses Qwen3.5's hybrid models.
+pub const HYBRID_NOT_ON_CUDA: &str = "Qwen3.5 hybrid (Gated DeltaNet) models are served by \
+    the CPU backend only: the CUDA backend has no kernels for their linear-attention layers \
+    yet; serve with --device cpu";
 
 /// The most whole-word tokens the sim draws its outputs from (plenty for varied text; a
 /// large vocabulary is not scanned to the end).

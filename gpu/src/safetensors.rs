@@ -18,15 +18,25 @@ pub enum DType {
     F32,
     F16,
     BF16,
+    /// FP8 e4m3 as PyTorch's `float8_e4m3fn` stores it (no infinities, one NaN pattern per
+    /// sign, largest finite ±448). Only meaningful with the scales a `quantization_config`
+    /// names, so reading one as plain values is refused (see [`WeightStore::f8_e4m3`]).
+    F8E4M3,
 }
 
 impl DType {
-    fn parse(s: &str) -> Option<DType> {
+    fn parse(s: &str) -> std::result::Result<DType, String> {
         match s {
-            "F32" => Some(DType::F32),
-            "F16" => Some(DType::F16),
-            "BF16" => Some(DType::BF16),
-            _ => None,
+            "F32" => Ok(DType::F32),
+            "F16" => Ok(DType::F16),
+            "BF16" => Ok(DType::BF16),
+            "F8_E4M3" => Ok(DType::F8E4M3),
+            // e5m2 is the gradient format; no published inference checkpoint kvmesh runs
+            // stores weights in it, and reading it as e4m3 would misread every value.
+            "F8_E5M2" => Err("F8_E5M2; kvmesh reads FP8 weights as F8_E4M3 only".into()),
+            other => Err(format!(
+                "{other}; kvmesh reads F32, F16, BF16 and F8_E4M3 (with a quantization_config)"
+            )),
         }
     }
 
@@ -35,6 +45,7 @@ impl DType {
             DType::F32 => "F32",
             DType::F16 => "F16",
             DType::BF16 => "BF16",
+            DType::F8E4M3 => "F8_E4M3",
         }
     }
 
@@ -42,8 +53,46 @@ impl DType {
         match self {
             DType::F32 => 4,
             DType::F16 | DType::BF16 => 2,
+            DType::F8E4M3 => 1,
         }
     }
+}
+
+/// The value of an e4m3 (`float8_e4m3fn`) byte: sign, 4 exponent bits (bias 7) and 3
+/// mantissa bits; exponent 0 is subnormal (`m/8 · 2⁻⁶`), and `S.1111.111` is NaN (the
+/// format has no infinities, so 448 is the largest magnitude).
+pub fn e4m3_to_f32(b: u8) -> f32 {
+    let sign = if b & 0x80 != 0 { -1.0 } else { 1.0 };
+    let e = ((b >> 3) & 0x0f) as i32;
+    let m = (b & 0x07) as f32;
+    if e == 0x0f && b & 0x07 == 0x07 {
+        return f32::NAN;
+    }
+    let mag = if e == 0 {
+        m / 8.0 * 2f32.powi(-6)
+    } else {
+        (1.0 + m / 8.0) * 2f32.powi(e - 7)
+    };
+    sign * mag
+}
+
+/// The e4m3 byte nearest to `x` (ties to the even mantissa), saturating at ±448 as
+/// PyTorch's clamp-then-cast quantizers do; NaN stays NaN. For writing test checkpoints:
+/// a search over the 127 finite magnitudes, not a fast path.
+pub fn f32_to_e4m3(x: f32) -> u8 {
+    if x.is_nan() {
+        return 0x7f;
+    }
+    let sign = if x.is_sign_negative() { 0x80 } else { 0 };
+    let a = x.abs().min(448.0);
+    let mut best = 0u8;
+    for code in 1u8..0x7f {
+        let (d, db) = ((e4m3_to_f32(code) - a).abs(), (e4m3_to_f32(best) - a).abs());
+        if d < db || (d == db && code & 1 == 0) {
+            best = code;
+        }
+    }
+    sign | best
 }
 
 /// Bytes of one file: memory-mapped, or compiled into the binary.
@@ -99,12 +148,8 @@ impl File {
         let data_len = buf.len() - data_start;
         let mut tensors = HashMap::new();
         for (key, e) in header {
-            let dtype = DType::parse(&e.dtype).ok_or_else(|| {
-                bad(format!(
-                    "tensor {key} has dtype {}; kvmesh reads F32, F16 and BF16",
-                    e.dtype
-                ))
-            })?;
+            let dtype = DType::parse(&e.dtype)
+                .map_err(|why| bad(format!("tensor {key} has dtype {why}")))?;
             let (start, end) = e.data_offsets;
             let need = e
                 .shape
@@ -355,6 +400,14 @@ impl WeightStore {
         }
         let raw = &file.bytes.as_slice()[file.data_start + t.start..file.data_start + t.end];
         Ok(match t.dtype {
+            DType::F8E4M3 => {
+                return Err(EngineError::BadModel(format!(
+                    "{}: tensor `{name}` is F8_E4M3, which means nothing without the scales \
+                     a quantization_config gives it, and config.json quantizes no such \
+                     weight",
+                    file.name
+                )))
+            }
             DType::F32 => raw
                 .chunks_exact(4)
                 .map(|b| f32::from_le_bytes(b.try_into().expect("4 bytes")))
@@ -368,6 +421,32 @@ impl WeightStore {
                 .map(|b| bf16::from_le_bytes([b[0], b[1]]).to_f32())
                 .collect(),
         })
+    }
+
+    /// An F8_E4M3 tensor's values before scaling, checked against the expected shape; a
+    /// NaN (which no quantizer writes) is refused rather than carried into every product.
+    pub fn f8_e4m3(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
+        let Some((t, raw)) = self.raw(name) else {
+            return Err(EngineError::BadModel(format!(
+                "weights: tensor `{name}` is missing"
+            )));
+        };
+        if t.dtype != DType::F8E4M3 || t.shape != shape {
+            return Err(EngineError::BadModel(format!(
+                "weights: tensor `{name}` is {} {:?}; its quantization_config makes it \
+                 F8_E4M3 {shape:?}",
+                t.dtype.name(),
+                t.shape
+            )));
+        }
+        let table: Vec<f32> = (0..=255u8).map(e4m3_to_f32).collect();
+        let vals: Vec<f32> = raw.iter().map(|&b| table[b as usize]).collect();
+        if let Some(i) = vals.iter().position(|v| v.is_nan()) {
+            return Err(EngineError::BadModel(format!(
+                "weights: tensor `{name}` holds an FP8 NaN at element {i}"
+            )));
+        }
+        Ok(vals)
     }
 
     /// The tensor as stored when it is bf16 (raw bits), else converted to f32. Keeping bf16
@@ -450,9 +529,22 @@ pub fn write_file(
     tensors: &[(String, Vec<usize>, Vec<f32>)],
     dtype: DType,
 ) -> Result<()> {
+    let typed: Vec<(String, Vec<usize>, Vec<f32>, DType)> = tensors
+        .iter()
+        .map(|(n, s, d)| (n.clone(), s.clone(), d.clone(), dtype))
+        .collect();
+    write_file_typed(path, &typed)
+}
+
+/// Writes tensors given as f32 into one safetensors file, each stored in its own dtype (an
+/// FP8 checkpoint's weights beside their f32 scales and bf16 norms).
+pub fn write_file_typed(
+    path: &Path,
+    tensors: &[(String, Vec<usize>, Vec<f32>, DType)],
+) -> Result<()> {
     let mut header = serde_json::Map::new();
     let mut offset = 0usize;
-    for (name, shape, data) in tensors {
+    for (name, shape, data, dtype) in tensors {
         let n = data.len() * dtype.size();
         header.insert(
             name.clone(),
@@ -469,8 +561,8 @@ pub fn write_file(
     let mut out = std::io::BufWriter::new(std::fs::File::create(path).map_err(io)?);
     out.write_all(&(h.len() as u64).to_le_bytes()).map_err(io)?;
     out.write_all(&h).map_err(io)?;
-    for (_, _, data) in tensors {
-        out.write_all(&encode(data, dtype)).map_err(io)?;
+    for (_, _, data, dtype) in tensors {
+        out.write_all(&encode(data, *dtype)).map_err(io)?;
     }
     out.flush().map_err(io)?;
     Ok(())
@@ -541,6 +633,7 @@ fn encode(vals: &[f32], dtype: DType) -> Vec<u8> {
             DType::F32 => buf.extend_from_slice(&x.to_le_bytes()),
             DType::F16 => buf.extend_from_slice(&f16::from_f32(x).to_le_bytes()),
             DType::BF16 => buf.extend_from_slice(&bf16::from_f32(x).to_le_bytes()),
+            DType::F8E4M3 => buf.push(f32_to_e4m3(x)),
         }
     }
     buf
@@ -572,6 +665,64 @@ mod tests {
                 .contains("missing"));
         }
         std::fs::remove_dir_all(&dir).ok();
+    }
+
+    #[test]
+    fn e4m3_bytes_mean_what_float8_e4m3fn_means() {
+        for (b, v) in [
+            (0x00u8, 0.0f32),
+            (0x01, 2f32.powi(-9)),
+            (0x07, 7.0 * 2f32.powi(-9)),
+            (0x08, 2f32.powi(-6)),
+            (0x38, 1.0),
+            (0x3c, 1.5),
+            (0x40, 2.0),
+            (0x7e, 448.0),
+            (0xb8, -1.0),
+            (0xfe, -448.0),
+        ] {
+            assert_eq!(e4m3_to_f32(b), v, "{b:#04x}");
+        }
+        assert!(e4m3_to_f32(0x7f).is_nan() && e4m3_to_f32(0xff).is_nan());
+        // 0x78..0x7e are finite: the format has no infinities.
+        assert_eq!(e4m3_to_f32(0x78), 256.0);
+        // Every finite byte encodes back to itself; in between, the nearest, ties to even.
+        for b in (0..=255u8).filter(|b| b & 0x7f != 0x7f && *b != 0x80) {
+            assert_eq!(f32_to_e4m3(e4m3_to_f32(b)), b, "{b:#04x}");
+        }
+        assert_eq!(f32_to_e4m3(1.0625), 0x38, "a tie goes to the even mantissa");
+        assert_eq!(f32_to_e4m3(1.1), 0x39);
+        assert_eq!(f32_to_e4m3(1000.0), 0x7e, "saturates");
+        assert_eq!(f32_to_e4m3(-1000.0), 0xfe);
+    }
+
+    #[test]
+    fn fp8_tensors_are_read_only_as_fp8_and_e5m2_is_refused() {
+        let dir = std::env::temp_dir().join(format!("kvmesh-st-f8-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let vals = vec![1.0f32, -0.5, 448.0, 0.0];
+        let t = ("w".to_string(), vec![2, 2], vals.clone(), DType::F8E4M3);
+        write_file_typed(&dir.join("model.safetensors"), &[t]).unwrap();
+        let w = WeightStore::open_dir(&dir).unwrap();
+        assert_eq!(w.info("w").unwrap().dtype, DType::F8E4M3);
+        assert_eq!(w.f8_e4m3("w", &[2, 2]).unwrap(), vals);
+        let e = w.f32("w", &[2, 2]).err().unwrap().to_string();
+        assert!(
+            e.contains("F8_E4M3") && e.contains("quantization_config"),
+            "{e}"
+        );
+        assert!(w.f8_e4m3("w", &[4]).is_err());
+        std::fs::remove_dir_all(&dir).ok();
+        let e = refused(
+            r#"{"a":{"dtype":"F8_E5M2","shape":[1],"data_offsets":[0,1]}}"#,
+            1,
+        );
+        assert!(e.contains("F8_E5M2") && e.contains("F8_E4M3 only"), "{e}");
+        let e = refused(
+            r#"{"a":{"dtype":"I8","shape":[1],"data_offsets":[0,1]}}"#,
+            1,
+        );
+        assert!(e.contains("I8"), "{e}");
     }
 
     /// A safetensors file from a header written by hand and `data` bytes.

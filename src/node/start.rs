@@ -142,6 +142,12 @@ fn kv_layout(e: &StartedEngine) -> anyhow::Result<KvLayout> {
         .clone()
         .context("the backend has no KV layout")?;
     anyhow::ensure!(
+        e.handle.info.num_state_slots == 0,
+        "this model has recurrent layers (Qwen3.5's Gated DeltaNet): their state does not move \
+         with the KV cache yet, so it cannot take the prefill or decode role; serve it with \
+         --roles worker"
+    );
+    anyhow::ensure!(
         e.handle.info.kv_transfer,
         "the {} backend keeps its KV cache in device memory, which KV transfers cannot reach \
          yet: the prefill and decode roles need the cpu or sim backend",

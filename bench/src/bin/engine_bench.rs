@@ -95,6 +95,7 @@ fn batch1_decode(
             context_len: 0,
             block_table: &table,
             want_logits: false,
+            state_slot: None,
         }],
     })?;
     let mut times = Vec::new();
@@ -108,6 +109,7 @@ fn batch1_decode(
                 context_len: 0,
                 block_table: &table,
                 want_logits: true,
+                state_slot: None,
             }],
         })?;
         times.push(t.elapsed().as_secs_f64());
@@ -159,6 +161,7 @@ fn prefill(backend: &mut CpuBackend, len: usize, vocab: u32) -> anyhow::Result<f
                 context_len: 0,
                 block_table: &table,
                 want_logits: true,
+                state_slot: None,
             }],
         })?;
         Ok(t.elapsed().as_secs_f64())
@@ -190,6 +193,7 @@ fn decode(backend: &mut CpuBackend, args: &Args, b: usize, vocab: u32) -> anyhow
                 context_len: 0,
                 block_table: &tables[s],
                 want_logits: false,
+                state_slot: None,
             })
             .collect(),
     })?;
@@ -205,6 +209,7 @@ fn decode(backend: &mut CpuBackend, args: &Args, b: usize, vocab: u32) -> anyhow
                     context_len: 0,
                     block_table: &tables[s],
                     want_logits: true,
+                    state_slot: None,
                 })
                 .collect(),
         })?;

@@ -252,6 +252,7 @@ impl Runner<'_> {
                     context_len: 0,
                     block_table: &table,
                     want_logits: true,
+                    state_slot: None,
                 }],
             };
             let greedy = greedy();
@@ -295,6 +296,7 @@ impl Runner<'_> {
                         context_len: 0,
                         block_table: &tables[s],
                         want_logits: false,
+                        state_slot: None,
                     })
                     .collect(),
             };
@@ -317,6 +319,7 @@ impl Runner<'_> {
                         context_len: 0,
                         block_table: &tables[s],
                         want_logits: true,
+                        state_slot: None,
                     })
                     .collect(),
             };

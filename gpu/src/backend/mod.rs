@@ -79,6 +79,11 @@ pub struct SeqInput<'a> {
     /// Whether the step must produce a next token for this sequence (its last known token
     /// is in this chunk).
     pub want_logits: bool,
+    /// The recurrent-state slot the sequence holds, for a model whose layers carry state
+    /// between steps (Qwen3.5's Gated DeltaNet; see [`Backend::num_state_slots`]): the slot
+    /// holds the state after the sequence's first `start_pos` tokens, and a backend starts
+    /// it from zero when `start_pos` is 0. `None` for models without such state.
+    pub state_slot: Option<u32>,
 }
 
 pub struct ForwardBatch<'a> {
@@ -131,6 +136,16 @@ pub trait Backend: Send {
 
     /// KV blocks the backend allocated.
     fn num_blocks(&self) -> usize;
+
+    /// Recurrent-state slots the backend allocated beside its KV blocks: one is held by each
+    /// running sequence of a model whose layers carry a fixed-size state from step to step
+    /// (Qwen3.5's linear-attention layers), so the engine admits no more sequences than
+    /// there are slots. 0 for a model without such layers. A model with them cannot resume
+    /// a sequence from cached KV blocks alone (the state at the block boundary is not kept),
+    /// so the engine turns prefix caching off for it.
+    fn num_state_slots(&self) -> usize {
+        0
+    }
 
     /// Whether a block's K/V depend on more than its tokens and positions (dynamic RoPE
     /// rotates keys by the sequence's length), which rules out sharing cached blocks between

@@ -115,6 +115,10 @@ pub(super) fn screen(obj: &Map<String, Value>, arch: Arch) -> Result<Vec<String>
     let mut ignored_fields = Vec::new();
     for (k, v) in obj {
         let key = k.as_str();
+        if key == "quantization_config" && arch != Arch::Qwen35 {
+            // Read by `quant` once the shape is known.
+            continue;
+        }
         if MUST_BE_OFF.contains(&key) {
             if is_off(v) {
                 continue;
@@ -148,7 +152,9 @@ pub(super) fn screen(obj: &Map<String, Value>, arch: Arch) -> Result<Vec<String>
 fn must_be_off(key: &str, v: &Value) -> EngineError {
     let what = match key {
         "quantization_config" | "compression_config" => format!(
-            "the checkpoint is quantized ({}); kvmesh loads bf16, f16 and f32 weights only",
+            "the checkpoint is quantized ({}); kvmesh reads FP8 `quantization_config`s of \
+             the dense families (Llama, Qwen2, Qwen3, Mistral) only, and otherwise bf16, f16 \
+             and f32 weights",
             v.get("quant_method")
                 .or_else(|| v.get("format"))
                 .map_or_else(|| shown(v), |m| format!("quant_method {}", shown(m)))
@@ -163,12 +169,22 @@ mod tests {
     use crate::config::testing::{err, llama};
 
     #[test]
-    fn quantized_checkpoints_are_refused() {
+    fn quantized_checkpoints_of_other_methods_are_refused() {
         let e = err(llama(
             r#","quantization_config":{"quant_method":"awq","bits":4}"#,
         ));
-        assert!(e.contains("quantized") && e.contains("awq"), "{e}");
-        llama(r#","quantization_config":null"#).unwrap();
+        assert!(e.contains("quant_method") && e.contains("awq"), "{e}");
+        let e = err(llama(
+            r#","compression_config":{"format":"pack-quantized"}"#,
+        ));
+        assert!(
+            e.contains("quantized") && e.contains("pack-quantized"),
+            "{e}"
+        );
+        assert!(llama(r#","quantization_config":null"#)
+            .unwrap()
+            .quantization
+            .is_none());
     }
 
     #[test]

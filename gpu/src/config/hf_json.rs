@@ -43,6 +43,10 @@ impl ModelConfig {
             }
         }
         self.put_family_fields(o);
+        if let Some(q) = &self.quantization {
+            // As read: the weights beside this config are still the FP8 ones.
+            o.insert("quantization_config".into(), q.json.clone());
+        }
         match &self.hybrid {
             Some(hy) if hy.layout == HybridLayout::ConditionalGeneration => {
                 // The wrapper's layout: the text model's fields nested, the head's tie at the

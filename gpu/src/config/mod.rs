@@ -25,7 +25,9 @@
 //! (a typed pass over the dict, then the refusals); sliding windows in `window`; the order of
 //! it all in `model` (and `parse`, which picks the reader by family); writing a config back
 //! in `hf_json`; Qwen3.5's hybrid text model in `hybrid` (what it adds to the dense shape)
-//! and `qwen35` (its two layouts read into that).
+//! and `qwen35` (its two layouts read into that); FP8 checkpoints' `quantization_config` in
+//! `quant` (what a quantization is), `quant_read` (the block-scaled `fp8` format) and
+//! `quant_ct` (compressed-tensors).
 
 mod arch;
 mod fields;
@@ -33,6 +35,11 @@ mod hf_json;
 mod hybrid;
 mod model;
 mod parse;
+mod quant;
+mod quant_ct;
+mod quant_read;
+#[cfg(test)]
+mod quant_tests;
 mod qwen35;
 mod reader;
 mod rope;
@@ -44,5 +51,6 @@ pub use arch::Arch;
 pub use fields::IGNORED_FIELDS;
 pub use hybrid::{HybridConfig, HybridLayout, LayerType};
 pub use model::{ModelConfig, TensorRole, TensorSpec};
+pub use quant::{ActivationScheme, QuantMethod, Quantization, Scheme, WeightScale, FP8_BLOCK};
 pub(crate) use reader::token_ids;
 pub use rope::{Rope, RopeLayout, RopeScaling};

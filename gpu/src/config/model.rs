@@ -5,6 +5,7 @@ use serde_json::{Map, Value};
 
 use super::arch::Arch;
 use super::fields::screen;
+use super::quant_read::read_quantization;
 use super::reader::{bad, token_ids, Fields};
 use super::rope::{read_rope, Rope, RopeScaling};
 use super::window::read_window;
@@ -46,6 +47,10 @@ pub struct ModelConfig {
     /// Qwen3.5's linear-attention layers and what else sets it apart (`None` for the dense
     /// families).
     pub hybrid: Option<super::hybrid::HybridConfig>,
+    /// FP8 weights and their scales (`quantization_config`); `None` when every weight is
+    /// stored as it is computed with. Part of the config's `Debug`, so of the fingerprint:
+    /// an FP8 worker and a bf16 one never share one.
+    pub quantization: Option<super::quant::Quantization>,
 }
 
 /// The attention heads' shape.
@@ -169,7 +174,7 @@ impl ModelConfig {
                 )));
             }
         }
-        Ok(ModelConfig {
+        let cfg = ModelConfig {
             arch,
             vocab_size: f.need("vocab_size")?,
             hidden_size: heads.hidden_size,
@@ -195,7 +200,36 @@ impl ModelConfig {
             declared_dtype: f.str("dtype")?.or(f.str("torch_dtype")?).map(String::from),
             ignored_fields,
             hybrid: None,
-        })
+            quantization: None,
+        };
+        cfg.with_quantization(f.get("quantization_config"))
+    }
+
+    /// Reads `quantization_config` (null or empty: none) against this config's layers.
+    fn with_quantization(mut self, v: Option<&Value>) -> Result<ModelConfig> {
+        let Some(v) = v.filter(|v| v.as_object().is_none_or(|o| !o.is_empty())) else {
+            return Ok(self);
+        };
+        let q = read_quantization(v)?;
+        q.check_layers(self.linear_layers().iter().map(|(m, _, _)| m.as_str()))?;
+        self.quantization = Some(q);
+        Ok(self)
+    }
+
+    /// Every linear layer (a module holding a `[out, in]` `.weight` that a product reads):
+    /// its name, `out` and `in`. What a `quantization_config` may quantize.
+    pub fn linear_layers(&self) -> Vec<(String, usize, usize)> {
+        self.tensors()
+            .into_iter()
+            .filter(|t| matches!(t.role, TensorRole::Dense | TensorRole::Head))
+            .filter_map(|t| {
+                let module = t.name.strip_suffix(".weight")?.to_string();
+                match t.shape[..] {
+                    [out, inp] => Some((module, out, inp)),
+                    _ => None,
+                }
+            })
+            .collect()
     }
 
     pub fn q_dim(&self) -> usize {
@@ -385,8 +419,20 @@ impl ModelConfig {
 
     /// The names of [`ModelConfig::tensors`]: what `model::check_tensors` holds a
     /// checkpoint's tensors against.
+    /// With a `quantization_config`, each quantized layer's scale (and static input scale)
+    /// too.
     pub fn expected_tensors(&self) -> Vec<String> {
-        self.tensors().into_iter().map(|t| t.name).collect()
+        let mut names: Vec<String> = self.tensors().into_iter().map(|t| t.name).collect();
+        if let Some(q) = &self.quantization {
+            for (m, _, _) in self.linear_layers() {
+                let Some(s) = q.scheme_of(&m) else { continue };
+                names.push(format!("{m}.{}", s.scale_suffix()));
+                if s.input_scale_shapes().is_some() {
+                    names.push(format!("{m}.input_scale"));
+                }
+            }
+        }
+        names
     }
 }
 

@@ -155,6 +155,7 @@ pub(super) fn read_qwen35(root: &Map<String, Value>) -> Result<ModelConfig> {
             .map(String::from),
         ignored_fields,
         hybrid: Some(hybrid),
+        quantization: None,
     })
 }
 

@@ -91,6 +91,9 @@ pub enum Progress {
 pub struct EngineInfo {
     pub device: String,
     pub num_blocks: usize,
+    /// Recurrent-state slots beside the KV blocks (0 for a model without recurrent layers):
+    /// at most this many sequences run at once.
+    pub num_state_slots: usize,
     pub config: EngineConfig,
     pub eos_ids: Vec<u32>,
     pub vocab_size: usize,

@@ -6,6 +6,13 @@
 //! recompute is mostly a cache hit). Sequences whose blocks are lent to a transfer are never
 //! preempted.
 //!
+//! A model whose layers carry recurrent state (Qwen3.5's linear attention) needs one more
+//! resource per sequence: a state slot ([`StateSlots`]). A sequence takes one at admission
+//! beside its first blocks and holds it while it runs; it gives it back when it finishes, is
+//! aborted, or is preempted. A preempted sequence drops its state with its blocks and is
+//! recomputed from its first token, exactly as a dense one is: keeping the slot would hold
+//! memory for a sequence that is not running and would still leave its KV to recompute.
+//!
 //! Disaggregated sequences take two other paths. A decode worker's remote-prefill sequence
 //! is admitted by reserving blocks for its whole prompt, to be lent to the transfer that
 //! fills them; it then waits in no batch. A prefill worker's export sequence reserves its
@@ -62,6 +69,8 @@ pub(crate) struct SeqState {
     /// A lease on the blocks is out: they are freed only when it comes back.
     pub lease_out: bool,
     pub transfer: Transfer,
+    /// The recurrent-state slot it holds while running, for a model with one.
+    pub state_slot: Option<u32>,
 }
 
 impl SeqState {
@@ -77,6 +86,7 @@ impl SeqState {
             admitted_once: false,
             lease_out: false,
             transfer,
+            state_slot: None,
         }
     }
 
@@ -137,9 +147,49 @@ pub(crate) struct Plan {
     pub computed_here: Vec<Place>,
 }
 
+/// The recurrent-state slots of a model with recurrent layers, as ids the backend's slots
+/// are indexed by: which are free. A model without such layers has none and needs none.
+#[derive(Debug)]
+pub(crate) struct StateSlots {
+    total: usize,
+    /// Free slots; the last one freed is taken first.
+    free: Vec<u32>,
+}
+
+impl StateSlots {
+    pub fn new(total: usize) -> StateSlots {
+        StateSlots {
+            total,
+            free: (0..total as u32).rev().collect(),
+        }
+    }
+
+    /// Whether sequences need a slot to run.
+    pub fn required(&self) -> bool {
+        self.total > 0
+    }
+
+    pub fn num_free(&self) -> usize {
+        self.free.len()
+    }
+
+    fn take(&mut self) -> Option<u32> {
+        self.free.pop()
+    }
+
+    fn give_back(&mut self, slot: Option<u32>) {
+        if let Some(s) = slot {
+            debug_assert!(!self.free.contains(&s), "state slot {s} freed twice");
+            self.free.push(s);
+        }
+    }
+}
+
 pub(crate) struct Scheduler<T> {
     pub limits: Limits,
     pub blocks: BlockManager,
+    /// Recurrent-state slots (none for a model without recurrent layers).
+    pub states: StateSlots,
     pub running: Vec<Entry<T>>,
     pub waiting: VecDeque<Entry<T>>,
     /// Decode sequences whose prompt's KV is being transferred in.
@@ -149,8 +199,16 @@ pub(crate) struct Scheduler<T> {
 }
 
 impl<T> Scheduler<T> {
+    #[cfg(test)]
     pub fn new(limits: Limits, num_blocks: usize) -> Scheduler<T> {
+        Self::with_state_slots(limits, num_blocks, 0)
+    }
+
+    /// A scheduler for a model whose sequences each hold one of `state_slots` recurrent
+    /// state slots while they run (0: a model without recurrent layers).
+    pub fn with_state_slots(limits: Limits, num_blocks: usize, state_slots: usize) -> Scheduler<T> {
         Scheduler {
+            states: StateSlots::new(state_slots),
             blocks: BlockManager::new(num_blocks, limits.block_size),
             limits,
             running: Vec::new(),
@@ -225,8 +283,11 @@ impl<T> Scheduler<T> {
         }
     }
 
+    /// Frees a running sequence's blocks and state slot and puts it first in line, to be
+    /// recomputed from its first token.
     fn preempt(&mut self, mut e: Entry<T>) {
         self.blocks.release(&e.seq.blocks);
+        self.states.give_back(e.seq.state_slot.take());
         e.seq.reset();
         self.waiting.push_front(e);
     }
@@ -235,6 +296,16 @@ impl<T> Scheduler<T> {
     /// allow.
     fn admit_waiting(&mut self, plan: &mut Plan, budget: &mut usize) {
         while *budget > 0 && self.running.len() < self.limits.max_num_seqs {
+            // A model with recurrent state admits no one without a slot for it (a sequence
+            // back from a transfer may hold its own already).
+            let needs_slot = self.states.required()
+                && self
+                    .waiting
+                    .front()
+                    .is_some_and(|e| e.seq.state_slot.is_none());
+            if needs_slot && self.states.num_free() == 0 {
+                break;
+            }
             let Some(mut e) = self.waiting.pop_front() else {
                 break;
             };
@@ -264,6 +335,9 @@ impl<T> Scheduler<T> {
                     .blocks
                     .push(self.blocks.allocate().expect("checked free blocks"));
             }
+            if needs_slot {
+                e.seq.state_slot = Some(self.states.take().expect("checked a free slot"));
+            }
             let first = !e.seq.admitted_once;
             if first {
                 e.seq.admitted_once = true;
@@ -284,7 +358,9 @@ impl<T> Scheduler<T> {
     /// last token's, so the step yields logits). A remote-prefill sequence found cached well
     /// enough is computed here instead; says whether that happened.
     fn reuse_cached_prefix(&mut self, s: &mut SeqState) -> bool {
-        if s.blocks.is_empty() && self.limits.enable_prefix_caching {
+        // Cached blocks hold K and V, not the recurrent state after them: a model with such
+        // state never resumes from them (the engine turns prefix caching off for it too).
+        if s.blocks.is_empty() && self.limits.enable_prefix_caching && !self.states.required() {
             let bs = self.limits.block_size;
             let reusable = (s.tokens.len() - 1) / bs;
             let hashes = block_hashes(&s.tokens[..reusable * bs], bs);
@@ -398,7 +474,9 @@ impl<T> Scheduler<T> {
     }
 
     /// A sequence is done with its blocks: they are freed, or kept while a lease is out.
+    /// Its state slot is freed either way.
     pub fn retire(&mut self, s: SeqState) {
+        self.states.give_back(s.state_slot);
         if s.lease_out {
             self.held.insert(s.id, s.blocks);
         } else {
@@ -425,6 +503,7 @@ impl<T> Scheduler<T> {
         let i = self.awaiting.iter().position(|e| e.seq.id == id)?;
         let mut e = self.awaiting.remove(i);
         self.held.insert(id, std::mem::take(&mut e.seq.blocks));
+        self.states.give_back(e.seq.state_slot.take());
         e.seq.reset();
         e.seq.lease_out = false;
         e.seq.transfer = Transfer::Local;
@@ -687,6 +766,55 @@ mod tests {
         assert!(s.unschedulable().is_none());
         s.held.clear();
         assert_eq!(s.unschedulable().map(|e| e.seq.id), Some(SeqId(1)));
+    }
+
+    #[test]
+    fn a_state_slot_is_taken_at_admission_and_given_back_on_finish_and_preemption() {
+        // Two slots for three allowed sequences: the third waits for a slot.
+        let mut s = Scheduler::with_state_slots(limits(3, 100), 100, 2);
+        for id in 0..3 {
+            s.waiting
+                .push_back(seq(id, 10 * id as u32, 5, Transfer::Local));
+        }
+        let plan = s.schedule();
+        assert_eq!(plan.run, [(0, 5), (1, 5)]);
+        assert_eq!(ids(&s.waiting, |e| e.seq.id), [2]);
+        let held: Vec<_> = s.running.iter().map(|e| e.seq.state_slot).collect();
+        assert!(held[0].is_some() && held[1].is_some() && held[0] != held[1]);
+        assert_eq!(s.states.num_free(), 0);
+        // A finished sequence gives its slot back; the waiting one takes it.
+        s.advance(&plan);
+        let done = s.running.remove(0);
+        s.retire(done.seq);
+        assert_eq!(s.states.num_free(), 1);
+        let plan = s.schedule();
+        assert_eq!(plan.admitted, [(Place::Running(1), 0)]);
+        assert_eq!(s.running[1].seq.state_slot, held[0]);
+        // Nothing reuses cached blocks: they hold no state.
+        assert!(plan.admitted.iter().all(|&(_, cached)| cached == 0));
+        // A preempted sequence drops its slot with its blocks.
+        let victim = s.running.pop().unwrap();
+        s.preempt(victim);
+        assert_eq!(s.states.num_free(), 1);
+        assert_eq!(s.waiting[0].seq.state_slot, None);
+    }
+
+    #[test]
+    fn blocks_running_out_preempt_and_free_the_victims_state_slot() {
+        let mut s = Scheduler::with_state_slots(limits(8, 100), 2, 2);
+        let mut a = decoding(&mut s, 1, 4, 1);
+        let mut b = decoding(&mut s, 2, 4, 1);
+        for e in [&mut a, &mut b] {
+            e.seq.state_slot = s.states.take();
+        }
+        s.running.extend([a, b]);
+        // Both need a second block and there are none: the latest arrival goes.
+        let plan = s.schedule();
+        assert_eq!(plan.preempted, 1);
+        assert_eq!(plan.run, [(0, 1)]);
+        assert_eq!(s.states.num_free(), 1);
+        let b = &s.waiting[0].seq;
+        assert_eq!((b.id, b.state_slot, b.num_computed), (SeqId(2), None, 0));
     }
 
     #[test]

@@ -9,6 +9,8 @@ pub struct EngineStats {
     pub running: AtomicUsize,
     pub waiting: AtomicUsize,
     pub free_blocks: AtomicUsize,
+    /// Recurrent-state slots no running sequence holds (of `EngineInfo::num_state_slots`).
+    pub free_state_slots: AtomicUsize,
     pub prefix_queries: AtomicU64,
     pub prefix_hits: AtomicU64,
     pub preemptions: AtomicU64,

@@ -518,3 +518,135 @@ fn guided_sequences_follow_their_grammars_in_a_mixed_batch() {
     };
     assert!(h.submit(req(9, Some(bad))).is_err());
 }
+
+/// A backend with a recurrent state and no math: each state slot remembers the tokens it
+/// has run, and the next token is a hash of them. It fails the step if a slot is shared
+/// within a batch, or continued by a chunk that does not start where it left off, so
+/// outputs are exact only if every sequence keeps its own state from its first token on.
+struct Recurrent {
+    blocks: usize,
+    vocab: usize,
+    slots: Vec<Vec<u32>>,
+    /// Most slots held at once.
+    most: Arc<Mutex<usize>>,
+}
+
+fn recurrent_next(history: &[u32], vocab: usize) -> u32 {
+    let h = history
+        .iter()
+        .fold(7u64, |h, &t| h.wrapping_mul(31).wrapping_add(t as u64));
+    (h % vocab as u64) as u32
+}
+
+impl Backend for Recurrent {
+    fn device(&self) -> String {
+        "recurrent".into()
+    }
+    fn num_blocks(&self) -> usize {
+        self.blocks
+    }
+    fn num_state_slots(&self) -> usize {
+        self.slots.len()
+    }
+    fn forward(&mut self, batch: &ForwardBatch) -> Result<Vec<Vec<f32>>> {
+        let mut seen = Vec::new();
+        let mut out = Vec::new();
+        for s in &batch.seqs {
+            let slot = s.state_slot.expect("a slot for every sequence") as usize;
+            if seen.contains(&slot) {
+                return Err(EngineError::Backend(format!("slot {slot} twice in a step")));
+            }
+            seen.push(slot);
+            let state = &mut self.slots[slot];
+            if s.start_pos == 0 {
+                state.clear();
+            }
+            if state.len() != s.start_pos {
+                return Err(EngineError::Backend(format!(
+                    "slot {slot} holds {} tokens, continued at {}",
+                    state.len(),
+                    s.start_pos
+                )));
+            }
+            state.extend_from_slice(s.tokens);
+            if s.want_logits {
+                let mut l = vec![0.0; self.vocab];
+                l[recurrent_next(state, self.vocab) as usize] = 10.0;
+                out.push(l);
+            }
+        }
+        let mut most = self.most.lock().unwrap();
+        *most = (*most).max(seen.len());
+        Ok(out)
+    }
+}
+
+fn recurrent_expected(prompt: &[u32], n: usize, vocab: usize) -> Vec<u32> {
+    let mut toks = prompt.to_vec();
+    for _ in 0..n {
+        toks.push(recurrent_next(&toks, vocab));
+    }
+    toks.split_off(prompt.len())
+}
+
+/// State slots under chunking, a slot limit below `max_num_seqs`, and preemption for
+/// blocks: every sequence's state continues exactly, no more run than there are slots,
+/// nothing resumes from the prefix cache (prefix caching is turned off), and every slot is
+/// free at the end.
+#[test]
+fn state_slots_under_admission_and_preemption_keep_outputs_exact() {
+    let vocab = 97;
+    let most = Arc::new(Mutex::new(0));
+    let cfg = EngineConfig {
+        max_model_len: 256,
+        max_num_seqs: 4,
+        max_num_batched_tokens: 20,
+        block_size: 4,
+        max_waiting: 100,
+        enable_prefix_caching: true,
+    };
+    // 20 blocks of 4 tokens cannot hold three 45-token sequences; 3 slots for 4 seqs.
+    let h = spawn(
+        Box::new(Recurrent {
+            blocks: 20,
+            vocab,
+            slots: vec![Vec::new(); 3],
+            most: most.clone(),
+        }),
+        cfg,
+        vec![],
+        vocab,
+    );
+    assert!(!h.info.config.enable_prefix_caching);
+    assert_eq!(h.info.num_state_slots, 3);
+    // Two of each prompt: equal prefixes must not share state either.
+    let prompts: Vec<Vec<u32>> = (0..6)
+        .map(|i| {
+            (0..(13 + 4 * (i / 2)))
+                .map(|t| (t * 5 + i / 2) as u32 % 90)
+                .collect()
+        })
+        .collect();
+    let mut subs: Vec<Submission> = prompts
+        .iter()
+        .map(|p| {
+            h.submit(Request {
+                prompt: p.clone(),
+                params: greedy(30),
+            })
+            .unwrap()
+        })
+        .collect();
+    for (p, sub) in prompts.iter().zip(subs.iter_mut()) {
+        assert_eq!(drain(sub), recurrent_expected(p, 30, vocab));
+    }
+    assert!(*most.lock().unwrap() <= 3, "more sequences ran than slots");
+    assert!(
+        h.stats.preemptions.load(Ordering::Relaxed) > 0,
+        "blocks ran out, so something was preempted"
+    );
+    assert_eq!(h.stats.prefix_hits.load(Ordering::Relaxed), 0);
+    std::thread::sleep(std::time::Duration::from_millis(50));
+    assert_eq!(h.stats.free_state_slots.load(Ordering::Relaxed), 3);
+    assert_eq!(h.stats.free_blocks.load(Ordering::Relaxed), 20);
+}

@@ -78,6 +78,15 @@ pub(super) fn build(
         );
         cfg.enable_prefix_caching = false;
     }
+    let state_slots = backend.num_state_slots();
+    if cfg.enable_prefix_caching && state_slots > 0 {
+        tracing::info!(
+            "prefix caching is off: this model's linear-attention layers carry a recurrent \
+             state that cached KV blocks do not hold, so a cached prefix cannot be resumed \
+             (every prompt is computed in full)"
+        );
+        cfg.enable_prefix_caching = false;
+    }
     if let Some(max) = backend.max_step_tokens() {
         if cfg.max_num_batched_tokens > max {
             tracing::warn!(
@@ -94,12 +103,14 @@ pub(super) fn build(
     let num_blocks = backend.num_blocks();
     let stats = Arc::new(EngineStats::default());
     stats.free_blocks.store(num_blocks, Ordering::Relaxed);
+    stats.free_state_slots.store(state_slots, Ordering::Relaxed);
     let kv_events = Arc::new(KvEventHub::default());
     let pool = backend.host_kv();
     let kv_spec = backend.kv_spec();
     let info = Arc::new(EngineInfo {
         device: backend.device(),
         num_blocks,
+        num_state_slots: state_slots,
         config: cfg.clone(),
         eos_ids: eos_ids.clone(),
         vocab_size,
@@ -120,7 +131,7 @@ pub(super) fn build(
         })
     };
     let engine = Engine {
-        sched: Scheduler::new(limits, num_blocks),
+        sched: Scheduler::with_state_slots(limits, num_blocks, state_slots),
         backend,
         cfg,
         eos_ids,
@@ -422,6 +433,8 @@ impl Engine {
         st.running.store(s.running.len(), Ordering::Relaxed);
         st.waiting.store(s.waiting.len(), Ordering::Relaxed);
         st.free_blocks.store(s.blocks.num_free(), Ordering::Relaxed);
+        st.free_state_slots
+            .store(s.states.num_free(), Ordering::Relaxed);
         st.awaiting_kv.store(s.awaiting.len(), Ordering::Relaxed);
         st.held_blocks
             .store(s.held.values().map(Vec::len).sum(), Ordering::Relaxed);
@@ -665,6 +678,7 @@ impl Engine {
                         context_len: s.tokens.len(),
                         block_table: &s.blocks,
                         want_logits: s.num_computed + n == s.tokens.len(),
+                        state_slot: s.state_slot,
                     }
                 })
                 .collect(),

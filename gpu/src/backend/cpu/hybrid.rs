@@ -10,10 +10,13 @@
 //!   value head). Its size comes from the config alone ([`StateLayout`]), so an engine can
 //!   allocate a pool of them beside its KV blocks and budget both from the model.
 //! - K and V of the full-attention layers only, which grow with the sequence. Here
-//!   [`HybridSequence`] keeps them contiguous; paged KV blocks are the engine's to add.
+//!   [`HybridSequence`] keeps them contiguous; the serving backend (`hybrid_backend`) keeps
+//!   them in paged KV blocks and the states in a pool of slots, one per running sequence.
 //!
 //! Prefill runs the delta rule chunk-wise (`delta::chunked`), decode one step at a time
 //! (`delta::step`), as transformers does.
+
+use rayon::prelude::*;
 
 use super::hybrid_layers::{linear, DeltaLayer, GatedAttention, Reader};
 use super::ops::{self, Linear, Matrix};
@@ -52,6 +55,17 @@ impl StateLayout {
     pub fn bytes_per_slot(&self) -> usize {
         4 * self.floats_per_slot()
     }
+
+    /// The `i`th linear layer's convolution window and delta-rule state within a slot of
+    /// [`Self::floats_per_slot`] values.
+    pub(super) fn layer_of<'a>(
+        &self,
+        slot: &'a mut [f32],
+        i: usize,
+    ) -> (&'a mut [f32], &'a mut [f32]) {
+        let per = self.conv + self.delta;
+        slot[i * per..(i + 1) * per].split_at_mut(self.conv)
+    }
 }
 
 /// One sequence's recurrent state: a slot of [`StateLayout::floats_per_slot`] f32 values,
@@ -70,8 +84,7 @@ impl HybridState {
 
     /// The `i`th linear layer's convolution window and delta-rule state.
     fn layer_mut(&mut self, i: usize) -> (&mut [f32], &mut [f32]) {
-        let per = self.layout.conv + self.layout.delta;
-        self.data[i * per..(i + 1) * per].split_at_mut(self.layout.conv)
+        self.layout.layer_of(&mut self.data, i)
     }
 
     /// The whole slot, as an engine would copy it (to move a sequence, or to snapshot it).
@@ -100,30 +113,30 @@ impl HybridSequence {
     }
 }
 
-enum Mixer {
+pub(super) enum Mixer {
     Delta(DeltaLayer),
     Attention(GatedAttention),
 }
 
-struct HybridLayer {
+pub(super) struct HybridLayer {
     /// Norm weights with the family's `1 +` already added.
-    input_norm: Vec<f32>,
-    mixer: Mixer,
-    post_norm: Vec<f32>,
+    pub(super) input_norm: Vec<f32>,
+    pub(super) mixer: Mixer,
+    pub(super) post_norm: Vec<f32>,
     /// gate and up stacked: `[2 * intermediate, hidden]`.
     gate_up: Linear,
     down: Linear,
 }
 
 pub struct HybridModel {
-    cfg: ModelConfig,
+    pub(super) cfg: ModelConfig,
     hy: HybridConfig,
-    embed_tokens: Matrix,
-    layers: Vec<HybridLayer>,
-    norm: Vec<f32>,
-    lm_head: Linear,
-    inv_freq: Vec<f32>,
-    chunk: usize,
+    pub(super) embed_tokens: Matrix,
+    pub(super) layers: Vec<HybridLayer>,
+    pub(super) norm: Vec<f32>,
+    pub(super) lm_head: Linear,
+    pub(super) inv_freq: Vec<f32>,
+    pub(super) chunk: usize,
 }
 
 /// `1 + w`: Qwen3.5's RMSNorms scale by it (their weights are stored centred on 0).
@@ -271,22 +284,24 @@ impl HybridModel {
     }
 }
 
-fn add(x: &mut [f32], y: &[f32]) {
+pub(super) fn add(x: &mut [f32], y: &[f32]) {
     for (a, b) in x.iter_mut().zip(y) {
         *a += b;
     }
 }
 
 /// `down(silu(gate(xn)) * up(xn))` over `t` rows.
-fn mlp(layer: &HybridLayer, xn: &[f32], t: usize, inter: usize) -> Vec<f32> {
+pub(super) fn mlp(layer: &HybridLayer, xn: &[f32], t: usize, inter: usize) -> Vec<f32> {
     let gu = layer.gate_up.forward(xn, t);
     let mut act = vec![0f32; t * inter];
-    for (a, g) in act.chunks_exact_mut(inter).zip(gu.chunks_exact(2 * inter)) {
-        let (gate, up) = g.split_at(inter);
-        for ((o, &gv), &uv) in a.iter_mut().zip(gate).zip(up) {
-            *o = ops::silu(gv) * uv;
-        }
-    }
+    act.par_chunks_mut(inter)
+        .zip(gu.par_chunks(2 * inter))
+        .for_each(|(a, g)| {
+            let (gate, up) = g.split_at(inter);
+            for ((o, &gv), &uv) in a.iter_mut().zip(gate).zip(up) {
+                *o = ops::silu(gv) * uv;
+            }
+        });
     layer.down.forward(&act, t)
 }
 

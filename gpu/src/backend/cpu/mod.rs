@@ -6,12 +6,14 @@
 
 pub mod delta;
 mod hybrid;
+mod hybrid_backend;
 mod hybrid_layers;
 mod ops;
 
 use rayon::prelude::*;
 
 pub use hybrid::{argmax, HybridModel, HybridSequence, HybridState, StateLayout, DEFAULT_CHUNK};
+pub use hybrid_backend::HybridBackend;
 pub use ops::{Linear, Matrix};
 
 use std::sync::Arc;

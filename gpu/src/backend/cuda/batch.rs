@@ -192,6 +192,7 @@ mod tests {
                     context_len: 0,
                     block_table: &t0,
                     want_logits: true,
+                    state_slot: None,
                 },
                 SeqInput {
                     tokens: &toks1,
@@ -199,6 +200,7 @@ mod tests {
                     context_len: 0,
                     block_table: &t1,
                     want_logits: false,
+                    state_slot: None,
                 },
             ],
         };
@@ -228,6 +230,7 @@ mod tests {
                     context_len: 0,
                     block_table: &t0,
                     want_logits: true,
+                    state_slot: None,
                 },
                 SeqInput {
                     tokens: &[2],
@@ -235,6 +238,7 @@ mod tests {
                     context_len: 0,
                     block_table: &t1,
                     want_logits: true,
+                    state_slot: None,
                 },
             ],
         };
@@ -255,6 +259,7 @@ mod tests {
                 context_len: 0,
                 block_table: &t0,
                 want_logits: true,
+                state_slot: None,
             }],
         };
         let l = build(&batch, 4, 8, 10).unwrap();
@@ -273,6 +278,7 @@ mod tests {
                     context_len: 0,
                     block_table: &t[..1],
                     want_logits: false,
+                    state_slot: None,
                 },
                 SeqInput {
                     tokens: &[4, 5],
@@ -280,6 +286,7 @@ mod tests {
                     context_len: 0,
                     block_table: &t[1..2],
                     want_logits: true,
+                    state_slot: None,
                 },
                 SeqInput {
                     tokens: &[6],
@@ -287,6 +294,7 @@ mod tests {
                     context_len: 0,
                     block_table: &t[2..3],
                     want_logits: true,
+                    state_slot: None,
                 },
             ],
         };
@@ -305,6 +313,7 @@ mod tests {
                 context_len: 0,
                 block_table: table,
                 want_logits: true,
+                state_slot: None,
             }
         }
         let out_of_pool = ForwardBatch {

@@ -272,6 +272,7 @@ mod tests {
                     context_len: 0,
                     block_table: &t0,
                     want_logits: true,
+                    state_slot: None,
                 },
                 SeqInput {
                     tokens: &[12],
@@ -279,6 +280,7 @@ mod tests {
                     context_len: 0,
                     block_table: &t1,
                     want_logits: true,
+                    state_slot: None,
                 },
             ],
         };

@@ -40,7 +40,7 @@ impl CudaBackend {
 
         let (k, arch) = Kernels::load(&ctx)?;
         let blas = CudaBlas::new(stream.clone())
-            .map_err(|e| EngineError::Backend(format!("cuBLAS initialisation: {e:?}")))?;
+            .map_err(|e| EngineError::device("cuBLAS initialisation", e))?;
         let w = DevWeights::upload(&stream, ordinal, cfg, weights)?;
         // One block more than asked for: the scratch block decode graphs pad with.
         let kv = KvCache::alloc(&stream, ordinal, cfg, num_blocks, block_size)?;
@@ -88,6 +88,15 @@ impl CudaBackend {
 
 /// What the backend cannot run, refused before any device memory is touched.
 fn refuse_unsupported(cfg: &ModelConfig, ordinal: usize, block_size: usize) -> Result<()> {
+    if let Some(q) = &cfg.quantization {
+        // The weights walk would hand over the layers dequantized: uploading those as bf16
+        // would take twice the memory the user sized the deployment for, and run none of
+        // the FP8 GEMMs the format is chosen for.
+        return Err(EngineError::Backend(format!(
+            "FP8 weights ({}) are not run by the CUDA backend yet; run with --device cpu",
+            q.summary()
+        )));
+    }
     let count = device_count()?;
     if ordinal >= count {
         return Err(EngineError::Backend(format!(
@@ -241,6 +250,23 @@ mod tests {
             ..CudaOptions::device(0)
         };
         MemoryPlan::of(&qwen3_8b(), &opts, 16)
+    }
+
+    /// Refused before the driver is asked anything, so this holds on a machine without one.
+    #[test]
+    fn fp8_checkpoints_are_refused_by_name_not_uploaded_widened() {
+        let mut v = qwen3_8b().to_hf_json();
+        v["quantization_config"] = serde_json::json!({"quant_method": "fp8", "fmt": "e4m3",
+            "activation_scheme": "dynamic", "weight_block_size": [128, 128]});
+        let cfg = ModelConfig::from_json(&v.to_string()).unwrap();
+        let e = refuse_unsupported(&cfg, 0, 16).unwrap_err().to_string();
+        assert!(
+            e.contains(
+                "FP8 weights (quant_method fp8, block 128x128) are not run by the CUDA backend \
+                 yet; run with --device cpu"
+            ),
+            "{e}"
+        );
     }
 
     #[test]

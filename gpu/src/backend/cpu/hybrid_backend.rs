@@ -1,0 +1,312 @@
+//! Qwen3.5's hybrid model served by the engine on the CPU: the same layers as
+//! [`HybridModel`], run over a batch of sequences at once.
+//!
+//! What each sequence carries from step to step is kept the way the engine budgets it:
+//!
+//! - K and V of the full-attention layers only, in paged blocks (a [`HostKvPool`] of f32,
+//!   as the dense backend's, resident only once written) addressed through the sequence's
+//!   block table; the linear layers keep nothing that grows with the sequence. The pool is
+//!   never lent to a transfer: moving the KV alone would leave the state behind.
+//! - The recurrent state of every linear layer in one fixed-size slot per running sequence
+//!   (see [`StateLayout`]), from a pool of slots the engine hands out
+//!   ([`Backend::num_state_slots`]). A sequence's first chunk (`start_pos` 0) starts its
+//!   slot from zero; every later chunk or decode token continues it.
+//!
+//! Projections and MLPs run over every token of the step in one product, as in the dense
+//! backend; the delta rule runs per sequence (chunk-wise over a prompt chunk, one recurrent
+//! step for a decode token), sequences in parallel.
+
+use rayon::prelude::*;
+
+use super::hybrid::{add, mlp, HybridModel, Mixer, StateLayout};
+use super::hybrid_layers::attend;
+use super::ops;
+use crate::backend::{Backend, ForwardBatch, KvBudget};
+use crate::config::ModelConfig;
+use crate::error::{EngineError, Result};
+use crate::kv_pool::{HostKvPool, KvDtype, KvSpec};
+
+pub struct HybridBackend {
+    model: HybridModel,
+    block_size: usize,
+    /// K and V of the full-attention layers; this backend's alone.
+    kv: HostKvPool,
+    layout: StateLayout,
+    /// Every slot's state, `[slots, layout.floats_per_slot()]`.
+    states: Vec<f32>,
+    num_slots: usize,
+}
+
+impl HybridBackend {
+    pub fn new(
+        model: HybridModel,
+        num_blocks: usize,
+        block_size: usize,
+        num_slots: usize,
+    ) -> Result<HybridBackend> {
+        if num_blocks == 0 || block_size == 0 || num_slots == 0 {
+            return Err(EngineError::InvalidRequest(format!(
+                "a hybrid model needs KV blocks and state slots (got {num_blocks} blocks of \
+                 {block_size} tokens, {num_slots} slots)"
+            )));
+        }
+        let kv = HostKvPool::new(Self::kv_spec_for(model.config(), block_size), num_blocks)?;
+        let layout = model.state_layout();
+        let states = vec![0f32; num_slots * layout.floats_per_slot()];
+        Ok(HybridBackend {
+            model,
+            block_size,
+            kv,
+            layout,
+            states,
+            num_slots,
+        })
+    }
+
+    /// The KV cache's shape: the full-attention layers only, f32.
+    pub fn kv_spec_for(cfg: &ModelConfig, block_size: usize) -> KvSpec {
+        KvSpec {
+            num_layers: cfg.hybrid.as_ref().map_or(0, |h| h.num_full_layers()),
+            block_size,
+            num_kv_heads: cfg.num_kv_heads,
+            head_dim: cfg.head_dim,
+            dtype: KvDtype::F32,
+        }
+    }
+
+    /// Memory one block takes across the full-attention layers (K and V, f32).
+    pub fn kv_bytes_per_block(cfg: &ModelConfig, block_size: usize) -> usize {
+        Self::kv_spec_for(cfg, block_size).bytes_per_token() * block_size
+    }
+
+    /// How a host memory budget is split between KV blocks and recurrent-state slots:
+    /// `(blocks, slots)`.
+    ///
+    /// Slots: one for each sequence the engine may run at once (`max_num_seqs`), since a
+    /// running sequence holds exactly one and no sequence runs without one; more would never
+    /// be used, fewer would cap the batch below what was asked. Only where those would take
+    /// more than half of a budget given in bytes are there fewer (as many as half buys, at
+    /// least one), so that a model with a large state under a small budget still keeps room
+    /// for its contexts' KV; the engine then runs fewer sequences at once. The KV blocks get
+    /// the rest. A budget given in blocks counts the blocks alone, the slots coming on top.
+    pub fn split_budget(
+        cfg: &ModelConfig,
+        block_size: usize,
+        kv: KvBudget,
+        max_num_seqs: usize,
+    ) -> Result<(usize, usize)> {
+        let hy = cfg.hybrid.as_ref().ok_or_else(|| {
+            EngineError::BadModel(format!(
+                "{} has no recurrent state to budget",
+                cfg.arch.architecture_name()
+            ))
+        })?;
+        let per_slot = StateLayout::new(hy).bytes_per_slot().max(1);
+        let per_block = Self::kv_bytes_per_block(cfg, block_size).max(1);
+        let max_num_seqs = max_num_seqs.max(1);
+        match kv {
+            KvBudget::Blocks(n) => Ok((n, max_num_seqs)),
+            KvBudget::Bytes(b) => {
+                let slots = max_num_seqs.min(b / 2 / per_slot).max(1);
+                let blocks = (b.saturating_sub(slots * per_slot) / per_block).max(1);
+                Ok((blocks, slots))
+            }
+            KvBudget::Share(_) => Err(EngineError::InvalidRequest(
+                "a share of device memory sizes a GPU's KV cache; give this backend its KV \
+                 cache in bytes or blocks"
+                    .into(),
+            )),
+        }
+    }
+
+    pub fn model(&self) -> &HybridModel {
+        &self.model
+    }
+
+    /// Checks the batch against the pools and lays it out: for each token its sequence,
+    /// position and KV slot.
+    fn layout_batch(&self, batch: &ForwardBatch) -> Result<Vec<(usize, usize, usize)>> {
+        let (bs, vocab) = (self.block_size, self.model.config().vocab_size);
+        let mut tokens = Vec::with_capacity(batch.num_tokens());
+        let mut seen = vec![false; self.num_slots];
+        for (si, s) in batch.seqs.iter().enumerate() {
+            let slot = s
+                .state_slot
+                .map(|x| x as usize)
+                .filter(|&x| x < self.num_slots);
+            match slot {
+                Some(x) if !seen[x] => seen[x] = true,
+                _ => {
+                    return Err(EngineError::Backend(format!(
+                        "sequence {si} of the step holds no state slot of its own ({:?} of {})",
+                        s.state_slot, self.num_slots
+                    )))
+                }
+            }
+            // Raw slot access in `run` relies on every block being in the pool.
+            self.kv.check_table(s.block_table)?;
+            for (j, &tok) in s.tokens.iter().enumerate() {
+                if tok as usize >= vocab {
+                    return Err(EngineError::InvalidRequest(format!(
+                        "token id {tok} is outside the vocabulary (size {vocab})"
+                    )));
+                }
+                let pos = s.start_pos + j;
+                let block = s.block_table.get(pos / bs).ok_or_else(|| {
+                    EngineError::Backend(format!("no block for position {pos} of sequence {si}"))
+                })?;
+                tokens.push((si, pos, block.0 as usize * bs + pos % bs));
+            }
+        }
+        Ok(tokens)
+    }
+
+    /// The step: next-token logits for each sequence that wants them, in batch order.
+    fn run(&mut self, batch: &ForwardBatch) -> Result<Vec<Vec<f32>>> {
+        let t = batch.num_tokens();
+        if t == 0 {
+            return Ok(Vec::new());
+        }
+        let tokens = self.layout_batch(batch)?;
+        let HybridBackend {
+            model,
+            kv,
+            layout,
+            states,
+            block_size,
+            ..
+        } = self;
+        let (cfg, bs) = (&model.cfg, *block_size);
+        let (h, kvd) = (cfg.hidden_size, cfg.kv_dim());
+        let per_slot = layout.floats_per_slot();
+        // Each sequence's own slot, mutably (the slots are distinct: checked above); a
+        // sequence at its first token starts from no state.
+        let mut pool: Vec<Option<&mut [f32]>> = states.chunks_mut(per_slot).map(Some).collect();
+        let mut slots: Vec<&mut [f32]> = batch
+            .seqs
+            .iter()
+            .map(|s| {
+                pool[s.state_slot.expect("checked") as usize]
+                    .take()
+                    .expect("checked")
+            })
+            .collect();
+        for (slot, s) in slots.iter_mut().zip(&batch.seqs) {
+            if s.start_pos == 0 {
+                slot.fill(0.0);
+            }
+        }
+        // Each sequence's rows of the step.
+        let mut ranges = Vec::with_capacity(batch.seqs.len());
+        let mut at = 0;
+        for s in &batch.seqs {
+            ranges.push(at..at + s.tokens.len());
+            at += s.tokens.len();
+        }
+        let positions: Vec<usize> = tokens.iter().map(|&(_, p, _)| p).collect();
+
+        let mut x = vec![0f32; t * h];
+        for (i, tok) in batch.seqs.iter().flat_map(|s| s.tokens).enumerate() {
+            model
+                .embed_tokens
+                .read(*tok as usize * h, &mut x[i * h..(i + 1) * h]);
+        }
+        let (mut linear_i, mut full_i) = (0, 0);
+        for layer in &model.layers {
+            let xn = ops::rms_norm(&x, &layer.input_norm, cfg.rms_norm_eps);
+            let mixed = match &layer.mixer {
+                Mixer::Delta(d) => {
+                    let proj = d.project(&xn, t);
+                    let row = proj.len() / t;
+                    let li = linear_i;
+                    linear_i += 1;
+                    let cores: Vec<Vec<f32>> = slots
+                        .par_iter_mut()
+                        .zip(ranges.par_iter())
+                        .map(|(slot, r)| {
+                            let (window, state) = layout.layer_of(slot, li);
+                            let rows = &proj[r.start * row..r.end * row];
+                            d.mix(rows, r.len(), window, state, model.chunk)
+                        })
+                        .collect();
+                    d.out(&cores.concat(), t)
+                }
+                Mixer::Attention(a) => {
+                    let rows = a.project(cfg, &xn, &positions, &model.inv_freq);
+                    // SAFETY: an f32 pool no one else holds (it is never lent), written here
+                    // at the step's own positions before any read, then only read.
+                    let cache = unsafe { kv.f32_layer(full_i) };
+                    full_i += 1;
+                    for (i, &(_, _, slot)) in tokens.iter().enumerate() {
+                        let r = i * kvd..(i + 1) * kvd;
+                        // SAFETY: as above; the batch's blocks are checked to be in the pool.
+                        unsafe { cache.write(slot, &rows.k[r.clone()], &rows.v[r]) };
+                    }
+                    let attn = attend(
+                        cfg,
+                        &rows,
+                        |i| positions[i] + 1,
+                        |i, p| {
+                            let table = batch.seqs[tokens[i].0].block_table;
+                            let slot = table[p / bs].0 as usize * bs + p % bs;
+                            // SAFETY: positions the sequence computed, read with no writer.
+                            unsafe { (cache.k(slot, 0, kvd), cache.v(slot, 0, kvd)) }
+                        },
+                    );
+                    a.out(&attn, t)
+                }
+            };
+            add(&mut x, &mixed);
+            let xn = ops::rms_norm(&x, &layer.post_norm, cfg.rms_norm_eps);
+            add(&mut x, &mlp(layer, &xn, t, cfg.intermediate_size));
+        }
+
+        // Logits only for the last token of sequences that sample.
+        let mut rows = Vec::new();
+        for (s, r) in batch.seqs.iter().zip(&ranges) {
+            if s.want_logits {
+                rows.extend_from_slice(&x[(r.end - 1) * h..r.end * h]);
+            }
+        }
+        let m = rows.len() / h;
+        let xn = ops::rms_norm(&rows, &model.norm, cfg.rms_norm_eps);
+        let logits = model.lm_head.forward(&xn, m);
+        Ok(logits
+            .chunks_exact(cfg.vocab_size)
+            .map(<[f32]>::to_vec)
+            .collect())
+    }
+}
+
+impl Backend for HybridBackend {
+    fn device(&self) -> String {
+        format!("cpu ({} threads)", rayon::current_num_threads())
+    }
+
+    fn occupies_host_cores(&self) -> bool {
+        true
+    }
+
+    fn num_blocks(&self) -> usize {
+        self.kv.num_blocks()
+    }
+
+    fn num_state_slots(&self) -> usize {
+        self.num_slots
+    }
+
+    fn kv_depends_on_context(&self) -> bool {
+        self.model.config().rope_depends_on_length()
+    }
+
+    /// The full-attention layers' KV shape. There is no host pool to lend (`host_kv` stays
+    /// `None`): a transfer of the KV alone would leave the recurrent state behind, so these
+    /// engines take no part in disaggregation.
+    fn kv_spec(&self) -> Option<KvSpec> {
+        Some(Self::kv_spec_for(self.model.config(), self.block_size))
+    }
+
+    fn forward(&mut self, batch: &ForwardBatch) -> Result<Vec<Vec<f32>>> {
+        self.run(batch)
+    }
+}
