@@ -332,3 +332,35 @@ fn cuda_and_the_dense_loader_refuse_hybrid_models_by_name() {
         .to_string();
     assert!(e.contains("Qwen3.5 hybrid (Gated DeltaNet)"), "{e}");
 }
+
+/// A node asked for the prefill or decode role with a hybrid model refuses at start, before
+/// any engine runs (and before etcd is reached): the recurrent state does not travel with
+/// the KV yet, so a disaggregated answer would be wrong.
+#[test]
+fn a_node_refuses_the_prefill_and_decode_roles_for_a_hybrid_model() {
+    let model = repo().join("tests/fixtures/models/hf-qwen35-f32");
+    for roles in ["prefill", "decode", "prefill,decode"] {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvmesh"))
+            .args(["node", "--roles", roles, "--cluster", "q", "--etcd"])
+            // Nothing listens there: the refusal must come first.
+            .arg("http://127.0.0.1:9")
+            .arg("--model")
+            .arg(&model)
+            .env("RUST_BACKTRACE", "0")
+            .output()
+            .expect("run kvmesh");
+        let text = String::from_utf8_lossy(&out.stdout).into_owned()
+            + &String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{roles}: {text}");
+        assert!(
+            text.contains("cannot take the prefill or decode role")
+                && text.contains("--roles worker"),
+            "{roles}: {text}"
+        );
+        // The line an engine logs when it is up.
+        assert!(
+            !text.contains("blocks of 16 tokens"),
+            "{roles}: an engine started first: {text}"
+        );
+    }
+}

@@ -25,7 +25,7 @@ use super::catalog::{LocalModel, MeshCatalog};
 use super::membership::{check_kv_partners, follow_allow_list, follow_pace, gate_router_members};
 use super::replica::{unix_ms, Host, Replica};
 use super::status::{node_routes, NodeState};
-use crate::serve::{start_engine, StartedEngine};
+use crate::serve::{load_model, start_engine_with, StartedEngine};
 
 /// The node's engines (worker or decode, and prefill), or, for a gateway/router node, just
 /// what it needs of the model.
@@ -105,16 +105,28 @@ impl Engines {
         if wants_generate && wants_prefill {
             engine.gpu_memory_utilization /= 2.0;
         }
+        // The model is read once, for both engines, and refused before either starts when
+        // its roles cannot work for it.
+        let loaded = if wants_generate || wants_prefill {
+            let m = load_model(&engine)?;
+            anyhow::ensure!(
+                m.config.hybrid.is_none() || !(wants_prefill || args.has(Role::Decode)),
+                "{HYBRID_NOT_DISAGGREGATED}"
+            );
+            Some(m)
+        } else {
+            None
+        };
+        let start = |m: &Option<LoadedModel>| match m {
+            Some(m) => start_engine_with(&engine, m).map(Some),
+            None => Ok(None),
+        };
         let generate = if wants_generate {
-            Some(start_engine(&engine)?)
+            start(&loaded)?
         } else {
             None
         };
-        let prefill = if wants_prefill {
-            Some(start_engine(&engine)?)
-        } else {
-            None
-        };
+        let prefill = if wants_prefill { start(&loaded)? } else { None };
         let first = generate.as_ref().or(prefill.as_ref());
         let layout = match first {
             Some(e) if args.has(Role::Prefill) || args.has(Role::Decode) => Some(kv_layout(e)?),
@@ -133,6 +145,10 @@ impl Engines {
     }
 }
 
+const HYBRID_NOT_DISAGGREGATED: &str = "this model has recurrent layers (Qwen3.5's Gated \
+     DeltaNet): their state does not move with the KV cache yet, so it cannot take the prefill \
+     or decode role; serve it with --roles worker";
+
 /// What a prefill and a decode engine must share for KV to mean the same on both.
 fn kv_layout(e: &StartedEngine) -> anyhow::Result<KvLayout> {
     let spec = e
@@ -143,9 +159,7 @@ fn kv_layout(e: &StartedEngine) -> anyhow::Result<KvLayout> {
         .context("the backend has no KV layout")?;
     anyhow::ensure!(
         e.handle.info.num_state_slots == 0,
-        "this model has recurrent layers (Qwen3.5's Gated DeltaNet): their state does not move \
-         with the KV cache yet, so it cannot take the prefill or decode role; serve it with \
-         --roles worker"
+        "{HYBRID_NOT_DISAGGREGATED}"
     );
     anyhow::ensure!(
         e.handle.info.kv_transfer,
