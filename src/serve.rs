@@ -394,7 +394,17 @@ pub fn start_engine_on(
     let name = args.served_name(&model.name)?;
     let fingerprint = model.fingerprint(args.numerics());
     let budget = args.kv_budget(&kind)?;
-    let backend = build_backend_for(kind, model, args.block_size, budget, args.max_num_seqs)?;
+    // The limits a backend is sized by; the model length is settled once the KV cache's size
+    // is known.
+    let mut cfg = EngineConfig {
+        max_model_len: 0,
+        max_num_seqs: args.max_num_seqs,
+        max_num_batched_tokens: args.max_num_batched_tokens,
+        block_size: args.block_size,
+        max_waiting: args.max_waiting_seqs,
+        enable_prefix_caching: !args.no_enable_prefix_caching,
+    };
+    let backend = build_backend_for(kind, model, budget, &cfg)?;
     let num_blocks = backend.num_blocks();
     let cache_tokens = num_blocks * args.block_size;
     let model_max = model.config.max_context();
@@ -419,14 +429,7 @@ pub fn start_engine_on(
             model_max.min(cache_tokens)
         }
     };
-    let cfg = EngineConfig {
-        max_model_len,
-        max_num_seqs: args.max_num_seqs,
-        max_num_batched_tokens: args.max_num_batched_tokens,
-        block_size: args.block_size,
-        max_waiting: args.max_waiting_seqs,
-        enable_prefix_caching: !args.no_enable_prefix_caching,
-    };
+    cfg.max_model_len = max_model_len;
     let device = backend.device();
     let (eos, vocab) = (model.tokenizer.eos_ids().to_vec(), model.config.vocab_size);
     let handle = match pool {

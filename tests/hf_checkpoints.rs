@@ -146,8 +146,8 @@ async fn greedy_over_http_matches_transformers_in_both_config_layouts() {
 /// Qwen3.5 served over HTTP: each prompt's greedy continuation is transformers' (exactly in
 /// f32; up to a near-tie of theirs in bf16), then every prompt three times at once answers
 /// as it did alone. The step budget of 16 tokens splits the long prompt over several steps
-/// beside the others' decode tokens; the state slots are all free again at the end, and no
-/// prompt was resumed from the prefix cache.
+/// beside the others' decode tokens; the state slots are all free again at the end, and the
+/// repeated long prompt was resumed from the prefix cache's saved state.
 #[tokio::test]
 async fn hybrid_models_serve_greedy_like_transformers_alone_and_batched() {
     for name in hybrid_models() {
@@ -209,7 +209,15 @@ async fn hybrid_models_serve_greedy_like_transformers_alone_and_batched() {
             .wait_metric("kvmesh:state_slots_used", 5, |v| v == 0.0)
             .await;
         assert_eq!(used, 0.0, "{name}: every state slot is free again");
-        assert_eq!(s.metric("kvmesh:prefix_cache_hits_total").await, 0.0);
+        // The repeated prompts resumed from the states saved after their last full block
+        // (the long prompt spans blocks of 16), and the saved states are shown.
+        assert_eq!(s.metric("kvmesh:num_state_snapshots").await, 8.0, "{name}");
+        assert!(
+            s.metric("kvmesh:state_snapshots_used").await > 0.0,
+            "{name}"
+        );
+        let hits = s.metric("kvmesh:prefix_cache_hits_total").await;
+        assert!(hits >= 32.0, "{name}: {hits} prompt tokens resumed");
         println!("{name}: greedy continuations match transformers over HTTP, alone and batched");
     }
 }

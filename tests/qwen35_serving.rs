@@ -5,8 +5,9 @@
 //! as `qwen35_reference.rs` holds the standalone model) with the engine doing what it does
 //! under load: prompts chunked across steps (a step budget below the long prompt), several
 //! sequences in one batch, preemption for lack of KV blocks (a preempted sequence drops its
-//! state slot and is recomputed from its first token), and a repeated prompt, which must
-//! not resume from cached KV blocks (they hold no state) and must answer the same.
+//! state slot and is recomputed), and prompts that repeat or extend earlier ones, which
+//! resume from cached KV blocks only where the recurrent state after them was saved, and
+//! must answer the same.
 
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
@@ -57,14 +58,12 @@ fn load(name: &str) -> LoadedModel {
 
 /// An engine over the CPU backend with `blocks` KV blocks of 4 tokens.
 fn engine(model: &LoadedModel, blocks: usize, cfg: EngineConfig) -> EngineHandle {
-    let be = build_backend_for(
-        BackendKind::Cpu,
-        model,
-        BLOCK_SIZE,
-        KvBudget::Blocks(blocks),
-        cfg.max_num_seqs,
-    )
-    .expect("the CPU backend serves Qwen3.5");
+    let cfg = EngineConfig {
+        block_size: BLOCK_SIZE,
+        ..cfg
+    };
+    let be = build_backend_for(BackendKind::Cpu, model, KvBudget::Blocks(blocks), &cfg)
+        .expect("the CPU backend serves Qwen3.5");
     assert_eq!(
         be.num_state_slots(),
         cfg.max_num_seqs,
@@ -155,7 +154,7 @@ fn settled(h: &EngineHandle, blocks: usize, slots: usize) {
 }
 
 /// Every prompt twice at once, with a step budget that splits the 45-token prompt over
-/// three steps beside the others' decode tokens; then each alone.
+/// several steps beside the others' decode tokens; then each alone, from the prefix cache.
 #[test]
 fn greedy_through_the_engine_matches_transformers_chunked_and_batched() {
     for name in MODELS {
@@ -182,17 +181,30 @@ fn greedy_through_the_engine_matches_transformers_chunked_and_batched() {
             assert_greedy(&ctx, &got, p);
             together.push(got);
         }
+        // Alone, each resumes where its prompt's state was saved (the last block boundary
+        // before its last token) if that is still cached (four saved states, least recently
+        // used evicted), and answers the same either way.
+        let mut resumed = 0;
         for (p, want) in fx.prompts.iter().zip(&together) {
             let ctx = format!("{name} {} (alone)", p.name);
             let (got, cached) = drain(&ctx, submit(&h, &p.ids, fx.new_tokens));
             assert_greedy(&ctx, &got, p);
-            assert_eq!(cached, 0, "{ctx}: resumed from cached blocks without state");
+            let boundary = (p.ids.len() - 1) / BLOCK_SIZE * BLOCK_SIZE;
+            assert!(
+                cached == 0 || cached == boundary,
+                "{ctx}: resumed at {cached}, where no state was saved"
+            );
+            resumed += cached;
             if name.ends_with("-f32") {
                 assert_eq!(&got, want, "{ctx}: alone differs from batched");
             }
         }
+        assert!(
+            resumed > 0,
+            "{name}: no prompt resumed from the prefix cache"
+        );
         settled(&h, 128, 4);
-        println!("{name}: engine greedy matches transformers, chunked and batched");
+        println!("{name}: engine greedy matches transformers, chunked, batched and resumed");
     }
 }
 
@@ -240,12 +252,16 @@ fn state_slots_bound_the_running_batch() {
     let hy = model.config.hybrid.as_ref().unwrap();
     let per_slot = hy.state_bytes_per_sequence();
     // Two slots' worth is half the budget.
+    let limits = EngineConfig {
+        max_num_seqs: 8,
+        block_size: BLOCK_SIZE,
+        ..Default::default()
+    };
     let be = build_backend_for(
         BackendKind::Cpu,
         &model,
-        BLOCK_SIZE,
         KvBudget::Bytes(4 * per_slot),
-        8,
+        &limits,
     )
     .unwrap();
     assert_eq!(be.num_state_slots(), 2);
@@ -272,11 +288,11 @@ fn state_slots_bound_the_running_batch() {
     assert!(most_running <= 2, "{most_running} ran with two state slots");
 }
 
-/// A repeated prompt and a second chat turn: nothing is resumed from cached blocks (they
-/// hold K and V, not the recurrent state after them), and the answers are those of a
-/// fresh engine.
+/// A repeated prompt and a second chat turn resume from the prefix cache: at the last
+/// block boundary whose recurrent state was saved (the prompt's, and the first answer's
+/// latest), and answer as an engine without prefix caching does.
 #[test]
-fn a_repeated_prefix_is_recomputed_and_answers_the_same() {
+fn a_repeated_prefix_and_a_second_turn_resume_from_saved_states() {
     let name = "hf-qwen35-f32";
     let fx = fixture(name);
     let model = load(name);
@@ -287,25 +303,40 @@ fn a_repeated_prefix_is_recomputed_and_answers_the_same() {
         ..Default::default()
     };
     let h = engine(&model, 64, cfg.clone());
-    assert!(
-        !h.info.config.enable_prefix_caching,
-        "prefix caching is turned off for a model with recurrent state"
+    assert!(h.info.config.enable_prefix_caching);
+    assert_eq!(
+        h.info.num_state_snapshots, 4,
+        "one saved state per sequence"
     );
     let p = &fx.prompts[1];
-    let (first, _) = drain("first", submit(&h, &p.ids, fx.new_tokens));
-    assert_eq!(first, p.greedy);
+    let boundary = (p.ids.len() - 1) / BLOCK_SIZE * BLOCK_SIZE;
+    assert!(boundary > 0, "the fixture's prompt spans a block");
+    let (first, cached) = drain("first", submit(&h, &p.ids, fx.new_tokens));
+    assert_eq!((first.clone(), cached), (p.greedy.clone(), 0));
     let (again, cached) = drain("again", submit(&h, &p.ids, fx.new_tokens));
-    assert_eq!((again, cached), (p.greedy.clone(), 0));
-    // The next turn: the history, the answer, and more.
+    assert_eq!((again, cached), (p.greedy.clone(), boundary));
+    // The next turn: the history, the answer, and more. The first answer's last boundary
+    // (the first sequence computed all but its last token) is where it resumes.
     let mut turn: Vec<u32> = p.ids.clone();
     turn.extend(&first);
     turn.extend([7, 11, 13, 17, 19]);
+    let done = p.ids.len() + first.len() - 1;
     let (second, cached) = drain("second turn", submit(&h, &turn, 8));
-    assert_eq!(cached, 0);
-    let fresh = engine(&model, 64, cfg);
+    assert_eq!(cached, done / BLOCK_SIZE * BLOCK_SIZE);
+    let fresh = engine(
+        &model,
+        64,
+        EngineConfig {
+            enable_prefix_caching: false,
+            ..cfg
+        },
+    );
+    assert_eq!(fresh.info.num_state_snapshots, 0);
     let (want, _) = drain("fresh engine", submit(&fresh, &turn, 8));
-    assert_eq!(second, want, "the second turn answers as on a fresh engine");
-    assert_eq!(h.stats.prefix_hits.load(Ordering::Relaxed), 0);
+    assert_eq!(second, want, "the second turn answers as without the cache");
+    let hits = h.stats.prefix_hits.load(Ordering::Relaxed) as usize;
+    assert_eq!(hits, boundary + cached);
+    assert!(h.stats.saved_states.load(Ordering::Relaxed) > 0);
 }
 
 /// The CUDA backend has no kernels for the linear-attention layers: it refuses the model by

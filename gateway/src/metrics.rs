@@ -194,6 +194,17 @@ pub fn render_engines(o: &Exposition, model: &str, engines: &[(Option<&str>, &En
                 .saturating_sub(load(&e.stats.free_state_slots) as usize) as f64
         },
     );
+    gauge(
+        "kvmesh:num_state_snapshots",
+        "Saved recurrent states the prefix cache can keep, so that a model with \
+         linear-attention layers resumes cached prefixes (0 for other models).",
+        &|e| e.info.num_state_snapshots as f64,
+    );
+    gauge(
+        "kvmesh:state_snapshots_used",
+        "Saved recurrent states the prefix cache holds.",
+        &|e| load(&e.stats.saved_states),
+    );
     counter(
         "kvmesh:prefix_cache_queries_total",
         "Prompt tokens looked up in the prefix cache.",

@@ -366,34 +366,62 @@ pub fn build_backend(
     block_size: usize,
     kv: KvBudget,
 ) -> Result<Box<dyn Backend>> {
-    let max_num_seqs = crate::engine::EngineConfig::default().max_num_seqs;
-    build_backend_for(kind, model, block_size, kv, max_num_seqs)
+    let engine = crate::engine::EngineConfig {
+        block_size,
+        ..Default::default()
+    };
+    build_backend_for(kind, model, kv, &engine)
 }
 
-/// The backend for an engine that runs at most `max_num_seqs` sequences at once, which
-/// sizes what a model with recurrent layers keeps per running sequence (its state slots;
-/// see [`HybridBackend::split_budget`]). Qwen3.5's hybrid models run on the CPU only.
+/// The backend for an engine with `engine`'s limits: its block size, and for a model with
+/// recurrent layers what it keeps per running sequence (`max_num_seqs` state slots) and for
+/// its prefix cache (saved states, with `enable_prefix_caching`); see
+/// [`HybridBackend::split_budget`]. Qwen3.5's hybrid models run on the CPU only.
 pub fn build_backend_for(
     kind: BackendKind,
     model: &LoadedModel,
-    block_size: usize,
     kv: KvBudget,
-    max_num_seqs: usize,
+    engine: &crate::engine::EngineConfig,
 ) -> Result<Box<dyn Backend>> {
+    let (block_size, max_num_seqs) = (engine.block_size, engine.max_num_seqs);
     match kind {
         BackendKind::Cpu if model.config.hybrid.is_some() => {
             let cfg = &model.config;
-            let (blocks, slots) = HybridBackend::split_budget(cfg, block_size, kv, max_num_seqs)?;
-            if slots < max_num_seqs {
+            let split = HybridBackend::split_budget(
+                cfg,
+                block_size,
+                kv,
+                max_num_seqs,
+                engine.enable_prefix_caching,
+            )?;
+            let per_state_mib = cfg
+                .hybrid
+                .as_ref()
+                .map_or(0, |h| h.state_bytes_per_sequence())
+                >> 20;
+            if split.slots < max_num_seqs {
                 tracing::warn!(
-                    "the KV budget holds recurrent state for {slots} sequences at once, fewer \
+                    "the KV budget holds recurrent state for {} sequences at once, fewer \
                      than --max-num-seqs {max_num_seqs}: their states would take more than half \
-                     of it ({} MiB each); raise --kv-cache-gib to run more",
-                    cfg.hybrid.as_ref().map_or(0, |h| h.state_bytes_per_sequence()) >> 20
+                     of it ({per_state_mib} MiB each); raise --kv-cache-gib to run more",
+                    split.slots
+                );
+            } else if engine.enable_prefix_caching && split.snapshots < max_num_seqs {
+                tracing::warn!(
+                    "the KV budget keeps {} saved states for the prefix cache ({per_state_mib} \
+                     MiB each), fewer than --max-num-seqs {max_num_seqs}; raise --kv-cache-gib \
+                     to reuse more prefixes",
+                    split.snapshots
                 );
             }
             let m = HybridModel::load(cfg, &model.weights)?;
-            Ok(Box::new(HybridBackend::new(m, blocks, block_size, slots)?))
+            Ok(Box::new(HybridBackend::new(
+                m,
+                split.blocks,
+                block_size,
+                split.slots,
+                split.snapshots,
+            )?))
         }
         BackendKind::Cuda(_) if model.config.hybrid.is_some() => {
             Err(EngineError::BadModel(HYBRID_NOT_ON_CUDA.into()))

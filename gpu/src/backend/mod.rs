@@ -141,10 +141,28 @@ pub trait Backend: Send {
     /// running sequence of a model whose layers carry a fixed-size state from step to step
     /// (Qwen3.5's linear-attention layers), so the engine admits no more sequences than
     /// there are slots. 0 for a model without such layers. A model with them cannot resume
-    /// a sequence from cached KV blocks alone (the state at the block boundary is not kept),
-    /// so the engine turns prefix caching off for it.
+    /// a sequence from cached KV blocks alone: it resumes only at a block boundary whose
+    /// state was saved ([`Self::num_state_snapshots`]).
     fn num_state_slots(&self) -> usize {
         0
+    }
+
+    /// Slots beyond [`Self::num_state_slots`] (ids `num_state_slots..num_state_slots + n`)
+    /// that hold saved states for the prefix cache: the state after a block boundary of some
+    /// sequence, copied there by [`Self::copy_state`], so that a later sequence with the same
+    /// prefix resumes from the cached blocks and that state. 0 where the backend keeps none
+    /// (prefix caching is then off for a model with recurrent state).
+    fn num_state_snapshots(&self) -> usize {
+        0
+    }
+
+    /// Copies every layer's recurrent state from slot `from` to slot `to` (either kind of
+    /// slot), in order with the steps around it: a step after the call sees the copy.
+    fn copy_state(&mut self, from: u32, to: u32) -> Result<()> {
+        Err(crate::error::EngineError::Backend(format!(
+            "the {} backend cannot copy recurrent state (slot {from} to {to})",
+            self.device()
+        )))
     }
 
     /// Whether a block's K/V depend on more than its tokens and positions (dynamic RoPE

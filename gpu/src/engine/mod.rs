@@ -16,7 +16,8 @@
 //! reports each layer as it is computed so the transfer overlaps the rest of the step.
 //!
 //! - `handle`: the way in (checks, admission count, submissions);
-//! - `scheduler`: what each step runs, as a plan, with no I/O;
+//! - `scheduler`: what each step runs, as a plan, with no I/O; `snapshots`: the saved
+//!   recurrent states that let a model with such state resume cached prefixes;
 //! - `thread`: the engine thread that carries plans out; `shared`: the driver threads and
 //!   timer that carry many engines whose backend models time instead (sim replicas);
 //! - `lease`: blocks lent to transfers; `kv_events`: the prefix cache's events for routers;
@@ -32,6 +33,9 @@ mod scheduler;
 mod shared;
 #[cfg(test)]
 mod shared_tests;
+#[cfg(test)]
+mod snapshot_tests;
+mod snapshots;
 mod stats;
 #[cfg(test)]
 mod tests;

@@ -94,6 +94,9 @@ pub struct EngineInfo {
     /// Recurrent-state slots beside the KV blocks (0 for a model without recurrent layers):
     /// at most this many sequences run at once.
     pub num_state_slots: usize,
+    /// Saved recurrent states the prefix cache can keep (0 for a model without recurrent
+    /// layers, or with prefix caching off).
+    pub num_state_snapshots: usize,
     pub config: EngineConfig,
     pub eos_ids: Vec<u32>,
     pub vocab_size: usize,

@@ -10,8 +10,11 @@
 //! resource per sequence: a state slot ([`StateSlots`]). A sequence takes one at admission
 //! beside its first blocks and holds it while it runs; it gives it back when it finishes, is
 //! aborted, or is preempted. A preempted sequence drops its state with its blocks and is
-//! recomputed from its first token, exactly as a dense one is: keeping the slot would hold
-//! memory for a sequence that is not running and would still leave its KV to recompute.
+//! recomputed, exactly as a dense one is: keeping the slot would hold memory for a sequence
+//! that is not running and would still leave its KV to recompute. With prefix caching, such
+//! a model resumes only at block boundaries whose state was saved ([`Snapshots`] says which
+//! and why): the plan then lists the state copies to make before the step, and
+//! [`Scheduler::advance`] the ones to make after it.
 //!
 //! Disaggregated sequences take two other paths. A decode worker's remote-prefill sequence
 //! is admitted by reserving blocks for its whole prompt, to be lent to the transfer that
@@ -28,6 +31,7 @@
 use std::collections::{HashMap, VecDeque};
 
 use super::request::SeqId;
+use super::snapshots::Snapshots;
 use crate::kv_cache::{block_hashes, BlockHash, BlockId, BlockManager};
 
 /// The limits a step is scheduled within.
@@ -71,6 +75,11 @@ pub(crate) struct SeqState {
     pub transfer: Transfer,
     /// The recurrent-state slot it holds while running, for a model with one.
     pub state_slot: Option<u32>,
+    /// The saved state its slot starts from, once it has one: the state after the cached
+    /// prefix it resumes at (see [`Snapshots`]).
+    pub restore: Option<u32>,
+    /// The prefix whose state it saved last while decoding, which its next save replaces.
+    pub decode_saved: Option<BlockHash>,
 }
 
 impl SeqState {
@@ -87,6 +96,8 @@ impl SeqState {
             lease_out: false,
             transfer,
             state_slot: None,
+            restore: None,
+            decode_saved: None,
         }
     }
 
@@ -99,6 +110,7 @@ impl SeqState {
         self.blocks.clear();
         self.hashes.clear();
         self.num_computed = 0;
+        self.restore = None;
     }
 }
 
@@ -145,6 +157,9 @@ pub(crate) struct Plan {
     /// Remote-prefill sequences whose prompt is cached well enough here that it is computed
     /// here instead (their transfer is off).
     pub computed_here: Vec<Place>,
+    /// Recurrent states to copy before the step, `(from, to)`: saved states into the slots
+    /// of sequences that resume after a cached prefix.
+    pub restores: Vec<(u32, u32)>,
 }
 
 /// The recurrent-state slots of a model with recurrent layers, as ids the backend's slots
@@ -190,6 +205,8 @@ pub(crate) struct Scheduler<T> {
     pub blocks: BlockManager,
     /// Recurrent-state slots (none for a model without recurrent layers).
     pub states: StateSlots,
+    /// Saved states for the prefix cache of a model with recurrent layers.
+    pub snapshots: Snapshots,
     pub running: Vec<Entry<T>>,
     pub waiting: VecDeque<Entry<T>>,
     /// Decode sequences whose prompt's KV is being transferred in.
@@ -201,14 +218,21 @@ pub(crate) struct Scheduler<T> {
 impl<T> Scheduler<T> {
     #[cfg(test)]
     pub fn new(limits: Limits, num_blocks: usize) -> Scheduler<T> {
-        Self::with_state_slots(limits, num_blocks, 0)
+        Self::with_state_slots(limits, num_blocks, 0, 0)
     }
 
     /// A scheduler for a model whose sequences each hold one of `state_slots` recurrent
-    /// state slots while they run (0: a model without recurrent layers).
-    pub fn with_state_slots(limits: Limits, num_blocks: usize, state_slots: usize) -> Scheduler<T> {
+    /// state slots while they run (0: a model without recurrent layers), with `snapshots`
+    /// more slots (ids after those) for the prefix cache's saved states.
+    pub fn with_state_slots(
+        limits: Limits,
+        num_blocks: usize,
+        state_slots: usize,
+        snapshots: usize,
+    ) -> Scheduler<T> {
         Scheduler {
             states: StateSlots::new(state_slots),
+            snapshots: Snapshots::new(state_slots as u32, snapshots),
             blocks: BlockManager::new(num_blocks, limits.block_size),
             limits,
             running: Vec::new(),
@@ -234,6 +258,35 @@ impl<T> Scheduler<T> {
         plan
     }
 
+    /// Whether sequences resume from the prefix cache and save their states for it: prefix
+    /// caching is on and, for a model with recurrent state, there are slots to save in.
+    fn reuses_prefixes(&self) -> bool {
+        self.limits.enable_prefix_caching && (!self.states.required() || self.snapshots.enabled())
+    }
+
+    /// Whether states are saved at block boundaries (see [`Snapshots`]).
+    fn saves_states(&self) -> bool {
+        self.limits.enable_prefix_caching && self.states.required() && self.snapshots.enabled()
+    }
+
+    /// The last block boundary of `s`'s prompt before its last token: where a repeated
+    /// prompt resumes, and so where a model with recurrent state saves it.
+    fn prompt_boundary(&self, s: &SeqState) -> usize {
+        let bs = self.limits.block_size;
+        s.prompt_len.saturating_sub(1) / bs * bs
+    }
+
+    /// How many of `s`'s next tokens run within `budget`: all that are left if they fit,
+    /// stopping at the prompt's boundary where a state is saved there.
+    fn chunk(&self, s: &SeqState, budget: usize) -> usize {
+        let n = (s.tokens.len() - s.num_computed).min(budget);
+        let b = self.prompt_boundary(s);
+        if self.saves_states() && s.num_computed < b && b < s.num_computed + n {
+            return b - s.num_computed;
+        }
+        n
+    }
+
     /// Blocks `s` needs beyond its own to compute `n` more positions.
     fn blocks_needed(&self, s: &SeqState, n: usize) -> usize {
         (s.num_computed + n)
@@ -246,7 +299,7 @@ impl<T> Scheduler<T> {
         let mut i = 0;
         while i < self.running.len() && *budget > 0 {
             let s = &self.running[i].seq;
-            let n = (s.tokens.len() - s.num_computed).min(*budget);
+            let n = self.chunk(s, *budget);
             let need = self.blocks_needed(s, n);
             let mut runnable = true;
             while self.blocks.num_free() < need {
@@ -311,7 +364,7 @@ impl<T> Scheduler<T> {
             };
             let cached_here = self.reuse_cached_prefix(&mut e.seq);
             let s = &e.seq;
-            let n = (s.tokens.len() - s.num_computed).min(*budget);
+            let n = self.chunk(s, *budget);
             // A transfer needs the whole prompt's blocks from the start, so that it never
             // waits for (or is preempted by) a later allocation.
             let need = match s.transfer {
@@ -336,7 +389,11 @@ impl<T> Scheduler<T> {
                     .push(self.blocks.allocate().expect("checked free blocks"));
             }
             if needs_slot {
-                e.seq.state_slot = Some(self.states.take().expect("checked a free slot"));
+                let slot = self.states.take().expect("checked a free slot");
+                e.seq.state_slot = Some(slot);
+                if let Some(from) = e.seq.restore {
+                    plan.restores.push((from, slot));
+                }
             }
             let first = !e.seq.admitted_once;
             if first {
@@ -358,12 +415,21 @@ impl<T> Scheduler<T> {
     /// last token's, so the step yields logits). A remote-prefill sequence found cached well
     /// enough is computed here instead; says whether that happened.
     fn reuse_cached_prefix(&mut self, s: &mut SeqState) -> bool {
-        // Cached blocks hold K and V, not the recurrent state after them: a model with such
-        // state never resumes from them (the engine turns prefix caching off for it too).
-        if s.blocks.is_empty() && self.limits.enable_prefix_caching && !self.states.required() {
+        if s.blocks.is_empty() && self.reuses_prefixes() {
             let bs = self.limits.block_size;
             let reusable = (s.tokens.len() - 1) / bs;
-            let hashes = block_hashes(&s.tokens[..reusable * bs], bs);
+            let mut hashes = block_hashes(&s.tokens[..reusable * bs], bs);
+            if self.states.required() {
+                // Cached blocks hold K and V, not the recurrent state after them: resume
+                // only at the last cached boundary whose state was saved.
+                let cached = self.blocks.cached_prefix_len(&hashes);
+                let at = (1..=cached)
+                    .rev()
+                    .find(|&k| self.snapshots.contains(hashes[k - 1]))
+                    .unwrap_or(0);
+                hashes.truncate(at);
+                s.restore = hashes.last().and_then(|&h| self.snapshots.take_use(h));
+            }
             s.blocks = self.blocks.take_cached_prefix(&hashes);
             s.num_computed = s.blocks.len() * bs;
             s.hashes = hashes[..s.blocks.len()].to_vec();
@@ -464,13 +530,39 @@ impl<T> Scheduler<T> {
         register_full_blocks(&mut self.blocks, self.limits, s);
     }
 
-    /// After a step: the planned sequences computed their tokens.
-    pub fn advance(&mut self, plan: &Plan) {
+    /// After a step: the planned sequences computed their tokens. Returns the recurrent
+    /// states to save now, `(from, to)`: sequences that reached a block boundary whose state
+    /// the prefix cache keeps (see [`Snapshots`]).
+    pub fn advance(&mut self, plan: &Plan) -> Vec<(u32, u32)> {
+        let saves = self.saves_states();
+        let mut copies = Vec::new();
         for &(i, n) in &plan.run {
+            let b = self.prompt_boundary(&self.running[i].seq);
             let s = &mut self.running[i].seq;
             s.num_computed += n;
             register_full_blocks(&mut self.blocks, self.limits, s);
+            let at = s.num_computed;
+            if !saves || at == 0 || !at.is_multiple_of(self.limits.block_size) || at < b {
+                continue;
+            }
+            let (Some(slot), Some(&h)) =
+                (s.state_slot, s.hashes.get(at / self.limits.block_size - 1))
+            else {
+                continue;
+            };
+            // The prompt's boundary is kept; each later one replaces the one before.
+            let to = if at == b {
+                self.snapshots.save(h, None)
+            } else {
+                let to = self.snapshots.save(h, s.decode_saved);
+                s.decode_saved = Some(h);
+                to
+            };
+            if let Some(to) = to {
+                copies.push((slot, to));
+            }
         }
+        copies
     }
 
     /// A sequence is done with its blocks: they are freed, or kept while a lease is out.
@@ -771,7 +863,7 @@ mod tests {
     #[test]
     fn a_state_slot_is_taken_at_admission_and_given_back_on_finish_and_preemption() {
         // Two slots for three allowed sequences: the third waits for a slot.
-        let mut s = Scheduler::with_state_slots(limits(3, 100), 100, 2);
+        let mut s = Scheduler::with_state_slots(limits(3, 100), 100, 2, 0);
         for id in 0..3 {
             s.waiting
                 .push_back(seq(id, 10 * id as u32, 5, Transfer::Local));
@@ -790,7 +882,7 @@ mod tests {
         let plan = s.schedule();
         assert_eq!(plan.admitted, [(Place::Running(1), 0)]);
         assert_eq!(s.running[1].seq.state_slot, held[0]);
-        // Nothing reuses cached blocks: they hold no state.
+        // Nothing reuses cached blocks: they hold no state, and none is saved.
         assert!(plan.admitted.iter().all(|&(_, cached)| cached == 0));
         // A preempted sequence drops its slot with its blocks.
         let victim = s.running.pop().unwrap();
@@ -801,7 +893,7 @@ mod tests {
 
     #[test]
     fn blocks_running_out_preempt_and_free_the_victims_state_slot() {
-        let mut s = Scheduler::with_state_slots(limits(8, 100), 2, 2);
+        let mut s = Scheduler::with_state_slots(limits(8, 100), 2, 2, 0);
         let mut a = decoding(&mut s, 1, 4, 1);
         let mut b = decoding(&mut s, 2, 4, 1);
         for e in [&mut a, &mut b] {

@@ -11,6 +11,8 @@ pub struct EngineStats {
     pub free_blocks: AtomicUsize,
     /// Recurrent-state slots no running sequence holds (of `EngineInfo::num_state_slots`).
     pub free_state_slots: AtomicUsize,
+    /// Recurrent states the prefix cache holds now (of `EngineInfo::num_state_snapshots`).
+    pub saved_states: AtomicUsize,
     pub prefix_queries: AtomicU64,
     pub prefix_hits: AtomicU64,
     pub preemptions: AtomicU64,

@@ -526,7 +526,9 @@ fn guided_sequences_follow_their_grammars_in_a_mixed_batch() {
 struct Recurrent {
     blocks: usize,
     vocab: usize,
+    /// The running slots, then `saved` snapshot slots.
     slots: Vec<Vec<u32>>,
+    saved: usize,
     /// Most slots held at once.
     most: Arc<Mutex<usize>>,
 }
@@ -546,7 +548,14 @@ impl Backend for Recurrent {
         self.blocks
     }
     fn num_state_slots(&self) -> usize {
-        self.slots.len()
+        self.slots.len() - self.saved
+    }
+    fn num_state_snapshots(&self) -> usize {
+        self.saved
+    }
+    fn copy_state(&mut self, from: u32, to: u32) -> Result<()> {
+        self.slots[to as usize] = self.slots[from as usize].clone();
+        Ok(())
     }
     fn forward(&mut self, batch: &ForwardBatch) -> Result<Vec<Vec<f32>>> {
         let mut seen = Vec::new();
@@ -611,6 +620,7 @@ fn state_slots_under_admission_and_preemption_keep_outputs_exact() {
             blocks: 20,
             vocab,
             slots: vec![Vec::new(); 3],
+            saved: 0,
             most: most.clone(),
         }),
         cfg,
@@ -649,4 +659,78 @@ fn state_slots_under_admission_and_preemption_keep_outputs_exact() {
     std::thread::sleep(std::time::Duration::from_millis(50));
     assert_eq!(h.stats.free_state_slots.load(Ordering::Relaxed), 3);
     assert_eq!(h.stats.free_blocks.load(Ordering::Relaxed), 20);
+}
+
+/// Saved states under the same load, with prefixes shared between requests: sequences
+/// resume at cached prefixes (the backend's slot must then hold exactly the prefix's
+/// tokens, or the step fails), outputs stay those of a fresh computation, and the hits are
+/// counted.
+#[test]
+fn saved_states_resume_shared_prefixes_exactly() {
+    let vocab = 97;
+    let cfg = EngineConfig {
+        max_model_len: 256,
+        max_num_seqs: 3,
+        max_num_batched_tokens: 20,
+        block_size: 4,
+        max_waiting: 100,
+        enable_prefix_caching: true,
+    };
+    let h = spawn(
+        Box::new(Recurrent {
+            blocks: 40,
+            vocab,
+            slots: vec![Vec::new(); 3 + 16],
+            saved: 16,
+            most: Arc::new(Mutex::new(0)),
+        }),
+        cfg,
+        vec![],
+        vocab,
+    );
+    assert!(h.info.config.enable_prefix_caching);
+    assert_eq!(
+        (h.info.num_state_slots, h.info.num_state_snapshots),
+        (3, 16)
+    );
+    // One system prompt, several questions; then a second turn of the first.
+    let system: Vec<u32> = (0..21).map(|t| (t * 7 % 90) as u32).collect();
+    let ask = |q: u32| {
+        let mut p = system.clone();
+        p.extend((0..3 + q).map(|t| 50 + q + t));
+        p
+    };
+    let first = ask(0);
+    let answer = drain(
+        &mut h
+            .submit(Request {
+                prompt: first.clone(),
+                params: greedy(12),
+            })
+            .unwrap(),
+    );
+    assert_eq!(answer, recurrent_expected(&first, 12, vocab));
+    let mut turn = first.clone();
+    turn.extend(&answer);
+    turn.extend([3, 1, 4]);
+    let prompts: Vec<Vec<u32>> = std::iter::once(turn).chain((1..5).map(ask)).collect();
+    let mut subs: Vec<Submission> = prompts
+        .iter()
+        .map(|p| {
+            h.submit(Request {
+                prompt: p.clone(),
+                params: greedy(10),
+            })
+            .unwrap()
+        })
+        .collect();
+    for (p, sub) in prompts.iter().zip(subs.iter_mut()) {
+        assert_eq!(drain(sub), recurrent_expected(p, 10, vocab));
+    }
+    // The second turn resumes at the first answer's last boundary (32 of its 39 tokens),
+    // each question after the system prompt's last full block (20 of its 21 tokens).
+    assert_eq!(h.stats.prefix_hits.load(Ordering::Relaxed), 32 + 4 * 20);
+    std::thread::sleep(std::time::Duration::from_millis(50));
+    assert_eq!(h.stats.free_state_slots.load(Ordering::Relaxed), 3);
+    assert!(h.stats.saved_states.load(Ordering::Relaxed) > 0);
 }

@@ -79,13 +79,17 @@ pub(super) fn build(
         cfg.enable_prefix_caching = false;
     }
     let state_slots = backend.num_state_slots();
-    if cfg.enable_prefix_caching && state_slots > 0 {
+    let mut snapshots = backend.num_state_snapshots();
+    if cfg.enable_prefix_caching && state_slots > 0 && snapshots == 0 {
         tracing::info!(
             "prefix caching is off: this model's linear-attention layers carry a recurrent \
-             state that cached KV blocks do not hold, so a cached prefix cannot be resumed \
-             (every prompt is computed in full)"
+             state that cached KV blocks do not hold, and the backend keeps no saved states \
+             to resume a cached prefix from (every prompt is computed in full)"
         );
         cfg.enable_prefix_caching = false;
+    }
+    if !cfg.enable_prefix_caching {
+        snapshots = 0;
     }
     if let Some(max) = backend.max_step_tokens() {
         if cfg.max_num_batched_tokens > max {
@@ -111,6 +115,7 @@ pub(super) fn build(
         device: backend.device(),
         num_blocks,
         num_state_slots: state_slots,
+        num_state_snapshots: snapshots,
         config: cfg.clone(),
         eos_ids: eos_ids.clone(),
         vocab_size,
@@ -131,7 +136,7 @@ pub(super) fn build(
         })
     };
     let engine = Engine {
-        sched: Scheduler::with_state_slots(limits, num_blocks, state_slots),
+        sched: Scheduler::with_state_slots(limits, num_blocks, state_slots, snapshots),
         backend,
         cfg,
         eos_ids,
@@ -435,6 +440,7 @@ impl Engine {
         st.free_blocks.store(s.blocks.num_free(), Ordering::Relaxed);
         st.free_state_slots
             .store(s.states.num_free(), Ordering::Relaxed);
+        st.saved_states.store(s.snapshots.len(), Ordering::Relaxed);
         st.awaiting_kv.store(s.awaiting.len(), Ordering::Relaxed);
         st.held_blocks
             .store(s.held.values().map(Vec::len).sum(), Ordering::Relaxed);
@@ -574,6 +580,10 @@ impl Engine {
             }
             return Ok(Began::Idle);
         }
+        // Sequences that resume after a cached prefix start from its saved state.
+        for &(from, to) in &plan.restores {
+            self.backend.copy_state(from, to)?;
+        }
         let started = Instant::now();
         let exports = self.exports(&plan);
         self.forward(plan, exports, started)
@@ -609,7 +619,9 @@ impl Engine {
                 });
             }
         }
-        self.sched.advance(&plan);
+        for (from, to) in self.sched.advance(&plan) {
+            self.backend.copy_state(from, to)?;
+        }
         let mut done = Vec::new();
         for ((&i, sampled), rng) in sampling.iter().zip(sampled).zip(rngs) {
             let e = &mut self.sched.running[i];

@@ -11,6 +11,8 @@
 //!   (see [`StateLayout`]), from a pool of slots the engine hands out
 //!   ([`Backend::num_state_slots`]). A sequence's first chunk (`start_pos` 0) starts its
 //!   slot from zero; every later chunk or decode token continues it.
+//! - Saved states for the prefix cache in more slots after those
+//!   ([`Backend::num_state_snapshots`]), copied to and from by [`Backend::copy_state`].
 //!
 //! Projections and MLPs run over every token of the step in one product, as in the dense
 //! backend; the delta rule runs per sequence (chunk-wise over a prompt chunk, one recurrent
@@ -26,23 +28,39 @@ use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
 use crate::kv_pool::{HostKvPool, KvDtype, KvSpec};
 
+/// How [`HybridBackend::split_budget`] divides memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StateBudget {
+    /// KV blocks of the full-attention layers.
+    pub blocks: usize,
+    /// Recurrent-state slots for running sequences.
+    pub slots: usize,
+    /// Saved states for the prefix cache.
+    pub snapshots: usize,
+}
+
 pub struct HybridBackend {
     model: HybridModel,
     block_size: usize,
     /// K and V of the full-attention layers; this backend's alone.
     kv: HostKvPool,
     layout: StateLayout,
-    /// Every slot's state, `[slots, layout.floats_per_slot()]`.
+    /// Every slot's state, `[slots + snapshots, layout.floats_per_slot()]`: the running
+    /// slots first, then the saved ones.
     states: Vec<f32>,
     num_slots: usize,
+    num_snapshots: usize,
 }
 
 impl HybridBackend {
+    /// A backend with `num_slots` state slots for running sequences and `num_snapshots` for
+    /// the prefix cache's saved states.
     pub fn new(
         model: HybridModel,
         num_blocks: usize,
         block_size: usize,
         num_slots: usize,
+        num_snapshots: usize,
     ) -> Result<HybridBackend> {
         if num_blocks == 0 || block_size == 0 || num_slots == 0 {
             return Err(EngineError::InvalidRequest(format!(
@@ -52,7 +70,7 @@ impl HybridBackend {
         }
         let kv = HostKvPool::new(Self::kv_spec_for(model.config(), block_size), num_blocks)?;
         let layout = model.state_layout();
-        let states = vec![0f32; num_slots * layout.floats_per_slot()];
+        let states = vec![0f32; (num_slots + num_snapshots) * layout.floats_per_slot()];
         Ok(HybridBackend {
             model,
             block_size,
@@ -60,6 +78,7 @@ impl HybridBackend {
             layout,
             states,
             num_slots,
+            num_snapshots,
         })
     }
 
@@ -79,22 +98,26 @@ impl HybridBackend {
         Self::kv_spec_for(cfg, block_size).bytes_per_token() * block_size
     }
 
-    /// How a host memory budget is split between KV blocks and recurrent-state slots:
-    /// `(blocks, slots)`.
+    /// How a host memory budget is split between KV blocks, recurrent-state slots and saved
+    /// states: a [`StateBudget`].
     ///
     /// Slots: one for each sequence the engine may run at once (`max_num_seqs`), since a
     /// running sequence holds exactly one and no sequence runs without one; more would never
-    /// be used, fewer would cap the batch below what was asked. Only where those would take
-    /// more than half of a budget given in bytes are there fewer (as many as half buys, at
-    /// least one), so that a model with a large state under a small budget still keeps room
-    /// for its contexts' KV; the engine then runs fewer sequences at once. The KV blocks get
-    /// the rest. A budget given in blocks counts the blocks alone, the slots coming on top.
+    /// be used, fewer would cap the batch below what was asked. With `snapshots` (prefix
+    /// caching on) as many saved states again, so that each running sequence's latest
+    /// block-boundary state can stay cached after it ends (the prefix cache evicts the
+    /// least recently used). States take at most half of a budget given in bytes, running
+    /// slots first (at least one), so that a model with a large state under a small budget
+    /// still keeps room for its contexts' KV; the engine then runs fewer sequences at once
+    /// and caches fewer prefixes. The KV blocks get the rest. A budget given in blocks
+    /// counts the blocks alone, the states coming on top.
     pub fn split_budget(
         cfg: &ModelConfig,
         block_size: usize,
         kv: KvBudget,
         max_num_seqs: usize,
-    ) -> Result<(usize, usize)> {
+        snapshots: bool,
+    ) -> Result<StateBudget> {
         let hy = cfg.hybrid.as_ref().ok_or_else(|| {
             EngineError::BadModel(format!(
                 "{} has no recurrent state to budget",
@@ -104,12 +127,24 @@ impl HybridBackend {
         let per_slot = StateLayout::new(hy).bytes_per_slot().max(1);
         let per_block = Self::kv_bytes_per_block(cfg, block_size).max(1);
         let max_num_seqs = max_num_seqs.max(1);
+        let wanted_snapshots = if snapshots { max_num_seqs } else { 0 };
         match kv {
-            KvBudget::Blocks(n) => Ok((n, max_num_seqs)),
+            KvBudget::Blocks(n) => Ok(StateBudget {
+                blocks: n,
+                slots: max_num_seqs,
+                snapshots: wanted_snapshots,
+            }),
             KvBudget::Bytes(b) => {
-                let slots = max_num_seqs.min(b / 2 / per_slot).max(1);
-                let blocks = (b.saturating_sub(slots * per_slot) / per_block).max(1);
-                Ok((blocks, slots))
+                let states = b / 2 / per_slot;
+                let slots = max_num_seqs.min(states).max(1);
+                let snapshots = wanted_snapshots.min(states.saturating_sub(slots));
+                let used = (slots + snapshots) * per_slot;
+                let blocks = (b.saturating_sub(used) / per_block).max(1);
+                Ok(StateBudget {
+                    blocks,
+                    slots,
+                    snapshots,
+                })
             }
             KvBudget::Share(_) => Err(EngineError::InvalidRequest(
                 "a share of device memory sizes a GPU's KV cache; give this backend its KV \
@@ -293,6 +328,26 @@ impl Backend for HybridBackend {
 
     fn num_state_slots(&self) -> usize {
         self.num_slots
+    }
+
+    fn num_state_snapshots(&self) -> usize {
+        self.num_snapshots
+    }
+
+    fn copy_state(&mut self, from: u32, to: u32) -> Result<()> {
+        let total = self.num_slots + self.num_snapshots;
+        let (from, to) = (from as usize, to as usize);
+        if from >= total || to >= total {
+            return Err(EngineError::Backend(format!(
+                "state slot {} is not in the pool of {total}",
+                from.max(to)
+            )));
+        }
+        if from != to {
+            let n = self.layout.floats_per_slot();
+            self.states.copy_within(from * n..(from + 1) * n, to * n);
+        }
+        Ok(())
     }
 
     fn kv_depends_on_context(&self) -> bool {

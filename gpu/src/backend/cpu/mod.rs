@@ -13,7 +13,7 @@ mod ops;
 use rayon::prelude::*;
 
 pub use hybrid::{argmax, HybridModel, HybridSequence, HybridState, StateLayout, DEFAULT_CHUNK};
-pub use hybrid_backend::HybridBackend;
+pub use hybrid_backend::{HybridBackend, StateBudget};
 pub use ops::{Linear, Matrix};
 
 use std::sync::Arc;
