@@ -717,6 +717,7 @@ fn staged_kv_transfer_between_cuda_engines_decodes_the_same() {
                 first,
                 rng: None,
                 cached_tokens: 0,
+                state: None,
             });
             let mut got = Vec::new();
             loop {

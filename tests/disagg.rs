@@ -3,8 +3,8 @@
 //! in process.
 //!
 //! - Greedy output through a prefill and a decode worker is token for token what one
-//!   aggregated `kvmesh serve` gives, for every model family, with prompts longer than one
-//!   prefill chunk.
+//!   aggregated `kvmesh serve` gives, for every model family (Qwen3.5's hybrid models too,
+//!   whose recurrent state moves with the KV), with prompts longer than one prefill chunk.
 //! - A prefill worker killed or frozen mid-transfer: the decode worker gives up on it and
 //!   prefills itself; a decode worker killed or frozen mid-transfer: the prefill worker stops
 //!   and frees its blocks, and the router retries the request elsewhere. No request hangs,
@@ -146,6 +146,11 @@ async fn disaggregated_greedy_output_equals_aggregated_for_every_family() {
             70,
             "in-process",
         ),
+        // Qwen3.5: the recurrent state moves with the KV, over every path.
+        (Some(fixture_model("hf-qwen35-f32")), 70, "quic"),
+        (Some(fixture_model("hf-qwen35-interval-bf16")), 70, "tcp"),
+        (Some(fixture_model("hf-qwen35-gqa-bias-f32")), 70, "ucx-sm"),
+        (Some(fixture_model("hf-qwen35-cg-bf16")), 70, "in-process"),
     ];
     for (i, (model, len, transport)) in cases.iter().enumerate() {
         let mut engine = vec![
@@ -211,6 +216,18 @@ async fn disaggregated_greedy_output_equals_aggregated_for_every_family() {
             .metric(&http, "kvmesh:kv_transfer_bytes_total{direction=\"in\"}")
             .await;
         assert!(bytes > 0.0, "{name}: KV bytes arrived");
+        if *transport != "in-process" {
+            // The decode worker computed no prompt token: it decoded from what arrived (a
+            // hybrid model's state included), not from a prefill of its own.
+            let computed = trio
+                .decode
+                .metric(&http, "kvmesh:prompt_tokens_total")
+                .await;
+            assert_eq!(
+                computed, 0.0,
+                "{name} over {transport}: prefilled on the decode side"
+            );
+        }
         let via = match *transport {
             t if t.starts_with("ucx") || t == "auto" => "ucx",
             "auto-decode-only" => "tcp",

@@ -13,9 +13,11 @@ use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 
 use kvmesh_gpu::backend::CudaOptions;
-use kvmesh_gpu::engine::{self, EngineConfig, EngineHandle, FinishReason, Request, SeqEvent};
+use kvmesh_gpu::engine::{
+    self, EngineConfig, EngineHandle, FinishReason, Landed, Request, SeqEvent,
+};
 use kvmesh_gpu::model::{build_backend, build_backend_for, BackendKind, KvBudget, LoadedModel};
-use kvmesh_gpu::sampler::SamplingParams;
+use kvmesh_gpu::sampler::{Sampled, SamplingParams};
 use serde::Deserialize;
 
 const TIE_GAP: f32 = 1e-3;
@@ -364,34 +366,54 @@ fn cuda_and_the_dense_loader_refuse_hybrid_models_by_name() {
     assert!(e.contains("Qwen3.5 hybrid (Gated DeltaNet)"), "{e}");
 }
 
-/// A node asked for the prefill or decode role with a hybrid model refuses at start, before
-/// any engine runs (and before etcd is reached): the recurrent state does not travel with
-/// the KV yet, so a disaggregated answer would be wrong.
+/// A decode engine whose transfer lands without the recurrent state, or with one of another
+/// size, does not decode from the KV alone: it prefills the prompt itself (from its prefix
+/// cache's saved state the second time) and answers exactly, the bogus first token dropped.
 #[test]
-fn a_node_refuses_the_prefill_and_decode_roles_for_a_hybrid_model() {
-    let model = repo().join("tests/fixtures/models/hf-qwen35-f32");
-    for roles in ["prefill", "decode", "prefill,decode"] {
-        let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvmesh"))
-            .args(["node", "--roles", roles, "--cluster", "q", "--etcd"])
-            // Nothing listens there: the refusal must come first.
-            .arg("http://127.0.0.1:9")
-            .arg("--model")
-            .arg(&model)
-            .env("RUST_BACKTRACE", "0")
-            .output()
-            .expect("run kvmesh");
-        let text = String::from_utf8_lossy(&out.stdout).into_owned()
-            + &String::from_utf8_lossy(&out.stderr);
-        assert!(!out.status.success(), "{roles}: {text}");
-        assert!(
-            text.contains("cannot take the prefill or decode role")
-                && text.contains("--roles worker"),
-            "{roles}: {text}"
-        );
-        // The line an engine logs when it is up.
-        assert!(
-            !text.contains("blocks of 16 tokens"),
-            "{roles}: an engine started first: {text}"
-        );
+fn a_transfer_that_lands_without_a_usable_state_is_prefilled_locally() {
+    let name = "hf-qwen35-f32";
+    let fx = fixture(name);
+    let model = load(name);
+    let cfg = EngineConfig {
+        max_model_len: 256,
+        max_num_seqs: 4,
+        ..Default::default()
+    };
+    let d = engine(&model, 64, cfg);
+    assert!(d.info.kv_transfer, "the hybrid backend lends its KV pool");
+    let p = &fx.prompts[1];
+    let bogus = (p.greedy[0] + 1) % model.config.vocab_size as u32;
+    for (what, state) in [
+        ("no state", None),
+        ("a state of the wrong size", Some(vec![0.5f32; 3])),
+    ] {
+        let (sub, lease) = d
+            .submit_remote_prefill(
+                Request {
+                    prompt: p.ids.clone(),
+                    params: SamplingParams {
+                        temperature: 0.0,
+                        max_tokens: fx.new_tokens,
+                        ignore_eos: true,
+                        ..Default::default()
+                    },
+                },
+                1,
+            )
+            .unwrap();
+        let lease = lease.blocking_recv().expect("blocks lent");
+        lease.landed(Landed {
+            first: Sampled {
+                token: bogus,
+                logprob: 0.0,
+                top: vec![],
+            },
+            rng: None,
+            cached_tokens: 0,
+            state,
+        });
+        let (got, _) = drain(what, sub);
+        assert_eq!(got, p.greedy, "{what}: prefilled here instead");
     }
+    settled(&d, 64, 4);
 }

@@ -105,15 +105,9 @@ impl Engines {
         if wants_generate && wants_prefill {
             engine.gpu_memory_utilization /= 2.0;
         }
-        // The model is read once, for both engines, and refused before either starts when
-        // its roles cannot work for it.
+        // The model is read once, for both engines.
         let loaded = if wants_generate || wants_prefill {
-            let m = load_model(&engine)?;
-            anyhow::ensure!(
-                m.config.hybrid.is_none() || !(wants_prefill || args.has(Role::Decode)),
-                "{HYBRID_NOT_DISAGGREGATED}"
-            );
-            Some(m)
+            Some(load_model(&engine)?)
         } else {
             None
         };
@@ -145,10 +139,6 @@ impl Engines {
     }
 }
 
-const HYBRID_NOT_DISAGGREGATED: &str = "this model has recurrent layers (Qwen3.5's Gated \
-     DeltaNet): their state does not move with the KV cache yet, so it cannot take the prefill \
-     or decode role; serve it with --roles worker";
-
 /// What a prefill and a decode engine must share for KV to mean the same on both.
 fn kv_layout(e: &StartedEngine) -> anyhow::Result<KvLayout> {
     let spec = e
@@ -157,10 +147,6 @@ fn kv_layout(e: &StartedEngine) -> anyhow::Result<KvLayout> {
         .kv_spec
         .clone()
         .context("the backend has no KV layout")?;
-    anyhow::ensure!(
-        e.handle.info.num_state_slots == 0,
-        "{HYBRID_NOT_DISAGGREGATED}"
-    );
     anyhow::ensure!(
         e.handle.info.kv_transfer,
         "the {} backend keeps its KV cache in device memory, which KV transfers cannot reach \

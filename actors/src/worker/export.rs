@@ -176,6 +176,7 @@ impl WorkerCore {
             send_all(&mut sender, jobs).await?;
         };
         progress.check_complete()?;
+        let state = progress.take_state()?;
         let totals = sender.finish().await.map_err(net)?;
         let _ = events.send(PrefillEvent::Done {
             token: first.token,
@@ -184,6 +185,7 @@ impl WorkerCore {
             rng: progress.rng,
             cached: computed as u32,
             bytes: totals.bytes,
+            state,
         });
         Ok(totals.bytes)
     }
@@ -351,6 +353,8 @@ struct Layers<'s> {
     span: &'s tracing::Span,
     chunk: Option<tracing::Span>,
     rng: Option<[u64; 4]>,
+    /// The recurrent state after the prompt, for a model with one.
+    state: Option<Vec<f32>>,
 }
 
 impl<'s> Layers<'s> {
@@ -361,6 +365,7 @@ impl<'s> Layers<'s> {
             span,
             chunk: None,
             rng: None,
+            state: None,
         };
         l.chunk = Some(l.chunk_span());
         l
@@ -388,8 +393,28 @@ impl<'s> Layers<'s> {
                 }
             }
             ExportEvent::Sampled { rng } => self.rng = Some(rng),
+            ExportEvent::State(s) => self.state = Some(s),
             _ => {}
         }
+    }
+
+    /// The recurrent state to send with the first token, if the model has one: it travels
+    /// in the final event, so it must fit one frame.
+    fn take_state(&mut self) -> Result<Option<Vec<f32>>, TransferError> {
+        let Some(state) = self.state.take() else {
+            return Ok(None);
+        };
+        let bytes = state.len() * 4;
+        // Room for the rest of the event beside it.
+        if bytes + (1 << 20) > wire::MAX_FRAME {
+            return Err(TransferError::fatal(format!(
+                "this model's recurrent state ({} MiB a sequence) is larger than a transfer \
+                 message may be ({} MiB)",
+                bytes >> 20,
+                wire::MAX_FRAME >> 20
+            )));
+        }
+        Ok(Some(state))
     }
 
     /// Every layer was computed up to the end of the prompt.

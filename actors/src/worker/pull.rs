@@ -326,11 +326,12 @@ impl Asked {
                     last_progress = Instant::now();
                     match ev {
                         Some(PrefillEvent::Started { .. }) => {}
-                        Some(PrefillEvent::Done { token, logprob, top, rng, cached, .. }) => {
+                        Some(PrefillEvent::Done { token, logprob, top, rng, cached, state, .. }) => {
                             done = Some(Landed {
                                 first: convert::sampled_from_wire(token, logprob, top),
                                 rng,
                                 cached_tokens: (cached as usize).max(from),
+                                state,
                             });
                         }
                         Some(PrefillEvent::Failed { message, .. }) => return Err(message),

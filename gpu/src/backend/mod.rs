@@ -156,6 +156,25 @@ pub trait Backend: Send {
         0
     }
 
+    /// A slot's recurrent state, every layer's, to move it to another engine of the same
+    /// model (disaggregated prefill and decode).
+    fn read_state(&mut self, slot: u32) -> Result<Vec<f32>> {
+        Err(crate::error::EngineError::Backend(format!(
+            "the {} backend has no recurrent state to read (slot {slot})",
+            self.device()
+        )))
+    }
+
+    /// Sets a slot's recurrent state to what [`Self::read_state`] gave on another engine of
+    /// the same model; refuses a state of another size.
+    fn write_state(&mut self, slot: u32, state: &[f32]) -> Result<()> {
+        Err(crate::error::EngineError::Backend(format!(
+            "the {} backend has no recurrent state to write ({} values for slot {slot})",
+            self.device(),
+            state.len()
+        )))
+    }
+
     /// Copies every layer's recurrent state from slot `from` to slot `to` (either kind of
     /// slot), in order with the steps around it: a step after the call sees the copy.
     fn copy_state(&mut self, from: u32, to: u32) -> Result<()> {

@@ -64,6 +64,10 @@ pub struct Landed {
     pub rng: Option<[u64; 4]>,
     /// Prompt tokens that needed no compute (cached here or on the prefill worker).
     pub cached_tokens: usize,
+    /// For a model with recurrent layers: the sequence's recurrent state after its prompt
+    /// (every layer's, as [`ExportEvent::State`] carried it), which the KV alone does not
+    /// give. A sequence that holds a state slot does not decode without it.
+    pub state: Option<Vec<f32>>,
 }
 
 /// What the prefill side hears about a sequence it exports.
@@ -76,6 +80,9 @@ pub enum ExportEvent {
     /// The first token was drawn; the request's generator is now in this state (sent
     /// before the token itself arrives on the submission).
     Sampled { rng: [u64; 4] },
+    /// For a model with recurrent layers: the sequence's recurrent state after the whole
+    /// prompt (sent before [`ExportEvent::Sampled`]).
+    State(Vec<f32>),
 }
 
 impl KvLease {

@@ -393,6 +393,24 @@ impl Engine {
                 }
             }
         });
+        // A model with recurrent state decodes on only from the state after the prompt.
+        let landed = landed.filter(|l| match e.seq.state_slot {
+            None => true,
+            Some(slot) => {
+                let written = match &l.state {
+                    Some(state) => self.backend.write_state(slot, state),
+                    None => Err(EngineError::Backend(
+                        "the prefill worker sent no recurrent state".into(),
+                    )),
+                };
+                if let Err(err) = &written {
+                    tracing::warn!(
+                        "landing the recurrent state failed ({err}); prefilling locally"
+                    );
+                }
+                written.is_ok()
+            }
+        });
         match landed {
             Some(l) => self.land(e, l),
             None => self.sched.waiting.push_front(e),
@@ -569,6 +587,11 @@ impl Engine {
     /// Plans a step and computes its batch.
     fn begin_step(&mut self) -> Result<Began> {
         let mut plan = self.sched.schedule();
+        // Sequences that resume after a cached prefix start from its saved state (those
+        // waiting for a transfer too: they prefill from it if the transfer fails).
+        for &(from, to) in &plan.restores {
+            self.backend.copy_state(from, to)?;
+        }
         self.carry_out(&mut plan);
         if plan.run.is_empty() {
             if let Some(e) = self.sched.unschedulable() {
@@ -579,10 +602,6 @@ impl Engine {
                 return Ok(Began::Retired);
             }
             return Ok(Began::Idle);
-        }
-        // Sequences that resume after a cached prefix start from its saved state.
-        for &(from, to) in &plan.restores {
-            self.backend.copy_state(from, to)?;
         }
         let started = Instant::now();
         let exports = self.exports(&plan);
@@ -627,6 +646,10 @@ impl Engine {
             let e = &mut self.sched.running[i];
             e.io.rng = rng;
             if let Some(tx) = &e.io.export {
+                // The state after the prompt goes with the KV to the decode side.
+                if let Some(slot) = e.seq.state_slot {
+                    let _ = tx.send(ExportEvent::State(self.backend.read_state(slot)?));
+                }
                 let _ = tx.send(ExportEvent::Sampled {
                     rng: e.io.rng.state(),
                 });

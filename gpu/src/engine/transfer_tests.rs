@@ -126,6 +126,7 @@ fn export_reports_every_layer_in_chunks_and_holds_blocks_until_the_lease_returns
             ExportEvent::Layer { layer, upto } => seen[layer].push(upto),
             ExportEvent::Sampled { .. } => sampled += 1,
             ExportEvent::Ready { .. } => panic!("one Ready"),
+            ExportEvent::State(_) => panic!("a dense model has no recurrent state"),
         }
     }
     assert_eq!(sampled, 1);
@@ -170,6 +171,7 @@ fn a_landed_lease_decodes_exactly_as_a_local_run() {
         },
         rng: None,
         cached_tokens: 3,
+        state: None,
     });
     std::thread::sleep(Duration::from_millis(20));
     assert!(
@@ -498,6 +500,7 @@ fn staged_transfers_carry_the_kv_intact() {
         },
         rng: None,
         cached_tokens: 0,
+        state: None,
     });
     assert_eq!(tokens(&mut dsub), local_run(&prompt, 5));
     assert!(all_free(&p) && all_free(&d));

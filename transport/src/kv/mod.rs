@@ -11,7 +11,7 @@
 //!    the prompt. As each layer's K and V are computed (chunk by chunk for long prompts) it
 //!    sends that layer's new positions as one piece, on one of several data streams.
 //! 3. When every layer is sent it closes the data streams and answers on the request stream
-//!    with [`PrefillEvent::Done`](crate::wire::PrefillEvent::Done): the first token, the sampler's state, its cache hits.
+//!    with [`PrefillEvent::Done`](crate::wire::PrefillEvent::Done): the first token, the sampler's state, its cache hits, and a hybrid model's recurrent state.
 //! 4. The decode worker starts decoding once every position of every layer has landed and
 //!    `Done` has arrived. Anything else (a closed stream, a gap, a stall past the timeout)
 //!    ends the transfer; the decode worker then prefills locally.

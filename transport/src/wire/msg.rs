@@ -309,6 +309,9 @@ pub enum PrefillEvent {
         rng: Option<[u64; 4]>,
         cached: u32,
         bytes: u64,
+        /// For a model with recurrent layers (Qwen3.5): the sequence's recurrent state after
+        /// the prompt, which the KV alone does not carry.
+        state: Option<Vec<f32>>,
     },
     /// Not done, and nothing more will come; `retryable` when another worker may succeed.
     Failed { message: String, retryable: bool },
@@ -361,8 +364,9 @@ mod bounds {
         TokenEvent => 4 * MIB,
         // The snapshot of a large cache's block hashes.
         KvEventBatch => 32 * MIB,
-        // A KV layout with a UCX key per buffer of every layer.
-        PrefillEvent => 16 * MIB,
+        // A KV layout with a UCX key per buffer of every layer, or a model's recurrent state
+        // (Qwen3.5-9B's is 50 MiB).
+        PrefillEvent => MAX_FRAME,
         // Fixed-size headers and reports.
         UniHeader => 4 * KIB,
         LoadReport => 4 * KIB,

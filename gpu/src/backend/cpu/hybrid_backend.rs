@@ -4,9 +4,11 @@
 //! What each sequence carries from step to step is kept the way the engine budgets it:
 //!
 //! - K and V of the full-attention layers only, in paged blocks (a [`HostKvPool`] of f32,
-//!   as the dense backend's, resident only once written) addressed through the sequence's
-//!   block table; the linear layers keep nothing that grows with the sequence. The pool is
-//!   never lent to a transfer: moving the KV alone would leave the state behind.
+//!   as the dense backend's, resident only once written, and lent to transfers in the same
+//!   way) addressed through the sequence's block table; the linear layers keep nothing that
+//!   grows with the sequence. A transfer moves the state too: the engine reads it from the
+//!   prefill side's slot after the prompt and writes it into the decode side's
+//!   ([`Backend::read_state`], [`Backend::write_state`]).
 //! - The recurrent state of every linear layer in one fixed-size slot per running sequence
 //!   (see [`StateLayout`]), from a pool of slots the engine hands out
 //!   ([`Backend::num_state_slots`]). A sequence's first chunk (`start_pos` 0) starts its
@@ -17,6 +19,8 @@
 //! Projections and MLPs run over every token of the step in one product, as in the dense
 //! backend; the delta rule runs per sequence (chunk-wise over a prompt chunk, one recurrent
 //! step for a decode token), sequences in parallel.
+
+use std::sync::Arc;
 
 use rayon::prelude::*;
 
@@ -42,8 +46,9 @@ pub struct StateBudget {
 pub struct HybridBackend {
     model: HybridModel,
     block_size: usize,
-    /// K and V of the full-attention layers; this backend's alone.
-    kv: HostKvPool,
+    /// K and V of the full-attention layers, shared with KV transfers (see `kv_pool` for
+    /// who may touch what).
+    kv: Arc<HostKvPool>,
     layout: StateLayout,
     /// Every slot's state, `[slots + snapshots, layout.floats_per_slot()]`: the running
     /// slots first, then the saved ones.
@@ -68,7 +73,10 @@ impl HybridBackend {
                  {block_size} tokens, {num_slots} slots)"
             )));
         }
-        let kv = HostKvPool::new(Self::kv_spec_for(model.config(), block_size), num_blocks)?;
+        let kv = Arc::new(HostKvPool::new(
+            Self::kv_spec_for(model.config(), block_size),
+            num_blocks,
+        )?);
         let layout = model.state_layout();
         let states = vec![0f32; (num_slots + num_snapshots) * layout.floats_per_slot()];
         Ok(HybridBackend {
@@ -156,6 +164,19 @@ impl HybridBackend {
 
     pub fn model(&self) -> &HybridModel {
         &self.model
+    }
+
+    /// Slot `slot`'s state (running or saved).
+    fn state_of(&mut self, slot: u32) -> Result<&mut [f32]> {
+        let total = self.num_slots + self.num_snapshots;
+        let n = self.layout.floats_per_slot();
+        let s = slot as usize;
+        if s >= total {
+            return Err(EngineError::Backend(format!(
+                "state slot {slot} is not in the pool of {total}"
+            )));
+        }
+        Ok(&mut self.states[s * n..(s + 1) * n])
     }
 
     /// Checks the batch against the pools and lays it out: for each token its sequence,
@@ -268,8 +289,9 @@ impl HybridBackend {
                 }
                 Mixer::Attention(a) => {
                     let rows = a.project(cfg, &xn, &positions, &model.inv_freq);
-                    // SAFETY: an f32 pool no one else holds (it is never lent), written here
-                    // at the step's own positions before any read, then only read.
+                    // SAFETY: an f32 pool; this step writes only the slots of the positions it
+                    // computes, which the engine gives to no one else meanwhile (see
+                    // `kv_pool`), before any read of them, then only reads.
                     let cache = unsafe { kv.f32_layer(full_i) };
                     full_i += 1;
                     for (i, &(_, _, slot)) in tokens.iter().enumerate() {
@@ -334,6 +356,23 @@ impl Backend for HybridBackend {
         self.num_snapshots
     }
 
+    fn read_state(&mut self, slot: u32) -> Result<Vec<f32>> {
+        Ok(self.state_of(slot)?.to_vec())
+    }
+
+    fn write_state(&mut self, slot: u32, state: &[f32]) -> Result<()> {
+        let dst = self.state_of(slot)?;
+        if state.len() != dst.len() {
+            return Err(EngineError::Backend(format!(
+                "a recurrent state of {} values does not fit this model's slots of {}",
+                state.len(),
+                dst.len()
+            )));
+        }
+        dst.copy_from_slice(state);
+        Ok(())
+    }
+
     fn copy_state(&mut self, from: u32, to: u32) -> Result<()> {
         let total = self.num_slots + self.num_snapshots;
         let (from, to) = (from as usize, to as usize);
@@ -354,11 +393,13 @@ impl Backend for HybridBackend {
         self.model.config().rope_depends_on_length()
     }
 
-    /// The full-attention layers' KV shape. There is no host pool to lend (`host_kv` stays
-    /// `None`): a transfer of the KV alone would leave the recurrent state behind, so these
-    /// engines take no part in disaggregation.
+    /// The full-attention layers' KV shape: what a transfer moves, beside the state.
     fn kv_spec(&self) -> Option<KvSpec> {
         Some(Self::kv_spec_for(self.model.config(), self.block_size))
+    }
+
+    fn host_kv(&self) -> Option<Arc<HostKvPool>> {
+        Some(self.kv.clone())
     }
 
     fn forward(&mut self, batch: &ForwardBatch) -> Result<Vec<Vec<f32>>> {
