@@ -4,7 +4,8 @@
 //!
 //! - Greedy output through a prefill and a decode worker is token for token what one
 //!   aggregated `kvmesh serve` gives, for every model family (Qwen3.5's hybrid models too,
-//!   whose recurrent state moves with the KV), with prompts longer than one prefill chunk.
+//!   whose recurrent state moves with the KV) and FP8 checkpoints, with prompts longer than
+//!   one prefill chunk.
 //! - A prefill worker killed or frozen mid-transfer: the decode worker gives up on it and
 //!   prefills itself; a decode worker killed or frozen mid-transfer: the prefill worker stops
 //!   and frees its blocks, and the router retries the request elsewhere. No request hangs,
@@ -146,6 +147,9 @@ async fn disaggregated_greedy_output_equals_aggregated_for_every_family() {
             70,
             "in-process",
         ),
+        // FP8 checkpoints (block-scaled and compressed-tensors): the same on both workers.
+        (Some(fixture_model("hf-qwen3-fp8-block")), 70, "quic"),
+        (Some(fixture_model("hf-qwen2-fp8-ct")), 70, "tcp"),
         // Qwen3.5: the recurrent state moves with the KV, over every path.
         (Some(fixture_model("hf-qwen35-f32")), 70, "quic"),
         (Some(fixture_model("hf-qwen35-interval-bf16")), 70, "tcp"),
