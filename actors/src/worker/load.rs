@@ -129,7 +129,7 @@ impl Meter {
         LoadReport {
             step_base_ms: (step.base_s * 1e3) as f32,
             step_per_seq_ms: (step.per_seq_s * 1e3) as f32,
-            max_running: engine.info.config.max_num_seqs.min(u32::MAX as usize) as u32,
+            max_running: max_running(&engine.info).min(u32::MAX as usize) as u32,
             running,
             waiting,
             tokens_in_flight,
@@ -151,5 +151,44 @@ impl Meter {
             }),
             draining: false,
         }
+    }
+}
+
+/// Sequences an engine runs at once: its `max_num_seqs`, or fewer for a model with recurrent
+/// state whose budget holds fewer state slots (each running sequence holds one), so a router
+/// sees such a node full when its slots are.
+fn max_running(info: &kvmesh_gpu::engine::EngineInfo) -> usize {
+    match info.num_state_slots {
+        0 => info.config.max_num_seqs,
+        slots => info.config.max_num_seqs.min(slots),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use kvmesh_gpu::engine::{EngineConfig, EngineInfo};
+
+    fn info(max_num_seqs: usize, num_state_slots: usize) -> EngineInfo {
+        EngineInfo {
+            device: "cpu".into(),
+            num_blocks: 8,
+            num_state_slots,
+            num_state_snapshots: 0,
+            config: EngineConfig {
+                max_num_seqs,
+                ..Default::default()
+            },
+            eos_ids: vec![],
+            vocab_size: 16,
+            kv_spec: None,
+            kv_transfer: false,
+        }
+    }
+
+    #[test]
+    fn state_slots_cap_what_a_router_sees_as_running_room() {
+        assert_eq!(super::max_running(&info(8, 0)), 8, "a dense model");
+        assert_eq!(super::max_running(&info(8, 3)), 3, "three state slots");
+        assert_eq!(super::max_running(&info(2, 8)), 2);
     }
 }
