@@ -29,6 +29,129 @@
 //!   instead of once per token, and every exponent is of a difference `G_t - G_s <= 0`, so
 //!   nothing overflows however long the chunk.
 
+use rayon::prelude::*;
+
+use crate::config::HybridConfig;
+
+/// transformers' epsilon inside the L2 norm of q and k (the same as flash-linear-attention's),
+/// fixed, not `rms_norm_eps`.
+pub const L2_EPS: f32 = 1e-6;
+
+/// One Gated DeltaNet layer's weights between its input and output projections.
+#[derive(Clone, Debug)]
+pub struct DeltaParams {
+    /// The depthwise convolution's taps, `[conv_dim, kernel]`.
+    pub conv: Vec<f32>,
+    /// `-exp(A_log)` per value head: the decay rate `g` scales.
+    pub neg_a: Vec<f32>,
+    pub dt_bias: Vec<f32>,
+    /// The gated RMSNorm's weight (plain, not `1 + w`), `[value_head_dim]`.
+    pub norm: Vec<f32>,
+    pub hy: HybridConfig,
+    /// The gated RMSNorm's epsilon (`rms_norm_eps`).
+    pub eps: f32,
+}
+
+pub(super) fn softplus(x: f32) -> f32 {
+    // torch's softplus returns x itself above its threshold of 20.
+    if x > 20.0 {
+        x
+    } else {
+        x.exp().ln_1p()
+    }
+}
+
+pub(super) fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + (-x).exp())
+}
+
+/// Scales `x` to unit L2 norm (with `L2_EPS`), times `scale`.
+fn l2_normalize(x: &mut [f32], scale: f32) {
+    let r = scale / (x.iter().map(|v| v * v).sum::<f32>() + L2_EPS).sqrt();
+    for v in x {
+        *v *= r;
+    }
+}
+
+/// What one sequence's `t` consecutive tokens mix to in a Gated DeltaNet layer, from their
+/// rows of the stacked input projections (`proj`, `[t, conv_dim + value_dim + 2 * value
+/// heads]`: q/k/v, z, b, a): the causal convolution continuing `window`, the delta rule
+/// continuing `state` (`[value heads, dk, dv]`; one recurrent step for one token, chunks of
+/// `chunk` for more), and the gated norm `RMSNorm(o) * w * silu(z)` per head. Returns
+/// `[t, value_dim]`, the output projection's input.
+pub fn mix(
+    p: &DeltaParams,
+    proj: &[f32],
+    t: usize,
+    window: &mut [f32],
+    state: &mut [f32],
+    chunk: usize,
+) -> Vec<f32> {
+    let hy = &p.hy;
+    let (cd, vd, nv) = (hy.conv_dim(), hy.value_dim(), hy.linear_num_value_heads);
+    let (dk, dv, kd) = (
+        hy.linear_key_head_dim,
+        hy.linear_value_head_dim,
+        hy.key_dim(),
+    );
+    let row = cd + vd + 2 * nv;
+    let mut qkv = Vec::with_capacity(t * cd);
+    for r in proj.chunks_exact(row) {
+        qkv.extend_from_slice(&r[..cd]);
+    }
+    let mixed = causal_conv(&qkv, cd, &p.conv, hy.linear_conv_kernel_dim, window);
+    let per_key = nv / hy.linear_num_key_heads;
+    let scale = 1.0 / (dk as f32).sqrt();
+    // Each value head owns its part of the state, so heads run in parallel.
+    let heads: Vec<Vec<f32>> = state
+        .par_chunks_mut(dk * dv)
+        .enumerate()
+        .map(|(hv, s)| {
+            let kh = hv / per_key;
+            let (mut q, mut k, mut v) = (
+                Vec::with_capacity(t * dk),
+                Vec::with_capacity(t * dk),
+                Vec::with_capacity(t * dv),
+            );
+            let (mut g, mut beta) = (Vec::with_capacity(t), Vec::with_capacity(t));
+            for i in 0..t {
+                let m = &mixed[i * cd..(i + 1) * cd];
+                let mut qi = m[kh * dk..(kh + 1) * dk].to_vec();
+                let mut ki = m[kd + kh * dk..kd + (kh + 1) * dk].to_vec();
+                l2_normalize(&mut qi, scale);
+                l2_normalize(&mut ki, 1.0);
+                q.extend(qi);
+                k.extend(ki);
+                v.extend_from_slice(&m[2 * kd + hv * dv..2 * kd + (hv + 1) * dv]);
+                let r = &proj[i * row + cd + vd..(i + 1) * row];
+                beta.push(sigmoid(r[hv]));
+                g.push(p.neg_a[hv] * softplus(r[nv + hv] + p.dt_bias[hv]));
+            }
+            let mut o = vec![0f32; t * dv];
+            if t == 1 {
+                step(s, dk, dv, &q, &k, &v, g[0], beta[0], &mut o);
+            } else {
+                chunked(s, dk, dv, &q, &k, &v, &g, &beta, chunk, &mut o);
+            }
+            o
+        })
+        .collect();
+    // The gated norm per head: RMSNorm(o) * w * silu(z).
+    let mut core = vec![0f32; t * vd];
+    for i in 0..t {
+        for (hv, o) in heads.iter().enumerate() {
+            let out = &mut core[i * vd + hv * dv..i * vd + (hv + 1) * dv];
+            out.copy_from_slice(&o[i * dv..(i + 1) * dv]);
+            super::ops::rms_norm_inplace(out, &p.norm, p.eps);
+            let z = &proj[i * row + cd + hv * dv..i * row + cd + (hv + 1) * dv];
+            for (x, &zz) in out.iter_mut().zip(z) {
+                *x *= super::ops::silu(zz);
+            }
+        }
+    }
+    core
+}
+
 /// The state update of one token (see the module's comment). `q` is already normalised and
 /// scaled. Writes the token's output to `out` (`dv`).
 #[allow(clippy::too_many_arguments)]

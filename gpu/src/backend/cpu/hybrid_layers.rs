@@ -2,16 +2,12 @@
 
 use rayon::prelude::*;
 
-use super::delta;
+use super::delta::{self, sigmoid, DeltaParams};
 use super::ops::{self, Linear, Matrix};
 use crate::checkpoint::Projection;
 use crate::config::{HybridConfig, ModelConfig};
 use crate::error::Result;
 use crate::safetensors::WeightStore;
-
-/// transformers' epsilon inside the L2 norm of q and k (the same as flash-linear-attention's),
-/// fixed, not `rms_norm_eps`.
-const L2_EPS: f32 = 1e-6;
 
 /// Reads `{prefix}{name}` tensors of one checkpoint, checked against their shapes.
 pub(super) struct Reader<'a> {
@@ -54,37 +50,9 @@ pub(super) struct DeltaLayer {
     /// `in_proj_qkv`, `in_proj_z`, `in_proj_b` and `in_proj_a` stacked: they read the same
     /// input, so one product serves them. Rows `[conv_dim | value_dim | heads | heads]`.
     in_proj: Linear,
-    /// The depthwise convolution's taps, `[conv_dim, kernel]`.
-    conv: Vec<f32>,
-    /// `-exp(A_log)` per value head: the decay rate `g` scales.
-    neg_a: Vec<f32>,
-    dt_bias: Vec<f32>,
-    /// The gated RMSNorm's weight (plain, not `1 + w`), `[value_head_dim]`.
-    norm: Vec<f32>,
+    /// Everything between the two projections.
+    params: DeltaParams,
     out_proj: Linear,
-    hy: HybridConfig,
-    eps: f32,
-}
-
-fn softplus(x: f32) -> f32 {
-    // torch's softplus returns x itself above its threshold of 20.
-    if x > 20.0 {
-        x
-    } else {
-        x.exp().ln_1p()
-    }
-}
-
-fn sigmoid(x: f32) -> f32 {
-    1.0 / (1.0 + (-x).exp())
-}
-
-/// Scales `x` to unit L2 norm (with `L2_EPS`), times `scale`.
-fn l2_normalize(x: &mut [f32], scale: f32) {
-    let r = scale / (x.iter().map(|v| v * v).sum::<f32>() + L2_EPS).sqrt();
-    for v in x {
-        *v *= r;
-    }
 }
 
 impl DeltaLayer {
@@ -105,17 +73,19 @@ impl DeltaLayer {
         ]);
         Ok(DeltaLayer {
             in_proj: linear(in_proj),
-            conv: r.f32(&format!("{a}.conv1d.weight"), &[hy.conv_dim(), 1, kw])?,
-            neg_a: r
-                .f32(&format!("{a}.A_log"), &[nv])?
-                .into_iter()
-                .map(|x| -x.exp())
-                .collect(),
-            dt_bias: r.f32(&format!("{a}.dt_bias"), &[nv])?,
-            norm: r.f32(&format!("{a}.norm.weight"), &[hy.linear_value_head_dim])?,
+            params: DeltaParams {
+                conv: r.f32(&format!("{a}.conv1d.weight"), &[hy.conv_dim(), 1, kw])?,
+                neg_a: r
+                    .f32(&format!("{a}.A_log"), &[nv])?
+                    .into_iter()
+                    .map(|x| -x.exp())
+                    .collect(),
+                dt_bias: r.f32(&format!("{a}.dt_bias"), &[nv])?,
+                norm: r.f32(&format!("{a}.norm.weight"), &[hy.linear_value_head_dim])?,
+                hy: hy.clone(),
+                eps: cfg.rms_norm_eps,
+            },
             out_proj: linear(r.projection(&format!("{a}.out_proj"), h, hy.value_dim(), false)?),
-            hy: hy.clone(),
-            eps: cfg.rms_norm_eps,
         })
     }
 
@@ -145,9 +115,7 @@ impl DeltaLayer {
         self.out_proj.forward(core, t)
     }
 
-    /// What one sequence's `t` consecutive tokens mix to, from their projected rows (see
-    /// [`Self::project`]): the causal convolution continuing `window`, the delta rule
-    /// continuing `state`, and the gated norm. Returns `[t, value_dim]`, for `out`.
+    /// What one sequence's `t` consecutive tokens mix to (see [`delta::mix`]).
     pub(super) fn mix(
         &self,
         proj: &[f32],
@@ -156,69 +124,7 @@ impl DeltaLayer {
         state: &mut [f32],
         chunk: usize,
     ) -> Vec<f32> {
-        let hy = &self.hy;
-        let (cd, vd, nv) = (hy.conv_dim(), hy.value_dim(), hy.linear_num_value_heads);
-        let (dk, dv, kd) = (
-            hy.linear_key_head_dim,
-            hy.linear_value_head_dim,
-            hy.key_dim(),
-        );
-        let row = cd + vd + 2 * nv;
-        let mut qkv = Vec::with_capacity(t * cd);
-        for r in proj.chunks_exact(row) {
-            qkv.extend_from_slice(&r[..cd]);
-        }
-        let mixed = delta::causal_conv(&qkv, cd, &self.conv, hy.linear_conv_kernel_dim, window);
-        let per_key = nv / hy.linear_num_key_heads;
-        let scale = 1.0 / (dk as f32).sqrt();
-        // Each value head owns its part of the state, so heads run in parallel.
-        let heads: Vec<Vec<f32>> = state
-            .par_chunks_mut(dk * dv)
-            .enumerate()
-            .map(|(hv, s)| {
-                let kh = hv / per_key;
-                let (mut q, mut k, mut v) = (
-                    Vec::with_capacity(t * dk),
-                    Vec::with_capacity(t * dk),
-                    Vec::with_capacity(t * dv),
-                );
-                let (mut g, mut beta) = (Vec::with_capacity(t), Vec::with_capacity(t));
-                for i in 0..t {
-                    let m = &mixed[i * cd..(i + 1) * cd];
-                    let mut qi = m[kh * dk..(kh + 1) * dk].to_vec();
-                    let mut ki = m[kd + kh * dk..kd + (kh + 1) * dk].to_vec();
-                    l2_normalize(&mut qi, scale);
-                    l2_normalize(&mut ki, 1.0);
-                    q.extend(qi);
-                    k.extend(ki);
-                    v.extend_from_slice(&m[2 * kd + hv * dv..2 * kd + (hv + 1) * dv]);
-                    let p = &proj[i * row + cd + vd..(i + 1) * row];
-                    beta.push(sigmoid(p[hv]));
-                    g.push(self.neg_a[hv] * softplus(p[nv + hv] + self.dt_bias[hv]));
-                }
-                let mut o = vec![0f32; t * dv];
-                if t == 1 {
-                    delta::step(s, dk, dv, &q, &k, &v, g[0], beta[0], &mut o);
-                } else {
-                    delta::chunked(s, dk, dv, &q, &k, &v, &g, &beta, chunk, &mut o);
-                }
-                o
-            })
-            .collect();
-        // The gated norm per head: RMSNorm(o) * w * silu(z).
-        let mut core = vec![0f32; t * vd];
-        for i in 0..t {
-            for (hv, o) in heads.iter().enumerate() {
-                let out = &mut core[i * vd + hv * dv..i * vd + (hv + 1) * dv];
-                out.copy_from_slice(&o[i * dv..(i + 1) * dv]);
-                ops::rms_norm_inplace(out, &self.norm, self.eps);
-                let z = &proj[i * row + cd + hv * dv..i * row + cd + (hv + 1) * dv];
-                for (x, &zz) in out.iter_mut().zip(z) {
-                    *x *= ops::silu(zz);
-                }
-            }
-        }
-        core
+        delta::mix(&self.params, proj, t, window, state, chunk)
     }
 }
 
