@@ -33,6 +33,7 @@ pub const KERNELS_CU: &str = concat!(
     include_str!("kernels/attention_decode.cu"),
     include_str!("kernels/attention_prefill.cu"),
     include_str!("kernels/sampling.cu"),
+    include_str!("kernels/delta.cu"),
 );
 
 /// The compiled module's functions.
@@ -53,6 +54,9 @@ pub struct Kernels {
     gather_rows: CudaFunction,
     sample_rows: CudaFunction,
     constrain_rows: CudaFunction,
+    /// Gated DeltaNet's (see `delta`).
+    pub(super) delta_conv: CudaFunction,
+    pub(super) gated_delta: CudaFunction,
 }
 
 impl Kernels {
@@ -111,6 +115,8 @@ impl Kernels {
             gather_rows: f(shapes::GATHER_ROWS)?,
             sample_rows: f(shapes::SAMPLE_ROWS)?,
             constrain_rows: f(shapes::CONSTRAIN_ROWS)?,
+            delta_conv: f(shapes::DELTA_CONV)?,
+            gated_delta: f(shapes::GATED_DELTA)?,
         };
         Ok((k, arch))
     }
@@ -139,13 +145,13 @@ impl Heads {
     }
 }
 
-fn failed(kernel: &'static str) -> impl Fn(DriverError) -> EngineError {
+pub(super) fn failed(kernel: &'static str) -> impl Fn(DriverError) -> EngineError {
     move |e| drv(&format!("{kernel} launch"), e)
 }
 
 /// A buffer must hold what the launch's grid touches. A shortfall is a bug on the host side,
 /// reported here rather than left to read or write past the allocation on the device.
-fn holds(kernel: &str, what: &str, len: usize, need: usize) -> Result<()> {
+pub(super) fn holds(kernel: &str, what: &str, len: usize, need: usize) -> Result<()> {
     if len < need {
         return Err(EngineError::Backend(format!(
             "{kernel}: `{what}` holds {len} elements but the launch needs {need}"

@@ -21,6 +21,8 @@
 //!   uploaded, the upload;
 //! - `weights`: the model on the device, from the `checkpoint` walk both backends share;
 //! - `kernels`: one typed launch per kernel of `kernels/*.cu`; `gemm`: the cuBLAS products;
+//!   `delta`: Gated DeltaNet's mixing (Qwen3.5's linear-attention layers), checked against
+//!   the CPU's on a GPU, not yet part of a forward pass;
 //! - `step`: one step, from the batch to logits, eager or through a graph (`graphs`);
 //! - `forward`: the forward pass itself, launch by launch;
 //! - `sampling`: sampling on the device; `kv`: the cache and its host copies;
@@ -37,6 +39,7 @@
 
 pub mod batch;
 mod buffers;
+pub mod delta;
 mod device;
 mod forward;
 mod gemm;

@@ -137,6 +137,20 @@ const SAMPLE_THREADS: u32 = 512;
 /// distributions; a row whose kept set does not fit is decided over the whole row.
 const SAMPLE_GATHER: usize = 2048;
 pub const CONSTRAIN_ROWS: KernelShape = shape("constrain_rows", 256, 0, false);
+/// Gated DeltaNet's causal convolution: a thread a channel.
+pub const DELTA_CONV: KernelShape = shape("delta_conv_silu", 128, 0, true);
+/// The longest convolution `delta_conv_silu` keeps in registers (Qwen3.5's is 4).
+pub const MAX_CONV_KERNEL: usize = 8;
+/// The largest key and value head `gated_delta_rule` takes (Qwen3.5's are 128): two threads
+/// a value column, each with half its state column in registers, the block's q and k in
+/// shared memory.
+pub const MAX_DELTA_HEAD: usize = 128;
+pub const GATED_DELTA: KernelShape = shape(
+    "gated_delta_rule",
+    2 * MAX_DELTA_HEAD as u32,
+    2 * MAX_DELTA_HEAD * F32 + BLOCK_SUM,
+    true,
+);
 
 /// Every kernel of `kernels/*.cu`. A kernel missing here is one the offline check refuses.
 pub const KERNELS: &[KernelShape] = &[
@@ -160,6 +174,8 @@ pub const KERNELS: &[KernelShape] = &[
     GATHER_ROWS,
     SAMPLE_ROWS,
     CONSTRAIN_ROWS,
+    DELTA_CONV,
+    GATED_DELTA,
 ];
 
 /// The macros the kernels (`kernels/*.cu`) are compiled with: the figures above, under the names the kernels
@@ -182,6 +198,10 @@ pub fn defines() -> Vec<(&'static str, usize)> {
         ("SAMPLE_GATHER", SAMPLE_GATHER),
         ("CONSTRAIN_THREADS", CONSTRAIN_ROWS.threads as usize),
         ("PFM_THREADS", ATTENTION_PREFILL_MMA[0].1.threads as usize),
+        ("CONV_THREADS", DELTA_CONV.threads as usize),
+        ("MAX_CONV_KERNEL", MAX_CONV_KERNEL),
+        ("DELTA_THREADS", GATED_DELTA.threads as usize),
+        ("MAX_DELTA_DK", MAX_DELTA_HEAD),
     ]
 }
 

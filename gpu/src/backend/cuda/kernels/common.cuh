@@ -1,6 +1,6 @@
 // kvmesh CUDA kernels, compiled at run time by NVRTC (see ptx_cache.rs) as one source: this
-// file, then layers.cu, attention_decode.cu, attention_prefill.cu and sampling.cu, joined in
-// that order (kernels.rs, KERNELS_CU). This part: the figures the host passes, the shared
+// file, then layers.cu, attention_decode.cu, attention_prefill.cu, sampling.cu and delta.cu,
+// joined in that order (kernels.rs, KERNELS_CU). This part: the figures the host passes, the shared
 // helpers.
 //
 // Plain CUDA C with no #include: bf16 values are carried as `unsigned short` and converted

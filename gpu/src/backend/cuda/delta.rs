@@ -1,0 +1,301 @@
+//! Gated DeltaNet's mixing on the device (`kernels/delta.cu`): the causal convolution and the
+//! gated delta rule with its gated norm, for every sequence of a step in two launches. The
+//! CPU's [`delta::mix`] is the reference, and the recurrent state is laid out as the CPU's
+//! slots are (`StateLayout`), so a state moves between the backends unchanged.
+//!
+//! Prompts run the recurrence token by token here (each block walks its sequence's tokens
+//! with the state in registers), not the chunked form the CPU uses; both are the same rule.
+//! [`mix_on_device`] runs one layer for a batch given on the host, which is how
+//! `tests/cuda_parity.rs` holds these kernels to the CPU on a GPU.
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, PushKernelArg};
+
+use super::device::drv;
+use super::kernels::{failed, holds, Kernels};
+use super::shapes::{self, grid};
+use crate::backend::cpu::delta::{self, DeltaParams};
+use crate::error::{EngineError, Result};
+
+/// A layer's sizes as the kernels index them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DeltaDims {
+    /// Convolution channels (q, k and v): `2 * nk * dk + nv * dv`.
+    pub cd: usize,
+    /// A row of the stacked input projections: `cd + nv * dv + 2 * nv`.
+    pub row: usize,
+    pub kw: usize,
+    pub nk: usize,
+    pub nv: usize,
+    pub dk: usize,
+    pub dv: usize,
+}
+
+impl DeltaDims {
+    /// The sizes of `p`'s layer, refused by name where the kernels cannot take them.
+    pub fn of(p: &DeltaParams) -> Result<DeltaDims> {
+        let hy = &p.hy;
+        let d = DeltaDims {
+            cd: hy.conv_dim(),
+            row: hy.conv_dim() + hy.value_dim() + 2 * hy.linear_num_value_heads,
+            kw: hy.linear_conv_kernel_dim,
+            nk: hy.linear_num_key_heads,
+            nv: hy.linear_num_value_heads,
+            dk: hy.linear_key_head_dim,
+            dv: hy.linear_value_head_dim,
+        };
+        let max = shapes::MAX_DELTA_HEAD;
+        let refuse = |what: String| {
+            Err(EngineError::BadModel(format!(
+                "the CUDA backend's Gated DeltaNet kernels do not take {what}"
+            )))
+        };
+        if d.dk == 0 || d.dk > max || d.dv == 0 || d.dv > max {
+            return refuse(format!(
+                "heads of {} x {} (linear_key_head_dim x linear_value_head_dim; at most {max})",
+                d.dk, d.dv
+            ));
+        }
+        if d.kw == 0 || d.kw > shapes::MAX_CONV_KERNEL {
+            return refuse(format!(
+                "a convolution of {} taps (linear_conv_kernel_dim; at most {})",
+                d.kw,
+                shapes::MAX_CONV_KERNEL
+            ));
+        }
+        if d.nk == 0 || !d.nv.is_multiple_of(d.nk) {
+            return refuse(format!("{} value heads over {} key heads", d.nv, d.nk));
+        }
+        Ok(d)
+    }
+
+    /// f32 values of one layer's part of a slot: the window, then the delta state.
+    pub fn layer_floats(&self) -> usize {
+        (self.kw - 1) * self.cd + self.nv * self.dk * self.dv
+    }
+}
+
+/// Where a layer's state is in the slot pool: slot `s` at `s * slot_stride + layer_off`.
+#[derive(Clone, Copy, Debug)]
+pub struct StateAt {
+    pub slot_stride: usize,
+    pub layer_off: usize,
+}
+
+/// The step's sequences as the kernels read them: `[S, 4]` of first row, rows, slot, fresh.
+pub fn seq_table(seqs: &[(usize, usize, u32, bool)]) -> Vec<i32> {
+    seqs.iter()
+        .flat_map(|&(first, n, slot, fresh)| [first as i32, n as i32, slot as i32, fresh as i32])
+        .collect()
+}
+
+/// One layer's convolution then delta rule for `num_seqs` sequences whose `tokens` rows of
+/// `proj` are in the step; `out` gets `[tokens, nv * dv]` bf16 rows.
+pub struct DeltaMix<'a> {
+    pub dims: DeltaDims,
+    pub proj: &'a CudaSlice<f32>,
+    pub conv: &'a CudaSlice<f32>,
+    pub neg_a: &'a CudaSlice<f32>,
+    pub dt_bias: &'a CudaSlice<f32>,
+    pub norm: &'a CudaSlice<f32>,
+    pub eps: f32,
+    pub states: &'a mut CudaSlice<f32>,
+    pub at: StateAt,
+    /// The largest slot id in `seqs`, checked against `states`.
+    pub max_slot: usize,
+    pub seqs: &'a CudaSlice<i32>,
+    pub num_seqs: usize,
+    pub tokens: usize,
+    /// Scratch `[tokens, cd]`: the convolution's output.
+    pub mixed: &'a mut CudaSlice<f32>,
+    pub out: &'a mut CudaSlice<u16>,
+}
+
+impl DeltaMix<'_> {
+    pub fn launch(self, k: &Kernels, s: &CudaStream) -> Result<()> {
+        let d = self.dims;
+        let n = "gated DeltaNet";
+        holds(n, "proj", self.proj.len(), self.tokens * d.row)?;
+        holds(n, "conv", self.conv.len(), d.cd * d.kw)?;
+        holds(n, "neg_a", self.neg_a.len(), d.nv)?;
+        holds(n, "dt_bias", self.dt_bias.len(), d.nv)?;
+        holds(n, "norm", self.norm.len(), d.dv)?;
+        holds(n, "seqs", self.seqs.len(), 4 * self.num_seqs)?;
+        holds(n, "mixed", self.mixed.len(), self.tokens * d.cd)?;
+        holds(n, "out", self.out.len(), self.tokens * d.nv * d.dv)?;
+        holds(
+            n,
+            "states",
+            self.states.len(),
+            self.max_slot * self.at.slot_stride + self.at.layer_off + d.layer_floats(),
+        )?;
+        let (row, kw, cd) = (d.row as i32, d.kw as i32, d.cd as i32);
+        let stride = self.at.slot_stride as i64;
+        let conv_off = self.at.layer_off as i64;
+        let delta_off = (self.at.layer_off + (d.kw - 1) * d.cd) as i64;
+
+        let threads = shapes::DELTA_CONV.threads as usize;
+        let cfg = grid(
+            &shapes::DELTA_CONV,
+            d.cd.div_ceil(threads),
+            self.num_seqs,
+            1,
+        )?;
+        let mut b = s.launch_builder(&k.delta_conv);
+        b.arg(self.proj)
+            .arg(&row)
+            .arg(self.conv)
+            .arg(&kw)
+            .arg(&mut *self.states)
+            .arg(&stride)
+            .arg(&conv_off)
+            .arg(self.seqs)
+            .arg(&mut *self.mixed)
+            .arg(&cd);
+        // SAFETY: the arguments match `delta_conv_silu`'s signature in order and type; every
+        // buffer holds what the grid reads or writes (checked above), the sequences' rows lie
+        // within `tokens` and their slots within `max_slot` (the caller's table).
+        unsafe { b.launch(cfg) }.map_err(failed("delta_conv_silu"))?;
+
+        let (nk, nv, dk, dv) = (d.nk as i32, d.nv as i32, d.dk as i32, d.dv as i32);
+        let cfg = grid(&shapes::GATED_DELTA, d.nv, self.num_seqs, 1)?;
+        let mut b = s.launch_builder(&k.gated_delta);
+        b.arg(&*self.mixed)
+            .arg(&cd)
+            .arg(self.proj)
+            .arg(&row)
+            .arg(self.neg_a)
+            .arg(self.dt_bias)
+            .arg(self.norm)
+            .arg(&mut *self.states)
+            .arg(&stride)
+            .arg(&delta_off)
+            .arg(self.seqs)
+            .arg(&mut *self.out)
+            .arg(&nk)
+            .arg(&nv)
+            .arg(&dk)
+            .arg(&dv)
+            .arg(&self.eps);
+        // SAFETY: as above, for `gated_delta_rule`; dk and dv are at most its block and its
+        // register arrays (`DeltaDims::of`).
+        unsafe { b.launch(cfg) }.map_err(failed("gated_delta_rule"))?;
+        Ok(())
+    }
+}
+
+/// One layer's mixing on device `ordinal` for sequences given on the host, for checking the
+/// kernels against [`delta::mix`]: `seqs` are (tokens, fresh) in row order over `proj`
+/// (`[tokens, row]`), `states[i]` sequence `i`'s window then delta state for this layer
+/// (updated). Returns `[tokens, nv * dv]`, widened from the kernels' bf16.
+pub fn mix_on_device(
+    ordinal: usize,
+    p: &DeltaParams,
+    proj: &[f32],
+    seqs: &[(usize, bool)],
+    states: &mut [Vec<f32>],
+) -> Result<Vec<f32>> {
+    let d = DeltaDims::of(p)?;
+    let per = d.layer_floats();
+    if states.len() != seqs.len() || states.iter().any(|s| s.len() != per) {
+        return Err(EngineError::InvalidRequest(format!(
+            "one state of {per} values per sequence is needed"
+        )));
+    }
+    let tokens: usize = seqs.iter().map(|s| s.0).sum();
+    if proj.len() != tokens * d.row {
+        return Err(EngineError::InvalidRequest(format!(
+            "proj holds {} values, not {tokens} rows of {}",
+            proj.len(),
+            d.row
+        )));
+    }
+    let ctx: Arc<CudaContext> =
+        CudaContext::new(ordinal).map_err(|e| drv("context creation", e))?;
+    let s = ctx.new_stream().map_err(|e| drv("stream creation", e))?;
+    let (k, _) = Kernels::load(&ctx)?;
+    let up = |v: &[f32]| s.clone_htod(v).map_err(|e| drv("upload", e));
+    let mut first = 0;
+    let table: Vec<(usize, usize, u32, bool)> = seqs
+        .iter()
+        .enumerate()
+        .map(|(i, &(n, fresh))| {
+            let t = (first, n, i as u32, fresh);
+            first += n;
+            t
+        })
+        .collect();
+    let seq_rows = s
+        .clone_htod(&seq_table(&table))
+        .map_err(|e| drv("upload", e))?;
+    let mut pool = up(&states.concat())?;
+    let mut mixed = s
+        .alloc_zeros::<f32>(tokens * d.cd)
+        .map_err(|e| drv("alloc", e))?;
+    let mut out = s
+        .alloc_zeros::<u16>(tokens * d.nv * d.dv)
+        .map_err(|e| drv("alloc", e))?;
+    let (proj_d, conv, neg_a, dt_bias, norm) = (
+        up(proj)?,
+        up(&p.conv)?,
+        up(&p.neg_a)?,
+        up(&p.dt_bias)?,
+        up(&p.norm)?,
+    );
+    DeltaMix {
+        dims: d,
+        proj: &proj_d,
+        conv: &conv,
+        neg_a: &neg_a,
+        dt_bias: &dt_bias,
+        norm: &norm,
+        eps: p.eps,
+        states: &mut pool,
+        at: StateAt {
+            slot_stride: per,
+            layer_off: 0,
+        },
+        max_slot: seqs.len().saturating_sub(1),
+        seqs: &seq_rows,
+        num_seqs: seqs.len(),
+        tokens,
+        mixed: &mut mixed,
+        out: &mut out,
+    }
+    .launch(&k, &s)?;
+    let back = s.clone_dtoh(&pool).map_err(|e| drv("download", e))?;
+    for (dst, src) in states.iter_mut().zip(back.chunks_exact(per)) {
+        dst.copy_from_slice(src);
+    }
+    let bits = s.clone_dtoh(&out).map_err(|e| drv("download", e))?;
+    Ok(bits
+        .into_iter()
+        .map(|b| f32::from_bits((b as u32) << 16))
+        .collect())
+}
+
+/// The CPU's result for the same inputs as [`mix_on_device`] (each sequence through
+/// [`delta::mix`] in turn, a fresh one from zeros), for the comparison.
+pub fn mix_on_host(
+    p: &DeltaParams,
+    proj: &[f32],
+    seqs: &[(usize, bool)],
+    states: &mut [Vec<f32>],
+    chunk: usize,
+) -> Result<Vec<f32>> {
+    let d = DeltaDims::of(p)?;
+    let conv = (d.kw - 1) * d.cd;
+    let mut out = Vec::new();
+    let mut at = 0;
+    for (&(n, fresh), st) in seqs.iter().zip(states.iter_mut()) {
+        if fresh {
+            st.fill(0.0);
+        }
+        let (window, state) = st.split_at_mut(conv);
+        let rows = &proj[at * d.row..(at + n) * d.row];
+        out.extend(delta::mix(p, rows, n, window, state, chunk));
+        at += n;
+    }
+    Ok(out)
+}
