@@ -69,7 +69,9 @@ jobs="${CARGO_BUILD_JOBS:-$(nproc 2>/dev/null || echo 2)}"
 cargo test --workspace --all-targets -j"$jobs" "$@"
 phase "build+tests"
 # The same crate with `--features cuda`: the backend's unit tests and the offline checks.
-cargo test -p kvmesh-gpu --features cuda -j"$jobs" --lib --test cuda_offline -- cuda
+# `-p kvmesh` beside it resolves dependency features as the workspace build above did, so
+# only kvmesh-gpu itself is compiled again (the root package has no library to test here).
+cargo test -p kvmesh-gpu -p kvmesh --features kvmesh-gpu/cuda -j"$jobs" --lib --test cuda_offline -- cuda
 phase cuda-offline
 # Lints, warnings as errors, on everything the tests built.
 cargo clippy --workspace --all-targets -j"$jobs" -- -D warnings
