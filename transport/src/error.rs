@@ -23,6 +23,8 @@ pub enum TransportError {
     Stream(String),
     #[error("bad message: {0}")]
     Codec(String),
+    #[error(transparent)]
+    Ucx(#[from] crate::kv::ucx::UcxError),
 }
 
 impl From<quinn::WriteError> for TransportError {

@@ -15,7 +15,7 @@ use kvmesh_gpu::kv_pool::KvKind;
 use kvmesh_telemetry::metrics::Exposition;
 use kvmesh_transport::grant::{self, Counted, StreamGrant};
 use kvmesh_transport::kv::streams::KvInbox;
-use kvmesh_transport::kv::ucx::{MemoryType, Registration, Ucx};
+use kvmesh_transport::kv::ucx::{MemoryType, Registration, Ucx, UcxError};
 use kvmesh_transport::kv::HostRegion;
 use kvmesh_transport::wire::{self, KvLayout, PrefillPeer, UniHeader};
 use kvmesh_transport::{Connection, NodeEndpoint};
@@ -76,7 +76,10 @@ impl UcxSide {
 
     /// The registration of `pool`'s buffers (per layer, K then V): made on first use and
     /// kept while the pool lives.
-    pub async fn registration(&self, pool: &Arc<HostKvPool>) -> Result<Arc<Registration>, String> {
+    pub async fn registration(
+        &self,
+        pool: &Arc<HostKvPool>,
+    ) -> Result<Arc<Registration>, UcxError> {
         {
             let mut regs = self.regs.lock();
             regs.retain(|r| r.pool.strong_count() > 0);

@@ -221,7 +221,10 @@ impl Asked {
         if let KvTransport::Ucx { lanes, otherwise } = transport {
             match (&kv.ucx, peer.ucx) {
                 (Some(u), true) => {
-                    let reg = u.registration(lease.pool()).await?;
+                    let reg = u
+                        .registration(lease.pool())
+                        .await
+                        .map_err(|e| format!("registering the KV pool with UCX: {e}"))?;
                     preq.data = DataPath::Ucx {
                         worker: u.ucx.address().to_vec(),
                         registration: reg.id,

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use kvmesh_gpu::kv_pool::{HostKvPool, KvKind};
 use kvmesh_transport::kv::streams::{KvInbound, Target};
 use kvmesh_transport::kv::ucx::{
-    remote_keys, wire_buffers, MemoryType, NoticeStream, Registration, Ucx, UcxOptions,
+    remote_keys, wire_buffers, MemoryType, NoticeStream, Registration, Ucx, UcxError, UcxOptions,
     UcxReceiver, UcxSender,
 };
 use kvmesh_transport::kv::{HostRegion, KvReceiver, KvSender, Landing};
@@ -22,7 +22,7 @@ pub struct UcxPair {
 
 impl UcxPair {
     /// Registers `dst` (every layer's K and V) with the decode side's worker.
-    pub async fn new(dst: &Arc<HostKvPool>, tls: &str) -> Result<UcxPair, String> {
+    pub async fn new(dst: &Arc<HostKvPool>, tls: &str) -> Result<UcxPair, UcxError> {
         let opts = UcxOptions {
             tls: Some(tls.to_string()),
         };

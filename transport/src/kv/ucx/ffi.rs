@@ -7,6 +7,7 @@
 
 #![allow(non_camel_case_types)]
 
+use super::error::UcxError;
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
 
 use libloading::Library;
@@ -177,13 +178,13 @@ macro_rules! ucp_fns {
             /// Every name the transport calls, for checking a library without using it.
             pub const SYMBOLS: &'static [&'static str] = &[$(stringify!($name)),*];
 
-            fn resolve(lib: Library) -> Result<Ucp, String> {
+            fn resolve(lib: Library) -> Result<Ucp, UcxError> {
                 // SAFETY: each symbol is declared with its C signature from ucp.h.
                 unsafe {
                     $(let $name = *lib
                         .get::<unsafe extern "C" fn($($arg),*) $(-> $ret)?>(
                             concat!(stringify!($name), "\0").as_bytes())
-                        .map_err(|e| format!("{} is missing from libucp: {e}", stringify!($name)))?;)*
+                        .map_err(|e| UcxError::Unavailable(format!("{} is missing from libucp: {e}", stringify!($name))))?;)*
                     Ok(Ucp { _lib: lib, $($name,)* })
                 }
             }
@@ -230,11 +231,14 @@ pub const INSTALL_HINT: &str =
 
 impl Ucp {
     /// Loads `libucp.so.0` (or the file `KVMESH_UCX_LIB` names) and resolves every function.
-    pub fn load() -> Result<Ucp, String> {
+    pub fn load() -> Result<Ucp, UcxError> {
         let path = std::env::var("KVMESH_UCX_LIB").unwrap_or_else(|_| LIBRARY.to_string());
         // SAFETY: loading UCX runs its constructors, which only set up its own state.
-        let lib = unsafe { Library::new(&path) }
-            .map_err(|e| format!("UCX is not available ({path}: {e}); {INSTALL_HINT}"))?;
+        let lib = unsafe { Library::new(&path) }.map_err(|e| {
+            UcxError::Unavailable(format!(
+                "UCX is not available ({path}: {e}); {INSTALL_HINT}"
+            ))
+        })?;
         Ucp::resolve(lib)
     }
 
@@ -257,12 +261,21 @@ impl Ucp {
         unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
     }
 
-    /// `Ok` for `UCS_OK`, else UCX's text for what `what` hit.
-    pub fn check(&self, s: ucs_status_t, what: &str) -> Result<(), String> {
+    /// `Ok` for `UCS_OK`, else the status and UCX's text for what `what` hit.
+    pub fn check(&self, s: ucs_status_t, what: &str) -> Result<(), UcxError> {
         if s == UCS_OK {
             Ok(())
         } else {
-            Err(format!("{what}: {}", self.status(s)))
+            Err(self.error(s, what))
+        }
+    }
+
+    /// The error for status `s` of `what`.
+    pub fn error(&self, s: ucs_status_t, what: &str) -> UcxError {
+        UcxError::Status {
+            what: what.to_string(),
+            code: s,
+            text: self.status(s),
         }
     }
 }

@@ -26,6 +26,7 @@
 //! reports the error, the sender fails, and the decode worker, hearing no notices, gives the
 //! lease back unlanded after the transfer timeout, as with every transport.
 
+mod error;
 pub mod ffi;
 pub mod worker;
 
@@ -43,6 +44,7 @@ use super::{
 };
 use crate::wire::{self, KvLandedNotice, KvPiece, KvStreamHello, UcxBuffer, UniHeader};
 use crate::TransportError;
+pub use error::UcxError;
 pub use worker::{MemoryType, PutOp, Registration, RemoteBuffer, RemoteKeys, Ucx, UcxOptions};
 
 /// Pieces whose puts may be in flight on one lane before the oldest's notice is written.
@@ -227,7 +229,7 @@ struct InFlight {
     notice: KvLandedNotice,
     layer: usize,
     started: tokio::time::Instant,
-    put: JoinHandle<Result<(), String>>,
+    put: JoinHandle<Result<(), UcxError>>,
 }
 
 impl Lane {
@@ -339,9 +341,7 @@ impl Lane {
             };
             let mut f = io.flight.pop_front().expect("a piece was in flight");
             match done {
-                Ok(r) => r
-                    .map_err(|e| TransportError::Stream(format!("UCX put task: {e}")))?
-                    .map_err(TransportError::Stream)?,
+                Ok(r) => r.map_err(|e| TransportError::Stream(format!("UCX put task: {e}")))??,
                 Err(_) => {
                     return Err(TransportError::Stream(format!(
                         "UCX puts of layer {} did not complete within {} s",

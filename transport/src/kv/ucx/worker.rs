@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 use tokio::sync::oneshot;
 
+use super::error::UcxError;
 use super::ffi::{self, Ucp};
 
 /// Where registered memory lives.
@@ -75,7 +76,7 @@ pub struct PutOp {
     pub len: usize,
 }
 
-type Reply<T> = oneshot::Sender<Result<T, String>>;
+type Reply<T> = oneshot::Sender<Result<T, UcxError>>;
 type Keep = Box<dyn std::any::Any + Send>;
 
 enum Cmd {
@@ -129,12 +130,15 @@ fn wake(fd: i32) {
 impl Ucx {
     /// Loads UCX, creates a context (RMA, wakeup) and a worker on a thread of their own.
     /// Fails with a message naming what to install when the library is missing.
-    pub fn start(opts: &UcxOptions) -> Result<Ucx, String> {
+    pub fn start(opts: &UcxOptions) -> Result<Ucx, UcxError> {
         let ucp = Arc::new(Ucp::load()?);
         // SAFETY: plain eventfd creation.
         let wake_fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
         if wake_fd < 0 {
-            return Err(format!("eventfd: {}", std::io::Error::last_os_error()));
+            return Err(UcxError::Os {
+                what: "eventfd",
+                source: std::io::Error::last_os_error(),
+            });
         }
         let (tx, rx) = mpsc::channel();
         let (ready_tx, ready_rx) = std::sync::mpsc::sync_channel(1);
@@ -151,7 +155,10 @@ impl Ucx {
                     let _ = ready_tx.send(Err(e));
                 }
             })
-            .map_err(|e| format!("starting the UCX thread: {e}"))?;
+            .map_err(|e| UcxError::Os {
+                what: "starting the UCX thread",
+                source: e,
+            })?;
         let (address, cuda, version) = match ready_rx.recv() {
             Ok(Ok(x)) => x,
             Ok(Err(e)) => {
@@ -160,7 +167,7 @@ impl Ucx {
                 unsafe { libc::close(wake_fd) };
                 return Err(e);
             }
-            Err(_) => return Err("the UCX thread ended while starting".into()),
+            Err(_) => return Err(UcxError::Thread("the UCX thread ended while starting")),
         };
         Ok(Ucx {
             shared: Arc::new(Shared {
@@ -194,21 +201,21 @@ impl Ucx {
         }
     }
 
-    fn command(&self, c: Cmd) -> Result<(), String> {
+    fn command(&self, c: Cmd) -> Result<(), UcxError> {
         self.shared
             .tx
             .lock()
             .send(c)
-            .map_err(|_| "the UCX thread has stopped".to_string())?;
+            .map_err(|_| UcxError::Thread("the UCX thread has stopped"))?;
         wake(self.shared.wake);
         Ok(())
     }
 
-    async fn ask<T>(&self, make: impl FnOnce(Reply<T>) -> Cmd) -> Result<T, String> {
+    async fn ask<T>(&self, make: impl FnOnce(Reply<T>) -> Cmd) -> Result<T, UcxError> {
         let (tx, rx) = oneshot::channel();
         self.command(make(tx))?;
         rx.await
-            .map_err(|_| "the UCX thread dropped the request".to_string())?
+            .map_err(|_| UcxError::Thread("the UCX thread dropped the request"))?
     }
 
     /// Registers memory (`ucp_mem_map`) and packs a remote key for each buffer.
@@ -220,7 +227,7 @@ impl Ucx {
         &self,
         buffers: Vec<(usize, usize)>,
         mem: MemoryType,
-    ) -> Result<Registration, String> {
+    ) -> Result<Registration, UcxError> {
         let (id, buffers) = self.ask(|r| Cmd::Register(buffers, mem, r)).await?;
         Ok(Registration {
             id,
@@ -239,31 +246,31 @@ impl Ucx {
         keys: Arc<RemoteKeys>,
         ops: Vec<PutOp>,
         keep: Keep,
-    ) -> Result<(), String> {
+    ) -> Result<(), UcxError> {
         for op in &ops {
             let b = keys.buffers.get(op.buffer as usize).ok_or_else(|| {
-                format!(
+                UcxError::Invalid(format!(
                     "a put names buffer {} of a registration with {}",
                     op.buffer,
                     keys.buffers.len()
-                )
+                ))
             })?;
             let inside = op.dst >= b.base
                 && (op.dst - b.base)
                     .checked_add(op.len as u64)
                     .is_some_and(|end| end <= b.len);
             if !inside {
-                return Err(format!(
+                return Err(UcxError::Invalid(format!(
                     "a put of {} bytes at {:#x} falls outside the peer's buffer {} ({:#x}, {} bytes)",
                     op.len, op.dst, op.buffer, b.base, b.len
-                ));
+                )));
             }
         }
         self.ask(|r| Cmd::Put(keys, ops, keep, r)).await
     }
 
     /// The transport layers UCX chose for RMA to `peer` (`tcp`, `cma`, `rc_mlx5`, ...).
-    pub async fn transport_to(&self, peer: Arc<[u8]>) -> Result<String, String> {
+    pub async fn transport_to(&self, peer: Arc<[u8]>) -> Result<String, UcxError> {
         self.ask(|r| Cmd::Transport(peer, r)).await
     }
 }
@@ -322,7 +329,7 @@ struct State {
 }
 
 impl State {
-    fn open(ucp: Arc<Ucp>, tls: Option<&str>) -> Result<State, String> {
+    fn open(ucp: Arc<Ucp>, tls: Option<&str>) -> Result<State, UcxError> {
         let u = &*ucp;
         let mut cfg: ffi::Config = std::ptr::null_mut();
         // SAFETY: out-parameter; null prefix and file mean UCX's defaults and environment.
@@ -333,14 +340,15 @@ impl State {
         if let Some(t) = tls {
             let (k, v) = (
                 CString::new("TLS").unwrap(),
-                CString::new(t).map_err(|e| e.to_string())?,
+                CString::new(t)
+                    .map_err(|e| UcxError::Invalid(format!("UCX transports '{t}': {e}")))?,
             );
             // SAFETY: a live config and two C strings.
             let s = unsafe { (u.ucp_config_modify)(cfg, k.as_ptr(), v.as_ptr()) };
             if s != ffi::UCS_OK {
                 // SAFETY: read above.
                 unsafe { (u.ucp_config_release)(cfg) };
-                return Err(format!("UCX transports '{t}': {}", u.status(s)));
+                return Err(u.error(s, &format!("UCX transports '{t}'")));
             }
         }
         let name = CString::new("kvmesh").unwrap();
@@ -391,9 +399,9 @@ impl State {
         if s != ffi::UCS_OK {
             // SAFETY: created above, nothing else holds it.
             unsafe { (u.ucp_cleanup)(ctx) };
-            return Err(format!("creating a UCX worker: {}", u.status(s)));
+            return Err(u.error(s, "creating a UCX worker"));
         }
-        let fail = |e: String| {
+        let fail = |e: UcxError| {
             // SAFETY: created above, nothing else holds them.
             unsafe {
                 (u.ucp_worker_destroy)(worker);
@@ -512,7 +520,7 @@ impl State {
         &mut self,
         bufs: &[(usize, usize)],
         mem: MemoryType,
-    ) -> Result<(u64, Vec<RemoteBuffer>), String> {
+    ) -> Result<(u64, Vec<RemoteBuffer>), UcxError> {
         let u = self.ucp.clone();
         let mut handles = Vec::new();
         let mut out = Vec::new();
@@ -575,13 +583,13 @@ impl State {
     /// asked for, so a peer that dies fails the endpoint; where the transports to that peer
     /// cannot detect a failure (UCX 1.13's posix and sysv shared memory), the endpoint is
     /// made without it, and a stalled flush is caught by the sender's deadline instead.
-    fn endpoint(&mut self, peer: &Arc<[u8]>) -> Result<&mut Peer, String> {
+    fn endpoint(&mut self, peer: &Arc<[u8]>) -> Result<&mut Peer, UcxError> {
         if self.dead.contains(peer) {
-            return Err("the peer's UCX endpoint failed earlier; it is not dialed again".into());
+            return Err(UcxError::PeerGone);
         }
         if !self.peers.contains_key(peer) {
             let failed = Box::new(Cell::new(None));
-            let mut made = Err(String::new());
+            let mut made = Err(UcxError::Thread("no endpoint mode was tried"));
             for mode in [
                 ffi::UCP_ERR_HANDLING_MODE_PEER,
                 ffi::UCP_ERR_HANDLING_MODE_NONE,
@@ -637,10 +645,10 @@ impl State {
     fn put(&mut self, keys: &RemoteKeys, ops: &[PutOp], keep: Keep, reply: Reply<()>) {
         let ucp = self.ucp.clone();
         let count = self.in_flight.clone();
-        let r = (|| -> Result<ffi::Ep, String> {
+        let r = (|| -> Result<ffi::Ep, UcxError> {
             let peer = self.endpoint(&keys.peer)?;
             if let Some(s) = peer.failed.get() {
-                return Err(format!("the peer's UCX endpoint failed: {}", ucp.status(s)));
+                return Err(ucp.error(s, "the peer's UCX endpoint failed"));
             }
             let ep = peer.ep;
             if let std::collections::hash_map::Entry::Vacant(slot) =
@@ -658,10 +666,7 @@ impl State {
                             // SAFETY: unpacked just above.
                             unsafe { (ucp.ucp_rkey_destroy)(rk) };
                         }
-                        return Err(format!(
-                            "the peer's remote key could not be unpacked: {}",
-                            ucp.status(s)
-                        ));
+                        return Err(ucp.error(s, "the peer's remote key could not be unpacked"));
                     }
                     unpacked.push(rk);
                 }
@@ -683,7 +688,7 @@ impl State {
                     )
                 };
                 if let Some(s) = ffi::ptr_status(st) {
-                    return Err(format!("UCX put: {}", ucp.status(s)));
+                    return Err(ucp.error(s, "UCX put"));
                 }
                 if !st.is_null() {
                     // SAFETY: a request still in flight is released when it completes.
@@ -718,7 +723,7 @@ impl State {
             let p = unsafe { Box::from_raw(pending) };
             count.fetch_sub(1, Ordering::Relaxed);
             let r = match ffi::ptr_status(st) {
-                Some(s) => Err(format!("UCX flush: {}", ucp.status(s))),
+                Some(s) => Err(ucp.error(s, "UCX flush")),
                 None => Ok(()),
             };
             if let Some(reply) = p.reply {
@@ -727,14 +732,17 @@ impl State {
         }
     }
 
-    fn transport(&mut self, peer: &Arc<[u8]>) -> Result<String, String> {
+    fn transport(&mut self, peer: &Arc<[u8]>) -> Result<String, UcxError> {
         let ucp = self.ucp.clone();
         let ep = self.endpoint(peer)?.ep;
         let (mut buf, mut len): (*mut libc::c_char, usize) = (std::ptr::null_mut(), 0);
         // SAFETY: a memory stream over a buffer libc allocates; freed below.
         let f = unsafe { libc::open_memstream(&mut buf, &mut len) };
         if f.is_null() {
-            return Err("open_memstream failed".into());
+            return Err(UcxError::Os {
+                what: "open_memstream",
+                source: std::io::Error::last_os_error(),
+            });
         }
         // SAFETY: a live endpoint and an open stream.
         unsafe {
