@@ -1,18 +1,17 @@
 //! UCX's failures, typed: the library's status code is kept where UCX gave one
 //! ([`UcxError::Status`]), and the other ways the UCX thread can fail are named.
 
-use super::ffi::ucs_status_t;
-
 #[derive(Debug, thiserror::Error)]
 pub enum UcxError {
     /// The library is not installed, or lacks a function this transport calls.
     #[error("{0}")]
     Unavailable(String),
-    /// A UCX call returned an error status: what was being done, UCX's code and its text.
+    /// A UCX call returned an error status: what was being done, UCX's code (its
+    /// `ucs_status_t`, negative) and its text.
     #[error("{what}: {text}")]
     Status {
         what: String,
-        code: ucs_status_t,
+        code: i8,
         text: String,
     },
     /// An operating-system call the UCX thread relies on failed.
@@ -37,7 +36,7 @@ pub enum UcxError {
 
 impl UcxError {
     /// UCX's status code, where the failure came with one.
-    pub fn code(&self) -> Option<ucs_status_t> {
+    pub fn code(&self) -> Option<i8> {
         match self {
             UcxError::Status { code, .. } => Some(*code),
             _ => None,
