@@ -48,6 +48,8 @@ enum ClusterCommand {
 }
 
 fn main() -> anyhow::Result<()> {
+    // Steps reuse their activations' memory (see the function).
+    kvmesh_gpu::backend::cpu::keep_freed_memory();
     let cli = Cli::parse();
     // serve and node set up tracing themselves (they know their node's name); the other
     // commands only log.

@@ -355,6 +355,8 @@ fn report(args: &Args, dir: &Path, cfg: &ModelConfig, m: &Measured) -> serde_jso
 }
 
 fn main() -> anyhow::Result<()> {
+    // As `kvmesh` does, so the engine is measured as it serves.
+    kvmesh_gpu::backend::cpu::keep_freed_memory();
     let args = Args::parse();
     let dir = model_dir(&args)?;
     let model = LoadedModel::from_dir(&dir)?;
