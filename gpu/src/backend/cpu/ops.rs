@@ -84,14 +84,46 @@ const STREAM_ROWS: usize = 4;
 /// time, so streaming stays ahead of `gemm` up to decode batches of this size.
 const STREAM_ROWS_BF16_AVX512: usize = 16;
 
-fn has_avx512() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        std::arch::is_x86_feature_detected!("avx512f")
+/// The vector instructions the hand-written kernels here use, decided once per process from
+/// what the CPU has ([`Isa::detected`]). Each kernel has a portable version, which is what
+/// runs on other CPUs; the tests run every level this machine has, the portable one
+/// included, against the same expected values. (The `gemm` crate dispatches its own
+/// kernels the same way.)
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Isa {
+    Portable,
+    /// AVX2 with FMA.
+    Avx2,
+    /// AVX-512F (with AVX2 and FMA).
+    Avx512,
+}
+
+impl Isa {
+    /// The best level this CPU has.
+    pub fn detected() -> Isa {
+        static DETECTED: std::sync::OnceLock<Isa> = std::sync::OnceLock::new();
+        *DETECTED.get_or_init(|| {
+            #[cfg(target_arch = "x86_64")]
+            {
+                let avx2 = std::arch::is_x86_feature_detected!("avx2")
+                    && std::arch::is_x86_feature_detected!("fma");
+                if avx2 && std::arch::is_x86_feature_detected!("avx512f") {
+                    return Isa::Avx512;
+                }
+                if avx2 {
+                    return Isa::Avx2;
+                }
+            }
+            Isa::Portable
+        })
     }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
+
+    /// Every level this CPU can run, the portable one first.
+    pub fn available() -> Vec<Isa> {
+        [Isa::Portable, Isa::Avx2, Isa::Avx512]
+            .into_iter()
+            .filter(|&i| i <= Isa::detected())
+            .collect()
     }
 }
 
@@ -110,17 +142,26 @@ impl Linear {
 
     /// `x` is `[m, inp]`; returns `[m, out]`.
     pub fn forward(&self, x: &[f32], m: usize) -> Vec<f32> {
+        self.forward_with(Isa::detected(), x, m)
+    }
+
+    /// [`Self::forward`] on the kernels of `isa`, one this CPU has ([`Isa::available`]).
+    pub fn forward_with(&self, isa: Isa, x: &[f32], m: usize) -> Vec<f32> {
+        assert!(
+            isa <= Isa::detected(),
+            "{isa:?} is not available on this CPU"
+        );
         debug_assert_eq!(x.len(), m * self.inp);
         let mut y = vec![0f32; m * self.out];
         if m == 0 {
             return y;
         }
         let stream_rows = match &self.w {
-            Matrix::Bf16(_) if has_avx512() => STREAM_ROWS_BF16_AVX512,
+            Matrix::Bf16(_) if isa == Isa::Avx512 => STREAM_ROWS_BF16_AVX512,
             _ => STREAM_ROWS,
         };
         if m <= stream_rows {
-            self.stream(x, m, &mut y);
+            self.stream(isa, x, m, &mut y);
         } else {
             match &self.w {
                 Matrix::F32(w) => gemm_nt(x, m, w, self.out, self.inp, &mut y, self.out, true),
@@ -162,7 +203,7 @@ impl Linear {
         }
     }
 
-    fn stream(&self, x: &[f32], m: usize, y: &mut [f32]) {
+    fn stream(&self, isa: Isa, x: &[f32], m: usize, y: &mut [f32]) {
         const CHUNK: usize = 256;
         let mut yt = vec![0f32; self.out * m];
         let inp = self.inp;
@@ -174,7 +215,7 @@ impl Linear {
                     let r = (n0 + j) * inp..(n0 + j + 1) * inp;
                     #[cfg(target_arch = "x86_64")]
                     if let Matrix::Bf16(w) = &self.w {
-                        if m > 1 && has_avx512() {
+                        if m > 1 && isa == Isa::Avx512 {
                             for (g, cells) in cell.chunks_mut(8).enumerate() {
                                 // SAFETY: avx512f was detected; the slices are in bounds.
                                 unsafe {
@@ -192,8 +233,8 @@ impl Linear {
                     for (i, v) in cell.iter_mut().enumerate() {
                         let xi = &x[i * inp..(i + 1) * inp];
                         *v = match &self.w {
-                            Matrix::F32(w) => dot(xi, &w[r.clone()]),
-                            Matrix::Bf16(w) => dot_bf16(xi, &w[r.clone()]),
+                            Matrix::F32(w) => dot_with(isa, xi, &w[r.clone()]),
+                            Matrix::Bf16(w) => dot_bf16_with(isa, xi, &w[r.clone()]),
                         };
                     }
                 }
@@ -249,18 +290,16 @@ fn gemm_nt(
     }
 }
 
-pub fn dot_bf16(a: &[f32], b: &[u16]) -> f32 {
+/// `a · b` for bf16 `b`, on the kernels of `isa` (at most [`Isa::detected`]).
+fn dot_bf16_with(isa: Isa, a: &[f32], b: &[u16]) -> f32 {
+    debug_assert!(isa <= Isa::detected());
     #[cfg(target_arch = "x86_64")]
-    {
-        if std::arch::is_x86_feature_detected!("avx512f") {
-            // SAFETY: the feature was just detected.
-            return unsafe { dot_bf16_avx512(a, b) };
-        }
-        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
-        {
-            // SAFETY: the features were just detected.
-            return unsafe { dot_bf16_avx2(a, b) };
-        }
+    match isa {
+        // SAFETY: `isa` is at most what was detected.
+        Isa::Avx512 => return unsafe { dot_bf16_avx512(a, b) },
+        // SAFETY: as above.
+        Isa::Avx2 => return unsafe { dot_bf16_avx2(a, b) },
+        Isa::Portable => {}
     }
     a.iter().zip(b).map(|(&x, &w)| x * bf16_to_f32(w)).sum()
 }
@@ -396,13 +435,17 @@ unsafe fn dot_bf16_avx2(a: &[f32], b: &[u16]) -> f32 {
 }
 
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+    dot_with(Isa::detected(), a, b)
+}
+
+/// [`dot`] on the kernels of `isa` (at most [`Isa::detected`]); AVX-512 machines use the
+/// AVX2 kernel, which keeps up with memory there.
+fn dot_with(isa: Isa, a: &[f32], b: &[f32]) -> f32 {
+    debug_assert!(isa <= Isa::detected());
     #[cfg(target_arch = "x86_64")]
-    {
-        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
-        {
-            // SAFETY: the features were just detected.
-            return unsafe { dot_avx2(a, b) };
-        }
+    if isa >= Isa::Avx2 {
+        // SAFETY: `isa` is at most what was detected, and AVX2 with FMA is part of both.
+        return unsafe { dot_avx2(a, b) };
     }
     dot_portable(a, b)
 }
@@ -531,19 +574,26 @@ mod tests {
             .collect();
         let w_round: Vec<f32> = bf16_w.iter().map(|&b| bf16_to_f32(b)).collect();
         let bf16_lin = Linear::new(Matrix::Bf16(Arc::new(bf16_w)), out, inp, Some(bias.clone()));
-        for (lin, w) in [(f32_lin, &w), (bf16_lin, &w_round)] {
-            for m in [1, 3, 9, 20, 32, 70] {
-                let x: Vec<f32> = (0..m * inp)
-                    .map(|i| ((i * 5 % 11) as f32 - 5.0) * 0.2)
-                    .collect();
-                let y = lin.forward(&x, m);
-                for i in 0..m {
-                    for n in 0..out {
-                        let want: f32 = (0..inp)
-                            .map(|k| x[i * inp + k] * w[n * inp + k])
-                            .sum::<f32>()
-                            + bias[n];
-                        assert!((y[i * out + n] - want).abs() < 1e-3, "m={m} i={i} n={n}");
+        // Every kernel level this CPU has, the portable one included.
+        let isas = Isa::available();
+        assert_eq!(isas[0], Isa::Portable);
+        println!("kernel levels on this CPU: {isas:?}");
+        for isa in isas {
+            for (lin, w) in [(&f32_lin, &w), (&bf16_lin, &w_round)] {
+                for m in [1, 3, 9, 16, 20, 32, 70] {
+                    let x: Vec<f32> = (0..m * inp)
+                        .map(|i| ((i * 5 % 11) as f32 - 5.0) * 0.2)
+                        .collect();
+                    let y = lin.forward_with(isa, &x, m);
+                    for i in 0..m {
+                        for n in 0..out {
+                            let want: f32 = (0..inp)
+                                .map(|k| x[i * inp + k] * w[n * inp + k])
+                                .sum::<f32>()
+                                + bias[n];
+                            let got = y[i * out + n];
+                            assert!((got - want).abs() < 1e-3, "{isa:?} m={m} i={i} n={n}");
+                        }
                     }
                 }
             }
@@ -558,7 +608,12 @@ mod tests {
                 .map(|i| half::bf16::from_f32((i as f32 * 0.11).cos()).to_bits())
                 .collect();
             let want: f32 = a.iter().zip(&b).map(|(&x, &w)| x * bf16_to_f32(w)).sum();
-            assert!((dot_bf16(&a, &b) - want).abs() < 1e-3, "n={n}");
+            for isa in Isa::available() {
+                assert!(
+                    (dot_bf16_with(isa, &a, &b) - want).abs() < 1e-3,
+                    "{isa:?} n={n}"
+                );
+            }
         }
     }
 
@@ -566,6 +621,11 @@ mod tests {
     fn dot_matches_portable() {
         let a: Vec<f32> = (0..101).map(|i| i as f32 * 0.5).collect();
         let b: Vec<f32> = (0..101).map(|i| 1.0 - i as f32 * 0.01).collect();
-        assert!((dot(&a, &b) - dot_portable(&a, &b)).abs() < 1e-2);
+        for isa in Isa::available() {
+            assert!(
+                (dot_with(isa, &a, &b) - dot_portable(&a, &b)).abs() < 1e-2,
+                "{isa:?}"
+            );
+        }
     }
 }
