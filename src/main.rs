@@ -1,8 +1,11 @@
 //! `kvmesh`: one binary for every role of the serving mesh.
 
+mod engines;
+mod flags;
 mod model_cmd;
 mod node;
 mod serve;
+mod shutdown;
 mod trace_cmd;
 
 use clap::{Parser, Subcommand};

@@ -10,7 +10,8 @@ use kvmesh_actors::router::{DisaggConfig, RouterConfig};
 use kvmesh_actors::worker::KvSide;
 use kvmesh_actors::{Policy, Role};
 
-use crate::serve::{BackendArg, EngineArgs, HttpArgs, TraceFlags};
+use crate::engines::{BackendArg, EngineArgs};
+use crate::flags::{HttpArgs, TraceFlags};
 
 #[derive(Args, Debug)]
 pub struct NodeArgs {
@@ -98,12 +99,12 @@ pub struct NodeArgs {
     pub lease_ttl: i64,
     /// Gateway: require `Authorization: Bearer <key>` on /v1 routes (and, on any node, on
     /// /debug routes).
-    #[arg(long, env = "KVMESH_API_KEY", value_parser = crate::serve::api_key)]
+    #[arg(long, env = "KVMESH_API_KEY", value_parser = crate::flags::api_key)]
     pub api_key: Option<String>,
     /// Gateway: how the models write tool calls: hermes, llama3_json or mistral (default:
     /// the format each model's chat template shows; without one, tool_choice "auto" is
     /// refused and "required" or a named function force calls as a JSON array).
-    #[arg(long, value_parser = crate::serve::tool_call_parser)]
+    #[arg(long, value_parser = crate::flags::tool_call_parser)]
     pub tool_call_parser: Option<kvmesh_gateway::tools::ToolFormat>,
     /// Serve `POST /debug/crash/{router|worker|prefill|decode}`, which makes that role panic
     /// (to check that it is restarted). Off by default.
@@ -113,7 +114,7 @@ pub struct NodeArgs {
     /// and routers see it draining at once; a gateway stops accepting connections) before
     /// the node leaves the cluster and exits. Streams still running then move to another
     /// worker.
-    #[arg(long, default_value_t = crate::serve::SHUTDOWN_GRACE_S)]
+    #[arg(long, default_value_t = crate::flags::SHUTDOWN_GRACE_S)]
     pub shutdown_grace: f64,
     /// Scale tests: host this many sim workers in this one process, each its own cluster
     /// member (node id `ID.K` for K from 1, its own QUIC endpoint, registry record and

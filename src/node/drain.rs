@@ -30,7 +30,7 @@ pub async fn serve_then_drain(args: &NodeArgs, started: Started) -> anyhow::Resu
     let (signalled_tx, mut signalled) = tokio::sync::watch::channel(false);
     let (drained_tx, drained) = tokio::sync::watch::channel(false);
     tokio::spawn(async move {
-        crate::serve::shutdown().await;
+        crate::shutdown::shutdown().await;
         signalled_tx.send_replace(true);
     });
     let http_stop = {
@@ -86,7 +86,7 @@ pub async fn serve_then_drain(args: &NodeArgs, started: Started) -> anyhow::Resu
         let left = deadline.saturating_duration_since(tokio::time::Instant::now());
         match tokio::time::timeout(left.max(Duration::from_millis(200)), &mut server).await {
             Ok(r) => r.context("serving HTTP")?,
-            Err(_) => crate::serve::cut_streams(&streams, &mut server).await,
+            Err(_) => crate::shutdown::cut_streams(&streams, &mut server).await,
         }
     }
     tracing::info!("leaving the cluster");

@@ -48,7 +48,7 @@ impl Replica {
             let engines = host.engines.clone();
             move || -> anyhow::Result<_> {
                 Ok((
-                    crate::serve::start_engine_on(&engine_args, &model, Some(&engines))?,
+                    crate::engines::start_engine_on(&engine_args, &model, Some(&engines))?,
                     NodeIdentity::generate(&id)?,
                 ))
             }

@@ -25,7 +25,7 @@ use super::catalog::{LocalModel, MeshCatalog};
 use super::membership::{check_kv_partners, follow_allow_list, follow_pace, gate_router_members};
 use super::replica::{unix_ms, Host, Replica};
 use super::status::{node_routes, NodeState};
-use crate::serve::{load_model, start_engine_with, StartedEngine};
+use crate::engines::{load_model, start_engine_with, StartedEngine};
 
 /// The node's engines (worker or decode, and prefill), or, for a gateway/router node, just
 /// what it needs of the model.
@@ -356,7 +356,7 @@ pub async fn start(
     .await
     .map_err(anyhow::Error::msg)?;
     for e in engines.generate.iter().chain(engines.prefill.iter()) {
-        tokio::spawn(crate::serve::log_throughput(e.handle.clone()));
+        tokio::spawn(crate::engines::log_throughput(e.handle.clone()));
     }
     let registration = net.registry.register(record.clone()).await?;
     gate_router_members(members.clone(), node_id.clone(), router_members_tx);
@@ -585,7 +585,7 @@ async fn start_replicas(
     }
     let host = &Host {
         args,
-        model: Arc::new(crate::serve::load_model(&args.engine)?),
+        model: Arc::new(crate::engines::load_model(&args.engine)?),
         registry: &net.registry,
         beside,
         node: record,
