@@ -124,31 +124,9 @@ fn block(
         q.extend_from_slice(&qkv[r + g * group * d..r + (g + 1) * group * d]);
     }
     let mut scores = vec![0f32; rows * nk];
-    // SAFETY: scores [rows, nk] and q [rows, d] row-major; the keys k[k_lo..k_hi] as the
-    // columns of a [d, nk] matrix (column j at (k_lo + j) * d, consecutive rows 1 apart).
-    unsafe {
-        gemm::gemm(
-            rows,
-            nk,
-            d,
-            scores.as_mut_ptr(),
-            1,
-            nk as isize,
-            false,
-            q.as_ptr(),
-            1,
-            d as isize,
-            k[k_lo * d..].as_ptr(),
-            d as isize,
-            1,
-            0.0,
-            1.0,
-            false,
-            false,
-            false,
-            gemm::Parallelism::None,
-        );
-    }
+    // The keys k[k_lo..k_hi] as the columns of a [d, nk] matrix: column j at (k_lo + j) * d,
+    // consecutive rows 1 apart.
+    product(&mut scores, &q, (rows, nk, d), &k[k_lo * d..], (d, 1));
     let mut sums = vec![0f32; rows];
     for (r, srow) in scores.chunks_exact_mut(nk).enumerate() {
         let p = c.start_pos + tokens.start + r / group;
@@ -171,23 +149,44 @@ fn block(
         sums[r] = sum;
     }
     let mut out = vec![0f32; rows * d];
-    // SAFETY: out [rows, d], the weights [rows, nk] and the values v[k_lo..k_hi] [nk, d],
-    // all row-major.
+    // The values v[k_lo..k_hi], row-major [nk, d].
+    product(&mut out, &scores, (rows, d, nk), &v[k_lo * d..], (1, d));
+    for (orow, &sum) in out.chunks_exact_mut(d).zip(&sums) {
+        let inv = 1.0 / sum;
+        for x in orow {
+            *x *= inv;
+        }
+    }
+    out
+}
+
+/// `dst[m, n] = lhs[m, k] · rhs[k, n]`, `dst` and `lhs` row-major, `rhs` element `(i, j)` at
+/// `j * cs + i * rs` (`rhs_strides` = `(cs, rs)`), on this thread.
+fn product(
+    dst: &mut [f32],
+    lhs: &[f32],
+    (m, n, k): (usize, usize, usize),
+    rhs: &[f32],
+    (cs, rs): (usize, usize),
+) {
+    assert!(dst.len() >= m * n && lhs.len() >= m * k);
+    assert!(k == 0 || n == 0 || rhs.len() > (n - 1) * cs + (k - 1) * rs);
+    // SAFETY: the asserts bound every element the strides reach; dst aliases neither input.
     unsafe {
         gemm::gemm(
-            rows,
-            d,
-            nk,
-            out.as_mut_ptr(),
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
             1,
-            d as isize,
+            n as isize,
             false,
-            scores.as_ptr(),
+            lhs.as_ptr(),
             1,
-            nk as isize,
-            v[k_lo * d..].as_ptr(),
-            1,
-            d as isize,
+            k as isize,
+            rhs.as_ptr(),
+            cs as isize,
+            rs as isize,
             0.0,
             1.0,
             false,
@@ -196,13 +195,6 @@ fn block(
             gemm::Parallelism::None,
         );
     }
-    for (orow, &sum) in out.chunks_exact_mut(d).zip(&sums) {
-        let inv = 1.0 / sum;
-        for x in orow {
-            *x *= inv;
-        }
-    }
-    out
 }
 
 #[cfg(test)]
