@@ -102,6 +102,56 @@ pub struct EngineArgs {
 }
 
 impl EngineArgs {
+    /// The engine's limits as the flags give them, refused where they cannot work; the
+    /// model length is 0 until the KV cache's size settles it ([`Self::max_model_len`]).
+    pub fn engine_config(&self) -> anyhow::Result<EngineConfig> {
+        anyhow::ensure!(self.block_size > 0, "--block-size must be positive");
+        anyhow::ensure!(self.max_num_seqs > 0, "--max-num-seqs must be positive");
+        anyhow::ensure!(
+            self.max_num_batched_tokens > 0,
+            "--max-num-batched-tokens must be positive"
+        );
+        Ok(EngineConfig {
+            max_model_len: 0,
+            max_num_seqs: self.max_num_seqs,
+            max_num_batched_tokens: self.max_num_batched_tokens,
+            block_size: self.block_size,
+            max_waiting: self.max_waiting_seqs,
+            enable_prefix_caching: !self.no_enable_prefix_caching,
+        })
+    }
+
+    /// The longest sequence, for a model of `model_max` tokens of context and a KV cache of
+    /// `num_blocks` blocks: `--max-model-len` if both hold it, else refused saying which does
+    /// not; without the flag, the shorter of the two.
+    pub fn max_model_len(&self, model_max: usize, num_blocks: usize) -> anyhow::Result<usize> {
+        let cache_tokens = num_blocks * self.block_size;
+        match self.max_model_len {
+            Some(n) => {
+                anyhow::ensure!(n > 0, "--max-model-len must be positive");
+                anyhow::ensure!(
+                    n <= model_max,
+                    "--max-model-len {n} is longer than the model's context of {model_max} tokens"
+                );
+                anyhow::ensure!(
+                    n <= cache_tokens,
+                    "--max-model-len {n} does not fit the KV cache ({cache_tokens} tokens in \
+                     {num_blocks} blocks); raise --kv-cache-gib or lower --max-model-len"
+                );
+                Ok(n)
+            }
+            None => {
+                if cache_tokens < model_max {
+                    tracing::info!(
+                        "max model length capped at {cache_tokens} tokens, what the KV cache \
+                         holds (the model allows {model_max})"
+                    );
+                }
+                Ok(model_max.min(cache_tokens))
+            }
+        }
+    }
+
     /// Whose numbers the engine's tokens are: `--backend sim` makes them up. A node without
     /// an engine given `--model` and `--backend sim` stands for the sim workers of that model.
     pub fn numerics(&self) -> Numerics {
@@ -249,12 +299,7 @@ pub fn start_engine_on(
     model: &LoadedModel,
     pool: Option<&engine::EnginePool>,
 ) -> anyhow::Result<StartedEngine> {
-    anyhow::ensure!(args.block_size > 0, "--block-size must be positive");
-    anyhow::ensure!(args.max_num_seqs > 0, "--max-num-seqs must be positive");
-    anyhow::ensure!(
-        args.max_num_batched_tokens > 0,
-        "--max-num-batched-tokens must be positive"
-    );
+    let mut cfg = args.engine_config()?;
     let mut kind = args.backend_kind()?;
     if let BackendKind::Cuda(cuda) = &mut kind {
         cuda.reserve_tokens = args.max_num_batched_tokens;
@@ -274,41 +319,9 @@ pub fn start_engine_on(
     let name = args.served_name(&model.name)?;
     let fingerprint = model.fingerprint(args.numerics());
     let budget = args.kv_budget(&kind)?;
-    // The limits a backend is sized by; the model length is settled once the KV cache's size
-    // is known.
-    let mut cfg = EngineConfig {
-        max_model_len: 0,
-        max_num_seqs: args.max_num_seqs,
-        max_num_batched_tokens: args.max_num_batched_tokens,
-        block_size: args.block_size,
-        max_waiting: args.max_waiting_seqs,
-        enable_prefix_caching: !args.no_enable_prefix_caching,
-    };
     let backend = build_backend_for(kind, model, budget, &cfg)?;
     let num_blocks = backend.num_blocks();
-    let cache_tokens = num_blocks * args.block_size;
-    let model_max = model.config.max_context();
-    let max_model_len = match args.max_model_len {
-        Some(n) => {
-            anyhow::ensure!(n > 0, "--max-model-len must be positive");
-            anyhow::ensure!(
-                n <= model_max,
-                "--max-model-len {n} is longer than the model's context of {model_max} tokens"
-            );
-            anyhow::ensure!(
-                n <= cache_tokens,
-                "--max-model-len {n} does not fit the KV cache ({cache_tokens} tokens in {num_blocks} blocks); \
-                 raise --kv-cache-gib or lower --max-model-len"
-            );
-            n
-        }
-        None => {
-            if cache_tokens < model_max {
-                tracing::info!("max model length capped at {cache_tokens} tokens, what the KV cache holds (the model allows {model_max})");
-            }
-            model_max.min(cache_tokens)
-        }
-    };
+    let max_model_len = args.max_model_len(model.config.max_context(), num_blocks)?;
     cfg.max_model_len = max_model_len;
     let device = backend.device();
     let (eos, vocab) = (model.tokenizer.eos_ids().to_vec(), model.config.vocab_size);
@@ -422,6 +435,61 @@ mod tests {
         a.kv_cache_gib = Some(-1.0);
         let e = a.kv_budget(&cpu).unwrap_err().to_string();
         assert!(e.contains("--kv-cache-gib -1"), "{e}");
+    }
+
+    #[test]
+    fn engine_limits_follow_the_flags_and_refuse_zeros() {
+        let a = args(None);
+        let cfg = a.engine_config().unwrap();
+        let d = EngineConfig::default();
+        assert_eq!(
+            (cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.block_size),
+            (d.max_num_seqs, d.max_num_batched_tokens, d.block_size)
+        );
+        assert!(cfg.enable_prefix_caching);
+        let mut off = args(None);
+        off.no_enable_prefix_caching = true;
+        assert!(!off.engine_config().unwrap().enable_prefix_caching);
+        for (flag, set) in [
+            (
+                "--block-size",
+                (|a: &mut EngineArgs| a.block_size = 0) as fn(&mut EngineArgs),
+            ),
+            ("--max-num-seqs", |a| a.max_num_seqs = 0),
+            ("--max-num-batched-tokens", |a| a.max_num_batched_tokens = 0),
+        ] {
+            let mut a = args(None);
+            set(&mut a);
+            let e = a.engine_config().unwrap_err().to_string();
+            assert_eq!(e, format!("{flag} must be positive"));
+        }
+    }
+
+    #[test]
+    fn the_model_length_fits_the_model_and_the_cache() {
+        let mut a = args(None);
+        a.block_size = 16;
+        // Without the flag: the shorter of the model's context and the cache.
+        assert_eq!(a.max_model_len(4096, 1000).unwrap(), 4096);
+        assert_eq!(a.max_model_len(4096, 10).unwrap(), 160);
+        a.max_model_len = Some(100);
+        assert_eq!(a.max_model_len(4096, 10).unwrap(), 100);
+        for (n, want) in [
+            (0, "--max-model-len must be positive".to_string()),
+            (
+                5000,
+                "--max-model-len 5000 is longer than the model's context of 4096 tokens".into(),
+            ),
+            (
+                200,
+                "--max-model-len 200 does not fit the KV cache (160 tokens in 10 blocks); \
+                 raise --kv-cache-gib or lower --max-model-len"
+                    .into(),
+            ),
+        ] {
+            a.max_model_len = Some(n);
+            assert_eq!(a.max_model_len(4096, 10).unwrap_err().to_string(), want);
+        }
     }
 
     #[test]
