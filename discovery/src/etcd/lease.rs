@@ -3,7 +3,7 @@
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use tracing::{debug, info, warn};
 
@@ -118,21 +118,20 @@ impl Shared {
 
     /// Keeps the lease alive (a keep-alive a third of its TTL apart), publishes the record
     /// again under a new lease when etcd lost the old one, and puts back a record deleted
-    /// from under it. Runs on the keeper's thread (`keeper`).
+    /// from under it. Runs on the keeper's thread (`keeper`); what to do after each outcome
+    /// is [`KeepAlive`]'s to decide.
     pub(super) async fn keep_alive(self: Arc<Self>) {
         let shared = self;
-        let mut backoff = Backoff::new(BACKOFF_MIN, shared.interval.min(BACKOFF_MAX));
-        let mut lost_since: Option<Instant> = None;
+        let mut state = KeepAlive::new(Backoff::new(BACKOFF_MIN, shared.interval.min(BACKOFF_MAX)));
         let mut takeover_reported = false;
         loop {
             let lease = shared.lease.load(Ordering::SeqCst);
             let mut client = shared.client.clone();
             let end = match bounded(client.lease_keep_alive(lease)).await {
                 Ok((mut keeper, mut stream)) => {
-                    if let Some(since) = lost_since.take() {
-                        info!(node_id = %shared.node_id, after = ?since.elapsed(), "etcd is back; keep-alive resumed");
+                    if let Some(after) = state.connected(Instant::now()) {
+                        info!(node_id = %shared.node_id, ?after, "etcd is back; keep-alive resumed");
                     }
-                    backoff.reset();
                     shared.flush_if_dirty().await;
                     loop {
                         tokio::select! {
@@ -167,26 +166,102 @@ impl Shared {
                 Err(f) if f.is_lease_not_found() => KeepAliveEnd::LeaseLost,
                 Err(f) => KeepAliveEnd::Broken(f.to_string()),
             };
-            match end {
-                KeepAliveEnd::LeaseReplaced => {}
-                KeepAliveEnd::LeaseLost => {
-                    if !shared.reregister(lease).await {
-                        tokio::time::sleep(backoff.next_delay()).await;
+            let reregistered = match end {
+                KeepAliveEnd::LeaseLost => Some(shared.reregister(lease).await),
+                _ => None,
+            };
+            match state.ended(&end, reregistered, Instant::now()) {
+                Next::Reconnect => {}
+                Next::Wait { delay, report } => {
+                    if let KeepAliveEnd::Broken(reason) = &end {
+                        match report {
+                            Report::Lost => warn!(
+                                node_id = %shared.node_id,
+                                endpoints = %shared.endpoints,
+                                %reason,
+                                "lost etcd while keeping the node's lease alive; retrying"
+                            ),
+                            Report::StillLost => {
+                                debug!(node_id = %shared.node_id, %reason, "etcd still unavailable")
+                            }
+                            Report::Nothing => {}
+                        }
                     }
+                    tokio::time::sleep(delay).await;
                 }
-                KeepAliveEnd::Broken(reason) => {
-                    if lost_since.is_none() {
-                        warn!(
-                            node_id = %shared.node_id,
-                            endpoints = %shared.endpoints,
-                            %reason,
-                            "lost etcd while keeping the node's lease alive; retrying"
-                        );
-                        lost_since = Some(Instant::now());
-                    } else {
-                        debug!(node_id = %shared.node_id, %reason, "etcd still unavailable");
-                    }
-                    tokio::time::sleep(backoff.next_delay()).await;
+            }
+        }
+    }
+}
+
+/// The keep-alive loop's decisions, apart from its I/O and driven by the clock it is given:
+/// after each end of a keep-alive stream, whether to reconnect at once or wait (backing off
+/// while etcd stays away), what to report, and how long etcd was gone once it is back.
+pub(super) struct KeepAlive {
+    backoff: Backoff,
+    lost_since: Option<Instant>,
+}
+
+/// What the loop does next.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) enum Next {
+    /// Open a keep-alive on the (new) lease now.
+    Reconnect,
+    /// Wait `delay`, then try again; `report` says what to log about the outage.
+    Wait { delay: Duration, report: Report },
+}
+
+/// What an outage is worth saying.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) enum Report {
+    /// Nothing (a re-registration that failed logs for itself).
+    Nothing,
+    /// etcd was just lost: a warning, once per outage.
+    Lost,
+    /// Still lost: a debug line.
+    StillLost,
+}
+
+impl KeepAlive {
+    pub(super) fn new(backoff: Backoff) -> KeepAlive {
+        KeepAlive {
+            backoff,
+            lost_since: None,
+        }
+    }
+
+    /// A keep-alive stream opened at `now`: the backoff starts over, and if etcd had been
+    /// lost, how long it was gone.
+    pub(super) fn connected(&mut self, now: Instant) -> Option<Duration> {
+        self.backoff.reset();
+        self.lost_since.take().map(|since| now - since)
+    }
+
+    /// A keep-alive stream ended as `end` at `now`; `reregistered` is whether publishing
+    /// under a new lease worked, after a lost lease.
+    pub(super) fn ended(
+        &mut self,
+        end: &KeepAliveEnd,
+        reregistered: Option<bool>,
+        now: Instant,
+    ) -> Next {
+        match end {
+            KeepAliveEnd::LeaseReplaced => Next::Reconnect,
+            KeepAliveEnd::LeaseLost if reregistered == Some(true) => Next::Reconnect,
+            KeepAliveEnd::LeaseLost => Next::Wait {
+                delay: self.backoff.next_delay(),
+                report: Report::Nothing,
+            },
+            KeepAliveEnd::Broken(_) => {
+                let report = if self.lost_since.is_none() {
+                    self.lost_since = Some(now);
+                    Report::Lost
+                } else {
+                    Report::StillLost
+                };
+                Next::Wait {
+                    delay: self.backoff.next_delay(),
+                    report,
                 }
             }
         }
@@ -194,11 +269,85 @@ impl Shared {
 }
 
 /// How a keep-alive stream ended.
-enum KeepAliveEnd {
+pub(super) enum KeepAliveEnd {
     /// `update` moved the record to a new lease.
     LeaseReplaced,
     /// etcd says the lease is gone.
     LeaseLost,
     /// The stream broke (etcd down or unreachable).
     Broken(String),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ms(n: u64) -> Duration {
+        Duration::from_millis(n)
+    }
+
+    fn machine() -> KeepAlive {
+        KeepAlive::new(Backoff::new(ms(100), ms(400)).with_jitter(0.0))
+    }
+
+    #[test]
+    fn an_outage_is_reported_once_backs_off_and_is_timed_when_etcd_returns() {
+        let t0 = Instant::now();
+        let mut k = machine();
+        let broken = KeepAliveEnd::Broken("down".into());
+        assert_eq!(
+            k.ended(&broken, None, t0),
+            Next::Wait {
+                delay: ms(100),
+                report: Report::Lost
+            }
+        );
+        let delays: Vec<_> = (1..4)
+            .map(|i| match k.ended(&broken, None, t0 + ms(100 * i)) {
+                Next::Wait { delay, report } => {
+                    assert_eq!(report, Report::StillLost);
+                    delay
+                }
+                n => panic!("{n:?}"),
+            })
+            .collect();
+        assert_eq!(
+            delays,
+            [ms(200), ms(400), ms(400)],
+            "doubling up to the cap"
+        );
+        // Back after 1.5 s of simulated time: the outage's length, and a fresh backoff.
+        assert_eq!(k.connected(t0 + ms(1500)), Some(ms(1500)));
+        assert_eq!(k.connected(t0 + ms(1600)), None, "said once");
+        assert_eq!(
+            k.ended(&broken, None, t0 + ms(2000)),
+            Next::Wait {
+                delay: ms(100),
+                report: Report::Lost
+            }
+        );
+    }
+
+    #[test]
+    fn a_lost_lease_reconnects_once_republished_else_backs_off_quietly() {
+        let now = Instant::now();
+        let mut k = machine();
+        assert_eq!(
+            k.ended(&KeepAliveEnd::LeaseLost, Some(false), now),
+            Next::Wait {
+                delay: ms(100),
+                report: Report::Nothing
+            }
+        );
+        assert_eq!(
+            k.ended(&KeepAliveEnd::LeaseLost, Some(true), now),
+            Next::Reconnect
+        );
+        assert_eq!(
+            k.ended(&KeepAliveEnd::LeaseReplaced, None, now),
+            Next::Reconnect
+        );
+        // Neither counts as etcd being lost.
+        assert_eq!(k.connected(now), None);
+    }
 }
