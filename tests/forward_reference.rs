@@ -23,8 +23,9 @@
 mod common;
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
+use common::reference::{self, fnv1a64, repo, Prompt};
 use common::ModelWithConfig;
 use kvmesh_gpu::backend::cpu::{CpuBackend, CpuModel};
 use kvmesh_gpu::backend::{Backend, ForwardBatch, SeqInput};
@@ -49,7 +50,6 @@ const TIE_GAP: f32 = 1e-3;
 
 #[derive(Deserialize)]
 struct Fixture {
-    format: u32,
     model: String,
     architecture: String,
     transformers_version: String,
@@ -71,55 +71,8 @@ struct RopeRef {
     inv_freq_at_length: BTreeMap<String, Vec<f64>>,
 }
 
-#[derive(Deserialize)]
-struct Prompt {
-    name: String,
-    ids: Vec<u32>,
-    last_logits: Vec<f32>,
-    argmax: Vec<u32>,
-    argmax_top2_gap: Vec<f32>,
-    greedy: Vec<u32>,
-    steps: Steps,
-}
-
-/// The teacher-forced sequence, position by position.
-#[derive(Deserialize)]
-struct Steps {
-    argmax: Vec<u32>,
-    gap: Vec<f32>,
-    lse: Vec<f32>,
-    top_ids: Vec<Vec<usize>>,
-    top_logits: Vec<Vec<f32>>,
-    columns: Vec<Vec<f32>>,
-}
-
-fn repo() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
-
 fn fixture(name: &str) -> Fixture {
-    let path = repo()
-        .join("tests/fixtures/reference")
-        .join(format!("{name}.json"));
-    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    let fx: Fixture =
-        serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    assert_eq!(
-        fx.format,
-        2,
-        "{}: rerun scripts/reference_logits.py",
-        path.display()
-    );
-    fx
-}
-
-/// 64-bit FNV-1a, as the script computes it over `model.safetensors`.
-fn fnv1a64(bytes: &[u8]) -> String {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for &b in bytes {
-        h = (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3);
-    }
-    format!("{h:016x}")
+    reference::read(name, 2, "scripts/reference_logits.py")
 }
 
 fn load(dir: &Path, fx: &Fixture) -> LoadedModel {

@@ -21,8 +21,11 @@
 //! within a bf16 tolerance of the FP8 model's (2⁻⁶ of the largest logit), and its
 //! fingerprint differs from it.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 
+use common::reference::{self, fnv1a64, model_dir, repo, Prompt};
 use kvmesh_gpu::backend::cpu::{CpuBackend, CpuModel};
 use kvmesh_gpu::backend::{Backend, ForwardBatch, SeqInput};
 use kvmesh_gpu::card::ModelCard;
@@ -43,7 +46,6 @@ const TIE_GAP: f32 = 1e-3;
 
 #[derive(Deserialize)]
 struct Fixture {
-    format: u32,
     model: String,
     architecture: String,
     transformers_version: String,
@@ -57,54 +59,10 @@ struct Fixture {
     prompts: Vec<Prompt>,
 }
 
-#[derive(Deserialize)]
-struct Prompt {
-    name: String,
-    ids: Vec<u32>,
-    last_logits: Vec<f32>,
-    argmax: Vec<u32>,
-    argmax_top2_gap: Vec<f32>,
-    greedy: Vec<u32>,
-    steps: Steps,
-}
-
-#[derive(Deserialize)]
-struct Steps {
-    argmax: Vec<u32>,
-    gap: Vec<f32>,
-    lse: Vec<f32>,
-    top_ids: Vec<Vec<usize>>,
-    top_logits: Vec<Vec<f32>>,
-    columns: Vec<Vec<f32>>,
-}
-
-fn repo() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
-
 fn fixture(name: &str) -> Fixture {
-    let path = repo()
-        .join("tests/fixtures/reference")
-        .join(format!("{name}.json"));
-    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    let fx: Fixture =
-        serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    assert_eq!(
-        fx.format,
-        1,
-        "{}: rerun scripts/fp8_fixtures.py",
-        path.display()
-    );
+    let fx: Fixture = reference::read(name, 1, "scripts/fp8_fixtures.py");
     assert_eq!(fx.model, name);
     fx
-}
-
-fn fnv1a64(bytes: &[u8]) -> String {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for &b in bytes {
-        h = (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3);
-    }
-    format!("{h:016x}")
 }
 
 /// The fixture's model, checked to be the file the reference was made from and to be read
@@ -452,7 +410,7 @@ fn check_bf16_twin(model: &LoadedModel, dir: &Path, fx: &Fixture) {
 
 fn check(name: &str) {
     let fx = fixture(name);
-    let dir = repo().join("tests/fixtures/models").join(name);
+    let dir = model_dir(name);
     let model = load(&dir, &fx);
     let a = check_prompts(&model, &fx);
     let b = check_teacher_forced(&model, &fx);

@@ -24,8 +24,9 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
+use common::reference::{self, fnv1a64, model_dir};
 use common::ModelWithConfig;
 use kvmesh_gpu::backend::cpu::{argmax, HybridModel};
 use kvmesh_gpu::config::{HybridLayout, LayerType};
@@ -37,7 +38,6 @@ const TIE_GAP: f32 = 1e-3;
 
 #[derive(Deserialize)]
 struct Fixture {
-    format: u32,
     model: String,
     architecture: String,
     layer_types: Vec<String>,
@@ -59,36 +59,8 @@ struct Prompt {
     greedy_gaps: Vec<f32>,
 }
 
-fn repo() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
-
-fn model_dir(name: &str) -> PathBuf {
-    repo().join("tests/fixtures/models").join(name)
-}
-
 fn fixture(name: &str) -> Fixture {
-    let path = repo()
-        .join("tests/fixtures/reference")
-        .join(format!("{name}.json"));
-    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    let fx: Fixture =
-        serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    assert_eq!(
-        fx.format,
-        1,
-        "{}: rerun scripts/qwen35_fixtures.py",
-        path.display()
-    );
-    fx
-}
-
-fn fnv1a64(bytes: &[u8]) -> String {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for &b in bytes {
-        h = (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3);
-    }
-    format!("{h:016x}")
+    reference::read(name, 1, "scripts/qwen35_fixtures.py")
 }
 
 fn load(name: &str, fx: &Fixture) -> LoadedModel {

@@ -165,3 +165,5 @@ impl Drop for ModelWithConfig {
         }
     }
 }
+
+pub mod reference;
