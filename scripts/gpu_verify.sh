@@ -60,7 +60,7 @@ run)
     mkdir -p "$work"
     t0=$(date +%s)
     budget="${GPU_BUDGET_S:-540}"
-    stages="${STAGES:-offline parity bench-8b serve-8b bench-llama-8b profile-8b bench-small peer-8b}"
+    stages="${STAGES:-offline parity bench-8b profile-8b serve-8b bench-llama-8b bench-small peer-8b}"
     # The device returns at most 8 files from $OUT: everything is packed into one archive
     # (and a summary printed) however the run ends.
     touch "$work/.start"
@@ -103,9 +103,10 @@ run)
     # The 8B shapes (issue: batch-1 decode against the copy bound, prefill against the GEMM
     # peak, KV capacity at the default memory share); the checkpoints are written here.
     stage bench-8b 150 gpu-out/gpu-bench --presets qwen3-8b --json "bench/results/gpu-8b-qwen3.json"
+    # Where the batch-1 step goes, kernel by kernel: what the fusion work is decided on.
+    stage profile-8b 120 env OUT="$work" PRESET=qwen3-8b BATCH=1 PREFILL=512 bash scripts/gpu_profile.sh
     stage serve-8b 170 env OUT="$work" MODEL=target/bench-models/qwen3-8b bash scripts/gpu_serve_bench.sh
     stage bench-llama-8b 110 gpu-out/gpu-bench --presets llama-3.1-8b --json "bench/results/gpu-8b-llama.json"
-    stage profile-8b 120 env OUT="$work" PRESET=qwen3-8b BATCH=1 PREFILL=512 bash scripts/gpu_profile.sh
     stage bench-small 60 gpu-out/gpu-bench
     stage peer-8b 150 python3 scripts/hf_peer_bench.py --presets qwen3-8b --compile --batches 1,32 \
         --prefill-lens 512,2048 --gpu-json bench/results/gpu-8b-qwen3.json --json bench/results/hf-compiled-8b.json
