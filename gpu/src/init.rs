@@ -196,6 +196,10 @@ pub fn write_random_checkpoint(
         .map_err(|e| EngineError::io(format!("create {}", out.display()), e))?;
 
     let specs = cfg.tensors();
+    let live = Live {
+        vocab: tok.vocab_size(),
+        tied: cfg.tie_word_embeddings,
+    };
     let names: Vec<(String, Vec<usize>)> = specs
         .iter()
         .map(|t| (t.name.clone(), t.shape.clone()))
@@ -204,11 +208,38 @@ pub fn write_random_checkpoint(
         &out.join("model.safetensors"),
         &names,
         dtype,
-        &|ti, start, vals| random_values(&specs[ti], seed, ti, start, vals),
+        &|ti, start, vals| {
+            random_values(&specs[ti], seed, ti, start, vals);
+            live.silence_padding(&specs[ti], start, vals);
+        },
     )?;
 
     write_side_files(&cfg, dtype, tokenizer, out)?;
     Ok(cfg)
+}
+
+/// The ids the tokenizer can decode. A preset's vocabulary (151,936 for Qwen3-8B) is far larger
+/// than the embedded tokenizer's; a trained model never picks the ids past it, but random
+/// weights would nearly always do so, and a served answer would carry tokens with no text.
+/// Their rows of the output head (and of the embedding, when tied to it) are zero, so their
+/// logit is exactly 0 while the decodable ids' largest is positive. Shapes, and so speed, are
+/// unchanged.
+struct Live {
+    vocab: usize,
+    tied: bool,
+}
+
+impl Live {
+    /// Zeroes the elements of `vals` (tensor `t` from element `start`) in rows past `vocab`.
+    fn silence_padding(&self, t: &TensorSpec, start: usize, vals: &mut [f32]) {
+        let head = t.role == TensorRole::Head || (self.tied && t.role == TensorRole::Embedding);
+        if !head || t.shape.len() != 2 {
+            return;
+        }
+        let first_dead = self.vocab.min(t.shape[0]) * t.shape[1];
+        let from = first_dead.saturating_sub(start).min(vals.len());
+        vals[from..].fill(0.0);
+    }
 }
 
 /// Random values of tensor `t` (the `ti`th of the checkpoint) from element `start` on:
@@ -368,6 +399,67 @@ mod tests {
                 assert!(v.iter().all(|&x| x == 1.0));
             }
         }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn head_rows_past_the_tokenizer_are_zero_and_the_rest_random() {
+        let live = Live {
+            vocab: 5,
+            tied: false,
+        };
+        let t = |role| TensorSpec {
+            name: "w".into(),
+            shape: vec![8, 4],
+            role,
+        };
+        // A chunk that starts inside row 3: rows 3 and 4 stay, rows 5.. are zeroed.
+        let mut vals = vec![0.5f32; 20];
+        live.silence_padding(&t(TensorRole::Head), 13, &mut vals);
+        assert!(vals[..7].iter().all(|&x| x == 0.5), "{vals:?}");
+        assert!(vals[7..].iter().all(|&x| x == 0.0), "{vals:?}");
+        // A chunk wholly before the padding is untouched; one wholly after is zero.
+        let mut vals = vec![0.5f32; 8];
+        live.silence_padding(&t(TensorRole::Head), 0, &mut vals);
+        assert!(vals.iter().all(|&x| x == 0.5));
+        live.silence_padding(&t(TensorRole::Head), 24, &mut vals);
+        assert!(vals.iter().all(|&x| x == 0.0));
+        // Untied embeddings and other tensors keep every row; tied embeddings lose theirs.
+        for (role, tied, kept) in [
+            (TensorRole::Embedding, false, true),
+            (TensorRole::Dense, true, true),
+            (TensorRole::Embedding, true, false),
+        ] {
+            let mut vals = vec![0.5f32; 4];
+            Live { vocab: 5, tied }.silence_padding(&t(role), 28, &mut vals);
+            assert_eq!(vals.iter().all(|&x| x == 0.5), kept, "{role:?} tied {tied}");
+        }
+    }
+
+    #[test]
+    fn a_large_vocabulary_checkpoint_picks_decodable_tokens() {
+        // The qwen3-8b preset's 151,936 ids over the embedded tokenizer, at a tiny width: the
+        // ids the tokenizer lacks have zero head rows, the others random ones.
+        let dir = std::env::temp_dir().join(format!("kvmesh-init-vocab-{}", std::process::id()));
+        let mut cfg = preset(Some(Arch::Qwen3), "tiny").unwrap();
+        cfg.vocab_size = 151_936;
+        let tokenizer = crate::embedded::default_tokenizer();
+        let cfg = write_random_checkpoint(cfg, 3, DType::BF16, &tokenizer, &dir).unwrap();
+        let tok = TextTokenizer::from_files(&tokenizer, &[]).unwrap();
+        assert!(tok.vocab_size() < 151_936);
+        let w = crate::safetensors::WeightStore::open_dir(&dir).unwrap();
+        let head = cfg
+            .tensors()
+            .into_iter()
+            .find(|t| {
+                t.role == TensorRole::Head
+                    || (cfg.tie_word_embeddings && t.role == TensorRole::Embedding)
+            })
+            .unwrap();
+        let v = w.f32(&head.name, &head.shape).unwrap();
+        let h = head.shape[1];
+        assert!(v[tok.vocab_size() * h..].iter().all(|&x| x == 0.0));
+        assert!(v[..tok.vocab_size() * h].iter().any(|&x| x != 0.0));
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }
