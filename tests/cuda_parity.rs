@@ -21,7 +21,9 @@
 //! - the KV-transfer hooks: blocks copied out and into other blocks decode the same, and a
 //!   prompt exported by one CUDA engine through host staging decodes on another exactly as
 //!   on one engine (disaggregated prefill on the GPU backend);
-//! - a KV budget larger than the GPU is a clear error, and HTTP answers match the CPU's.
+//! - a KV budget larger than the GPU is a clear error, and HTTP answers match the CPU's;
+//! - the skinny products (decode steps of up to 8 rows) equal cuBLAS's and a float64
+//!   reference at the 8B models' shapes and at ragged ones.
 #![cfg(feature = "cuda")]
 
 mod common;
@@ -31,7 +33,7 @@ use std::sync::Arc;
 
 use kvmesh_gpu::backend::cpu::delta::DeltaParams;
 use kvmesh_gpu::backend::cuda::delta::{mix_on_device, mix_on_host, DeltaDims};
-use kvmesh_gpu::backend::cuda::CudaBackend;
+use kvmesh_gpu::backend::cuda::{skinny_and_cublas, CudaBackend};
 use kvmesh_gpu::backend::{Backend, CudaOptions, ForwardBatch, SeqInput};
 use kvmesh_gpu::config::{Arch, HybridConfig, HybridLayout, LayerType};
 use kvmesh_gpu::engine::{self, EngineConfig, Request, SeqEvent};
@@ -818,5 +820,67 @@ fn gated_deltanet_kernels_match_the_cpu() {
             }
         }
         println!("{ctx}: outputs within {worst:.1e}, states within {worst_state:.1e}");
+    }
+}
+
+#[test]
+fn skinny_products_match_cublas_and_a_float64_reference() {
+    // Qwen3-8B's projections at 1, 3 and 8 rows; shapes that end mid-block, mid-warp and
+    // mid-unroll; a row count the kernel for 4 pads.
+    let shapes = [
+        (1, 6144, 4096),
+        (3, 4096, 4096),
+        (8, 4096, 12288),
+        (1, 24576, 4096),
+        (5, 37, 24),
+        (2, 1000, 8),
+        (8, 17, 4104),
+        (4, 33, 1032),
+    ];
+    let mut r = Rng::seeded(11);
+    for (m, n, k) in shapes {
+        let mut draw = |len: usize| -> (Vec<u16>, Vec<f32>) {
+            let bits: Vec<u16> = (0..len)
+                .map(|_| {
+                    let v = ((r.next_u64() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * 2.0;
+                    (v.to_bits() >> 16) as u16
+                })
+                .collect();
+            let vals = bits
+                .iter()
+                .map(|&b| f32::from_bits((b as u32) << 16))
+                .collect();
+            (bits, vals)
+        };
+        let (xb, x) = draw(m * k);
+        let (wb, w) = draw(n * k);
+        let (skinny, cublas) = skinny_and_cublas(0, &xb, &wb, (m, n, k)).unwrap();
+        assert_eq!(skinny.len(), m * n);
+        let mut worst = 0f64;
+        for i in 0..m {
+            for j in 0..n {
+                let (xr, wr) = (&x[i * k..(i + 1) * k], &w[j * k..(j + 1) * k]);
+                let want: f64 = xr.iter().zip(wr).map(|(&a, &b)| a as f64 * b as f64).sum();
+                let scale: f64 = xr
+                    .iter()
+                    .zip(wr)
+                    .map(|(&a, &b)| (a as f64 * b as f64).abs())
+                    .sum();
+                let (s, c) = (skinny[i * n + j] as f64, cublas[i * n + j] as f64);
+                let ctx = format!("m {m} n {n} k {k}: y[{i}, {j}]");
+                assert!(s.is_finite(), "{ctx}: the skinny kernel left {s}");
+                let err = (s - want).abs() / scale.max(1e-30);
+                worst = worst.max(err);
+                assert!(
+                    err < 1e-5,
+                    "{ctx}: skinny {s}, float64 {want} (sum |x w| {scale})"
+                );
+                assert!(
+                    (c - want).abs() / scale.max(1e-30) < 1e-5,
+                    "{ctx}: cuBLAS {c}, float64 {want}"
+                );
+            }
+        }
+        println!("m {m} n {n} k {k}: skinny within {worst:.1e} of float64 (relative to sum |x w|)");
     }
 }

@@ -54,6 +54,10 @@ struct Args {
     /// Launch every step eagerly: no CUDA graphs for decode steps.
     #[arg(long)]
     enforce_eager: bool,
+    /// Every product through cuBLAS, none through the engine's skinny kernels (decode steps
+    /// of up to 8 rows use those by default): to measure one against the other.
+    #[arg(long)]
+    cublas_only: bool,
     /// Decode batch sizes to measure, comma-separated.
     #[arg(long, value_delimiter = ',', value_parser = trimmed::<usize>,
           default_value = "1,8,32,64,128,256")]
@@ -399,8 +403,9 @@ fn summarise(args: &Args, name: &str, dir: &Path, cfg: &ModelConfig, f: &Figures
             f.bound_step() * 1e3
         ),
         format!(
-            "decode       CUDA graphs {} (--enforce-eager turns them off)",
-            if f.cuda_graphs { "on" } else { "off" }
+            "decode       CUDA graphs {} (--enforce-eager turns them off); products of <= 8 rows by {}",
+            if f.cuda_graphs { "on" } else { "off" },
+            if args.cublas_only { "cuBLAS (--cublas-only)" } else { "the skinny kernels" }
         ),
         format!(
             "{:>8} {:>12} {:>12} {:>14} {:>12}",
@@ -474,6 +479,7 @@ fn summarise(args: &Args, name: &str, dir: &Path, cfg: &ModelConfig, f: &Figures
         "dtype": "bf16",
         "kv_block_size": BLOCK_SIZE,
         "cuda_graphs": f.cuda_graphs,
+        "small_products": if args.cublas_only { "cublas" } else { "skinny kernels" },
         "weight_bytes_per_step": f.step_bytes,
         "bound_ms_per_token_batch1": f.bound_step() * 1e3,
         "batch1_bandwidth_utilisation": util1,
@@ -550,6 +556,7 @@ fn bench_model(args: &Args, name: &str, dev: &mut DeviceFigures) -> anyhow::Resu
         graphs: !args.enforce_eager,
         reserve_tokens: max_prefill.max(args.fill_chunk),
         reserve_rows: max_batch,
+        skinny_products: !args.cublas_only,
     };
     let backend = CudaBackend::new(
         &cfg,

@@ -34,6 +34,10 @@ pub struct CudaOptions {
     /// halfway through serving.
     pub reserve_tokens: usize,
     pub reserve_rows: usize,
+    /// Whether products of at most 8 rows (decode steps of small batches) stream the weights
+    /// through the engine's own kernels (the default) rather than cuBLAS; off only to
+    /// measure one against the other (`gpu-bench --cublas-only`).
+    pub skinny_products: bool,
 }
 
 impl CudaOptions {
@@ -45,6 +49,7 @@ impl CudaOptions {
             graphs: true,
             reserve_tokens: d.max_num_batched_tokens,
             reserve_rows: d.max_num_seqs,
+            skinny_products: true,
         }
     }
 }

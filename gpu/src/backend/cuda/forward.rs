@@ -3,11 +3,10 @@
 //! follows them (`AddRmsNorm`), so the stream keeps `x` (f32) and its normed copy `xn`
 //! (bf16), the next product's input.
 
-use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaSlice, CudaStream};
 
 use super::buffers::{LogitsSpace, StepDims, StepInputs, Workspace};
-use super::gemm::{gemm_bf16_f32, linear};
+use super::gemm::Products;
 use super::kernels::{
     AddRmsNorm, Attention, EmbedGather, GatherRows, Heads, Kernels, QkNorm, RmsNorm, RopeKvWrite,
     SiluMul,
@@ -32,6 +31,7 @@ impl CudaBackend {
             kv,
             ws,
             ls,
+            skinny_products,
             ..
         } = self;
         let ws = ws
@@ -40,8 +40,13 @@ impl CudaBackend {
         let pass = Pass {
             cfg,
             s: stream,
-            blas,
             k,
+            mm: Products {
+                blas,
+                s: stream,
+                k,
+                skinny: *skinny_products,
+            },
             w,
             dims,
             inp,
@@ -66,8 +71,8 @@ impl CudaBackend {
 struct Pass<'a> {
     cfg: &'a ModelConfig,
     s: &'a CudaStream,
-    blas: &'a CudaBlas,
     k: &'a Kernels,
+    mm: Products<'a>,
     w: &'a DevWeights,
     dims: &'a StepDims,
     inp: &'a StepInputs,
@@ -182,19 +187,12 @@ impl Pass<'_> {
             None => &self.w.embed_tokens,
         };
         let vocab = self.cfg.vocab_size;
-        gemm_bf16_f32(
-            self.blas,
-            self.s,
-            &ls.xr,
-            head,
-            &mut ls.logits,
-            (n, vocab, h),
-        )
+        self.mm.product(&ls.xr, head, &mut ls.logits, (n, vocab, h))
     }
 
     /// `y = x · Wᵀ (+ b)` over the step's tokens.
     fn linear(&self, l: &DevLinear, x: &CudaSlice<u16>, y: &mut CudaSlice<f32>) -> Result<()> {
-        linear(self.blas, self.s, self.k, l, self.dims.tokens, x, y)
+        self.mm.linear(l, self.dims.tokens, x, y)
     }
 
     /// `x += tmp`, then `xn = rmsnorm(x) * norm`.

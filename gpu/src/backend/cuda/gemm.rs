@@ -1,11 +1,12 @@
-//! Matrix products through cuBLAS: bf16 inputs, f32 accumulation and output.
+//! Matrix products: bf16 inputs, f32 accumulation and output, through cuBLAS, or for a few
+//! rows through the skinny kernels (`kernels/skinny.cu`), which stream the weights once.
 
 use std::ffi::c_void;
 
 use cudarc::cublas::{result as blas_result, sys as blas_sys, CudaBlas};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 
-use super::kernels::{BiasAdd, Kernels};
+use super::kernels::{BiasAdd, Kernels, SkinnyGemm};
 use super::weights::DevLinear;
 use crate::error::{EngineError, Result};
 
@@ -89,25 +90,92 @@ fn too_big(what: &str) -> EngineError {
     ))
 }
 
-/// `y = x · Wᵀ` (+ bias) for a `DevLinear` over the first `m` rows.
-pub fn linear(
-    blas: &CudaBlas,
-    stream: &CudaStream,
-    k: &Kernels,
-    l: &DevLinear,
-    m: usize,
-    x: &CudaSlice<u16>,
-    y: &mut CudaSlice<f32>,
-) -> Result<()> {
-    gemm_bf16_f32(blas, stream, x, &l.w, y, (m, l.out, l.inp))?;
-    if let Some(bias) = &l.bias {
-        BiasAdd {
-            y,
-            bias,
-            rows: m,
-            cols: l.out,
+/// Where a forward pass's products run: cuBLAS, and the skinny kernels for products of a few
+/// rows unless they are turned off (`CudaOptions::skinny_products`).
+#[derive(Clone, Copy)]
+pub struct Products<'a> {
+    pub blas: &'a CudaBlas,
+    pub s: &'a CudaStream,
+    pub k: &'a Kernels,
+    pub skinny: bool,
+}
+
+impl Products<'_> {
+    /// `y[m, n] = x[m, k] · W[n, k]ᵀ`.
+    pub fn product(
+        &self,
+        x: &CudaSlice<u16>,
+        w: &CudaSlice<u16>,
+        y: &mut CudaSlice<f32>,
+        (m, n, k): (usize, usize, usize),
+    ) -> Result<()> {
+        if self.skinny && SkinnyGemm::takes(m, k) {
+            SkinnyGemm {
+                x,
+                w,
+                y,
+                rows: m,
+                n,
+                k,
+            }
+            .launch(self.k, self.s)
+        } else {
+            gemm_bf16_f32(self.blas, self.s, x, w, y, (m, n, k))
         }
-        .launch(k, stream)?;
     }
-    Ok(())
+
+    /// `y = x · Wᵀ` (+ bias) for a `DevLinear` over the first `m` rows.
+    pub fn linear(
+        &self,
+        l: &DevLinear,
+        m: usize,
+        x: &CudaSlice<u16>,
+        y: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        self.product(x, &l.w, y, (m, l.out, l.inp))?;
+        if let Some(bias) = &l.bias {
+            BiasAdd {
+                y,
+                bias,
+                rows: m,
+                cols: l.out,
+            }
+            .launch(self.k, self.s)?;
+        }
+        Ok(())
+    }
+}
+
+/// The skinny kernels' and cuBLAS's products of the same random bf16 matrices on device
+/// `ordinal` (`x` `[m, k]`, `w` `[n, k]`, as bf16 bits), for checking one against the other.
+pub fn skinny_and_cublas(
+    ordinal: usize,
+    x: &[u16],
+    w: &[u16],
+    (m, n, k): (usize, usize, usize),
+) -> Result<(Vec<f32>, Vec<f32>)> {
+    use super::device::drv;
+    let ctx = cudarc::driver::CudaContext::new(ordinal).map_err(|e| drv("context creation", e))?;
+    let s = ctx.new_stream().map_err(|e| drv("stream creation", e))?;
+    let (kernels, _) = Kernels::load(&ctx)?;
+    let blas = CudaBlas::new(s.clone()).map_err(|e| EngineError::device("cuBLAS handle", e))?;
+    let xd = s.clone_htod(x).map_err(|e| drv("upload", e))?;
+    let wd = s.clone_htod(w).map_err(|e| drv("upload", e))?;
+    let run = |skinny: bool| -> Result<Vec<f32>> {
+        // Poisoned first, so an element the kernel leaves unwritten shows.
+        let mut y = s
+            .clone_htod(&vec![f32::NAN; m * n])
+            .map_err(|e| drv("upload", e))?;
+        Products {
+            blas: &blas,
+            s: &s,
+            k: &kernels,
+            skinny,
+        }
+        .product(&xd, &wd, &mut y, (m, n, k))?;
+        s.clone_dtoh(&y).map_err(|e| drv("download", e))
+    };
+    let skinny = run(true)?;
+    let cublas = run(false)?;
+    Ok((skinny, cublas))
 }

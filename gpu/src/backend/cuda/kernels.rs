@@ -34,6 +34,7 @@ pub const KERNELS_CU: &str = concat!(
     include_str!("kernels/attention_prefill.cu"),
     include_str!("kernels/sampling.cu"),
     include_str!("kernels/delta.cu"),
+    include_str!("kernels/skinny.cu"),
 );
 
 /// The compiled module's functions.
@@ -57,6 +58,8 @@ pub struct Kernels {
     /// Gated DeltaNet's (see `delta`).
     pub(super) delta_conv: CudaFunction,
     pub(super) gated_delta: CudaFunction,
+    /// `skinny_gemm_m*`, by the most rows each takes.
+    skinny: Vec<(usize, CudaFunction)>,
 }
 
 impl Kernels {
@@ -95,7 +98,7 @@ impl Kernels {
                 .load_function(k.name)
                 .map_err(|e| drv(&format!("kernel `{}` lookup", k.name), e))
         };
-        let by_head_dim = |ks: &[(usize, KernelShape)]| {
+        let by_size = |ks: &[(usize, KernelShape)]| {
             ks.iter()
                 .map(|&(d, k)| f(k).map(|func| (d, func)))
                 .collect::<Result<Vec<_>>>()
@@ -109,14 +112,15 @@ impl Kernels {
             rope_kv_write: f(shapes::ROPE_KV_WRITE)?,
             attention_decode: f(shapes::ATTENTION_DECODE)?,
             attention_prefill: f(shapes::ATTENTION_PREFILL)?,
-            attention_decode_vec: by_head_dim(&shapes::ATTENTION_DECODE_VEC)?,
-            attention_prefill_mma: by_head_dim(&shapes::ATTENTION_PREFILL_MMA)?,
+            attention_decode_vec: by_size(&shapes::ATTENTION_DECODE_VEC)?,
+            attention_prefill_mma: by_size(&shapes::ATTENTION_PREFILL_MMA)?,
             silu_mul: f(shapes::SILU_MUL)?,
             gather_rows: f(shapes::GATHER_ROWS)?,
             sample_rows: f(shapes::SAMPLE_ROWS)?,
             constrain_rows: f(shapes::CONSTRAIN_ROWS)?,
             delta_conv: f(shapes::DELTA_CONV)?,
             gated_delta: f(shapes::GATED_DELTA)?,
+            skinny: by_size(&shapes::SKINNY_GEMM)?,
         };
         Ok((k, arch))
     }
@@ -158,6 +162,64 @@ pub(super) fn holds(kernel: &str, what: &str, len: usize, need: usize) -> Result
         )));
     }
     Ok(())
+}
+
+/// `y[m, n] = x[m, k] · w[n, k]ᵀ` for `rows` rows, bf16 in, f32 out, by the skinny kernel
+/// for that many rows (see `kernels/skinny.cu`).
+pub struct SkinnyGemm<'a> {
+    pub x: &'a CudaSlice<u16>,
+    pub w: &'a CudaSlice<u16>,
+    pub y: &'a mut CudaSlice<f32>,
+    pub rows: usize,
+    pub n: usize,
+    pub k: usize,
+}
+
+impl SkinnyGemm<'_> {
+    /// Whether a product of `rows` rows with inner dimension `k` has a skinny kernel.
+    pub fn takes(rows: usize, k: usize) -> bool {
+        rows >= 1 && rows <= shapes::SKINNY_GEMM[3].0 && k >= 8 && k.is_multiple_of(8)
+    }
+
+    pub fn launch(self, kernels: &Kernels, s: &CudaStream) -> Result<()> {
+        let name = "skinny_gemm";
+        let (rows, n, k) = (self.rows, self.n, self.k);
+        if !Self::takes(rows, k) || n == 0 {
+            return Err(EngineError::Backend(format!(
+                "{name}: no skinny kernel for {rows} rows of {k} (by {n} outputs)"
+            )));
+        }
+        holds(name, "x", self.x.len(), rows * k)?;
+        holds(name, "w", self.w.len(), n * k)?;
+        holds(name, "y", self.y.len(), rows * n)?;
+        let (shape, func) = shapes::SKINNY_GEMM
+            .iter()
+            .zip(&kernels.skinny)
+            .find(|((most, _), _)| rows <= *most)
+            .map(|((_, shape), (_, func))| (shape, func))
+            .expect("takes() checked rows against the largest kernel");
+        let too_big =
+            |what: &str| EngineError::Backend(format!("{name}: {what} exceeds the 32-bit range"));
+        let (ri, ni, ki) = (
+            i32::try_from(rows).map_err(|_| too_big("rows"))?,
+            i32::try_from(n).map_err(|_| too_big("n"))?,
+            i32::try_from(k).map_err(|_| too_big("k"))?,
+        );
+        let cfg = grid(shape, n.div_ceil(shapes::SKINNY_ROWS_PER_BLOCK), 1, 1)?;
+        let mut b = s.launch_builder(func);
+        b.arg(self.x)
+            .arg(self.w)
+            .arg(self.y)
+            .arg(&ri)
+            .arg(&ni)
+            .arg(&ki);
+        // SAFETY: the arguments match `skinny_gemm_m*`'s signature in order and type; x
+        // holds `rows` rows of k, w n rows of k, y `rows` rows of n (checked above), and k is
+        // a multiple of 8, so every 16-byte load starts on a 16-byte boundary of a 256-byte
+        // aligned allocation and ends inside its row.
+        unsafe { b.launch(cfg) }.map_err(failed(name))?;
+        Ok(())
+    }
 }
 
 /// `out[t] = table[ids[t]]`, widened to f32: the embeddings of `tokens` tokens.

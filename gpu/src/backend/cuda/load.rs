@@ -77,6 +77,7 @@ impl CudaBackend {
             ws,
             ls,
             graphs,
+            skinny_products: opts.skinny_products,
         })
     }
 

@@ -55,6 +55,7 @@ mod step;
 mod weights;
 
 pub use device::device_count;
+pub use gemm::skinny_and_cublas;
 pub use kernels::KERNELS_CU;
 pub use load::MemoryPlan;
 
@@ -89,6 +90,8 @@ pub struct CudaBackend {
     ws: Option<Workspace>,
     ls: Option<LogitsSpace>,
     graphs: DecodeGraphs,
+    /// Whether products of a few rows use the skinny kernels (`CudaOptions::skinny_products`).
+    skinny_products: bool,
 }
 
 impl CudaBackend {

@@ -60,6 +60,9 @@ pub const PREFILL_QUERIES_PER_BLOCK: usize = 8;
 
 pub const EMBED: KernelShape = shape("embed_gather", 256, 0, false);
 pub const RMSNORM: KernelShape = shape("rmsnorm_to_bf16", 256, BLOCK_SUM, true);
+/// float4s of its row each `add_rmsnorm_to_bf16` thread keeps in registers between its two
+/// passes: rows up to 4 x 8 x 256 = 8,192 wide (wider ones loop over global memory).
+const NORM_CACHED: usize = 8;
 pub const ADD_RMSNORM: KernelShape = shape("add_rmsnorm_to_bf16", 256, BLOCK_SUM, true);
 pub const BIAS_ADD: KernelShape = shape("bias_add", 256, 0, false);
 /// One warp per head: the kernel reduces with a single `warp_sum`.
@@ -100,14 +103,9 @@ pub const PREFILL_MMA_ROWS: usize = 64;
 /// Keys per shared-memory tile of the tensor-core prefill (its `PFM_KEYS`).
 const PREFILL_MMA_KEYS: usize = 32;
 const fn prefill_mma(name: &'static str, d: usize) -> KernelShape {
-    // A key tile row-major (rows padded by 8) and a value tile transposed (rows of keys
-    // padded by 8), both bf16.
-    shape(
-        name,
-        128,
-        PREFILL_MMA_KEYS * (d + 8) * BF16 + d * (PREFILL_MMA_KEYS + 8) * BF16,
-        true,
-    )
+    // Two stages (one used while the next loads) of a key tile and a value tile, both
+    // row-major bf16 with rows padded by 8.
+    shape(name, 128, 2 * 2 * PREFILL_MMA_KEYS * (d + 8) * BF16, true)
 }
 /// The tensor-core prefill, one kernel per head dimension it is built for.
 pub const ATTENTION_PREFILL_MMA: [(usize, KernelShape); 4] = [
@@ -152,6 +150,25 @@ pub const GATED_DELTA: KernelShape = shape(
     true,
 );
 
+/// Warps per block of the skinny products, rows of the weights each warp streams, and 16-byte
+/// loads each lane has in flight per row: 8 x 2 x 4 x 512 bytes = 32 KiB in flight a block.
+const SKINNY_THREADS: u32 = 256;
+pub const SKINNY_ROWS: usize = 2;
+const SKINNY_UNROLL: usize = 4;
+const fn skinny(name: &'static str) -> KernelShape {
+    shape(name, SKINNY_THREADS, 0, true)
+}
+/// `skinny_gemm_m*`: products of at most this many rows (a decode step's) that stream the
+/// weights once, by the most rows each takes; more rows go to cuBLAS.
+pub const SKINNY_GEMM: [(usize, KernelShape); 4] = [
+    (1, skinny("skinny_gemm_m1")),
+    (2, skinny("skinny_gemm_m2")),
+    (4, skinny("skinny_gemm_m4")),
+    (8, skinny("skinny_gemm_m8")),
+];
+/// Weight rows one block of a skinny product covers.
+pub const SKINNY_ROWS_PER_BLOCK: usize = SKINNY_THREADS as usize / 32 * SKINNY_ROWS;
+
 /// Every kernel of `kernels/*.cu`. A kernel missing here is one the offline check refuses.
 pub const KERNELS: &[KernelShape] = &[
     EMBED,
@@ -176,6 +193,10 @@ pub const KERNELS: &[KernelShape] = &[
     CONSTRAIN_ROWS,
     DELTA_CONV,
     GATED_DELTA,
+    SKINNY_GEMM[0].1,
+    SKINNY_GEMM[1].1,
+    SKINNY_GEMM[2].1,
+    SKINNY_GEMM[3].1,
 ];
 
 /// The macros the kernels (`kernels/*.cu`) are compiled with: the figures above, under the names the kernels
@@ -188,6 +209,7 @@ pub fn defines() -> Vec<(&'static str, usize)> {
         ("EMBED_THREADS", EMBED.threads as usize),
         ("RMSNORM_THREADS", RMSNORM.threads as usize),
         ("ADD_RMSNORM_THREADS", ADD_RMSNORM.threads as usize),
+        ("NORM_CACHED", NORM_CACHED),
         ("BIAS_ADD_THREADS", BIAS_ADD.threads as usize),
         ("QK_NORM_THREADS", QK_NORM.threads as usize),
         ("ROPE_THREADS", ROPE_KV_WRITE.threads as usize),
@@ -202,6 +224,9 @@ pub fn defines() -> Vec<(&'static str, usize)> {
         ("MAX_CONV_KERNEL", MAX_CONV_KERNEL),
         ("DELTA_THREADS", GATED_DELTA.threads as usize),
         ("MAX_DELTA_DK", MAX_DELTA_HEAD),
+        ("SKINNY_THREADS", SKINNY_THREADS as usize),
+        ("SKINNY_ROWS", SKINNY_ROWS),
+        ("SKINNY_UNROLL", SKINNY_UNROLL),
     ]
 }
 

@@ -4,7 +4,7 @@
 // attention_prefill.cu and sampling.cu, joined in that order (kernels.rs, KERNELS_CU).
 
 // The query rows a prefill block of `rows` rows takes (grid (S, nq, tiles): sequence
-// blockIdx.x, tile blockIdx.z), its sequence's block table, and the keys the block needs: up
+// blockIdx.x, tile gridDim.z - 1 - blockIdx.z), its sequence's block table, and the keys the block needs: up
 // to the last row's position (within the sequence) and, with a window, from the first
 // row's window start. False when the tile is past the sequence's rows.
 struct PrefillRows {
@@ -22,7 +22,9 @@ __device__ __forceinline__ bool prefill_rows(int rows, const int* __restrict__ p
                                              int max_blocks, int window, PrefillRows& b) {
     int s = blockIdx.x;
     int end = seq_starts[s + 1];
-    b.first = seq_starts[s] + blockIdx.z * rows;
+    // The last tiles of a causal prompt see the most keys: they are the grid's first blocks,
+    // so the long ones start first and the short ones fill the tail of the launch.
+    b.first = seq_starts[s] + (gridDim.z - 1 - blockIdx.z) * rows;
     if (b.first >= end) return false;
     b.last = min(b.first + rows, end) - 1;
     b.kv_end = min(positions[b.last] + 1, seq_lens[s]);
@@ -150,7 +152,6 @@ paged_attention_prefill(
 #endif
 #define PFM_ROWS 64        // query rows per block: 16 per warp, the m of an m16n8k16 product
 #define PFM_KEYS 32        // keys per shared-memory tile
-#define PFM_VT (PFM_KEYS + 8)  // row of the transposed V tile, in bf16: 16-byte aligned
 
 __device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
     return (unsigned)f2bf(lo) | ((unsigned)f2bf(hi) << 16);
@@ -169,6 +170,53 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], const unsigned (&a)[4], 
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// Four 8x8 bf16 matrices from shared memory, transposed: lanes 8i .. 8i + 7 give the
+// addresses of matrix i's eight rows (16 bytes each); r[i] is then, for lane (g, t), the
+// elements at (row 2t, column g) and (row 2t + 1, column g) of matrix i: with rows as keys
+// and columns as dimensions, an mma's b fragment of V.
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], const bf16* p) {
+    unsigned a = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+
+// 16 bytes from global to shared memory without passing through registers; `bytes` 0 fills
+// them with zeros instead (keys past the end).
+__device__ __forceinline__ void cp_async16(bf16* dst, const bf16* src, int bytes) {
+    unsigned a = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(a), "l"(src), "r"(bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// Keys k0 .. k0 + PFM_KEYS of one KV head (kc, vc: the caches from that head's first
+// dimension) copied into the K and V tiles (rows of D + 8), a 16-byte piece of one key's row
+// per copy, as one cp.async group. Keys at or past kv_end are zeros (kv_lo is any key the
+// sequence has, whose address stands in for theirs).
+template <int D>
+__device__ __forceinline__ void prefill_tile(bf16* k_t, bf16* v_t, const bf16* __restrict__ kc,
+                                             const bf16* __restrict__ vc,
+                                             const int* __restrict__ table, int block_size,
+                                             long long kvd, int k0, int kv_lo, int kv_end) {
+    constexpr int VEC = D / 8;
+#pragma unroll 1
+    for (int e = threadIdx.x; e < PFM_KEYS * VEC; e += PFM_THREADS) {
+        int j = e / VEC;
+        int c = e % VEC;
+        int p = k0 + j;
+        int live = p < kv_end ? 16 : 0;
+        int pp = live ? p : kv_lo;
+        long long src = ((long long)table[pp / block_size] * block_size + pp % block_size) * kvd + c * 8;
+        cp_async16(k_t + j * (D + 8) + c * 8, kc + src, live);
+        cp_async16(v_t + j * (D + 8) + c * 8, vc + src, live);
+    }
+    cp_async_commit();
+}
+
 // Whether the query at position `pos` (-1: no query) sees key position p.
 __device__ __forceinline__ bool sees(int p, int pos, int kv_end, int window) {
     return p < kv_end && p <= pos && (window <= 0 || p > pos - window);
@@ -176,12 +224,14 @@ __device__ __forceinline__ bool sees(int p, int pos, int kv_end, int window) {
 
 // Prefill attention on the tensor cores, for head dimension D (16, 32, 64 or 128); the same
 // inputs, masks and output as paged_attention_prefill. Each warp owns 16 query rows: Q
-// (scaled, bf16) stays in registers as mma fragments, S = Q K^T for a tile of 32 keys is
-// four m16n8k16 products per 16 dims, the online softmax runs on S's fragments (a row's
-// four lanes agree on its max by shuffles), and P, rounded to bf16, is fed straight back as
-// the A operand of P V, so scores never leave registers. K is staged row-major and V
-// transposed, so both B operands are 32-bit shared loads. Keys past the block's last
-// position are zeros in the tiles and masked in S.
+// (scaled by the softmax scale and log2(e), bf16) stays in registers as mma fragments,
+// S = Q K^T for a tile of 32 keys is four m16n8k16 products per 16 dims, the online softmax
+// runs on S's fragments in base 2 (a row's four lanes agree on its max by shuffles), and P,
+// rounded to bf16, is fed straight back as the A operand of P V, so scores never leave
+// registers. K and V tiles are copied row-major into shared memory by cp.async, two tiles in
+// flight (the next loads while this one is used); K's b fragments are 32-bit shared loads,
+// V's come transposed by ldmatrix. Keys past the block's last position are zeros in the
+// tiles and masked in S.
 // Grid (S, nq, ceil(max_query_len / 64)), block 128.
 template <int D>
 __device__ __forceinline__ void prefill_mma(
@@ -190,10 +240,10 @@ __device__ __forceinline__ void prefill_mma(
     const int* __restrict__ block_tables, int max_blocks, const bf16* __restrict__ k_cache,
     const bf16* __restrict__ v_cache, bf16* __restrict__ out, int nq, int nkv,
     int block_size, float scale, int window) {
-    constexpr int KS = D + 8;     // K tile row, bf16: 16-byte aligned, no bank conflicts
-    constexpr int VEC = D / 8;    // 16-byte vectors in one key's row
-    __shared__ __align__(16) bf16 k_s[PFM_KEYS * KS];
-    __shared__ __align__(16) bf16 vt_s[D * PFM_VT];
+    constexpr int KS = D + 8;     // tile row, bf16: 16-byte aligned, no bank conflicts
+    constexpr int TILE = PFM_KEYS * KS;
+    __shared__ __align__(16) bf16 k_s[2 * TILE];
+    __shared__ __align__(16) bf16 v_s[2 * TILE];
 
     int h = blockIdx.y;
     PrefillRows b;
@@ -227,6 +277,8 @@ __device__ __forceinline__ void prefill_mma(
         warp_from = (int)lo - window + 1;
     }
 
+    // Scores in base 2: exp(s * scale) = exp2(s * scale * log2(e)).
+    const float qscale = scale * 1.4426950408889634f;
     unsigned qa[D / 16][4];
     {
         const float* q0 = qkv + (long long)r0 * row_stride + (long long)h * D;
@@ -234,10 +286,10 @@ __device__ __forceinline__ void prefill_mma(
 #pragma unroll
         for (int kk = 0; kk < D / 16; kk++) {
             int c = kk * 16 + 2 * tq;
-            qa[kk][0] = pos0 < 0 ? 0u : pack_bf16(q0[c] * scale, q0[c + 1] * scale);
-            qa[kk][1] = pos1 < 0 ? 0u : pack_bf16(q1[c] * scale, q1[c + 1] * scale);
-            qa[kk][2] = pos0 < 0 ? 0u : pack_bf16(q0[c + 8] * scale, q0[c + 9] * scale);
-            qa[kk][3] = pos1 < 0 ? 0u : pack_bf16(q1[c + 8] * scale, q1[c + 9] * scale);
+            qa[kk][0] = pos0 < 0 ? 0u : pack_bf16(q0[c] * qscale, q0[c + 1] * qscale);
+            qa[kk][1] = pos1 < 0 ? 0u : pack_bf16(q1[c] * qscale, q1[c + 1] * qscale);
+            qa[kk][2] = pos0 < 0 ? 0u : pack_bf16(q0[c + 8] * qscale, q0[c + 9] * qscale);
+            qa[kk][3] = pos1 < 0 ? 0u : pack_bf16(q1[c + 8] * qscale, q1[c + 9] * qscale);
         }
     }
 
@@ -246,102 +298,102 @@ __device__ __forceinline__ void prefill_mma(
     for (int nd = 0; nd < D / 8; nd++) o[nd][0] = o[nd][1] = o[nd][2] = o[nd][3] = 0.0f;
     float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.0f, l1 = 0.0f;
 
-    for (int k0 = kv_lo; k0 < kv_end; k0 += PFM_KEYS) {
-        __syncthreads();  // the previous tile is no longer read
-        for (int e = threadIdx.x; e < PFM_KEYS * VEC; e += PFM_THREADS) {
-            int j = e / VEC;
-            int c = e % VEC;
-            int p = k0 + j;
-            uint4 kv4 = make_uint4(0u, 0u, 0u, 0u);
-            uint4 vv4 = make_uint4(0u, 0u, 0u, 0u);
-            if (p < kv_end) {
-                long long src = ((long long)table[p / block_size] * block_size + p % block_size) * kvd
-                                + (long long)kvh * D + c * 8;
-                kv4 = *reinterpret_cast<const uint4*>(k_cache + src);
-                vv4 = *reinterpret_cast<const uint4*>(v_cache + src);
-            }
-            *reinterpret_cast<uint4*>(k_s + j * KS + c * 8) = kv4;
-            // (Halves taken by shifts: taking vv4's address would put it in local memory.)
-            unsigned vw[4] = {vv4.x, vv4.y, vv4.z, vv4.w};
-#pragma unroll
-            for (int x = 0; x < 8; x++) {
-                vt_s[(c * 8 + x) * PFM_VT + j] = (bf16)(vw[x >> 1] >> ((x & 1) * 16));
-            }
+    const bf16* kc = k_cache + (long long)kvh * D;
+    const bf16* vc = v_cache + (long long)kvh * D;
+    prefill_tile<D>(k_s, v_s, kc, vc, table, block_size, kvd, kv_lo, kv_lo, kv_end);
+    int st = 0;
+    for (int k0 = kv_lo; k0 < kv_end; k0 += PFM_KEYS, st ^= 1) {
+        if (k0 + PFM_KEYS < kv_end) {
+            // Stage st ^ 1 was last read in the previous iteration, before its closing barrier.
+            prefill_tile<D>(k_s + (st ^ 1) * TILE, v_s + (st ^ 1) * TILE, kc, vc, table,
+                            block_size, kvd, k0 + PFM_KEYS, kv_lo, kv_end);
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
         }
-        __syncthreads();
+        __syncthreads();  // every thread's copies of this tile have landed
         // Warp-uniform: every row of the warp is before this tile, or past its window.
-        if (warp_hi < k0 || k0 + PFM_KEYS <= warp_from) continue;
-
-        float sc[4][4];
+        if (warp_hi >= k0 && k0 + PFM_KEYS > warp_from) {
+            const bf16* kt = k_s + st * TILE;
+            const bf16* vt = v_s + st * TILE;
+            float sc[4][4];
 #pragma unroll
-        for (int nt = 0; nt < 4; nt++) sc[nt][0] = sc[nt][1] = sc[nt][2] = sc[nt][3] = 0.0f;
+            for (int nt = 0; nt < 4; nt++) sc[nt][0] = sc[nt][1] = sc[nt][2] = sc[nt][3] = 0.0f;
 #pragma unroll
-        for (int kk = 0; kk < D / 16; kk++) {
+            for (int kk = 0; kk < D / 16; kk++) {
+#pragma unroll
+                for (int nt = 0; nt < 4; nt++) {
+                    const bf16* kr = kt + (nt * 8 + gq) * KS + kk * 16 + 2 * tq;
+                    mma_bf16(sc[nt], qa[kk], *reinterpret_cast<const unsigned*>(kr),
+                             *reinterpret_cast<const unsigned*>(kr + 8));
+                }
+            }
+            float mx0 = NEG_INF;
+            float mx1 = NEG_INF;
 #pragma unroll
             for (int nt = 0; nt < 4; nt++) {
-                const bf16* kr = k_s + (nt * 8 + gq) * KS + kk * 16 + 2 * tq;
-                mma_bf16(sc[nt], qa[kk], *reinterpret_cast<const unsigned*>(kr),
-                         *reinterpret_cast<const unsigned*>(kr + 8));
+#pragma unroll
+                for (int c = 0; c < 2; c++) {
+                    int p = k0 + nt * 8 + 2 * tq + c;
+                    if (!sees(p, pos0, kv_end, window)) sc[nt][c] = NEG_INF;
+                    if (!sees(p, pos1, kv_end, window)) sc[nt][2 + c] = NEG_INF;
+                    mx0 = fmaxf(mx0, sc[nt][c]);
+                    mx1 = fmaxf(mx1, sc[nt][2 + c]);
+                }
             }
-        }
-        float mx0 = NEG_INF;
-        float mx1 = NEG_INF;
-#pragma unroll
-        for (int nt = 0; nt < 4; nt++) {
-#pragma unroll
-            for (int c = 0; c < 2; c++) {
-                int p = k0 + nt * 8 + 2 * tq + c;
-                if (!sees(p, pos0, kv_end, window)) sc[nt][c] = NEG_INF;
-                if (!sees(p, pos1, kv_end, window)) sc[nt][2 + c] = NEG_INF;
-                mx0 = fmaxf(mx0, sc[nt][c]);
-                mx1 = fmaxf(mx1, sc[nt][2 + c]);
-            }
-        }
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-        float n0 = fmaxf(m0, mx0);
-        float n1 = fmaxf(m1, mx1);
-        // A row that has seen no key yet subtracts 0: every exp is then exp(-inf) = 0.
-        float b0 = n0 == NEG_INF ? 0.0f : n0;
-        float b1 = n1 == NEG_INF ? 0.0f : n1;
-        float c0 = expf(m0 - b0);
-        float c1 = expf(m1 - b1);
-        m0 = n0;
-        m1 = n1;
-        l0 *= c0;
-        l1 *= c1;
-#pragma unroll
-        for (int nd = 0; nd < D / 8; nd++) {
-            o[nd][0] *= c0;
-            o[nd][1] *= c0;
-            o[nd][2] *= c1;
-            o[nd][3] *= c1;
-        }
-#pragma unroll
-        for (int nt = 0; nt < 4; nt++) {
-#pragma unroll
-            for (int c = 0; c < 2; c++) {
-                sc[nt][c] = expf(sc[nt][c] - b0);
-                sc[nt][2 + c] = expf(sc[nt][2 + c] - b1);
-                l0 += sc[nt][c];
-                l1 += sc[nt][2 + c];
-            }
-        }
-#pragma unroll
-        for (int ks = 0; ks < 2; ks++) {
-            unsigned pa[4] = {pack_bf16(sc[2 * ks][0], sc[2 * ks][1]),
-                              pack_bf16(sc[2 * ks][2], sc[2 * ks][3]),
-                              pack_bf16(sc[2 * ks + 1][0], sc[2 * ks + 1][1]),
-                              pack_bf16(sc[2 * ks + 1][2], sc[2 * ks + 1][3])};
+            mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+            mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+            mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+            mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+            float n0 = fmaxf(m0, mx0);
+            float n1 = fmaxf(m1, mx1);
+            // A row that has seen no key yet subtracts 0: every exp2 is then exp2(-inf) = 0.
+            float b0 = n0 == NEG_INF ? 0.0f : n0;
+            float b1 = n1 == NEG_INF ? 0.0f : n1;
+            float c0 = exp2f(m0 - b0);
+            float c1 = exp2f(m1 - b1);
+            m0 = n0;
+            m1 = n1;
+            l0 *= c0;
+            l1 *= c1;
 #pragma unroll
             for (int nd = 0; nd < D / 8; nd++) {
-                const bf16* vr = vt_s + (nd * 8 + gq) * PFM_VT + ks * 16 + 2 * tq;
-                mma_bf16(o[nd], pa, *reinterpret_cast<const unsigned*>(vr),
-                         *reinterpret_cast<const unsigned*>(vr + 8));
+                o[nd][0] *= c0;
+                o[nd][1] *= c0;
+                o[nd][2] *= c1;
+                o[nd][3] *= c1;
+            }
+#pragma unroll
+            for (int nt = 0; nt < 4; nt++) {
+#pragma unroll
+                for (int c = 0; c < 2; c++) {
+                    sc[nt][c] = exp2f(sc[nt][c] - b0);
+                    sc[nt][2 + c] = exp2f(sc[nt][2 + c] - b1);
+                    l0 += sc[nt][c];
+                    l1 += sc[nt][2 + c];
+                }
+            }
+            // ldmatrix: lane l addresses row (l % 8) of matrix l / 8; matrices 0 and 1 are
+            // keys 0-7 and 8-15 of the 16-key step at dims nd * 8 .., 2 and 3 the same keys at
+            // the next 8 dims.
+            const int lrow = (lane & 7) + ((lane >> 3) & 1) * 8;
+            const int lcol = (lane >> 4) * 8;
+#pragma unroll
+            for (int ks = 0; ks < 2; ks++) {
+                unsigned pa[4] = {pack_bf16(sc[2 * ks][0], sc[2 * ks][1]),
+                                  pack_bf16(sc[2 * ks][2], sc[2 * ks][3]),
+                                  pack_bf16(sc[2 * ks + 1][0], sc[2 * ks + 1][1]),
+                                  pack_bf16(sc[2 * ks + 1][2], sc[2 * ks + 1][3])};
+#pragma unroll
+                for (int nd = 0; nd < D / 8; nd += 2) {
+                    unsigned vb[4];
+                    ldmatrix_x4_trans(vb, vt + (ks * 16 + lrow) * KS + nd * 8 + lcol);
+                    mma_bf16(o[nd], pa, vb[0], vb[1]);
+                    mma_bf16(o[nd + 1], pa, vb[2], vb[3]);
+                }
             }
         }
+        __syncthreads();  // this stage is read; the next iteration may refill it
     }
 
     // Each lane summed its own columns: the row's four lanes add theirs.

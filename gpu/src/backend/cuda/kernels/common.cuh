@@ -22,7 +22,7 @@
 typedef unsigned short bf16;
 
 #if !defined(MAX_HEAD_DIM) || !defined(PF_Q) || !defined(PF_K) || !defined(EMBED_THREADS) || \
-    !defined(RMSNORM_THREADS) || !defined(ADD_RMSNORM_THREADS) ||                      \
+    !defined(RMSNORM_THREADS) || !defined(ADD_RMSNORM_THREADS) || !defined(NORM_CACHED) || \
     !defined(BIAS_ADD_THREADS) || !defined(QK_NORM_THREADS) || !defined(ROPE_THREADS) || \
     !defined(DECODE_THREADS) || !defined(SILU_MUL_THREADS) || !defined(GATHER_THREADS) || \
     !defined(SAMPLE_THREADS) || !defined(CONSTRAIN_THREADS) || !defined(PFM_THREADS) ||   \

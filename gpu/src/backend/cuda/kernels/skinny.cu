@@ -1,0 +1,110 @@
+// Matrix products with few rows (a decode step's), where reading the weights once is the
+// whole cost: y[m, n] = sum_k x[m, k] * w[n, k], x and w bf16 row-major, y f32, for
+// m < rows <= M. cuBLAS at one row splits k and reduces in a second kernel, and reached
+// 2.5 TB/s on an H100 (Qwen3-8B's projections, Nsight Compute); here each warp streams
+// SKINNY_ROWS rows of w with 16-byte loads, SKINNY_UNROLL of them in flight per lane and row,
+// and keeps M x SKINNY_ROWS sums in registers, reduced across the warp at the end.
+//
+// Grid (ceil(n / (SKINNY_THREADS / 32 * SKINNY_ROWS))), block SKINNY_THREADS. The host
+// launches these only when k is a multiple of 8 (16-byte rows; allocations are 256-byte
+// aligned) and rows <= M.
+
+#if !defined(SKINNY_THREADS) || !defined(SKINNY_ROWS) || !defined(SKINNY_UNROLL)
+#error "the skinny products are compiled with shapes.rs's SKINNY_* figures"
+#endif
+
+// 16 bytes of weights, read once: through the non-coherent path, not kept in L1.
+__device__ __forceinline__ uint4 ld_once16(const uint4* p) {
+    uint4 v;
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+        : "l"(p));
+    return v;
+}
+
+// acc + the dot product of two words of two bf16 each (low half first, as stored).
+__device__ __forceinline__ float dot2(unsigned int a, unsigned int b, float acc) {
+    acc = fmaf(__uint_as_float(a << 16), __uint_as_float(b << 16), acc);
+    return fmaf(__uint_as_float(a & 0xffff0000u), __uint_as_float(b & 0xffff0000u), acc);
+}
+
+__device__ __forceinline__ float dot8(uint4 a, uint4 b, float acc) {
+    acc = dot2(a.x, b.x, acc);
+    acc = dot2(a.y, b.y, acc);
+    acc = dot2(a.z, b.z, acc);
+    return dot2(a.w, b.w, acc);
+}
+
+template <int M>
+__device__ __forceinline__ void skinny_gemm(const bf16* __restrict__ x,
+                                            const bf16* __restrict__ w,
+                                            float* __restrict__ y, int rows, int n, int k) {
+    const int warp = threadIdx.x >> 5;
+    const int lane = threadIdx.x & 31;
+    const int n0 = (blockIdx.x * (SKINNY_THREADS / 32) + warp) * SKINNY_ROWS;
+    if (n0 >= n) return;  // the whole warp: n0 is the same for its lanes
+    const int k8 = k >> 3;
+    // Rows past the end (of w, or of x's `rows`) read the last one again; their sums are
+    // not written.
+    const uint4* w16 = reinterpret_cast<const uint4*>(w);
+    const uint4* x16 = reinterpret_cast<const uint4*>(x);
+    long long wrow[SKINNY_ROWS];
+#pragma unroll
+    for (int r = 0; r < SKINNY_ROWS; r++) wrow[r] = (long long)min(n0 + r, n - 1) * k8;
+    float acc[SKINNY_ROWS][M];
+#pragma unroll
+    for (int r = 0; r < SKINNY_ROWS; r++) {
+#pragma unroll
+        for (int m = 0; m < M; m++) acc[r][m] = 0.0f;
+    }
+    for (int i0 = lane; i0 < k8; i0 += 32 * SKINNY_UNROLL) {
+        uint4 wv[SKINNY_UNROLL][SKINNY_ROWS];
+#pragma unroll
+        for (int u = 0; u < SKINNY_UNROLL; u++) {
+            int i = i0 + u * 32;
+#pragma unroll
+            for (int r = 0; r < SKINNY_ROWS; r++) {
+                wv[u][r] = i < k8 ? ld_once16(w16 + wrow[r] + i) : make_uint4(0u, 0u, 0u, 0u);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < SKINNY_UNROLL; u++) {
+            int i = i0 + u * 32;
+            if (i < k8) {
+#pragma unroll
+                for (int m = 0; m < M; m++) {
+                    uint4 xv = x16[(long long)min(m, rows - 1) * k8 + i];
+#pragma unroll
+                    for (int r = 0; r < SKINNY_ROWS; r++) acc[r][m] = dot8(wv[u][r], xv, acc[r][m]);
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < SKINNY_ROWS; r++) {
+#pragma unroll
+        for (int m = 0; m < M; m++) acc[r][m] = warp_sum(acc[r][m]);
+    }
+    if (lane == 0) {
+#pragma unroll
+        for (int r = 0; r < SKINNY_ROWS; r++) {
+            if (n0 + r < n) {
+#pragma unroll
+                for (int m = 0; m < M; m++) {
+                    if (m < rows) y[(long long)m * n + n0 + r] = acc[r][m];
+                }
+            }
+        }
+    }
+}
+
+#define SKINNY_KERNEL(M)                                                                        \
+    extern "C" __global__ void __launch_bounds__(SKINNY_THREADS) skinny_gemm_m##M(              \
+        const bf16* __restrict__ x, const bf16* __restrict__ w, float* __restrict__ y, int rows, \
+        int n, int k) {                                                                         \
+        skinny_gemm<M>(x, w, y, rows, n, k);                                                    \
+    }
+SKINNY_KERNEL(1)
+SKINNY_KERNEL(2)
+SKINNY_KERNEL(4)
+SKINNY_KERNEL(8)
