@@ -60,7 +60,7 @@ run)
     mkdir -p "$work"
     t0=$(date +%s)
     budget="${GPU_BUDGET_S:-540}"
-    stages="${STAGES:-offline parity bench-8b cublas-8b profile-8b serve-8b bench-llama-8b bench-small peer-8b}"
+    stages="${STAGES:-offline parity bench-8b skinny-ab-8b profile-8b serve-8b bench-llama-8b bench-small peer-8b}"
     # The device returns at most 8 files from $OUT: everything is packed into one archive
     # (and a summary printed) however the run ends.
     touch "$work/.start"
@@ -103,11 +103,12 @@ run)
     # The 8B shapes (issue: batch-1 decode against the copy bound, prefill against the GEMM
     # peak, KV capacity at the default memory share); the checkpoints are written here.
     stage bench-8b 150 gpu-out/gpu-bench --presets qwen3-8b --json "bench/results/gpu-8b-qwen3.json"
-    # The same card, the same checkpoint, every product through cuBLAS: the skinny kernels'
-    # share of the small-batch decode step, side by side.
-    stage cublas-8b 60 gpu-out/gpu-bench --presets qwen3-8b --cublas-only --batches 1,8 \
-        --sampled-batches 0 --prefill-lens 512 --gemm-size 0 --copy-reps 3 \
-        --json "bench/results/gpu-8b-qwen3-cublas.json"
+    # The same card, the same checkpoint: small decode batches with every product through
+    # cuBLAS, then with the skinny kernels taking up to 8 rows, side by side (the default,
+    # SKINNY_MAX_ROWS, is what these decide).
+    stage skinny-ab-8b 70 bash -c 'for r in 0 8; do gpu-out/gpu-bench --presets qwen3-8b \
+        --skinny-max-rows $r --batches 1,2,4,8 --sampled-batches 0 --prefill-lens 512 \
+        --gemm-size 0 --copy-reps 3 --json bench/results/gpu-8b-qwen3-skinny-$r.json || exit; done'
     # Where the batch-1 step goes, kernel by kernel: what the fusion work is decided on.
     stage profile-8b 120 env OUT="$work" PRESET=qwen3-8b BATCH=1 PREFILL=512 bash scripts/gpu_profile.sh
     stage serve-8b 170 env OUT="$work" MODEL=target/bench-models/qwen3-8b bash scripts/gpu_serve_bench.sh

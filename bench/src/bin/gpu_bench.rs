@@ -54,10 +54,10 @@ struct Args {
     /// Launch every step eagerly: no CUDA graphs for decode steps.
     #[arg(long)]
     enforce_eager: bool,
-    /// Every product through cuBLAS, none through the engine's skinny kernels (decode steps
-    /// of up to 8 rows use those by default): to measure one against the other.
-    #[arg(long)]
-    cublas_only: bool,
+    /// Products of at most this many rows go to the engine's skinny kernels, the rest to
+    /// cuBLAS; 0 sends all to cuBLAS [default: the engine's]. Kernels exist up to 8 rows.
+    #[arg(long, value_name = "N")]
+    skinny_max_rows: Option<usize>,
     /// Decode batch sizes to measure, comma-separated.
     #[arg(long, value_delimiter = ',', value_parser = trimmed::<usize>,
           default_value = "1,8,32,64,128,256")]
@@ -104,6 +104,21 @@ struct Args {
 }
 
 /// A list item with the spaces around it dropped (`--batches "1, 8"`).
+impl Args {
+    fn skinny_rows(&self) -> usize {
+        self.skinny_max_rows
+            .unwrap_or(kvmesh_gpu::backend::SKINNY_MAX_ROWS)
+    }
+}
+
+/// Which products the skinny kernels take, for the report.
+fn skinny_line(rows: usize) -> String {
+    match rows {
+        0 => "every product by cuBLAS (--skinny-max-rows 0)".into(),
+        n => format!("products of <= {n} rows by the skinny kernels, larger by cuBLAS"),
+    }
+}
+
 fn trimmed<T: std::str::FromStr>(s: &str) -> Result<T, T::Err> {
     s.trim().parse()
 }
@@ -403,9 +418,9 @@ fn summarise(args: &Args, name: &str, dir: &Path, cfg: &ModelConfig, f: &Figures
             f.bound_step() * 1e3
         ),
         format!(
-            "decode       CUDA graphs {} (--enforce-eager turns them off); products of <= 8 rows by {}",
+            "decode       CUDA graphs {} (--enforce-eager turns them off); {}",
             if f.cuda_graphs { "on" } else { "off" },
-            if args.cublas_only { "cuBLAS (--cublas-only)" } else { "the skinny kernels" }
+            skinny_line(args.skinny_rows())
         ),
         format!(
             "{:>8} {:>12} {:>12} {:>14} {:>12}",
@@ -479,7 +494,7 @@ fn summarise(args: &Args, name: &str, dir: &Path, cfg: &ModelConfig, f: &Figures
         "dtype": "bf16",
         "kv_block_size": BLOCK_SIZE,
         "cuda_graphs": f.cuda_graphs,
-        "small_products": if args.cublas_only { "cublas" } else { "skinny kernels" },
+        "skinny_max_rows": args.skinny_rows(),
         "weight_bytes_per_step": f.step_bytes,
         "bound_ms_per_token_batch1": f.bound_step() * 1e3,
         "batch1_bandwidth_utilisation": util1,
@@ -556,7 +571,7 @@ fn bench_model(args: &Args, name: &str, dev: &mut DeviceFigures) -> anyhow::Resu
         graphs: !args.enforce_eager,
         reserve_tokens: max_prefill.max(args.fill_chunk),
         reserve_rows: max_batch,
-        skinny_products: !args.cublas_only,
+        skinny_max_rows: args.skinny_rows(),
     };
     let backend = CudaBackend::new(
         &cfg,
@@ -716,7 +731,7 @@ mod tests {
         let a = parse(&[]).unwrap();
         assert_eq!(a.models_dir, Path::new("target/bench-models"));
         assert_eq!(a.presets, ["qwen2.5-0.5b", "llama-3.2-1b"]);
-        assert_eq!((a.json, a.device), (None, 0));
+        assert_eq!((&a.json, a.device), (&None, 0));
         assert_eq!(a.batches, [1, 8, 32, 64, 128, 256]);
         assert_eq!(a.prefill_lens, [512, 2048, 8192]);
         assert_eq!((a.gemm_size, a.memory_share), (8192, 0.9));
@@ -724,6 +739,11 @@ mod tests {
         assert_eq!(a.sampled_batches, [1, 32, 128]);
         assert_eq!((a.prefill_reps, a.fill_chunk), (3, 2048));
         assert_eq!((a.copy_mib, a.copy_reps), (1024, 10));
+        assert_eq!(a.skinny_rows(), kvmesh_gpu::backend::SKINNY_MAX_ROWS);
+        assert!(skinny_line(a.skinny_rows()).contains("skinny kernels"));
+        let a = parse(&["--skinny-max-rows", "0"]).unwrap();
+        assert_eq!(a.skinny_rows(), 0);
+        assert!(skinny_line(0).contains("every product by cuBLAS"));
         // List items may carry spaces, as the hand-written parser allowed.
         let a = parse(&["--batches", "1, 8", "--presets", "llama-3.2-1b, qwen3-0.6b"]).unwrap();
         assert_eq!(a.batches, [1, 8]);

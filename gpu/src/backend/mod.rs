@@ -34,11 +34,17 @@ pub struct CudaOptions {
     /// halfway through serving.
     pub reserve_tokens: usize,
     pub reserve_rows: usize,
-    /// Whether products of at most 8 rows (decode steps of small batches) stream the weights
-    /// through the engine's own kernels (the default) rather than cuBLAS; off only to
-    /// measure one against the other (`gpu-bench --cublas-only`).
-    pub skinny_products: bool,
+    /// Products of at most this many rows (decode steps of small batches) stream the weights
+    /// through the engine's own skinny kernels rather than cuBLAS; 0 sends every product to
+    /// cuBLAS. Kernels exist up to 8 rows; `gpu-bench --skinny-max-rows` measures the choice.
+    pub skinny_max_rows: usize,
 }
+
+/// The default `CudaOptions::skinny_max_rows`. On an H100 (Qwen3-8B's shapes) the skinny
+/// kernel beat cuBLAS at one row (6.49 against 6.95 ms a decode step) and lost at eight
+/// (8.32 against 7.12 ms): eight sums per weight cost more instructions than its loads hide.
+/// Two rows do a quarter of that arithmetic; three to seven are not measured yet.
+pub const SKINNY_MAX_ROWS: usize = 2;
 
 impl CudaOptions {
     /// Device `ordinal`, with CUDA graphs on and the engine's default step limits.
@@ -49,7 +55,7 @@ impl CudaOptions {
             graphs: true,
             reserve_tokens: d.max_num_batched_tokens,
             reserve_rows: d.max_num_seqs,
-            skinny_products: true,
+            skinny_max_rows: SKINNY_MAX_ROWS,
         }
     }
 }

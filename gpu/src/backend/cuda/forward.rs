@@ -31,7 +31,7 @@ impl CudaBackend {
             kv,
             ws,
             ls,
-            skinny_products,
+            skinny_max_rows,
             ..
         } = self;
         let ws = ws
@@ -45,7 +45,7 @@ impl CudaBackend {
                 blas,
                 s: stream,
                 k,
-                skinny: *skinny_products,
+                skinny_max_rows: *skinny_max_rows,
             },
             w,
             dims,

@@ -90,14 +90,14 @@ fn too_big(what: &str) -> EngineError {
     ))
 }
 
-/// Where a forward pass's products run: cuBLAS, and the skinny kernels for products of a few
-/// rows unless they are turned off (`CudaOptions::skinny_products`).
+/// Where a forward pass's products run: the skinny kernels for products of at most
+/// `skinny_max_rows` rows (`CudaOptions::skinny_max_rows`), cuBLAS for the rest.
 #[derive(Clone, Copy)]
 pub struct Products<'a> {
     pub blas: &'a CudaBlas,
     pub s: &'a CudaStream,
     pub k: &'a Kernels,
-    pub skinny: bool,
+    pub skinny_max_rows: usize,
 }
 
 impl Products<'_> {
@@ -109,7 +109,7 @@ impl Products<'_> {
         y: &mut CudaSlice<f32>,
         (m, n, k): (usize, usize, usize),
     ) -> Result<()> {
-        if self.skinny && SkinnyGemm::takes(m, k) {
+        if m <= self.skinny_max_rows && SkinnyGemm::takes(m, k) {
             SkinnyGemm {
                 x,
                 w,
@@ -161,7 +161,7 @@ pub fn skinny_and_cublas(
     let blas = CudaBlas::new(s.clone()).map_err(|e| EngineError::device("cuBLAS handle", e))?;
     let xd = s.clone_htod(x).map_err(|e| drv("upload", e))?;
     let wd = s.clone_htod(w).map_err(|e| drv("upload", e))?;
-    let run = |skinny: bool| -> Result<Vec<f32>> {
+    let run = |skinny_max_rows: usize| -> Result<Vec<f32>> {
         // Poisoned first, so an element the kernel leaves unwritten shows.
         let mut y = s
             .clone_htod(&vec![f32::NAN; m * n])
@@ -170,12 +170,12 @@ pub fn skinny_and_cublas(
             blas: &blas,
             s: &s,
             k: &kernels,
-            skinny,
+            skinny_max_rows,
         }
         .product(&xd, &wd, &mut y, (m, n, k))?;
         s.clone_dtoh(&y).map_err(|e| drv("download", e))
     };
-    let skinny = run(true)?;
-    let cublas = run(false)?;
+    let skinny = run(m)?;
+    let cublas = run(0)?;
     Ok((skinny, cublas))
 }

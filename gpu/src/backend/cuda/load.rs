@@ -77,7 +77,7 @@ impl CudaBackend {
             ws,
             ls,
             graphs,
-            skinny_products: opts.skinny_products,
+            skinny_max_rows: opts.skinny_max_rows,
         })
     }
 

@@ -90,8 +90,9 @@ pub struct CudaBackend {
     ws: Option<Workspace>,
     ls: Option<LogitsSpace>,
     graphs: DecodeGraphs,
-    /// Whether products of a few rows use the skinny kernels (`CudaOptions::skinny_products`).
-    skinny_products: bool,
+    /// Products of at most this many rows use the skinny kernels
+    /// (`CudaOptions::skinny_max_rows`).
+    skinny_max_rows: usize,
 }
 
 impl CudaBackend {
