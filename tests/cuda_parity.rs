@@ -272,6 +272,19 @@ fn greedy_generation_is_token_identical_with_and_without_graphs() {
         );
         let got = run_engine(eager.unwrap(), vocab, greedy_requests(name, 24));
         assert_eq!(got, want, "{name}: CUDA (graphs off) vs CPU greedy");
+        // Decode attention split over the history, through the graphs of every batch bucket.
+        let split = CudaOptions {
+            split_decode: true,
+            ..CudaOptions::device(0)
+        };
+        let split = build_backend(
+            BackendKind::Cuda(split),
+            &m,
+            BLOCK_SIZE,
+            KvBudget::Blocks(64),
+        );
+        let got = run_engine(split.unwrap(), vocab, greedy_requests(name, 24));
+        assert_eq!(got, want, "{name}: CUDA (split decode) vs CPU greedy");
         println!("{name}: greedy identical, {} tokens", 24 * want.len());
     }
 }
@@ -384,9 +397,24 @@ fn long_prompts_match_the_cpu_for_every_head_dimension() {
         let want = forward(cpu.as_mut(), &next, 700, &table);
         let step = forward(gpu.as_mut(), &next, 700, &table);
         let w3 = assert_close(&format!("{ctx}, decode"), &step, &want);
+        // The split decode: the history in chunks of at least 64 positions, one block each
+        // (eleven here, and empty splits after them), merged by decode_combine.
+        let mut split = build_backend(
+            BackendKind::Cuda(CudaOptions {
+                split_decode: true,
+                ..CudaOptions::device(0)
+            }),
+            &m,
+            BLOCK_SIZE,
+            KvBudget::Blocks(64),
+        )
+        .unwrap();
+        forward(split.as_mut(), &prompt, 0, &table);
+        let step = forward(split.as_mut(), &next, 700, &table);
+        let w4 = assert_close(&format!("{ctx}, split decode"), &step, &want);
         println!(
             "{ctx}: max |gpu - cpu| logit {w1:.3e} (one step), {w2:.3e} (chunked), \
-             {w3:.3e} (decode at 700)"
+             {w3:.3e} (decode at 700), {w4:.3e} (split decode)"
         );
     }
 }

@@ -38,6 +38,11 @@ pub struct CudaOptions {
     /// through the engine's own skinny kernels rather than cuBLAS; 0 sends every product to
     /// cuBLAS. Kernels exist up to 8 rows; `gpu-bench --skinny-max-rows` measures the choice.
     pub skinny_max_rows: usize,
+    /// Whether decode steps split long histories over several blocks per head
+    /// (`paged_attention_decode_d*` with a `decode_combine`), for head sizes with a 16-byte
+    /// decode kernel. Off by default until a GPU run has checked it (`cuda_parity` runs
+    /// both ways; `gpu-bench --split-decode` measures it).
+    pub split_decode: bool,
 }
 
 /// The default `CudaOptions::skinny_max_rows`. On an H100 (Qwen3-8B's shapes) the skinny
@@ -56,6 +61,7 @@ impl CudaOptions {
             reserve_tokens: d.max_num_batched_tokens,
             reserve_rows: d.max_num_seqs,
             skinny_max_rows: SKINNY_MAX_ROWS,
+            split_decode: false,
         }
     }
 }

@@ -110,6 +110,9 @@ pub struct Workspace {
     pub tmp: CudaSlice<f32>,
     pub gate_up: CudaSlice<f32>,
     pub act: CudaSlice<u16>,
+    /// A split decode's partials: for each (sequence, q head, split) its max, sum and
+    /// unnormalised weighted V row, `shapes::DECODE_SPLIT_SLOTS` (sequence, split) pairs.
+    pub part: CudaSlice<f32>,
 }
 
 impl Workspace {
@@ -117,7 +120,15 @@ impl Workspace {
     pub fn bytes(c: &ModelConfig, cap: usize) -> usize {
         let f32s = c.hidden_size * 2 + c.q_dim() + 2 * c.kv_dim() + 2 * c.intermediate_size;
         let bf16s = c.hidden_size + c.q_dim() + c.intermediate_size;
-        cap * (4 * f32s + 2 * bf16s)
+        if cap == 0 {
+            return 0; // no workspace at all
+        }
+        cap * (4 * f32s + 2 * bf16s) + 4 * Self::part_len(c)
+    }
+
+    /// f32s of `part`.
+    fn part_len(c: &ModelConfig) -> usize {
+        super::shapes::DECODE_SPLIT_SLOTS * c.num_heads * (c.head_dim + 2)
     }
 
     /// Buffers for `cap` tokens of a model shaped like `c`.
@@ -141,6 +152,7 @@ impl Workspace {
             tmp: f(cap * c.hidden_size)?,
             gate_up: f(cap * 2 * c.intermediate_size)?,
             act: b(cap * c.intermediate_size)?,
+            part: f(Self::part_len(c))?,
         })
     }
 }

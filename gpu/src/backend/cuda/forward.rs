@@ -12,6 +12,7 @@ use super::kernels::{
     SiluMul,
 };
 use super::kv::KvCache;
+use super::shapes;
 use super::weights::{DevLayer, DevLinear, DevWeights};
 use super::CudaBackend;
 use crate::config::ModelConfig;
@@ -32,6 +33,7 @@ impl CudaBackend {
             ws,
             ls,
             skinny_max_rows,
+            split_decode,
             ..
         } = self;
         let ws = ws
@@ -51,6 +53,11 @@ impl CudaBackend {
             dims,
             inp,
             heads: Heads::of(cfg),
+            splits: if *split_decode {
+                shapes::decode_splits(dims.seqs)
+            } else {
+                1
+            },
         };
         pass.embed(ws)?;
         for (li, layer) in w.layers.iter().enumerate() {
@@ -77,6 +84,8 @@ struct Pass<'a> {
     dims: &'a StepDims,
     inp: &'a StepInputs,
     heads: Heads,
+    /// Splits of each history in a decode step's attention.
+    splits: usize,
 }
 
 impl Pass<'_> {
@@ -144,6 +153,8 @@ impl Pass<'_> {
             k_cache: &kv.k[li],
             v_cache: &kv.v[li],
             out: &mut ws.attn,
+            part: &mut ws.part,
+            splits: self.splits,
             heads: self.heads,
             block_size: kv.block_size(),
             scale: cfg.attention_scale(),

@@ -51,6 +51,7 @@ pub struct Kernels {
     attention_prefill: CudaFunction,
     /// `paged_attention_prefill_mma_d*`, by head dimension.
     attention_prefill_mma: Vec<(usize, CudaFunction)>,
+    decode_combine: CudaFunction,
     silu_mul: CudaFunction,
     gather_rows: CudaFunction,
     sample_rows: CudaFunction,
@@ -114,6 +115,7 @@ impl Kernels {
             attention_prefill: f(shapes::ATTENTION_PREFILL)?,
             attention_decode_vec: by_size(&shapes::ATTENTION_DECODE_VEC)?,
             attention_prefill_mma: by_size(&shapes::ATTENTION_PREFILL_MMA)?,
+            decode_combine: f(shapes::DECODE_COMBINE)?,
             silu_mul: f(shapes::SILU_MUL)?,
             gather_rows: f(shapes::GATHER_ROWS)?,
             sample_rows: f(shapes::SAMPLE_ROWS)?,
@@ -425,6 +427,11 @@ pub struct Attention<'a> {
     pub k_cache: &'a CudaSlice<u16>,
     pub v_cache: &'a CudaSlice<u16>,
     pub out: &'a mut CudaSlice<u16>,
+    /// A split decode's partials (`Workspace::part`).
+    pub part: &'a mut CudaSlice<f32>,
+    /// Splits of each history for a decode step with a 16-byte kernel for the head size
+    /// (`shapes::decode_splits`), 1 for none; ignored by every other step.
+    pub splits: usize,
     pub heads: Heads,
     pub block_size: usize,
     pub scale: f32,
@@ -464,10 +471,23 @@ impl Attention<'_> {
         );
         // 0: the layer attends over the whole sequence.
         let window = self.window.map_or(0, |w| w.min(i32::MAX as usize) as i32);
+        let splits = if decode && special.is_some() {
+            self.splits.clamp(1, shapes::MAX_DECODE_SPLITS)
+        } else {
+            1
+        };
+        if splits > 1 {
+            holds(
+                n,
+                "part",
+                self.part.len(),
+                dims.seqs * h.q * splits * (h.dim + 2),
+            )?;
+        }
         let (f, cfg) = if let (true, Some(i)) = (decode, special) {
             (
                 &k.attention_decode_vec[i].1,
-                grid(&family[i].1, dims.seqs, h.q, 1)?,
+                grid(&family[i].1, dims.seqs, h.q, splits)?,
             )
         } else if decode {
             (
@@ -500,18 +520,38 @@ impl Attention<'_> {
             .arg(&max_blocks)
             .arg(self.k_cache)
             .arg(self.v_cache)
-            .arg(self.out)
-            .arg(&nq)
+            .arg(&mut *self.out);
+        if decode {
+            b.arg(&mut *self.part);
+        }
+        b.arg(&nq)
             .arg(&nkv)
             .arg(&d)
             .arg(&bs)
             .arg(&self.scale)
             .arg(&window);
         // SAFETY: the arguments match the chosen kernel's signature in order and type (the
-        // prefill kernels share one, the decode kernels another, without `positions`); the per-token and
-        // per-sequence arrays hold what the grid reads (checked above), and the tables name
-        // only blocks inside the cache (see the module docs).
+        // prefill kernels share one, the decode kernels another, without `positions` and with
+        // `part`); the per-token and per-sequence arrays hold what the grid reads (checked
+        // above), `part` holds every split's partial when there are several, and the tables
+        // name only blocks inside the cache (see the module docs).
         unsafe { b.launch(cfg) }.map_err(failed(n))?;
+        if splits > 1 {
+            let c = "decode_combine";
+            let (nq, d, sp) = (h.q as i32, h.dim as i32, splits as i32);
+            let cfg = grid(&shapes::DECODE_COMBINE, dims.seqs, h.q, 1)?;
+            let mut b = s.launch_builder(&k.decode_combine);
+            b.arg(&*self.part)
+                .arg(&inp.seq_starts)
+                .arg(&mut *self.out)
+                .arg(&nq)
+                .arg(&d)
+                .arg(&sp);
+            // SAFETY: the arguments match `decode_combine`'s signature in order and type;
+            // `part` holds the partials of every (sequence, head, split) of the grid and `out`
+            // every token's heads (checked above).
+            unsafe { b.launch(cfg) }.map_err(failed(c))?;
+        }
         Ok(())
     }
 }

@@ -78,6 +78,7 @@ impl CudaBackend {
             ls,
             graphs,
             skinny_max_rows: opts.skinny_max_rows,
+            split_decode: opts.split_decode,
         })
     }
 

@@ -93,6 +93,8 @@ pub struct CudaBackend {
     /// Products of at most this many rows use the skinny kernels
     /// (`CudaOptions::skinny_max_rows`).
     skinny_max_rows: usize,
+    /// `CudaOptions::split_decode`.
+    split_decode: bool,
 }
 
 impl CudaBackend {

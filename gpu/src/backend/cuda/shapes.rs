@@ -97,6 +97,31 @@ pub const ATTENTION_DECODE_VEC: [(usize, KernelShape); 4] = [
     (64, decode_vec("paged_attention_decode_d64", 64)),
     (128, decode_vec("paged_attention_decode_d128", 128)),
 ];
+/// Merges a split decode's partials: a thread per dimension (of up to 128; more loop).
+pub const DECODE_COMBINE: KernelShape = shape("decode_combine", 128, 0, true);
+/// (sequence, split) pairs a split decode may use, which sizes its partials buffer: a batch
+/// of `seqs` sequences gets `decode_splits(seqs)` splits per head.
+pub const DECODE_SPLIT_SLOTS: usize = 128;
+/// Most splits of one sequence's history.
+pub const MAX_DECODE_SPLITS: usize = 32;
+/// Fewest positions a split takes: a short history uses fewer splits than the grid has
+/// (the rest exit at once).
+const DECODE_MIN_SPLIT_KEYS: usize = 64;
+
+/// Splits per head for a decode step of `seqs` sequences: enough blocks for the GPU at small
+/// batches, none at large ones. A function of the batch alone, so a CUDA graph captured for
+/// a batch size stays valid as the histories grow.
+pub const fn decode_splits(seqs: usize) -> usize {
+    let s = DECODE_SPLIT_SLOTS / if seqs == 0 { 1 } else { seqs };
+    if s > MAX_DECODE_SPLITS {
+        MAX_DECODE_SPLITS
+    } else if s < 1 {
+        1
+    } else {
+        s
+    }
+}
+
 /// Query rows per block of `paged_attention_prefill_mma_d*` (its `PFM_ROWS`): four warps of
 /// sixteen, the rows of one tensor-core product each.
 pub const PREFILL_MMA_ROWS: usize = 64;
@@ -193,6 +218,7 @@ pub const KERNELS: &[KernelShape] = &[
     CONSTRAIN_ROWS,
     DELTA_CONV,
     GATED_DELTA,
+    DECODE_COMBINE,
     SKINNY_GEMM[0].1,
     SKINNY_GEMM[1].1,
     SKINNY_GEMM[2].1,
@@ -224,6 +250,7 @@ pub fn defines() -> Vec<(&'static str, usize)> {
         ("MAX_CONV_KERNEL", MAX_CONV_KERNEL),
         ("DELTA_THREADS", GATED_DELTA.threads as usize),
         ("MAX_DELTA_DK", MAX_DELTA_HEAD),
+        ("DECODE_MIN_SPLIT_KEYS", DECODE_MIN_SPLIT_KEYS),
         ("SKINNY_THREADS", SKINNY_THREADS as usize),
         ("SKINNY_ROWS", SKINNY_ROWS),
         ("SKINNY_UNROLL", SKINNY_UNROLL),
@@ -396,6 +423,24 @@ impl ArchLimits {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn decode_splits_fill_the_gpu_at_small_batches_and_fit_the_partials() {
+        assert_eq!(decode_splits(1), MAX_DECODE_SPLITS);
+        assert_eq!(decode_splits(8), 16);
+        assert_eq!(decode_splits(32), 4);
+        assert_eq!(decode_splits(128), 1);
+        assert_eq!(decode_splits(1000), 1);
+        for seqs in 1..=DECODE_SPLIT_SLOTS {
+            let s = decode_splits(seqs);
+            assert!((1..=MAX_DECODE_SPLITS).contains(&s));
+            // The partials buffer holds DECODE_SPLIT_SLOTS (sequence, split) pairs.
+            assert!(
+                seqs * s <= DECODE_SPLIT_SLOTS,
+                "{seqs} sequences x {s} splits"
+            );
+        }
+    }
 
     #[test]
     fn every_kernel_has_a_launch_bound_define_and_a_unique_name() {

@@ -15,7 +15,8 @@ paged_attention_decode(
     const float* __restrict__ qkv, int row_stride, const int* __restrict__ seq_starts,
     const int* __restrict__ seq_lens, const int* __restrict__ block_tables, int max_blocks,
     const bf16* __restrict__ k_cache, const bf16* __restrict__ v_cache, bf16* __restrict__ out,
-    int nq, int nkv, int d, int block_size, float scale, int window) {
+    float* __restrict__ partials, int nq, int nkv, int d, int block_size, float scale, int window) {
+    (void)partials;  // the split decode's partials: this kernel never splits
     __shared__ float q_s[MAX_HEAD_DIM];
     __shared__ float part_m[4];
     __shared__ float part_l[4];
@@ -95,13 +96,16 @@ paged_attention_decode(
 // paged_attention_decode, with the history read 16 bytes a lane. A position's row is D / 8
 // lanes (eight dimensions each), so a warp scores 32 / (D / 8) positions at once and the four
 // warps 4x that, each lane group keeping its own online softmax over the positions it took;
-// the groups' partial results are merged at the end. Grid (S, nq), block 128.
+// the groups' partial results are merged at the end. Grid (S, nq, splits), block 128.
+// splits > 1 (a long history and few sequences: one block per head would leave most of the
+// GPU idle, each block a chain of dependent loads) splits the history into `splits` chunks,
+// one block each, which write unnormalised partials to `partials` for decode_combine.
 template <int D>
 __device__ __forceinline__ void decode_vec(
     const float* __restrict__ qkv, int row_stride, const int* __restrict__ seq_starts,
     const int* __restrict__ seq_lens, const int* __restrict__ block_tables, int max_blocks,
     const bf16* __restrict__ k_cache, const bf16* __restrict__ v_cache, bf16* __restrict__ out,
-    int nq, int nkv, int block_size, float scale, int window) {
+    float* __restrict__ partials, int nq, int nkv, int block_size, float scale, int window) {
     constexpr int LPP = D / 8;        // lanes per position
     constexpr int PPW = 32 / LPP;     // positions per warp and step
     constexpr int PARTS = 4 * PPW;    // lane groups in the block
@@ -134,11 +138,21 @@ __device__ __forceinline__ void decode_vec(
 #pragma unroll
     for (int x = 0; x < 8; x++) acc[x] = 0.0f;
     int lo = window > 0 ? max(0, len - window) : 0;
+    int hi = len;
+    const int splits = gridDim.z;
+    if (splits > 1) {
+        // This block's share of the history: equal chunks of at least DECODE_MIN_SPLIT_KEYS
+        // positions, so a short history leaves the last splits empty.
+        int chunk = max(DECODE_MIN_SPLIT_KEYS, (len - lo + splits - 1) / splits);
+        int from = lo + (int)blockIdx.z * chunk;
+        lo = min(from, len);
+        hi = min(from + chunk, len);
+    }
     // Every lane runs every step (the shuffles need the whole warp); a lane group past the
     // end scores nothing.
-    for (int base = lo + warp * PPW; base < len; base += 4 * PPW) {
+    for (int base = lo + warp * PPW; base < hi; base += 4 * PPW) {
         int p = base + grp;
-        bool valid = p < len;
+        bool valid = p < hi;
         uint4 k4 = make_uint4(0u, 0u, 0u, 0u);
         uint4 v4 = make_uint4(0u, 0u, 0u, 0u);
         if (valid) {
@@ -173,16 +187,58 @@ __device__ __forceinline__ void decode_vec(
 #pragma unroll
     for (int x = 0; x < 8; x++) part_acc[part][sub * 8 + x] = acc[x];
     __syncthreads();
-    // A group that saw no position has m = -inf, l = 0 and contributes exp(-inf) = 0.
+    // A group that saw no position has m = -inf, l = 0 and contributes exp(-inf) = 0; a split
+    // whose share is empty (every group) subtracts 0 instead of -inf, and its partial is
+    // m = -inf, l = 0, zeros.
     float mm = NEG_INF;
     for (int k = 0; k < PARTS; k++) mm = fmaxf(mm, part_m[k]);
+    float base = mm == NEG_INF ? 0.0f : mm;
     float total = 0.0f;
-    for (int k = 0; k < PARTS; k++) total += part_l[k] * expf(part_m[k] - mm);
+    for (int k = 0; k < PARTS; k++) total += part_l[k] * expf(part_m[k] - base);
+    if (splits > 1) {
+        // Unnormalised: decode_combine merges the splits of (sequence s, head h).
+        float* pp = partials + (((long long)s * nq + h) * splits + blockIdx.z) * (D + 2);
+        if (threadIdx.x == 0) {
+            pp[0] = mm;
+            pp[1] = total;
+        }
+        for (int i = threadIdx.x; i < D; i += blockDim.x) {
+            float v = 0.0f;
+            for (int k = 0; k < PARTS; k++) v += part_acc[k][i] * expf(part_m[k] - base);
+            pp[2 + i] = v;
+        }
+        return;
+    }
     float inv = 1.0f / total;
     bf16* o = out + (long long)t * nq * D + (long long)h * D;
     for (int i = threadIdx.x; i < D; i += blockDim.x) {
         float v = 0.0f;
         for (int k = 0; k < PARTS; k++) v += part_acc[k][i] * expf(part_m[k] - mm);
+        o[i] = f2bf(v * inv);
+    }
+}
+
+// The split decode's second half: out[t, h] = the merge of the `splits` partials (max m, sum
+// l, unnormalised weighted V) that paged_attention_decode_d* left for sequence s, head h.
+// Every sequence has at least one position, so some split's m is finite.
+// Grid (S, nq), block DECODE_THREADS.
+extern "C" __global__ void __launch_bounds__(DECODE_THREADS)
+decode_combine(const float* __restrict__ part, const int* __restrict__ seq_starts,
+               bf16* __restrict__ out, int nq, int d, int splits) {
+    int s = blockIdx.x;
+    int h = blockIdx.y;
+    int t = seq_starts[s];
+    if (seq_starts[s + 1] == t) return;  // a sequence with no token this step
+    const float* p = part + ((long long)s * nq + h) * splits * (d + 2);
+    float mm = NEG_INF;
+    for (int k = 0; k < splits; k++) mm = fmaxf(mm, p[k * (d + 2)]);
+    float total = 0.0f;
+    for (int k = 0; k < splits; k++) total += p[k * (d + 2) + 1] * expf(p[k * (d + 2)] - mm);
+    float inv = 1.0f / total;
+    bf16* o = out + (long long)t * nq * d + (long long)h * d;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+        float v = 0.0f;
+        for (int k = 0; k < splits; k++) v += p[k * (d + 2) + 2 + i] * expf(p[k * (d + 2)] - mm);
         o[i] = f2bf(v * inv);
     }
 }
@@ -194,10 +250,10 @@ __device__ __forceinline__ void decode_vec(
         const float* __restrict__ qkv, int row_stride, const int* __restrict__ seq_starts,     \
         const int* __restrict__ seq_lens, const int* __restrict__ block_tables,                \
         int max_blocks, const bf16* __restrict__ k_cache, const bf16* __restrict__ v_cache,    \
-        bf16* __restrict__ out, int nq, int nkv, int d, int block_size, float scale,           \
-        int window) {                                                                          \
+        bf16* __restrict__ out, float* __restrict__ partials, int nq, int nkv, int d,              \
+        int block_size, float scale, int window) {                                             \
         decode_vec<D>(qkv, row_stride, seq_starts, seq_lens, block_tables, max_blocks,         \
-                      k_cache, v_cache, out, nq, nkv, block_size, scale, window);              \
+                      k_cache, v_cache, out, partials, nq, nkv, block_size, scale, window);        \
     }
 DECODE_VEC(16)
 DECODE_VEC(32)

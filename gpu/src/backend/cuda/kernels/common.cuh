@@ -26,7 +26,7 @@ typedef unsigned short bf16;
     !defined(BIAS_ADD_THREADS) || !defined(QK_NORM_THREADS) || !defined(ROPE_THREADS) || \
     !defined(DECODE_THREADS) || !defined(SILU_MUL_THREADS) || !defined(GATHER_THREADS) || \
     !defined(SAMPLE_THREADS) || !defined(CONSTRAIN_THREADS) || !defined(PFM_THREADS) ||   \
-    !defined(SAMPLE_GATHER)
+    !defined(SAMPLE_GATHER) || !defined(DECODE_MIN_SPLIT_KEYS)
 #error "the kernels are compiled with the launch figures of shapes.rs (defines()) as -D options"
 #endif
 #if QK_NORM_THREADS != 32
