@@ -13,6 +13,13 @@ use crate::kv_pool::{KvDtype, KvSpec};
 use crate::safetensors::WeightStore;
 use crate::tokenizer::{TextTokenizer, TokenizerFiles};
 
+/// A model's weights as the CPU backends hold them.
+#[derive(Clone)]
+pub enum CpuWeights {
+    Dense(Arc<CpuModel>),
+    Hybrid(Arc<HybridModel>),
+}
+
 pub struct LoadedModel {
     /// The folder's name, or the embedded model's.
     pub name: String,
@@ -26,6 +33,9 @@ pub struct LoadedModel {
     /// The ids a sim backend of this model emits ([`sim_outputs`]), found once: finding
     /// them decodes and encodes much of the vocabulary, and `--replicas` starts thousands.
     sim_words: std::sync::OnceLock<Vec<u32>>,
+    /// The CPU backends' weights, made on first use and shared by every engine built from
+    /// this model (a node's prefill and decode engines hold one copy, not two).
+    cpu_weights: std::sync::OnceLock<CpuWeights>,
     /// What was derived from the model once for many engines of it: fingerprints by
     /// numerics, and bytes by key ([`LoadedModel::derived_bytes`]).
     derived: std::sync::Mutex<Derived>,
@@ -67,6 +77,21 @@ fn external_weights_dir() -> std::path::PathBuf {
 }
 
 impl LoadedModel {
+    /// The weights the CPU backends run, made the first time (bf16 kept as bf16) and shared
+    /// by every later caller: engines built from one `LoadedModel` hold one copy.
+    pub fn cpu_weights(&self) -> Result<CpuWeights> {
+        if let Some(w) = self.cpu_weights.get() {
+            return Ok(w.clone());
+        }
+        let w = if self.config.hybrid.is_some() {
+            CpuWeights::Hybrid(Arc::new(HybridModel::load(&self.config, &self.weights)?))
+        } else {
+            CpuWeights::Dense(Arc::new(CpuModel::load(&self.config, &self.weights)?))
+        };
+        // Two threads loading at once: the first stored wins and both use it.
+        Ok(self.cpu_weights.get_or_init(|| w).clone())
+    }
+
     pub fn from_dir(dir: &Path) -> Result<LoadedModel> {
         if !dir.is_dir() {
             return Err(EngineError::BadModel(format!(
@@ -97,6 +122,7 @@ impl LoadedModel {
             config_json: text,
             files,
             sim_words: Default::default(),
+            cpu_weights: Default::default(),
             derived: Default::default(),
         })
     }
@@ -132,6 +158,7 @@ impl LoadedModel {
             config_json: e.config_json.to_string(),
             files,
             sim_words: Default::default(),
+            cpu_weights: Default::default(),
             derived: Default::default(),
         })
     }
@@ -414,7 +441,9 @@ pub fn build_backend_for(
                     split.snapshots
                 );
             }
-            let m = HybridModel::load(cfg, &model.weights)?;
+            let CpuWeights::Hybrid(m) = model.cpu_weights()? else {
+                unreachable!("a hybrid config loads hybrid weights")
+            };
             Ok(Box::new(HybridBackend::new(
                 m,
                 split.blocks,
@@ -429,7 +458,9 @@ pub fn build_backend_for(
         BackendKind::Cpu => {
             let per_block = CpuBackend::kv_bytes_per_block(&model.config, block_size);
             let blocks = host_blocks(kv, per_block)?;
-            let m = CpuModel::load(&model.config, &model.weights)?;
+            let CpuWeights::Dense(m) = model.cpu_weights()? else {
+                unreachable!("a dense config loads dense weights")
+            };
             Ok(Box::new(CpuBackend::new(m, blocks, block_size)?))
         }
         #[cfg(feature = "cuda")]
@@ -630,5 +661,25 @@ mod sim_output_tests {
         let answer: Vec<u32> = (0..200).map(|i| words[(i * 7919) % words.len()]).collect();
         let text = tok.decode(&answer, false).unwrap();
         assert_eq!(tok.encode(&text, false).unwrap(), answer);
+    }
+}
+
+#[cfg(test)]
+mod shared_weight_tests {
+    use super::*;
+
+    #[test]
+    fn engines_built_from_one_model_share_its_cpu_weights() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/shakespeare");
+        let m = LoadedModel::from_dir(&dir).unwrap();
+        let first = build_backend(BackendKind::Cpu, &m, 16, KvBudget::Blocks(8)).unwrap();
+        let second = build_backend(BackendKind::Cpu, &m, 16, KvBudget::Blocks(8)).unwrap();
+        let CpuWeights::Dense(w) = m.cpu_weights().unwrap() else {
+            panic!("the default model is dense");
+        };
+        // The model's cache, both backends and `w` itself: one copy, four holders.
+        assert_eq!(Arc::strong_count(&w), 4);
+        drop((first, second));
+        assert_eq!(Arc::strong_count(&w), 2);
     }
 }

@@ -44,7 +44,8 @@ pub struct StateBudget {
 }
 
 pub struct HybridBackend {
-    model: HybridModel,
+    /// Shared like `CpuBackend`'s.
+    model: Arc<HybridModel>,
     block_size: usize,
     /// K and V of the full-attention layers, shared with KV transfers (see `kv_pool` for
     /// who may touch what).
@@ -61,7 +62,7 @@ impl HybridBackend {
     /// A backend with `num_slots` state slots for running sequences and `num_snapshots` for
     /// the prefix cache's saved states.
     pub fn new(
-        model: HybridModel,
+        model: impl Into<Arc<HybridModel>>,
         num_blocks: usize,
         block_size: usize,
         num_slots: usize,
@@ -73,6 +74,7 @@ impl HybridBackend {
                  {block_size} tokens, {num_slots} slots)"
             )));
         }
+        let model = model.into();
         let kv = Arc::new(HostKvPool::new(
             Self::kv_spec_for(model.config(), block_size),
             num_blocks,

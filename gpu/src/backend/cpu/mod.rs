@@ -117,7 +117,9 @@ impl CpuModel {
 }
 
 pub struct CpuBackend {
-    model: CpuModel,
+    /// Shared by every engine built from the same `LoadedModel` (a node's prefill and decode
+    /// engines): the weights are read-only during a step.
+    model: Arc<CpuModel>,
     /// K and V in f32, shared with KV transfers (see `kv_pool` for who may touch what).
     kv: Arc<HostKvPool>,
 }
@@ -149,7 +151,12 @@ pub fn keep_freed_memory() -> bool {
 }
 
 impl CpuBackend {
-    pub fn new(model: CpuModel, num_blocks: usize, block_size: usize) -> Result<CpuBackend> {
+    pub fn new(
+        model: impl Into<Arc<CpuModel>>,
+        num_blocks: usize,
+        block_size: usize,
+    ) -> Result<CpuBackend> {
+        let model = model.into();
         let kv = HostKvPool::new(Self::kv_spec_for(&model.cfg, block_size), num_blocks)?;
         Ok(CpuBackend {
             model,
