@@ -359,6 +359,10 @@ for entry in index:
     else:
         p = data["prefill"]["tokens"]
         kv.setdefault(f"prefill_{p}", []).append(data["prefill"]["tokens_per_s"])
+        # The same prefill with --cpu-bf16-products (absent on CPUs without AVX512-BF16).
+        if data.get("prefill_bf16_products"):
+            kv.setdefault(f"prefill_bf16_{p}", []).append(
+                data["prefill_bf16_products"]["tokens_per_s"])
         if p == prompts[0]:
             for row in data["decode"]:
                 kv.setdefault(f"decode_b{row['batch']}", []).append(row["tokens_per_s"])
@@ -366,8 +370,11 @@ for entry in index:
 
 quiet = float(env["QUIET_LOAD"])
 contended = [e for e in index if e["other_cpus"] > quiet]
-rows = [(f"prefill_{p}", f"prefill {p} tok/s") for p in prompts]
-rows += [(f"decode_b{b}", f"decode batch-{b} tok/s") for b in batches]
+# (kvmesh's key, llama.cpp's key, label)
+rows = [(f"prefill_{p}", f"prefill_{p}", f"prefill {p} tok/s") for p in prompts]
+rows += [(f"prefill_bf16_{p}", f"prefill_{p}", f"prefill {p} tok/s, kvmesh --cpu-bf16-products")
+         for p in prompts if f"prefill_bf16_{p}" in kv]
+rows += [(f"decode_b{b}", f"decode_b{b}", f"decode batch-{b} tok/s") for b in batches]
 
 
 def span(xs):
@@ -395,8 +402,8 @@ lines = [
     "| --- | ---: | ---: | ---: |",
 ]
 summary = []
-for key, label in rows:
-    a, b = llama.get(key, []), kv.get(key, [])
+for key, llama_key, label in rows:
+    a, b = llama.get(llama_key, []), kv.get(key, [])
     ratio = f"{statistics.mean(b) / statistics.mean(a):.2f}×" if a and b else "—"
     lines.append(f"| {label} | {span(a)} | {span(b)} | {ratio} |")
     summary.append({"metric": key, "unit": "tokens/s", "llama_cpp": a, "kvmesh": b})

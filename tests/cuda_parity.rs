@@ -112,7 +112,13 @@ fn load(name: &str) -> LoadedModel {
 }
 
 fn backends(m: &LoadedModel, blocks: usize) -> (Box<dyn Backend>, Box<dyn Backend>) {
-    let cpu = build_backend(BackendKind::Cpu, m, BLOCK_SIZE, KvBudget::Blocks(blocks)).unwrap();
+    let cpu = build_backend(
+        BackendKind::Cpu(Default::default()),
+        m,
+        BLOCK_SIZE,
+        KvBudget::Blocks(blocks),
+    )
+    .unwrap();
     let gpu = build_backend(
         BackendKind::Cuda(CudaOptions::device(0)),
         m,

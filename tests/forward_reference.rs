@@ -512,3 +512,53 @@ reference_tests! {
     tiny_mistral: "tests/fixtures/models/tiny-mistral",
     shakespeare: "models/shakespeare",
 }
+
+/// `--cpu-bf16-products` against the same transformers f32 references: the 45-token prompts'
+/// prefill runs its projections on AVX512-BF16 with bf16-rounded activations, so the logits
+/// move by bf16 rounding (a looser bound than the default path's 2e-3), and the next token
+/// stays transformers' wherever its best two logits are not within that rounding. On a CPU
+/// without AVX512-BF16 the option must change nothing.
+#[test]
+fn bf16_products_stay_within_bf16_rounding_of_transformers() {
+    for dir in [
+        "tests/fixtures/models/hf-qwen2-bf16",
+        "tests/fixtures/models/hf-mistral-bf16",
+        "tests/fixtures/models/hf-llama-linear-bias-bf16",
+        "models/shakespeare",
+    ] {
+        let name = dir.rsplit('/').next().expect("name");
+        let fx = fixture(name);
+        let model = load(&repo().join(dir), &fx);
+        let cpu = CpuModel::load(&model.config, &model.weights)
+            .expect("CpuModel::load")
+            .with_bf16_products();
+        let runs = cpu.bf16_products_run();
+        let mut be = CpuBackend::new(cpu, DIRECT_BLOCKS, BLOCK_SIZE).expect("backend");
+        for p in fx.prompts.iter().filter(|p| p.ids.len() > 16) {
+            let n = p.ids.len();
+            let table = blocks(&mut 0, n.div_ceil(BLOCK_SIZE));
+            let got = one(&mut be, &p.ids, 0, n, &table, true).expect("logits");
+            let ctx = format!("{name} {} (bf16 products: {runs})", p.name);
+            if !runs {
+                let mut plain = backend(&model, DIRECT_BLOCKS);
+                let want = one(&mut plain, &p.ids, 0, n, &table, true).expect("logits");
+                assert_eq!(got, want, "{ctx}: the option changed the f32 path");
+                continue;
+            }
+            let mut worst = 0f32;
+            for (i, (&a, &b)) in got.iter().zip(&p.last_logits).enumerate() {
+                let d = (a - b).abs();
+                assert!(
+                    d <= 0.05 + 0.02 * b.abs(),
+                    "{ctx}: logit {i} is {a}, transformers {b}"
+                );
+                worst = worst.max(d);
+            }
+            let gap = p.argmax_top2_gap[n - 1];
+            if gap >= 0.1 {
+                assert_eq!(argmax(&got), p.argmax[n - 1], "{ctx}: next token");
+            }
+            println!("{ctx}: max |logit - transformers f32| {worst:.3e}");
+        }
+    }
+}

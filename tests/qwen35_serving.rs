@@ -64,8 +64,13 @@ fn engine(model: &LoadedModel, blocks: usize, cfg: EngineConfig) -> EngineHandle
         block_size: BLOCK_SIZE,
         ..cfg
     };
-    let be = build_backend_for(BackendKind::Cpu, model, KvBudget::Blocks(blocks), &cfg)
-        .expect("the CPU backend serves Qwen3.5");
+    let be = build_backend_for(
+        BackendKind::Cpu(Default::default()),
+        model,
+        KvBudget::Blocks(blocks),
+        &cfg,
+    )
+    .expect("the CPU backend serves Qwen3.5");
     assert_eq!(
         be.num_state_slots(),
         cfg.max_num_seqs,
@@ -260,7 +265,7 @@ fn state_slots_bound_the_running_batch() {
         ..Default::default()
     };
     let be = build_backend_for(
-        BackendKind::Cpu,
+        BackendKind::Cpu(Default::default()),
         &model,
         KvBudget::Bytes(4 * per_slot),
         &limits,

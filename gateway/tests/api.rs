@@ -25,8 +25,13 @@ fn engine() -> (EngineHandle, Arc<kvmesh_gpu::tokenizer::TextTokenizer>) {
     ENGINE
         .get_or_init(|| {
             let model = LoadedModel::from_embedded(&kvmesh_gpu::embedded::DEFAULT_MODEL).unwrap();
-            let backend =
-                build_backend(BackendKind::Cpu, &model, 16, KvBudget::Blocks(256)).unwrap();
+            let backend = build_backend(
+                BackendKind::Cpu(Default::default()),
+                &model,
+                16,
+                KvBudget::Blocks(256),
+            )
+            .unwrap();
             let cfg = EngineConfig {
                 max_model_len: 512,
                 ..EngineConfig::default()

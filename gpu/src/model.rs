@@ -13,6 +13,15 @@ use crate::kv_pool::{KvDtype, KvSpec};
 use crate::safetensors::WeightStore;
 use crate::tokenizer::{TextTokenizer, TokenizerFiles};
 
+/// How the CPU backend runs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CpuOptions {
+    /// Prompt-sized products of bf16 weights with the activations rounded to bf16, on
+    /// AVX512-BF16 (`CpuModel::with_bf16_products`; `--cpu-bf16-products`): faster prefill,
+    /// bf16 rounding of the products' inputs as GPU engines have. Dense models only.
+    pub bf16_products: bool,
+}
+
 /// A model's weights as the CPU backends hold them.
 #[derive(Clone)]
 pub enum CpuWeights {
@@ -35,7 +44,7 @@ pub struct LoadedModel {
     sim_words: std::sync::OnceLock<Vec<u32>>,
     /// The CPU backends' weights, made on first use and shared by every engine built from
     /// this model (a node's prefill and decode engines hold one copy, not two).
-    cpu_weights: std::sync::OnceLock<CpuWeights>,
+    cpu_weights: std::sync::OnceLock<(CpuOptions, CpuWeights)>,
     /// What was derived from the model once for many engines of it: fingerprints by
     /// numerics, and bytes by key ([`LoadedModel::derived_bytes`]).
     derived: std::sync::Mutex<Derived>,
@@ -77,19 +86,29 @@ fn external_weights_dir() -> std::path::PathBuf {
 }
 
 impl LoadedModel {
-    /// The weights the CPU backends run, made the first time (bf16 kept as bf16) and shared
-    /// by every later caller: engines built from one `LoadedModel` hold one copy.
-    pub fn cpu_weights(&self) -> Result<CpuWeights> {
-        if let Some(w) = self.cpu_weights.get() {
-            return Ok(w.clone());
+    /// The weights the CPU backends run with `opts`, made the first time (bf16 kept as bf16)
+    /// and shared by every later caller with the same options: engines built from one
+    /// `LoadedModel` hold one copy. A caller with other options gets a copy of its own.
+    pub fn cpu_weights(&self, opts: CpuOptions) -> Result<CpuWeights> {
+        if let Some((o, w)) = self.cpu_weights.get() {
+            if *o == opts {
+                return Ok(w.clone());
+            }
         }
         let w = if self.config.hybrid.is_some() {
             CpuWeights::Hybrid(Arc::new(HybridModel::load(&self.config, &self.weights)?))
         } else {
-            CpuWeights::Dense(Arc::new(CpuModel::load(&self.config, &self.weights)?))
+            let m = CpuModel::load(&self.config, &self.weights)?;
+            let m = if opts.bf16_products {
+                m.with_bf16_products()
+            } else {
+                m
+            };
+            CpuWeights::Dense(Arc::new(m))
         };
         // Two threads loading at once: the first stored wins and both use it.
-        Ok(self.cpu_weights.get_or_init(|| w).clone())
+        let (o, kept) = self.cpu_weights.get_or_init(|| (opts, w.clone()));
+        Ok(if *o == opts { kept.clone() } else { w })
     }
 
     pub fn from_dir(dir: &Path) -> Result<LoadedModel> {
@@ -317,7 +336,7 @@ pub fn check_tensors(cfg: &ModelConfig, w: &WeightStore) -> Result<()> {
 /// Which backend runs the math.
 #[derive(Clone, Debug)]
 pub enum BackendKind {
-    Cpu,
+    Cpu(CpuOptions),
     /// No math: a timing model (see `backend::sim`).
     Sim(crate::backend::sim::SimTiming),
     /// A CUDA device (builds with the `cuda` feature).
@@ -328,11 +347,11 @@ pub enum BackendKind {
 /// device comes with graphs on; `--enforce-eager` is the caller's to apply.
 pub fn resolve_device(spec: &str) -> Result<BackendKind> {
     let cuda_ordinal = match spec {
-        "cpu" => return Ok(BackendKind::Cpu),
+        "cpu" => return Ok(BackendKind::Cpu(CpuOptions::default())),
         "auto" => {
             return Ok(match cuda_devices() {
                 Ok(n) if n > 0 => BackendKind::Cuda(CudaOptions::device(0)),
-                _ => BackendKind::Cpu,
+                _ => BackendKind::Cpu(CpuOptions::default()),
             })
         }
         "cuda" => 0,
@@ -412,7 +431,14 @@ pub fn build_backend_for(
 ) -> Result<Box<dyn Backend>> {
     let (block_size, max_num_seqs) = (engine.block_size, engine.max_num_seqs);
     match kind {
-        BackendKind::Cpu if model.config.hybrid.is_some() => {
+        BackendKind::Cpu(opts) if model.config.hybrid.is_some() => {
+            if opts.bf16_products {
+                return Err(EngineError::InvalidRequest(
+                    "--cpu-bf16-products runs dense models' products only; this model has \
+                     Qwen3.5's hybrid layers: leave the flag out"
+                        .into(),
+                ));
+            }
             let cfg = &model.config;
             let split = HybridBackend::split_budget(
                 cfg,
@@ -441,7 +467,7 @@ pub fn build_backend_for(
                     split.snapshots
                 );
             }
-            let CpuWeights::Hybrid(m) = model.cpu_weights()? else {
+            let CpuWeights::Hybrid(m) = model.cpu_weights(opts)? else {
                 unreachable!("a hybrid config loads hybrid weights")
             };
             Ok(Box::new(HybridBackend::new(
@@ -455,12 +481,18 @@ pub fn build_backend_for(
         BackendKind::Cuda(_) if model.config.hybrid.is_some() => {
             Err(EngineError::BadModel(HYBRID_NOT_ON_CUDA.into()))
         }
-        BackendKind::Cpu => {
+        BackendKind::Cpu(opts) => {
             let per_block = CpuBackend::kv_bytes_per_block(&model.config, block_size);
             let blocks = host_blocks(kv, per_block)?;
-            let CpuWeights::Dense(m) = model.cpu_weights()? else {
+            let CpuWeights::Dense(m) = model.cpu_weights(opts)? else {
                 unreachable!("a dense config loads dense weights")
             };
+            if opts.bf16_products && !m.bf16_products_run() {
+                tracing::warn!(
+                    "--cpu-bf16-products: this CPU has no AVX512-BF16 (or the weights are not \
+                     bf16); products stay in f32"
+                );
+            }
             Ok(Box::new(CpuBackend::new(m, blocks, block_size)?))
         }
         #[cfg(feature = "cuda")]
@@ -672,9 +704,21 @@ mod shared_weight_tests {
     fn engines_built_from_one_model_share_its_cpu_weights() {
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/shakespeare");
         let m = LoadedModel::from_dir(&dir).unwrap();
-        let first = build_backend(BackendKind::Cpu, &m, 16, KvBudget::Blocks(8)).unwrap();
-        let second = build_backend(BackendKind::Cpu, &m, 16, KvBudget::Blocks(8)).unwrap();
-        let CpuWeights::Dense(w) = m.cpu_weights().unwrap() else {
+        let first = build_backend(
+            BackendKind::Cpu(CpuOptions::default()),
+            &m,
+            16,
+            KvBudget::Blocks(8),
+        )
+        .unwrap();
+        let second = build_backend(
+            BackendKind::Cpu(CpuOptions::default()),
+            &m,
+            16,
+            KvBudget::Blocks(8),
+        )
+        .unwrap();
+        let CpuWeights::Dense(w) = m.cpu_weights(CpuOptions::default()).unwrap() else {
             panic!("the default model is dense");
         };
         // The model's cache, both backends and `w` itself: one copy, four holders.

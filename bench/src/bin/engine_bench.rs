@@ -234,6 +234,10 @@ struct Measured {
     f32_step: f64,
     f32_bytes: usize,
     prefill_secs: f64,
+    /// The same prefill with bf16 products (`CpuModel::with_bf16_products`), measured right
+    /// after it, and the default once more after that; `None` without AVX512-BF16 or bf16
+    /// weights.
+    prefill_bf16: Option<(f64, f64)>,
 }
 
 fn measure(args: &Args, model: LoadedModel) -> anyhow::Result<Measured> {
@@ -252,6 +256,19 @@ fn measure(args: &Args, model: LoadedModel) -> anyhow::Result<Measured> {
     for &b in &args.batches {
         rows.push((b, decode(&mut backend, args, b, vocab)?));
     }
+    // Prompt products with bf16 activations, side by side with the default (run again after,
+    // so drift between the two shows).
+    let bf16_model = CpuModel::load(&cfg, &model.weights)?.with_bf16_products();
+    let prefill_bf16 = if bf16_model.bf16_products_run() {
+        let blocks = args.prefill_len.div_ceil(BLOCK_SIZE) + 1;
+        let mut b = CpuBackend::new(bf16_model, blocks, BLOCK_SIZE)?;
+        let secs = prefill(&mut b, args.prefill_len, vocab)?;
+        drop(b);
+        let again = prefill(&mut backend, args.prefill_len, vocab)?;
+        Some((secs, again))
+    } else {
+        None
+    };
     // The same model widened to f32 at load, side by side: what keeping bf16 buys.
     drop(backend);
     let f32_model = CpuModel::load_with(&cfg, &model.weights, false)?;
@@ -277,6 +294,7 @@ fn measure(args: &Args, model: LoadedModel) -> anyhow::Result<Measured> {
         f32_step,
         f32_bytes,
         prefill_secs,
+        prefill_bf16,
     })
 }
 
@@ -338,6 +356,21 @@ fn report(args: &Args, dir: &Path, cfg: &ModelConfig, m: &Measured) -> serde_jso
         m.prefill_secs * 1e3,
         args.prefill_len as f64 / m.prefill_secs
     );
+    let bf16_json = match m.prefill_bf16 {
+        Some((bf, again)) => {
+            let tps = |s: f64| args.prefill_len as f64 / s;
+            println!(
+                "prefill      bf16 products (AVX512-BF16, activations rounded to bf16): {:.1} tokens/s; the default again {:.1} tokens/s",
+                tps(bf),
+                tps(again)
+            );
+            serde_json::json!({"tokens_per_s": tps(bf), "default_again_tokens_per_s": tps(again)})
+        }
+        None => {
+            println!("prefill      bf16 products: not run (no AVX512-BF16, or f32 weights)");
+            serde_json::Value::Null
+        }
+    };
     serde_json::json!({
         "benchmark": "cpu-engine",
         "model": dir.display().to_string(),
@@ -351,6 +384,7 @@ fn report(args: &Args, dir: &Path, cfg: &ModelConfig, m: &Measured) -> serde_jso
         "decode_context_tokens": args.prompt_len,
         "f32_weights_batch1": {"ms_per_step": m.f32_step * 1e3, "weight_bytes_per_step": m.f32_bytes, "step_over_bound": m.f32_step / (m.f32_bytes as f64 / m.bw)},
         "prefill": {"tokens": args.prefill_len, "ms": m.prefill_secs * 1e3, "tokens_per_s": args.prefill_len as f64 / m.prefill_secs},
+        "prefill_bf16_products": bf16_json,
     })
 }
 

@@ -85,7 +85,12 @@ fn main() -> anyhow::Result<()> {
     let model = LoadedModel::from_embedded(&DEFAULT_MODEL)?;
     let vocab = model.config.vocab_size;
     let guides = Arc::new(LazyGuides::new(model.tokenizer.clone(), vocab));
-    let backend = build_backend(BackendKind::Cpu, &model, 16, KvBudget::Blocks(1024))?;
+    let backend = build_backend(
+        BackendKind::Cpu(Default::default()),
+        &model,
+        16,
+        KvBudget::Blocks(1024),
+    )?;
     let h = engine::spawn(
         backend,
         EngineConfig {

@@ -74,6 +74,9 @@ pub struct Linear {
     pub out: usize,
     pub inp: usize,
     pub bias: Option<Vec<f32>>,
+    /// Prompt-sized products of bf16 weights round the activations to bf16 and run on
+    /// AVX512-BF16 where the CPU has it (`gemm_bf16`); off by default.
+    pub bf16_products: bool,
 }
 
 /// At or below this many rows, products stream weight rows (memory-bound decode); above it,
@@ -133,7 +136,13 @@ const TILE_ROWS: usize = 64;
 impl Linear {
     pub fn new(w: Matrix, out: usize, inp: usize, bias: Option<Vec<f32>>) -> Linear {
         assert_eq!(w.len(), out * inp);
-        Linear { w, out, inp, bias }
+        Linear {
+            w,
+            out,
+            inp,
+            bias,
+            bf16_products: false,
+        }
     }
 
     pub fn bytes(&self) -> usize {
@@ -162,6 +171,8 @@ impl Linear {
         };
         if m <= stream_rows {
             self.stream(isa, x, m, &mut y);
+        } else if let (Matrix::Bf16(w), true) = (&self.w, self.takes_bf16_products()) {
+            super::gemm_bf16::gemm(x, m, w, self.out, self.inp, &mut y);
         } else {
             match &self.w {
                 Matrix::F32(w) => gemm_nt(x, m, w, self.out, self.inp, &mut y, self.out, true),
@@ -176,6 +187,15 @@ impl Linear {
             }
         }
         y
+    }
+
+    /// Whether prompt-sized products go to `gemm_bf16`: asked for, bf16 weights, an even
+    /// inner size and a CPU with AVX512-BF16.
+    pub fn takes_bf16_products(&self) -> bool {
+        self.bf16_products
+            && matches!(self.w, Matrix::Bf16(_))
+            && self.inp.is_multiple_of(2)
+            && super::gemm_bf16::available()
     }
 
     /// Widens a tile of rows to f32 (it stays in cache) and multiplies it, tiles in parallel.
