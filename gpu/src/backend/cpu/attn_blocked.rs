@@ -137,16 +137,9 @@ fn block(
             *x *= s.scale;
         }
         let max = srow[a..e].iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
-        let mut sum = 0f32;
-        for (j, x) in srow.iter_mut().enumerate() {
-            if j < a || j >= e {
-                *x = 0.0;
-            } else {
-                *x = (*x - max).exp();
-                sum += *x;
-            }
-        }
-        sums[r] = sum;
+        srow[..a].fill(0.0);
+        srow[e..].fill(0.0);
+        sums[r] = super::vexp::exp_shifted(&mut srow[a..e], max);
     }
     let mut out = vec![0f32; rows * d];
     // The values v[k_lo..k_hi], row-major [nk, d].

@@ -298,9 +298,7 @@ pub(super) fn mlp(layer: &HybridLayer, xn: &[f32], t: usize, inter: usize) -> Ve
         .zip(gu.par_chunks(2 * inter))
         .for_each(|(a, g)| {
             let (gate, up) = g.split_at(inter);
-            for ((o, &gv), &uv) in a.iter_mut().zip(gate).zip(up) {
-                *o = ops::silu(gv) * uv;
-            }
+            super::vexp::silu_mul(a, gate, up);
         });
     layer.down.forward(&act, t)
 }

@@ -11,6 +11,7 @@ mod hybrid;
 mod hybrid_backend;
 mod hybrid_layers;
 mod ops;
+mod vexp;
 
 use rayon::prelude::*;
 
@@ -468,11 +469,7 @@ impl CpuBackend {
                 max = max.max(s);
                 scores.push(s);
             }
-            let mut sum = 0f32;
-            for s in scores.iter_mut() {
-                *s = (*s - max).exp();
-                sum += *s;
-            }
+            let sum = vexp::exp_shifted(&mut scores, max);
             let inv = 1.0 / sum;
             for (p, &s) in (lo..n).zip(&scores) {
                 let slot = table[p / bs].0 as usize * bs + p % bs;
@@ -527,9 +524,7 @@ impl Layer {
             .zip(gu.par_chunks(2 * inter))
             .for_each(|(a, g)| {
                 let (gate, up) = g.split_at(inter);
-                for ((o, &gv), &uv) in a.iter_mut().zip(gate).zip(up) {
-                    *o = ops::silu(gv) * uv;
-                }
+                vexp::silu_mul(a, gate, up);
             });
         self.down_proj.forward(&act, t)
     }
