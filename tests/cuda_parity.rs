@@ -266,31 +266,33 @@ fn greedy_generation_is_token_identical_with_and_without_graphs() {
         let want = run_engine(cpu, vocab, greedy_requests(name, 24));
         let got = run_engine(gpu, vocab, greedy_requests(name, 24));
         assert_eq!(got, want, "{name}: CUDA (graphs on) vs CPU greedy");
-        let eager = CudaOptions {
-            graphs: false,
-            ..CudaOptions::device(0)
-        };
-        let eager = build_backend(
-            BackendKind::Cuda(eager),
-            &m,
-            BLOCK_SIZE,
-            KvBudget::Blocks(64),
-        );
-        let got = run_engine(eager.unwrap(), vocab, greedy_requests(name, 24));
-        assert_eq!(got, want, "{name}: CUDA (graphs off) vs CPU greedy");
-        // Decode attention split over the history, through the graphs of every batch bucket.
-        let split = CudaOptions {
-            split_decode: true,
-            ..CudaOptions::device(0)
-        };
-        let split = build_backend(
-            BackendKind::Cuda(split),
-            &m,
-            BLOCK_SIZE,
-            KvBudget::Blocks(64),
-        );
-        let got = run_engine(split.unwrap(), vocab, greedy_requests(name, 24));
-        assert_eq!(got, want, "{name}: CUDA (split decode) vs CPU greedy");
+        // Graphs off; and decode attention split over the history, through the graphs of
+        // every batch bucket.
+        for (what, opts) in [
+            (
+                "graphs off",
+                CudaOptions {
+                    graphs: false,
+                    ..CudaOptions::device(0)
+                },
+            ),
+            (
+                "split decode",
+                CudaOptions {
+                    split_decode: true,
+                    ..CudaOptions::device(0)
+                },
+            ),
+        ] {
+            let be = build_backend(
+                BackendKind::Cuda(opts),
+                &m,
+                BLOCK_SIZE,
+                KvBudget::Blocks(64),
+            );
+            let got = run_engine(be.unwrap(), vocab, greedy_requests(name, 24));
+            assert_eq!(got, want, "{name}: CUDA ({what}) vs CPU greedy");
+        }
         println!("{name}: greedy identical, {} tokens", 24 * want.len());
     }
 }
