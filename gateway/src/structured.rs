@@ -74,7 +74,7 @@ pub fn read(body: &Value, chat: bool, model: &ServedModel) -> Result<Shape, ApiE
                     field,
                     format!(
                         "This model cannot constrain its output: {}",
-                        client_text(&e)
+                        client_text(&e.to_string())
                     ),
                 )
             })?;
@@ -83,7 +83,10 @@ pub fn read(body: &Value, chat: bool, model: &ServedModel) -> Result<Shape, ApiE
             guides.prepare(&guide).map_err(|e| {
                 ApiError::param(
                     field,
-                    format!("`{field}` cannot be followed: {}", client_text(&e)),
+                    format!(
+                        "`{field}` cannot be followed: {}",
+                        client_text(&e.to_string())
+                    ),
                 )
             })?;
             Some(guide)
@@ -117,14 +120,17 @@ fn tool_use(
         let guides = model
             .guides
             .get()
-            .map_err(|e| ApiError::param("tools", e))?;
+            .map_err(|e| ApiError::param("tools", e.to_string()))?;
         guides
             .validate(grammar::json_schema(t.parameters.clone()))
             .map_err(|e| {
                 let field = format!("tools[{i}].function.parameters");
                 ApiError::param(
                     &field,
-                    format!("`{field}` is not a usable JSON Schema: {}", client_text(&e)),
+                    format!(
+                        "`{field}` is not a usable JSON Schema: {}",
+                        client_text(&e.to_string())
+                    ),
                 )
             })?;
     }

@@ -167,7 +167,7 @@ impl EngineHandle {
                 )
             })?
             .get()
-            .map_err(EngineError::InvalidRequest)?;
+            .map_err(|e| EngineError::InvalidRequest(e.to_string()))?;
         guides
             .start(guide, &req.prompt)
             .map(|g| Some(Box::new(g)))

@@ -12,6 +12,8 @@ use std::collections::{HashMap, HashSet};
 use llguidance::api::TopLevelGrammar;
 use serde_json::Value;
 
+use super::GuidedError;
+
 /// The deepest nesting a grammar may have: JSON levels and `$ref` hops of a schema, rule
 /// references and brackets of a Lark grammar. Real schemas and grammars stay far below
 /// (a schema 20 objects deep is rare); compiling one this deep needs well under the
@@ -19,7 +21,7 @@ use serde_json::Value;
 pub const MAX_GRAMMAR_DEPTH: usize = 256;
 
 /// Refuses a grammar nested deeper than [`MAX_GRAMMAR_DEPTH`].
-pub fn check(grammar: &TopLevelGrammar) -> Result<(), String> {
+pub fn check(grammar: &TopLevelGrammar) -> Result<(), GuidedError> {
     for g in &grammar.grammars {
         if let Some(schema) = &g.json_schema {
             schema_depth(schema).map_err(|()| too_deep("JSON schema"))?;
@@ -31,11 +33,11 @@ pub fn check(grammar: &TopLevelGrammar) -> Result<(), String> {
     Ok(())
 }
 
-fn too_deep(what: &str) -> String {
-    format!(
+fn too_deep(what: &str) -> GuidedError {
+    GuidedError::TooDeep(format!(
         "the {what} nests more than {MAX_GRAMMAR_DEPTH} levels deep (counting nested objects, \
          arrays and $ref/rule references), over the limit of {MAX_GRAMMAR_DEPTH}"
-    )
+    ))
 }
 
 /// The height of `schema`: its deepest chain of nested values and `$ref` hops (local refs:
@@ -139,7 +141,7 @@ struct RuleBody {
 
 /// The height of a Lark grammar: its deepest chain of rule references and brackets,
 /// schemas embedded with `%json` included.
-pub fn lark_depth(text: &str) -> Result<usize, String> {
+pub fn lark_depth(text: &str) -> Result<usize, GuidedError> {
     let rules = lark_rules(text)?;
     let mut walk = LarkWalk {
         rules: &rules,
@@ -201,7 +203,7 @@ impl<'a> LarkWalk<'a> {
 /// optional `?`/`!` before it and `.priority` after), names, brackets, and the strings,
 /// regexes and comments to skip. Text before the first definition (directives) counts as
 /// a body of its own.
-fn lark_rules(text: &str) -> Result<HashMap<String, RuleBody>, String> {
+fn lark_rules(text: &str) -> Result<HashMap<String, RuleBody>, GuidedError> {
     let b = text.as_bytes();
     let mut rules: HashMap<String, RuleBody> = HashMap::new();
     let mut current = String::from("%top");
@@ -318,7 +320,7 @@ fn skip_quoted(b: &[u8], mut i: usize, q: u8) -> usize {
 }
 
 /// The schema after `%json` at `from`: its height and where it ends.
-fn embedded_schema(text: &str, from: usize) -> Result<(usize, usize), String> {
+fn embedded_schema(text: &str, from: usize) -> Result<(usize, usize), GuidedError> {
     let b = text.as_bytes();
     let mut i = from;
     while i < b.len() && b[i].is_ascii_whitespace() {
@@ -411,7 +413,7 @@ mod tests {
         let h = lark_depth(&chain(100)).unwrap();
         assert!((100..=105).contains(&h), "{h}");
         let e = lark_depth(&chain(700)).unwrap_err();
-        assert!(e.contains("256"), "{e}");
+        assert!(e.to_string().contains("256"), "{e}");
         // Terminals chain the same way, `?`/`!` and priorities do not hide a definition.
         let t = "start: A0\n?A0.2: A1 | \"q\"\n!A1: \"z\"\n";
         assert_eq!(lark_depth(t).unwrap(), 3);
@@ -425,7 +427,10 @@ mod tests {
         assert_eq!(lark_depth(hidden).unwrap(), 1);
         // Schemas embedded with %json count, deep ones are refused.
         let embedded = format!("start: %json {}\n", ref_chain(300));
-        assert!(lark_depth(&embedded).unwrap_err().contains("JSON schema"));
+        assert!(lark_depth(&embedded)
+            .unwrap_err()
+            .to_string()
+            .contains("JSON schema"));
         let ok = format!("start: \"<\" %json {} \">\"\n", ref_chain(10));
         assert!(lark_depth(&ok).unwrap() > 10);
     }

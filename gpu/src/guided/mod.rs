@@ -17,7 +17,10 @@ use llguidance::{Matcher, ParserFactory, TokenParser};
 use serde_json::Value;
 
 mod depth;
+mod error;
+
 pub use depth::MAX_GRAMMAR_DEPTH;
+pub use error::GuidedError;
 
 /// A sequence's constraint as it travels: the grammar and how many of the prompt's last
 /// tokens are output the grammar has already read (a sequence continued on another worker,
@@ -215,16 +218,18 @@ impl TextSet {
 impl Guides {
     /// From the model's `tokenizer.json` (as a value), its eos ids and the number of logits
     /// it produces (which may exceed the tokenizer's vocabulary: the rest are never allowed).
-    pub fn new(tokenizer_json: &Value, eos_ids: &[u32], n_logits: usize) -> Result<Guides, String> {
-        let mut words =
-            llguidance::token_bytes_from_tokenizer_json(tokenizer_json).map_err(|e| {
-                format!("cannot read this tokenizer's vocabulary for constrained decoding: {e}")
-            })?;
+    pub fn new(
+        tokenizer_json: &Value,
+        eos_ids: &[u32],
+        n_logits: usize,
+    ) -> Result<Guides, GuidedError> {
+        let mut words = llguidance::token_bytes_from_tokenizer_json(tokenizer_json)
+            .map_err(|e| GuidedError::Vocabulary(e.to_string()))?;
         if words.len() > n_logits {
-            return Err(format!(
-                "the tokenizer has {} tokens but the model only {n_logits} logits",
-                words.len()
-            ));
+            return Err(GuidedError::MoreTokensThanLogits {
+                tokens: words.len(),
+                logits: n_logits,
+            });
         }
         while words.len() < n_logits {
             let mut w = format!(".<[{}]>", words.len()).into_bytes();
@@ -232,7 +237,7 @@ impl Guides {
             words.push(w);
         }
         let Some(&eos) = eos_ids.first() else {
-            return Err("the model has no eos token to end a constrained output with".into());
+            return Err(GuidedError::NoEos);
         };
         let info = TokRxInfo::new(n_logits as u32, eos);
         let mut trie = TokTrie::from(&info, &words);
@@ -240,7 +245,8 @@ impl Guides {
             trie = trie.with_eos_tokens(eos_ids);
         }
         let env: TokEnv = Arc::new(ApproximateTokEnv::new(trie));
-        let mut factory = ParserFactory::new_simple(&env).map_err(|e| e.to_string())?;
+        let mut factory =
+            ParserFactory::new_simple(&env).map_err(|e| GuidedError::Setup(e.to_string()))?;
         factory.quiet();
         let limits = factory.limits_mut();
         *limits = ParserLimits {
@@ -288,7 +294,7 @@ impl Guides {
 
     /// Compiles `guide`'s grammar unless it is kept already, and keeps it: what a gateway
     /// checks before submitting, so the engine starts the sequence from the kept copy.
-    pub fn prepare(&self, guide: &Guide) -> Result<(), String> {
+    pub fn prepare(&self, guide: &Guide) -> Result<(), GuidedError> {
         if self.cache.lock().entries.contains_key(&guide.grammar) {
             return Ok(());
         }
@@ -299,9 +305,9 @@ impl Guides {
     /// gateway does with each tool's parameters. Grammars found good are remembered (their
     /// text, within [`VALIDATED_BYTES`]), so a request that brings the same tools as the last
     /// one compiles nothing.
-    pub fn validate(&self, grammar: TopLevelGrammar) -> Result<(), String> {
+    pub fn validate(&self, grammar: TopLevelGrammar) -> Result<(), GuidedError> {
         let text: Arc<str> = serde_json::to_string(&grammar)
-            .map_err(|e| format!("the grammar does not serialise: {e}"))?
+            .map_err(|e| GuidedError::Serialise(e.to_string()))?
             .into();
         if self.validated.lock().contains(&text) {
             return Ok(());
@@ -314,9 +320,9 @@ impl Guides {
         Ok(())
     }
 
-    fn compile_and_keep(&self, guide: &Guide) -> Result<Guided, String> {
+    fn compile_and_keep(&self, guide: &Guide) -> Result<Guided, GuidedError> {
         let grammar: TopLevelGrammar = serde_json::from_str(&guide.grammar)
-            .map_err(|e| format!("the grammar is not llguidance JSON: {e}"))?;
+            .map_err(|e| GuidedError::NotJson(e.to_string()))?;
         let built = self.compile_built(grammar)?;
         let bytes = built.bytes.saturating_add(guide.grammar.len());
         // A copy of its own: the first sequence's lexer grows apart from the kept one.
@@ -332,18 +338,17 @@ impl Guides {
     /// A matcher of its own for `guide`, its replayed tokens consumed; a grammar that does
     /// not compile (or takes longer than [`COMPILE_BUDGET`]) is refused with llguidance's
     /// reason.
-    pub fn start(&self, guide: &Guide, prompt: &[u32]) -> Result<Guided, String> {
+    pub fn start(&self, guide: &Guide, prompt: &[u32]) -> Result<Guided, GuidedError> {
         let cached = self.cache.lock().get(&guide.grammar);
         let mut g = match cached {
             Some(parser) => Guided::from_parser(parser),
             None => self.compile_and_keep(guide)?,
         };
         if guide.replay > prompt.len() {
-            return Err(format!(
-                "the grammar replays {} tokens of a {}-token prompt",
-                guide.replay,
-                prompt.len()
-            ));
+            return Err(GuidedError::Replay {
+                replay: guide.replay,
+                prompt: prompt.len(),
+            });
         }
         for &t in &prompt[prompt.len() - guide.replay..] {
             g.consume(t)?;
@@ -354,18 +359,19 @@ impl Guides {
     /// Compiles `grammar` and computes its first mask (which is where a schema's or
     /// regex's errors surface), within [`COMPILE_BUDGET`], and refuses a grammar nested
     /// deeper than [`MAX_GRAMMAR_DEPTH`] or larger than [`MAX_GRAMMAR_BYTES`] unread.
-    pub fn compile(&self, grammar: TopLevelGrammar) -> Result<Guided, String> {
+    pub fn compile(&self, grammar: TopLevelGrammar) -> Result<Guided, GuidedError> {
         self.compile_built(grammar).map(|b| b.guided)
     }
 
     /// [`Guides::compile`], with a fresh parser to keep and the estimated size.
-    fn compile_built(&self, grammar: TopLevelGrammar) -> Result<Built, String> {
+    fn compile_built(&self, grammar: TopLevelGrammar) -> Result<Built, GuidedError> {
         let started = Instant::now();
         let size = serde_json::to_string(&grammar).map_or(usize::MAX, |s| s.len());
         if size > MAX_GRAMMAR_BYTES {
-            return Err(format!(
-                "the grammar is {size} bytes, over the {MAX_GRAMMAR_BYTES} allowed"
-            ));
+            return Err(GuidedError::TooLarge {
+                size,
+                limit: MAX_GRAMMAR_BYTES,
+            });
         }
         depth::check(&grammar)?;
         self.compiles
@@ -381,23 +387,21 @@ impl Guides {
             .spawn(move || {
                 let _ = tx.send(build(&factory, grammar));
             })
-            .map_err(|e| format!("cannot start compiling the grammar: {e}"))?;
+            .map_err(|e| GuidedError::CompileThread(e.to_string()))?;
         let built = match rx.recv_timeout(COMPILE_BUDGET) {
             Ok(r) => r?,
             Err(_) => {
-                return Err(format!(
-                    "the grammar did not compile within {} ms",
-                    COMPILE_BUDGET.as_millis()
-                ))
+                return Err(GuidedError::CompileTimeout {
+                    limit_ms: COMPILE_BUDGET.as_millis(),
+                })
             }
         };
         let took = started.elapsed();
         if took > COMPILE_BUDGET {
-            return Err(format!(
-                "the grammar took {} ms to compile, over the {} ms allowed",
-                took.as_millis(),
-                COMPILE_BUDGET.as_millis()
-            ));
+            return Err(GuidedError::CompileSlow {
+                took_ms: took.as_millis(),
+                limit_ms: COMPILE_BUDGET.as_millis(),
+            });
         }
         Ok(Built {
             bytes: built
@@ -423,17 +427,19 @@ struct Built {
 }
 
 /// llguidance's parser for `grammar` and its first mask, and the lexer tables' size.
-fn build(factory: &ParserFactory, grammar: TopLevelGrammar) -> Result<Built, String> {
-    let parser = factory.create_parser(grammar).map_err(|e| e.to_string())?;
+fn build(factory: &ParserFactory, grammar: TopLevelGrammar) -> Result<Built, GuidedError> {
+    let parser = factory
+        .create_parser(grammar)
+        .map_err(|e| GuidedError::Invalid(e.to_string()))?;
     let fresh = parser.clone();
     let mut g = Guided::from_parser(parser);
     if let Some(e) = g.matcher.get_error() {
-        return Err(e);
+        return Err(GuidedError::Invalid(e));
     }
     let mut mask = Vec::new();
     g.fill_mask(&mut mask);
     if let Some(e) = g.failed.take() {
-        return Err(e);
+        return Err(GuidedError::Invalid(e));
     }
     // The lexer's tables as the first mask left them.
     let bytes = fresh.parser.lexer_stats().num_bytes;
@@ -450,7 +456,7 @@ pub struct LazyGuides {
     tokenizer_json: Box<dyn Fn() -> Value + Send + Sync>,
     eos_ids: Vec<u32>,
     n_logits: usize,
-    built: std::sync::OnceLock<Result<Guides, String>>,
+    built: std::sync::OnceLock<Result<Guides, GuidedError>>,
 }
 
 impl LazyGuides {
@@ -463,7 +469,7 @@ impl LazyGuides {
         }
     }
 
-    pub fn get(&self) -> Result<&Guides, String> {
+    pub fn get(&self) -> Result<&Guides, GuidedError> {
         self.built
             .get_or_init(|| Guides::new(&(self.tokenizer_json)(), &self.eos_ids, self.n_logits))
             .as_ref()
@@ -537,9 +543,9 @@ impl Guided {
     }
 
     /// Reads a chosen token. A token the grammar does not allow fails the matcher.
-    pub fn consume(&mut self, token: u32) -> Result<(), String> {
+    pub fn consume(&mut self, token: u32) -> Result<(), GuidedError> {
         if let Some(e) = &self.failed {
-            return Err(e.clone());
+            return Err(GuidedError::Rejected(e.clone()));
         }
         if self.matcher.is_stopped() {
             return Ok(());
@@ -549,7 +555,7 @@ impl Guided {
                 .lexer_failure()
                 .unwrap_or_else(|| format!("the matcher refused token {token}: {e}"));
             self.failed = Some(e.clone());
-            e
+            GuidedError::Rejected(e)
         })
     }
 
@@ -655,17 +661,21 @@ mod tests {
     fn bad_grammars_are_refused_with_the_reason() {
         let (guides, _) = guides();
         let e = guides.compile(grammar::regex("(unclosed")).unwrap_err();
-        assert!(!e.is_empty());
+        assert!(
+            matches!(&e, GuidedError::Invalid(m) if !m.is_empty()),
+            "{e:?}"
+        );
         let e = guides
             .compile(grammar::lark("start: undefined_rule"))
             .unwrap_err();
-        assert!(e.contains("undefined_rule"), "{e}");
+        assert!(matches!(e, GuidedError::Invalid(_)), "{e:?}");
+        assert!(e.to_string().contains("undefined_rule"), "{e}");
         let e = guides
             .compile(grammar::json_schema(
                 serde_json::json!({"type": "no-such-type"}),
             ))
             .unwrap_err();
-        assert!(e.contains("no-such-type"), "{e}");
+        assert!(e.to_string().contains("no-such-type"), "{e}");
     }
 
     /// A grammar over the size limit is refused before it is read.
@@ -677,7 +687,7 @@ mod tests {
             format!("start: a+\na: {}", a.join(" | "))
         };
         let e = guides.compile(grammar::lark(&alts(200_000))).unwrap_err();
-        assert!(e.contains("bytes, over the"), "{e}");
+        assert!(e.to_string().contains("bytes, over the"), "{e}");
     }
 
     /// One sequence exhausting its lexer (a string of 200,000 characters needs a state
@@ -714,14 +724,14 @@ mod tests {
                     return None;
                 }
                 if let Err(e) = g.consume(t) {
-                    return Some(e);
+                    return Some(e.to_string());
                 }
             }
             None
         };
         let mut first = guides.start(&guide, &[]).unwrap();
         let e = drive(&mut first, 5_000).expect("the lexer's state limit is reached");
-        assert!(e.contains("too many states"), "{e}");
+        assert!(e.to_string().contains("too many states"), "{e}");
         // A new sequence of the same grammar is unharmed, and fails only as late.
         let mut second = guides.start(&guide, &[]).unwrap();
         assert_eq!(drive(&mut second, 20), None);
@@ -796,7 +806,7 @@ mod tests {
         }
         rules.push_str("r2000: \"z\"\n");
         let e = guides.compile(grammar::lark(&rules)).unwrap_err();
-        assert!(e.contains("256 levels"), "{e}");
+        assert!(e.to_string().contains("256 levels"), "{e}");
     }
 
     #[test]
