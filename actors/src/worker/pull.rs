@@ -25,6 +25,9 @@ use kvmesh_transport::wire::{
 use tokio::sync::mpsc;
 use tracing::{field::Empty, Instrument};
 
+use kvmesh_transport::kv::ucx::UcxError;
+use kvmesh_transport::{ConnectionError, TransportError};
+
 use super::export::SendVia;
 use super::kv_side::{region, KvSide, KvTransport};
 use super::role_core::WorkerCore;
@@ -103,7 +106,7 @@ pub(super) async fn decode(
             kv.stats.fallback.fetch_add(1, Ordering::Relaxed);
             span.record("outcome", "fallback");
             span.record("otel.status_code", "ERROR");
-            span.record("otel.status_description", e.as_str());
+            span.record("otel.status_description", e.to_string());
             tracing::warn!(
                 "prefill on {} failed ({e}); prefilling {} tokens here",
                 peer.node_id,
@@ -119,6 +122,39 @@ pub(super) async fn decode(
     Ok(Some(sub))
 }
 
+/// Why a prompt's KV did not come from the prefill worker (the engine then prefills here).
+#[derive(Debug, thiserror::Error)]
+enum PullError {
+    /// Dialing the prefill worker (the text `KvSide::peers` keeps for a while).
+    #[error("{0}")]
+    Peer(String),
+    #[error("registering the KV pool with UCX: {0}")]
+    UcxRegistration(#[source] UcxError),
+    #[error("a UCX fallback cannot itself be UCX")]
+    UcxFallbackIsUcx,
+    #[error("opening a stream to {node}: {source}")]
+    OpenStream {
+        node: String,
+        #[source]
+        source: ConnectionError,
+    },
+    #[error("sending the prefill request: {0}")]
+    SendRequest(#[source] TransportError),
+    /// The prefill worker's own message.
+    #[error("{0}")]
+    PrefillFailed(String),
+    #[error("the prefill worker closed the request")]
+    Closed,
+    #[error("receiving KV: {0}")]
+    Receive(#[source] TransportError),
+    #[error("no progress for {secs:.1} s ({landed} of {total} bytes landed)")]
+    Stalled {
+        secs: f64,
+        landed: u64,
+        total: usize,
+    },
+}
+
 /// Fetches the prompt's KV into the lease's blocks: the first token and what was moved.
 async fn pull(
     core: &Arc<WorkerCore>,
@@ -126,7 +162,7 @@ async fn pull(
     req: &GenerateRequest,
     peer: &PrefillPeer,
     lease: &KvLease,
-) -> Result<(Landed, TransferTotals, &'static str), String> {
+) -> Result<(Landed, TransferTotals, &'static str), PullError> {
     let (from, to) = (lease.from_pos(), lease.prompt_len());
     let transfer_id = random_u64();
     let landing = Arc::new(Landing::new(region(lease, from..to), transfer_id));
@@ -212,8 +248,8 @@ impl Asked {
         mut preq: PrefillRequest,
         lease: &KvLease,
         landing: &Arc<Landing>,
-    ) -> Result<Asked, String> {
-        let conn = kv.peers.get(peer).await?;
+    ) -> Result<Asked, PullError> {
+        let conn = kv.peers.get(peer).await.map_err(PullError::Peer)?;
         let (entry, incoming) = kv.inbox.register(preq.transfer_id, preq.secret);
         // UCX where both ends have it; otherwise what the decode worker falls back to.
         let mut transport = &kv.transport;
@@ -224,7 +260,7 @@ impl Asked {
                     let reg = u
                         .registration(lease.pool())
                         .await
-                        .map_err(|e| format!("registering the KV pool with UCX: {e}"))?;
+                        .map_err(PullError::UcxRegistration)?;
                     preq.data = DataPath::Ucx {
                         worker: u.ucx.address().to_vec(),
                         registration: reg.id,
@@ -257,16 +293,19 @@ impl Asked {
                     Box::new(StreamReceiver::new(landing.clone(), incoming, *connections))
                 }
                 (KvTransport::Ucx { .. }, None) => {
-                    return Err("a UCX fallback cannot itself be UCX".into());
+                    return Err(PullError::UcxFallbackIsUcx);
                 }
             };
         let (mut s, mut r) = conn
             .open_bi()
             .await
-            .map_err(|e| format!("opening a stream to {}: {e}", peer.node_id))?;
+            .map_err(|source| PullError::OpenStream {
+                node: peer.node_id.clone(),
+                source,
+            })?;
         wire::write_msg(&mut s, &StreamRequest::Prefill(preq))
             .await
-            .map_err(|e| format!("sending the prefill request: {e}"))?;
+            .map_err(PullError::SendRequest)?;
         let _ = s.finish();
         let (etx, erx) = mpsc::unbounded_channel();
         let work = tokio::spawn(async move {
@@ -307,7 +346,7 @@ impl Asked {
         landing: &Landing,
         from: usize,
         to: usize,
-    ) -> Result<(Landed, TransferTotals), String> {
+    ) -> Result<(Landed, TransferTotals), PullError> {
         let mut done: Option<Landed> = None;
         let mut landed: Option<TransferTotals> = None;
         let mut last_bytes = 0;
@@ -337,13 +376,15 @@ impl Asked {
                                 state,
                             });
                         }
-                        Some(PrefillEvent::Failed { message, .. }) => return Err(message),
+                        Some(PrefillEvent::Failed { message, .. }) => {
+                            return Err(PullError::PrefillFailed(message))
+                        }
                         None if done.is_some() => {}
-                        None => return Err("the prefill worker closed the request".into()),
+                        None => return Err(PullError::Closed),
                     }
                 }
                 r = &mut complete, if landed.is_none() => {
-                    landed = Some(r.map_err(|e| format!("receiving KV: {e}"))?);
+                    landed = Some(r.map_err(PullError::Receive)?);
                 }
                 _ = tick.tick() => {
                     let b = landing.landed_bytes();
@@ -352,12 +393,11 @@ impl Asked {
                         last_progress = Instant::now();
                     } else if last_progress.elapsed() > kv.timeout {
                         let l = &kv.layout;
-                        return Err(format!(
-                            "no progress for {:.1} s ({} of {} bytes landed)",
-                            kv.timeout.as_secs_f64(),
-                            b,
-                            2 * (to - from) * l.bytes_per_pos() * l.num_layers as usize
-                        ));
+                        return Err(PullError::Stalled {
+                            secs: kv.timeout.as_secs_f64(),
+                            landed: b,
+                            total: 2 * (to - from) * l.bytes_per_pos() * l.num_layers as usize,
+                        });
                     }
                 }
             }
