@@ -60,7 +60,7 @@ run)
     mkdir -p "$work"
     t0=$(date +%s)
     budget="${GPU_BUDGET_S:-540}"
-    stages="${STAGES:-offline parity bench-8b skinny-ab-8b long-decode-8b profile-8b serve-8b bench-llama-8b bench-small peer-8b}"
+    stages="${STAGES:-offline parity bench-8b skinny-ab-8b long-decode-8b profile-8b profile-small serve-8b bench-llama-8b bench-small peer-8b}"
     # The device returns at most 8 files from $OUT: everything is packed into one archive
     # (and a summary printed) however the run ends.
     touch "$work/.start"
@@ -110,13 +110,16 @@ run)
         --skinny-max-rows $r --batches 1,2,4,8 --sampled-batches 0 --prefill-lens 512 \
         --gemm-size 0 --copy-reps 3 --json bench/results/gpu-8b-qwen3-skinny-$r.json || exit; done'
     # Decode over 2,048-token histories, attention as one block per head and split over the
-    # history (CudaOptions::split_decode, off by default until this and parity have run).
-    stage long-decode-8b 90 bash -c 'for f in "" --split-decode; do gpu-out/gpu-bench \
+    # history (CudaOptions::split_decode, the default).
+    stage long-decode-8b 90 bash -c 'for f in --no-split-decode ""; do gpu-out/gpu-bench \
         --presets qwen3-8b $f --prompt-len 2048 --batches 1,8,32 --sampled-batches 0 \
         --prefill-lens 512 --gemm-size 0 --copy-reps 3 \
-        --json "bench/results/gpu-8b-qwen3-long${f:+-split}.json" || exit; done'
+        --json "bench/results/gpu-8b-qwen3-long${f:+-unsplit}.json" || exit; done'
     # Where the batch-1 step goes, kernel by kernel: what the fusion work is decided on.
     stage profile-8b 120 env OUT="$work" PRESET=qwen3-8b BATCH=1 PREFILL=512 bash scripts/gpu_profile.sh
+    # The small model's step, kernel by kernel (the launch-bubble work is decided on it).
+    stage profile-small 60 env OUT="$work" PRESET=qwen2.5-0.5b BATCH=1 PREFILL=2048 \
+        bash scripts/gpu_profile.sh
     stage serve-8b 170 env OUT="$work" MODEL=target/bench-models/qwen3-8b bash scripts/gpu_serve_bench.sh
     stage bench-llama-8b 110 gpu-out/gpu-bench --presets llama-3.1-8b --json "bench/results/gpu-8b-llama.json"
     stage bench-small 60 gpu-out/gpu-bench

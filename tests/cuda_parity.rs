@@ -33,15 +33,17 @@ use std::sync::Arc;
 
 use kvmesh_gpu::backend::cpu::delta::DeltaParams;
 use kvmesh_gpu::backend::cuda::delta::{mix_on_device, mix_on_host, DeltaDims};
-use kvmesh_gpu::backend::cuda::{skinny_and_cublas, CudaBackend};
-use kvmesh_gpu::backend::{Backend, CudaOptions, ForwardBatch, SeqInput};
+use kvmesh_gpu::backend::cuda::{
+    sample_host_logits, skinny_and_cublas, skinny_epilogues, CudaBackend,
+};
+use kvmesh_gpu::backend::{Backend, CudaOptions, ForwardBatch, SampleSpec, SeqInput};
 use kvmesh_gpu::config::{Arch, HybridConfig, HybridLayout, LayerType};
 use kvmesh_gpu::engine::{self, EngineConfig, Request, SeqEvent};
 use kvmesh_gpu::guided::{grammar, Guide, LazyGuides};
 use kvmesh_gpu::kv_cache::BlockId;
 use kvmesh_gpu::model::{build_backend, BackendKind, KvBudget, LoadedModel};
 use kvmesh_gpu::safetensors::DType;
-use kvmesh_gpu::sampler::{Rng, SamplingParams};
+use kvmesh_gpu::sampler::{self, Rng, SamplingParams};
 use serde_json::{json, Value};
 
 const BLOCK_SIZE: usize = 16;
@@ -266,8 +268,8 @@ fn greedy_generation_is_token_identical_with_and_without_graphs() {
         let want = run_engine(cpu, vocab, greedy_requests(name, 24));
         let got = run_engine(gpu, vocab, greedy_requests(name, 24));
         assert_eq!(got, want, "{name}: CUDA (graphs on) vs CPU greedy");
-        // Graphs off; and decode attention split over the history, through the graphs of
-        // every batch bucket.
+        // Graphs off; and decode attention one block per head (the default splits the
+        // history), through the graphs of every batch bucket.
         for (what, opts) in [
             (
                 "graphs off",
@@ -277,9 +279,9 @@ fn greedy_generation_is_token_identical_with_and_without_graphs() {
                 },
             ),
             (
-                "split decode",
+                "unsplit decode",
                 CudaOptions {
-                    split_decode: true,
+                    split_decode: false,
                     ..CudaOptions::device(0)
                 },
             ),
@@ -405,11 +407,12 @@ fn long_prompts_match_the_cpu_for_every_head_dimension() {
         let want = forward(cpu.as_mut(), &next, 700, &table);
         let step = forward(gpu.as_mut(), &next, 700, &table);
         let w3 = assert_close(&format!("{ctx}, decode"), &step, &want);
-        // The split decode: the history in chunks of at least 64 positions, one block each
-        // (eleven here, and empty splits after them), merged by decode_combine.
+        // The default splits the history into chunks of at least 64 positions, one block
+        // each (eleven here, and empty splits after them), merged by the block that finishes
+        // last; the same step with one block per head:
         let mut split = build_backend(
             BackendKind::Cuda(CudaOptions {
-                split_decode: true,
+                split_decode: false,
                 ..CudaOptions::device(0)
             }),
             &m,
@@ -419,10 +422,10 @@ fn long_prompts_match_the_cpu_for_every_head_dimension() {
         .unwrap();
         forward(split.as_mut(), &prompt, 0, &table);
         let step = forward(split.as_mut(), &next, 700, &table);
-        let w4 = assert_close(&format!("{ctx}, split decode"), &step, &want);
+        let w4 = assert_close(&format!("{ctx}, unsplit decode"), &step, &want);
         println!(
             "{ctx}: max |gpu - cpu| logit {w1:.3e} (one step), {w2:.3e} (chunked), \
-             {w3:.3e} (decode at 700), {w4:.3e} (split decode)"
+             {w3:.3e} (split decode at 700), {w4:.3e} (unsplit decode)"
         );
     }
 }
@@ -567,6 +570,105 @@ fn device_sampling_follows_the_cpu_sampler() {
         assert!(
             same >= 360,
             "{ctx}: only {same}/400 seeds agree with the CPU sampler"
+        );
+    }
+}
+
+/// Rows of a real model's vocabulary size, whose first pass `sample_rows` spreads over
+/// several blocks (the shakespeare fixture's vocabulary takes one): greedy rows give the
+/// CPU's argmax (ties to the lowest index, across shares) and its logprob, rows masked to a
+/// few tokens stay inside them, and sampled rows draw the CPU sampler's token for the same
+/// seed (up to rounding at a boundary).
+#[test]
+fn device_sampling_of_large_vocabularies_follows_the_cpu() {
+    // 151,936: Qwen's, a multiple of 4 (16-byte loads); 50,001: neither, 13 shares.
+    for vocab in [151_936usize, 50_001] {
+        let mut r = Rng::seeded(vocab as u64);
+        let rows = 48;
+        let mut logits: Vec<f32> = (0..rows * vocab)
+            .map(|_| (r.normal() * 3.0) as f32)
+            .collect();
+        // Row 0: the maximum twice, in different shares (the lower index wins); rows 1
+        // (greedy) and 17 (sampled): all but five tokens masked, spread over the row.
+        logits[vocab - 7] = 40.0;
+        logits[1234] = 40.0;
+        for row in [1, 17] {
+            let masked = &mut logits[row * vocab..(row + 1) * vocab];
+            masked.iter_mut().for_each(|v| *v = f32::NEG_INFINITY);
+            for (i, t) in [3usize, 9_000, 20_001, 33_333, vocab - 2]
+                .into_iter()
+                .enumerate()
+            {
+                masked[t] = i as f32 * 0.5;
+            }
+        }
+        let greedy = SamplingParams {
+            temperature: 0.0,
+            ..Default::default()
+        };
+        let sampled = SamplingParams {
+            temperature: 0.8,
+            top_k: 40,
+            top_p: 0.9,
+            ..Default::default()
+        };
+        let warm = SamplingParams {
+            temperature: 1.0,
+            ..Default::default()
+        };
+        // Rows 0..16 greedy, 16..32 top-k/top-p, 32..48 the whole distribution.
+        let params: Vec<&SamplingParams> = (0..rows)
+            .map(|i| match i {
+                0..16 => &greedy,
+                16..32 => &sampled,
+                _ => &warm,
+            })
+            .collect();
+        let mut rngs: Vec<Rng> = (0..rows as u64).map(Rng::seeded).collect();
+        let mut cpu_rngs = rngs.clone();
+        let mut specs: Vec<SampleSpec> = params
+            .iter()
+            .zip(rngs.iter_mut())
+            .map(|(p, rng)| SampleSpec {
+                params: p,
+                rng,
+                mask: None,
+            })
+            .collect();
+        let got = sample_host_logits(0, &logits, vocab, &mut specs).unwrap();
+        let mut same = 0;
+        for (i, g) in got.iter().enumerate() {
+            let row = &logits[i * vocab..(i + 1) * vocab];
+            let want = sampler::sample(row, params[i], &mut cpu_rngs[i]);
+            let ctx = format!("vocab {vocab}, row {i}");
+            assert!(
+                row[g.token as usize].is_finite(),
+                "{ctx}: drew a masked token"
+            );
+            if i < 16 {
+                assert_eq!(g.token, want.token, "{ctx}: greedy");
+                assert!(
+                    (g.logprob - want.logprob).abs() <= 1e-3 * want.logprob.abs().max(1.0),
+                    "{ctx}: logprob {} on the device, {} on the CPU",
+                    g.logprob,
+                    want.logprob
+                );
+            }
+            same += (g.token == want.token) as usize;
+        }
+        assert_eq!(
+            got[0].token, 1234,
+            "vocab {vocab}: the tie goes to the lower index"
+        );
+        assert_eq!(
+            got[1].token as usize,
+            vocab - 2,
+            "vocab {vocab}: the masked row's argmax"
+        );
+        println!("vocab {vocab}: {same}/{rows} rows draw the CPU's token");
+        assert!(
+            same >= rows - 3,
+            "vocab {vocab}: only {same}/{rows} rows agree"
         );
     }
 }
@@ -856,6 +958,44 @@ fn gated_deltanet_kernels_match_the_cpu() {
             }
         }
         println!("{ctx}: outputs within {worst:.1e}, states within {worst_state:.1e}");
+    }
+}
+
+/// The skinny kernels' epilogues (the q/k/v bias added as the sums are written; the MLP's
+/// SiLU-gated product straight from the gate and up sums) give bit for bit what the
+/// separate `bias_add` and `silu_mul` launches they replace give.
+#[test]
+fn skinny_epilogues_equal_the_launches_they_replace() {
+    let mut r = Rng::seeded(12);
+    // Qwen2.5-0.5B's q/k/v and MLP at 1 and 4 rows, Qwen3-8B's MLP, an odd shape.
+    for (m, n, k) in [(1, 576, 896), (4, 4864, 896), (2, 12288, 4096), (3, 37, 40)] {
+        let mut bits = |len: usize, scale: f32| -> Vec<u16> {
+            (0..len)
+                .map(|_| {
+                    let v = ((r.next_u64() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale;
+                    (v.to_bits() >> 16) as u16
+                })
+                .collect()
+        };
+        let (x, w) = (bits(m * k, 1.0), bits(2 * n * k, 0.1));
+        let bias: Vec<f32> = bits(2 * n, 1.0)
+            .into_iter()
+            .map(|b| f32::from_bits((b as u32) << 16))
+            .collect();
+        let [fused, unfused, act_fused, act_unfused] =
+            skinny_epilogues(0, &x, &w, &bias, (m, n, k)).unwrap();
+        let ctx = format!("m {m} n {n} k {k}");
+        assert!(
+            fused.iter().all(|&b| f32::from_bits(b).is_finite()),
+            "{ctx}: the bias epilogue left an element unwritten"
+        );
+        assert_eq!(fused, unfused, "{ctx}: bias in the epilogue vs bias_add");
+        assert!(
+            act_fused.iter().all(|&b| b != 0x7fc0),
+            "{ctx}: the SiLU epilogue left an element unwritten"
+        );
+        assert_eq!(act_fused, act_unfused, "{ctx}: skinny_silu vs silu_mul");
+        println!("{ctx}: both epilogues bit-identical to the separate launches");
     }
 }
 

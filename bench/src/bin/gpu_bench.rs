@@ -58,10 +58,10 @@ struct Args {
     /// cuBLAS; 0 sends all to cuBLAS [default: the engine's]. Kernels exist up to 8 rows.
     #[arg(long, value_name = "N")]
     skinny_max_rows: Option<usize>,
-    /// Decode steps split long histories over several blocks per head (see
-    /// `CudaOptions::split_decode`).
+    /// Decode attention one block per head, the history unsplit (the engine splits it at
+    /// small batches; see `CudaOptions::split_decode`).
     #[arg(long)]
-    split_decode: bool,
+    no_split_decode: bool,
     /// Decode batch sizes to measure, comma-separated.
     #[arg(long, value_delimiter = ',', value_parser = trimmed::<usize>,
           default_value = "1,8,32,64,128,256")]
@@ -425,10 +425,10 @@ fn summarise(args: &Args, name: &str, dir: &Path, cfg: &ModelConfig, f: &Figures
             "decode       CUDA graphs {} (--enforce-eager turns them off); {}{}",
             if f.cuda_graphs { "on" } else { "off" },
             skinny_line(args.skinny_rows()),
-            if args.split_decode {
-                "; split decode attention"
+            if args.no_split_decode {
+                "; decode attention unsplit"
             } else {
-                ""
+                "; decode attention split over the history at small batches"
             }
         ),
         format!(
@@ -504,7 +504,7 @@ fn summarise(args: &Args, name: &str, dir: &Path, cfg: &ModelConfig, f: &Figures
         "kv_block_size": BLOCK_SIZE,
         "cuda_graphs": f.cuda_graphs,
         "skinny_max_rows": args.skinny_rows(),
-        "split_decode": args.split_decode,
+        "split_decode": !args.no_split_decode,
         "weight_bytes_per_step": f.step_bytes,
         "bound_ms_per_token_batch1": f.bound_step() * 1e3,
         "batch1_bandwidth_utilisation": util1,
@@ -582,7 +582,7 @@ fn bench_model(args: &Args, name: &str, dev: &mut DeviceFigures) -> anyhow::Resu
         reserve_tokens: max_prefill.max(args.fill_chunk),
         reserve_rows: max_batch,
         skinny_max_rows: args.skinny_rows(),
-        split_decode: args.split_decode,
+        split_decode: !args.no_split_decode,
     };
     let backend = CudaBackend::new(
         &cfg,

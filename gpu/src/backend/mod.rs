@@ -38,18 +38,19 @@ pub struct CudaOptions {
     /// through the engine's own skinny kernels rather than cuBLAS; 0 sends every product to
     /// cuBLAS. Kernels exist up to 8 rows; `gpu-bench --skinny-max-rows` measures the choice.
     pub skinny_max_rows: usize,
-    /// Whether decode steps split long histories over several blocks per head
-    /// (`paged_attention_decode_d*` with a `decode_combine`), for head sizes with a 16-byte
-    /// decode kernel. Off by default until a GPU run has checked it (`cuda_parity` runs
-    /// both ways; `gpu-bench --split-decode` measures it).
+    /// Whether decode steps of few sequences split each history over several blocks per
+    /// head (`paged_attention_decode_d*`, merged by the block that finishes last), for head
+    /// sizes with a 16-byte decode kernel. On by default: on an H100 (Qwen3-8B, 2,048
+    /// positions of history) batch-1 steps took 6.67 ms split against 12.71 ms with one
+    /// block per head. `gpu-bench --no-split-decode` measures the other way.
     pub split_decode: bool,
 }
 
-/// The default `CudaOptions::skinny_max_rows`. On an H100 (Qwen3-8B's shapes) the skinny
-/// kernel beat cuBLAS at one row (6.49 against 6.95 ms a decode step) and lost at eight
-/// (8.32 against 7.12 ms): eight sums per weight cost more instructions than its loads hide.
-/// Two rows do a quarter of that arithmetic; three to seven are not measured yet.
-pub const SKINNY_MAX_ROWS: usize = 2;
+/// The default `CudaOptions::skinny_max_rows`. On an H100 (Qwen3-8B's shapes, decode step
+/// against every product through cuBLAS) the skinny kernels took 6.39 / 6.59 / 6.92 / 8.24 ms
+/// at 1 / 2 / 4 / 8 rows, cuBLAS 6.90 / 6.91 / 6.98 / 7.05: ahead up to four rows, behind at
+/// eight, where eight sums per weight cost more instructions than the loads hide.
+pub const SKINNY_MAX_ROWS: usize = 4;
 
 impl CudaOptions {
     /// Device `ordinal`, with CUDA graphs on and the engine's default step limits.
@@ -61,7 +62,7 @@ impl CudaOptions {
             reserve_tokens: d.max_num_batched_tokens,
             reserve_rows: d.max_num_seqs,
             skinny_max_rows: SKINNY_MAX_ROWS,
-            split_decode: false,
+            split_decode: true,
         }
     }
 }

@@ -280,11 +280,10 @@ fn cuda_kernels_compile_assemble_and_fit_every_claimed_architecture() {
         // The attention kernels' parameter counts, as `kernels::Attention` pushes them (a
         // launch with a missing argument reads garbage rather than failing).
         for (name, params) in [
-            (shapes::ATTENTION_DECODE.name, 16),
-            (shapes::ATTENTION_DECODE_VEC[3].1.name, 16),
+            (shapes::ATTENTION_DECODE.name, 17),
+            (shapes::ATTENTION_DECODE_VEC[3].1.name, 17),
             (shapes::ATTENTION_PREFILL.name, 16),
             (shapes::ATTENTION_PREFILL_MMA[3].1.name, 16),
-            (shapes::DECODE_COMBINE.name, 6),
         ] {
             assert_eq!(entries[name].params, params, "{}: {name}", a.sm);
         }

@@ -7,6 +7,7 @@ use cudarc::driver::{CudaSlice, CudaStream};
 
 use super::batch::BatchLayout;
 use super::device::drv;
+use super::shapes::SAMPLE_MAX_CHUNKS;
 use crate::config::ModelConfig;
 use crate::error::Result;
 
@@ -113,6 +114,9 @@ pub struct Workspace {
     /// A split decode's partials: for each (sequence, q head, split) its max, sum and
     /// unnormalised weighted V row, `shapes::DECODE_SPLIT_SLOTS` (sequence, split) pairs.
     pub part: CudaSlice<f32>,
+    /// A split decode's tickets: a counter per (sequence, q head) that the blocks of its
+    /// splits count up and the last one sets back to 0, so zero between steps.
+    pub ticks: CudaSlice<i32>,
 }
 
 impl Workspace {
@@ -123,12 +127,17 @@ impl Workspace {
         if cap == 0 {
             return 0; // no workspace at all
         }
-        cap * (4 * f32s + 2 * bf16s) + 4 * Self::part_len(c)
+        cap * (4 * f32s + 2 * bf16s) + 4 * Self::part_len(c) + 4 * Self::ticks_len(c)
     }
 
     /// f32s of `part`.
     fn part_len(c: &ModelConfig) -> usize {
         super::shapes::DECODE_SPLIT_SLOTS * c.num_heads * (c.head_dim + 2)
+    }
+
+    /// i32s of `ticks`: a split decode has at most DECODE_SPLIT_SLOTS sequences.
+    fn ticks_len(c: &ModelConfig) -> usize {
+        super::shapes::DECODE_SPLIT_SLOTS * c.num_heads
     }
 
     /// Buffers for `cap` tokens of a model shaped like `c`.
@@ -153,6 +162,9 @@ impl Workspace {
             gate_up: f(cap * 2 * c.intermediate_size)?,
             act: b(cap * c.intermediate_size)?,
             part: f(Self::part_len(c))?,
+            ticks: stream
+                .alloc_zeros::<i32>(Self::ticks_len(c))
+                .map_err(|e| drv(&format!("activations for {cap} tokens"), e))?,
         })
     }
 }
@@ -168,12 +180,16 @@ pub struct LogitsSpace {
     /// Per-row sampling parameters: temperatures, top_p and uniforms, three runs of `rows`.
     pub params_f: CudaSlice<f32>,
     pub top_k: CudaSlice<i32>,
+    /// `sample_rows`'s per-share results (3 floats per row and share) and its per-row
+    /// tickets, zero between launches.
+    pub sample_stats: CudaSlice<f32>,
+    pub sample_ticks: CudaSlice<i32>,
 }
 
 impl LogitsSpace {
     /// Bytes `alloc(.., c, cap)` takes.
     pub fn bytes(c: &ModelConfig, cap: usize) -> usize {
-        cap * (2 * c.hidden_size + 4 * c.vocab_size + 4 * 6)
+        cap * (2 * c.hidden_size + 4 * c.vocab_size + 4 * 7 + 4 * 3 * SAMPLE_MAX_CHUNKS)
     }
 
     /// Buffers for `cap` rows of a model shaped like `c`.
@@ -187,6 +203,10 @@ impl LogitsSpace {
             logprob: stream.alloc_zeros::<f32>(cap).map_err(e)?,
             params_f: stream.alloc_zeros::<f32>(3 * cap).map_err(e)?,
             top_k: stream.alloc_zeros::<i32>(cap).map_err(e)?,
+            sample_stats: stream
+                .alloc_zeros::<f32>(cap * 3 * SAMPLE_MAX_CHUNKS)
+                .map_err(e)?,
+            sample_ticks: stream.alloc_zeros::<i32>(cap).map_err(e)?,
         })
     }
 }

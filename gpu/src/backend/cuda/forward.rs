@@ -8,8 +8,7 @@ use cudarc::driver::{CudaSlice, CudaStream};
 use super::buffers::{LogitsSpace, StepDims, StepInputs, Workspace};
 use super::gemm::Products;
 use super::kernels::{
-    AddRmsNorm, Attention, EmbedGather, GatherRows, Heads, Kernels, QkNorm, RmsNorm, RopeKvWrite,
-    SiluMul,
+    AddRmsNorm, Attention, EmbedGather, GatherRows, Heads, Kernels, RmsNorm, RopeKvWrite,
 };
 use super::kv::KvCache;
 use super::shapes;
@@ -124,20 +123,20 @@ impl Pass<'_> {
     ) -> Result<()> {
         let (cfg, t) = (self.cfg, self.dims.tokens);
         self.linear(&layer.qkv_proj, &ws.xn, &mut ws.qkv)?;
-        if let (Some(q_w), Some(k_w)) = (&layer.q_norm, &layer.k_norm) {
-            QkNorm {
-                qkv: &mut ws.qkv,
-                q_w,
-                k_w,
-                tokens: t,
-                heads: self.heads,
-                eps: cfg.rms_norm_eps,
+        // Per-head rotary embedding (Qwen3: after a norm of each q and k head), then the new
+        // K/V into the cache.
+        let norms = match (&layer.q_norm, &layer.k_norm) {
+            (Some(q_w), Some(k_w)) => Some((q_w, k_w, cfg.rms_norm_eps)),
+            (None, None) => None,
+            _ => {
+                return Err(EngineError::Backend(
+                    "a layer with a q norm and no k norm, or the other way round".into(),
+                ))
             }
-            .launch(self.k, self.s)?;
-        }
-        // Per-head rotary embedding, then the new K/V into the cache.
+        };
         RopeKvWrite {
             qkv: &mut ws.qkv,
+            norms,
             inputs: self.inp,
             inv_freq: &self.w.inv_freq,
             k_cache: &mut kv.k[li],
@@ -154,6 +153,7 @@ impl Pass<'_> {
             v_cache: &kv.v[li],
             out: &mut ws.attn,
             part: &mut ws.part,
+            ticks: &mut ws.ticks,
             splits: self.splits,
             heads: self.heads,
             block_size: kv.block_size(),
@@ -164,14 +164,8 @@ impl Pass<'_> {
         self.linear(&layer.o_proj, &ws.attn, &mut ws.tmp)?;
         self.add_rms_norm(ws, &layer.post_attention_layernorm)?;
 
-        self.linear(&layer.gate_up_proj, &ws.xn, &mut ws.gate_up)?;
-        SiluMul {
-            gate_up: &ws.gate_up,
-            out: &mut ws.act,
-            rows: t,
-            inter: cfg.intermediate_size,
-        }
-        .launch(self.k, self.s)?;
+        self.mm
+            .gate_up_silu(&layer.gate_up_proj, t, &ws.xn, &mut ws.gate_up, &mut ws.act)?;
         self.linear(&layer.down_proj, &ws.act, &mut ws.tmp)?;
         // The residual add, fused with the next layer's input norm, or with the final norm
         // after the last layer.

@@ -6,7 +6,7 @@ use std::ffi::c_void;
 use cudarc::cublas::{result as blas_result, sys as blas_sys, CudaBlas};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 
-use super::kernels::{BiasAdd, Kernels, SkinnyGemm};
+use super::kernels::{BiasAdd, Kernels, SiluMul, SkinnyGemm, SkinnyOut};
 use super::weights::DevLinear;
 use crate::error::{EngineError, Result};
 
@@ -101,6 +101,10 @@ pub struct Products<'a> {
 }
 
 impl Products<'_> {
+    fn skinny(&self, m: usize, k: usize) -> bool {
+        m <= self.skinny_max_rows && SkinnyGemm::takes(m, k)
+    }
+
     /// `y[m, n] = x[m, k] · W[n, k]ᵀ`.
     pub fn product(
         &self,
@@ -109,19 +113,41 @@ impl Products<'_> {
         y: &mut CudaSlice<f32>,
         (m, n, k): (usize, usize, usize),
     ) -> Result<()> {
-        if m <= self.skinny_max_rows && SkinnyGemm::takes(m, k) {
-            SkinnyGemm {
+        self.product_bias(x, w, None, y, (m, n, k))
+    }
+
+    /// `y = x · Wᵀ + bias`: the skinny kernels add the bias as they write the sums, after
+    /// cuBLAS it takes a launch of its own.
+    fn product_bias(
+        &self,
+        x: &CudaSlice<u16>,
+        w: &CudaSlice<u16>,
+        bias: Option<&CudaSlice<f32>>,
+        y: &mut CudaSlice<f32>,
+        (m, n, k): (usize, usize, usize),
+    ) -> Result<()> {
+        if self.skinny(m, k) {
+            return SkinnyGemm {
                 x,
                 w,
-                y,
+                out: SkinnyOut::Sums { y, bias },
                 rows: m,
                 n,
                 k,
             }
-            .launch(self.k, self.s)
-        } else {
-            gemm_bf16_f32(self.blas, self.s, x, w, y, (m, n, k))
+            .launch(self.k, self.s);
         }
+        gemm_bf16_f32(self.blas, self.s, x, w, y, (m, n, k))?;
+        if let Some(bias) = bias {
+            BiasAdd {
+                y,
+                bias,
+                rows: m,
+                cols: n,
+            }
+            .launch(self.k, self.s)?;
+        }
+        Ok(())
     }
 
     /// `y = x · Wᵀ` (+ bias) for a `DevLinear` over the first `m` rows.
@@ -132,17 +158,40 @@ impl Products<'_> {
         x: &CudaSlice<u16>,
         y: &mut CudaSlice<f32>,
     ) -> Result<()> {
-        self.product(x, &l.w, y, (m, l.out, l.inp))?;
-        if let Some(bias) = &l.bias {
-            BiasAdd {
-                y,
-                bias,
+        self.product_bias(x, &l.w, l.bias.as_ref(), y, (m, l.out, l.inp))
+    }
+
+    /// An MLP's `act = silu(x · gateᵀ) · (x · upᵀ)` in bf16 from its stacked gate/up
+    /// projection (`gate_up`, `2 * inter` outputs, no bias): one skinny kernel that never
+    /// writes the products, or the products into `gate_up` and `silu_mul`.
+    pub fn gate_up_silu(
+        &self,
+        gate_up: &DevLinear,
+        m: usize,
+        x: &CudaSlice<u16>,
+        products: &mut CudaSlice<f32>,
+        act: &mut CudaSlice<u16>,
+    ) -> Result<()> {
+        let inter = gate_up.out / 2;
+        if gate_up.bias.is_none() && gate_up.out.is_multiple_of(2) && self.skinny(m, gate_up.inp) {
+            return SkinnyGemm {
+                x,
+                w: &gate_up.w,
+                out: SkinnyOut::SiluMul { act },
                 rows: m,
-                cols: l.out,
+                n: inter,
+                k: gate_up.inp,
             }
-            .launch(self.k, self.s)?;
+            .launch(self.k, self.s);
         }
-        Ok(())
+        self.linear(gate_up, m, x, products)?;
+        SiluMul {
+            gate_up: products,
+            out: act,
+            rows: m,
+            inter,
+        }
+        .launch(self.k, self.s)
     }
 }
 
@@ -178,4 +227,85 @@ pub fn skinny_and_cublas(
     let skinny = run(m)?;
     let cublas = run(0)?;
     Ok((skinny, cublas))
+}
+
+/// The skinny kernels' epilogues against the launches they replace, on device `ordinal`:
+/// `x` `[m, k]` and `w` `[2n, k]` as bf16 bits, `bias` `2n` long. Returns, as bits, the
+/// product with its bias added by the kernel and by `bias_add` after it, then the SiLU-gated
+/// product (w as n gate rows then n up rows) by `skinny_silu` and by `silu_mul` after the
+/// plain product: each pair is meant to be identical.
+pub fn skinny_epilogues(
+    ordinal: usize,
+    x: &[u16],
+    w: &[u16],
+    bias: &[f32],
+    (m, n, k): (usize, usize, usize),
+) -> Result<[Vec<u32>; 4]> {
+    use super::device::drv;
+    let ctx = cudarc::driver::CudaContext::new(ordinal).map_err(|e| drv("context creation", e))?;
+    let s = ctx.new_stream().map_err(|e| drv("stream creation", e))?;
+    let (kernels, _) = Kernels::load(&ctx)?;
+    let up = |v: &[u16]| s.clone_htod(v).map_err(|e| drv("upload", e));
+    let (xd, wd) = (up(x)?, up(w)?);
+    let bd = s.clone_htod(bias).map_err(|e| drv("upload", e))?;
+    // Poisoned first, so an element a kernel leaves unwritten shows.
+    let f32s = |len: usize| {
+        s.clone_htod(&vec![f32::NAN; len])
+            .map_err(|e| drv("upload", e))
+    };
+    let bf16s = |len: usize| {
+        s.clone_htod(&vec![0x7fc0u16; len])
+            .map_err(|e| drv("upload", e))
+    };
+    let sums = |y: &mut CudaSlice<f32>, bias: Option<&CudaSlice<f32>>| {
+        SkinnyGemm {
+            x: &xd,
+            w: &wd,
+            out: SkinnyOut::Sums { y, bias },
+            rows: m,
+            n: 2 * n,
+            k,
+        }
+        .launch(&kernels, &s)
+    };
+    let (mut fused, mut unfused) = (f32s(m * 2 * n)?, f32s(m * 2 * n)?);
+    sums(&mut fused, Some(&bd))?;
+    sums(&mut unfused, None)?;
+    BiasAdd {
+        y: &mut unfused,
+        bias: &bd,
+        rows: m,
+        cols: 2 * n,
+    }
+    .launch(&kernels, &s)?;
+    let (mut act_fused, mut act_unfused, mut products) =
+        (bf16s(m * n)?, bf16s(m * n)?, f32s(m * 2 * n)?);
+    SkinnyGemm {
+        x: &xd,
+        w: &wd,
+        out: SkinnyOut::SiluMul {
+            act: &mut act_fused,
+        },
+        rows: m,
+        n,
+        k,
+    }
+    .launch(&kernels, &s)?;
+    sums(&mut products, None)?;
+    SiluMul {
+        gate_up: &products,
+        out: &mut act_unfused,
+        rows: m,
+        inter: n,
+    }
+    .launch(&kernels, &s)?;
+    let f = |v: &CudaSlice<f32>| -> Result<Vec<u32>> {
+        let h = s.clone_dtoh(v).map_err(|e| drv("download", e))?;
+        Ok(h.into_iter().map(f32::to_bits).collect())
+    };
+    let b = |v: &CudaSlice<u16>| -> Result<Vec<u32>> {
+        let h = s.clone_dtoh(v).map_err(|e| drv("download", e))?;
+        Ok(h.into_iter().map(u32::from).collect())
+    };
+    Ok([f(&fused)?, f(&unfused)?, b(&act_fused)?, b(&act_unfused)?])
 }

@@ -43,7 +43,6 @@ pub struct Kernels {
     rmsnorm: CudaFunction,
     add_rmsnorm: CudaFunction,
     bias_add: CudaFunction,
-    qk_norm: CudaFunction,
     rope_kv_write: CudaFunction,
     attention_decode: CudaFunction,
     /// `paged_attention_decode_d*`, by head dimension.
@@ -51,7 +50,6 @@ pub struct Kernels {
     attention_prefill: CudaFunction,
     /// `paged_attention_prefill_mma_d*`, by head dimension.
     attention_prefill_mma: Vec<(usize, CudaFunction)>,
-    decode_combine: CudaFunction,
     silu_mul: CudaFunction,
     gather_rows: CudaFunction,
     sample_rows: CudaFunction,
@@ -61,6 +59,8 @@ pub struct Kernels {
     pub(super) gated_delta: CudaFunction,
     /// `skinny_gemm_m*`, by the most rows each takes.
     skinny: Vec<(usize, CudaFunction)>,
+    /// `skinny_silu_m*`, likewise.
+    skinny_silu: Vec<(usize, CudaFunction)>,
 }
 
 impl Kernels {
@@ -109,13 +109,11 @@ impl Kernels {
             rmsnorm: f(shapes::RMSNORM)?,
             add_rmsnorm: f(shapes::ADD_RMSNORM)?,
             bias_add: f(shapes::BIAS_ADD)?,
-            qk_norm: f(shapes::QK_NORM)?,
             rope_kv_write: f(shapes::ROPE_KV_WRITE)?,
             attention_decode: f(shapes::ATTENTION_DECODE)?,
             attention_prefill: f(shapes::ATTENTION_PREFILL)?,
             attention_decode_vec: by_size(&shapes::ATTENTION_DECODE_VEC)?,
             attention_prefill_mma: by_size(&shapes::ATTENTION_PREFILL_MMA)?,
-            decode_combine: f(shapes::DECODE_COMBINE)?,
             silu_mul: f(shapes::SILU_MUL)?,
             gather_rows: f(shapes::GATHER_ROWS)?,
             sample_rows: f(shapes::SAMPLE_ROWS)?,
@@ -123,6 +121,7 @@ impl Kernels {
             delta_conv: f(shapes::DELTA_CONV)?,
             gated_delta: f(shapes::GATED_DELTA)?,
             skinny: by_size(&shapes::SKINNY_GEMM)?,
+            skinny_silu: by_size(&shapes::SKINNY_SILU)?,
         };
         Ok((k, arch))
     }
@@ -166,12 +165,24 @@ pub(super) fn holds(kernel: &str, what: &str, len: usize, need: usize) -> Result
     Ok(())
 }
 
-/// `y[m, n] = x[m, k] · w[n, k]ᵀ` for `rows` rows, bf16 in, f32 out, by the skinny kernel
-/// for that many rows (see `kernels/skinny.cu`).
+/// What a skinny product writes: `y = x · wᵀ (+ bias)` in f32, or for an MLP's stacked
+/// gate/up weights (`n` gate rows, then `n` up rows) `act = silu(gate) · up` in bf16.
+pub enum SkinnyOut<'a> {
+    Sums {
+        y: &'a mut CudaSlice<f32>,
+        bias: Option<&'a CudaSlice<f32>>,
+    },
+    SiluMul {
+        act: &'a mut CudaSlice<u16>,
+    },
+}
+
+/// `x[rows, k]` (bf16) times `w[n, k]ᵀ` (`w[2n, k]ᵀ` for `SkinnyOut::SiluMul`) by the skinny
+/// kernel for that many rows (see `kernels/skinny.cu`).
 pub struct SkinnyGemm<'a> {
     pub x: &'a CudaSlice<u16>,
     pub w: &'a CudaSlice<u16>,
-    pub y: &'a mut CudaSlice<f32>,
+    pub out: SkinnyOut<'a>,
     pub rows: usize,
     pub n: usize,
     pub k: usize,
@@ -184,19 +195,24 @@ impl SkinnyGemm<'_> {
     }
 
     pub fn launch(self, kernels: &Kernels, s: &CudaStream) -> Result<()> {
-        let name = "skinny_gemm";
+        let silu = matches!(self.out, SkinnyOut::SiluMul { .. });
+        let (name, family, funcs) = if silu {
+            ("skinny_silu", &shapes::SKINNY_SILU, &kernels.skinny_silu)
+        } else {
+            ("skinny_gemm", &shapes::SKINNY_GEMM, &kernels.skinny)
+        };
         let (rows, n, k) = (self.rows, self.n, self.k);
         if !Self::takes(rows, k) || n == 0 {
             return Err(EngineError::Backend(format!(
                 "{name}: no skinny kernel for {rows} rows of {k} (by {n} outputs)"
             )));
         }
+        let w_rows = if silu { 2 * n } else { n };
         holds(name, "x", self.x.len(), rows * k)?;
-        holds(name, "w", self.w.len(), n * k)?;
-        holds(name, "y", self.y.len(), rows * n)?;
-        let (shape, func) = shapes::SKINNY_GEMM
+        holds(name, "w", self.w.len(), w_rows * k)?;
+        let (shape, func) = family
             .iter()
-            .zip(&kernels.skinny)
+            .zip(funcs)
             .find(|((most, _), _)| rows <= *most)
             .map(|((_, shape), (_, func))| (shape, func))
             .expect("takes() checked rows against the largest kernel");
@@ -207,18 +223,39 @@ impl SkinnyGemm<'_> {
             i32::try_from(n).map_err(|_| too_big("n"))?,
             i32::try_from(k).map_err(|_| too_big("k"))?,
         );
-        let cfg = grid(shape, n.div_ceil(shapes::SKINNY_ROWS_PER_BLOCK), 1, 1)?;
+        // A null pointer: no bias.
+        let no_bias = 0u64;
         let mut b = s.launch_builder(func);
-        b.arg(self.x)
-            .arg(self.w)
-            .arg(self.y)
-            .arg(&ri)
-            .arg(&ni)
-            .arg(&ki);
-        // SAFETY: the arguments match `skinny_gemm_m*`'s signature in order and type; x
-        // holds `rows` rows of k, w n rows of k, y `rows` rows of n (checked above), and k is
-        // a multiple of 8, so every 16-byte load starts on a 16-byte boundary of a 256-byte
-        // aligned allocation and ends inside its row.
+        b.arg(self.x).arg(self.w);
+        let per_block = match self.out {
+            SkinnyOut::Sums { y, bias } => {
+                holds(name, "y", y.len(), rows * n)?;
+                match bias {
+                    Some(bias) => {
+                        holds(name, "bias", bias.len(), n)?;
+                        b.arg(bias);
+                    }
+                    None => {
+                        b.arg(&no_bias);
+                    }
+                }
+                b.arg(y);
+                shapes::SKINNY_ROWS_PER_BLOCK
+            }
+            SkinnyOut::SiluMul { act } => {
+                holds(name, "act", act.len(), rows * n)?;
+                b.arg(act);
+                shapes::SKINNY_ROWS_PER_BLOCK / shapes::SKINNY_ROWS
+            }
+        };
+        b.arg(&ri).arg(&ni).arg(&ki);
+        let cfg = grid(shape, n.div_ceil(per_block), 1, 1)?;
+        // SAFETY: the arguments match `skinny_gemm_m*`'s signature (x, w, bias or null, y,
+        // rows, n, k) or `skinny_silu_m*`'s (x, w, act, rows, n, k) in order and type; x
+        // holds `rows` rows of k, w the rows the kernel streams, y or act `rows` rows of n
+        // and the bias n (checked above), and k is a multiple of 8, so every 16-byte load
+        // starts on a 16-byte boundary of a 256-byte aligned allocation and ends inside its
+        // row.
         unsafe { b.launch(cfg) }.map_err(failed(name))?;
         Ok(())
     }
@@ -341,44 +378,12 @@ impl BiasAdd<'_> {
     }
 }
 
-/// Per-head RMS norms of q and k (Qwen3), in place in the fused q/k/v rows.
-pub struct QkNorm<'a> {
-    pub qkv: &'a mut CudaSlice<f32>,
-    pub q_w: &'a CudaSlice<f32>,
-    pub k_w: &'a CudaSlice<f32>,
-    pub tokens: usize,
-    pub heads: Heads,
-    pub eps: f32,
-}
-
-impl QkNorm<'_> {
-    pub fn launch(self, k: &Kernels, s: &CudaStream) -> Result<()> {
-        let n = "qk_norm";
-        let h = self.heads;
-        holds(n, "qkv", self.qkv.len(), self.tokens * h.row())?;
-        holds(n, "q_w", self.q_w.len(), h.dim)?;
-        holds(n, "k_w", self.k_w.len(), h.dim)?;
-        let (row, nq, d) = (h.row() as i32, h.q as i32, h.dim as i32);
-        let mut b = s.launch_builder(&k.qk_norm);
-        b.arg(self.qkv)
-            .arg(self.q_w)
-            .arg(self.k_w)
-            .arg(&row)
-            .arg(&nq)
-            .arg(&d)
-            .arg(&self.eps);
-        let cfg = grid(&shapes::QK_NORM, self.tokens, h.q + h.kv, 1)?;
-        // SAFETY: the arguments match `qk_norm`'s signature in order and type; the grid
-        // covers `tokens` rows of q and k heads, which qkv and the norms hold (checked above).
-        unsafe { b.launch(cfg) }.map_err(failed(n))?;
-        Ok(())
-    }
-}
-
 /// Rotates q and k by each token's position, in place, and writes k and v into the cache
-/// slots of `inputs.slots`.
+/// slots of `inputs.slots`; first, with `norms` (Qwen3's q and k weights and epsilon), an
+/// RMS norm over each q and k head.
 pub struct RopeKvWrite<'a> {
     pub qkv: &'a mut CudaSlice<f32>,
+    pub norms: Option<(&'a CudaSlice<f32>, &'a CudaSlice<f32>, f32)>,
     pub inputs: &'a StepInputs,
     pub inv_freq: &'a CudaSlice<f32>,
     pub k_cache: &'a mut CudaSlice<u16>,
@@ -402,15 +407,27 @@ impl RopeKvWrite<'_> {
             .arg(self.inv_freq)
             .arg(&self.inputs.slots)
             .arg(self.k_cache)
-            .arg(self.v_cache)
-            .arg(&row)
-            .arg(&nq)
-            .arg(&nkv)
-            .arg(&d);
+            .arg(self.v_cache);
+        // Null pointers: no head norms.
+        let null = 0u64;
+        let eps = self.norms.map_or(0.0f32, |(_, _, eps)| eps);
+        match self.norms {
+            Some((q_w, k_w, _)) => {
+                holds(n, "q_w", q_w.len(), h.dim)?;
+                holds(n, "k_w", k_w.len(), h.dim)?;
+                b.arg(q_w).arg(k_w);
+            }
+            None => {
+                b.arg(&null).arg(&null);
+            }
+        }
+        b.arg(&eps);
+        b.arg(&row).arg(&nq).arg(&nkv).arg(&d);
         let cfg = grid(&shapes::ROPE_KV_WRITE, self.tokens, h.q + h.kv, 1)?;
-        // SAFETY: the arguments match `rope_kv_write`'s signature in order and type; the
-        // per-token arrays hold the grid's tokens (checked above) and every slot is inside
-        // the cache (see the module docs).
+        // SAFETY: the arguments match `rope_kv_write`'s signature in order and type (the
+        // norm weights both given or both null); the per-token arrays hold the grid's tokens
+        // and the norms a head (checked above), and every slot is inside the cache (see the
+        // module docs).
         unsafe { b.launch(cfg) }.map_err(failed(n))?;
         Ok(())
     }
@@ -429,6 +446,9 @@ pub struct Attention<'a> {
     pub out: &'a mut CudaSlice<u16>,
     /// A split decode's partials (`Workspace::part`).
     pub part: &'a mut CudaSlice<f32>,
+    /// A split decode's tickets, one per (sequence, q head), zero between steps
+    /// (`Workspace::ticks`).
+    pub ticks: &'a mut CudaSlice<i32>,
     /// Splits of each history for a decode step with a 16-byte kernel for the head size
     /// (`shapes::decode_splits`), 1 for none; ignored by every other step.
     pub splits: usize,
@@ -483,6 +503,7 @@ impl Attention<'_> {
                 self.part.len(),
                 dims.seqs * h.q * splits * (h.dim + 2),
             )?;
+            holds(n, "ticks", self.ticks.len(), dims.seqs * h.q)?;
         }
         let (f, cfg) = if let (true, Some(i)) = (decode, special) {
             (
@@ -522,7 +543,7 @@ impl Attention<'_> {
             .arg(self.v_cache)
             .arg(&mut *self.out);
         if decode {
-            b.arg(&mut *self.part);
+            b.arg(&mut *self.part).arg(&mut *self.ticks);
         }
         b.arg(&nq)
             .arg(&nkv)
@@ -532,26 +553,11 @@ impl Attention<'_> {
             .arg(&window);
         // SAFETY: the arguments match the chosen kernel's signature in order and type (the
         // prefill kernels share one, the decode kernels another, without `positions` and with
-        // `part`); the per-token and per-sequence arrays hold what the grid reads (checked
-        // above), `part` holds every split's partial when there are several, and the tables
-        // name only blocks inside the cache (see the module docs).
+        // `part` and `ticks`); the per-token and per-sequence arrays hold what the grid reads
+        // (checked above), `part` every split's partial and `ticks` a counter per (sequence,
+        // head) when there are several splits, and the tables name only blocks inside the
+        // cache (see the module docs).
         unsafe { b.launch(cfg) }.map_err(failed(n))?;
-        if splits > 1 {
-            let c = "decode_combine";
-            let (nq, d, sp) = (h.q as i32, h.dim as i32, splits as i32);
-            let cfg = grid(&shapes::DECODE_COMBINE, dims.seqs, h.q, 1)?;
-            let mut b = s.launch_builder(&k.decode_combine);
-            b.arg(&*self.part)
-                .arg(&inp.seq_starts)
-                .arg(&mut *self.out)
-                .arg(&nq)
-                .arg(&d)
-                .arg(&sp);
-            // SAFETY: the arguments match `decode_combine`'s signature in order and type;
-            // `part` holds the partials of every (sequence, head, split) of the grid and `out`
-            // every token's heads (checked above).
-            unsafe { b.launch(cfg) }.map_err(failed(c))?;
-        }
         Ok(())
     }
 }
@@ -618,6 +624,10 @@ pub struct SampleRows<'a> {
     pub uniforms: CudaView<'a, f32>,
     pub token: &'a mut CudaSlice<i32>,
     pub logprob: &'a mut CudaSlice<f32>,
+    /// Scratch of the first pass's shares, and per-row tickets that are zero between
+    /// launches (`LogitsSpace::sample_stats`, `sample_ticks`).
+    pub stats: &'a mut CudaSlice<f32>,
+    pub ticks: &'a mut CudaSlice<i32>,
     pub rows: usize,
 }
 
@@ -633,9 +643,12 @@ impl SampleRows<'_> {
             ("uniforms", self.uniforms.len()),
             ("token", self.token.len()),
             ("logprob", self.logprob.len()),
+            ("ticks", self.ticks.len()),
         ] {
             holds(n, what, len, rows)?;
         }
+        let chunks = shapes::sample_chunks(self.vocab);
+        holds(n, "stats", self.stats.len(), rows * chunks * 3)?;
         let vocab = self.vocab as i32;
         let mut b = s.launch_builder(&k.sample_rows);
         b.arg(self.logits)
@@ -645,10 +658,13 @@ impl SampleRows<'_> {
             .arg(&self.top_p)
             .arg(&self.uniforms)
             .arg(self.token)
-            .arg(self.logprob);
-        let cfg = grid(&shapes::SAMPLE_ROWS, rows, 1, 1)?;
-        // SAFETY: the arguments match `sample_rows`'s signature in order and type, and every
-        // buffer holds the grid's rows (checked above).
+            .arg(self.logprob)
+            .arg(self.stats)
+            .arg(self.ticks);
+        let cfg = grid(&shapes::SAMPLE_ROWS, rows, chunks, 1)?;
+        // SAFETY: the arguments match `sample_rows`'s signature in order and type, every
+        // buffer holds the grid's rows, and `stats` three floats per row and chunk (checked
+        // above).
         unsafe { b.launch(cfg) }.map_err(failed(n))?;
         Ok(())
     }

@@ -55,9 +55,10 @@ mod step;
 mod weights;
 
 pub use device::device_count;
-pub use gemm::skinny_and_cublas;
+pub use gemm::{skinny_and_cublas, skinny_epilogues};
 pub use kernels::KERNELS_CU;
 pub use load::MemoryPlan;
+pub use sampling::sample_host_logits;
 
 use std::sync::Arc;
 

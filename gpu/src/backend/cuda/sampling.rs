@@ -43,6 +43,8 @@ pub fn sample_logits(
         uniforms: ls.params_f.slice(2 * rows..3 * rows),
         token: &mut ls.token,
         logprob: &mut ls.logprob,
+        stats: &mut ls.sample_stats,
+        ticks: &mut ls.sample_ticks,
         rows: n,
     }
     .launch(k, stream)?;
@@ -169,6 +171,34 @@ fn sample_params(specs: &mut [SampleSpec], rows: usize) -> SampleParamsHost {
         }
     }
     SampleParamsHost { floats, top_k }
+}
+
+/// Samples each row of host `logits` (`specs.len()` rows of `vocab`) on device `ordinal`,
+/// through the same buffers and launches as a forward pass's logits: for checking the
+/// device sampler against the CPU's on rows of any vocabulary.
+pub fn sample_host_logits(
+    ordinal: usize,
+    logits: &[f32],
+    vocab: usize,
+    specs: &mut [SampleSpec],
+) -> Result<Vec<Sampled>> {
+    let ctx = cudarc::driver::CudaContext::new(ordinal).map_err(|e| drv("context creation", e))?;
+    let stream = ctx.new_stream().map_err(|e| drv("stream creation", e))?;
+    let (k, _) = Kernels::load(&ctx)?;
+    let mut cfg = crate::init::preset(None, "qwen2.5-0.5b")?;
+    cfg.vocab_size = vocab;
+    let mut ls = LogitsSpace::alloc(&stream, &cfg, specs.len())?;
+    if logits.len() != specs.len() * vocab {
+        return Err(crate::error::EngineError::Backend(format!(
+            "{} logits for {} rows of {vocab}",
+            logits.len(),
+            specs.len()
+        )));
+    }
+    stream
+        .memcpy_htod(logits, &mut ls.logits)
+        .map_err(|e| drv("logits upload", e))?;
+    sample_logits(&stream, &k, &mut ls, vocab, specs)
 }
 
 #[cfg(test)]

@@ -65,8 +65,6 @@ pub const RMSNORM: KernelShape = shape("rmsnorm_to_bf16", 256, BLOCK_SUM, true);
 const NORM_CACHED: usize = 8;
 pub const ADD_RMSNORM: KernelShape = shape("add_rmsnorm_to_bf16", 256, BLOCK_SUM, true);
 pub const BIAS_ADD: KernelShape = shape("bias_add", 256, 0, false);
-/// One warp per head: the kernel reduces with a single `warp_sum`.
-pub const QK_NORM: KernelShape = shape("qk_norm", 32, 0, true);
 pub const ROPE_KV_WRITE: KernelShape = shape("rope_kv_write", 64, 0, true);
 /// Four warps, whose partial softmaxes the kernel merges: the scaled query, and each warp's
 /// running max, sum and weighted V row.
@@ -87,8 +85,14 @@ pub const ATTENTION_PREFILL: KernelShape = shape(
 );
 const fn decode_vec(name: &'static str, d: usize) -> KernelShape {
     // Per lane group (D / 8 lanes, 4 * 32 / (D / 8) groups): its running max and sum and
-    // its weighted V row.
-    shape(name, 128, (4 * 32 / (d / 8)) * (d + 2) * F32, true)
+    // its weighted V row; for a split decode's merge, each split's weight, their total and
+    // whether this block merges.
+    shape(
+        name,
+        128,
+        (4 * 32 / (d / 8)) * (d + 2) * F32 + MAX_DECODE_SPLITS * F32 + F32 + 4,
+        true,
+    )
 }
 /// Decode attention reading 16 bytes a lane, one kernel per head dimension it is built for.
 pub const ATTENTION_DECODE_VEC: [(usize, KernelShape); 4] = [
@@ -97,13 +101,14 @@ pub const ATTENTION_DECODE_VEC: [(usize, KernelShape); 4] = [
     (64, decode_vec("paged_attention_decode_d64", 64)),
     (128, decode_vec("paged_attention_decode_d128", 128)),
 ];
-/// Merges a split decode's partials: a thread per dimension (of up to 128; more loop).
-pub const DECODE_COMBINE: KernelShape = shape("decode_combine", 128, 0, true);
 /// (sequence, split) pairs a split decode may use, which sizes its partials buffer: a batch
 /// of `seqs` sequences gets `decode_splits(seqs)` splits per head.
 pub const DECODE_SPLIT_SLOTS: usize = 128;
-/// Most splits of one sequence's history.
+/// Most splits of one sequence's history: at most 32, since one warp merges them.
 pub const MAX_DECODE_SPLITS: usize = 32;
+const _: () = assert!(MAX_DECODE_SPLITS <= 32);
+/// Positions whose loads each lane group of a decode block has in flight at once.
+const DECODE_UNROLL: usize = 4;
 /// Fewest positions a split takes: a short history uses fewer splits than the grid has
 /// (the rest exit at once).
 const DECODE_MIN_SPLIT_KEYS: usize = 64;
@@ -142,7 +147,8 @@ pub const ATTENTION_PREFILL_MMA: [(usize, KernelShape); 4] = [
 pub const SILU_MUL: KernelShape = shape("silu_mul", 256, 0, true);
 pub const GATHER_ROWS: KernelShape = shape("gather_rows_bf16", 256, 0, false);
 /// Per thread a best value, its index and a chunk start (one more for the total), the
-/// gathered keys and their count, the chosen token, and `block_sum`'s scratch.
+/// gathered keys and their count, the chosen token, the merged log-sum-exp, and
+/// `block_sum`'s scratch.
 pub const SAMPLE_ROWS: KernelShape = shape(
     "sample_rows",
     SAMPLE_THREADS,
@@ -151,6 +157,7 @@ pub const SAMPLE_ROWS: KernelShape = shape(
         + SAMPLE_GATHER * 4
         + 4
         + 4
+        + F32
         + BLOCK_SUM,
     true,
 );
@@ -191,8 +198,33 @@ pub const SKINNY_GEMM: [(usize, KernelShape); 4] = [
     (4, skinny("skinny_gemm_m4")),
     (8, skinny("skinny_gemm_m8")),
 ];
+/// `skinny_silu_m*`: the MLP's gate/up product with the SiLU-gated product as its epilogue.
+pub const SKINNY_SILU: [(usize, KernelShape); 4] = [
+    (1, skinny("skinny_silu_m1")),
+    (2, skinny("skinny_silu_m2")),
+    (4, skinny("skinny_silu_m4")),
+    (8, skinny("skinny_silu_m8")),
+];
 /// Weight rows one block of a skinny product covers.
 pub const SKINNY_ROWS_PER_BLOCK: usize = SKINNY_THREADS as usize / 32 * SKINNY_ROWS;
+
+/// Most blocks `sample_rows` spreads a row's first pass over (one warp merges them), and
+/// the fewest logits each takes.
+pub const SAMPLE_MAX_CHUNKS: usize = 32;
+const SAMPLE_CHUNK_MIN: usize = 4096;
+const _: () = assert!(SAMPLE_MAX_CHUNKS <= 32);
+
+/// Blocks per row of `sample_rows` for a vocabulary of `vocab`.
+pub const fn sample_chunks(vocab: usize) -> usize {
+    let c = vocab.div_ceil(SAMPLE_CHUNK_MIN);
+    if c > SAMPLE_MAX_CHUNKS {
+        SAMPLE_MAX_CHUNKS
+    } else if c < 1 {
+        1
+    } else {
+        c
+    }
+}
 
 /// Every kernel of `kernels/*.cu`. A kernel missing here is one the offline check refuses.
 pub const KERNELS: &[KernelShape] = &[
@@ -200,7 +232,6 @@ pub const KERNELS: &[KernelShape] = &[
     RMSNORM,
     ADD_RMSNORM,
     BIAS_ADD,
-    QK_NORM,
     ROPE_KV_WRITE,
     ATTENTION_DECODE,
     ATTENTION_DECODE_VEC[0].1,
@@ -218,11 +249,14 @@ pub const KERNELS: &[KernelShape] = &[
     CONSTRAIN_ROWS,
     DELTA_CONV,
     GATED_DELTA,
-    DECODE_COMBINE,
     SKINNY_GEMM[0].1,
     SKINNY_GEMM[1].1,
     SKINNY_GEMM[2].1,
     SKINNY_GEMM[3].1,
+    SKINNY_SILU[0].1,
+    SKINNY_SILU[1].1,
+    SKINNY_SILU[2].1,
+    SKINNY_SILU[3].1,
 ];
 
 /// The macros the kernels (`kernels/*.cu`) are compiled with: the figures above, under the names the kernels
@@ -237,7 +271,6 @@ pub fn defines() -> Vec<(&'static str, usize)> {
         ("ADD_RMSNORM_THREADS", ADD_RMSNORM.threads as usize),
         ("NORM_CACHED", NORM_CACHED),
         ("BIAS_ADD_THREADS", BIAS_ADD.threads as usize),
-        ("QK_NORM_THREADS", QK_NORM.threads as usize),
         ("ROPE_THREADS", ROPE_KV_WRITE.threads as usize),
         ("DECODE_THREADS", ATTENTION_DECODE.threads as usize),
         ("SILU_MUL_THREADS", SILU_MUL.threads as usize),
@@ -251,6 +284,8 @@ pub fn defines() -> Vec<(&'static str, usize)> {
         ("DELTA_THREADS", GATED_DELTA.threads as usize),
         ("MAX_DELTA_DK", MAX_DELTA_HEAD),
         ("DECODE_MIN_SPLIT_KEYS", DECODE_MIN_SPLIT_KEYS),
+        ("DECODE_MAX_SPLITS", MAX_DECODE_SPLITS),
+        ("DECODE_UNROLL", DECODE_UNROLL),
         ("SKINNY_THREADS", SKINNY_THREADS as usize),
         ("SKINNY_ROWS", SKINNY_ROWS),
         ("SKINNY_UNROLL", SKINNY_UNROLL),
@@ -518,7 +553,17 @@ mod tests {
             "{e}"
         );
         assert!(grid(&EMBED, 0, 1, 1).is_err());
-        assert!(grid(&QK_NORM, 1, 65_536, 1).is_err());
+        assert!(grid(&ROPE_KV_WRITE, 1, 65_536, 1).is_err());
+    }
+
+    #[test]
+    fn sample_rows_spreads_large_vocabularies_over_at_most_32_blocks() {
+        assert_eq!(sample_chunks(0), 1);
+        assert_eq!(sample_chunks(1_000), 1);
+        assert_eq!(sample_chunks(4_096), 1);
+        assert_eq!(sample_chunks(4_097), 2);
+        assert_eq!(sample_chunks(50_001), 13);
+        assert_eq!(sample_chunks(151_936), SAMPLE_MAX_CHUNKS);
     }
 
     #[test]

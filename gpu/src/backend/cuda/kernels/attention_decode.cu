@@ -15,8 +15,10 @@ paged_attention_decode(
     const float* __restrict__ qkv, int row_stride, const int* __restrict__ seq_starts,
     const int* __restrict__ seq_lens, const int* __restrict__ block_tables, int max_blocks,
     const bf16* __restrict__ k_cache, const bf16* __restrict__ v_cache, bf16* __restrict__ out,
-    float* __restrict__ partials, int nq, int nkv, int d, int block_size, float scale, int window) {
-    (void)partials;  // the split decode's partials: this kernel never splits
+    float* __restrict__ partials, int* __restrict__ ticks, int nq, int nkv, int d, int block_size,
+    float scale, int window) {
+    (void)partials;  // the split decode's partials and tickets: this kernel never splits
+    (void)ticks;
     __shared__ float q_s[MAX_HEAD_DIM];
     __shared__ float part_m[4];
     __shared__ float part_l[4];
@@ -96,22 +98,32 @@ paged_attention_decode(
 // paged_attention_decode, with the history read 16 bytes a lane. A position's row is D / 8
 // lanes (eight dimensions each), so a warp scores 32 / (D / 8) positions at once and the four
 // warps 4x that, each lane group keeping its own online softmax over the positions it took;
-// the groups' partial results are merged at the end. Grid (S, nq, splits), block 128.
-// splits > 1 (a long history and few sequences: one block per head would leave most of the
-// GPU idle, each block a chain of dependent loads) splits the history into `splits` chunks,
-// one block each, which write unnormalised partials to `partials` for decode_combine.
+// the groups' partial results are merged at the end. Each lane group issues the loads of
+// DECODE_UNROLL positions before it uses the first: one position at a time, a block was a
+// chain of dependent loads (a block table entry, then the row), 175 µs a layer at 2,048
+// positions on an H100. Grid (S, nq, splits), block 128.
+// splits > 1 (few sequences: one block per head would leave most of the GPU idle) splits the
+// history into `splits` chunks, one block each. Each writes its unnormalised partial (max,
+// sum, weighted V row) to `partials` and takes a ticket from ticks[s, h]; the block that
+// draws the last merges every split's partial into the output and sets the counter back
+// to 0 for the next step (no second kernel to launch, and a captured graph replays as is).
 template <int D>
 __device__ __forceinline__ void decode_vec(
     const float* __restrict__ qkv, int row_stride, const int* __restrict__ seq_starts,
     const int* __restrict__ seq_lens, const int* __restrict__ block_tables, int max_blocks,
     const bf16* __restrict__ k_cache, const bf16* __restrict__ v_cache, bf16* __restrict__ out,
-    float* __restrict__ partials, int nq, int nkv, int block_size, float scale, int window) {
+    float* __restrict__ partials, int* __restrict__ ticks, int nq, int nkv, int block_size,
+    float scale, int window) {
     constexpr int LPP = D / 8;        // lanes per position
     constexpr int PPW = 32 / LPP;     // positions per warp and step
     constexpr int PARTS = 4 * PPW;    // lane groups in the block
+    constexpr int U = DECODE_UNROLL;  // steps whose loads are in flight together
     __shared__ float part_m[PARTS];
     __shared__ float part_l[PARTS];
     __shared__ float part_acc[PARTS][D];
+    __shared__ float split_w[DECODE_MAX_SPLITS];
+    __shared__ float split_total;
+    __shared__ int merges;
 
     int s = blockIdx.x;
     int h = blockIdx.y;
@@ -149,35 +161,45 @@ __device__ __forceinline__ void decode_vec(
         hi = min(from + chunk, len);
     }
     // Every lane runs every step (the shuffles need the whole warp); a lane group past the
-    // end scores nothing.
-    for (int base = lo + warp * PPW; base < hi; base += 4 * PPW) {
-        int p = base + grp;
-        bool valid = p < hi;
-        uint4 k4 = make_uint4(0u, 0u, 0u, 0u);
-        uint4 v4 = make_uint4(0u, 0u, 0u, 0u);
-        if (valid) {
-            long long off = ((long long)table[p / block_size] * block_size + p % block_size) * kvd
-                            + (long long)kvh * D + sub * 8;
-            k4 = *reinterpret_cast<const uint4*>(k_cache + off);
-            v4 = *reinterpret_cast<const uint4*>(v_cache + off);
-        }
-        unsigned kw[4] = {k4.x, k4.y, k4.z, k4.w};
-        unsigned vw[4] = {v4.x, v4.y, v4.z, v4.w};
-        float dot = 0.0f;
+    // end scores nothing. Step u of an iteration takes the positions 4 * PPW * u further on,
+    // so each group sees its positions in the same order as without the unrolling.
+    for (int base = lo + warp * PPW; base < hi; base += 4 * PPW * U) {
+        uint4 k4[U];
+        uint4 v4[U];
 #pragma unroll
-        for (int x = 0; x < 8; x++) dot += qv[x] * bf2f((bf16)(kw[x >> 1] >> ((x & 1) * 16)));
-#pragma unroll
-        for (int o = LPP / 2; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
-        if (valid) {
-            float m_new = fmaxf(m, dot);
-            float corr = expf(m - m_new);
-            float pr = expf(dot - m_new);
-            l = l * corr + pr;
-#pragma unroll
-            for (int x = 0; x < 8; x++) {
-                acc[x] = acc[x] * corr + pr * bf2f((bf16)(vw[x >> 1] >> ((x & 1) * 16)));
+        for (int u = 0; u < U; u++) {
+            int p = base + u * 4 * PPW + grp;
+            k4[u] = make_uint4(0u, 0u, 0u, 0u);
+            v4[u] = make_uint4(0u, 0u, 0u, 0u);
+            if (p < hi) {
+                long long off =
+                    ((long long)table[p / block_size] * block_size + p % block_size) * kvd
+                    + (long long)kvh * D + sub * 8;
+                k4[u] = *reinterpret_cast<const uint4*>(k_cache + off);
+                v4[u] = *reinterpret_cast<const uint4*>(v_cache + off);
             }
-            m = m_new;
+        }
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            bool valid = base + u * 4 * PPW + grp < hi;
+            unsigned kw[4] = {k4[u].x, k4[u].y, k4[u].z, k4[u].w};
+            unsigned vw[4] = {v4[u].x, v4[u].y, v4[u].z, v4[u].w};
+            float dot = 0.0f;
+#pragma unroll
+            for (int x = 0; x < 8; x++) dot += qv[x] * bf2f((bf16)(kw[x >> 1] >> ((x & 1) * 16)));
+#pragma unroll
+            for (int o = LPP / 2; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+            if (valid) {
+                float m_new = fmaxf(m, dot);
+                float corr = expf(m - m_new);
+                float pr = expf(dot - m_new);
+                l = l * corr + pr;
+#pragma unroll
+                for (int x = 0; x < 8; x++) {
+                    acc[x] = acc[x] * corr + pr * bf2f((bf16)(vw[x >> 1] >> ((x & 1) * 16)));
+                }
+                m = m_new;
+            }
         }
     }
     if (sub == 0) {
@@ -195,50 +217,55 @@ __device__ __forceinline__ void decode_vec(
     float base = mm == NEG_INF ? 0.0f : mm;
     float total = 0.0f;
     for (int k = 0; k < PARTS; k++) total += part_l[k] * expf(part_m[k] - base);
-    if (splits > 1) {
-        // Unnormalised: decode_combine merges the splits of (sequence s, head h).
-        float* pp = partials + (((long long)s * nq + h) * splits + blockIdx.z) * (D + 2);
-        if (threadIdx.x == 0) {
-            pp[0] = mm;
-            pp[1] = total;
-        }
+    bf16* o = out + (long long)t * nq * D + (long long)h * D;
+    if (splits == 1) {
+        float inv = 1.0f / total;
         for (int i = threadIdx.x; i < D; i += blockDim.x) {
             float v = 0.0f;
-            for (int k = 0; k < PARTS; k++) v += part_acc[k][i] * expf(part_m[k] - base);
-            pp[2 + i] = v;
+            for (int k = 0; k < PARTS; k++) v += part_acc[k][i] * expf(part_m[k] - mm);
+            o[i] = f2bf(v * inv);
         }
         return;
     }
-    float inv = 1.0f / total;
-    bf16* o = out + (long long)t * nq * D + (long long)h * D;
+    const long long row = D + 2;
+    float* pp = partials + ((long long)s * nq + h) * splits * row;
+    if (threadIdx.x == 0) {
+        pp[blockIdx.z * row] = mm;
+        pp[blockIdx.z * row + 1] = total;
+    }
     for (int i = threadIdx.x; i < D; i += blockDim.x) {
         float v = 0.0f;
-        for (int k = 0; k < PARTS; k++) v += part_acc[k][i] * expf(part_m[k] - mm);
-        o[i] = f2bf(v * inv);
+        for (int k = 0; k < PARTS; k++) v += part_acc[k][i] * expf(part_m[k] - base);
+        pp[blockIdx.z * row + 2 + i] = v;
     }
-}
-
-// The split decode's second half: out[t, h] = the merge of the `splits` partials (max m, sum
-// l, unnormalised weighted V) that paged_attention_decode_d* left for sequence s, head h.
-// Every sequence has at least one position, so some split's m is finite.
-// Grid (S, nq), block DECODE_THREADS.
-extern "C" __global__ void __launch_bounds__(DECODE_THREADS)
-decode_combine(const float* __restrict__ part, const int* __restrict__ seq_starts,
-               bf16* __restrict__ out, int nq, int d, int splits) {
-    int s = blockIdx.x;
-    int h = blockIdx.y;
-    int t = seq_starts[s];
-    if (seq_starts[s + 1] == t) return;  // a sequence with no token this step
-    const float* p = part + ((long long)s * nq + h) * splits * (d + 2);
-    float mm = NEG_INF;
-    for (int k = 0; k < splits; k++) mm = fmaxf(mm, p[k * (d + 2)]);
-    float total = 0.0f;
-    for (int k = 0; k < splits; k++) total += p[k * (d + 2) + 1] * expf(p[k * (d + 2)] - mm);
-    float inv = 1.0f / total;
-    bf16* o = out + (long long)t * nq * d + (long long)h * d;
-    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+    // Every thread's writes are visible device-wide before the ticket is taken.
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int* tick = ticks + (long long)s * nq + h;
+        merges = atomicAdd(tick, 1) == splits - 1;
+        if (merges) *tick = 0;
+    }
+    __syncthreads();
+    if (!merges) return;
+    __threadfence();
+    // The merge reads the other blocks' partials past L1 (__ldcg): one warp weighs the
+    // splits (there are at most DECODE_MAX_SPLITS <= 32), then a thread per dimension sums.
+    if (warp == 0) {
+        float mk = lane < splits ? __ldcg(pp + lane * row) : NEG_INF;
+        float lk = lane < splits ? __ldcg(pp + lane * row + 1) : 0.0f;
+        float top = warp_max(mk);  // finite: some split holds a position (len >= 1)
+        float wk = lane < splits ? expf(mk - top) : 0.0f;
+        float sum = warp_sum(lk * wk);
+        split_w[lane] = wk;
+        if (lane == 0) split_total = sum;
+    }
+    __syncthreads();
+    float inv = 1.0f / split_total;
+    for (int i = threadIdx.x; i < D; i += blockDim.x) {
         float v = 0.0f;
-        for (int k = 0; k < splits; k++) v += p[k * (d + 2) + 2 + i] * expf(p[k * (d + 2)] - mm);
+#pragma unroll 8
+        for (int k = 0; k < splits; k++) v += __ldcg(pp + k * row + 2 + i) * split_w[k];
         o[i] = f2bf(v * inv);
     }
 }
@@ -250,10 +277,11 @@ decode_combine(const float* __restrict__ part, const int* __restrict__ seq_start
         const float* __restrict__ qkv, int row_stride, const int* __restrict__ seq_starts,     \
         const int* __restrict__ seq_lens, const int* __restrict__ block_tables,                \
         int max_blocks, const bf16* __restrict__ k_cache, const bf16* __restrict__ v_cache,    \
-        bf16* __restrict__ out, float* __restrict__ partials, int nq, int nkv, int d,              \
-        int block_size, float scale, int window) {                                             \
+        bf16* __restrict__ out, float* __restrict__ partials, int* __restrict__ ticks, int nq,    \
+        int nkv, int d, int block_size, float scale, int window) {                             \
         decode_vec<D>(qkv, row_stride, seq_starts, seq_lens, block_tables, max_blocks,         \
-                      k_cache, v_cache, out, partials, nq, nkv, block_size, scale, window);        \
+                      k_cache, v_cache, out, partials, ticks, nq, nkv, block_size, scale,      \
+                      window);                                                                 \
     }
 DECODE_VEC(16)
 DECODE_VEC(32)

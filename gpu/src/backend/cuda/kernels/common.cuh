@@ -23,14 +23,14 @@ typedef unsigned short bf16;
 
 #if !defined(MAX_HEAD_DIM) || !defined(PF_Q) || !defined(PF_K) || !defined(EMBED_THREADS) || \
     !defined(RMSNORM_THREADS) || !defined(ADD_RMSNORM_THREADS) || !defined(NORM_CACHED) || \
-    !defined(BIAS_ADD_THREADS) || !defined(QK_NORM_THREADS) || !defined(ROPE_THREADS) || \
-    !defined(DECODE_THREADS) || !defined(SILU_MUL_THREADS) || !defined(GATHER_THREADS) || \
-    !defined(SAMPLE_THREADS) || !defined(CONSTRAIN_THREADS) || !defined(PFM_THREADS) ||   \
-    !defined(SAMPLE_GATHER) || !defined(DECODE_MIN_SPLIT_KEYS)
+    !defined(BIAS_ADD_THREADS) || !defined(ROPE_THREADS) || !defined(DECODE_THREADS) ||     \
+    !defined(SILU_MUL_THREADS) || !defined(GATHER_THREADS) || !defined(SAMPLE_THREADS) ||   \
+    !defined(CONSTRAIN_THREADS) || !defined(PFM_THREADS) || !defined(SAMPLE_GATHER) ||      \
+    !defined(DECODE_MIN_SPLIT_KEYS) || !defined(DECODE_MAX_SPLITS) || !defined(DECODE_UNROLL)
 #error "the kernels are compiled with the launch figures of shapes.rs (defines()) as -D options"
 #endif
-#if QK_NORM_THREADS != 32
-#error "qk_norm reduces one head with a single warp"
+#if ROPE_THREADS % 32 != 0
+#error "rope_kv_write's head norm has every warp sum the whole head"
 #endif
 #if DECODE_THREADS != 128
 #error "paged_attention_decode merges the partial softmaxes of exactly four warps"

@@ -109,34 +109,22 @@ bias_add(float* __restrict__ y, const float* __restrict__ b, int cols) {
     for (int c = threadIdx.x; c < cols; c += blockDim.x) row[c] += b[c];
 }
 
-// Qwen3's RMSNorm over each q and k head, in place in the qkv rows. Because k heads follow
-// q heads directly, head h (q for h < nq, k after) starts at h * d.
-// Grid (T, nq + nkv), block 32.
-extern "C" __global__ void __launch_bounds__(QK_NORM_THREADS)
-qk_norm(float* __restrict__ qkv, const float* __restrict__ q_w,
-        const float* __restrict__ k_w, int row_stride, int nq, int d,
-        float eps) {
-    int h = blockIdx.y;
-    float* p = qkv + (long long)blockIdx.x * row_stride + (long long)h * d;
-    const float* w = h < nq ? q_w : k_w;
-    float ss = 0.0f;
-    for (int i = threadIdx.x; i < d; i += 32) ss += p[i] * p[i];
-    ss = warp_sum(ss);
-    float inv = 1.0f / sqrtf(ss / (float)d + eps);
-    for (int i = threadIdx.x; i < d; i += 32) p[i] = p[i] * inv * w[i];
-}
-
 // Rotary embedding (rotate-half: element i pairs with i + d/2) on the q and k heads of each
 // token, in place; for k heads the rotated k and the token's v are also written, as bf16,
 // to the paged cache at the token's slot. Angles are pos * inv_freq[i] in f32 with the
 // precise sincosf, as the CPU backend computes them.
-// Grid (T, nq + nkv), block 64.
+// q_w, k_w (both, or both null): Qwen3's RMSNorm over each q and k head first. Each warp
+// sums the head's squares itself, lane i taking elements i, i + 32, ... (as a one-warp norm
+// kernel would), so the block needs no shared memory, and every element is scaled by
+// inv * w[i] before it is rotated.
+// Grid (T, nq + nkv), block ROPE_THREADS (a multiple of 32).
 extern "C" __global__ void __launch_bounds__(ROPE_THREADS)
 rope_kv_write(float* __restrict__ qkv,
               const int* __restrict__ positions,
               const float* __restrict__ inv_freq,
               const int* __restrict__ slot_mapping,
               bf16* __restrict__ k_cache, bf16* __restrict__ v_cache,
+              const float* __restrict__ q_w, const float* __restrict__ k_w, float eps,
               int row_stride, int nq, int nkv, int d) {
     int t = blockIdx.x;
     int h = blockIdx.y;
@@ -146,11 +134,24 @@ rope_kv_write(float* __restrict__ qkv,
     float pos = (float)positions[t];
     long long kvd = (long long)nkv * d;
     long long slot_off = (long long)slot_mapping[t] * kvd;
+    const float* nw = h < nq ? q_w : k_w;
+    float inv = 1.0f;
+    if (nw != nullptr) {
+        float ss = 0.0f;
+        for (int i = threadIdx.x & 31; i < d; i += 32) ss += p[i] * p[i];
+        ss = warp_sum(ss);
+        inv = 1.0f / sqrtf(ss / (float)d + eps);
+        __syncthreads();  // every warp has read the head before any thread writes it
+    }
     for (int i = threadIdx.x; i < half; i += blockDim.x) {
         float s, c;
         sincosf(pos * inv_freq[i], &s, &c);
         float x1 = p[i];
         float x2 = p[i + half];
+        if (nw != nullptr) {
+            x1 = x1 * inv * nw[i];
+            x2 = x2 * inv * nw[i + half];
+        }
         float y1 = x1 * c - x2 * s;
         float y2 = x2 * c + x1 * s;
         p[i] = y1;

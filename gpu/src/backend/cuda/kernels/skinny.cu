@@ -5,9 +5,10 @@
 // SKINNY_ROWS rows of w with 16-byte loads, SKINNY_UNROLL of them in flight per lane and row,
 // and keeps M x SKINNY_ROWS sums in registers, reduced across the warp at the end.
 //
-// Grid (ceil(n / (SKINNY_THREADS / 32 * SKINNY_ROWS))), block SKINNY_THREADS. The host
-// launches these only when k is a multiple of 8 (16-byte rows; allocations are 256-byte
-// aligned) and rows <= M.
+// Block SKINNY_THREADS. The host launches these only when k is a multiple of 8 (16-byte
+// rows; allocations are 256-byte aligned) and rows <= M. Two epilogues save a decode step
+// launches: the q/k/v biases added as the sums are written, and the MLP's SiLU-gated product
+// taken straight from the gate/up sums (skinny_silu_m*).
 
 #if !defined(SKINNY_THREADS) || !defined(SKINNY_ROWS) || !defined(SKINNY_UNROLL)
 #error "the skinny products are compiled with shapes.rs's SKINNY_* figures"
@@ -35,13 +36,21 @@ __device__ __forceinline__ float dot8(uint4 a, uint4 b, float acc) {
     return dot2(a.w, b.w, acc);
 }
 
-template <int M>
+// SILU: the gate/up product of an MLP, whose weights hold `n` gate rows and then `n` up
+// rows. Warp j streams gate row j and up row j (SKINNY_ROWS must be 2) and writes
+// act[m, j] = bf16(silu(gate) * up), what silu_mul computes from the f32 products, so the
+// [rows, 2n] f32 products are never written. Otherwise warp j streams rows
+// SKINNY_ROWS * j ..., and y = the sums + bias (when bias is not null), as bias_add adds it.
+template <int M, bool SILU>
 __device__ __forceinline__ void skinny_gemm(const bf16* __restrict__ x,
                                             const bf16* __restrict__ w,
-                                            float* __restrict__ y, int rows, int n, int k) {
+                                            const float* __restrict__ bias,
+                                            float* __restrict__ y, bf16* __restrict__ act,
+                                            int rows, int n, int k) {
     const int warp = threadIdx.x >> 5;
     const int lane = threadIdx.x & 31;
-    const int n0 = (blockIdx.x * (SKINNY_THREADS / 32) + warp) * SKINNY_ROWS;
+    const int j = blockIdx.x * (SKINNY_THREADS / 32) + warp;
+    const int n0 = SILU ? j : j * SKINNY_ROWS;
     if (n0 >= n) return;  // the whole warp: n0 is the same for its lanes
     const int k8 = k >> 3;
     // Rows past the end (of w, or of x's `rows`) read the last one again; their sums are
@@ -50,7 +59,9 @@ __device__ __forceinline__ void skinny_gemm(const bf16* __restrict__ x,
     const uint4* x16 = reinterpret_cast<const uint4*>(x);
     long long wrow[SKINNY_ROWS];
 #pragma unroll
-    for (int r = 0; r < SKINNY_ROWS; r++) wrow[r] = (long long)min(n0 + r, n - 1) * k8;
+    for (int r = 0; r < SKINNY_ROWS; r++) {
+        wrow[r] = SILU ? (long long)(n0 + r * n) * k8 : (long long)min(n0 + r, n - 1) * k8;
+    }
     float acc[SKINNY_ROWS][M];
 #pragma unroll
     for (int r = 0; r < SKINNY_ROWS; r++) {
@@ -85,26 +96,52 @@ __device__ __forceinline__ void skinny_gemm(const bf16* __restrict__ x,
 #pragma unroll
         for (int m = 0; m < M; m++) acc[r][m] = warp_sum(acc[r][m]);
     }
-    if (lane == 0) {
+    if (lane != 0) return;
+    if (SILU) {
 #pragma unroll
-        for (int r = 0; r < SKINNY_ROWS; r++) {
-            if (n0 + r < n) {
+        for (int m = 0; m < M; m++) {
+            float g = acc[0][m];
+            if (m < rows) act[(long long)m * n + n0] = f2bf(g / (1.0f + expf(-g)) * acc[1][m]);
+        }
+        return;
+    }
 #pragma unroll
-                for (int m = 0; m < M; m++) {
-                    if (m < rows) y[(long long)m * n + n0 + r] = acc[r][m];
-                }
+    for (int r = 0; r < SKINNY_ROWS; r++) {
+        if (n0 + r < n) {
+            float b = bias != nullptr ? bias[n0 + r] : 0.0f;
+#pragma unroll
+            for (int m = 0; m < M; m++) {
+                if (m < rows) y[(long long)m * n + n0 + r] = bias != nullptr ? acc[r][m] + b : acc[r][m];
             }
         }
     }
 }
 
+#if SKINNY_ROWS != 2
+#error "skinny_silu_m* stream one gate row and one up row a warp"
+#endif
+
+// y = x . w^T (+ bias). Grid (ceil(n / (SKINNY_THREADS / 32 * SKINNY_ROWS))).
 #define SKINNY_KERNEL(M)                                                                        \
     extern "C" __global__ void __launch_bounds__(SKINNY_THREADS) skinny_gemm_m##M(              \
-        const bf16* __restrict__ x, const bf16* __restrict__ w, float* __restrict__ y, int rows, \
-        int n, int k) {                                                                         \
-        skinny_gemm<M>(x, w, y, rows, n, k);                                                    \
+        const bf16* __restrict__ x, const bf16* __restrict__ w, const float* __restrict__ bias, \
+        float* __restrict__ y, int rows, int n, int k) {                                        \
+        skinny_gemm<M, false>(x, w, bias, y, nullptr, rows, n, k);                              \
     }
 SKINNY_KERNEL(1)
 SKINNY_KERNEL(2)
 SKINNY_KERNEL(4)
 SKINNY_KERNEL(8)
+
+// act = silu(x . gate^T) * (x . up^T), w holding the n gate rows then the n up rows.
+// Grid (ceil(n / (SKINNY_THREADS / 32))).
+#define SKINNY_SILU_KERNEL(M)                                                                   \
+    extern "C" __global__ void __launch_bounds__(SKINNY_THREADS) skinny_silu_m##M(              \
+        const bf16* __restrict__ x, const bf16* __restrict__ w, bf16* __restrict__ act,         \
+        int rows, int n, int k) {                                                               \
+        skinny_gemm<M, true>(x, w, nullptr, nullptr, act, rows, n, k);                          \
+    }
+SKINNY_SILU_KERNEL(1)
+SKINNY_SILU_KERNEL(2)
+SKINNY_SILU_KERNEL(4)
+SKINNY_SILU_KERNEL(8)
