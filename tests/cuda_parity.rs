@@ -36,7 +36,7 @@ use kvmesh_gpu::backend::cuda::delta::{mix_on_device, mix_on_host, DeltaDims};
 use kvmesh_gpu::backend::cuda::{
     sample_host_logits, skinny_and_cublas, skinny_epilogues, CudaBackend,
 };
-use kvmesh_gpu::backend::{Backend, CudaOptions, ForwardBatch, SampleSpec, SeqInput};
+use kvmesh_gpu::backend::{Backend, CudaOptions, ForwardBatch, Pdl, SampleSpec, SeqInput};
 use kvmesh_gpu::config::{Arch, HybridConfig, HybridLayout, LayerType};
 use kvmesh_gpu::engine::{self, EngineConfig, Request, SeqEvent};
 use kvmesh_gpu::guided::{grammar, Guide, LazyGuides};
@@ -285,6 +285,13 @@ fn greedy_generation_is_token_identical_with_and_without_graphs() {
                     ..CudaOptions::device(0)
                 },
             ),
+            (
+                "no programmatic dependent launch",
+                CudaOptions {
+                    pdl: Pdl::Off,
+                    ..CudaOptions::device(0)
+                },
+            ),
         ] {
             let be = build_backend(
                 BackendKind::Cuda(opts),
@@ -423,6 +430,36 @@ fn long_prompts_match_the_cpu_for_every_head_dimension() {
         forward(split.as_mut(), &prompt, 0, &table);
         let step = forward(split.as_mut(), &next, 700, &table);
         let w4 = assert_close(&format!("{ctx}, unsplit decode"), &step, &want);
+        // Programmatic dependent launch changes when kernels start, never what they compute:
+        // the whole prompt and the decode step without it give the same bits.
+        let mut serial = build_backend(
+            BackendKind::Cuda(CudaOptions {
+                pdl: Pdl::Off,
+                ..CudaOptions::device(0)
+            }),
+            &m,
+            BLOCK_SIZE,
+            KvBudget::Blocks(64),
+        )
+        .unwrap();
+        let serial_whole = forward(serial.as_mut(), &prompt, 0, &table);
+        let serial_step = forward(serial.as_mut(), &next, 700, &table);
+        let (pdl_whole, pdl_step) = {
+            let mut g = gpu;
+            let w = forward(g.as_mut(), &prompt, 0, &table);
+            (w, forward(g.as_mut(), &next, 700, &table))
+        };
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(
+            bits(&pdl_whole),
+            bits(&serial_whole),
+            "{ctx}: prefill with and without PDL"
+        );
+        assert_eq!(
+            bits(&pdl_step),
+            bits(&serial_step),
+            "{ctx}: decode with and without PDL"
+        );
         println!(
             "{ctx}: max |gpu - cpu| logit {w1:.3e} (one step), {w2:.3e} (chunked), \
              {w3:.3e} (split decode at 700), {w4:.3e} (unsplit decode)"

@@ -23,7 +23,9 @@ use std::time::Instant;
 use clap::Parser;
 use kvmesh_bench::programs::write_json;
 use kvmesh_gpu::backend::cuda::{CudaBackend, MemoryPlan};
-use kvmesh_gpu::backend::{Backend, CudaOptions, ForwardBatch, KvBudget, SampleSpec, SeqInput};
+use kvmesh_gpu::backend::{
+    Backend, CudaOptions, ForwardBatch, KvBudget, Pdl, SampleSpec, SeqInput,
+};
 use kvmesh_gpu::config::ModelConfig;
 use kvmesh_gpu::init::{preset, write_random_checkpoint};
 use kvmesh_gpu::kv_cache::BlockId;
@@ -62,6 +64,10 @@ struct Args {
     /// small batches; see `CudaOptions::split_decode`).
     #[arg(long)]
     no_split_decode: bool,
+    /// Programmatic dependent launch: auto (the engine's choice by model size), on or off
+    /// (see `CudaOptions::pdl`).
+    #[arg(long, value_name = "auto|on|off", default_value = "auto")]
+    pdl: Pdl,
     /// Decode batch sizes to measure, comma-separated.
     #[arg(long, value_delimiter = ',', value_parser = trimmed::<usize>,
           default_value = "1,8,32,64,128,256")]
@@ -422,13 +428,18 @@ fn summarise(args: &Args, name: &str, dir: &Path, cfg: &ModelConfig, f: &Figures
             f.bound_step() * 1e3
         ),
         format!(
-            "decode       CUDA graphs {} (--enforce-eager turns them off); {}{}",
+            "decode       CUDA graphs {} (--enforce-eager turns them off); {}{}{}",
             if f.cuda_graphs { "on" } else { "off" },
             skinny_line(args.skinny_rows()),
             if args.no_split_decode {
                 "; decode attention unsplit"
             } else {
                 "; decode attention split over the history at small batches"
+            },
+            match args.pdl {
+                Pdl::Auto => "",
+                Pdl::On => "; programmatic dependent launch on",
+                Pdl::Off => "; programmatic dependent launch off",
             }
         ),
         format!(
@@ -505,6 +516,7 @@ fn summarise(args: &Args, name: &str, dir: &Path, cfg: &ModelConfig, f: &Figures
         "cuda_graphs": f.cuda_graphs,
         "skinny_max_rows": args.skinny_rows(),
         "split_decode": !args.no_split_decode,
+        "pdl": format!("{:?}", args.pdl).to_lowercase(),
         "weight_bytes_per_step": f.step_bytes,
         "bound_ms_per_token_batch1": f.bound_step() * 1e3,
         "batch1_bandwidth_utilisation": util1,
@@ -583,6 +595,7 @@ fn bench_model(args: &Args, name: &str, dev: &mut DeviceFigures) -> anyhow::Resu
         reserve_rows: max_batch,
         skinny_max_rows: args.skinny_rows(),
         split_decode: !args.no_split_decode,
+        pdl: args.pdl,
     };
     let backend = CudaBackend::new(
         &cfg,

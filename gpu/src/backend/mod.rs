@@ -44,6 +44,51 @@ pub struct CudaOptions {
     /// positions of history) batch-1 steps took 6.67 ms split against 12.71 ms with one
     /// block per head. `gpu-bench --no-split-decode` measures the other way.
     pub split_decode: bool,
+    /// Whether the engine's own kernels are launched with programmatic dependent launch on
+    /// GPUs that have it (compute capability 9.0 and later): each may start while the one
+    /// before it finishes, overlapping a launch's start-up (and a skinny product's first
+    /// weight loads) with the previous kernel's tail. `gpu-bench --pdl on|off` measures it.
+    pub pdl: Pdl,
+}
+
+/// `CudaOptions::pdl`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Pdl {
+    /// On for models whose decode step reads under `PDL_AUTO_MAX_BYTES` of weights. On an
+    /// H100, side by side in one run: batch-1 steps of the Qwen2.5-0.5B and Llama-3.2-1B
+    /// shapes took 0.953 and 1.290 ms with it against 1.005 and 1.370 without; Qwen3-8B's
+    /// 6.35 against 6.19, where a launch gap is a far smaller share of a step.
+    #[default]
+    Auto,
+    On,
+    Off,
+}
+
+/// `Pdl::Auto`'s limit: between the shapes it gained on (2.5 GB a step) and the one it lost
+/// on (15.1 GB); sizes in between are not measured.
+pub const PDL_AUTO_MAX_BYTES: usize = 8 << 30;
+
+impl Pdl {
+    /// Whether a model reading `step_bytes` of weights a decode step launches with it.
+    pub fn enabled(self, step_bytes: usize) -> bool {
+        match self {
+            Pdl::On => true,
+            Pdl::Off => false,
+            Pdl::Auto => step_bytes < PDL_AUTO_MAX_BYTES,
+        }
+    }
+}
+
+impl std::str::FromStr for Pdl {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Pdl, String> {
+        match s {
+            "auto" => Ok(Pdl::Auto),
+            "on" => Ok(Pdl::On),
+            "off" => Ok(Pdl::Off),
+            other => Err(format!("`{other}`: expected auto, on or off")),
+        }
+    }
 }
 
 /// The default `CudaOptions::skinny_max_rows`. On an H100 (Qwen3-8B's shapes, decode step
@@ -63,6 +108,7 @@ impl CudaOptions {
             reserve_rows: d.max_num_seqs,
             skinny_max_rows: SKINNY_MAX_ROWS,
             split_decode: true,
+            pdl: Pdl::Auto,
         }
     }
 }
@@ -324,4 +370,25 @@ pub(crate) fn sample_all(logits: &[Vec<f32>], specs: &mut [SampleSpec]) -> Vec<S
         .zip(specs.iter_mut())
         .map(|(l, s)| s.sample(l))
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pdl_auto_is_on_for_the_sizes_it_was_measured_to_help() {
+        // The measured shapes: 0.99 and 2.47 GB gained, 15.1 GB lost.
+        assert!(Pdl::Auto.enabled(988_000_000));
+        assert!(Pdl::Auto.enabled(2_472_000_000));
+        assert!(!Pdl::Auto.enabled(15_137_000_000));
+        assert!(Pdl::On.enabled(15_137_000_000));
+        assert!(!Pdl::Off.enabled(1));
+        assert_eq!(CudaOptions::device(0).pdl, Pdl::Auto);
+        assert_eq!("on".parse::<Pdl>(), Ok(Pdl::On));
+        assert_eq!("off".parse::<Pdl>(), Ok(Pdl::Off));
+        assert_eq!("auto".parse::<Pdl>(), Ok(Pdl::Auto));
+        let e = "yes".parse::<Pdl>().unwrap_err();
+        assert!(e.contains("`yes`") && e.contains("auto, on or off"), "{e}");
+    }
 }

@@ -12,13 +12,12 @@
 use std::sync::Arc;
 
 use cudarc::driver::sys::CUresult;
-use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, CudaView, DriverError, PushKernelArg,
-};
+use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, CudaView, DriverError};
 use cudarc::nvrtc::Ptx;
 
 use super::buffers::{StepDims, StepInputs};
 use super::device::drv;
+use super::launch::{Launch, Null};
 use super::ptx_cache;
 use super::shapes::{self, grid, KernelShape};
 use crate::config::ModelConfig;
@@ -61,6 +60,9 @@ pub struct Kernels {
     skinny: Vec<(usize, CudaFunction)>,
     /// `skinny_silu_m*`, likewise.
     skinny_silu: Vec<(usize, CudaFunction)>,
+    /// Whether launches carry programmatic dependent launch (`launch`): on Hopper and later
+    /// by default, off with `CudaOptions::pdl` false.
+    pub pdl: bool,
 }
 
 impl Kernels {
@@ -122,6 +124,7 @@ impl Kernels {
             gated_delta: f(shapes::GATED_DELTA)?,
             skinny: by_size(&shapes::SKINNY_GEMM)?,
             skinny_silu: by_size(&shapes::SKINNY_SILU)?,
+            pdl: major >= 9,
         };
         Ok((k, arch))
     }
@@ -223,9 +226,7 @@ impl SkinnyGemm<'_> {
             i32::try_from(n).map_err(|_| too_big("n"))?,
             i32::try_from(k).map_err(|_| too_big("k"))?,
         );
-        // A null pointer: no bias.
-        let no_bias = 0u64;
-        let mut b = s.launch_builder(func);
+        let mut b = Launch::new(s, func, kernels.pdl);
         b.arg(self.x).arg(self.w);
         let per_block = match self.out {
             SkinnyOut::Sums { y, bias } => {
@@ -236,7 +237,7 @@ impl SkinnyGemm<'_> {
                         b.arg(bias);
                     }
                     None => {
-                        b.arg(&no_bias);
+                        b.arg(Null);
                     }
                 }
                 b.arg(y);
@@ -276,7 +277,7 @@ impl EmbedGather<'_> {
         holds(n, "ids", self.ids.len(), self.tokens)?;
         holds(n, "out", self.out.len(), self.tokens * self.hidden)?;
         let hidden = self.hidden as i32;
-        let mut b = s.launch_builder(&k.embed_gather);
+        let mut b = Launch::new(s, &k.embed_gather, k.pdl);
         b.arg(self.table).arg(self.ids).arg(self.out).arg(&hidden);
         let cfg = grid(&shapes::EMBED, self.tokens, 1, 1)?;
         // SAFETY: the arguments match `embed_gather`'s signature in order and type; `ids` and
@@ -304,7 +305,7 @@ impl RmsNorm<'_> {
         holds(n, "w", self.w.len(), self.hidden)?;
         holds(n, "out", self.out.len(), self.rows * self.hidden)?;
         let hidden = self.hidden as i32;
-        let mut b = s.launch_builder(&k.rmsnorm);
+        let mut b = Launch::new(s, &k.rmsnorm, k.pdl);
         b.arg(self.x)
             .arg(self.w)
             .arg(self.out)
@@ -339,7 +340,7 @@ impl AddRmsNorm<'_> {
         holds(n, "w", self.w.len(), self.hidden)?;
         holds(n, "out", self.out.len(), need)?;
         let hidden = self.hidden as i32;
-        let mut b = s.launch_builder(&k.add_rmsnorm);
+        let mut b = Launch::new(s, &k.add_rmsnorm, k.pdl);
         b.arg(self.residual)
             .arg(self.delta)
             .arg(self.w)
@@ -369,7 +370,7 @@ impl BiasAdd<'_> {
         holds(n, "bias", self.bias.len(), self.cols)?;
         let cols = self.cols as i32;
         let cfg = grid(&shapes::BIAS_ADD, self.rows, 1, 1)?;
-        let mut b = s.launch_builder(&k.bias_add);
+        let mut b = Launch::new(s, &k.bias_add, k.pdl);
         b.arg(self.y).arg(self.bias).arg(&cols);
         // SAFETY: the arguments match `bias_add`'s signature in order and type; the grid's
         // `rows` rows of `cols` fit y, and the bias holds `cols` (checked above).
@@ -401,15 +402,13 @@ impl RopeKvWrite<'_> {
         holds(n, "slots", self.inputs.slots.len(), self.tokens)?;
         holds(n, "inv_freq", self.inv_freq.len(), h.dim / 2)?;
         let (row, nq, nkv, d) = (h.row() as i32, h.q as i32, h.kv as i32, h.dim as i32);
-        let mut b = s.launch_builder(&k.rope_kv_write);
+        let mut b = Launch::new(s, &k.rope_kv_write, k.pdl);
         b.arg(self.qkv)
             .arg(&self.inputs.positions)
             .arg(self.inv_freq)
             .arg(&self.inputs.slots)
             .arg(self.k_cache)
             .arg(self.v_cache);
-        // Null pointers: no head norms.
-        let null = 0u64;
         let eps = self.norms.map_or(0.0f32, |(_, _, eps)| eps);
         match self.norms {
             Some((q_w, k_w, _)) => {
@@ -418,7 +417,7 @@ impl RopeKvWrite<'_> {
                 b.arg(q_w).arg(k_w);
             }
             None => {
-                b.arg(&null).arg(&null);
+                b.arg(Null).arg(Null);
             }
         }
         b.arg(&eps);
@@ -530,7 +529,7 @@ impl Attention<'_> {
                 grid(&shapes::ATTENTION_PREFILL, dims.seqs, h.q, tiles)?,
             )
         };
-        let mut b = s.launch_builder(f);
+        let mut b = Launch::new(s, f, k.pdl);
         b.arg(self.qkv).arg(&row);
         if !decode {
             b.arg(&inp.positions);
@@ -578,7 +577,7 @@ impl SiluMul<'_> {
         let inter = self.inter as i32;
         let chunks = self.inter.div_ceil(shapes::SILU_MUL.threads as usize);
         let cfg = grid(&shapes::SILU_MUL, self.rows, chunks, 1)?;
-        let mut b = s.launch_builder(&k.silu_mul);
+        let mut b = Launch::new(s, &k.silu_mul, k.pdl);
         b.arg(self.gate_up).arg(self.out).arg(&inter);
         // SAFETY: the arguments match `silu_mul`'s signature in order and type, and both
         // buffers hold the grid's `rows` rows (checked above).
@@ -602,7 +601,7 @@ impl GatherRows<'_> {
         holds(name, "rows", self.rows.len(), self.n)?;
         holds(name, "dst", self.dst.len(), self.n * self.cols)?;
         let cols = self.cols as i32;
-        let mut b = s.launch_builder(&k.gather_rows);
+        let mut b = Launch::new(s, &k.gather_rows, k.pdl);
         b.arg(self.src).arg(self.rows).arg(self.dst).arg(&cols);
         let cfg = grid(&shapes::GATHER_ROWS, self.n, 1, 1)?;
         // SAFETY: the arguments match `gather_rows_bf16`'s signature in order and type;
@@ -650,7 +649,7 @@ impl SampleRows<'_> {
         let chunks = shapes::sample_chunks(self.vocab);
         holds(n, "stats", self.stats.len(), rows * chunks * 3)?;
         let vocab = self.vocab as i32;
-        let mut b = s.launch_builder(&k.sample_rows);
+        let mut b = Launch::new(s, &k.sample_rows, k.pdl);
         b.arg(self.logits)
             .arg(&vocab)
             .arg(&self.temps)
@@ -702,7 +701,7 @@ impl ConstrainRows<'_> {
             )));
         }
         let (vocab, words) = (self.vocab as i32, self.words as i32);
-        let mut b = s.launch_builder(&k.constrain_rows);
+        let mut b = Launch::new(s, &k.constrain_rows, k.pdl);
         b.arg(self.logits)
             .arg(&vocab)
             .arg(self.masks)

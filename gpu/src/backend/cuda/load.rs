@@ -38,10 +38,11 @@ impl CudaBackend {
         let plan = MemoryPlan::of(cfg, &opts, block_size);
         let num_blocks = plan.blocks(kv, ordinal, free, total)?;
 
-        let (k, arch) = Kernels::load(&ctx)?;
+        let (mut k, arch) = Kernels::load(&ctx)?;
         let blas = CudaBlas::new(stream.clone())
             .map_err(|e| EngineError::device("cuBLAS initialisation", e))?;
         let w = DevWeights::upload(&stream, ordinal, cfg, weights)?;
+        k.pdl &= opts.pdl.enabled(w.bytes_per_step());
         // One block more than asked for: the scratch block decode graphs pad with.
         let kv = KvCache::alloc(&stream, ordinal, cfg, num_blocks, block_size)?;
         let graphs = DecodeGraphs::new(opts.graphs, cfg, num_blocks, block_size);

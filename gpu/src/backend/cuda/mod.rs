@@ -46,6 +46,7 @@ mod gemm;
 mod graphs;
 mod kernels;
 mod kv;
+mod launch;
 mod load;
 mod measure;
 pub mod ptx_cache;

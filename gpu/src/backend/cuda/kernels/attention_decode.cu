@@ -17,6 +17,7 @@ paged_attention_decode(
     const bf16* __restrict__ k_cache, const bf16* __restrict__ v_cache, bf16* __restrict__ out,
     float* __restrict__ partials, int* __restrict__ ticks, int nq, int nkv, int d, int block_size,
     float scale, int window) {
+    pdl_start();
     (void)partials;  // the split decode's partials and tickets: this kernel never splits
     (void)ticks;
     __shared__ float q_s[MAX_HEAD_DIM];
@@ -114,6 +115,7 @@ __device__ __forceinline__ void decode_vec(
     const bf16* __restrict__ k_cache, const bf16* __restrict__ v_cache, bf16* __restrict__ out,
     float* __restrict__ partials, int* __restrict__ ticks, int nq, int nkv, int block_size,
     float scale, int window) {
+    pdl_start();
     constexpr int LPP = D / 8;        // lanes per position
     constexpr int PPW = 32 / LPP;     // positions per warp and step
     constexpr int PARTS = 4 * PPW;    // lane groups in the block

@@ -56,6 +56,7 @@ paged_attention_prefill(
     const int* __restrict__ block_tables, int max_blocks, const bf16* __restrict__ k_cache,
     const bf16* __restrict__ v_cache, bf16* __restrict__ out, int nq, int nkv, int d,
     int block_size, float scale, int window) {
+    pdl_start();
     __shared__ float q_s[PF_Q][MAX_HEAD_DIM];
     __shared__ bf16 k_s[PF_K * PF_STRIDE];
     __shared__ bf16 v_s[PF_K * PF_STRIDE];
@@ -240,6 +241,7 @@ __device__ __forceinline__ void prefill_mma(
     const int* __restrict__ block_tables, int max_blocks, const bf16* __restrict__ k_cache,
     const bf16* __restrict__ v_cache, bf16* __restrict__ out, int nq, int nkv,
     int block_size, float scale, int window) {
+    pdl_start();
     constexpr int KS = D + 8;     // tile row, bf16: 16-byte aligned, no bank conflicts
     constexpr int TILE = PFM_KEYS * KS;
     __shared__ __align__(16) bf16 k_s[2 * TILE];

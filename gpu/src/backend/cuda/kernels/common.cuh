@@ -36,6 +36,27 @@ typedef unsigned short bf16;
 #error "paged_attention_decode merges the partial softmaxes of exactly four warps"
 #endif
 
+// Programmatic dependent launch (launch.rs): a kernel launched with it may start while the
+// kernel before it in the stream is still running. pdl_trigger lets the next kernel be
+// scheduled; pdl_wait returns once the previous kernel has completed and its writes are
+// visible. Every kernel waits before it reads what an earlier kernel wrote and before it
+// writes anything. Both are no-ops before Hopper and for a launch without the attribute.
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+// The start of a kernel with nothing to do before its inputs are ready.
+__device__ __forceinline__ void pdl_start() {
+    pdl_trigger();
+    pdl_wait();
+}
+
 #define NEG_INF __int_as_float(0xff800000)
 #define HEAD_SLOTS (MAX_HEAD_DIM / 32)
 

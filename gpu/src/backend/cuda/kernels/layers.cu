@@ -8,6 +8,7 @@ extern "C" __global__ void __launch_bounds__(EMBED_THREADS)
 embed_gather(const bf16* __restrict__ table,
              const int* __restrict__ ids,
              float* __restrict__ out, int hidden) {
+    pdl_start();
     int t = blockIdx.x;
     long long src = (long long)ids[t] * hidden;
     long long dst = (long long)t * hidden;
@@ -19,6 +20,7 @@ extern "C" __global__ void __launch_bounds__(RMSNORM_THREADS)
 rmsnorm_to_bf16(const float* __restrict__ x,
                 const float* __restrict__ w,
                 bf16* __restrict__ out, int hidden, float eps) {
+    pdl_start();
     long long off = (long long)blockIdx.x * hidden;
     float ss = 0.0f;
     for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
@@ -48,6 +50,7 @@ add_rmsnorm_to_bf16(float* __restrict__ residual,
                     const float* __restrict__ delta,
                     const float* __restrict__ w,
                     bf16* __restrict__ out, int hidden, float eps) {
+    pdl_start();
     long long off = (long long)blockIdx.x * hidden;
     if ((hidden & 3) == 0 && hidden <= NORM_CACHED * 4 * ADD_RMSNORM_THREADS) {
         const int n4 = hidden >> 2;
@@ -105,6 +108,7 @@ add_rmsnorm_to_bf16(float* __restrict__ residual,
 // y[r, c] += b[c] for a [rows, cols] f32 matrix (the q/k/v biases). Grid (rows).
 extern "C" __global__ void __launch_bounds__(BIAS_ADD_THREADS)
 bias_add(float* __restrict__ y, const float* __restrict__ b, int cols) {
+    pdl_start();
     float* row = y + (long long)blockIdx.x * cols;
     for (int c = threadIdx.x; c < cols; c += blockDim.x) row[c] += b[c];
 }
@@ -126,6 +130,7 @@ rope_kv_write(float* __restrict__ qkv,
               bf16* __restrict__ k_cache, bf16* __restrict__ v_cache,
               const float* __restrict__ q_w, const float* __restrict__ k_w, float eps,
               int row_stride, int nq, int nkv, int d) {
+    pdl_start();
     int t = blockIdx.x;
     int h = blockIdx.y;
     int half = d / 2;
@@ -175,6 +180,7 @@ rope_kv_write(float* __restrict__ qkv,
 // whose slow path made an earlier grid-stride version spill registers.
 extern "C" __global__ void __launch_bounds__(SILU_MUL_THREADS)
 silu_mul(const float* __restrict__ gu, bf16* __restrict__ out, int inter) {
+    pdl_start();
     int i = blockIdx.y * blockDim.x + threadIdx.x;
     if (i >= inter) return;
     const float* g = gu + (long long)blockIdx.x * 2 * inter;
@@ -187,6 +193,7 @@ extern "C" __global__ void __launch_bounds__(GATHER_THREADS)
 gather_rows_bf16(const bf16* __restrict__ src,
                  const int* __restrict__ rows,
                  bf16* __restrict__ dst, int cols) {
+    pdl_start();
     long long s = (long long)rows[blockIdx.x] * cols;
     long long o = (long long)blockIdx.x * cols;
     for (int i = threadIdx.x; i < cols; i += blockDim.x) dst[o + i] = src[s + i];

@@ -115,6 +115,7 @@ sample_rows(const float* __restrict__ logits, int vocab,
             const float* __restrict__ uniforms,
             int* __restrict__ token, float* __restrict__ logprob,
             float* __restrict__ stats, int* __restrict__ ticks) {
+    pdl_start();
     __shared__ float best_v[SAMPLE_THREADS];
     __shared__ int best_i[SAMPLE_THREADS];
     __shared__ float chunk_start[SAMPLE_THREADS + 1];
@@ -376,6 +377,7 @@ constrain_rows(float* __restrict__ logits, int vocab,
                const int* __restrict__ bias_off,
                const int* __restrict__ bias_tok,
                const float* __restrict__ bias_val) {
+    pdl_start();
     int r = blockIdx.x;
     float* x = logits + (long long)r * vocab;
     if (threadIdx.x == 0) {

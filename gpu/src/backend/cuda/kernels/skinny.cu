@@ -23,6 +23,11 @@ __device__ __forceinline__ uint4 ld_once16(const uint4* p) {
     return v;
 }
 
+// Brings the 16 bytes at p (their cache line) into L2, holding no register.
+__device__ __forceinline__ void prefetch_l2(const uint4* p) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+
 // acc + the dot product of two words of two bf16 each (low half first, as stored).
 __device__ __forceinline__ float dot2(unsigned int a, unsigned int b, float acc) {
     acc = fmaf(__uint_as_float(a << 16), __uint_as_float(b << 16), acc);
@@ -68,6 +73,19 @@ __device__ __forceinline__ void skinny_gemm(const bf16* __restrict__ x,
 #pragma unroll
         for (int m = 0; m < M; m++) acc[r][m] = 0.0f;
     }
+    // The weights depend on no earlier kernel: the first of them are fetched into L2 before
+    // the wait for the kernel that wrote x (programmatic dependent launch, common.cuh), not
+    // into registers, which the loop needs for its own loads.
+    pdl_trigger();
+#pragma unroll
+    for (int u = 0; u < SKINNY_UNROLL; u++) {
+        int i = lane + u * 32;
+#pragma unroll
+        for (int r = 0; r < SKINNY_ROWS; r++) {
+            if (i < k8) prefetch_l2(w16 + wrow[r] + i);
+        }
+    }
+    pdl_wait();
     for (int i0 = lane; i0 < k8; i0 += 32 * SKINNY_UNROLL) {
         uint4 wv[SKINNY_UNROLL][SKINNY_ROWS];
 #pragma unroll
