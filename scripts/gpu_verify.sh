@@ -60,7 +60,7 @@ run)
     mkdir -p "$work"
     t0=$(date +%s)
     budget="${GPU_BUDGET_S:-540}"
-    stages="${STAGES:-offline parity bench-8b skinny-ab-8b long-decode-8b pdl-ab-8b pdl-ab-small profile-8b profile-small serve-8b bench-llama-8b bench-small peer-8b}"
+    stages="${STAGES:-offline parity bench-8b skinny-ab-8b long-decode-8b pdl-ab-8b pdl-ab-small fuse-ab profile-8b profile-small serve-8b bench-llama-8b bench-small peer-8b}"
     # The device returns at most 8 files from $OUT: everything is packed into one archive
     # (and a summary printed) however the run ends.
     touch "$work/.start"
@@ -124,6 +124,12 @@ run)
     stage pdl-ab-small 60 bash -c 'for f in off on; do gpu-out/gpu-bench --pdl $f \
         --batches 1,8,32 --sampled-batches 1 --prefill-lens 512 --gemm-size 0 --copy-reps 3 \
         --json "bench/results/gpu-small-pdl-$f.json" || exit; done'
+    # The residual adds and norms as the next product's prologue (CudaOptions::fuse_norms,
+    # off by default until this has run), off and on side by side on the three shapes.
+    stage fuse-ab 120 bash -c 'for f in off on; do gpu-out/gpu-bench \
+        $([ $f = on ] && echo --fuse-norms) --presets qwen2.5-0.5b,llama-3.2-1b,qwen3-8b \
+        --batches 1,2,8 --sampled-batches 0 --prefill-lens 512 --gemm-size 0 --copy-reps 3 \
+        --json "bench/results/gpu-fuse-norms-$f.json" || exit; done'
     # Where the batch-1 step goes, kernel by kernel: what the fusion work is decided on.
     stage profile-8b 120 env OUT="$work" PRESET=qwen3-8b BATCH=1 PREFILL=512 bash scripts/gpu_profile.sh
     # The small model's step, kernel by kernel (the launch-bubble work is decided on it).

@@ -34,7 +34,7 @@ use std::sync::Arc;
 use kvmesh_gpu::backend::cpu::delta::DeltaParams;
 use kvmesh_gpu::backend::cuda::delta::{mix_on_device, mix_on_host, DeltaDims};
 use kvmesh_gpu::backend::cuda::{
-    sample_host_logits, skinny_and_cublas, skinny_epilogues, CudaBackend,
+    sample_host_logits, skinny_and_cublas, skinny_epilogues, skinny_norm_prologues, CudaBackend,
 };
 use kvmesh_gpu::backend::{Backend, CudaOptions, ForwardBatch, Pdl, SampleSpec, SeqInput};
 use kvmesh_gpu::config::{Arch, HybridConfig, HybridLayout, LayerType};
@@ -292,6 +292,13 @@ fn greedy_generation_is_token_identical_with_and_without_graphs() {
                     ..CudaOptions::device(0)
                 },
             ),
+            (
+                "norms fused into the products",
+                CudaOptions {
+                    fuse_norms: true,
+                    ..CudaOptions::device(0)
+                },
+            ),
         ] {
             let be = build_backend(
                 BackendKind::Cuda(opts),
@@ -449,7 +456,25 @@ fn long_prompts_match_the_cpu_for_every_head_dimension() {
             let w = forward(g.as_mut(), &prompt, 0, &table);
             (w, forward(g.as_mut(), &next, 700, &table))
         };
+        // The norms as the products' prologue compute the same bits as their own launches.
+        let mut fused = build_backend(
+            BackendKind::Cuda(CudaOptions {
+                fuse_norms: true,
+                ..CudaOptions::device(0)
+            }),
+            &m,
+            BLOCK_SIZE,
+            KvBudget::Blocks(64),
+        )
+        .unwrap();
+        forward(fused.as_mut(), &prompt, 0, &table);
+        let fused_step = forward(fused.as_mut(), &next, 700, &table);
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(
+            bits(&fused_step),
+            bits(&serial_step),
+            "{ctx}: decode with the norms fused into the products"
+        );
         assert_eq!(
             bits(&pdl_whole),
             bits(&serial_whole),
@@ -1033,6 +1058,37 @@ fn skinny_epilogues_equal_the_launches_they_replace() {
         );
         assert_eq!(act_fused, act_unfused, "{ctx}: skinny_silu vs silu_mul");
         println!("{ctx}: both epilogues bit-identical to the separate launches");
+    }
+}
+
+/// The norm as a skinny product's prologue (`skinny_norm*`: the residual add and RMSNorm
+/// between layers, computed by every block) gives bit for bit the residual and the products
+/// that `add_rmsnorm_to_bf16` followed by the plain skinny kernels give.
+#[test]
+fn skinny_norm_prologues_equal_the_norm_kernel_then_the_product() {
+    let mut r = Rng::seeded(13);
+    // Qwen2.5-0.5B's and Qwen3-8B's widths at 1 and 2 rows, the widest row a block holds,
+    // and a narrow odd one.
+    for (m, n, k) in [(1, 4864, 896), (2, 1024, 4096), (1, 64, 8192), (2, 37, 40)] {
+        let mut vals = |len: usize, scale: f64| -> Vec<f32> {
+            (0..len).map(|_| (r.normal() * scale) as f32).collect()
+        };
+        let (res, delta, norm) = (vals(m * k, 1.0), vals(m * k, 0.5), vals(k, 0.2));
+        let w: Vec<u16> = vals(2 * n * k, 0.05)
+            .into_iter()
+            .map(|v| (v.to_bits() >> 16) as u16)
+            .collect();
+        let [res_f, res_s, y_f, y_s, act_f, act_s] =
+            skinny_norm_prologues(0, &res, &delta, &norm, &w, (m, n, k)).unwrap();
+        let ctx = format!("m {m} n {n} k {k}");
+        assert!(
+            y_f.iter().all(|&b| f32::from_bits(b).is_finite()),
+            "{ctx}: an output left unwritten"
+        );
+        assert_eq!(res_f, res_s, "{ctx}: the residual written");
+        assert_eq!(y_f, y_s, "{ctx}: the products");
+        assert_eq!(act_f, act_s, "{ctx}: the SiLU-gated products");
+        println!("{ctx}: residual, products and SiLU-gated products bit-identical");
     }
 }
 

@@ -68,6 +68,10 @@ struct Args {
     /// (see `CudaOptions::pdl`).
     #[arg(long, value_name = "auto|on|off", default_value = "auto")]
     pdl: Pdl,
+    /// Decode steps of 1–2 rows run the residual adds and norms as the next product's
+    /// prologue (see `CudaOptions::fuse_norms`).
+    #[arg(long)]
+    fuse_norms: bool,
     /// Decode batch sizes to measure, comma-separated.
     #[arg(long, value_delimiter = ',', value_parser = trimmed::<usize>,
           default_value = "1,8,32,64,128,256")]
@@ -428,7 +432,7 @@ fn summarise(args: &Args, name: &str, dir: &Path, cfg: &ModelConfig, f: &Figures
             f.bound_step() * 1e3
         ),
         format!(
-            "decode       CUDA graphs {} (--enforce-eager turns them off); {}{}{}",
+            "decode       CUDA graphs {} (--enforce-eager turns them off); {}{}{}{}",
             if f.cuda_graphs { "on" } else { "off" },
             skinny_line(args.skinny_rows()),
             if args.no_split_decode {
@@ -440,6 +444,11 @@ fn summarise(args: &Args, name: &str, dir: &Path, cfg: &ModelConfig, f: &Figures
                 Pdl::Auto => "",
                 Pdl::On => "; programmatic dependent launch on",
                 Pdl::Off => "; programmatic dependent launch off",
+            },
+            if args.fuse_norms {
+                "; norms fused into the products at 1-2 rows"
+            } else {
+                ""
             }
         ),
         format!(
@@ -517,6 +526,7 @@ fn summarise(args: &Args, name: &str, dir: &Path, cfg: &ModelConfig, f: &Figures
         "skinny_max_rows": args.skinny_rows(),
         "split_decode": !args.no_split_decode,
         "pdl": format!("{:?}", args.pdl).to_lowercase(),
+        "fuse_norms": args.fuse_norms,
         "weight_bytes_per_step": f.step_bytes,
         "bound_ms_per_token_batch1": f.bound_step() * 1e3,
         "batch1_bandwidth_utilisation": util1,
@@ -596,6 +606,7 @@ fn bench_model(args: &Args, name: &str, dev: &mut DeviceFigures) -> anyhow::Resu
         skinny_max_rows: args.skinny_rows(),
         split_decode: !args.no_split_decode,
         pdl: args.pdl,
+        fuse_norms: args.fuse_norms,
     };
     let backend = CudaBackend::new(
         &cfg,

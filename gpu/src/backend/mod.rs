@@ -49,6 +49,11 @@ pub struct CudaOptions {
     /// before it finishes, overlapping a launch's start-up (and a skinny product's first
     /// weight loads) with the previous kernel's tail. `gpu-bench --pdl on|off` measures it.
     pub pdl: Pdl,
+    /// Whether a decode step of at most 2 rows runs each residual add and RMSNorm between
+    /// layers as the prologue of the product after it (`skinny_norm*`: every block normalises
+    /// the row into shared memory, bit for bit as `add_rmsnorm_to_bf16`), saving two launches
+    /// a layer. Off by default until a GPU run has measured it (`gpu-bench --fuse-norms`).
+    pub fuse_norms: bool,
 }
 
 /// `CudaOptions::pdl`.
@@ -109,6 +114,7 @@ impl CudaOptions {
             skinny_max_rows: SKINNY_MAX_ROWS,
             split_decode: true,
             pdl: Pdl::Auto,
+            fuse_norms: false,
         }
     }
 }

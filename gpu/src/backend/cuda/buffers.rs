@@ -8,6 +8,9 @@ use cudarc::driver::{CudaSlice, CudaStream};
 use super::batch::BatchLayout;
 use super::device::drv;
 use super::shapes::SAMPLE_MAX_CHUNKS;
+
+/// Most rows a skinny product with the norm as its prologue takes (`shapes::SKINNY_NORM`).
+const NORM_ROWS: usize = super::shapes::SKINNY_NORM[1].0;
 use crate::config::ModelConfig;
 use crate::error::Result;
 
@@ -103,6 +106,10 @@ pub struct Workspace {
     pub tokens: usize,
     /// The residual stream, `[tokens, hidden]`.
     pub x: CudaSlice<f32>,
+    /// Where a product with the norm as its prologue writes the summed residual (the other
+    /// blocks still read `x`): `[NORM_ROWS, hidden]`, swapped with `x` for the rest of the
+    /// step and back at its end (`forward`).
+    pub x2: CudaSlice<f32>,
     /// A normed copy of `x` in bf16, the next product's input.
     pub xn: CudaSlice<u16>,
     pub qkv: CudaSlice<f32>,
@@ -127,7 +134,10 @@ impl Workspace {
         if cap == 0 {
             return 0; // no workspace at all
         }
-        cap * (4 * f32s + 2 * bf16s) + 4 * Self::part_len(c) + 4 * Self::ticks_len(c)
+        cap * (4 * f32s + 2 * bf16s)
+            + 4 * Self::part_len(c)
+            + 4 * Self::ticks_len(c)
+            + 4 * NORM_ROWS * c.hidden_size
     }
 
     /// f32s of `part`.
@@ -155,6 +165,7 @@ impl Workspace {
         Ok(Workspace {
             tokens: cap,
             x: f(cap * c.hidden_size)?,
+            x2: f(NORM_ROWS * c.hidden_size)?,
             xn: b(cap * c.hidden_size)?,
             qkv: f(cap * (c.q_dim() + 2 * c.kv_dim()))?,
             attn: b(cap * c.q_dim())?,

@@ -7,6 +7,7 @@ use cudarc::driver::{CudaSlice, CudaStream};
 
 use super::buffers::{LogitsSpace, StepDims, StepInputs, Workspace};
 use super::gemm::Products;
+use super::kernels::SkinnyIn;
 use super::kernels::{
     AddRmsNorm, Attention, EmbedGather, GatherRows, Heads, Kernels, RmsNorm, RopeKvWrite,
 };
@@ -33,6 +34,7 @@ impl CudaBackend {
             ls,
             skinny_max_rows,
             split_decode,
+            fuse_norms,
             ..
         } = self;
         let ws = ws
@@ -57,10 +59,22 @@ impl CudaBackend {
             } else {
                 1
             },
+            fuse_norms: false,
+        };
+        let pass = Pass {
+            fuse_norms: *fuse_norms && pass.mm.norm_prologue(dims.tokens, cfg.hidden_size),
+            ..pass
         };
         pass.embed(ws)?;
+        let mut swapped = false;
         for (li, layer) in w.layers.iter().enumerate() {
-            pass.layer(li, layer, kv, ws)?;
+            swapped ^= pass.layer(li, layer, kv, ws)?;
+        }
+        // The fused norms write the residual to the other buffer each time (see `Pass::layer`):
+        // the handles go back, so a step (captured or not) always starts from the same ones.
+        // Nothing carries over between steps: each starts from the embeddings.
+        if swapped {
+            std::mem::swap(&mut ws.x, &mut ws.x2);
         }
         if dims.logits == 0 {
             return Ok(0);
@@ -85,6 +99,9 @@ struct Pass<'a> {
     heads: Heads,
     /// Splits of each history in a decode step's attention.
     splits: usize,
+    /// Whether the residual adds and norms between layers run as the next product's prologue
+    /// (`CudaOptions::fuse_norms`, and a step the `skinny_norm*` kernels take).
+    fuse_norms: bool,
 }
 
 impl Pass<'_> {
@@ -114,15 +131,36 @@ impl Pass<'_> {
 
     /// Layer `li`, from `xn` (its input, normed) to `x` with both residuals added and `xn`
     /// normed for the next layer (or by the final norm after the last).
+    ///
+    /// With `fuse_norms`, a residual add and the norm after it are instead the prologue of
+    /// the next product (`skinny_norm*`): after attention, the gate/up product's; after the
+    /// MLP, the next layer's q/k/v product's, so layer `li > 0` starts from `x` and `tmp`,
+    /// not `xn`. Each such product writes the summed residual to `x2`, which is then swapped
+    /// with `x`; returns whether the handles end up swapped (an odd number of times).
     fn layer(
         &self,
         li: usize,
         layer: &DevLayer,
         kv: &mut KvCache,
         ws: &mut Workspace,
-    ) -> Result<()> {
+    ) -> Result<bool> {
         let (cfg, t) = (self.cfg, self.dims.tokens);
-        self.linear(&layer.qkv_proj, &ws.xn, &mut ws.qkv)?;
+        let mut swaps = false;
+        if self.fuse_norms && li > 0 {
+            let input = SkinnyIn::Norm {
+                res_in: &ws.x,
+                delta: &ws.tmp,
+                w: &layer.input_layernorm,
+                eps: cfg.rms_norm_eps,
+                res_out: &mut ws.x2,
+            };
+            self.mm
+                .linear_normed(&layer.qkv_proj, t, input, &mut ws.qkv)?;
+            std::mem::swap(&mut ws.x, &mut ws.x2);
+            swaps = !swaps;
+        } else {
+            self.linear(&layer.qkv_proj, &ws.xn, &mut ws.qkv)?;
+        }
         // Per-head rotary embedding (Qwen3: after a norm of each q and k head), then the new
         // K/V into the cache.
         let norms = match (&layer.q_norm, &layer.k_norm) {
@@ -162,18 +200,32 @@ impl Pass<'_> {
         }
         .launch(self.k, self.s)?;
         self.linear(&layer.o_proj, &ws.attn, &mut ws.tmp)?;
-        self.add_rms_norm(ws, &layer.post_attention_layernorm)?;
-
-        self.mm
-            .gate_up_silu(&layer.gate_up_proj, t, &ws.xn, &mut ws.gate_up, &mut ws.act)?;
+        if self.fuse_norms {
+            let input = SkinnyIn::Norm {
+                res_in: &ws.x,
+                delta: &ws.tmp,
+                w: &layer.post_attention_layernorm,
+                eps: cfg.rms_norm_eps,
+                res_out: &mut ws.x2,
+            };
+            self.mm
+                .gate_up_silu_normed(&layer.gate_up_proj, t, input, &mut ws.act)?;
+            std::mem::swap(&mut ws.x, &mut ws.x2);
+            swaps = !swaps;
+        } else {
+            self.add_rms_norm(ws, &layer.post_attention_layernorm)?;
+            self.mm
+                .gate_up_silu(&layer.gate_up_proj, t, &ws.xn, &mut ws.gate_up, &mut ws.act)?;
+        }
         self.linear(&layer.down_proj, &ws.act, &mut ws.tmp)?;
-        // The residual add, fused with the next layer's input norm, or with the final norm
-        // after the last layer.
-        let next_norm = match self.w.layers.get(li + 1) {
-            Some(next) => &next.input_layernorm,
-            None => &self.w.norm,
-        };
-        self.add_rms_norm(ws, next_norm)
+        // The residual add, fused with the next layer's input norm (as a launch, or left to
+        // that layer's first product), or with the final norm after the last layer.
+        match self.w.layers.get(li + 1) {
+            Some(_) if self.fuse_norms => {}
+            Some(next) => self.add_rms_norm(ws, &next.input_layernorm)?,
+            None => self.add_rms_norm(ws, &self.w.norm)?,
+        }
+        Ok(swaps)
     }
 
     /// The logits of the rows that want them: those rows of `xn` gathered, times the head.

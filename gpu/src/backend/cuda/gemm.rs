@@ -6,7 +6,7 @@ use std::ffi::c_void;
 use cudarc::cublas::{result as blas_result, sys as blas_sys, CudaBlas};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 
-use super::kernels::{BiasAdd, Kernels, SiluMul, SkinnyGemm, SkinnyOut};
+use super::kernels::{AddRmsNorm, BiasAdd, Kernels, SiluMul, SkinnyGemm, SkinnyIn, SkinnyOut};
 use super::weights::DevLinear;
 use crate::error::{EngineError, Result};
 
@@ -128,7 +128,7 @@ impl Products<'_> {
     ) -> Result<()> {
         if self.skinny(m, k) {
             return SkinnyGemm {
-                x,
+                x: SkinnyIn::X(x),
                 w,
                 out: SkinnyOut::Sums { y, bias },
                 rows: m,
@@ -175,7 +175,7 @@ impl Products<'_> {
         let inter = gate_up.out / 2;
         if gate_up.bias.is_none() && gate_up.out.is_multiple_of(2) && self.skinny(m, gate_up.inp) {
             return SkinnyGemm {
-                x,
+                x: SkinnyIn::X(x),
                 w: &gate_up.w,
                 out: SkinnyOut::SiluMul { act },
                 rows: m,
@@ -190,6 +190,59 @@ impl Products<'_> {
             out: act,
             rows: m,
             inter,
+        }
+        .launch(self.k, self.s)
+    }
+
+    /// Whether a step of `m` rows can take the residual add and norm of a `k`-wide stream
+    /// as its products' prologue (`skinny_norm*`).
+    pub fn norm_prologue(&self, m: usize, k: usize) -> bool {
+        self.skinny(m, k) && SkinnyGemm::takes_norm(m, k)
+    }
+
+    /// `linear` of `bf16(rmsnorm(res_in + delta) * w)`, with `res_out = res_in + delta`,
+    /// in one skinny kernel (`norm_prologue` must hold; no bias).
+    pub fn linear_normed(
+        &self,
+        l: &DevLinear,
+        m: usize,
+        input: SkinnyIn,
+        y: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        SkinnyGemm {
+            x: input,
+            w: &l.w,
+            out: SkinnyOut::Sums {
+                y,
+                bias: l.bias.as_ref(),
+            },
+            rows: m,
+            n: l.out,
+            k: l.inp,
+        }
+        .launch(self.k, self.s)
+    }
+
+    /// `gate_up_silu` of the normed stream, likewise.
+    pub fn gate_up_silu_normed(
+        &self,
+        gate_up: &DevLinear,
+        m: usize,
+        input: SkinnyIn,
+        act: &mut CudaSlice<u16>,
+    ) -> Result<()> {
+        if gate_up.bias.is_some() || !gate_up.out.is_multiple_of(2) {
+            return Err(EngineError::Backend(
+                "a gate/up projection with a bias, or of an odd width, has no fused kernel".into(),
+            ));
+        }
+        SkinnyGemm {
+            x: input,
+            w: &gate_up.w,
+            out: SkinnyOut::SiluMul { act },
+            rows: m,
+            n: gate_up.out / 2,
+            k: gate_up.inp,
         }
         .launch(self.k, self.s)
     }
@@ -259,7 +312,7 @@ pub fn skinny_epilogues(
     };
     let sums = |y: &mut CudaSlice<f32>, bias: Option<&CudaSlice<f32>>| {
         SkinnyGemm {
-            x: &xd,
+            x: SkinnyIn::X(&xd),
             w: &wd,
             out: SkinnyOut::Sums { y, bias },
             rows: m,
@@ -281,7 +334,7 @@ pub fn skinny_epilogues(
     let (mut act_fused, mut act_unfused, mut products) =
         (bf16s(m * n)?, bf16s(m * n)?, f32s(m * 2 * n)?);
     SkinnyGemm {
-        x: &xd,
+        x: SkinnyIn::X(&xd),
         w: &wd,
         out: SkinnyOut::SiluMul {
             act: &mut act_fused,
@@ -308,4 +361,119 @@ pub fn skinny_epilogues(
         Ok(h.into_iter().map(u32::from).collect())
     };
     Ok([f(&fused)?, f(&unfused)?, b(&act_fused)?, b(&act_unfused)?])
+}
+
+/// The skinny kernels' norm prologue against the launches it replaces, on device `ordinal`:
+/// `res` and `delta` `[m, k]` f32, `norm` `[k]`, `w` `[2n, k]` bf16 bits. Returns, as bits,
+/// the residual written and the products (`[m, 2n]` sums, then the SiLU-gated `[m, n]`),
+/// first by `skinny_norm*` and then by `add_rmsnorm_to_bf16` followed by the plain skinny
+/// kernels: each pair is meant to be identical.
+pub fn skinny_norm_prologues(
+    ordinal: usize,
+    res: &[f32],
+    delta: &[f32],
+    norm: &[f32],
+    w: &[u16],
+    (m, n, k): (usize, usize, usize),
+) -> Result<[Vec<u32>; 6]> {
+    use super::device::drv;
+    let ctx = cudarc::driver::CudaContext::new(ordinal).map_err(|e| drv("context creation", e))?;
+    let s = ctx.new_stream().map_err(|e| drv("stream creation", e))?;
+    let (kernels, _) = Kernels::load(&ctx)?;
+    let up = |v: &[f32]| s.clone_htod(v).map_err(|e| drv("upload", e));
+    let (res_d, delta_d, norm_d) = (up(res)?, up(delta)?, up(norm)?);
+    let wd = s.clone_htod(w).map_err(|e| drv("upload", e))?;
+    let f32s = |len: usize| {
+        s.clone_htod(&vec![f32::NAN; len])
+            .map_err(|e| drv("upload", e))
+    };
+    let bf16s = |len: usize| {
+        s.clone_htod(&vec![0x7fc0u16; len])
+            .map_err(|e| drv("upload", e))
+    };
+    let normed = |res_out| SkinnyIn::Norm {
+        res_in: &res_d,
+        delta: &delta_d,
+        w: &norm_d,
+        eps: 1e-6,
+        res_out,
+    };
+    // Fused: the sums (block 0 writes the residual), then the SiLU-gated product.
+    let (mut res_fused, mut y_fused, mut act_fused) =
+        (f32s(m * k)?, f32s(m * 2 * n)?, bf16s(m * n)?);
+    SkinnyGemm {
+        x: normed(&mut res_fused),
+        w: &wd,
+        out: SkinnyOut::Sums {
+            y: &mut y_fused,
+            bias: None,
+        },
+        rows: m,
+        n: 2 * n,
+        k,
+    }
+    .launch(&kernels, &s)?;
+    let mut scratch = f32s(m * k)?;
+    SkinnyGemm {
+        x: normed(&mut scratch),
+        w: &wd,
+        out: SkinnyOut::SiluMul {
+            act: &mut act_fused,
+        },
+        rows: m,
+        n,
+        k,
+    }
+    .launch(&kernels, &s)?;
+    // Separate: the norm kernel in place on a copy of the residual, then the products.
+    let mut res_sep = up(res)?;
+    let mut xn = bf16s(m * k)?;
+    AddRmsNorm {
+        residual: &mut res_sep,
+        delta: &delta_d,
+        w: &norm_d,
+        out: &mut xn,
+        rows: m,
+        hidden: k,
+        eps: 1e-6,
+    }
+    .launch(&kernels, &s)?;
+    let (mut y_sep, mut act_sep) = (f32s(m * 2 * n)?, bf16s(m * n)?);
+    SkinnyGemm {
+        x: SkinnyIn::X(&xn),
+        w: &wd,
+        out: SkinnyOut::Sums {
+            y: &mut y_sep,
+            bias: None,
+        },
+        rows: m,
+        n: 2 * n,
+        k,
+    }
+    .launch(&kernels, &s)?;
+    SkinnyGemm {
+        x: SkinnyIn::X(&xn),
+        w: &wd,
+        out: SkinnyOut::SiluMul { act: &mut act_sep },
+        rows: m,
+        n,
+        k,
+    }
+    .launch(&kernels, &s)?;
+    let f = |v: &CudaSlice<f32>| -> Result<Vec<u32>> {
+        let h = s.clone_dtoh(v).map_err(|e| drv("download", e))?;
+        Ok(h.into_iter().map(f32::to_bits).collect())
+    };
+    let b = |v: &CudaSlice<u16>| -> Result<Vec<u32>> {
+        let h = s.clone_dtoh(v).map_err(|e| drv("download", e))?;
+        Ok(h.into_iter().map(u32::from).collect())
+    };
+    Ok([
+        f(&res_fused)?,
+        f(&res_sep)?,
+        f(&y_fused)?,
+        f(&y_sep)?,
+        b(&act_fused)?,
+        b(&act_sep)?,
+    ])
 }

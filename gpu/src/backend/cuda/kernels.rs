@@ -60,6 +60,9 @@ pub struct Kernels {
     skinny: Vec<(usize, CudaFunction)>,
     /// `skinny_silu_m*`, likewise.
     skinny_silu: Vec<(usize, CudaFunction)>,
+    /// `skinny_norm_m*` and `skinny_norm_silu_m*`, likewise.
+    skinny_norm: Vec<(usize, CudaFunction)>,
+    skinny_norm_silu: Vec<(usize, CudaFunction)>,
     /// Whether launches carry programmatic dependent launch (`launch`): on Hopper and later
     /// by default, off with `CudaOptions::pdl` false.
     pub pdl: bool,
@@ -124,6 +127,8 @@ impl Kernels {
             gated_delta: f(shapes::GATED_DELTA)?,
             skinny: by_size(&shapes::SKINNY_GEMM)?,
             skinny_silu: by_size(&shapes::SKINNY_SILU)?,
+            skinny_norm: by_size(&shapes::SKINNY_NORM)?,
+            skinny_norm_silu: by_size(&shapes::SKINNY_NORM_SILU)?,
             pdl: major >= 9,
         };
         Ok((k, arch))
@@ -180,10 +185,24 @@ pub enum SkinnyOut<'a> {
     },
 }
 
+/// A skinny product's input: bf16 rows, or the residual add and RMSNorm that produce them,
+/// taken as the kernel's prologue (`skinny_norm*`): `res_out = res_in + delta`, and the
+/// input `bf16(rmsnorm(res_out) * w)`, exactly as `add_rmsnorm_to_bf16` computes it.
+pub enum SkinnyIn<'a> {
+    X(&'a CudaSlice<u16>),
+    Norm {
+        res_in: &'a CudaSlice<f32>,
+        delta: &'a CudaSlice<f32>,
+        w: &'a CudaSlice<f32>,
+        eps: f32,
+        res_out: &'a mut CudaSlice<f32>,
+    },
+}
+
 /// `x[rows, k]` (bf16) times `w[n, k]ᵀ` (`w[2n, k]ᵀ` for `SkinnyOut::SiluMul`) by the skinny
 /// kernel for that many rows (see `kernels/skinny.cu`).
 pub struct SkinnyGemm<'a> {
-    pub x: &'a CudaSlice<u16>,
+    pub x: SkinnyIn<'a>,
     pub w: &'a CudaSlice<u16>,
     pub out: SkinnyOut<'a>,
     pub rows: usize,
@@ -197,21 +216,36 @@ impl SkinnyGemm<'_> {
         rows >= 1 && rows <= shapes::SKINNY_GEMM[3].0 && k >= 8 && k.is_multiple_of(8)
     }
 
+    /// Whether it has one that takes the norm as its prologue.
+    pub fn takes_norm(rows: usize, k: usize) -> bool {
+        Self::takes(rows, k) && rows <= shapes::SKINNY_NORM[1].0 && k <= shapes::NORM_MAX
+    }
+
     pub fn launch(self, kernels: &Kernels, s: &CudaStream) -> Result<()> {
         let silu = matches!(self.out, SkinnyOut::SiluMul { .. });
-        let (name, family, funcs) = if silu {
-            ("skinny_silu", &shapes::SKINNY_SILU, &kernels.skinny_silu)
-        } else {
-            ("skinny_gemm", &shapes::SKINNY_GEMM, &kernels.skinny)
+        let normed = matches!(self.x, SkinnyIn::Norm { .. });
+        let (name, family, funcs): (_, &[(usize, KernelShape)], _) = match (normed, silu) {
+            (false, true) => ("skinny_silu", &shapes::SKINNY_SILU, &kernels.skinny_silu),
+            (false, false) => ("skinny_gemm", &shapes::SKINNY_GEMM, &kernels.skinny),
+            (true, true) => (
+                "skinny_norm_silu",
+                &shapes::SKINNY_NORM_SILU,
+                &kernels.skinny_norm_silu,
+            ),
+            (true, false) => ("skinny_norm", &shapes::SKINNY_NORM, &kernels.skinny_norm),
         };
         let (rows, n, k) = (self.rows, self.n, self.k);
-        if !Self::takes(rows, k) || n == 0 {
+        let fits = if normed {
+            Self::takes_norm(rows, k)
+        } else {
+            Self::takes(rows, k)
+        };
+        if !fits || n == 0 {
             return Err(EngineError::Backend(format!(
                 "{name}: no skinny kernel for {rows} rows of {k} (by {n} outputs)"
             )));
         }
         let w_rows = if silu { 2 * n } else { n };
-        holds(name, "x", self.x.len(), rows * k)?;
         holds(name, "w", self.w.len(), w_rows * k)?;
         let (shape, func) = family
             .iter()
@@ -227,7 +261,26 @@ impl SkinnyGemm<'_> {
             i32::try_from(k).map_err(|_| too_big("k"))?,
         );
         let mut b = Launch::new(s, func, kernels.pdl);
-        b.arg(self.x).arg(self.w);
+        match self.x {
+            SkinnyIn::X(x) => {
+                holds(name, "x", x.len(), rows * k)?;
+                b.arg(x);
+            }
+            SkinnyIn::Norm {
+                res_in,
+                delta,
+                w,
+                eps,
+                res_out,
+            } => {
+                holds(name, "res_in", res_in.len(), rows * k)?;
+                holds(name, "delta", delta.len(), rows * k)?;
+                holds(name, "norm", w.len(), k)?;
+                holds(name, "res_out", res_out.len(), rows * k)?;
+                b.arg(res_in).arg(delta).arg(w).arg(&eps).arg(res_out);
+            }
+        }
+        b.arg(self.w);
         let per_block = match self.out {
             SkinnyOut::Sums { y, bias } => {
                 holds(name, "y", y.len(), rows * n)?;
@@ -252,9 +305,11 @@ impl SkinnyGemm<'_> {
         b.arg(&ri).arg(&ni).arg(&ki);
         let cfg = grid(shape, n.div_ceil(per_block), 1, 1)?;
         // SAFETY: the arguments match `skinny_gemm_m*`'s signature (x, w, bias or null, y,
-        // rows, n, k) or `skinny_silu_m*`'s (x, w, act, rows, n, k) in order and type; x
-        // holds `rows` rows of k, w the rows the kernel streams, y or act `rows` rows of n
-        // and the bias n (checked above), and k is a multiple of 8, so every 16-byte load
+        // rows, n, k) or `skinny_silu_m*`'s (x, w, act, rows, n, k) in order and type, the
+        // `skinny_norm*` ones with (res_in, delta, norm, eps, res_out) in x's place; the
+        // inputs hold `rows` rows of k, w the rows the kernel streams, y or act `rows` rows
+        // of n, the bias n and the norm k (checked above); k is a multiple of 8 (and at most
+        // NORM_MAX for a norm prologue, which its shared memory holds), so every 16-byte load
         // starts on a 16-byte boundary of a 256-byte aligned allocation and ends inside its
         // row.
         unsafe { b.launch(cfg) }.map_err(failed(name))?;

@@ -80,6 +80,7 @@ impl CudaBackend {
             graphs,
             skinny_max_rows: opts.skinny_max_rows,
             split_decode: opts.split_decode,
+            fuse_norms: opts.fuse_norms,
         })
     }
 

@@ -56,7 +56,7 @@ mod step;
 mod weights;
 
 pub use device::device_count;
-pub use gemm::{skinny_and_cublas, skinny_epilogues};
+pub use gemm::{skinny_and_cublas, skinny_epilogues, skinny_norm_prologues};
 pub use kernels::KERNELS_CU;
 pub use load::MemoryPlan;
 pub use sampling::sample_host_logits;
@@ -97,6 +97,8 @@ pub struct CudaBackend {
     skinny_max_rows: usize,
     /// `CudaOptions::split_decode`.
     split_decode: bool,
+    /// `CudaOptions::fuse_norms`.
+    fuse_norms: bool,
 }
 
 impl CudaBackend {

@@ -205,6 +205,29 @@ pub const SKINNY_SILU: [(usize, KernelShape); 4] = [
     (4, skinny("skinny_silu_m4")),
     (8, skinny("skinny_silu_m8")),
 ];
+/// Widest row `add_rmsnorm_to_bf16` holds in registers (its `NORM_MAX`), and so the widest
+/// a skinny product's norm prologue takes.
+pub const NORM_MAX: usize = NORM_CACHED * 4 * ADD_RMSNORM.threads as usize;
+const fn skinny_norm(name: &'static str, rows: usize) -> KernelShape {
+    // The normed rows as bf16, and `block_sum`'s scratch.
+    shape(
+        name,
+        SKINNY_THREADS,
+        rows * NORM_MAX * BF16 + BLOCK_SUM,
+        true,
+    )
+}
+/// `skinny_norm_m*` and `skinny_norm_silu_m*`: the products above with the residual add and
+/// RMSNorm before them as a prologue, by the most rows each takes.
+pub const SKINNY_NORM: [(usize, KernelShape); 2] = [
+    (1, skinny_norm("skinny_norm_m1", 1)),
+    (2, skinny_norm("skinny_norm_m2", 2)),
+];
+pub const SKINNY_NORM_SILU: [(usize, KernelShape); 2] = [
+    (1, skinny_norm("skinny_norm_silu_m1", 1)),
+    (2, skinny_norm("skinny_norm_silu_m2", 2)),
+];
+const _: () = assert!(SKINNY_THREADS == ADD_RMSNORM.threads);
 /// Weight rows one block of a skinny product covers.
 pub const SKINNY_ROWS_PER_BLOCK: usize = SKINNY_THREADS as usize / 32 * SKINNY_ROWS;
 
@@ -257,6 +280,10 @@ pub const KERNELS: &[KernelShape] = &[
     SKINNY_SILU[1].1,
     SKINNY_SILU[2].1,
     SKINNY_SILU[3].1,
+    SKINNY_NORM[0].1,
+    SKINNY_NORM[1].1,
+    SKINNY_NORM_SILU[0].1,
+    SKINNY_NORM_SILU[1].1,
 ];
 
 /// The macros the kernels (`kernels/*.cu`) are compiled with: the figures above, under the names the kernels

@@ -38,13 +38,76 @@ __device__ __forceinline__ uint2 pack_bf16x4(float a, float b, float c, float d)
                       (unsigned int)f2bf(c) | ((unsigned int)f2bf(d) << 16));
 }
 
+// Rows this wide take the register-held path below (and only they can have the norm as a
+// skinny product's prologue): a multiple of 4, at most NORM_CACHED float4 per thread.
+#define NORM_MAX (NORM_CACHED * 4 * ADD_RMSNORM_THREADS)
+
+// A float4's sum of squares, its rounding pinned (no contraction into fused multiply-adds),
+// so that every kernel that sums a row this way gets the same bits.
+__device__ __forceinline__ float sq4(float4 v) {
+    return __fadd_rn(__fadd_rn(__fadd_rn(__fmul_rn(v.x, v.x), __fmul_rn(v.y, v.y)),
+                               __fmul_rn(v.z, v.z)),
+                     __fmul_rn(v.w, v.w));
+}
+
+// The register-held half of add_rmsnorm_to_bf16, for a block of ADD_RMSNORM_THREADS
+// threads: v = one row of residual + delta (thread t holding float4s t, t + threads, ...),
+// and the row's 1 / rms.
+__device__ __forceinline__ float add_row_cached(const float* __restrict__ residual,
+                                                const float* __restrict__ delta,
+                                                float4 (&v)[NORM_CACHED], int hidden,
+                                                float eps) {
+    const int n4 = hidden >> 2;
+    const float4* r4 = reinterpret_cast<const float4*>(residual);
+    const float4* d4 = reinterpret_cast<const float4*>(delta);
+#pragma unroll
+    for (int j = 0; j < NORM_CACHED; j++) {
+        int i = threadIdx.x + j * ADD_RMSNORM_THREADS;
+        v[j] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (i < n4) {
+            float4 a = r4[i];
+            float4 b = d4[i];
+            v[j] = make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w);
+        }
+    }
+    float ss = 0.0f;
+#pragma unroll
+    for (int j = 0; j < NORM_CACHED; j++) {
+        if (threadIdx.x + j * ADD_RMSNORM_THREADS < n4) ss = __fadd_rn(ss, sq4(v[j]));
+    }
+    ss = block_sum(ss);
+    return 1.0f / sqrtf(ss / (float)hidden + eps);
+}
+
+// The same 1 / rms without holding the row (for kernels that need their registers for
+// something else): the same sums in the same order, so the same bits.
+__device__ __forceinline__ float add_row_inv_rms(const float* __restrict__ residual,
+                                                 const float* __restrict__ delta, int hidden,
+                                                 float eps) {
+    const int n4 = hidden >> 2;
+    const float4* r4 = reinterpret_cast<const float4*>(residual);
+    const float4* d4 = reinterpret_cast<const float4*>(delta);
+    float ss = 0.0f;
+#pragma unroll
+    for (int j = 0; j < NORM_CACHED; j++) {
+        int i = threadIdx.x + j * ADD_RMSNORM_THREADS;
+        if (i < n4) {
+            float4 a = r4[i];
+            float4 b = d4[i];
+            ss = __fadd_rn(ss, sq4(make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w)));
+        }
+    }
+    ss = block_sum(ss);
+    return 1.0f / sqrtf(ss / (float)hidden + eps);
+}
+
 // residual += delta, then out = bf16(rmsnorm(residual) * w): the residual add after o_proj
 // and down_proj fused with the norm that follows it. Grid (rows), block ADD_RMSNORM_THREADS.
-// A row of up to NORM_CACHED float4 per thread (8,192 wide at 256 threads) is read with
-// 16-byte loads, all issued before the first is used, and kept in registers for the second
-// pass: at one row a step (batch-1 decode) the kernel is two memory latencies, not one per
-// element a thread handles (the loop below, which other widths still take, measured 16 µs
-// a launch at 4,096 on an H100).
+// A row of up to NORM_MAX (8,192 at 256 threads) is read with 16-byte loads, all issued
+// before the first is used, and kept in registers for the second pass (add_row_cached): at
+// one row a step (batch-1 decode) the kernel is two memory latencies, not one per element a
+// thread handles (the loop below, which other widths still take, measured 16 µs a launch
+// at 4,096 on an H100).
 extern "C" __global__ void __launch_bounds__(ADD_RMSNORM_THREADS)
 add_rmsnorm_to_bf16(float* __restrict__ residual,
                     const float* __restrict__ delta,
@@ -52,38 +115,18 @@ add_rmsnorm_to_bf16(float* __restrict__ residual,
                     bf16* __restrict__ out, int hidden, float eps) {
     pdl_start();
     long long off = (long long)blockIdx.x * hidden;
-    if ((hidden & 3) == 0 && hidden <= NORM_CACHED * 4 * ADD_RMSNORM_THREADS) {
+    if ((hidden & 3) == 0 && hidden <= NORM_MAX) {
         const int n4 = hidden >> 2;
-        float4* r4 = reinterpret_cast<float4*>(residual + off);
-        const float4* d4 = reinterpret_cast<const float4*>(delta + off);
         float4 v[NORM_CACHED];
-        float ss = 0.0f;
-#pragma unroll
-        for (int j = 0; j < NORM_CACHED; j++) {
-            int i = threadIdx.x + j * ADD_RMSNORM_THREADS;
-            v[j] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            if (i < n4) {
-                float4 a = r4[i];
-                float4 b = d4[i];
-                v[j] = make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w);
-            }
-        }
-#pragma unroll
-        for (int j = 0; j < NORM_CACHED; j++) {
-            int i = threadIdx.x + j * ADD_RMSNORM_THREADS;
-            if (i < n4) {
-                r4[i] = v[j];
-                ss += v[j].x * v[j].x + v[j].y * v[j].y + v[j].z * v[j].z + v[j].w * v[j].w;
-            }
-        }
-        ss = block_sum(ss);
-        float inv = 1.0f / sqrtf(ss / (float)hidden + eps);
+        float inv = add_row_cached(residual + off, delta + off, v, hidden, eps);
+        float4* r4 = reinterpret_cast<float4*>(residual + off);
         const float4* w4 = reinterpret_cast<const float4*>(w);
         uint2* o = reinterpret_cast<uint2*>(out + off);
 #pragma unroll
         for (int j = 0; j < NORM_CACHED; j++) {
             int i = threadIdx.x + j * ADD_RMSNORM_THREADS;
             if (i < n4) {
+                r4[i] = v[j];
                 float4 g = w4[i];
                 o[i] = pack_bf16x4(v[j].x * inv * g.x, v[j].y * inv * g.y, v[j].z * inv * g.z,
                                    v[j].w * inv * g.w);

@@ -46,17 +46,35 @@ __device__ __forceinline__ float dot8(uint4 a, uint4 b, float acc) {
 // act[m, j] = bf16(silu(gate) * up), what silu_mul computes from the f32 products, so the
 // [rows, 2n] f32 products are never written. Otherwise warp j streams rows
 // SKINNY_ROWS * j ..., and y = the sums + bias (when bias is not null), as bias_add adds it.
+//
+// Norm (not null): the product's input is not x but bf16(rmsnorm(norm->res_in +
+// norm->delta) * norm->w), each of the `rows` rows computed by every block into shared
+// memory with add_rmsnorm_to_bf16's sums (add_row_inv_rms reads the row twice rather than
+// hold it, leaving the registers to the product), and block 0 writes
+// res_in + delta to norm->res_out (another buffer: the other blocks still read res_in).
+// The decode step's residual add and norm then cost no launch of their own.
+struct NormIn {
+    const float* res_in;
+    const float* delta;
+    const float* w;
+    float* res_out;
+    float eps;
+};
+
 template <int M, bool SILU>
 __device__ __forceinline__ void skinny_gemm(const bf16* __restrict__ x,
                                             const bf16* __restrict__ w,
                                             const float* __restrict__ bias,
                                             float* __restrict__ y, bf16* __restrict__ act,
-                                            int rows, int n, int k) {
+                                            int rows, int n, int k, const NormIn* norm,
+                                            bf16* xs) {
     const int warp = threadIdx.x >> 5;
     const int lane = threadIdx.x & 31;
     const int j = blockIdx.x * (SKINNY_THREADS / 32) + warp;
     const int n0 = SILU ? j : j * SKINNY_ROWS;
-    if (n0 >= n) return;  // the whole warp: n0 is the same for its lanes
+    // The whole warp leaves (n0 is the same for its lanes), unless the block computes the
+    // norm first, which every thread takes part in.
+    if (n0 >= n && norm == nullptr) return;
     const int k8 = k >> 3;
     // Rows past the end (of w, or of x's `rows`) read the last one again; their sums are
     // not written.
@@ -82,10 +100,34 @@ __device__ __forceinline__ void skinny_gemm(const bf16* __restrict__ x,
         int i = lane + u * 32;
 #pragma unroll
         for (int r = 0; r < SKINNY_ROWS; r++) {
-            if (i < k8) prefetch_l2(w16 + wrow[r] + i);
+            if (i < k8 && n0 < n) prefetch_l2(w16 + wrow[r] + i);
         }
     }
     pdl_wait();
+    if (norm != nullptr) {
+        const int n4 = k >> 2;
+        const float4* g4 = reinterpret_cast<const float4*>(norm->w);
+        for (int m = 0; m < rows; m++) {
+            long long off = (long long)m * k;
+            float inv = add_row_inv_rms(norm->res_in + off, norm->delta + off, k, norm->eps);
+            const float4* a4 = reinterpret_cast<const float4*>(norm->res_in + off);
+            const float4* d4 = reinterpret_cast<const float4*>(norm->delta + off);
+            uint2* o = reinterpret_cast<uint2*>(xs + off);
+            float4* r4 = reinterpret_cast<float4*>(norm->res_out + off);
+            for (int i = threadIdx.x; i < n4; i += ADD_RMSNORM_THREADS) {
+                float4 a = a4[i];
+                float4 b = d4[i];
+                float4 v = make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w);
+                float4 g = g4[i];
+                o[i] = pack_bf16x4(v.x * inv * g.x, v.y * inv * g.y, v.z * inv * g.z,
+                                   v.w * inv * g.w);
+                if (blockIdx.x == 0) r4[i] = v;
+            }
+        }
+        __syncthreads();
+        if (n0 >= n) return;
+        x16 = reinterpret_cast<const uint4*>(xs);
+    }
     for (int i0 = lane; i0 < k8; i0 += 32 * SKINNY_UNROLL) {
         uint4 wv[SKINNY_UNROLL][SKINNY_ROWS];
 #pragma unroll
@@ -144,7 +186,7 @@ __device__ __forceinline__ void skinny_gemm(const bf16* __restrict__ x,
     extern "C" __global__ void __launch_bounds__(SKINNY_THREADS) skinny_gemm_m##M(              \
         const bf16* __restrict__ x, const bf16* __restrict__ w, const float* __restrict__ bias, \
         float* __restrict__ y, int rows, int n, int k) {                                        \
-        skinny_gemm<M, false>(x, w, bias, y, nullptr, rows, n, k);                              \
+        skinny_gemm<M, false>(x, w, bias, y, nullptr, rows, n, k, nullptr, nullptr);            \
     }
 SKINNY_KERNEL(1)
 SKINNY_KERNEL(2)
@@ -157,9 +199,40 @@ SKINNY_KERNEL(8)
     extern "C" __global__ void __launch_bounds__(SKINNY_THREADS) skinny_silu_m##M(              \
         const bf16* __restrict__ x, const bf16* __restrict__ w, bf16* __restrict__ act,         \
         int rows, int n, int k) {                                                               \
-        skinny_gemm<M, true>(x, w, nullptr, nullptr, act, rows, n, k);                          \
+        skinny_gemm<M, true>(x, w, nullptr, nullptr, act, rows, n, k, nullptr, nullptr);        \
     }
 SKINNY_SILU_KERNEL(1)
 SKINNY_SILU_KERNEL(2)
 SKINNY_SILU_KERNEL(4)
 SKINNY_SILU_KERNEL(8)
+
+// The same products with the residual add and RMSNorm before them as their prologue (see
+// NormIn): res_in, delta [rows, k] f32, norm_w [k]; block 0 writes res_out. Up to
+// 2 rows of k <= NORM_MAX, a multiple of 8; the normed rows live in shared memory.
+// Grids as skinny_gemm_m* and skinny_silu_m*.
+#if SKINNY_THREADS != ADD_RMSNORM_THREADS
+#error "a skinny product's norm prologue must reduce as add_rmsnorm_to_bf16 does"
+#endif
+#define SKINNY_NORM_KERNEL(M)                                                                   \
+    extern "C" __global__ void __launch_bounds__(SKINNY_THREADS) skinny_norm_m##M(              \
+        const float* __restrict__ res_in, const float* __restrict__ delta,                      \
+        const float* __restrict__ norm_w, float eps, float* __restrict__ res_out,               \
+        const bf16* __restrict__ w, const float* __restrict__ bias, float* __restrict__ y,      \
+        int rows, int n, int k) {                                                               \
+        __shared__ __align__(16) bf16 xs[M * NORM_MAX];                                         \
+        NormIn norm = {res_in, delta, norm_w, res_out, eps};                                    \
+        skinny_gemm<M, false>(nullptr, w, bias, y, nullptr, rows, n, k, &norm, xs);             \
+    }
+#define SKINNY_NORM_SILU_KERNEL(M)                                                              \
+    extern "C" __global__ void __launch_bounds__(SKINNY_THREADS) skinny_norm_silu_m##M(         \
+        const float* __restrict__ res_in, const float* __restrict__ delta,                      \
+        const float* __restrict__ norm_w, float eps, float* __restrict__ res_out,               \
+        const bf16* __restrict__ w, bf16* __restrict__ act, int rows, int n, int k) {           \
+        __shared__ __align__(16) bf16 xs[M * NORM_MAX];                                         \
+        NormIn norm = {res_in, delta, norm_w, res_out, eps};                                    \
+        skinny_gemm<M, true>(nullptr, w, nullptr, nullptr, act, rows, n, k, &norm, xs);         \
+    }
+SKINNY_NORM_KERNEL(1)
+SKINNY_NORM_KERNEL(2)
+SKINNY_NORM_SILU_KERNEL(1)
+SKINNY_NORM_SILU_KERNEL(2)
