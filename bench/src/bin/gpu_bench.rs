@@ -417,6 +417,30 @@ impl Figures {
 }
 
 /// One model's table lines and JSON.
+/// The decode settings a run measured, as its table states them.
+fn decode_line(args: &Args, cuda_graphs: bool) -> String {
+    format!(
+        "decode       CUDA graphs {} (--enforce-eager turns them off); {}{}{}{}",
+        if cuda_graphs { "on" } else { "off" },
+        skinny_line(args.skinny_rows()),
+        if args.no_split_decode {
+            "; decode attention unsplit"
+        } else {
+            "; decode attention split over the history at small batches"
+        },
+        match args.pdl {
+            Pdl::Auto => "",
+            Pdl::On => "; programmatic dependent launch on",
+            Pdl::Off => "; programmatic dependent launch off",
+        },
+        if args.fuse_norms {
+            "; norms fused into the products at 1-2 rows"
+        } else {
+            ""
+        }
+    )
+}
+
 fn summarise(args: &Args, name: &str, dir: &Path, cfg: &ModelConfig, f: &Figures) -> ModelResult {
     let gb = 1e9;
     let mut table = vec![
@@ -431,26 +455,7 @@ fn summarise(args: &Args, name: &str, dir: &Path, cfg: &ModelConfig, f: &Figures
             f.step_bytes as f64 / gb,
             f.bound_step() * 1e3
         ),
-        format!(
-            "decode       CUDA graphs {} (--enforce-eager turns them off); {}{}{}{}",
-            if f.cuda_graphs { "on" } else { "off" },
-            skinny_line(args.skinny_rows()),
-            if args.no_split_decode {
-                "; decode attention unsplit"
-            } else {
-                "; decode attention split over the history at small batches"
-            },
-            match args.pdl {
-                Pdl::Auto => "",
-                Pdl::On => "; programmatic dependent launch on",
-                Pdl::Off => "; programmatic dependent launch off",
-            },
-            if args.fuse_norms {
-                "; norms fused into the products at 1-2 rows"
-            } else {
-                ""
-            }
-        ),
+        decode_line(args, f.cuda_graphs),
         format!(
             "{:>8} {:>12} {:>12} {:>14} {:>12}",
             "batch", "ms/step", "tokens/s", "bw utilisation", "sampled ms"
