@@ -217,8 +217,9 @@ const SOCKET_BUFFER: usize = 4 << 20;
 /// With `ping` (a connection dialed without keep-alives) it sends a heartbeat at each
 /// check, every quarter of the limit, which the peer acknowledges at once.
 pub async fn until_silent(conn: &Connection, limit: impl Fn() -> Duration, ping: bool) {
-    let mut heard = conn.stats().udp_rx.datagrams;
-    let mut last = tokio::time::Instant::now();
+    // Tokio's clock (paused in tests that pause it), as a plain instant.
+    let now = || tokio::time::Instant::now().into_std();
+    let mut silence = Silence::new(conn.stats().udp_rx.datagrams, now());
     let mut warned = false;
     loop {
         let limit = limit();
@@ -232,14 +233,46 @@ pub async fn until_silent(conn: &Connection, limit: impl Fn() -> Duration, ping:
                 }
             }
         }
-        tokio::time::sleep((limit / 4).max(Duration::from_millis(10))).await;
-        let now = conn.stats().udp_rx.datagrams;
-        if now != heard {
-            heard = now;
-            last = tokio::time::Instant::now();
-        } else if last.elapsed() >= limit {
+        tokio::time::sleep(Silence::check_every(limit)).await;
+        let datagrams = conn.stats().udp_rx.datagrams;
+        if silence.is_silent(datagrams, now(), limit) {
             return;
         }
+    }
+}
+
+/// When a connection counts as silent, from its count of datagrams received, checked from
+/// time to time: silent once the count has not moved for `limit`. The clock and the count
+/// are given, so the rule is tested without a connection (`until_silent` is its I/O).
+#[derive(Clone, Copy, Debug)]
+pub struct Silence {
+    heard: u64,
+    last: std::time::Instant,
+}
+
+impl Silence {
+    /// Starting from `datagrams` received by `now`.
+    pub fn new(datagrams: u64, now: std::time::Instant) -> Silence {
+        Silence {
+            heard: datagrams,
+            last: now,
+        }
+    }
+
+    /// How often to check against `limit`: four times within it (at least every 10 ms).
+    pub fn check_every(limit: Duration) -> Duration {
+        (limit / 4).max(Duration::from_millis(10))
+    }
+
+    /// A check at `now` with `datagrams` received in all: whether nothing has arrived for
+    /// `limit` (anything new restarts the wait).
+    pub fn is_silent(&mut self, datagrams: u64, now: std::time::Instant, limit: Duration) -> bool {
+        if datagrams != self.heard {
+            self.heard = datagrams;
+            self.last = now;
+            return false;
+        }
+        now.saturating_duration_since(self.last) >= limit
     }
 }
 
@@ -250,6 +283,42 @@ pub fn peer_fingerprint(conn: &Connection) -> Option<String> {
         .downcast::<Vec<rustls::pki_types::CertificateDer<'static>>>()
         .ok()?;
     certs.first().map(|c| fingerprint(c))
+}
+
+#[cfg(test)]
+mod silence_tests {
+    use super::*;
+    use std::time::Instant;
+
+    #[test]
+    fn a_peer_is_silent_only_after_a_whole_limit_without_a_datagram() {
+        let t0 = Instant::now();
+        let ms = |n: u64| t0 + Duration::from_millis(n);
+        let limit = Duration::from_millis(700);
+        let mut s = Silence::new(10, t0);
+        assert!(!s.is_silent(10, ms(175), limit));
+        assert!(!s.is_silent(10, ms(699), limit));
+        // A keep-alive's acknowledgement at 650 ms restarts the wait from the check that saw it.
+        assert!(!s.is_silent(11, ms(700), limit));
+        assert!(!s.is_silent(11, ms(1399), limit));
+        assert!(s.is_silent(11, ms(1400), limit));
+        // A limit that grows (the cluster's pace) is taken as asked at each check.
+        let mut s = Silence::new(0, t0);
+        assert!(!s.is_silent(0, ms(900), Duration::from_secs(1)));
+        assert!(s.is_silent(0, ms(900), Duration::from_millis(800)));
+    }
+
+    #[test]
+    fn checks_come_four_times_a_limit_and_never_faster_than_every_10_ms() {
+        assert_eq!(
+            Silence::check_every(Duration::from_millis(700)),
+            Duration::from_millis(175)
+        );
+        assert_eq!(
+            Silence::check_every(Duration::from_millis(20)),
+            Duration::from_millis(10)
+        );
+    }
 }
 
 #[cfg(test)]

@@ -8,12 +8,13 @@ use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvmesh_discovery::{Backoff, NodeRecord, Role};
+use kvmesh_discovery::{NodeRecord, Role};
 use kvmesh_transport::wire::{self, KvEventBatch, LoadReport, UniHeader};
 use kvmesh_transport::{until_silent, Connection, NodeEndpoint};
 use parking_lot::Mutex;
 use tokio::sync::Semaphore;
 
+use super::link_state::{Attempt, LinkState, Next};
 use crate::kv_index::{KvIndex, WorkerKv};
 
 /// The workers a router knows, by id, and the same in a list a draw can index (rebuilt
@@ -533,7 +534,8 @@ pub(crate) const DIALS_AT_ONCE: usize = 64;
 
 /// Keeps one worker connected while it is a member: connect (taking a turn of `dials`),
 /// read its load reports, notice the break (a closed connection, or one silent for several
-/// beats: 0.7 s in a small cluster, see [`crate::pace`]), reconnect with backoff.
+/// beats: 0.7 s in a small cluster, see [`crate::pace`]), reconnect with backoff. When to
+/// dial again and what to report is `LinkState`'s to decide (`link_state`).
 pub(crate) async fn maintain(
     (endpoint, dials): (NodeEndpoint, Arc<Semaphore>),
     link: Arc<WorkerLink>,
@@ -550,8 +552,7 @@ pub(crate) async fn maintain(
             return;
         }
     };
-    let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(2));
-    let mut warned = false;
+    let mut state = LinkState::new();
     let _held = crate::pace::Link::held();
     while !link.gone.load(Ordering::Relaxed) {
         let beat = crate::pace::Beat::now();
@@ -562,11 +563,10 @@ pub(crate) async fn maintain(
                 .connect_paced(addr, &link.record.cert_sha256, None)
                 .await
         };
-        match dialled {
+        let attempt = match dialled {
             Ok(conn) => {
                 tracing::info!("connected to worker {id} at {addr}");
-                backoff.reset();
-                warned = false;
+                state.connected();
                 *link.conn.lock() = Some(conn.clone());
                 link.hot.up.store(true, Ordering::Release);
                 let reports = tokio::spawn(read_reports(link.clone(), conn.clone(), wants_kv));
@@ -590,19 +590,19 @@ pub(crate) async fn maintain(
                 *link.conn.lock() = None;
                 link.set_report(None);
                 link.kv.clear();
-                if link.gone.load(Ordering::Relaxed) {
-                    break;
-                }
-                tracing::warn!("lost worker {id}: {reason}; out of routing until it reconnects");
+                Attempt::Lost(reason)
             }
-            Err(e) => {
-                if !warned {
-                    tracing::warn!("cannot reach worker {id}: {e}");
-                    warned = true;
+            Err(e) => Attempt::Unreachable(e.to_string()),
+        };
+        match state.after(attempt, link.gone.load(Ordering::Relaxed), &id) {
+            Next::Stop => break,
+            Next::Retry { warn, after } => {
+                if let Some(w) = warn {
+                    tracing::warn!("{w}");
                 }
+                tokio::time::sleep(after).await;
             }
         }
-        tokio::time::sleep(backoff.next_delay()).await;
     }
 }
 

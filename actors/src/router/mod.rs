@@ -23,6 +23,7 @@
 mod attempts;
 mod choice;
 mod config;
+mod link_state;
 mod links;
 mod membership;
 mod pools;
