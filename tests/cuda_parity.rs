@@ -55,9 +55,9 @@ const MODELS: [&str; 5] = [
     "shakespeare",
 ];
 
-/// Checkpoints `save_pretrained` wrote (scripts/reference_logits.py) that the CUDA backend
-/// runs: every `hf-*` fixture but those with dynamic RoPE, which it refuses, Qwen3.5's
-/// hybrid ones and the FP8 ones, which it does not run yet.
+/// Checkpoints `save_pretrained` wrote (scripts/reference_logits.py) that the dense CUDA
+/// backend runs: every `hf-*` fixture but those with dynamic RoPE, which it refuses, the FP8
+/// ones, which it does not run yet, and Qwen3.5's hybrid ones (their own test below).
 fn hf_models() -> Vec<String> {
     let mut v: Vec<String> = std::fs::read_dir(repo().join("tests/fixtures/models"))
         .unwrap()
@@ -140,6 +140,27 @@ fn forward(be: &mut dyn Backend, tokens: &[u32], start: usize, table: &[BlockId]
             block_table: table,
             want_logits: true,
             state_slot: None,
+        }],
+    };
+    be.forward(&batch).unwrap().pop().unwrap()
+}
+
+/// `forward` for a model with recurrent state: the sequence holds state slot `slot`.
+fn forward_slot(
+    be: &mut dyn Backend,
+    tokens: &[u32],
+    start: usize,
+    table: &[BlockId],
+    slot: u32,
+) -> Vec<f32> {
+    let batch = ForwardBatch {
+        seqs: vec![SeqInput {
+            tokens,
+            start_pos: start,
+            context_len: 0,
+            block_table: table,
+            want_logits: true,
+            state_slot: Some(slot),
         }],
     };
     be.forward(&batch).unwrap().pop().unwrap()
@@ -731,6 +752,78 @@ fn device_sampling_of_large_vocabularies_follows_the_cpu() {
         assert!(
             same >= rows - 3,
             "vocab {vocab}: only {same}/{rows} rows agree"
+        );
+    }
+}
+
+/// Qwen3.5's hybrid fixtures (transformers' `save_pretrained`: k/v head ratios, head sizes,
+/// tied and untied embeddings, a `layer_types` list and the interval form) on the CUDA
+/// backend against the CPU's `HybridBackend`: the logits after the whole prompt in one step
+/// (the delta rule over it, gated attention with partial RoPE), after it in two chunks (the
+/// state and the KV carried between them), and after each of 8 decode steps fed the CPU's
+/// greedy tokens, all within bf16 tolerance; the recurrent state read back from the device
+/// close to the CPU's (one slot layout for both); and the engine serving the prompts
+/// greedily on the GPU, with its agreement with the CPU printed.
+#[test]
+fn qwen35_hybrid_models_match_the_cpu() {
+    let names: Vec<String> = std::fs::read_dir(repo().join("tests/fixtures/models"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("hf-qwen35-"))
+        .collect();
+    assert!(
+        names.len() >= 4,
+        "the Qwen3.5 fixtures are missing: {names:?}"
+    );
+    for name in names {
+        let m = load(&name);
+        let table: Vec<BlockId> = (0..16).map(BlockId).collect();
+        let prompt = prompts(&name).pop().unwrap();
+        let (mut cpu, mut gpu) = backends(&m, 64);
+        let want = forward_slot(cpu.as_mut(), &prompt, 0, &table, 0);
+        let got = forward_slot(gpu.as_mut(), &prompt, 0, &table, 0);
+        let mut worst = assert_close(&format!("{name}, prompt"), &got, &want);
+        // The states after the prompt, read back: the same layout on both.
+        let (sc, sg) = (cpu.read_state(0).unwrap(), gpu.read_state(0).unwrap());
+        assert_eq!(sc.len(), sg.len(), "{name}: state slot sizes");
+        let scale = sc.iter().fold(1e-6f32, |m, x| m.max(x.abs()));
+        let state_err = sc
+            .iter()
+            .zip(&sg)
+            .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+        assert!(
+            state_err <= 0.05 * scale,
+            "{name}: state differs by {state_err} (scale {scale})"
+        );
+        // Decode steps, both fed the CPU's greedy token.
+        let mut next = argmax(&want) as u32;
+        for (step, at) in (prompt.len()..prompt.len() + 8).enumerate() {
+            let want = forward_slot(cpu.as_mut(), &[next], at, &table, 0);
+            let got = forward_slot(gpu.as_mut(), &[next], at, &table, 0);
+            worst = worst.max(assert_close(&format!("{name}, decode {step}"), &got, &want));
+            next = argmax(&want) as u32;
+        }
+        // The prompt in two chunks on another slot: the second continues the first's state.
+        let cut = prompt.len() / 2;
+        let want = forward_slot(cpu.as_mut(), &prompt, 0, &table, 1);
+        forward_slot(gpu.as_mut(), &prompt[..cut], 0, &table, 1);
+        let got = forward_slot(gpu.as_mut(), &prompt[cut..], cut, &table, 1);
+        worst = worst.max(assert_close(&format!("{name}, chunked"), &got, &want));
+        // Through the engine: slots handed out, prompts and decode batched.
+        let vocab = m.config.vocab_size;
+        let (cpu, gpu) = backends(&m, 64);
+        let want = run_engine(cpu, vocab, greedy_requests(&name, 12));
+        let got = run_engine(gpu, vocab, greedy_requests(&name, 12));
+        let same: usize = want
+            .iter()
+            .zip(&got)
+            .map(|(w, g)| w.iter().zip(g).take_while(|(a, b)| a == b).count())
+            .sum();
+        assert!(got.iter().all(|g| g.len() == 12), "{name}: {got:?}");
+        println!(
+            "{name}: logits within {worst:.3e}, state within {state_err:.1e}; engine greedy: \
+             {same}/{} tokens as the CPU's before the first difference",
+            12 * want.len()
         );
     }
 }

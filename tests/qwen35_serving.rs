@@ -346,24 +346,21 @@ fn a_repeated_prefix_and_a_second_turn_resume_from_saved_states() {
     assert!(h.stats.saved_states.load(Ordering::Relaxed) > 0);
 }
 
-/// The CUDA backend has no kernels for the linear-attention layers: it refuses the model by
-/// name (on any build), and the dense CPU loader never runs it as a dense model.
+/// The dense CPU loader never runs a hybrid model as a dense one; the CUDA backend runs it
+/// (`tests/cuda_parity.rs` holds it to the CPU on a GPU), and a build or a machine without
+/// CUDA says so rather than falling back to anything.
 #[test]
-fn cuda_and_the_dense_loader_refuse_hybrid_models_by_name() {
+fn the_dense_loader_refuses_hybrid_models_by_name() {
     let model = load("hf-qwen35-f32");
-    let e = build_backend(
+    if let Err(e) = build_backend(
         BackendKind::Cuda(CudaOptions::device(0)),
         &model,
         16,
         KvBudget::Blocks(8),
-    )
-    .err()
-    .expect("refused")
-    .to_string();
-    assert!(
-        e.contains("Qwen3.5 hybrid (Gated DeltaNet)") && e.contains("CUDA backend has no kernels"),
-        "{e}"
-    );
+    ) {
+        let e = e.to_string();
+        assert!(e.contains("CUDA") || e.contains("cuda"), "{e}");
+    }
     let e = kvmesh_gpu::backend::cpu::CpuModel::load(&model.config, &model.weights)
         .err()
         .expect("refused")

@@ -15,9 +15,9 @@ use crate::safetensors::{TensorData, WeightStore};
 
 /// Why a dense loader refuses a Qwen3.5 model: its layers are not dense layers.
 pub const HYBRID_NOT_SERVED: &str = "Qwen3.5 hybrid (Gated DeltaNet) layers are not dense \
-    layers and are not yet served by this backend: the CPU backend serves these models \
-    through its hybrid path (`HybridBackend`, recurrent state slots beside paged KV), and the \
-    CUDA backend has no kernels for them yet";
+    layers and are not served by a dense loader: both backends serve these models through \
+    their hybrid paths (recurrent state slots beside paged KV; `HybridBackend` on the CPU, \
+    `CudaHybridBackend` on a GPU)";
 
 /// A dense layer as the checkpoint holds it: `y = x · Wᵀ (+ b)` with `W` row-major
 /// `[out, inp]`, bf16 as stored or f32 (see `WeightStore::load`).

@@ -9,6 +9,7 @@ pub mod embedded;
 pub mod engine;
 pub mod error;
 pub mod guided;
+pub mod hybrid_checkpoint;
 pub mod init;
 pub mod kv_cache;
 pub mod kv_pool;

@@ -422,7 +422,7 @@ pub fn build_backend(
 /// The backend for an engine with `engine`'s limits: its block size, and for a model with
 /// recurrent layers what it keeps per running sequence (`max_num_seqs` state slots) and for
 /// its prefix cache (saved states, with `enable_prefix_caching`); see
-/// [`HybridBackend::split_budget`]. Qwen3.5's hybrid models run on the CPU only.
+/// [`HybridBackend::split_budget`].
 pub fn build_backend_for(
     kind: BackendKind,
     model: &LoadedModel,
@@ -478,8 +478,18 @@ pub fn build_backend_for(
                 split.snapshots,
             )?))
         }
-        BackendKind::Cuda(_) if model.config.hybrid.is_some() => {
-            Err(EngineError::BadModel(HYBRID_NOT_ON_CUDA.into()))
+        #[cfg(feature = "cuda")]
+        BackendKind::Cuda(opts) if model.config.hybrid.is_some() => {
+            use crate::backend::cuda::CudaHybridBackend;
+            Ok(Box::new(CudaHybridBackend::new(
+                &model.config,
+                &model.weights,
+                opts,
+                kv,
+                block_size,
+                max_num_seqs,
+                engine.enable_prefix_caching,
+            )?))
         }
         BackendKind::Cpu(opts) => {
             let per_block = CpuBackend::kv_bytes_per_block(&model.config, block_size);
@@ -531,11 +541,6 @@ pub fn build_backend_for(
         }
     }
 }
-
-/// Why the CUDA backend refuses Qwen3.5's hybrid models.
-pub const HYBRID_NOT_ON_CUDA: &str = "Qwen3.5 hybrid (Gated DeltaNet) models are served by \
-    the CPU backend only: the CUDA backend has no kernels for their linear-attention layers \
-    yet; serve with --device cpu";
 
 /// The most whole-word tokens the sim draws its outputs from (plenty for varied text; a
 /// large vocabulary is not scanned to the end).

@@ -18,11 +18,11 @@
 
 use rayon::prelude::*;
 
-use super::hybrid_layers::{linear, DeltaLayer, GatedAttention, Reader};
+use super::hybrid_layers::{linear, DeltaLayer, GatedAttention};
 use super::ops::{self, Linear, Matrix};
-use crate::checkpoint::Projection;
-use crate::config::{HybridConfig, LayerType, ModelConfig};
+use crate::config::{HybridConfig, ModelConfig};
 use crate::error::{EngineError, Result};
+use crate::hybrid_checkpoint::{HybridTensors, MixerTensors};
 use crate::safetensors::WeightStore;
 
 /// transformers' chunk for the delta rule's prefill.
@@ -139,58 +139,37 @@ pub struct HybridModel {
     pub(super) chunk: usize,
 }
 
-/// `1 + w`: Qwen3.5's RMSNorms scale by it (their weights are stored centred on 0).
-fn one_plus(w: Vec<f32>) -> Vec<f32> {
-    w.into_iter().map(|x| 1.0 + x).collect()
-}
-
 impl HybridModel {
     /// Loads a Qwen3.5 checkpoint (either layout), keeping bf16 weights as bf16.
     pub fn load(cfg: &ModelConfig, w: &WeightStore) -> Result<HybridModel> {
-        let hy = cfg.hybrid.clone().ok_or_else(|| {
-            EngineError::BadModel(format!(
-                "{} is not a hybrid (Qwen3.5) model",
-                cfg.arch.architecture_name()
-            ))
-        })?;
-        let r = Reader {
-            w,
-            prefix: hy.layout.prefix().to_string(),
-        };
-        let (h, inter) = (cfg.hidden_size, cfg.intermediate_size);
+        let r = HybridTensors::new(cfg, w)?;
+        let hy = r.hybrid().clone();
         let mut layers = Vec::with_capacity(cfg.num_layers);
-        for (i, t) in hy.layer_types.iter().enumerate() {
-            let p = format!("layers.{i}");
-            let mixer = match t {
-                LayerType::LinearAttention => Mixer::Delta(DeltaLayer::load(cfg, &hy, &r, &p)?),
-                LayerType::FullAttention => Mixer::Attention(GatedAttention::load(cfg, &r, &p)?),
+        for i in 0..hy.layer_types.len() {
+            let l = r.layer(i)?;
+            let mixer = match l.mixer {
+                MixerTensors::Delta(d) => Mixer::Delta(DeltaLayer::from_tensors(d)),
+                MixerTensors::Attention(a) => Mixer::Attention(GatedAttention::from_tensors(a)),
             };
             layers.push(HybridLayer {
-                input_norm: one_plus(r.f32(&format!("{p}.input_layernorm.weight"), &[h])?),
+                input_norm: l.input_norm,
                 mixer,
-                post_norm: one_plus(r.f32(&format!("{p}.post_attention_layernorm.weight"), &[h])?),
-                gate_up: linear(Projection::stack(vec![
-                    r.projection(&format!("{p}.mlp.gate_proj"), inter, h, false)?,
-                    r.projection(&format!("{p}.mlp.up_proj"), inter, h, false)?,
-                ])),
-                down: linear(r.projection(&format!("{p}.mlp.down_proj"), h, inter, false)?),
+                post_norm: l.post_norm,
+                gate_up: linear(l.gate_up),
+                down: linear(l.down),
             });
         }
-        let embed_tokens = Matrix::from_data(w.load(
-            &format!("{}embed_tokens.weight", r.prefix),
-            &[cfg.vocab_size, h],
-        )?);
-        let lm_head = if cfg.tie_word_embeddings {
-            Linear::new(embed_tokens.clone(), cfg.vocab_size, h, None)
-        } else {
-            let head = w.load("lm_head.weight", &[cfg.vocab_size, h])?;
-            Linear::new(Matrix::from_data(head), cfg.vocab_size, h, None)
+        let h = cfg.hidden_size;
+        let embed_tokens = Matrix::from_data(r.embed_tokens()?);
+        let lm_head = match r.lm_head()? {
+            None => Linear::new(embed_tokens.clone(), cfg.vocab_size, h, None),
+            Some(head) => Linear::new(Matrix::from_data(head), cfg.vocab_size, h, None),
         };
         Ok(HybridModel {
             cfg: cfg.clone(),
             embed_tokens,
             layers,
-            norm: one_plus(r.f32("norm.weight", &[h])?),
+            norm: r.norm()?,
             lm_head,
             inv_freq: cfg.rope_inv_freq(),
             chunk: DEFAULT_CHUNK,

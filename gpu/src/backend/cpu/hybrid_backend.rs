@@ -136,31 +136,47 @@ impl HybridBackend {
         })?;
         let per_slot = StateLayout::new(hy).bytes_per_slot().max(1);
         let per_block = Self::kv_bytes_per_block(cfg, block_size).max(1);
-        let max_num_seqs = max_num_seqs.max(1);
-        let wanted_snapshots = if snapshots { max_num_seqs } else { 0 };
         match kv {
             KvBudget::Blocks(n) => Ok(StateBudget {
                 blocks: n,
-                slots: max_num_seqs,
-                snapshots: wanted_snapshots,
+                slots: max_num_seqs.max(1),
+                snapshots: if snapshots { max_num_seqs.max(1) } else { 0 },
             }),
-            KvBudget::Bytes(b) => {
-                let states = b / 2 / per_slot;
-                let slots = max_num_seqs.min(states).max(1);
-                let snapshots = wanted_snapshots.min(states.saturating_sub(slots));
-                let used = (slots + snapshots) * per_slot;
-                let blocks = (b.saturating_sub(used) / per_block).max(1);
-                Ok(StateBudget {
-                    blocks,
-                    slots,
-                    snapshots,
-                })
-            }
+            KvBudget::Bytes(b) => Ok(Self::split_bytes(
+                b,
+                per_slot,
+                per_block,
+                max_num_seqs,
+                snapshots,
+            )),
             KvBudget::Share(_) => Err(EngineError::InvalidRequest(
                 "a share of device memory sizes a GPU's KV cache; give this backend its KV \
                  cache in bytes or blocks"
                     .into(),
             )),
+        }
+    }
+
+    /// [`Self::split_budget`]'s rule for `bytes` of memory, slots of `per_slot` bytes and
+    /// blocks of `per_block` (the CUDA backend's are bf16, this backend's f32).
+    pub fn split_bytes(
+        bytes: usize,
+        per_slot: usize,
+        per_block: usize,
+        max_num_seqs: usize,
+        snapshots: bool,
+    ) -> StateBudget {
+        let (per_slot, per_block) = (per_slot.max(1), per_block.max(1));
+        let max_num_seqs = max_num_seqs.max(1);
+        let wanted_snapshots = if snapshots { max_num_seqs } else { 0 };
+        let states = bytes / 2 / per_slot;
+        let slots = max_num_seqs.min(states).max(1);
+        let snapshots = wanted_snapshots.min(states.saturating_sub(slots));
+        let used = (slots + snapshots) * per_slot;
+        StateBudget {
+            blocks: (bytes.saturating_sub(used) / per_block).max(1),
+            slots,
+            snapshots,
         }
     }
 

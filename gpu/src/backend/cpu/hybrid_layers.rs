@@ -5,41 +5,8 @@ use rayon::prelude::*;
 use super::delta::{self, sigmoid, DeltaParams};
 use super::ops::{self, Linear, Matrix};
 use crate::checkpoint::Projection;
-use crate::config::{HybridConfig, ModelConfig};
-use crate::error::Result;
-use crate::safetensors::WeightStore;
-
-/// Reads `{prefix}{name}` tensors of one checkpoint, checked against their shapes.
-pub(super) struct Reader<'a> {
-    pub(super) w: &'a WeightStore,
-    pub(super) prefix: String,
-}
-
-impl Reader<'_> {
-    pub(super) fn f32(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
-        self.w.f32(&format!("{}{name}", self.prefix), shape)
-    }
-
-    pub(super) fn projection(
-        &self,
-        name: &str,
-        out: usize,
-        inp: usize,
-        bias: bool,
-    ) -> Result<Projection> {
-        let full = format!("{}{name}", self.prefix);
-        Ok(Projection {
-            weight: self.w.load(&format!("{full}.weight"), &[out, inp])?,
-            out,
-            inp,
-            bias: if bias {
-                Some(self.w.f32(&format!("{full}.bias"), &[out])?)
-            } else {
-                None
-            },
-        })
-    }
-}
+use crate::config::ModelConfig;
+use crate::hybrid_checkpoint::{AttentionTensors, DeltaTensors};
 
 pub(super) fn linear(p: Projection) -> Linear {
     Linear::new(Matrix::from_data(p.weight), p.out, p.inp, p.bias)
@@ -56,37 +23,12 @@ pub(super) struct DeltaLayer {
 }
 
 impl DeltaLayer {
-    pub(super) fn load(
-        cfg: &ModelConfig,
-        hy: &HybridConfig,
-        r: &Reader,
-        p: &str,
-    ) -> Result<DeltaLayer> {
-        let h = cfg.hidden_size;
-        let (nv, kw) = (hy.linear_num_value_heads, hy.linear_conv_kernel_dim);
-        let a = format!("{p}.linear_attn");
-        let in_proj = Projection::stack(vec![
-            r.projection(&format!("{a}.in_proj_qkv"), hy.conv_dim(), h, false)?,
-            r.projection(&format!("{a}.in_proj_z"), hy.value_dim(), h, false)?,
-            r.projection(&format!("{a}.in_proj_b"), nv, h, false)?,
-            r.projection(&format!("{a}.in_proj_a"), nv, h, false)?,
-        ]);
-        Ok(DeltaLayer {
-            in_proj: linear(in_proj),
-            params: DeltaParams {
-                conv: r.f32(&format!("{a}.conv1d.weight"), &[hy.conv_dim(), 1, kw])?,
-                neg_a: r
-                    .f32(&format!("{a}.A_log"), &[nv])?
-                    .into_iter()
-                    .map(|x| -x.exp())
-                    .collect(),
-                dt_bias: r.f32(&format!("{a}.dt_bias"), &[nv])?,
-                norm: r.f32(&format!("{a}.norm.weight"), &[hy.linear_value_head_dim])?,
-                hy: hy.clone(),
-                eps: cfg.rms_norm_eps,
-            },
-            out_proj: linear(r.projection(&format!("{a}.out_proj"), h, hy.value_dim(), false)?),
-        })
+    pub(super) fn from_tensors(t: DeltaTensors) -> DeltaLayer {
+        DeltaLayer {
+            in_proj: linear(t.in_proj),
+            params: t.params,
+            out_proj: linear(t.out_proj),
+        }
     }
 
     /// The layer over `t` tokens `xn` (`[t, hidden]`, normed), carrying `window` (the
@@ -140,21 +82,13 @@ pub(super) struct GatedAttention {
 }
 
 impl GatedAttention {
-    pub(super) fn load(cfg: &ModelConfig, r: &Reader, p: &str) -> Result<GatedAttention> {
-        let (h, q, kv, d) = (cfg.hidden_size, cfg.q_dim(), cfg.kv_dim(), cfg.head_dim);
-        let a = format!("{p}.self_attn");
-        let b = cfg.qkv_bias;
-        let one_plus = |w: Vec<f32>| w.into_iter().map(|x| 1.0 + x).collect();
-        Ok(GatedAttention {
-            qkv: linear(Projection::stack(vec![
-                r.projection(&format!("{a}.q_proj"), 2 * q, h, b)?,
-                r.projection(&format!("{a}.k_proj"), kv, h, b)?,
-                r.projection(&format!("{a}.v_proj"), kv, h, b)?,
-            ])),
-            q_norm: one_plus(r.f32(&format!("{a}.q_norm.weight"), &[d])?),
-            k_norm: one_plus(r.f32(&format!("{a}.k_norm.weight"), &[d])?),
-            o_proj: linear(r.projection(&format!("{a}.o_proj"), h, q, cfg.o_bias)?),
-        })
+    pub(super) fn from_tensors(t: AttentionTensors) -> GatedAttention {
+        GatedAttention {
+            qkv: linear(t.qkv),
+            q_norm: t.q_norm,
+            k_norm: t.k_norm,
+            o_proj: linear(t.o_proj),
+        }
     }
 
     /// The layer over `t` tokens at positions `start..start + t`, appending their K and V

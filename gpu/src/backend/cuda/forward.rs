@@ -185,6 +185,7 @@ impl Pass<'_> {
         .launch(self.k, self.s)?;
         Attention {
             qkv: &ws.qkv,
+            q_row: self.heads.row(),
             inputs: self.inp,
             dims: self.dims,
             k_cache: &kv.k[li],

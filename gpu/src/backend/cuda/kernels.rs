@@ -34,6 +34,7 @@ pub const KERNELS_CU: &str = concat!(
     include_str!("kernels/sampling.cu"),
     include_str!("kernels/delta.cu"),
     include_str!("kernels/skinny.cu"),
+    include_str!("kernels/hybrid.cu"),
 );
 
 /// The compiled module's functions.
@@ -63,6 +64,9 @@ pub struct Kernels {
     /// `skinny_norm_m*` and `skinny_norm_silu_m*`, likewise.
     skinny_norm: Vec<(usize, CudaFunction)>,
     skinny_norm_silu: Vec<(usize, CudaFunction)>,
+    /// Qwen3.5's gated attention (`kernels/hybrid.cu`).
+    pub(super) gated_rope_kv_write: CudaFunction,
+    pub(super) gate_sigmoid_mul: CudaFunction,
     /// Whether launches carry programmatic dependent launch (`launch`): on Hopper and later
     /// by default, off with `CudaOptions::pdl` false.
     pub pdl: bool,
@@ -129,6 +133,8 @@ impl Kernels {
             skinny_silu: by_size(&shapes::SKINNY_SILU)?,
             skinny_norm: by_size(&shapes::SKINNY_NORM)?,
             skinny_norm_silu: by_size(&shapes::SKINNY_NORM_SILU)?,
+            gated_rope_kv_write: f(shapes::GATED_ROPE_KV_WRITE)?,
+            gate_sigmoid_mul: f(shapes::GATE_SIGMOID_MUL)?,
             pdl: major >= 9,
         };
         Ok((k, arch))
@@ -492,7 +498,11 @@ impl RopeKvWrite<'_> {
 /// `paged_attention_decode`; anything else `paged_attention_prefill`, which also reads each
 /// query's position.
 pub struct Attention<'a> {
+    /// The step's queries: row `t` at `t * q_row`, head `h` at `h * head_dim` within it.
     pub qkv: &'a CudaSlice<f32>,
+    /// The stride of `qkv`'s rows: `heads.row()` when they hold q, k and v (the dense
+    /// layers), `q_dim` for queries alone (Qwen3.5's gated layers).
+    pub q_row: usize,
     pub inputs: &'a StepInputs,
     pub dims: &'a StepDims,
     pub k_cache: &'a CudaSlice<u16>,
@@ -530,13 +540,19 @@ impl Attention<'_> {
             (true, None) => "paged_attention_decode",
             (false, None) => "paged_attention_prefill",
         };
-        holds(n, "qkv", self.qkv.len(), dims.tokens * h.row())?;
+        holds(n, "qkv", self.qkv.len(), dims.tokens * self.q_row)?;
         holds(n, "out", self.out.len(), dims.tokens * h.q * h.dim)?;
+        if self.q_row < h.q * h.dim {
+            return Err(EngineError::Backend(format!(
+                "{n}: query rows of {} hold fewer than {} heads of {}",
+                self.q_row, h.q, h.dim
+            )));
+        }
         holds(n, "positions", inp.positions.len(), dims.tokens)?;
         holds(n, "seq_starts", inp.seq_starts.len(), dims.seqs + 1)?;
         holds(n, "seq_lens", inp.seq_lens.len(), dims.seqs)?;
         holds(n, "tables", inp.tables.len(), dims.seqs * dims.max_blocks)?;
-        let (row, max_blocks) = (h.row() as i32, dims.max_blocks as i32);
+        let (row, max_blocks) = (self.q_row as i32, dims.max_blocks as i32);
         let (nq, nkv, d, bs) = (
             h.q as i32,
             h.kv as i32,

@@ -34,15 +34,27 @@ impl KvCache {
         num_blocks: usize,
         block_size: usize,
     ) -> Result<KvCache> {
+        Self::alloc_layers(stream, ordinal, cfg, cfg.num_layers, num_blocks, block_size)
+    }
+
+    /// The same for `layers` layers (a hybrid model's full-attention layers only).
+    pub fn alloc_layers(
+        stream: &Arc<CudaStream>,
+        ordinal: usize,
+        cfg: &ModelConfig,
+        layers: usize,
+        num_blocks: usize,
+        block_size: usize,
+    ) -> Result<KvCache> {
         let per_layer = (num_blocks + 1) * block_size * cfg.kv_dim();
         let zeros = || {
             stream
                 .alloc_zeros::<u16>(per_layer)
                 .map_err(|e| upload_err(ordinal, "the KV cache", e))
         };
-        let mut k = Vec::with_capacity(cfg.num_layers);
-        let mut v = Vec::with_capacity(cfg.num_layers);
-        for _ in 0..cfg.num_layers {
+        let mut k = Vec::with_capacity(layers);
+        let mut v = Vec::with_capacity(layers);
+        for _ in 0..layers {
             k.push(zeros()?);
             v.push(zeros()?);
         }
@@ -51,7 +63,7 @@ impl KvCache {
             v,
             num_blocks,
             spec: KvSpec {
-                num_layers: cfg.num_layers,
+                num_layers: layers,
                 block_size,
                 num_kv_heads: cfg.num_kv_heads,
                 head_dim: cfg.head_dim,

@@ -91,7 +91,11 @@ impl CudaBackend {
 }
 
 /// What the backend cannot run, refused before any device memory is touched.
-fn refuse_unsupported(cfg: &ModelConfig, ordinal: usize, block_size: usize) -> Result<()> {
+pub(super) fn refuse_unsupported(
+    cfg: &ModelConfig,
+    ordinal: usize,
+    block_size: usize,
+) -> Result<()> {
     if let Some(q) = &cfg.quantization {
         // The weights walk would hand over the layers dequantized: uploading those as bf16
         // would take twice the memory the user sized the deployment for, and run none of

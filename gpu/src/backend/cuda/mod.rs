@@ -44,6 +44,9 @@ mod device;
 mod forward;
 mod gemm;
 mod graphs;
+mod hybrid;
+mod hybrid_forward;
+mod hybrid_weights;
 mod kernels;
 mod kv;
 mod launch;
@@ -57,6 +60,7 @@ mod weights;
 
 pub use device::device_count;
 pub use gemm::{skinny_and_cublas, skinny_epilogues, skinny_norm_prologues};
+pub use hybrid::CudaHybridBackend;
 pub use kernels::KERNELS_CU;
 pub use load::MemoryPlan;
 pub use sampling::sample_host_logits;

@@ -249,6 +249,12 @@ pub const fn sample_chunks(vocab: usize) -> usize {
     }
 }
 
+/// Qwen3.5's gated attention: the per-head norm, partial RoPE and KV write (as
+/// `rope_kv_write`, every warp summing the head), and the output gate.
+pub const GATED_ROPE_KV_WRITE: KernelShape = shape("gated_rope_kv_write", 64, 0, true);
+pub const GATE_SIGMOID_MUL: KernelShape = shape("gate_sigmoid_mul", 256, 0, false);
+const _: () = assert!(GATED_ROPE_KV_WRITE.threads == ROPE_KV_WRITE.threads);
+
 /// Every kernel of `kernels/*.cu`. A kernel missing here is one the offline check refuses.
 pub const KERNELS: &[KernelShape] = &[
     EMBED,
@@ -284,6 +290,8 @@ pub const KERNELS: &[KernelShape] = &[
     SKINNY_NORM[1].1,
     SKINNY_NORM_SILU[0].1,
     SKINNY_NORM_SILU[1].1,
+    GATED_ROPE_KV_WRITE,
+    GATE_SIGMOID_MUL,
 ];
 
 /// The macros the kernels (`kernels/*.cu`) are compiled with: the figures above, under the names the kernels
@@ -299,6 +307,7 @@ pub fn defines() -> Vec<(&'static str, usize)> {
         ("NORM_CACHED", NORM_CACHED),
         ("BIAS_ADD_THREADS", BIAS_ADD.threads as usize),
         ("ROPE_THREADS", ROPE_KV_WRITE.threads as usize),
+        ("GATE_THREADS", GATE_SIGMOID_MUL.threads as usize),
         ("DECODE_THREADS", ATTENTION_DECODE.threads as usize),
         ("SILU_MUL_THREADS", SILU_MUL.threads as usize),
         ("GATHER_THREADS", GATHER_ROWS.threads as usize),

@@ -43,13 +43,13 @@ pub struct DevWeights {
 }
 
 /// Copies to the device, naming what failed (most likely: out of memory).
-struct Upload<'a> {
-    stream: &'a Arc<CudaStream>,
-    ordinal: usize,
+pub(super) struct Upload<'a> {
+    pub(super) stream: &'a Arc<CudaStream>,
+    pub(super) ordinal: usize,
 }
 
 impl Upload<'_> {
-    fn f32s(&self, what: &str, v: &[f32]) -> Result<CudaSlice<f32>> {
+    pub(super) fn f32s(&self, what: &str, v: &[f32]) -> Result<CudaSlice<f32>> {
         self.stream
             .clone_htod(v)
             .map_err(|e| upload_err(self.ordinal, what, e))
@@ -59,13 +59,13 @@ impl Upload<'_> {
         v.map(|v| self.f32s(what, &v)).transpose()
     }
 
-    fn bf16s(&self, what: &str, d: TensorData) -> Result<CudaSlice<u16>> {
+    pub(super) fn bf16s(&self, what: &str, d: TensorData) -> Result<CudaSlice<u16>> {
         self.stream
             .clone_htod(&to_bf16(d))
             .map_err(|e| upload_err(self.ordinal, what, e))
     }
 
-    fn linear(&self, what: &str, p: Projection) -> Result<DevLinear> {
+    pub(super) fn linear(&self, what: &str, p: Projection) -> Result<DevLinear> {
         Ok(DevLinear {
             w: self.bf16s(what, p.weight)?,
             out: p.out,

@@ -1,0 +1,350 @@
+//! Qwen3.5's hybrid models on the device: the CPU's `HybridBackend` (the reference) with its
+//! layers' work in kernels. Three of every four layers are Gated DeltaNet (`delta`: the
+//! causal convolution and the gated delta rule, reading and updating each sequence's
+//! recurrent state in a slot of a device pool laid out as the CPU's `StateLayout`, so a state
+//! moves between the backends unchanged); the rest are gated full attention over a paged bf16
+//! KV cache that holds those layers only (`hybrid_forward`).
+//!
+//! Steps run eagerly (no CUDA graphs yet); products of few rows take the skinny kernels as in
+//! the dense backend. Memory is planned as the dense backend plans it, the state slots (one
+//! per running sequence, and as many again for the prefix cache's saved states) taking at
+//! most half of what is left for KV, as on the CPU.
+
+use std::sync::Arc;
+
+use cudarc::cublas::CudaBlas;
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
+
+use super::buffers::LogitsSpace;
+use super::device::{drv, upload_err};
+use super::hybrid_weights::{HybridSpace, HybridWeights};
+use super::kernels::Kernels;
+use super::kv::KvCache;
+use super::load::MemoryPlan;
+use super::sampling;
+use crate::backend::cpu::{HybridBackend, StateBudget, StateLayout};
+use crate::backend::{Backend, CudaOptions, ForwardBatch, KvBudget, SampleSpec};
+use crate::config::ModelConfig;
+use crate::error::{EngineError, Result};
+use crate::kv_pool::{HostKvPool, KvSpec};
+use crate::safetensors::WeightStore;
+use crate::sampler::Sampled;
+
+pub struct CudaHybridBackend {
+    pub(super) cfg: ModelConfig,
+    ordinal: usize,
+    pub(super) ctx: Arc<CudaContext>,
+    pub(super) stream: Arc<CudaStream>,
+    pub(super) blas: CudaBlas,
+    pub(super) k: Kernels,
+    pub(super) w: HybridWeights,
+    pub(super) kv: KvCache,
+    pub(super) space: Option<HybridSpace>,
+    pub(super) ls: Option<LogitsSpace>,
+    /// Every slot's state, `[slots + snapshots, layout.floats_per_slot()]`.
+    pub(super) states: CudaSlice<f32>,
+    pub(super) layout: StateLayout,
+    num_slots: usize,
+    num_snapshots: usize,
+    pub(super) skinny_max_rows: usize,
+    pub(super) split_decode: bool,
+}
+
+impl CudaHybridBackend {
+    /// Loads a Qwen3.5 checkpoint onto device `opts.ordinal`: KV blocks of `block_size`
+    /// tokens for its full-attention layers, a state slot for each of `max_num_seqs`
+    /// sequences, and as many saved states again with `snapshots` (prefix caching), within
+    /// `kv` as [`HybridBackend::split_bytes`] divides it.
+    pub fn new(
+        cfg: &ModelConfig,
+        weights: &WeightStore,
+        opts: CudaOptions,
+        kv: KvBudget,
+        block_size: usize,
+        max_num_seqs: usize,
+        snapshots: bool,
+    ) -> Result<CudaHybridBackend> {
+        let hy = cfg
+            .hybrid
+            .as_ref()
+            .ok_or_else(|| EngineError::BadModel("not a hybrid (Qwen3.5) model".into()))?;
+        super::load::refuse_unsupported(cfg, opts.ordinal, block_size)?;
+        if opts.fuse_norms {
+            return Err(EngineError::InvalidRequest(
+                "fused norms are not implemented for Qwen3.5's hybrid layers; leave the \
+                 option off"
+                    .into(),
+            ));
+        }
+        let ordinal = opts.ordinal;
+        let layout = StateLayout::new(hy);
+        let per_slot = layout.bytes_per_slot();
+        let full_layers = hy.num_full_layers();
+        let per_block = (2 * full_layers * block_size * cfg.kv_dim() * 2).max(1);
+        let ctx = CudaContext::new(ordinal).map_err(|e| drv("context creation", e))?;
+        let stream = ctx.new_stream().map_err(|e| drv("stream creation", e))?;
+        let (free, total) = ctx.mem_get_info().map_err(|e| drv("memory query", e))?;
+        let mut plan = MemoryPlan::of(cfg, &opts, block_size);
+        plan.activations =
+            HybridSpace::bytes(cfg, plan.tokens) + LogitsSpace::bytes(cfg, plan.rows);
+        plan.per_block = per_block;
+        let split = match kv {
+            KvBudget::Blocks(n) => StateBudget {
+                blocks: n,
+                slots: max_num_seqs.max(1),
+                snapshots: if snapshots { max_num_seqs.max(1) } else { 0 },
+            },
+            _ => {
+                // What the dense plan gives the KV cache, then divided as on the CPU.
+                let blocks = plan.blocks(kv, ordinal, free, total)?;
+                HybridBackend::split_bytes(
+                    blocks * per_block,
+                    per_slot,
+                    per_block,
+                    max_num_seqs,
+                    snapshots,
+                )
+            }
+        };
+        if matches!(kv, KvBudget::Blocks(_)) {
+            // Blocks given exactly: the states come on top, and must fit too.
+            plan.fixed += (split.slots + split.snapshots) * per_slot;
+            plan.blocks(kv, ordinal, free, total)?;
+        }
+        if split.slots < max_num_seqs {
+            tracing::warn!(
+                "the GPU's KV budget holds recurrent state for {} sequences at once, fewer than \
+                 --max-num-seqs {max_num_seqs} ({} MiB each)",
+                split.slots,
+                per_slot >> 20
+            );
+        }
+        let (k, _arch) = Kernels::load(&ctx)?;
+        let blas = CudaBlas::new(stream.clone())
+            .map_err(|e| EngineError::device("cuBLAS initialisation", e))?;
+        let w = HybridWeights::upload(&stream, ordinal, cfg, weights)?;
+        let mut k = k;
+        k.pdl &= opts.pdl.enabled(w.bytes_per_step());
+        let kv =
+            KvCache::alloc_layers(&stream, ordinal, cfg, full_layers, split.blocks, block_size)?;
+        let states = stream
+            .alloc_zeros::<f32>((split.slots + split.snapshots) * layout.floats_per_slot())
+            .map_err(|e| upload_err(ordinal, "the recurrent-state slots", e))?;
+        let space = match plan.tokens {
+            0 => None,
+            t => Some(HybridSpace::alloc(&stream, cfg, t)?),
+        };
+        let ls = match plan.rows {
+            0 => None,
+            r => Some(LogitsSpace::alloc(&stream, cfg, r)?),
+        };
+        stream
+            .synchronize()
+            .map_err(|e| drv("uploading the weights", e))?;
+        Ok(CudaHybridBackend {
+            cfg: cfg.clone(),
+            ordinal,
+            ctx,
+            stream,
+            blas,
+            k,
+            w,
+            kv,
+            space,
+            ls,
+            states,
+            layout,
+            num_slots: split.slots,
+            num_snapshots: split.snapshots,
+            skinny_max_rows: opts.skinny_max_rows,
+            split_decode: opts.split_decode,
+        })
+    }
+
+    fn slot_range(&self, slot: u32) -> Result<std::ops::Range<usize>> {
+        let total = self.num_slots + self.num_snapshots;
+        let n = self.layout.floats_per_slot();
+        let s = slot as usize;
+        if s >= total {
+            return Err(EngineError::Backend(format!(
+                "state slot {slot} is not in the pool of {total}"
+            )));
+        }
+        Ok(s * n..(s + 1) * n)
+    }
+
+    /// The running slots the batch's sequences hold, each its own (checked).
+    pub(super) fn check_slots(&self, batch: &ForwardBatch) -> Result<()> {
+        let mut seen = vec![false; self.num_slots];
+        for (si, s) in batch.seqs.iter().enumerate() {
+            match s
+                .state_slot
+                .map(|x| x as usize)
+                .filter(|&x| x < self.num_slots)
+            {
+                Some(x) if !seen[x] => seen[x] = true,
+                _ => {
+                    return Err(EngineError::Backend(format!(
+                        "sequence {si} of the step holds no state slot of its own ({:?} of {})",
+                        s.state_slot, self.num_slots
+                    )))
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Backend for CudaHybridBackend {
+    fn device(&self) -> String {
+        format!("cuda:{}", self.ordinal)
+    }
+
+    fn num_blocks(&self) -> usize {
+        self.kv.num_blocks
+    }
+
+    fn max_step_tokens(&self) -> Option<usize> {
+        Some(super::shapes::MAX_PREFILL_QUERIES)
+    }
+
+    fn num_state_slots(&self) -> usize {
+        self.num_slots
+    }
+
+    fn num_state_snapshots(&self) -> usize {
+        self.num_snapshots
+    }
+
+    fn read_state(&mut self, slot: u32) -> Result<Vec<f32>> {
+        let r = self.slot_range(slot)?;
+        let v = self
+            .stream
+            .clone_dtoh(&self.states.slice(r))
+            .map_err(|e| drv("state copy", e))?;
+        self.stream
+            .synchronize()
+            .map_err(|e| drv("state copy", e))?;
+        Ok(v)
+    }
+
+    fn write_state(&mut self, slot: u32, state: &[f32]) -> Result<()> {
+        let r = self.slot_range(slot)?;
+        if state.len() != r.len() {
+            return Err(EngineError::Backend(format!(
+                "a recurrent state of {} values does not fit this model's slots of {}",
+                state.len(),
+                r.len()
+            )));
+        }
+        let mut dst = self.states.slice_mut(r);
+        self.stream
+            .memcpy_htod(state, &mut dst)
+            .map_err(|e| drv("state copy", e))?;
+        Ok(())
+    }
+
+    fn copy_state(&mut self, from: u32, to: u32) -> Result<()> {
+        let (a, b) = (self.slot_range(from)?, self.slot_range(to)?);
+        if a == b {
+            return Ok(());
+        }
+        // Through a scratch copy: cudarc lends one slice of the pool at a time.
+        let tmp = self
+            .stream
+            .clone_dtod(&self.states.slice(a))
+            .map_err(|e| drv("state copy", e))?;
+        let mut dst = self.states.slice_mut(b);
+        self.stream
+            .memcpy_dtod(&tmp, &mut dst)
+            .map_err(|e| drv("state copy", e))?;
+        Ok(())
+    }
+
+    fn kv_depends_on_context(&self) -> bool {
+        self.cfg.rope_depends_on_length()
+    }
+
+    /// bf16 K and V of the full-attention layers; transfers go through host staging.
+    fn kv_spec(&self) -> Option<KvSpec> {
+        Some(self.kv.spec().clone())
+    }
+
+    fn kv_staging(&self) -> bool {
+        true
+    }
+
+    fn kv_to_host(
+        &mut self,
+        table: &[crate::kv_cache::BlockId],
+        positions: std::ops::Range<usize>,
+        dst: &HostKvPool,
+        dst_table: &[crate::kv_cache::BlockId],
+    ) -> Result<()> {
+        self.kv.copy_positions_out(table, positions, dst, dst_table)
+    }
+
+    fn kv_from_host(
+        &mut self,
+        src: &HostKvPool,
+        src_table: &[crate::kv_cache::BlockId],
+        positions: std::ops::Range<usize>,
+        table: &[crate::kv_cache::BlockId],
+    ) -> Result<()> {
+        self.kv.copy_positions_in(src, src_table, positions, table)
+    }
+
+    fn forward(&mut self, batch: &ForwardBatch) -> Result<Vec<Vec<f32>>> {
+        let n = self.run(batch)?;
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        let v = self.cfg.vocab_size;
+        let ls = self
+            .ls
+            .as_ref()
+            .ok_or_else(|| EngineError::Backend("logits space missing".into()))?;
+        let host = self
+            .stream
+            .clone_dtoh(&ls.logits.slice(0..n * v))
+            .map_err(|e| drv("logits copy", e))?;
+        self.stream
+            .synchronize()
+            .map_err(|e| drv("logits copy", e))?;
+        Ok(host.chunks_exact(v).map(<[f32]>::to_vec).collect())
+    }
+
+    /// Samples on the device, as the dense backend does.
+    fn forward_sample(
+        &mut self,
+        batch: &ForwardBatch,
+        specs: &mut [SampleSpec],
+    ) -> Result<Vec<Sampled>> {
+        if specs
+            .iter()
+            .any(|s| !matches!(s.params.logprobs, None | Some(0)))
+        {
+            let logits = self.forward(batch)?;
+            return Ok(logits
+                .iter()
+                .zip(specs.iter_mut())
+                .map(|(l, s)| s.sample(l))
+                .collect());
+        }
+        let n = self.run(batch)?;
+        if n != specs.len() {
+            return Err(EngineError::Backend(format!(
+                "{n} sequences want a token but {} sampling specs were given",
+                specs.len()
+            )));
+        }
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        let ls = self
+            .ls
+            .as_mut()
+            .ok_or_else(|| EngineError::Backend("logits space missing".into()))?;
+        sampling::sample_logits(&self.stream, &self.k, ls, self.cfg.vocab_size, specs)
+    }
+}
