@@ -6,7 +6,6 @@
 //! membership view. Every etcd request is bounded by a timeout:
 //! etcd-client's balanced channel can otherwise wait for an unreachable endpoint indefinitely.
 
-use std::collections::BTreeMap;
 use std::fmt;
 use std::future::Future;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
@@ -25,14 +24,16 @@ use tracing::{debug, info, warn};
 
 use crate::error::DiscoveryError;
 use crate::record::{
-    node_key, nodes_prefix, record_model_problem, validate_cluster, validate_record, Membership,
-    NodeRecord,
+    node_key, nodes_prefix, validate_cluster, validate_record, Membership, NodeRecord,
 };
 use crate::registry::{Registered, Registration, Registry};
 
 mod beside;
 mod keeper;
 mod lease;
+mod view;
+
+use view::{parse_record, Applied, Change, Nodes, Outage, View, WatchMsg};
 
 /// `connect` gives up after this long (the brief allows ~5 s).
 const CONNECT_DEADLINE: Duration = Duration::from_secs(4);
@@ -41,8 +42,6 @@ const REQUEST_TIMEOUT: Duration = Duration::from_secs(3);
 /// Reconnect backoff bounds for the watch and keep-alive tasks.
 const BACKOFF_MIN: Duration = Duration::from_millis(100);
 const BACKOFF_MAX: Duration = Duration::from_secs(2);
-
-type Nodes = BTreeMap<String, NodeRecord>;
 
 /// A [`Registry`] backed by etcd (v3 API; works with etcd 3.4 and later).
 pub struct EtcdRegistry {
@@ -142,10 +141,12 @@ impl EtcdRegistry {
             Watcher {
                 client: client.clone(),
                 endpoints: names.clone(),
-                prefix: prefix.clone(),
                 tx,
-                nodes,
-                revision,
+                view: View {
+                    prefix: prefix.clone(),
+                    nodes,
+                    revision,
+                },
                 next_publish: Instant::now(),
                 unpublished: false,
             }
@@ -361,35 +362,6 @@ async fn load(client: &Client, prefix: &str) -> Result<(Nodes, i64), etcd_client
     }
 }
 
-/// Parses one value under the prefix; anything unusable is skipped with a warning.
-fn parse_record(prefix: &str, key: &[u8], value: &[u8]) -> Option<(String, NodeRecord)> {
-    let key = String::from_utf8_lossy(key);
-    let id = key.strip_prefix(prefix)?;
-    if id.is_empty() || id.contains('/') {
-        warn!(%key, "ignoring a key under the nodes prefix that is not <prefix><node_id>");
-        return None;
-    }
-    match serde_json::from_slice::<NodeRecord>(value) {
-        Ok(record) if record.node_id != id => {
-            warn!(%key, record_node_id = %record.node_id, "skipping a node record whose node_id does not match its key");
-            None
-        }
-        Ok(record) => match record_model_problem(&record) {
-            // Its model cannot be served under that name: left out of the membership, so
-            // no router makes a pool of it or sends it requests.
-            Some(why) => {
-                warn!(%key, "skipping a node record: {why}");
-                None
-            }
-            None => Some((id.to_string(), record)),
-        },
-        Err(e) => {
-            warn!(%key, error = %e, "skipping a malformed node record");
-            None
-        }
-    }
-}
-
 /// Why an etcd request failed.
 enum Failure {
     Etcd(etcd_client::Error),
@@ -477,11 +449,10 @@ fn keep_alive_interval(ttl_secs: i64) -> Duration {
 struct Watcher {
     client: Client,
     endpoints: String,
-    prefix: String,
     tx: watch::Sender<Membership>,
-    nodes: Nodes,
-    /// Every change up to this revision is reflected in `nodes`.
-    revision: i64,
+    /// The membership and the revision it reflects; what each message does to it is
+    /// `View::apply`'s to decide.
+    view: View,
     /// When the view may be published next, and whether a change waits for it.
     next_publish: Instant,
     unpublished: bool,
@@ -503,28 +474,25 @@ impl Watcher {
     async fn run(mut self) {
         let mut backoff = Backoff::new(BACKOFF_MIN, BACKOFF_MAX);
         let mut resync = false;
-        let mut lost_since: Option<Instant> = None;
+        let mut outage = Outage::default();
         loop {
-            let end = self
-                .session(&mut resync, &mut lost_since, &mut backoff)
-                .await;
+            let end = self.session(&mut resync, &mut outage, &mut backoff).await;
             if self.unpublished {
                 self.publish();
             }
             match end {
                 SessionEnd::Resync(reason) => {
-                    info!(endpoints = %self.endpoints, prefix = %self.prefix, %reason, "re-reading the membership from etcd");
+                    info!(endpoints = %self.endpoints, prefix = %self.view.prefix, %reason, "re-reading the membership from etcd");
                     resync = true;
                 }
                 SessionEnd::Lost(reason) => {
-                    if lost_since.is_none() {
+                    if outage.lost(Instant::now()) {
                         warn!(
                             endpoints = %self.endpoints,
                             %reason,
-                            nodes = self.nodes.len(),
+                            nodes = self.view.nodes.len(),
                             "lost the etcd watch on the membership; keeping the last known view and reconnecting"
                         );
-                        lost_since = Some(Instant::now());
                     } else {
                         debug!(endpoints = %self.endpoints, %reason, "etcd still unavailable");
                     }
@@ -535,7 +503,7 @@ impl Watcher {
     }
 
     fn publish(&mut self) {
-        self.tx.send_replace(Arc::new(self.nodes.clone()));
+        self.tx.send_replace(Arc::new(self.view.nodes.clone()));
         self.unpublished = false;
         self.next_publish = Instant::now() + PUBLISH_EVERY;
     }
@@ -552,17 +520,17 @@ impl Watcher {
     async fn session(
         &mut self,
         resync: &mut bool,
-        lost_since: &mut Option<Instant>,
+        outage: &mut Outage,
         backoff: &mut Backoff,
     ) -> SessionEnd {
         if *resync {
-            match bounded(load(&self.client, &self.prefix)).await {
+            match bounded(load(&self.client, &self.view.prefix)).await {
                 Ok((nodes, revision)) => {
-                    if nodes != self.nodes {
-                        self.nodes = nodes;
+                    if nodes != self.view.nodes {
+                        self.view.nodes = nodes;
                         self.publish();
                     }
-                    self.revision = revision;
+                    self.view.revision = revision;
                     *resync = false;
                 }
                 Err(f) => return SessionEnd::Lost(format!("get: {f}")),
@@ -570,9 +538,10 @@ impl Watcher {
         }
         let options = WatchOptions::new()
             .with_prefix()
-            .with_start_revision(self.revision + 1);
+            .with_start_revision(self.view.revision + 1);
         let mut client = self.client.clone();
-        let mut stream = match bounded(client.watch(self.prefix.as_str(), Some(options))).await {
+        let mut stream = match bounded(client.watch(self.view.prefix.as_str(), Some(options))).await
+        {
             Ok(stream) => stream,
             Err(f) => return SessionEnd::Lost(format!("watch: {f}")),
         };
@@ -594,70 +563,64 @@ impl Watcher {
                 Ok(None) => return SessionEnd::Lost("the watch stream ended".into()),
                 Err(e) => return SessionEnd::Lost(e.to_string()),
             };
-            if resp.canceled() {
-                if resp.compact_revision() > 0 {
-                    return SessionEnd::Resync(format!(
-                        "revision {} was compacted (oldest kept: {})",
-                        self.revision + 1,
-                        resp.compact_revision()
-                    ));
-                }
-                return SessionEnd::Lost(format!(
-                    "etcd canceled the watch: {}",
-                    resp.cancel_reason()
-                ));
-            }
-            if resp.created() {
-                let head = resp.header().map_or(0, |h| h.revision());
-                if head < self.revision {
-                    return SessionEnd::Resync(format!(
-                        "etcd's revision went back from {} to {head} (etcd restarted with other or no data)",
-                        self.revision
-                    ));
-                }
-                backoff.reset();
-                if let Some(since) = lost_since.take() {
-                    info!(
-                        endpoints = %self.endpoints,
-                        after = ?since.elapsed(),
-                        nodes = self.nodes.len(),
-                        "etcd is back; the membership watch resumed"
-                    );
-                }
-            }
-            let mut changed = false;
-            for event in resp.events() {
-                let Some(kv) = event.kv() else { continue };
-                self.revision = self.revision.max(kv.mod_revision());
-                let key = String::from_utf8_lossy(kv.key());
-                let Some(id) = key.strip_prefix(&self.prefix) else {
-                    continue;
-                };
-                match event.event_type() {
-                    EventType::Put => match parse_record(&self.prefix, kv.key(), kv.value()) {
-                        Some((id, record)) => {
-                            if self.nodes.get(&id) != Some(&record) {
-                                debug!(node_id = %id, "node record changed");
-                                self.nodes.insert(id, record);
-                                changed = true;
-                            }
-                        }
-                        // A record that no longer parses counts as absent.
-                        None => changed |= self.nodes.remove(id).is_some(),
-                    },
-                    EventType::Delete => {
-                        if self.nodes.remove(id).is_some() {
-                            debug!(node_id = %id, "node left");
-                            changed = true;
+            for msg in watch_msgs(&resp) {
+                match self.view.apply(msg) {
+                    Applied::Continue { changed } => {
+                        if changed {
+                            self.changed();
                         }
                     }
+                    Applied::Resumed => {
+                        backoff.reset();
+                        if let Some(after) = outage.resumed(Instant::now()) {
+                            info!(
+                                endpoints = %self.endpoints,
+                                ?after,
+                                nodes = self.view.nodes.len(),
+                                "etcd is back; the membership watch resumed"
+                            );
+                        }
+                    }
+                    Applied::Resync(why) => return SessionEnd::Resync(why),
+                    Applied::Lost(why) => return SessionEnd::Lost(why),
                 }
-            }
-            if changed {
-                self.changed();
             }
         }
     }
+}
+
+/// One etcd watch response as the view's messages, in the order they apply: a cancel stands
+/// alone; a creation comes before the events that may ride with it.
+fn watch_msgs(resp: &etcd_client::WatchResponse) -> Vec<WatchMsg> {
+    if resp.canceled() {
+        return vec![WatchMsg::Canceled {
+            compacted: resp.compact_revision(),
+            reason: resp.cancel_reason().to_string(),
+        }];
+    }
+    let mut msgs = Vec::with_capacity(2);
+    if resp.created() {
+        msgs.push(WatchMsg::Created {
+            head: resp.header().map_or(0, |h| h.revision()),
+        });
+    }
+    let changes: Vec<Change> = resp
+        .events()
+        .iter()
+        .filter_map(|event| {
+            let kv = event.kv()?;
+            Some(Change {
+                put: matches!(event.event_type(), EventType::Put),
+                key: kv.key().to_vec(),
+                value: kv.value().to_vec(),
+                mod_revision: kv.mod_revision(),
+            })
+        })
+        .collect();
+    if !changes.is_empty() {
+        msgs.push(WatchMsg::Events(changes));
+    }
+    msgs
 }
 
 // ----- registrations and their keep-alive ---------------------------------------------------

@@ -68,10 +68,12 @@ async fn watcher_resyncs_after_compaction() {
         Watcher {
             client: client.clone(),
             endpoints: etcd.url(),
-            prefix,
             tx,
-            nodes: Nodes::new(),
-            revision: stale,
+            view: View {
+                prefix,
+                nodes: Nodes::new(),
+                revision: stale,
+            },
             next_publish: Instant::now(),
             unpublished: false,
         }
