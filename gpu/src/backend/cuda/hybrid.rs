@@ -295,56 +295,25 @@ impl Backend for CudaHybridBackend {
     }
 
     fn forward(&mut self, batch: &ForwardBatch) -> Result<Vec<Vec<f32>>> {
-        let n = self.run(batch)?;
-        if n == 0 {
-            return Ok(Vec::new());
-        }
-        let v = self.cfg.vocab_size;
-        let ls = self
-            .ls
-            .as_ref()
-            .ok_or_else(|| EngineError::Backend("logits space missing".into()))?;
-        let host = self
-            .stream
-            .clone_dtoh(&ls.logits.slice(0..n * v))
-            .map_err(|e| drv("logits copy", e))?;
-        self.stream
-            .synchronize()
-            .map_err(|e| drv("logits copy", e))?;
-        Ok(host.chunks_exact(v).map(<[f32]>::to_vec).collect())
+        sampling::forward_logits(self, batch)
     }
 
-    /// Samples on the device, as the dense backend does.
+    /// Samples on the device (see `sampling::forward_sampled`).
     fn forward_sample(
         &mut self,
         batch: &ForwardBatch,
         specs: &mut [SampleSpec],
     ) -> Result<Vec<Sampled>> {
-        if specs
-            .iter()
-            .any(|s| !matches!(s.params.logprobs, None | Some(0)))
-        {
-            let logits = self.forward(batch)?;
-            return Ok(logits
-                .iter()
-                .zip(specs.iter_mut())
-                .map(|(l, s)| s.sample(l))
-                .collect());
-        }
-        let n = self.run(batch)?;
-        if n != specs.len() {
-            return Err(EngineError::Backend(format!(
-                "{n} sequences want a token but {} sampling specs were given",
-                specs.len()
-            )));
-        }
-        if n == 0 {
-            return Ok(Vec::new());
-        }
-        let ls = self
-            .ls
-            .as_mut()
-            .ok_or_else(|| EngineError::Backend("logits space missing".into()))?;
-        sampling::sample_logits(&self.stream, &self.k, ls, self.cfg.vocab_size, specs)
+        sampling::forward_sampled(self, batch, specs)
+    }
+}
+
+impl sampling::LogitsStep for CudaHybridBackend {
+    fn run_step(&mut self, batch: &ForwardBatch) -> Result<usize> {
+        self.run(batch)
+    }
+
+    fn logits(&mut self) -> (&Arc<CudaStream>, &Kernels, Option<&mut LogitsSpace>, usize) {
+        (&self.stream, &self.k, self.ls.as_mut(), self.cfg.vocab_size)
     }
 }

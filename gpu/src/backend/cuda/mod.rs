@@ -72,12 +72,11 @@ use cudarc::driver::{CudaContext, CudaStream};
 
 use super::{Backend, ForwardBatch, SampleSpec};
 use crate::config::ModelConfig;
-use crate::error::{EngineError, Result};
+use crate::error::Result;
 use crate::kv_cache::BlockId;
 use crate::kv_pool::{HostKvPool, KvSpec};
 use crate::sampler::Sampled;
 use buffers::{LogitsSpace, Workspace};
-use device::drv;
 use graphs::DecodeGraphs;
 use kernels::Kernels;
 use kv::KvCache;
@@ -174,61 +173,25 @@ impl Backend for CudaBackend {
     }
 
     fn forward(&mut self, batch: &ForwardBatch) -> Result<Vec<Vec<f32>>> {
-        let n = self.run(batch)?;
-        if n == 0 {
-            return Ok(Vec::new());
-        }
-        let v = self.cfg.vocab_size;
-        let ls = self
-            .ls
-            .as_ref()
-            .ok_or_else(|| EngineError::Backend("logits space missing".into()))?;
-        let host = self
-            .stream
-            .clone_dtoh(&ls.logits.slice(0..n * v))
-            .map_err(|e| drv("logits copy", e))?;
-        // A copy to pageable memory completes before returning, but say so explicitly.
-        self.stream
-            .synchronize()
-            .map_err(|e| drv("logits copy", e))?;
-        Ok(host.chunks_exact(v).map(<[f32]>::to_vec).collect())
+        sampling::forward_logits(self, batch)
     }
 
-    /// Samples on the device (see `sampling`), after the rows' logit biases and grammar
-    /// masks. A request that asks for top logprobs falls back to copying the logits and
-    /// sampling on the host (bias and mask applied there).
+    /// Samples on the device (see `sampling::forward_sampled`).
     fn forward_sample(
         &mut self,
         batch: &ForwardBatch,
         specs: &mut [SampleSpec],
     ) -> Result<Vec<Sampled>> {
-        // Top logprobs come from the logits on the host. (A bias or a grammar's mask is
-        // applied on the device, by `constrain_rows`, before `sample_rows`.)
-        if specs
-            .iter()
-            .any(|s| !matches!(s.params.logprobs, None | Some(0)))
-        {
-            let logits = self.forward(batch)?;
-            return Ok(logits
-                .iter()
-                .zip(specs.iter_mut())
-                .map(|(l, s)| s.sample(l))
-                .collect());
-        }
-        let n = self.run(batch)?;
-        if n != specs.len() {
-            return Err(EngineError::Backend(format!(
-                "{n} sequences want a token but {} sampling specs were given",
-                specs.len()
-            )));
-        }
-        if n == 0 {
-            return Ok(Vec::new());
-        }
-        let ls = self
-            .ls
-            .as_mut()
-            .ok_or_else(|| EngineError::Backend("logits space missing".into()))?;
-        sampling::sample_logits(&self.stream, &self.k, ls, self.cfg.vocab_size, specs)
+        sampling::forward_sampled(self, batch, specs)
+    }
+}
+
+impl sampling::LogitsStep for CudaBackend {
+    fn run_step(&mut self, batch: &ForwardBatch) -> Result<usize> {
+        self.run(batch)
+    }
+
+    fn logits(&mut self) -> (&Arc<CudaStream>, &Kernels, Option<&mut LogitsSpace>, usize) {
+        (&self.stream, &self.k, self.ls.as_mut(), self.cfg.vocab_size)
     }
 }

@@ -10,8 +10,8 @@ use cudarc::driver::CudaStream;
 use super::buffers::LogitsSpace;
 use super::device::drv;
 use super::kernels::{ConstrainRows, Kernels, SampleRows};
-use crate::backend::SampleSpec;
-use crate::error::Result;
+use crate::backend::{ForwardBatch, SampleSpec};
+use crate::error::{EngineError, Result};
 use crate::sampler::Sampled;
 
 /// Samples one token for each of the first `specs.len()` rows of `ls.logits`.
@@ -171,6 +171,69 @@ fn sample_params(specs: &mut [SampleSpec], rows: usize) -> SampleParamsHost {
         }
     }
     SampleParamsHost { floats, top_k }
+}
+
+/// A backend whose step leaves its rows' logits in a `LogitsSpace` on the device: the dense
+/// and the hybrid one share what follows from there.
+pub(super) trait LogitsStep {
+    /// Runs the step; returns how many rows have logits.
+    fn run_step(&mut self, batch: &ForwardBatch) -> Result<usize>;
+    /// The stream, the kernels, the logits space and the vocabulary.
+    fn logits(&mut self) -> (&Arc<CudaStream>, &Kernels, Option<&mut LogitsSpace>, usize);
+}
+
+/// `Backend::forward` for such a backend: the step, then its logits copied to the host.
+pub(super) fn forward_logits(
+    b: &mut impl LogitsStep,
+    batch: &ForwardBatch,
+) -> Result<Vec<Vec<f32>>> {
+    let n = b.run_step(batch)?;
+    if n == 0 {
+        return Ok(Vec::new());
+    }
+    let (stream, _, ls, v) = b.logits();
+    let ls = ls.ok_or_else(|| EngineError::Backend("logits space missing".into()))?;
+    let host = stream
+        .clone_dtoh(&ls.logits.slice(0..n * v))
+        .map_err(|e| drv("logits copy", e))?;
+    // A copy to pageable memory completes before returning, but say so explicitly.
+    stream.synchronize().map_err(|e| drv("logits copy", e))?;
+    Ok(host.chunks_exact(v).map(<[f32]>::to_vec).collect())
+}
+
+/// `Backend::forward_sample` for such a backend: sampled on the device, after the rows'
+/// logit biases and grammar masks (`constrain_rows`, before `sample_rows`). A request that
+/// asks for top logprobs falls back to copying the logits and sampling on the host (bias and
+/// mask applied there).
+pub(super) fn forward_sampled(
+    b: &mut impl LogitsStep,
+    batch: &ForwardBatch,
+    specs: &mut [SampleSpec],
+) -> Result<Vec<Sampled>> {
+    if specs
+        .iter()
+        .any(|s| !matches!(s.params.logprobs, None | Some(0)))
+    {
+        let logits = forward_logits(b, batch)?;
+        return Ok(logits
+            .iter()
+            .zip(specs.iter_mut())
+            .map(|(l, s)| s.sample(l))
+            .collect());
+    }
+    let n = b.run_step(batch)?;
+    if n != specs.len() {
+        return Err(EngineError::Backend(format!(
+            "{n} sequences want a token but {} sampling specs were given",
+            specs.len()
+        )));
+    }
+    if n == 0 {
+        return Ok(Vec::new());
+    }
+    let (stream, k, ls, vocab) = b.logits();
+    let ls = ls.ok_or_else(|| EngineError::Backend("logits space missing".into()))?;
+    sample_logits(stream, k, ls, vocab, specs)
 }
 
 /// Samples each row of host `logits` (`specs.len()` rows of `vocab`) on device `ordinal`,
