@@ -248,6 +248,30 @@ impl Products<'_> {
     }
 }
 
+/// A stream and the compiled kernels on device `ordinal`, for the checks below.
+fn check_device(ordinal: usize) -> Result<(std::sync::Arc<cudarc::driver::CudaStream>, Kernels)> {
+    use super::device::drv;
+    let ctx = cudarc::driver::CudaContext::new(ordinal).map_err(|e| drv("context creation", e))?;
+    let s = ctx.new_stream().map_err(|e| drv("stream creation", e))?;
+    let (kernels, _) = Kernels::load(&ctx)?;
+    Ok((s, kernels))
+}
+
+/// A device buffer's values as bits, for bit-for-bit comparisons.
+fn f32_bits(s: &std::sync::Arc<CudaStream>, v: &CudaSlice<f32>) -> Result<Vec<u32>> {
+    let h = s
+        .clone_dtoh(v)
+        .map_err(|e| super::device::drv("download", e))?;
+    Ok(h.into_iter().map(f32::to_bits).collect())
+}
+
+fn bf16_bits(s: &std::sync::Arc<CudaStream>, v: &CudaSlice<u16>) -> Result<Vec<u32>> {
+    let h = s
+        .clone_dtoh(v)
+        .map_err(|e| super::device::drv("download", e))?;
+    Ok(h.into_iter().map(u32::from).collect())
+}
+
 /// The skinny kernels' and cuBLAS's products of the same random bf16 matrices on device
 /// `ordinal` (`x` `[m, k]`, `w` `[n, k]`, as bf16 bits), for checking one against the other.
 pub fn skinny_and_cublas(
@@ -257,9 +281,7 @@ pub fn skinny_and_cublas(
     (m, n, k): (usize, usize, usize),
 ) -> Result<(Vec<f32>, Vec<f32>)> {
     use super::device::drv;
-    let ctx = cudarc::driver::CudaContext::new(ordinal).map_err(|e| drv("context creation", e))?;
-    let s = ctx.new_stream().map_err(|e| drv("stream creation", e))?;
-    let (kernels, _) = Kernels::load(&ctx)?;
+    let (s, kernels) = check_device(ordinal)?;
     let blas = CudaBlas::new(s.clone()).map_err(|e| EngineError::device("cuBLAS handle", e))?;
     let xd = s.clone_htod(x).map_err(|e| drv("upload", e))?;
     let wd = s.clone_htod(w).map_err(|e| drv("upload", e))?;
@@ -295,9 +317,7 @@ pub fn skinny_epilogues(
     (m, n, k): (usize, usize, usize),
 ) -> Result<[Vec<u32>; 4]> {
     use super::device::drv;
-    let ctx = cudarc::driver::CudaContext::new(ordinal).map_err(|e| drv("context creation", e))?;
-    let s = ctx.new_stream().map_err(|e| drv("stream creation", e))?;
-    let (kernels, _) = Kernels::load(&ctx)?;
+    let (s, kernels) = check_device(ordinal)?;
     let up = |v: &[u16]| s.clone_htod(v).map_err(|e| drv("upload", e));
     let (xd, wd) = (up(x)?, up(w)?);
     let bd = s.clone_htod(bias).map_err(|e| drv("upload", e))?;
@@ -352,14 +372,8 @@ pub fn skinny_epilogues(
         inter: n,
     }
     .launch(&kernels, &s)?;
-    let f = |v: &CudaSlice<f32>| -> Result<Vec<u32>> {
-        let h = s.clone_dtoh(v).map_err(|e| drv("download", e))?;
-        Ok(h.into_iter().map(f32::to_bits).collect())
-    };
-    let b = |v: &CudaSlice<u16>| -> Result<Vec<u32>> {
-        let h = s.clone_dtoh(v).map_err(|e| drv("download", e))?;
-        Ok(h.into_iter().map(u32::from).collect())
-    };
+    let f = |v: &CudaSlice<f32>| f32_bits(&s, v);
+    let b = |v: &CudaSlice<u16>| bf16_bits(&s, v);
     Ok([f(&fused)?, f(&unfused)?, b(&act_fused)?, b(&act_unfused)?])
 }
 
@@ -377,9 +391,7 @@ pub fn skinny_norm_prologues(
     (m, n, k): (usize, usize, usize),
 ) -> Result<[Vec<u32>; 6]> {
     use super::device::drv;
-    let ctx = cudarc::driver::CudaContext::new(ordinal).map_err(|e| drv("context creation", e))?;
-    let s = ctx.new_stream().map_err(|e| drv("stream creation", e))?;
-    let (kernels, _) = Kernels::load(&ctx)?;
+    let (s, kernels) = check_device(ordinal)?;
     let up = |v: &[f32]| s.clone_htod(v).map_err(|e| drv("upload", e));
     let (res_d, delta_d, norm_d) = (up(res)?, up(delta)?, up(norm)?);
     let wd = s.clone_htod(w).map_err(|e| drv("upload", e))?;
@@ -460,14 +472,8 @@ pub fn skinny_norm_prologues(
         k,
     }
     .launch(&kernels, &s)?;
-    let f = |v: &CudaSlice<f32>| -> Result<Vec<u32>> {
-        let h = s.clone_dtoh(v).map_err(|e| drv("download", e))?;
-        Ok(h.into_iter().map(f32::to_bits).collect())
-    };
-    let b = |v: &CudaSlice<u16>| -> Result<Vec<u32>> {
-        let h = s.clone_dtoh(v).map_err(|e| drv("download", e))?;
-        Ok(h.into_iter().map(u32::from).collect())
-    };
+    let f = |v: &CudaSlice<f32>| f32_bits(&s, v);
+    let b = |v: &CudaSlice<u16>| bf16_bits(&s, v);
     Ok([
         f(&res_fused)?,
         f(&res_sep)?,

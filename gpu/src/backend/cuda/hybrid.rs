@@ -119,29 +119,17 @@ impl CudaHybridBackend {
                 per_slot >> 20
             );
         }
-        let (k, _arch) = Kernels::load(&ctx)?;
+        let (mut k, _arch) = Kernels::load(&ctx)?;
         let blas = CudaBlas::new(stream.clone())
             .map_err(|e| EngineError::device("cuBLAS initialisation", e))?;
         let w = HybridWeights::upload(&stream, ordinal, cfg, weights)?;
-        let mut k = k;
         k.pdl &= opts.pdl.enabled(w.bytes_per_step());
         let kv =
             KvCache::alloc_layers(&stream, ordinal, cfg, full_layers, split.blocks, block_size)?;
         let states = stream
             .alloc_zeros::<f32>((split.slots + split.snapshots) * layout.floats_per_slot())
             .map_err(|e| upload_err(ordinal, "the recurrent-state slots", e))?;
-        let space = match plan.tokens {
-            0 => None,
-            t => Some(HybridSpace::alloc(&stream, cfg, t)?),
-        };
-        let ls = match plan.rows {
-            0 => None,
-            r => Some(LogitsSpace::alloc(&stream, cfg, r)?),
-        };
-        stream
-            .synchronize()
-            .map_err(|e| drv("uploading the weights", e))?;
-        Ok(CudaHybridBackend {
+        let mut be = CudaHybridBackend {
             cfg: cfg.clone(),
             ordinal,
             ctx,
@@ -150,15 +138,22 @@ impl CudaHybridBackend {
             k,
             w,
             kv,
-            space,
-            ls,
+            space: None,
+            ls: None,
             states,
             layout,
             num_slots: split.slots,
             num_snapshots: split.snapshots,
             skinny_max_rows: opts.skinny_max_rows,
             split_decode: opts.split_decode,
-        })
+        };
+        // The activations of the largest step the engine runs, allocated now (as planned).
+        be.ensure_space(plan.tokens)?;
+        be.ensure_logits_space(plan.rows)?;
+        be.stream
+            .synchronize()
+            .map_err(|e| drv("uploading the weights", e))?;
+        Ok(be)
     }
 
     fn slot_range(&self, slot: u32) -> Result<std::ops::Range<usize>> {

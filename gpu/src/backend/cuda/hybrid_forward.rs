@@ -40,23 +40,9 @@ impl CudaHybridBackend {
         self.ctx
             .bind_to_thread()
             .map_err(|e| drv("binding the context", e))?;
-        if self.space.as_ref().is_none_or(|s| s.tokens < t) {
-            self.space = None;
-            self.space = Some(HybridSpace::alloc(
-                &self.stream,
-                &self.cfg,
-                t.next_power_of_two(),
-            )?);
-        }
+        self.ensure_space(t)?;
         let dims = StepDims::of(&layout);
-        if dims.logits > 0 && self.ls.as_ref().is_none_or(|l| l.rows < dims.logits) {
-            self.ls = None;
-            self.ls = Some(LogitsSpace::alloc(
-                &self.stream,
-                &self.cfg,
-                dims.logits.next_power_of_two(),
-            )?);
-        }
+        self.ensure_logits_space(dims.logits)?;
         let inputs = StepInputs::upload(&self.stream, &layout)?;
         // The delta kernels' table: each sequence's first row, rows, slot and whether it
         // starts from no state (its first chunk).
@@ -82,6 +68,35 @@ impl CudaHybridBackend {
             .map_err(|e| drv("batch upload", e))?;
         self.enqueue(&dims, &inputs, &seqs, max_slot)?;
         Ok(dims.logits)
+    }
+
+    /// Activations for at least `t` tokens (none for 0).
+    pub(super) fn ensure_space(&mut self, t: usize) -> Result<()> {
+        if t == 0 || self.space.as_ref().is_some_and(|s| s.tokens >= t) {
+            return Ok(());
+        }
+        // The old buffers go first, so their memory can be reused.
+        self.space = None;
+        self.space = Some(HybridSpace::alloc(
+            &self.stream,
+            &self.cfg,
+            t.next_power_of_two(),
+        )?);
+        Ok(())
+    }
+
+    /// Logits buffers for at least `rows` rows (none for 0).
+    pub(super) fn ensure_logits_space(&mut self, rows: usize) -> Result<()> {
+        if rows == 0 || self.ls.as_ref().is_some_and(|l| l.rows >= rows) {
+            return Ok(());
+        }
+        self.ls = None;
+        self.ls = Some(LogitsSpace::alloc(
+            &self.stream,
+            &self.cfg,
+            rows.next_power_of_two(),
+        )?);
+        Ok(())
     }
 
     fn enqueue(
