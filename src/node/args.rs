@@ -1,8 +1,7 @@
-//! `kvmesh node`'s flags, and the checks they must pass before anything starts.
+//! `kvmesh node`'s flags as clap reads them; `plan` checks them together.
 
 use std::net::SocketAddr;
 
-use anyhow::bail;
 use clap::Args;
 
 use kvmesh_actors::policy::PrefixTuning;
@@ -10,7 +9,7 @@ use kvmesh_actors::router::{DisaggConfig, RouterConfig};
 use kvmesh_actors::worker::KvSide;
 use kvmesh_actors::{Policy, Role};
 
-use crate::engines::{BackendArg, EngineArgs};
+use crate::engines::EngineArgs;
 use crate::flags::{HttpArgs, TraceFlags};
 
 #[derive(Args, Debug)]
@@ -166,95 +165,6 @@ fn imbalance(s: &str) -> Result<f64, String> {
             "`{s}` is not a relative imbalance (0 or more, e.g. 1.0 for twice the lowest \
              backlog; inf for no bound)"
         )),
-    }
-}
-
-impl NodeArgs {
-    pub fn has(&self, role: Role) -> bool {
-        self.roles.contains(&role)
-    }
-
-    /// Refuses flags that cannot work together, before anything starts.
-    pub fn validate(&self) -> anyhow::Result<()> {
-        let has = |r| self.has(r);
-        if has(Role::Gateway) && !has(Role::Router) {
-            bail!("the gateway role sends requests to a router in the same node: use --roles gateway,router");
-        }
-        if has(Role::Worker) && (has(Role::Prefill) || has(Role::Decode)) {
-            bail!(
-                "a worker prefills and decodes its own requests: use --roles worker, or \
-                 --roles prefill,decode for the two roles on separate engines"
-            );
-        }
-        anyhow::ensure!(
-            self.lease_ttl >= 2,
-            "--lease-ttl must be at least 2 seconds"
-        );
-        anyhow::ensure!(
-            self.kv_transfer_timeout > 0.0,
-            "--kv-transfer-timeout must be positive"
-        );
-        anyhow::ensure!(
-            (1..=16).contains(&self.kv_streams),
-            "--kv-streams must be between 1 and 16"
-        );
-        anyhow::ensure!(self.replicas >= 1, "--replicas must be at least 1");
-        if self.replicas > 1 {
-            anyhow::ensure!(
-                self.roles == [Role::Worker],
-                "--replicas hosts extra workers: it needs --roles worker alone, not {}",
-                self.roles_joined()
-            );
-            anyhow::ensure!(
-                matches!(self.engine.backend, BackendArg::Sim),
-                "--replicas is for scale tests on --backend sim (real engines in one process \
-                 would share its compute and memory)"
-            );
-            anyhow::ensure!(
-                self.debug_advertise_fingerprint.is_none(),
-                "--replicas and --debug-advertise-fingerprint do not go together"
-            );
-        }
-        Ok(())
-    }
-
-    /// The roles as `--roles` spells them.
-    pub fn roles_joined(&self) -> String {
-        self.roles
-            .iter()
-            .map(|r| r.as_str())
-            .collect::<Vec<_>>()
-            .join(",")
-    }
-
-    /// What a worker declares before it has measured itself: one sequence's tokens/s.
-    pub fn declared_capacity(&self, device: &str) -> f64 {
-        if let Some(c) = self.capacity {
-            return c;
-        }
-        match self.engine.backend {
-            BackendArg::Sim => {
-                let e = &self.engine;
-                let step_s = (e.sim_decode_ms / 1e3 + e.sim_decode_us_per_seq / 1e6).max(1e-6);
-                e.sim_speed / step_s
-            }
-            BackendArg::Cpu if device.starts_with("cuda") => 100.0,
-            BackendArg::Cpu => 20.0,
-        }
-    }
-
-    /// The router's settings from the router flags.
-    pub fn router_config(&self) -> RouterConfig {
-        RouterConfig {
-            disagg: DisaggConfig {
-                min_tokens: self.disagg_min_tokens,
-                max_queue: self.disagg_max_queue,
-            },
-            migration_limit: self.migration_limit,
-            prefix: PrefixTuning {
-                max_imbalance: self.prefix_max_imbalance,
-            },
-        }
     }
 }
 

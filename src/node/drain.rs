@@ -6,14 +6,12 @@ use std::time::Duration;
 
 use anyhow::Context;
 
-use kvmesh_actors::Role;
-
-use super::args::NodeArgs;
+use super::plan::NodePlan;
 use super::start::Started;
 
 /// Serves HTTP until the process is signalled, drains for at most `--shutdown-grace`, and
 /// leaves the cluster.
-pub async fn serve_then_drain(args: &NodeArgs, started: Started) -> anyhow::Result<()> {
+pub async fn serve_then_drain(plan: &NodePlan, started: Started) -> anyhow::Result<()> {
     let Started {
         node,
         registry,
@@ -24,7 +22,7 @@ pub async fn serve_then_drain(args: &NodeArgs, started: Started) -> anyhow::Resu
         app,
         streams,
     } = started;
-    let gateway = args.has(Role::Gateway);
+    let gateway = plan.gateway.is_some();
     // SIGTERM: a worker drains first (its status listener stays up meanwhile, saying so); a
     // gateway stops accepting at once and finishes its open streams.
     let (signalled_tx, mut signalled) = tokio::sync::watch::channel(false);
@@ -43,7 +41,8 @@ pub async fn serve_then_drain(args: &NodeArgs, started: Started) -> anyhow::Resu
             let _ = until.wait_for(|v| *v).await;
         }
     };
-    let server = kvmesh_gateway::http::serve(listener, app, args.http.limits(), http_stop);
+    let server =
+        kvmesh_gateway::http::serve(listener, app, plan.network.http_limits.clone(), http_stop);
     tokio::pin!(server);
     let mut server_done = false;
     tokio::select! {
@@ -53,7 +52,7 @@ pub async fn serve_then_drain(args: &NodeArgs, started: Started) -> anyhow::Resu
         }
         _ = signalled.wait_for(|v| *v) => {}
     }
-    let grace = Duration::from_secs_f64(args.shutdown_grace.max(0.0));
+    let grace = plan.shutdown_grace;
     let deadline = tokio::time::Instant::now() + grace;
     tracing::info!(
         "shutting down: finishing running requests for at most {:.0} s",

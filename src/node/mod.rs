@@ -20,8 +20,9 @@
 //! on the gateway's port or, for a node without a gateway, on `--status-port`. `kvmesh
 //! cluster status` reads the records in etcd and each node's `/status`.
 //!
-//! A node's life: its flags are checked (`args`), its engines, endpoints, record and roles
-//! started (`start`), then it serves until SIGTERM and drains (`drain`).
+//! A node's life: its flags (`args`) are checked into one plan (`plan`), its engines,
+//! endpoints, record and roles started from the plan (`start`), then it serves until
+//! SIGTERM and drains (`drain`).
 
 mod args;
 mod card_files;
@@ -29,6 +30,7 @@ mod catalog;
 mod cluster;
 mod drain;
 mod membership;
+mod plan;
 mod replica;
 mod start;
 mod status;
@@ -39,18 +41,17 @@ pub use args::NodeArgs;
 pub use cluster::{cluster_status, ClusterStatusArgs};
 
 pub fn run(args: NodeArgs) -> anyhow::Result<()> {
-    args.validate()?;
-    let node_id = args.node_id.clone().unwrap_or_else(args::default_node_id);
-    let telemetry = args.trace.init(&node_id)?;
-    let engines = start::Engines::start(&args)?;
+    let plan = plan::NodePlan::from_args(args)?;
+    let telemetry = plan.trace.init(&plan.node_id)?;
+    let engines = start::Engines::start(&plan)?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
         .context("starting the async runtime")?;
     rt.block_on(async {
-        let started = start::start(&args, node_id, engines, telemetry.store.clone()).await?;
-        drain::serve_then_drain(&args, started).await
+        let started = start::start(&plan, engines, telemetry.store.clone()).await?;
+        drain::serve_then_drain(&plan, started).await
     })?;
     telemetry.shutdown();
     Ok(())

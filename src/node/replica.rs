@@ -11,7 +11,7 @@ use kvmesh_discovery::{EtcdRegistry, NodeRecord, Registration};
 use kvmesh_gpu::model::LoadedModel;
 use kvmesh_transport::{AllowList, NodeEndpoint, NodeIdentity};
 
-use super::NodeArgs;
+use crate::engines::EngineArgs;
 
 /// One of `--replicas`: a sim worker beside the node in its process, a cluster member of
 /// its own (record, lease, QUIC endpoint, engine, supervised roles).
@@ -22,11 +22,13 @@ pub struct Replica {
     _supervisor: kvmesh_actors::ActorRef<NodeMsg>,
 }
 
-/// What every replica of a node shares: the node's flags, model, registry and registration
-/// (whose lease its replicas' records share), record, report pace, allow list and engine
-/// driver.
+/// What every replica of a node shares: the node's engine flags and interface, model,
+/// registry and registration (whose lease its replicas' records share), record, report
+/// pace, allow list and engine driver.
 pub struct Host<'a> {
-    pub args: &'a NodeArgs,
+    pub engine: &'a EngineArgs,
+    /// Replicas listen on the node's interface, each on a port of its own.
+    pub listen_ip: std::net::IpAddr,
     pub model: Arc<LoadedModel>,
     pub registry: &'a Arc<EtcdRegistry>,
     pub beside: &'a Registration,
@@ -39,12 +41,12 @@ pub struct Host<'a> {
 
 impl Replica {
     pub async fn start(host: &Host<'_>, node_id: String) -> anyhow::Result<Replica> {
-        let (args, model, registry, beside) = (host.args, &host.model, host.registry, host.beside);
+        let (model, registry, beside) = (&host.model, host.registry, host.beside);
         let (node, pace, allowed) = (host.node, host.pace, host.allowed);
         // The engine and key pair are work for a thread, not for the runtime that keeps the
         // node's lease alive.
         let (engine, identity) = tokio::task::spawn_blocking({
-            let (engine_args, model, id) = (args.engine.clone(), model.clone(), node_id.clone());
+            let (engine_args, model, id) = (host.engine.clone(), model.clone(), node_id.clone());
             let engines = host.engines.clone();
             move || -> anyhow::Result<_> {
                 Ok((
@@ -56,7 +58,7 @@ impl Replica {
         .await??;
         // Beside the node: its interface, a port of its own.
         let node_addr: SocketAddr = node.quic_addr.parse()?;
-        let bind = SocketAddr::new(args.listen.ip(), 0);
+        let bind = SocketAddr::new(host.listen_ip, 0);
         let endpoint = NodeEndpoint::bind(bind, identity.clone(), allowed.clone())?;
         let quic_addr = SocketAddr::new(node_addr.ip(), endpoint.local_addr().port());
         let capacity = node.capacity_tokens_per_s;

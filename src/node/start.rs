@@ -3,7 +3,7 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use anyhow::{bail, Context};
 use axum::Router;
@@ -20,12 +20,12 @@ use kvmesh_transport::kv::ucx::{Ucx, UcxOptions};
 use kvmesh_transport::wire::KvLayout;
 use kvmesh_transport::{AllowList, NodeEndpoint, NodeIdentity};
 
-use super::args::{KvTransportArg, NodeArgs};
 use super::catalog::{LocalModel, MeshCatalog};
 use super::membership::{check_kv_partners, follow_allow_list, follow_pace, gate_router_members};
+use super::plan::{KvPlan, NetworkPlan, NodePlan};
 use super::replica::{unix_ms, Host, Replica};
 use super::status::{node_routes, NodeState};
-use crate::engines::{load_model, start_engine_with, StartedEngine};
+use crate::engines::{load_model, start_engine_with, EngineArgs, StartedEngine};
 
 /// The node's engines (worker or decode, and prefill), or, for a gateway/router node, just
 /// what it needs of the model.
@@ -68,22 +68,18 @@ impl ModelInfo {
     /// and fingerprint: its gateway serves that name only with that model (computed by the
     /// model's math, or with `--backend sim` by the sim backend). Without `--model` it has
     /// none, and serves what the workers serve.
-    fn without_engine(args: &NodeArgs) -> anyhow::Result<Option<ModelInfo>> {
-        let Some(dir) = &args.engine.model else {
+    fn without_engine(args: &EngineArgs) -> anyhow::Result<Option<ModelInfo>> {
+        let Some(dir) = &args.model else {
             return Ok(None);
         };
-        args.engine.check_served_model_name()?;
         let m = LoadedModel::from_dir(dir).with_context(|| format!("loading {}", dir.display()))?;
         Ok(Some(ModelInfo {
-            name: args.engine.served_name(&m.name)?,
+            name: args.served_name(&m.name)?,
             tokenizer: m.tokenizer.clone(),
-            max_model_len: args
-                .engine
-                .max_model_len
-                .unwrap_or_else(|| m.config.max_context()),
-            block_size: args.engine.block_size,
+            max_model_len: args.max_model_len.unwrap_or_else(|| m.config.max_context()),
+            block_size: args.block_size,
             device: "none".into(),
-            fingerprint: m.fingerprint(args.engine.numerics()),
+            fingerprint: m.fingerprint(args.numerics()),
             card: None,
         }))
     }
@@ -97,38 +93,29 @@ impl ModelInfo {
 }
 
 impl Engines {
-    pub fn start(args: &NodeArgs) -> anyhow::Result<Engines> {
-        let wants_generate = args.has(Role::Worker) || args.has(Role::Decode);
-        let wants_prefill = args.has(Role::Prefill);
-        // Two engines on one device split its memory share between them.
-        let mut engine = args.engine.clone();
-        if wants_generate && wants_prefill {
-            engine.gpu_memory_utilization /= 2.0;
-        }
+    /// The plan's engines, or what a node without one needs of its `--model`.
+    pub fn start(plan: &NodePlan) -> anyhow::Result<Engines> {
+        let p = &plan.engines;
         // The model is read once, for both engines.
-        let loaded = if wants_generate || wants_prefill {
-            Some(load_model(&engine)?)
+        let loaded = if p.runs_engine() {
+            Some(load_model(&p.args)?)
         } else {
             None
         };
-        let start = |m: &Option<LoadedModel>| match m {
-            Some(m) => start_engine_with(&engine, m).map(Some),
-            None => Ok(None),
+        let start = |wanted: bool| match (&loaded, wanted) {
+            (Some(m), true) => start_engine_with(&p.args, m).map(Some),
+            _ => Ok(None),
         };
-        let generate = if wants_generate {
-            start(&loaded)?
-        } else {
-            None
-        };
-        let prefill = if wants_prefill { start(&loaded)? } else { None };
+        let generate = start(p.generate.is_some())?;
+        let prefill = start(p.prefill)?;
         let first = generate.as_ref().or(prefill.as_ref());
         let layout = match first {
-            Some(e) if args.has(Role::Prefill) || args.has(Role::Decode) => Some(kv_layout(e)?),
+            Some(e) if plan.kv.is_some() => Some(kv_layout(e)?),
             _ => None,
         };
         let model = match first {
             Some(e) => Some(ModelInfo::of(e)),
-            None => ModelInfo::without_engine(args)?,
+            None => ModelInfo::without_engine(&p.args)?,
         };
         Ok(Engines {
             generate,
@@ -188,38 +175,24 @@ struct Network {
 }
 
 impl Network {
-    async fn bind(args: &NodeArgs, node_id: &str, has_layout: bool) -> anyhow::Result<Network> {
+    async fn bind(
+        net: &NetworkPlan,
+        kv: Option<&KvPlan>,
+        node_id: &str,
+    ) -> anyhow::Result<Network> {
         // Before anything is bound or joined: a missing UCX fails the start at once.
-        let ucx = start_ucx(args, has_layout)?;
+        let ucx = start_ucx(kv)?;
         let identity = NodeIdentity::generate(node_id)?;
         let allowed = AllowList::default();
-        let endpoint = NodeEndpoint::bind(args.listen, identity.clone(), allowed.clone())?;
-        let quic_addr = match args.advertise_addr {
-            Some(a) => a,
-            None => {
-                let a = endpoint.local_addr();
-                if a.ip().is_unspecified() {
-                    bail!("--listen {} is on every interface: say which address other nodes dial with --advertise-addr HOST:PORT", args.listen);
-                }
-                a
-            }
-        };
-        let registry = EtcdRegistry::connect(&args.etcd, &args.cluster, args.lease_ttl)
+        let endpoint = NodeEndpoint::bind(net.listen, identity.clone(), allowed.clone())?;
+        // The plan refused an unspecified --listen without --advertise-addr.
+        let quic_addr = net.advertise.unwrap_or_else(|| endpoint.local_addr());
+        let registry = EtcdRegistry::connect(&net.etcd, &net.cluster, net.lease_ttl)
             .await
-            .with_context(|| format!("joining cluster '{}'", args.cluster))?;
-        let http_addr = if args.has(Role::Gateway) {
-            format!("{}:{}", args.host, args.port)
-        } else {
-            let host = if args.listen.ip().is_unspecified() {
-                "0.0.0.0".to_string()
-            } else {
-                args.listen.ip().to_string()
-            };
-            format!("{host}:{}", args.status_port)
-        };
-        let listener = TcpListener::bind(&http_addr)
+            .with_context(|| format!("joining cluster '{}'", net.cluster))?;
+        let listener = TcpListener::bind(&net.http_bind)
             .await
-            .with_context(|| format!("binding {http_addr}"))?;
+            .with_context(|| format!("binding {}", net.http_bind))?;
         let local_http = listener.local_addr()?;
         let http_host = if local_http.ip().is_unspecified() {
             quic_addr.ip()
@@ -227,17 +200,15 @@ impl Network {
             local_http.ip()
         };
         let http_url = format!("http://{}", SocketAddr::new(http_host, local_http.port()));
-        let kv_listener = match args.kv_transport {
-            KvTransportArg::Tcp | KvTransportArg::Auto if has_layout && args.has(Role::Decode) => {
-                let addr = args
-                    .kv_listen
-                    .unwrap_or_else(|| SocketAddr::new(quic_addr.ip(), 0));
+        let kv_listener = match kv.and_then(|k| k.tcp_listener) {
+            Some(at) => {
+                let addr = at.unwrap_or_else(|| SocketAddr::new(quic_addr.ip(), 0));
                 let l = TcpListener::bind(addr)
                     .await
                     .with_context(|| format!("binding the KV listener on {addr}"))?;
                 Some(Arc::new(l))
             }
-            _ => None,
+            None => None,
         };
         let kv_tcp_addr = match &kv_listener {
             Some(l) => {
@@ -267,21 +238,17 @@ impl Network {
 
 /// The node's UCX, when its KV transport asks for it: `ucx` fails the start without it,
 /// `auto` goes on without (TCP).
-fn start_ucx(args: &NodeArgs, has_layout: bool) -> anyhow::Result<Option<Ucx>> {
-    let wanted = matches!(
-        args.kv_transport,
-        KvTransportArg::Ucx | KvTransportArg::Auto
-    );
-    if !wanted || !has_layout {
+fn start_ucx(kv: Option<&KvPlan>) -> anyhow::Result<Option<Ucx>> {
+    let Some(want) = kv.and_then(|k| k.ucx.as_ref()) else {
         return Ok(None);
-    }
-    let opts = UcxOptions {
-        tls: args.ucx_tls.clone(),
     };
-    match (Ucx::start(&opts), args.kv_transport) {
-        (Ok(u), _) => Ok(Some(u)),
-        (Err(e), KvTransportArg::Ucx) => bail!("--kv-transport ucx: {e}"),
-        (Err(e), _) => {
+    let opts = UcxOptions {
+        tls: want.tls.clone(),
+    };
+    match Ucx::start(&opts) {
+        Ok(u) => Ok(Some(u)),
+        Err(e) if want.required => bail!("--kv-transport ucx: {e}"),
+        Err(e) => {
             tracing::info!("--kv-transport auto: no UCX ({e}); KV moves over TCP");
             Ok(None)
         }
@@ -304,43 +271,43 @@ pub struct Started {
 
 /// Binds, publishes and starts every role of the node; the HTTP server is not serving yet.
 pub async fn start(
-    args: &NodeArgs,
-    node_id: String,
+    plan: &NodePlan,
     engines: Engines,
     spans: Arc<kvmesh_telemetry::SpanStore>,
 ) -> anyhow::Result<Started> {
-    let net = Network::bind(args, &node_id, engines.layout.is_some()).await?;
+    let node_id = &plan.node_id;
+    let net = Network::bind(&plan.network, plan.kv.as_ref(), node_id).await?;
     let device = engines.model.as_ref().map_or("none", |m| m.device.as_str());
-    let capacity = args.declared_capacity(device);
-    let record = record(args, &node_id, &engines, &net, capacity);
+    let capacity = plan.engines.declared_capacity(device);
+    let record = record(plan, &engines, &net, capacity);
     if let Some(l) = &record.kv_layout {
         let members = net.registry.list().await?;
-        check_kv_partners(&node_id, &args.roles, &record.model, l, &members)?;
+        check_kv_partners(node_id, &plan.roles, &record.model, l, &members)?;
     }
     if let (Some(m), None, None) = (&engines.model, &engines.generate, &engines.prefill) {
-        check_pinned_model(args, m, &net.registry.list().await?)?;
+        check_pinned_model(&plan.engines.args, m, &net.registry.list().await?)?;
     }
     let members = net.registry.subscribe();
     // Members (and only members) may dial this node.
     follow_allow_list(members.clone(), net.allowed.clone());
     let pace = Arc::new(ReportPace::default());
     follow_pace(members.clone(), pace.clone());
-    let cores = cores(args, &node_id, &engines, &net, capacity);
+    let cores = cores(plan, &engines, &net, capacity);
     let serving = (!cores.is_empty()).then(|| Serving::paced(net.endpoint.clone(), pace.clone()));
     if let (Some(s), Some(m)) = (&serving, &engines.model) {
         if let Some(card) = &m.card {
             s.set_card(
                 m.fingerprint.clone(),
-                Arc::new(node_card(args, card, &record)?),
+                Arc::new(node_card(plan.debug.tamper_card, card, &record)?),
             );
         }
     }
-    let router = args.has(Role::Router).then(|| {
+    let router = plan.router.as_ref().map(|r| {
         Pools::new(
             node_id.clone(),
             engines.model.as_ref().map(ModelInfo::pinned),
-            args.policy,
-            args.router_config(),
+            r.policy,
+            r.config,
             net.endpoint.clone(),
         )
     });
@@ -360,7 +327,7 @@ pub async fn start(
     }
     let registration = net.registry.register(record.clone()).await?;
     gate_router_members(members.clone(), node_id.clone(), router_members_tx);
-    let replicas = start_replicas(args, &net, &registration, &record, &pace).await?;
+    let replicas = start_replicas(plan, &net, &registration, &record, &pace).await?;
     let node = Arc::new(NodeState {
         spans: spans.clone(),
         record,
@@ -370,11 +337,11 @@ pub async fn start(
         cores,
         restarts,
         supervisor,
-        fault_injection: args.enable_fault_injection,
-        api_key: args.api_key.clone(),
+        fault_injection: plan.fault_injection,
+        api_key: plan.api_key.clone(),
     });
-    let (app, streams) = app(args, &node, engines.model.as_ref(), members, spans);
-    log_joined(args, &node, &net, engines.layout.as_ref());
+    let (app, streams) = app(plan, &node, engines.model.as_ref(), members, spans);
+    log_joined(plan, &node, &net, engines.layout.as_ref());
     Ok(Started {
         node,
         registry: net.registry,
@@ -389,10 +356,10 @@ pub async fn start(
 
 /// The card this node serves: its engine's, with the node's KV layout when it transfers
 /// KV; with `--debug-tamper-card`, its chat template changed and its fingerprint not.
-fn node_card(args: &NodeArgs, card: &[u8], record: &NodeRecord) -> anyhow::Result<Vec<u8>> {
+fn node_card(tamper: bool, card: &[u8], record: &NodeRecord) -> anyhow::Result<Vec<u8>> {
     let mut c = kvmesh_gpu::card::ModelCard::from_bytes(card)?;
     c.kv_layout = record.kv_layout.clone();
-    if args.debug_tamper_card {
+    if tamper {
         c.chat_template = Some("{{ messages[0]['content'] }}".into());
     }
     let bytes = c.to_bytes();
@@ -424,7 +391,7 @@ fn check_card_size(card: &kvmesh_gpu::card::ModelCard, len: usize) -> anyhow::Re
 /// A gateway or router given `--model` serves that name only with that model: workers
 /// already serving the name with another model stop it at start-up, naming both.
 fn check_pinned_model(
-    args: &NodeArgs,
+    args: &EngineArgs,
     m: &ModelInfo,
     members: &[NodeRecord],
 ) -> anyhow::Result<()> {
@@ -434,7 +401,7 @@ fn check_pinned_model(
             && r.model_fingerprint.as_deref() != Some(m.fingerprint.as_str())
     });
     if let Some(w) = other {
-        let sim_here = args.engine.numerics() == Numerics::Simulated;
+        let sim_here = args.numerics() == Numerics::Simulated;
         let hint = match (sim_here, w.simulated()) {
             (false, true) => {
                 " It runs the sim backend, whose tokens are not the model's: give the gateway \
@@ -450,8 +417,7 @@ fn check_pinned_model(
              fingerprint {}: another model (config, tokenizer, weights or backend) under that \
              name. Give the gateway the workers' model, or no --model to serve what the \
              workers serve.{hint}",
-            args.engine
-                .model
+            args.model
                 .as_ref()
                 .map_or(String::new(), |d| d.display().to_string()),
             m.name,
@@ -465,27 +431,22 @@ fn check_pinned_model(
 }
 
 /// The record this node publishes.
-fn record(
-    args: &NodeArgs,
-    node_id: &str,
-    engines: &Engines,
-    net: &Network,
-    capacity: f64,
-) -> NodeRecord {
+fn record(plan: &NodePlan, engines: &Engines, net: &Network, capacity: f64) -> NodeRecord {
     let m = engines.model.as_ref();
     NodeRecord {
-        node_id: node_id.to_string(),
-        cluster: args.cluster.clone(),
-        roles: args.roles.clone(),
+        node_id: plan.node_id.clone(),
+        cluster: plan.network.cluster.clone(),
+        roles: plan.roles.clone(),
         quic_addr: net.quic_addr.to_string(),
         http_url: Some(net.http_url.clone()),
         model: m.map(|m| m.name.clone()).unwrap_or_default(),
         device: m.map_or("none", |m| m.device.as_str()).to_string(),
         capacity_tokens_per_s: capacity,
         max_model_len: m.map_or(0, |m| m.max_model_len),
-        block_size: m.map_or(args.engine.block_size, |m| m.block_size),
-        cert_sha256: args
-            .debug_advertise_fingerprint
+        block_size: m.map_or(plan.engines.args.block_size, |m| m.block_size),
+        cert_sha256: plan
+            .debug
+            .advertise_fingerprint
             .clone()
             .unwrap_or_else(|| net.identity.fingerprint.clone()),
         version: env!("CARGO_PKG_VERSION").into(),
@@ -508,36 +469,28 @@ fn record(
 
 /// The cores of the node's worker-type roles; its prefill and decode cores share one KV side,
 /// and a decode core copies from its own node's prefill core in process.
-fn cores(
-    args: &NodeArgs,
-    node_id: &str,
-    engines: &Engines,
-    net: &Network,
-    capacity: f64,
-) -> Vec<Arc<WorkerCore>> {
-    let kv = engines.layout.clone().map(|l| {
+fn cores(plan: &NodePlan, engines: &Engines, net: &Network, capacity: f64) -> Vec<Arc<WorkerCore>> {
+    let kv = engines.layout.clone().zip(plan.kv.as_ref()).map(|(l, k)| {
         let streams = match net.kv_tcp_addr {
             Some(addr) => KvTransport::Tcp {
                 addr,
-                connections: args.kv_streams,
+                connections: k.streams,
             },
-            None => KvTransport::Quic {
-                streams: args.kv_streams,
-            },
+            None => KvTransport::Quic { streams: k.streams },
         };
         // `ucx`: QUIC from prefill nodes without UCX; `auto`: TCP (its listener is bound).
         let transport = match &net.ucx {
             Some(_) => KvTransport::Ucx {
-                lanes: args.kv_streams,
+                lanes: k.streams,
                 otherwise: Box::new(streams),
             },
             None => streams,
         };
-        let ucx = net.ucx.clone().map(|u| UcxSide::new(u, args.kv_checksum));
+        let ucx = net.ucx.clone().map(|u| UcxSide::new(u, k.checksum));
         KvSide::new(
             l,
             transport,
-            Duration::from_secs_f64(args.kv_transfer_timeout),
+            k.transfer_timeout,
             net.endpoint.clone(),
             net.kv_listener.clone(),
             ucx,
@@ -545,21 +498,18 @@ fn cores(
     });
     let core = |role, e: &StartedEngine| {
         WorkerCore::new(
-            node_id.to_string(),
+            plan.node_id.clone(),
             role,
             e.handle.clone(),
             capacity,
             kv.clone(),
         )
     };
-    let generate = engines.generate.as_ref().map(|e| {
-        let role = if args.has(Role::Decode) {
-            Role::Decode
-        } else {
-            Role::Worker
-        };
-        core(role, e)
-    });
+    let generate = engines
+        .generate
+        .as_ref()
+        .zip(plan.engines.generate)
+        .map(|(e, role)| core(role, e));
     let prefill = engines.prefill.as_ref().map(|e| core(Role::Prefill, e));
     if let (Some(g), Some(p)) = (&generate, &prefill) {
         if g.role == Role::Decode && kv.is_some() {
@@ -573,19 +523,21 @@ fn cores(
 const REPLICAS_STARTING: usize = 16;
 
 async fn start_replicas(
-    args: &NodeArgs,
+    plan: &NodePlan,
     net: &Network,
     beside: &Registration,
     record: &NodeRecord,
     pace: &Arc<ReportPace>,
 ) -> anyhow::Result<Vec<Replica>> {
-    let mut replicas = Vec::with_capacity(args.replicas - 1);
-    if args.replicas <= 1 {
+    let extra = plan.engines.extra_replicas;
+    let mut replicas = Vec::with_capacity(extra);
+    if extra == 0 {
         return Ok(replicas);
     }
     let host = &Host {
-        args,
-        model: Arc::new(crate::engines::load_model(&args.engine)?),
+        engine: &plan.engines.args,
+        listen_ip: plan.network.listen.ip(),
+        model: Arc::new(crate::engines::load_model(&plan.engines.args)?),
         registry: &net.registry,
         beside,
         node: record,
@@ -598,17 +550,17 @@ async fn start_replicas(
     };
     // Several at once: each waits on etcd (its record) and makes a key pair.
     use futures::stream::{self, StreamExt, TryStreamExt};
-    let started: Vec<Replica> = stream::iter(1..args.replicas)
+    let started: Vec<Replica> = stream::iter(1..=extra)
         .map(|k| async move {
             Replica::start(host, format!("{}.{k}", record.node_id))
                 .await
-                .with_context(|| format!("starting replica {k} of {}", args.replicas))
+                .with_context(|| format!("starting replica {k} of {}", extra + 1))
         })
         .buffer_unordered(REPLICAS_STARTING)
         .try_collect()
         .await?;
     replicas.extend(started);
-    tracing::info!("{} sim workers in this process", args.replicas);
+    tracing::info!("{} sim workers in this process", extra + 1);
     Ok(replicas)
 }
 
@@ -616,13 +568,13 @@ async fn start_replicas(
 /// (a gateway), or its status routes; and what ends the gateway's open streams when a
 /// shutdown's grace period is over.
 fn app(
-    args: &NodeArgs,
+    plan: &NodePlan,
     node: &Arc<NodeState>,
     model: Option<&ModelInfo>,
     members: tokio::sync::watch::Receiver<Membership>,
     spans: Arc<kvmesh_telemetry::SpanStore>,
 ) -> (Router, kvmesh_gateway::StreamCut) {
-    let Some(r) = node.router.as_ref().filter(|_| args.has(Role::Gateway)) else {
+    let (Some(r), Some(gateway)) = (node.router.as_ref(), plan.gateway.as_ref()) else {
         return (node_routes(node.clone(), true), Default::default());
     };
     // A trace's spans are on every node it crossed: the viewer asks them all.
@@ -645,12 +597,12 @@ fn app(
         r.clone(),
         node.restarts.clone(),
         pinned,
-        args.cache_dir.clone(),
-        args.tool_call_parser,
+        gateway.cache_dir.clone(),
+        gateway.tool_call_parser,
     );
     let state = AppState::new(
         catalog,
-        args.api_key.clone(),
+        plan.api_key.clone(),
         Some(kvmesh_gateway::traces::Traces::new(spans, peers)),
     );
     let streams = state.streams.clone();
@@ -660,14 +612,14 @@ fn app(
     )
 }
 
-fn log_joined(args: &NodeArgs, node: &NodeState, net: &Network, layout: Option<&KvLayout>) {
+fn log_joined(plan: &NodePlan, node: &NodeState, net: &Network, layout: Option<&KvLayout>) {
     let node_id = &node.record.node_id;
     let (quic_addr, http_url) = (net.quic_addr, &net.http_url);
     tracing::info!(
         "node {node_id} joined cluster '{}' as {} (QUIC {quic_addr}, HTTP {http_url}, policy {})",
-        args.cluster,
-        args.roles_joined(),
-        args.policy.as_str()
+        plan.network.cluster,
+        plan.roles_joined(),
+        plan.router.as_ref().map_or("none", |r| r.policy.as_str())
     );
     if let Some(l) = layout {
         tracing::info!(
@@ -681,7 +633,7 @@ fn log_joined(args: &NodeArgs, node: &NodeState, net: &Network, layout: Option<&
                     .map_or(String::new(), |u| format!(", {}", u.describe()))
         );
     }
-    if args.has(Role::Gateway) {
+    if plan.gateway.is_some() {
         println!("kvmesh listening on {http_url}");
     }
     println!("kvmesh node {node_id} ready: quic {quic_addr} http {http_url}");
