@@ -91,7 +91,7 @@ fn seconds(s: &str) -> Result<f64, String> {
 /// `--api-key`: refused at start-up when it could never be sent (an empty key would lock
 /// every route).
 pub fn api_key(s: &str) -> Result<String, String> {
-    kvmesh_gateway::check_api_key(s)?;
+    kvmesh_gateway::check_api_key(s).map_err(|e| e.to_string())?;
     Ok(s.to_string())
 }
 

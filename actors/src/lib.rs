@@ -12,7 +12,7 @@ pub mod worker;
 
 pub use kvmesh_discovery::Role;
 pub use policy::Policy;
-pub use router::{fetch_card_from, Pinned, Pools, RouterCore};
+pub use router::{fetch_card_from, CardFetchError, Pinned, Pools, RouterCore};
 pub use supervisor::{NodeMsg, NodeRoles, RoleRestarts};
 pub use worker::{Serving, WorkerCore};
 

@@ -305,14 +305,13 @@ impl Actor for NodeSupervisor {
     }
 }
 
-/// Starts the supervisor and its roles.
-pub async fn start(roles: NodeRoles) -> Result<ActorRef<NodeMsg>, String> {
+/// Starts the supervisor and its roles; ractor's error says which role did not start.
+pub async fn start(roles: NodeRoles) -> Result<ActorRef<NodeMsg>, ractor::SpawnErr> {
     let (sup, _join) = Actor::spawn(
         Some(format!("node-{}", ractor_unique())),
         NodeSupervisor,
         roles,
     )
-    .await
-    .map_err(|e| format!("starting the node supervisor: {e}"))?;
+    .await?;
     Ok(sup)
 }

@@ -29,7 +29,9 @@ pub use backoff::Backoff;
 pub use embedded::EmbeddedRegistry;
 pub use error::DiscoveryError;
 pub use etcd::EtcdRegistry;
-pub use record::{check_model_name, node_key, nodes_prefix, Membership, NodeRecord};
+pub use record::{
+    check_model_name, node_key, nodes_prefix, Membership, ModelNameError, NodeRecord,
+};
 pub use registry::{Registration, Registry};
 pub use role::Role;
 
@@ -82,7 +84,12 @@ mod tests {
         for ok in ["tiny", "Qwen/Qwen3-0.6B", " padded ", "modèle"] {
             assert_eq!(check_model_name(ok), Ok(()), "{ok:?}");
         }
-        let why = |n: &str| check_model_name(n).unwrap_err();
+        let why = |n: &str| check_model_name(n).unwrap_err().to_string();
+        assert_eq!(check_model_name(""), Err(ModelNameError::Empty));
+        assert_eq!(
+            check_model_name("a\nb"),
+            Err(ModelNameError::Control { code: 10, at: 1 })
+        );
         assert_eq!(why(""), "must not be empty");
         assert_eq!(why(" \u{3000} "), "must not be only whitespace");
         assert_eq!(

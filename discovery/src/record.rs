@@ -102,20 +102,28 @@ pub(crate) fn validate_record(record: &NodeRecord, cluster: &str) -> Result<(), 
 /// records), or `Ok` when it can: it must not be empty or only whitespace, and must hold no
 /// control character (a newline, tab or NUL would split or cut it in logs, metrics labels
 /// and the API's replies).
-pub fn check_model_name(name: &str) -> Result<(), String> {
+pub fn check_model_name(name: &str) -> Result<(), ModelNameError> {
     if name.is_empty() {
-        return Err("must not be empty".into());
+        return Err(ModelNameError::Empty);
     }
     if let Some((at, c)) = name.char_indices().find(|(_, c)| c.is_control()) {
-        return Err(format!(
-            "contains a control character (U+{:04X}) at byte {at}",
-            c as u32
-        ));
+        return Err(ModelNameError::Control { code: c as u32, at });
     }
     if name.trim().is_empty() {
-        return Err("must not be only whitespace".into());
+        return Err(ModelNameError::Blank);
     }
     Ok(())
+}
+
+/// Why a name cannot name a served model: one variant per rule of [`check_model_name`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ModelNameError {
+    #[error("must not be empty")]
+    Empty,
+    #[error("contains a control character (U+{code:04X}) at byte {at}")]
+    Control { code: u32, at: usize },
+    #[error("must not be only whitespace")]
+    Blank,
 }
 
 /// Why a record's model name cannot be served, naming the node. A node that runs an engine

@@ -93,22 +93,29 @@ pub fn authorized(headers: &axum::http::HeaderMap, key: &str) -> bool {
 
 /// Why an API key cannot be used, if it cannot: one that could never be sent would lock
 /// every route.
-pub fn check_api_key(key: &str) -> Result<(), String> {
+pub fn check_api_key(key: &str) -> Result<(), ApiKeyError> {
     if key.is_empty() {
-        return Err(
-            "the API key is empty, which would refuse every request; leave --api-key \
-                    (and KVMESH_API_KEY) unset to serve without one"
-                .into(),
-        );
+        return Err(ApiKeyError::Empty);
     }
     if !key.bytes().all(|b| b.is_ascii_graphic()) {
-        return Err(
-            "the API key must be printable ASCII without spaces (it is sent in an \
-                    `Authorization: Bearer <key>` header)"
-                .into(),
-        );
+        return Err(ApiKeyError::NotPrintable);
     }
     Ok(())
+}
+
+/// Why an API key cannot be used: one variant per rule of [`check_api_key`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum ApiKeyError {
+    #[error(
+        "the API key is empty, which would refuse every request; leave --api-key \
+         (and KVMESH_API_KEY) unset to serve without one"
+    )]
+    Empty,
+    #[error(
+        "the API key must be printable ASCII without spaces (it is sent in an \
+         `Authorization: Bearer <key>` header)"
+    )]
+    NotPrintable,
 }
 
 async fn count_requests(State(st): State<Arc<AppState>>, req: Request, next: Next) -> Response {

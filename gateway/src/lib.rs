@@ -27,7 +27,7 @@ pub mod structured;
 pub mod tools;
 pub mod traces;
 
-pub use api::{authorized, check_api_key, router};
+pub use api::{authorized, check_api_key, router, ApiKeyError};
 pub use dispatch::Dispatch;
 pub use state::{
     max_bytes_per_token, AppState, Catalog, ListedModel, OneModel, Resolving, ServedModel,

@@ -330,7 +330,7 @@ impl MeshCatalog {
                 let refused = match fetch_card_from(&link, fp, within).await {
                     Err(e) => {
                         self.count(&pool.model, "failed");
-                        failures.insert(id, (e, false));
+                        failures.insert(id, (e.to_string(), false));
                         continue;
                     }
                     Ok(bytes) => match check_bytes(bytes.clone(), fp.clone()).await {

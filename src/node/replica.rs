@@ -5,6 +5,8 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
+use anyhow::Context;
+
 use kvmesh_actors::pace::ReportPace;
 use kvmesh_actors::{NodeMsg, NodeRoles, Role, RoleRestarts, Serving, WorkerCore};
 use kvmesh_discovery::{EtcdRegistry, NodeRecord, Registration};
@@ -79,7 +81,7 @@ impl Replica {
             restarts: Arc::new(RoleRestarts::default()),
         })
         .await
-        .map_err(anyhow::Error::msg)?;
+        .context("starting the node supervisor")?;
         // Its own record, under the node's lease (they live and die together); the node's
         // HTTP listener answers for the process.
         let record = NodeRecord {

@@ -321,7 +321,7 @@ pub async fn start(
         restarts: restarts.clone(),
     })
     .await
-    .map_err(anyhow::Error::msg)?;
+    .context("starting the node supervisor")?;
     for e in engines.generate.iter().chain(engines.prefill.iter()) {
         tokio::spawn(crate::engines::log_throughput(e.handle.clone()));
     }

@@ -60,7 +60,7 @@ pub use attempts::{FULL_ROUNDS, UNSTARTED_PATIENCE};
 pub use config::{DisaggConfig, RouterConfig};
 pub use links::{KvSlot, WorkerLink};
 pub use membership::REGISTRY_GRACE;
-pub use pools::{fetch_card_from, Pinned, Pools};
+pub use pools::{fetch_card_from, CardFetchError, Pinned, Pools};
 pub use stats::{Decision, PickTimes, PoolView, RouterStats};
 
 /// The metric families of a router's pools, each series labelled with its `model_name`.

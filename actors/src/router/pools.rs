@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use kvmesh_discovery::{Membership, NodeRecord};
 use kvmesh_transport::wire::{self, CardReply, StreamRequest};
-use kvmesh_transport::NodeEndpoint;
+use kvmesh_transport::{NodeEndpoint, TransportError};
 use parking_lot::{Mutex, RwLock};
 
 use super::config::RouterConfig;
@@ -184,33 +184,62 @@ pub async fn fetch_card_from(
     link: &WorkerLink,
     fingerprint: &str,
     within: Duration,
-) -> Result<Vec<u8>, String> {
-    let id = &link.record.node_id;
+) -> Result<Vec<u8>, CardFetchError> {
+    let node = link.record.node_id.clone();
     let Some(conn) = link.connection() else {
-        return Err(format!("{id}: not connected"));
+        return Err(CardFetchError::NotConnected { node });
     };
     let got = async {
-        let (mut send, mut recv) = conn.open_bi().await.map_err(|e| e.to_string())?;
+        let stream = |source| CardFetchError::Stream {
+            node: node.clone(),
+            source,
+        };
+        let (mut send, mut recv) = conn
+            .open_bi()
+            .await
+            .map_err(|e| stream(TransportError::from(e)))?;
         let ask = StreamRequest::Card {
             fingerprint: fingerprint.to_string(),
         };
-        wire::write_msg(&mut send, &ask)
-            .await
-            .map_err(|e| e.to_string())?;
+        wire::write_msg(&mut send, &ask).await.map_err(stream)?;
         let _ = send.finish();
-        match wire::read_msg::<CardReply>(&mut recv).await {
-            Ok(Some(CardReply::Card(bytes))) => Ok(bytes),
-            Ok(Some(CardReply::Refused { message })) => Err(message),
-            Ok(None) => Err("the worker closed the stream".to_string()),
-            Err(e) => Err(e.to_string()),
+        match wire::read_msg::<CardReply>(&mut recv)
+            .await
+            .map_err(stream)?
+        {
+            Some(CardReply::Card(bytes)) => Ok(bytes),
+            Some(CardReply::Refused { message }) => Err(CardFetchError::Refused {
+                node: node.clone(),
+                message,
+            }),
+            None => Err(CardFetchError::Closed { node: node.clone() }),
         }
     };
     match tokio::time::timeout(within, got).await {
-        Ok(Ok(bytes)) => Ok(bytes),
-        Ok(Err(e)) => Err(format!("{id}: {e}")),
-        Err(_) => Err(format!(
-            "{id}: no card came within {:.1} s",
-            within.as_secs_f64()
-        )),
+        Ok(r) => r,
+        Err(_) => Err(CardFetchError::TimedOut {
+            node,
+            secs: within.as_secs_f64(),
+        }),
     }
+}
+
+/// Why a worker gave no model card.
+#[derive(Debug, thiserror::Error)]
+pub enum CardFetchError {
+    #[error("{node}: not connected")]
+    NotConnected { node: String },
+    #[error("{node}: {source}")]
+    Stream {
+        node: String,
+        #[source]
+        source: TransportError,
+    },
+    /// The worker's own words.
+    #[error("{node}: {message}")]
+    Refused { node: String, message: String },
+    #[error("{node}: the worker closed the stream")]
+    Closed { node: String },
+    #[error("{node}: no card came within {secs:.1} s")]
+    TimedOut { node: String, secs: f64 },
 }

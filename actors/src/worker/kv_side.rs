@@ -302,7 +302,25 @@ enum PeerSlot {
     #[default]
     Unknown,
     Live(Connection),
-    Failed(Instant, String),
+    Failed(Instant, PeerError),
+}
+
+/// Why a prefill worker could not be reached; kept for `REDIAL_AFTER` and given to every
+/// request for that peer meanwhile, hence shared.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum PeerError {
+    #[error("prefill worker {node} has a bad address: {source}")]
+    BadAddress {
+        node: String,
+        #[source]
+        source: std::net::AddrParseError,
+    },
+    #[error("prefill worker {node}: {source}")]
+    Dial {
+        node: String,
+        #[source]
+        source: Arc<kvmesh_transport::TransportError>,
+    },
 }
 
 /// How long a failed dial answers for its peer before the next request dials again.
@@ -317,7 +335,7 @@ impl PeerLinks {
         }
     }
 
-    pub async fn get(&self, peer: &PrefillPeer) -> Result<Connection, String> {
+    pub async fn get(&self, peer: &PrefillPeer) -> Result<Connection, PeerError> {
         let key = format!("{}@{}#{}", peer.node_id, peer.quic_addr, peer.cert_sha256);
         let slot = {
             let mut conns = self.conns.lock();
@@ -342,11 +360,14 @@ impl PeerLinks {
                 .endpoint
                 .connect(addr, &peer.cert_sha256)
                 .await
-                .map_err(|e| format!("prefill worker {}: {e}", peer.node_id)),
-            Err(e) => Err(format!(
-                "prefill worker {} has a bad address: {e}",
-                peer.node_id
-            )),
+                .map_err(|e| PeerError::Dial {
+                    node: peer.node_id.clone(),
+                    source: Arc::new(e),
+                }),
+            Err(source) => Err(PeerError::BadAddress {
+                node: peer.node_id.clone(),
+                source,
+            }),
         };
         match dialed {
             Ok(conn) => {

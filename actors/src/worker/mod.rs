@@ -19,7 +19,7 @@ mod role_core;
 mod serving;
 
 pub use export::SendVia;
-pub use kv_side::{KvSide, KvStats, KvTransport, PeerLinks, TransferError, UcxSide};
+pub use kv_side::{KvSide, KvStats, KvTransport, PeerError, PeerLinks, TransferError, UcxSide};
 pub use load::LOAD_REPORT_INTERVAL;
 pub use role_core::WorkerCore;
 pub use serving::Serving;

@@ -29,7 +29,7 @@ use kvmesh_transport::kv::ucx::UcxError;
 use kvmesh_transport::{ConnectionError, TransportError};
 
 use super::export::SendVia;
-use super::kv_side::{region, KvSide, KvTransport};
+use super::kv_side::{region, KvSide, KvTransport, PeerError};
 use super::role_core::WorkerCore;
 use crate::convert;
 
@@ -125,9 +125,9 @@ pub(super) async fn decode(
 /// Why a prompt's KV did not come from the prefill worker (the engine then prefills here).
 #[derive(Debug, thiserror::Error)]
 enum PullError {
-    /// Dialing the prefill worker (the text `KvSide::peers` keeps for a while).
+    /// Dialing the prefill worker (the error `KvSide::peers` keeps for a while).
     #[error("{0}")]
-    Peer(String),
+    Peer(#[source] PeerError),
     #[error("registering the KV pool with UCX: {0}")]
     UcxRegistration(#[source] UcxError),
     #[error("a UCX fallback cannot itself be UCX")]

@@ -22,6 +22,21 @@ pub(super) struct Keeper {
     _stop: oneshot::Sender<()>,
 }
 
+/// Why the lease thread has no connection.
+#[derive(Debug, thiserror::Error)]
+pub(super) enum KeeperError {
+    #[error("cannot start its runtime: {0}")]
+    Runtime(#[source] std::io::Error),
+    #[error("cannot start a thread: {0}")]
+    Thread(#[source] std::io::Error),
+    #[error("{0}")]
+    Connect(#[source] etcd_client::Error),
+    #[error("its thread ended")]
+    ThreadEnded,
+    #[error("no answer within {secs} s")]
+    NoAnswer { secs: u64 },
+}
+
 impl Keeper {
     /// Starts the thread and connects its client to `endpoints`; `Err` holds why not, as
     /// `Client::connect` or the OS says it. Gives up after `deadline`.
@@ -29,7 +44,7 @@ impl Keeper {
         endpoints: &[String],
         options: ConnectOptions,
         deadline: Duration,
-    ) -> Result<Keeper, String> {
+    ) -> Result<Keeper, KeeperError> {
         let (ready, connected) = oneshot::channel();
         let (stop, stopped) = oneshot::channel::<()>();
         let endpoints = endpoints.to_vec();
@@ -42,7 +57,7 @@ impl Keeper {
                 {
                     Ok(r) => r,
                     Err(e) => {
-                        let _ = ready.send(Err(format!("cannot start its runtime: {e}")));
+                        let _ = ready.send(Err(KeeperError::Runtime(e)));
                         return;
                     }
                 };
@@ -55,12 +70,12 @@ impl Keeper {
                             }
                         }
                         Err(e) => {
-                            let _ = ready.send(Err(e.to_string()));
+                            let _ = ready.send(Err(KeeperError::Connect(e)));
                         }
                     }
                 });
             })
-            .map_err(|e| format!("cannot start a thread: {e}"))?;
+            .map_err(KeeperError::Thread)?;
         match tokio::time::timeout(deadline, connected).await {
             Ok(Ok(Ok((client, runtime)))) => Ok(Keeper {
                 runtime,
@@ -68,8 +83,10 @@ impl Keeper {
                 _stop: stop,
             }),
             Ok(Ok(Err(e))) => Err(e),
-            Ok(Err(_)) => Err("its thread ended".into()),
-            Err(_) => Err(format!("no answer within {} s", deadline.as_secs())),
+            Ok(Err(_)) => Err(KeeperError::ThreadEnded),
+            Err(_) => Err(KeeperError::NoAnswer {
+                secs: deadline.as_secs(),
+            }),
         }
     }
 

@@ -414,6 +414,17 @@ impl Drop for InboxEntry {
     }
 }
 
+/// Why an inbound KV stream found no transfer to join.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum DeliverError {
+    #[error("transfer {0} has ended")]
+    Ended(u64),
+    #[error("a stream for transfer {0} had the wrong secret")]
+    WrongSecret(u64),
+    #[error("no transfer {0} is waiting")]
+    NotWaiting(u64),
+}
+
 impl KvInbox {
     pub fn register(
         &self,
@@ -432,17 +443,15 @@ impl KvInbox {
     }
 
     /// Hands a stream to its transfer.
-    pub fn deliver(&self, hello: &KvStreamHello, s: KvInbound) -> Result<(), String> {
+    pub fn deliver(&self, hello: &KvStreamHello, s: KvInbound) -> Result<(), DeliverError> {
         let inner = self.inner.lock();
-        match inner.get(&hello.transfer_id) {
-            Some((secret, tx)) if *secret == hello.secret => tx
-                .send(s)
-                .map_err(|_| format!("transfer {} has ended", hello.transfer_id)),
-            Some(_) => Err(format!(
-                "a stream for transfer {} had the wrong secret",
-                hello.transfer_id
-            )),
-            None => Err(format!("no transfer {} is waiting", hello.transfer_id)),
+        let id = hello.transfer_id;
+        match inner.get(&id) {
+            Some((secret, tx)) if *secret == hello.secret => {
+                tx.send(s).map_err(|_| DeliverError::Ended(id))
+            }
+            Some(_) => Err(DeliverError::WrongSecret(id)),
+            None => Err(DeliverError::NotWaiting(id)),
         }
     }
 
@@ -494,7 +503,7 @@ impl KvInbox {
                 let why = match hello {
                     Ok(Ok(Some(h))) => match inbox.deliver(&h, Box::new(s)) {
                         Ok(()) => return,
-                        Err(e) => e,
+                        Err(e) => e.to_string(),
                     },
                     Ok(Ok(None)) => "it closed before its hello".to_string(),
                     Ok(Err(e)) => format!("its hello was bad: {e}"),
