@@ -26,6 +26,7 @@ mod state;
 pub mod structured;
 pub mod tools;
 pub mod traces;
+pub mod validation;
 
 pub use api::{authorized, check_api_key, router, ApiKeyError};
 pub use dispatch::Dispatch;

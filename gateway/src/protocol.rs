@@ -4,7 +4,8 @@
 use serde::Deserialize;
 use serde_json::Value;
 
-use crate::error::{client_text, quoted, ApiError};
+use crate::error::{client_text, ApiError};
+use crate::validation::Invalid;
 use kvmesh_gpu::sampler::SamplingParams;
 use kvmesh_gpu::tokenizer::SamplingDefaults;
 
@@ -162,7 +163,7 @@ pub struct Validated {
     pub return_token_ids: bool,
 }
 
-pub const MAX_LOGPROBS: i64 = 20;
+pub use crate::validation::MAX_LOGPROBS;
 
 pub fn validate_common(
     c: &Common,
@@ -180,41 +181,26 @@ pub fn validate_common(
         (None, Some(v)) => Some(("max_tokens", v)),
         _ => None,
     };
-    if let Some((name, v)) = max_tokens {
-        if v < 1 {
-            return Err(ApiError::param(
-                name,
-                format!("`{name}` must be at least 1, got {v}."),
-            ));
+    if let Some((field, got)) = max_tokens {
+        if got < 1 {
+            return Err(Invalid::MaxTokens { field, got }.into());
         }
     }
     let temperature = c.temperature.or(defaults.temperature).unwrap_or(1.0);
     if temperature < 0.0 || !temperature.is_finite() {
-        return Err(ApiError::param(
-            "temperature",
-            format!("`temperature` must be 0 or more, got {temperature}."),
-        ));
+        return Err(Invalid::Temperature(temperature).into());
     }
     let top_p = c.top_p.or(defaults.top_p).unwrap_or(1.0);
     if top_p <= 0.0 || top_p > 1.0 || top_p.is_nan() {
-        return Err(ApiError::param(
-            "top_p",
-            format!("`top_p` must be in (0, 1], got {top_p}."),
-        ));
+        return Err(Invalid::TopP(top_p).into());
     }
     let top_k = c.top_k.or(defaults.top_k).unwrap_or(0);
     if top_k < -1 {
-        return Err(ApiError::param(
-            "top_k",
-            format!("`top_k` must be -1 (off), 0 (off) or positive, got {top_k}."),
-        ));
+        return Err(Invalid::TopK(top_k).into());
     }
     if let Some(n) = c.n {
         if n != 1 {
-            return Err(ApiError::param(
-                "n",
-                format!("Only n = 1 is supported, got {n}."),
-            ));
+            return Err(Invalid::N(n).into());
         }
     }
     for (name, v) in [
@@ -223,10 +209,7 @@ pub fn validate_common(
     ] {
         if let Some(v) = v {
             if v != 0.0 {
-                return Err(ApiError::param(
-                    name,
-                    format!("`{name}` is not supported; send 0 or leave it out."),
-                ));
+                return Err(Invalid::Penalty(name).into());
             }
         }
     }
@@ -236,23 +219,17 @@ pub fn validate_common(
         Some(StringOrList::Many(v)) => v.clone(),
     };
     if stops.iter().any(String::is_empty) {
-        return Err(ApiError::param("stop", "Stop strings must not be empty."));
+        return Err(Invalid::EmptyStop.into());
     }
     let seed = match c.seed {
         Some(s) if s < 0 => {
-            return Err(ApiError::param(
-                "seed",
-                format!("`seed` must be 0 or more, got {s}."),
-            ));
+            return Err(Invalid::Seed(s).into());
         }
         s => s.map(|s| s as u64),
     };
     let stream = c.stream.unwrap_or(false);
     if c.stream_options.is_some() && !stream {
-        return Err(ApiError::param(
-            "stream_options",
-            "`stream_options` needs `stream: true`.",
-        ));
+        return Err(Invalid::StreamOptionsWithoutStream.into());
     }
     Ok(Validated {
         params: SamplingParams {
@@ -279,14 +256,8 @@ pub fn validate_common(
 /// Chat `logprobs`/`top_logprobs` into the number of alternatives (None: no logprobs).
 pub fn chat_logprobs(logprobs: Option<bool>, top: Option<i64>) -> Result<Option<usize>, ApiError> {
     match (logprobs.unwrap_or(false), top) {
-        (_, Some(t)) if !(0..=MAX_LOGPROBS).contains(&t) => Err(ApiError::param(
-            "top_logprobs",
-            format!("`top_logprobs` must be between 0 and {MAX_LOGPROBS}, got {t}."),
-        )),
-        (false, Some(_)) => Err(ApiError::param(
-            "top_logprobs",
-            "`top_logprobs` needs `logprobs: true`.",
-        )),
+        (_, Some(t)) if !(0..=MAX_LOGPROBS).contains(&t) => Err(Invalid::TopLogprobs(t).into()),
+        (false, Some(_)) => Err(Invalid::TopLogprobsWithoutLogprobs.into()),
         (true, t) => Ok(Some(t.unwrap_or(0) as usize)),
         (false, None) => Ok(None),
     }
@@ -296,30 +267,28 @@ pub fn completion_logprobs(n: Option<i64>) -> Result<Option<usize>, ApiError> {
     match n {
         None => Ok(None),
         Some(n) if (0..=MAX_LOGPROBS).contains(&n) => Ok(Some(n as usize)),
-        Some(n) => Err(ApiError::param(
-            "logprobs",
-            format!("`logprobs` must be between 0 and {MAX_LOGPROBS}, got {n}."),
-        )),
+        Some(n) => Err(Invalid::Logprobs(n).into()),
     }
 }
 
 /// Messages as the chat template reads them: role and plain-text content.
 pub fn template_messages(messages: &[ChatMessage]) -> Result<Vec<Value>, ApiError> {
     if messages.is_empty() {
-        return Err(ApiError::param("messages", "`messages` must not be empty."));
+        return Err(Invalid::NoMessages.into());
     }
     messages
         .iter()
         .enumerate()
         .map(|(i, m)| {
-            if !matches!(m.role.as_str(), "system" | "developer" | "user" | "assistant" | "tool") {
-                return Err(ApiError::param(
-                    &format!("messages[{i}].role"),
-                    format!(
-                        "Unknown role {}; use system, user, assistant or tool.",
-                        quoted(&m.role)
-                    ),
-                ));
+            if !matches!(
+                m.role.as_str(),
+                "system" | "developer" | "user" | "assistant" | "tool"
+            ) {
+                return Err(Invalid::Role {
+                    message: i,
+                    role: m.role.clone(),
+                }
+                .into());
             }
             let text = match &m.content {
                 None => String::new(),
@@ -328,20 +297,22 @@ pub fn template_messages(messages: &[ChatMessage]) -> Result<Vec<Value>, ApiErro
                     let mut s = String::new();
                     for p in parts {
                         if p.kind != "text" {
-                            return Err(ApiError::param(
-                                &format!("messages[{i}].content"),
-                                format!(
-                                    "Content parts of type {} are not supported; this model reads text.",
-                                    quoted(&p.kind)
-                                ),
-                            ));
+                            return Err(Invalid::ContentPart {
+                                message: i,
+                                kind: p.kind.clone(),
+                            }
+                            .into());
                         }
                         s.push_str(p.text.as_deref().unwrap_or(""));
                     }
                     s
                 }
             };
-            let role = if m.role == "developer" { "system" } else { m.role.as_str() };
+            let role = if m.role == "developer" {
+                "system"
+            } else {
+                m.role.as_str()
+            };
             let mut msg = serde_json::json!({"role": role, "content": text});
             if let Some(calls) = &m.tool_calls {
                 msg["tool_calls"] = Value::Array(
@@ -366,33 +337,25 @@ pub fn template_messages(messages: &[ChatMessage]) -> Result<Vec<Value>, ApiErro
 /// An assistant's earlier call as templates read it: OpenAI's shape, with `arguments` also
 /// parsed into an object (Hugging Face templates render it with `tojson`).
 fn template_call(c: &Value, at: &str) -> Result<Value, ApiError> {
-    let f = c.get("function").filter(|f| f.is_object()).ok_or_else(|| {
-        ApiError::param(
-            &format!("{at}.function"),
-            "A tool call needs a `function` object.",
-        )
-    })?;
-    let name = f.get("name").and_then(Value::as_str).ok_or_else(|| {
-        ApiError::param(
-            &format!("{at}.function.name"),
-            "A tool call needs a function `name`.",
-        )
-    })?;
+    let at = || at.to_string();
+    let f = c
+        .get("function")
+        .filter(|f| f.is_object())
+        .ok_or_else(|| Invalid::CallFunction { at: at() })?;
+    let name = f
+        .get("name")
+        .and_then(Value::as_str)
+        .ok_or_else(|| Invalid::CallName { at: at() })?;
     let args = match f.get("arguments") {
-        Some(Value::String(s)) => serde_json::from_str::<Value>(s).map_err(|e| {
-            ApiError::param(
-                &format!("{at}.function.arguments"),
-                format!("`arguments` is not JSON: {e}"),
-            )
-        })?,
+        Some(Value::String(s)) => {
+            serde_json::from_str::<Value>(s).map_err(|e| Invalid::CallArgumentsJson {
+                at: at(),
+                error: e.to_string(),
+            })?
+        }
         Some(v @ Value::Object(_)) => v.clone(),
         None | Some(Value::Null) => serde_json::json!({}),
-        Some(_) => {
-            return Err(ApiError::param(
-                &format!("{at}.function.arguments"),
-                "`arguments` must be a JSON object, or a string holding one.",
-            ))
-        }
+        Some(_) => return Err(Invalid::CallArgumentsKind { at: at() }.into()),
     };
     Ok(serde_json::json!({
         "id": c.get("id").cloned().unwrap_or(Value::Null),
