@@ -23,6 +23,7 @@ use crate::protocol::{self, ChatRequest, CompletionRequest, Prompt, Validated};
 use crate::state::{unix_now, AppState, ServedModel, StreamCut, WorkPool};
 use crate::structured::{self, Shape};
 use crate::tools::{ToolDelta, ToolFormat, ToolStream};
+use crate::validation::Invalid;
 
 /// A child span of the request's, for one phase of the gateway's work.
 fn span(name: &'static str) -> tracing::Span {
@@ -224,10 +225,7 @@ fn prepare_completion(st: &ServedModel, body: &[u8]) -> Result<Prepared, ApiErro
         if n == 1 {
             Ok(())
         } else {
-            Err(ApiError::param(
-                "prompt",
-                format!("Send one prompt per request (got {n})."),
-            ))
+            Err(ApiError::from(Invalid::OnePrompt(n)))
         }
     };
     let empty = match &req.prompt {

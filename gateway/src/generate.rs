@@ -12,6 +12,7 @@ use kvmesh_telemetry::phases::Phases;
 use crate::dispatch::{Event, Reply};
 use crate::error::ApiError;
 use crate::metrics::ModelMetrics;
+use crate::validation::Invalid;
 
 #[derive(Clone, Debug)]
 pub struct TokenLogprob {
@@ -145,9 +146,10 @@ impl Generation {
                 let e = match (self.guide_field, m.strip_prefix(GRAMMAR_FAILED)) {
                     // The grammar compiled but could not be followed to the end (it outgrew
                     // the matcher's limits): the request's fault, not the server's.
-                    (Some(field), Some(why)) => {
-                        ApiError::param(field, format!("`{field}` cannot be followed: {why}"))
-                    }
+                    (Some(field), Some(why)) => ApiError::from(Invalid::CannotFollow {
+                        field: field.to_string(),
+                        why: why.to_string(),
+                    }),
                     _ => ApiError::internal(format!("generation failed: {m}")),
                 };
                 Some(Err(self.failed(e)))

@@ -7,9 +7,10 @@ use serde_json::Value;
 
 use kvmesh_gpu::guided::{grammar, Guide, TopLevelGrammar};
 
-use crate::error::{client_text, quoted, ApiError};
+use crate::error::ApiError;
 use crate::state::ServedModel;
 use crate::tools::{self, Choice, ToolFormat, ToolRequest};
+use crate::validation::Invalid;
 
 /// The output's shape, as the engine and the response need it.
 #[derive(Default)]
@@ -45,10 +46,7 @@ pub fn read(body: &Value, chat: bool, model: &ServedModel) -> Result<Shape, ApiE
             .get("tools")
             .is_some_and(|t| !t.is_null() && !t.as_array().is_some_and(Vec::is_empty))
         {
-            return Err(ApiError::param(
-                "tools",
-                "`tools` belong to /v1/chat/completions.",
-            ));
+            return Err(Invalid::ToolsOnCompletions.into());
         }
         None
     };
@@ -57,37 +55,25 @@ pub fn read(body: &Value, chat: bool, model: &ServedModel) -> Result<Shape, ApiE
         Some(request) => Some(tool_use(request, model, &mut asked)?),
     };
     if asked.len() > 1 {
-        return Err(ApiError::param(
-            asked[1].0,
-            format!(
-                "`{}` and `{}` both constrain the output; send one.",
-                asked[0].0, asked[1].0
-            ),
-        ));
+        return Err(Invalid::TwoConstraints {
+            first: asked[0].0,
+            second: asked[1].0,
+        }
+        .into());
     }
     let guide_field = asked.last().map(|(f, _)| *f);
     let guide = match asked.pop() {
         None => None,
         Some((field, g)) => {
-            let guides = model.guides.get().map_err(|e| {
-                ApiError::param(
-                    field,
-                    format!(
-                        "This model cannot constrain its output: {}",
-                        client_text(&e.to_string())
-                    ),
-                )
+            let guides = model.guides.get().map_err(|e| Invalid::CannotConstrain {
+                field,
+                why: e.to_string(),
             })?;
             // Compiled once and kept: the engine starts the sequence from this copy.
             let guide = Guide::new(&g);
-            guides.prepare(&guide).map_err(|e| {
-                ApiError::param(
-                    field,
-                    format!(
-                        "`{field}` cannot be followed: {}",
-                        client_text(&e.to_string())
-                    ),
-                )
+            guides.prepare(&guide).map_err(|e| Invalid::CannotFollow {
+                field: field.into(),
+                why: e.to_string(),
             })?;
             Some(guide)
         }
@@ -120,18 +106,12 @@ fn tool_use(
         let guides = model
             .guides
             .get()
-            .map_err(|e| ApiError::param("tools", e.to_string()))?;
+            .map_err(|e| Invalid::ToolsUnconstrainable(e.to_string()))?;
         guides
             .validate(grammar::json_schema(t.parameters.clone()))
-            .map_err(|e| {
-                let field = format!("tools[{i}].function.parameters");
-                ApiError::param(
-                    &field,
-                    format!(
-                        "`{field}` is not a usable JSON Schema: {}",
-                        client_text(&e.to_string())
-                    ),
-                )
+            .map_err(|e| Invalid::ToolSchema {
+                index: i,
+                why: e.to_string(),
             })?;
     }
     let format = match model.tool_format() {
@@ -183,35 +163,23 @@ fn logit_bias(body: &Value, vocab: usize) -> Result<Vec<(u32, f32)>, ApiError> {
     let Some(b) = body.get("logit_bias").filter(|v| !v.is_null()) else {
         return Ok(Vec::new());
     };
-    let map = b.as_object().ok_or_else(|| {
-        ApiError::param(
-            "logit_bias",
-            "`logit_bias` maps token ids to biases: a JSON object.",
-        )
-    })?;
+    let map = b.as_object().ok_or(Invalid::LogitBiasNotObject)?;
     let mut out = Vec::with_capacity(map.len());
     for (k, v) in map {
-        let id: u32 = k.trim().parse().map_err(|_| {
-            ApiError::param(
-                "logit_bias",
-                format!("`logit_bias` key {} is not a token id.", quoted(k)),
-            )
-        })?;
+        let id: u32 = k
+            .trim()
+            .parse()
+            .map_err(|_| Invalid::LogitBiasKey(k.clone()))?;
         if id as usize >= vocab {
-            return Err(ApiError::param(
-                "logit_bias",
-                format!("`logit_bias` names token {id}, outside the vocabulary (size {vocab})."),
-            ));
+            return Err(Invalid::LogitBiasOutsideVocab { id, vocab }.into());
         }
-        let bias =
-            v.as_f64()
-                .filter(|b| (-100.0..=100.0).contains(b))
-                .ok_or_else(|| {
-                    ApiError::param(
-                "logit_bias",
-                format!("`logit_bias` for token {id} must be a number from -100 to 100, got {v}."),
-            )
-                })?;
+        let bias = v
+            .as_f64()
+            .filter(|b| (-100.0..=100.0).contains(b))
+            .ok_or_else(|| Invalid::LogitBiasValue {
+                id,
+                got: v.to_string(),
+            })?;
         out.push((id, bias as f32));
     }
     Ok(out)
@@ -221,7 +189,6 @@ fn response_format(body: &Value) -> Result<Option<TopLevelGrammar>, ApiError> {
     let Some(f) = body.get("response_format").filter(|v| !v.is_null()) else {
         return Ok(None);
     };
-    let p = "response_format";
     match f.get("type").and_then(Value::as_str) {
         Some("text") => Ok(None),
         Some("json_object") => Ok(Some(grammar::json_object())),
@@ -229,30 +196,16 @@ fn response_format(body: &Value) -> Result<Option<TopLevelGrammar>, ApiError> {
             let js = f
                 .get("json_schema")
                 .filter(|v| v.is_object())
-                .ok_or_else(|| {
-                    ApiError::param(
-                        "response_format.json_schema",
-                        "`json_schema` must be an object with `name` and `schema`.",
-                    )
-                })?;
+                .ok_or(Invalid::JsonSchemaNotObject)?;
             match js.get("schema") {
                 Some(s @ Value::Object(_)) => Ok(Some(grammar::json_schema(s.clone()))),
                 // OpenAI's SDK sends no schema for a bare name: any JSON object.
                 None | Some(Value::Null) => Ok(Some(grammar::json_object())),
-                Some(_) => Err(ApiError::param(
-                    "response_format.json_schema.schema",
-                    "`schema` must be a JSON Schema object.",
-                )),
+                Some(_) => Err(Invalid::SchemaNotObject.into()),
             }
         }
-        Some(other) => Err(ApiError::param(
-            p,
-            format!(
-                "`response_format` type {} is not supported; use text, json_object or json_schema.",
-                quoted(other)
-            ),
-        )),
-        None => Err(ApiError::param(p, "`response_format` needs a `type`.")),
+        Some(other) => Err(Invalid::ResponseFormatType(other.to_string()).into()),
+        None => Err(Invalid::ResponseFormatNoType.into()),
     }
 }
 
@@ -262,10 +215,7 @@ fn vllm_fields(body: &Value) -> Result<Vec<(&'static str, TopLevelGrammar)>, Api
     let get = |o: &Value, k: &str| o.get(k).filter(|v| !v.is_null()).cloned();
     if let Some(so) = body.get("structured_outputs").filter(|v| !v.is_null()) {
         if !so.is_object() {
-            return Err(ApiError::param(
-                "structured_outputs",
-                "`structured_outputs` must be an object.",
-            ));
+            return Err(Invalid::StructuredOutputsNotObject.into());
         }
         for k in so.as_object().into_iter().flat_map(|o| o.keys()) {
             if !matches!(
@@ -279,10 +229,7 @@ fn vllm_fields(body: &Value) -> Result<Vec<(&'static str, TopLevelGrammar)>, Api
                     | "disable_additional_properties"
                     | "whitespace_pattern"
             ) {
-                return Err(ApiError::param(
-                    &format!("structured_outputs.{k}"),
-                    format!("`structured_outputs.{k}` is not supported; use json, regex, choice, grammar or json_object."),
-                ));
+                return Err(Invalid::StructuredOutputsKey(k.clone()).into());
             }
         }
         let named = [
@@ -314,8 +261,8 @@ fn vllm_fields(body: &Value) -> Result<Vec<(&'static str, TopLevelGrammar)>, Api
 }
 
 /// One vLLM constraint of kind `k` (json, regex, choice, grammar).
-fn one(field: &str, k: &str, v: Value) -> Result<TopLevelGrammar, ApiError> {
-    let bad = |what: &str| ApiError::param(field, format!("`{field}` must be {what}."));
+fn one(field: &'static str, k: &str, v: Value) -> Result<TopLevelGrammar, ApiError> {
+    let bad = |what| ApiError::from(Invalid::ConstraintValue { field, what });
     match k {
         "json" => match v {
             Value::Object(_) => Ok(grammar::json_schema(v)),

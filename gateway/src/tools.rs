@@ -7,8 +7,9 @@ use serde_json::{json, Value};
 use kvmesh_gpu::guided::{grammar, TopLevelGrammar};
 use kvmesh_gpu::tokenizer::TextTokenizer;
 
-use crate::error::{quoted, ApiError};
+use crate::error::ApiError;
 use crate::shared_defs::SharedDefs;
+use crate::validation::Invalid;
 
 /// How a family of models writes its calls.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -368,20 +369,17 @@ pub fn read(body: &Value) -> Result<Option<ToolRequest>, ApiError> {
     let list = match get("tools") {
         None => Vec::new(),
         Some(Value::Array(a)) => a.clone(),
-        Some(_) => return Err(ApiError::param("tools", "`tools` must be an array.")),
+        Some(_) => return Err(Invalid::ToolsNotArray.into()),
     };
     let mut tools = Vec::new();
     for (i, t) in list.iter().enumerate() {
-        let at = |f: &str| format!("tools[{i}]{f}");
         if t.get("type").and_then(Value::as_str) != Some("function") {
-            return Err(ApiError::param(
-                &at(".type"),
-                "Only tools of type `function` are supported.",
-            ));
+            return Err(Invalid::ToolType { index: i }.into());
         }
-        let f = t.get("function").filter(|f| f.is_object()).ok_or_else(|| {
-            ApiError::param(&at(".function"), "A tool needs a `function` object.")
-        })?;
+        let f = t
+            .get("function")
+            .filter(|f| f.is_object())
+            .ok_or(Invalid::ToolFunction { index: i })?;
         let name = f.get("name").and_then(Value::as_str).unwrap_or("");
         let valid = !name.is_empty()
             && name.len() <= 64
@@ -389,29 +387,23 @@ pub fn read(body: &Value) -> Result<Option<ToolRequest>, ApiError> {
                 .chars()
                 .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-');
         if !valid {
-            return Err(ApiError::param(
-                &at(".function.name"),
-                format!(
-                    "Function names are 1 to 64 of a-z, A-Z, 0-9, _ and -; got {}.",
-                    quoted(name)
-                ),
-            ));
+            return Err(Invalid::FunctionName {
+                index: i,
+                got: name.to_string(),
+            }
+            .into());
         }
         if tools.iter().any(|t: &Tool| t.name == name) {
-            return Err(ApiError::param(
-                &at(".function.name"),
-                format!("Two tools are named `{name}`."),
-            ));
+            return Err(Invalid::DuplicateTool {
+                index: i,
+                name: name.to_string(),
+            }
+            .into());
         }
         let parameters = match f.get("parameters") {
             None | Some(Value::Null) => json!({"type": "object", "properties": {}}),
             Some(p @ Value::Object(_)) => p.clone(),
-            Some(_) => {
-                return Err(ApiError::param(
-                    &at(".function.parameters"),
-                    "`parameters` must be a JSON Schema object.",
-                ))
-            }
+            Some(_) => return Err(Invalid::ToolParameters { index: i }.into()),
         };
         tools.push(Tool {
             name: name.to_string(),
@@ -420,31 +412,17 @@ pub fn read(body: &Value) -> Result<Option<ToolRequest>, ApiError> {
     }
     let choice = read_choice(get("tool_choice"), tools.is_empty())?;
     if choice != Choice::None && tools.is_empty() {
-        return Err(ApiError::param(
-            "tool_choice",
-            "`tool_choice` needs `tools` to choose from.",
-        ));
+        return Err(Invalid::ToolChoiceWithoutTools.into());
     }
     if let Choice::Named(n) = &choice {
         if !tools.iter().any(|t| &t.name == n) {
-            return Err(ApiError::param(
-                "tool_choice",
-                format!(
-                    "`tool_choice` names {}, which is not among `tools`.",
-                    quoted(n)
-                ),
-            ));
+            return Err(Invalid::ToolChoiceNotATool(n.clone()).into());
         }
     }
     let parallel = match get("parallel_tool_calls") {
         None => true,
         Some(Value::Bool(b)) => *b,
-        Some(_) => {
-            return Err(ApiError::param(
-                "parallel_tool_calls",
-                "`parallel_tool_calls` must be true or false.",
-            ))
-        }
+        Some(_) => return Err(Invalid::ParallelToolCalls.into()),
     };
     if tools.is_empty() {
         return Ok(None);
@@ -466,15 +444,7 @@ fn read_choice(c: Option<&Value>, no_tools: bool) -> Result<Choice, ApiError> {
             "none" => Choice::None,
             "auto" => Choice::Auto,
             "required" => Choice::Required,
-            other => {
-                return Err(ApiError::param(
-                    "tool_choice",
-                    format!(
-                        "`tool_choice` is none, auto, required or a named function; got {}.",
-                        quoted(other)
-                    ),
-                ))
-            }
+            other => return Err(Invalid::ToolChoiceValue(other.to_string()).into()),
         },
         Some(c) => {
             let name = c
@@ -482,12 +452,7 @@ fn read_choice(c: Option<&Value>, no_tools: bool) -> Result<Choice, ApiError> {
                 .and_then(|f| f.get("name"))
                 .and_then(Value::as_str)
                 .filter(|_| c.get("type").and_then(Value::as_str) == Some("function"))
-                .ok_or_else(|| {
-                    ApiError::param(
-                        "tool_choice",
-                        "A named `tool_choice` is {\"type\": \"function\", \"function\": {\"name\": ...}}.",
-                    )
-                })?;
+                .ok_or(Invalid::ToolChoiceNamed)?;
             Choice::Named(name.to_string())
         }
     })

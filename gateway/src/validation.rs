@@ -3,7 +3,7 @@
 //! as `param` ([`From<Invalid> for ApiError`]). The messages name the field and what it
 //! must be, as OpenAI's do.
 
-use crate::error::{quoted, ApiError};
+use crate::error::{client_text, quoted, ApiError};
 
 /// The most alternatives `logprobs`/`top_logprobs` may ask for.
 pub const MAX_LOGPROBS: i64 = 20;
@@ -55,6 +55,110 @@ pub enum Invalid {
     CallArgumentsJson { at: String, error: String },
     #[error("`arguments` must be a JSON object, or a string holding one.")]
     CallArgumentsKind { at: String },
+
+    // What the output must look like (`structured`).
+    #[error("`tools` belong to /v1/chat/completions.")]
+    ToolsOnCompletions,
+    /// Two fields that each constrain the output; `second` is named.
+    #[error("`{first}` and `{second}` both constrain the output; send one.")]
+    TwoConstraints {
+        first: &'static str,
+        second: &'static str,
+    },
+    #[error("This model cannot constrain its output: {}", client_text(.why))]
+    CannotConstrain { field: &'static str, why: String },
+    /// A constraint the grammar engine refuses (too large, unsupported features).
+    #[error("`{field}` cannot be followed: {}", client_text(.why))]
+    CannotFollow { field: String, why: String },
+    /// The model's grammar engine is unavailable, as it says.
+    #[error("{}", client_text(.0))]
+    ToolsUnconstrainable(String),
+    #[error(
+        "`tools[{index}].function.parameters` is not a usable JSON Schema: {}",
+        client_text(.why)
+    )]
+    ToolSchema { index: usize, why: String },
+    #[error(
+        "The chat template of `{model}` does not say how the model calls tools (it shows no \
+         Hermes/Qwen <tool_call>, Llama 3 JSON or Mistral [TOOL_CALLS] format), so calls \
+         cannot be told from text with tool_choice \"auto\": start the server with \
+         --tool-call-parser hermes|llama3_json|mistral, or send tool_choice \"required\" or \
+         a named function (calls are then forced as JSON), or \"none\"."
+    )]
+    NoToolFormat { model: String },
+    #[error("`logit_bias` maps token ids to biases: a JSON object.")]
+    LogitBiasNotObject,
+    #[error("`logit_bias` key {} is not a token id.", quoted(.0))]
+    LogitBiasKey(String),
+    #[error("`logit_bias` names token {id}, outside the vocabulary (size {vocab}).")]
+    LogitBiasOutsideVocab { id: u32, vocab: usize },
+    #[error(
+        "`logit_bias` for token {id} must be a number from -100 to 100, got {}.",
+        client_text(.got)
+    )]
+    LogitBiasValue { id: u32, got: String },
+    #[error("`json_schema` must be an object with `name` and `schema`.")]
+    JsonSchemaNotObject,
+    #[error("`schema` must be a JSON Schema object.")]
+    SchemaNotObject,
+    #[error(
+        "`response_format` type {} is not supported; use text, json_object or json_schema.",
+        quoted(.0)
+    )]
+    ResponseFormatType(String),
+    #[error("`response_format` needs a `type`.")]
+    ResponseFormatNoType,
+    #[error("`structured_outputs` must be an object.")]
+    StructuredOutputsNotObject,
+    #[error(
+        "`structured_outputs.{}` is not supported; use json, regex, choice, grammar or \
+         json_object.",
+        client_text(.0)
+    )]
+    StructuredOutputsKey(String),
+    /// A vLLM constraint field (`guided_regex`, `structured_outputs.choice`, ...) of the
+    /// wrong shape: what it must be.
+    #[error("`{field}` must be {what}.")]
+    ConstraintValue {
+        field: &'static str,
+        what: &'static str,
+    },
+
+    // Tools (`tools`).
+    #[error("`tools` must be an array.")]
+    ToolsNotArray,
+    #[error("Only tools of type `function` are supported.")]
+    ToolType { index: usize },
+    #[error("A tool needs a `function` object.")]
+    ToolFunction { index: usize },
+    #[error(
+        "Function names are 1 to 64 of a-z, A-Z, 0-9, _ and -; got {}.",
+        quoted(.got)
+    )]
+    FunctionName { index: usize, got: String },
+    #[error("Two tools are named `{name}`.")]
+    DuplicateTool { index: usize, name: String },
+    #[error("`parameters` must be a JSON Schema object.")]
+    ToolParameters { index: usize },
+    #[error("`tool_choice` needs `tools` to choose from.")]
+    ToolChoiceWithoutTools,
+    #[error("`tool_choice` names {}, which is not among `tools`.", quoted(.0))]
+    ToolChoiceNotATool(String),
+    #[error("`parallel_tool_calls` must be true or false.")]
+    ParallelToolCalls,
+    #[error(
+        "`tool_choice` is none, auto, required or a named function; got {}.",
+        quoted(.0)
+    )]
+    ToolChoiceValue(String),
+    #[error(
+        "A named `tool_choice` is {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}."
+    )]
+    ToolChoiceNamed,
+
+    // Completions.
+    #[error("Send one prompt per request (got {0}).")]
+    OnePrompt(usize),
 }
 
 impl Invalid {
@@ -81,6 +185,36 @@ impl Invalid {
             I::CallArgumentsJson { at, .. } | I::CallArgumentsKind { at } => {
                 format!("{at}.function.arguments")
             }
+            I::ToolsOnCompletions
+            | I::ToolsUnconstrainable(_)
+            | I::NoToolFormat { .. }
+            | I::ToolsNotArray => "tools".into(),
+            I::TwoConstraints { second, .. } => (*second).into(),
+            I::CannotConstrain { field, .. } | I::ConstraintValue { field, .. } => (*field).into(),
+            I::CannotFollow { field, .. } => field.clone(),
+            I::ToolSchema { index, .. } | I::ToolParameters { index } => {
+                format!("tools[{index}].function.parameters")
+            }
+            I::LogitBiasNotObject
+            | I::LogitBiasKey(_)
+            | I::LogitBiasOutsideVocab { .. }
+            | I::LogitBiasValue { .. } => "logit_bias".into(),
+            I::JsonSchemaNotObject => "response_format.json_schema".into(),
+            I::SchemaNotObject => "response_format.json_schema.schema".into(),
+            I::ResponseFormatType(_) | I::ResponseFormatNoType => "response_format".into(),
+            I::StructuredOutputsNotObject => "structured_outputs".into(),
+            I::StructuredOutputsKey(k) => format!("structured_outputs.{}", client_text(k)),
+            I::ToolType { index } => format!("tools[{index}].type"),
+            I::ToolFunction { index } => format!("tools[{index}].function"),
+            I::FunctionName { index, .. } | I::DuplicateTool { index, .. } => {
+                format!("tools[{index}].function.name")
+            }
+            I::ToolChoiceWithoutTools
+            | I::ToolChoiceNotATool(_)
+            | I::ToolChoiceValue(_)
+            | I::ToolChoiceNamed => "tool_choice".into(),
+            I::ParallelToolCalls => "parallel_tool_calls".into(),
+            I::OnePrompt(_) => "prompt".into(),
         }
     }
 }
@@ -197,7 +331,171 @@ mod tests {
                 "must be a JSON object",
             ),
         ];
-        for (e, param, text) in cases {
+        let shapes = [
+            (
+                Invalid::ToolsOnCompletions,
+                "tools",
+                "belong to /v1/chat/completions",
+            ),
+            (
+                Invalid::TwoConstraints {
+                    first: "response_format",
+                    second: "guided_regex",
+                },
+                "guided_regex",
+                "`response_format` and `guided_regex` both constrain the output; send one.",
+            ),
+            (
+                Invalid::CannotConstrain {
+                    field: "guided_json",
+                    why: "no grammar engine".into(),
+                },
+                "guided_json",
+                "This model cannot constrain its output: no grammar engine",
+            ),
+            (
+                Invalid::CannotFollow {
+                    field: "guided_regex".into(),
+                    why: "too large".into(),
+                },
+                "guided_regex",
+                "`guided_regex` cannot be followed: too large",
+            ),
+            (Invalid::ToolsUnconstrainable("x".into()), "tools", "x"),
+            (
+                Invalid::ToolSchema {
+                    index: 2,
+                    why: "bad".into(),
+                },
+                "tools[2].function.parameters",
+                "`tools[2].function.parameters` is not a usable JSON Schema: bad",
+            ),
+            (
+                Invalid::NoToolFormat { model: "m".into() },
+                "tools",
+                "The chat template of `m` does not say how the model calls tools",
+            ),
+            (Invalid::LogitBiasNotObject, "logit_bias", "a JSON object"),
+            (
+                Invalid::LogitBiasKey("x".into()),
+                "logit_bias",
+                "key `x` is not a token id.",
+            ),
+            (
+                Invalid::LogitBiasOutsideVocab { id: 9, vocab: 5 },
+                "logit_bias",
+                "names token 9, outside the vocabulary (size 5).",
+            ),
+            (
+                Invalid::LogitBiasValue {
+                    id: 1,
+                    got: "200".into(),
+                },
+                "logit_bias",
+                "for token 1 must be a number from -100 to 100, got 200.",
+            ),
+            (
+                Invalid::JsonSchemaNotObject,
+                "response_format.json_schema",
+                "`json_schema` must be an object",
+            ),
+            (
+                Invalid::SchemaNotObject,
+                "response_format.json_schema.schema",
+                "`schema` must be a JSON Schema object.",
+            ),
+            (
+                Invalid::ResponseFormatType("xml".into()),
+                "response_format",
+                "type `xml` is not supported",
+            ),
+            (
+                Invalid::ResponseFormatNoType,
+                "response_format",
+                "needs a `type`",
+            ),
+            (
+                Invalid::StructuredOutputsNotObject,
+                "structured_outputs",
+                "must be an object",
+            ),
+            (
+                Invalid::StructuredOutputsKey("jsn".into()),
+                "structured_outputs.jsn",
+                "`structured_outputs.jsn` is not supported",
+            ),
+            (
+                Invalid::ConstraintValue {
+                    field: "guided_choice",
+                    what: "a non-empty list of non-empty strings",
+                },
+                "guided_choice",
+                "`guided_choice` must be a non-empty list of non-empty strings.",
+            ),
+            (Invalid::ToolsNotArray, "tools", "`tools` must be an array."),
+            (
+                Invalid::ToolType { index: 1 },
+                "tools[1].type",
+                "type `function`",
+            ),
+            (
+                Invalid::ToolFunction { index: 0 },
+                "tools[0].function",
+                "`function` object",
+            ),
+            (
+                Invalid::FunctionName {
+                    index: 0,
+                    got: "a b".into(),
+                },
+                "tools[0].function.name",
+                "got `a b`.",
+            ),
+            (
+                Invalid::DuplicateTool {
+                    index: 1,
+                    name: "f".into(),
+                },
+                "tools[1].function.name",
+                "Two tools are named `f`.",
+            ),
+            (
+                Invalid::ToolParameters { index: 3 },
+                "tools[3].function.parameters",
+                "`parameters` must be a JSON Schema object.",
+            ),
+            (
+                Invalid::ToolChoiceWithoutTools,
+                "tool_choice",
+                "needs `tools`",
+            ),
+            (
+                Invalid::ToolChoiceNotATool("g".into()),
+                "tool_choice",
+                "names `g`, which is not among `tools`.",
+            ),
+            (
+                Invalid::ParallelToolCalls,
+                "parallel_tool_calls",
+                "true or false",
+            ),
+            (
+                Invalid::ToolChoiceValue("x".into()),
+                "tool_choice",
+                "got `x`.",
+            ),
+            (
+                Invalid::ToolChoiceNamed,
+                "tool_choice",
+                r#"A named `tool_choice` is {"type": "function", "function": {"name": ...}}."#,
+            ),
+            (
+                Invalid::OnePrompt(3),
+                "prompt",
+                "Send one prompt per request (got 3).",
+            ),
+        ];
+        for (e, param, text) in cases.into_iter().chain(shapes) {
             let api = ApiError::from(e.clone());
             assert_eq!(api.status, StatusCode::BAD_REQUEST, "{e:?}");
             assert_eq!(api.kind, "invalid_request_error", "{e:?}");
@@ -208,16 +506,24 @@ mod tests {
     }
 
     #[test]
-    fn a_huge_role_is_quoted_short() {
-        let e = Invalid::Role {
-            message: 0,
-            role: "r".repeat(1 << 20),
-        };
-        let m = e.to_string();
-        assert!(
-            m.len() < 400 && m.contains("(1048576 bytes)"),
-            "{}",
-            m.len()
-        );
+    fn huge_client_text_is_quoted_short() {
+        let huge = "r".repeat(1 << 20);
+        for e in [
+            Invalid::Role {
+                message: 0,
+                role: huge.clone(),
+            },
+            Invalid::LogitBiasValue {
+                id: 0,
+                got: huge.clone(),
+            },
+            Invalid::StructuredOutputsKey(huge.clone()),
+            Invalid::ToolChoiceValue(huge.clone()),
+        ] {
+            let api = ApiError::from(e);
+            assert!(api.message.len() < 400, "{} bytes", api.message.len());
+            assert!(api.message.contains("(1048576 bytes)"), "{}", api.message);
+            assert!(api.param.as_ref().is_some_and(|p| p.len() < 400));
+        }
     }
 }
