@@ -60,7 +60,7 @@ run)
     mkdir -p "$work"
     t0=$(date +%s)
     budget="${GPU_BUDGET_S:-540}"
-    stages="${STAGES:-offline parity bench-8b skinny-ab-8b long-decode-8b pdl-ab-8b pdl-ab-small fuse-ab profile-8b profile-small serve-8b bench-llama-8b bench-small peer-8b}"
+    stages="${STAGES:-offline parity bench-8b skinny-ab-8b long-decode-8b pdl-ab-8b pdl-ab-small fuse-ab sm-split-8b profile-8b profile-small serve-8b bench-llama-8b bench-small peer-8b}"
     # The device returns at most 8 files from $OUT: everything is packed into one archive
     # (and a summary printed) however the run ends.
     touch "$work/.start"
@@ -130,6 +130,12 @@ run)
         $([ $f = on ] && echo --fuse-norms) --presets qwen2.5-0.5b,llama-3.2-1b,qwen3-8b \
         --batches 1,2,8 --sampled-batches 0 --prefill-lens 512 --gemm-size 0 --copy-reps 3 \
         --json "bench/results/gpu-fuse-norms-$f.json" || exit; done'
+    # Each side of an SM split alone (green contexts; `--sm-split`): decode on 36 SMs, prefill
+    # on 96, against bench-8b's whole GPU: what a split costs each engine.
+    stage sm-split-8b 130 bash -c 'for side in decode prefill; do gpu-out/gpu-bench \
+        --presets qwen3-8b --sm-split prefill:96,decode:36 --sm-side $side --batches 1,8,32,64 \
+        --sampled-batches 0 --prefill-lens 512,2048 --gemm-size 0 --copy-reps 3 \
+        --json "bench/results/gpu-8b-qwen3-sm-$side.json" || exit; done'
     # Where the batch-1 step goes, kernel by kernel: what the fusion work is decided on.
     stage profile-8b 120 env OUT="$work" PRESET=qwen3-8b BATCH=1 PREFILL=512 bash scripts/gpu_profile.sh
     # The small model's step, kernel by kernel (the launch-bubble work is decided on it).

@@ -23,10 +23,17 @@
 //!   on one engine (disaggregated prefill on the GPU backend);
 //! - a KV budget larger than the GPU is a clear error, and HTTP answers match the CPU's;
 //! - the skinny products (decode steps of up to 8 rows) equal cuBLAS's and a float64
-//!   reference at the 8B models' shapes and at ragged ones.
+//!   reference at the 8B models' shapes and at ragged ones;
+//! - FP8 checkpoints kept in FP8 (block-scaled and compressed-tensors fixtures) against the
+//!   CPU's dequantized model, with the FP8 decode kernels, the activation quantizer and
+//!   cuBLASLt's FP8 GEMMs each held to a host computation of the same product.
+//! - each side of an SM split (green contexts) computing what the whole GPU does, and a
+//!   region exported by CUDA IPC read and written by a second process (`cuda/split.rs`).
 #![cfg(feature = "cuda")]
 
 mod common;
+#[path = "cuda/split.rs"]
+mod split;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -34,7 +41,8 @@ use std::sync::Arc;
 use kvmesh_gpu::backend::cpu::delta::DeltaParams;
 use kvmesh_gpu::backend::cuda::delta::{mix_on_device, mix_on_host, DeltaDims};
 use kvmesh_gpu::backend::cuda::{
-    sample_host_logits, skinny_and_cublas, skinny_epilogues, skinny_norm_prologues, CudaBackend,
+    fp8_product, fp8_quantize, sample_host_logits, skinny_and_cublas, skinny_epilogues,
+    skinny_norm_prologues, CudaBackend,
 };
 use kvmesh_gpu::backend::{Backend, CudaOptions, ForwardBatch, Pdl, SampleSpec, SeqInput};
 use kvmesh_gpu::config::{Arch, HybridConfig, HybridLayout, LayerType};
@@ -57,7 +65,7 @@ const MODELS: [&str; 5] = [
 
 /// Checkpoints `save_pretrained` wrote (scripts/reference_logits.py) that the dense CUDA
 /// backend runs: every `hf-*` fixture but those with dynamic RoPE, which it refuses, the FP8
-/// ones, which it does not run yet, and Qwen3.5's hybrid ones (their own test below).
+/// ones and Qwen3.5's hybrid ones (their own tests below).
 fn hf_models() -> Vec<String> {
     let mut v: Vec<String> = std::fs::read_dir(repo().join("tests/fixtures/models"))
         .unwrap()
@@ -1244,5 +1252,340 @@ fn skinny_products_match_cublas_and_a_float64_reference() {
             }
         }
         println!("m {m} n {n} k {k}: skinny within {worst:.1e} of float64 (relative to sum |x w|)");
+    }
+}
+
+/// The FP8 fixtures (block-scaled with an ignored layer, per-channel and per-tensor
+/// compressed-tensors with an ignored `up_proj` and q/k/v biases).
+const FP8_MODELS: [&str; 3] = [
+    "hf-qwen3-fp8-block",
+    "hf-llama-fp8-block-ignore",
+    "hf-qwen2-fp8-ct",
+];
+
+/// FP8 on the GPU against the CPU's dequantized model: each logit within 8% of the row's
+/// largest. The weights are the same numbers on both sides (the CPU multiplies the same e4m3
+/// values by the same scales); what differs is that prefill quantizes every activation to
+/// e4m3 before cuBLASLt's GEMMs, a relative rounding of up to 2^-4 per element (3 mantissa
+/// bits; about 2^-6 on average), on top of the bf16 activations and KV cache that cost the
+/// bf16 path its 3% (`assert_close`). Decode steps read e4m3 weights with bf16 activations
+/// (`fp8_gemv_*`), but attend over keys and values written by the quantized prefill.
+const FP8_TOLERANCE: f32 = 0.08;
+
+fn assert_close_fp8(ctx: &str, gpu: &[f32], cpu: &[f32]) -> f32 {
+    assert_eq!(gpu.len(), cpu.len(), "{ctx}: vocabulary sizes differ");
+    let scale = cpu.iter().fold(1f32, |m, x| m.max(x.abs()));
+    let mut worst = 0f32;
+    for (i, (g, c)) in gpu.iter().zip(cpu).enumerate() {
+        let d = (g - c).abs();
+        assert!(d.is_finite(), "{ctx}: logit {i} is {g} on the GPU");
+        assert!(
+            d <= FP8_TOLERANCE * scale,
+            "{ctx}: logit {i}: gpu {g} cpu {c} (scale {scale})"
+        );
+        worst = worst.max(d / scale);
+    }
+    worst
+}
+
+#[test]
+fn fp8_models_match_the_cpus_dequantized_model() {
+    for name in FP8_MODELS {
+        let m = load(name);
+        assert!(
+            m.config.quantization.is_some(),
+            "{name} is not an FP8 fixture"
+        );
+        let (mut agree, mut steps) = (0, 0);
+        for (pi, prompt) in prompts(name).iter().enumerate() {
+            let (mut cpu, mut gpu) = backends(&m, 16);
+            let table: Vec<BlockId> = [5u32, 2, 7, 0, 3, 6, 1, 4, 9, 8]
+                .iter()
+                .map(|&b| BlockId(b))
+                .collect();
+            let ctx = format!("{name} prompt {pi} ({} tokens)", prompt.len());
+            let c = forward(cpu.as_mut(), prompt, 0, &table);
+            let g = forward(gpu.as_mut(), prompt, 0, &table);
+            let mut worst = assert_close_fp8(&format!("{ctx} prefill"), &g, &c);
+            agree += (argmax(&g) == argmax(&c)) as usize;
+            steps += 1;
+            let mut next = argmax(&c) as u32;
+            for (step, pos) in (prompt.len()..prompt.len() + 8).enumerate() {
+                let c = forward(cpu.as_mut(), &[next], pos, &table);
+                let g = forward(gpu.as_mut(), &[next], pos, &table);
+                worst = worst.max(assert_close_fp8(&format!("{ctx} decode {step}"), &g, &c));
+                agree += (argmax(&g) == argmax(&c)) as usize;
+                steps += 1;
+                next = argmax(&c) as u32;
+            }
+            println!("{ctx}: max |gpu - cpu| logit {worst:.3e} of the row's largest");
+        }
+        println!("{name}: greedy token agreed in {agree} of {steps} steps (teacher-forced)");
+    }
+}
+
+/// Random bf16 values in [-2, 2) (bits and values), random e4m3 bytes (NaN codes drawn
+/// again), and scales in [2^-10, 2^-6).
+fn fp8_draws(r: &mut Rng) -> impl FnMut(usize) -> (Vec<u16>, Vec<f32>) + '_ {
+    move |len| {
+        let bits: Vec<u16> = (0..len)
+            .map(|_| {
+                let v = ((r.next_u64() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * 2.0;
+                (v.to_bits() >> 16) as u16
+            })
+            .collect();
+        let vals = bits
+            .iter()
+            .map(|&b| f32::from_bits((b as u32) << 16))
+            .collect();
+        (bits, vals)
+    }
+}
+
+fn fp8_bytes(r: &mut Rng, len: usize) -> Vec<u8> {
+    (0..len)
+        .map(|_| {
+            let b = (r.next_u64() >> 56) as u8;
+            if b & 0x7f == 0x7f {
+                b & 0xfe
+            } else {
+                b
+            }
+        })
+        .collect()
+}
+
+fn fp8_scales(r: &mut Rng, len: usize) -> Vec<f32> {
+    (0..len)
+        .map(|_| 2f32.powi(-10) * (1.0 + 15.0 * (r.next_u64() >> 40) as f32 / (1u64 << 24) as f32))
+        .collect()
+}
+
+/// The dequantized weight `[n, k]`, as the CPU reference computes it (`quant::dequantize`:
+/// the e4m3 value times its scale, in f32).
+fn fp8_dequantize(w: &[u8], scales: &[f32], block: bool, n: usize, k: usize) -> Vec<f32> {
+    let table: Vec<f32> = (0..=255u8)
+        .map(kvmesh_gpu::safetensors::e4m3_to_f32)
+        .collect();
+    let mut out = Vec::with_capacity(n * k);
+    for j in 0..n {
+        for c in 0..k {
+            let s = if block {
+                scales[(j / 128) * k.div_ceil(128) + c / 128]
+            } else {
+                scales[j]
+            };
+            out.push(table[w[j * k + c] as usize] * s);
+        }
+    }
+    out
+}
+
+#[test]
+fn fp8_decode_kernels_match_a_float64_reference() {
+    // Qwen3-8B's q/k/v and down projections, Qwen2.5-72B's down projection, and the
+    // fixtures' ragged ones: partial 128 x 128 blocks in both directions, rows that end
+    // mid-warp.
+    let shapes = [
+        (6144, 4096),
+        (4096, 12288),
+        (320, 192),
+        (64, 192),
+        (192, 320),
+        (48, 16),
+    ];
+    let mut r = Rng::seeded(23);
+    for (n, k) in shapes {
+        for block in [true, false] {
+            let w = fp8_bytes(&mut r, n * k);
+            let grid = if block {
+                n.div_ceil(128) * k.div_ceil(128)
+            } else {
+                n
+            };
+            let scales = fp8_scales(&mut r, grid);
+            let wd = fp8_dequantize(&w, &scales, block, n, k);
+            for m in [1, 2, 3, 4] {
+                let (xb, x) = fp8_draws(&mut r)(m * k);
+                let bias: Vec<f32> = (0..n).map(|j| j as f32 * 0.01 - 1.0).collect();
+                let with_bias = m == 3;
+                let y = fp8_product(
+                    0,
+                    &xb,
+                    &w,
+                    &scales,
+                    block,
+                    with_bias.then_some(&bias[..]),
+                    (m, n, k),
+                    true,
+                )
+                .unwrap();
+                let mut worst = 0f64;
+                for i in 0..m {
+                    for j in 0..n {
+                        let (mut want, mut mag) = (0f64, 0f64);
+                        for c in 0..k {
+                            let p = x[i * k + c] as f64 * wd[j * k + c] as f64;
+                            want += p;
+                            mag += p.abs();
+                        }
+                        if with_bias {
+                            want += bias[j] as f64;
+                            mag += (bias[j] as f64).abs();
+                        }
+                        let got = y[i * n + j] as f64;
+                        let err = (got - want).abs() / mag.max(1e-30);
+                        worst = worst.max(err);
+                        assert!(
+                            err < 1e-5,
+                            "block {block} m {m} n {n} k {k}: y[{i}, {j}] {got}, float64 {want}"
+                        );
+                    }
+                }
+                println!("fp8_gemv block {block} m {m} n {n} k {k}: within {worst:.1e} of float64");
+            }
+        }
+    }
+}
+
+/// The host's activation quantizer, as `fp8_quant_rows` is meant to compute it: per token
+/// (and per 128-column group), s = amax / 448, q = e4m3(x / s) rounded to nearest even and
+/// saturated; a group of zeros gets s = 0 and zeros. Scales as the GEMM reads them.
+fn host_quantize(x: &[f32], rows: usize, k: usize, per_group: bool) -> (Vec<u8>, Vec<f32>) {
+    let width = if per_group { 128 } else { k };
+    let groups = k.div_ceil(width);
+    let mut q = vec![0u8; rows * k];
+    let mut scales = vec![0f32; rows * groups];
+    for r in 0..rows {
+        for g in 0..groups {
+            let cols = g * width..((g + 1) * width).min(k);
+            let amax = cols.clone().fold(0f32, |a, c| a.max(x[r * k + c].abs()));
+            let s = amax / 448.0;
+            for c in cols {
+                q[r * k + c] = if s > 0.0 {
+                    kvmesh_gpu::safetensors::f32_to_e4m3(x[r * k + c] / s)
+                } else {
+                    0
+                };
+            }
+            scales[if per_group { g * rows + r } else { r }] = s;
+        }
+    }
+    (q, scales)
+}
+
+#[test]
+fn fp8_activation_quantizer_matches_the_host_bit_for_bit() {
+    let mut r = Rng::seeded(29);
+    for (rows, k) in [(1, 4096), (3, 192), (37, 320), (5, 12288)] {
+        let (mut xb, mut x) = fp8_draws(&mut r)(rows * k);
+        // A row of zeros (scale 0, no NaN), a row with one large value (everything else
+        // rounds towards zero or subnormal).
+        for c in 0..k {
+            xb[c] = 0;
+            x[c] = 0.0;
+        }
+        if rows > 1 {
+            xb[k + 7] = (3.0e4f32.to_bits() >> 16) as u16;
+            x[k + 7] = f32::from_bits((xb[k + 7] as u32) << 16);
+        }
+        for per_group in [true, false] {
+            let (q, s) = fp8_quantize(0, &xb, (rows, k), per_group).unwrap();
+            let (hq, hs) = host_quantize(&x, rows, k, per_group);
+            let ctx = format!("rows {rows} k {k} per_group {per_group}");
+            assert_eq!(s.len(), hs.len(), "{ctx}");
+            for (i, (a, b)) in s.iter().zip(&hs).enumerate() {
+                assert_eq!(
+                    a.to_bits(),
+                    b.to_bits(),
+                    "{ctx}: scale {i}: gpu {a} host {b}"
+                );
+            }
+            let diff = q.iter().zip(&hq).position(|(a, b)| a != b);
+            assert!(
+                diff.is_none(),
+                "{ctx}: byte {:?}: gpu {:#04x} host {:#04x} (x {})",
+                diff,
+                q[diff.unwrap()],
+                hq[diff.unwrap()],
+                x[diff.unwrap()]
+            );
+            println!("fp8_quant_rows {ctx}: bytes and scales identical to the host's");
+        }
+    }
+}
+
+#[test]
+fn fp8_cublaslt_products_match_the_quantized_product_on_the_host() {
+    // cuBLASLt's block (BLK128x128 weights, VEC128 activations) and outer-vector GEMMs, at
+    // Qwen3-8B's q/k/v shape and the fixtures' ragged ones, for token counts that are not
+    // multiples of anything. The reference is the same quantized product in float64: the
+    // host quantizes x as the kernel does (checked bit for bit above), so a wrong scale
+    // layout shows as an error of the order of the values, while cuBLASLt's own rounding
+    // (f32 accumulation, bf16 output) stays near 2^-8 of each value.
+    let shapes = [
+        (6144, 4096, &[5, 37][..]),
+        (4096, 12288, &[5][..]),
+        (320, 192, &[5, 37, 300][..]),
+        (64, 192, &[5, 37, 300][..]),
+        (192, 320, &[5, 37, 300][..]),
+    ];
+    let mut r = Rng::seeded(31);
+    for (n, k, ms) in shapes {
+        for block in [true, false] {
+            let w = fp8_bytes(&mut r, n * k);
+            let grid = if block {
+                n.div_ceil(128) * k.div_ceil(128)
+            } else {
+                n
+            };
+            let scales = fp8_scales(&mut r, grid);
+            let wd = fp8_dequantize(&w, &scales, block, n, k);
+            for &m in ms {
+                let (xb, x) = fp8_draws(&mut r)(m * k);
+                let bias: Vec<f32> = (0..n).map(|j| 0.5 - j as f32 * 0.003).collect();
+                let with_bias = m == 37;
+                let y = fp8_product(
+                    0,
+                    &xb,
+                    &w,
+                    &scales,
+                    block,
+                    with_bias.then_some(&bias[..]),
+                    (m, n, k),
+                    false,
+                )
+                .unwrap_or_else(|e| panic!("block {block} m {m} n {n} k {k}: {e}"));
+                let (q, qs) = host_quantize(&x, m, k, block);
+                let xq = |i: usize, c: usize| -> f64 {
+                    let s = if block { qs[(c / 128) * m + i] } else { qs[i] };
+                    (kvmesh_gpu::safetensors::e4m3_to_f32(q[i * k + c]) * s) as f64
+                };
+                let mut worst = 0f64;
+                for i in 0..m {
+                    for j in 0..n {
+                        let (mut want, mut mag) = (0f64, 0f64);
+                        for c in 0..k {
+                            let p = xq(i, c) * wd[j * k + c] as f64;
+                            want += p;
+                            mag += p.abs();
+                        }
+                        let got =
+                            y[i * n + j] as f64 - if with_bias { bias[j] as f64 } else { 0.0 };
+                        let err = (got - want).abs() / (want.abs() + 1e-3 * mag).max(1e-30);
+                        worst = worst.max(err);
+                        assert!(
+                            err < 1.0 / 128.0,
+                            "block {block} m {m} n {n} k {k}: y[{i}, {j}] {got}, quantized \
+                             float64 {want} (sum |x w| {mag})"
+                        );
+                    }
+                }
+                println!(
+                    "cuBLASLt FP8 block {block} m {m} n {n} k {k}: within {worst:.1e} of the \
+                     quantized float64 product"
+                );
+            }
+        }
     }
 }

@@ -74,6 +74,31 @@ impl Projection {
     }
 }
 
+/// One product of a dense layer: the projections that read the same input, stacked
+/// row-wise in this order (q, k and v; gate and up), or one alone.
+pub struct Stack {
+    /// Each part's module name (`model.layers.0.self_attn.q_proj`) and rows.
+    pub parts: Vec<(String, usize)>,
+    pub inp: usize,
+    /// Whether every part has a bias (`{name}.bias`).
+    pub bias: bool,
+}
+
+impl Stack {
+    /// Rows of the stacked product.
+    pub fn out(&self) -> usize {
+        self.parts.iter().map(|(_, r)| r).sum()
+    }
+}
+
+/// A decoder layer's norms.
+pub struct LayerNorms {
+    pub input_layernorm: Vec<f32>,
+    pub q_norm: Option<Vec<f32>>,
+    pub k_norm: Option<Vec<f32>>,
+    pub post_attention_layernorm: Vec<f32>,
+}
+
 /// One decoder layer, with the projections that share an input already stacked the way both
 /// backends run them.
 pub struct LayerWeights {
@@ -127,10 +152,28 @@ impl<'a> Checkpoint<'a> {
 
     /// Layer `i`, `model.layers.{i}.*`.
     pub fn layer(&self, i: usize) -> Result<LayerWeights> {
+        let [qkv, o, gate_up, down] = self.stacks(i)?;
+        let norms = self.norms(i)?;
+        Ok(LayerWeights {
+            input_layernorm: norms.input_layernorm,
+            qkv_proj: self.stacked(&qkv)?,
+            q_norm: norms.q_norm,
+            k_norm: norms.k_norm,
+            o_proj: self.stacked(&o)?,
+            post_attention_layernorm: norms.post_attention_layernorm,
+            gate_up_proj: self.stacked(&gate_up)?,
+            down_proj: self.stacked(&down)?,
+        })
+    }
+
+    /// The products of layer `i` as every backend runs them: q, k and v stacked, o, gate and
+    /// up stacked, down. A backend that keeps FP8 weights reads each part itself from these
+    /// names; the others take `layer`.
+    pub fn stacks(&self, i: usize) -> Result<[Stack; 4]> {
         let c = self.cfg;
         if c.hybrid.is_some() {
-            // Every serving backend loads its layers here: refusing here keeps any of them
-            // from running a hybrid checkpoint as if it were dense.
+            // Every serving backend loads its layers through here: refusing here keeps any
+            // of them from running a hybrid checkpoint as if it were dense.
             return Err(crate::error::EngineError::BadModel(
                 HYBRID_NOT_SERVED.into(),
             ));
@@ -138,37 +181,69 @@ impl<'a> Checkpoint<'a> {
         let (h, q, kv, inter) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size);
         let p = format!("model.layers.{i}");
         let a = format!("{p}.self_attn");
-        let qkv_proj = Projection::stack(vec![
-            self.projection(&format!("{a}.q_proj"), q, h, c.qkv_bias)?,
-            self.projection(&format!("{a}.k_proj"), kv, h, c.qkv_bias)?,
-            self.projection(&format!("{a}.v_proj"), kv, h, c.qkv_bias)?,
-        ]);
-        let gate_up_proj = Projection::stack(vec![
-            self.projection(&format!("{p}.mlp.gate_proj"), inter, h, c.mlp_bias)?,
-            self.projection(&format!("{p}.mlp.up_proj"), inter, h, c.mlp_bias)?,
-        ]);
+        let stack = |parts: &[(&str, usize)], inp: usize, bias: bool| Stack {
+            parts: parts.iter().map(|&(n, r)| (n.to_string(), r)).collect(),
+            inp,
+            bias,
+        };
+        Ok([
+            stack(
+                &[
+                    (&format!("{a}.q_proj"), q),
+                    (&format!("{a}.k_proj"), kv),
+                    (&format!("{a}.v_proj"), kv),
+                ],
+                h,
+                c.qkv_bias,
+            ),
+            stack(&[(&format!("{a}.o_proj"), h)], q, c.o_bias),
+            stack(
+                &[
+                    (&format!("{p}.mlp.gate_proj"), inter),
+                    (&format!("{p}.mlp.up_proj"), inter),
+                ],
+                h,
+                c.mlp_bias,
+            ),
+            stack(&[(&format!("{p}.mlp.down_proj"), h)], inter, c.mlp_bias),
+        ])
+    }
+
+    /// The norms of layer `i`.
+    pub fn norms(&self, i: usize) -> Result<LayerNorms> {
+        let c = self.cfg;
+        let (p, h) = (format!("model.layers.{i}"), c.hidden_size);
         let head_norm = |name: &str| -> Result<Option<Vec<f32>>> {
             if c.qk_norm {
                 self.store
-                    .f32(&format!("{a}.{name}.weight"), &[c.head_dim])
+                    .f32(&format!("{p}.self_attn.{name}.weight"), &[c.head_dim])
                     .map(Some)
             } else {
                 Ok(None)
             }
         };
-        Ok(LayerWeights {
+        Ok(LayerNorms {
             input_layernorm: self
                 .store
                 .f32(&format!("{p}.input_layernorm.weight"), &[h])?,
-            qkv_proj,
             q_norm: head_norm("q_norm")?,
             k_norm: head_norm("k_norm")?,
-            o_proj: self.projection(&format!("{a}.o_proj"), h, q, c.o_bias)?,
             post_attention_layernorm: self
                 .store
                 .f32(&format!("{p}.post_attention_layernorm.weight"), &[h])?,
-            gate_up_proj,
-            down_proj: self.projection(&format!("{p}.mlp.down_proj"), h, inter, c.mlp_bias)?,
+        })
+    }
+
+    /// A stack's parts read (dequantized where the config quantizes them) and stacked.
+    pub fn stacked(&self, s: &Stack) -> Result<Projection> {
+        let parts = s
+            .parts
+            .iter()
+            .map(|(name, out)| self.projection(name, *out, s.inp, s.bias))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(match parts.len() {
+            1 => parts.into_iter().next().expect("one part"),
+            _ => Projection::stack(parts),
         })
     }
 
@@ -177,9 +252,9 @@ impl<'a> Checkpoint<'a> {
     ///
     /// A layer the `quantization_config` quantizes is dequantized here, to f32: every
     /// backend that loads through this walk gets the weights as the config means them (the
-    /// CUDA backend refuses FP8 checkpoints before it gets here, so that it never uploads
-    /// them widened).
-    fn projection(&self, name: &str, out: usize, inp: usize, bias: bool) -> Result<Projection> {
+    /// CUDA backend reads the FP8 parts of `stacks` itself, so that it never uploads them
+    /// widened, and only its unquantized parts through here).
+    pub fn projection(&self, name: &str, out: usize, inp: usize, bias: bool) -> Result<Projection> {
         let scheme = self
             .cfg
             .quantization

@@ -22,6 +22,9 @@ pub enum EngineError {
         #[source]
         source: Box<dyn std::error::Error + Send + Sync>,
     },
+    /// `--sm-split` cannot be read, or cannot split this device's SMs.
+    #[error(transparent)]
+    SmSplit(#[from] crate::backend::sm_split::SmSplitError),
     /// A request the engine cannot take as given (too long, bad ids).
     #[error("{0}")]
     InvalidRequest(String),

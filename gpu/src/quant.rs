@@ -52,10 +52,40 @@ pub fn dequantize(
     Ok(w)
 }
 
+/// The e4m3 bytes of linear layer `module`'s weight (`[out, inp]`, row-major) as stored,
+/// checked as [`dequantize`] checks them (dtype, shape, no NaN), for a backend that keeps
+/// the weights in FP8.
+pub fn stored_fp8<'a>(
+    store: &'a WeightStore,
+    module: &str,
+    out: usize,
+    inp: usize,
+) -> Result<&'a [u8]> {
+    let name = format!("{module}.weight");
+    let Some((t, raw)) = store.raw(&name) else {
+        return Err(bad(format!("tensor `{name}` is missing")));
+    };
+    if t.dtype != DType::F8E4M3 || t.shape != [out, inp] {
+        return Err(bad(format!(
+            "tensor `{name}` is {} {:?}; its quantization_config makes it F8_E4M3 {:?}",
+            t.dtype.name(),
+            t.shape,
+            [out, inp]
+        )));
+    }
+    // e4m3 has one NaN per sign (S.1111.111) and no infinities.
+    if let Some(i) = raw.iter().position(|&b| b & 0x7f == 0x7f) {
+        return Err(bad(format!(
+            "tensor `{name}` holds an FP8 NaN at element {i}"
+        )));
+    }
+    Ok(raw)
+}
+
 /// The scales of `module`'s weight, in the order [`dequantize`] reads them, checked: a
 /// shape the scheme allows, and finite values (a NaN or infinite scale would poison every
 /// product of its block).
-fn scale_values(
+pub fn scale_values(
     store: &WeightStore,
     module: &str,
     out: usize,

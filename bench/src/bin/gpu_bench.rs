@@ -23,6 +23,7 @@ use std::time::Instant;
 use clap::Parser;
 use kvmesh_bench::programs::write_json;
 use kvmesh_gpu::backend::cuda::{CudaBackend, MemoryPlan};
+use kvmesh_gpu::backend::sm_split::{SmPartition, SmSide, SmSplit};
 use kvmesh_gpu::backend::{
     Backend, CudaOptions, ForwardBatch, KvBudget, Pdl, SampleSpec, SeqInput,
 };
@@ -72,6 +73,13 @@ struct Args {
     /// prologue (see `CudaOptions::fuse_norms`).
     #[arg(long)]
     fuse_norms: bool,
+    /// Run on one side of an SM split (a green context), e.g. `prefill:96,decode:36` or
+    /// `0.75` (prefill's share); `--sm-side` says which side is measured.
+    #[arg(long, value_name = "SPLIT", requires = "sm_side")]
+    sm_split: Option<SmSplit>,
+    /// The side of `--sm-split` measured: prefill or decode.
+    #[arg(long, value_name = "prefill|decode", value_parser = sm_side, requires = "sm_split")]
+    sm_side: Option<SmSide>,
     /// Decode batch sizes to measure, comma-separated.
     #[arg(long, value_delimiter = ',', value_parser = trimmed::<usize>,
           default_value = "1,8,32,64,128,256")]
@@ -117,11 +125,26 @@ struct Args {
     memory_share: f64,
 }
 
-/// A list item with the spaces around it dropped (`--batches "1, 8"`).
 impl Args {
     fn skinny_rows(&self) -> usize {
         self.skinny_max_rows
             .unwrap_or(kvmesh_gpu::backend::SKINNY_MAX_ROWS)
+    }
+
+    fn sm_partition(&self) -> Option<SmPartition> {
+        Some(SmPartition {
+            split: self.sm_split?,
+            side: self.sm_side?,
+        })
+    }
+}
+
+/// `--sm-side`.
+fn sm_side(s: &str) -> Result<SmSide, String> {
+    match s {
+        "prefill" => Ok(SmSide::Prefill),
+        "decode" => Ok(SmSide::Decode),
+        _ => Err(format!("`{s}` is not prefill or decode")),
     }
 }
 
@@ -133,6 +156,7 @@ fn skinny_line(rows: usize) -> String {
     }
 }
 
+/// A list item with the spaces around it dropped (`--batches "1, 8"`).
 fn trimmed<T: std::str::FromStr>(s: &str) -> Result<T, T::Err> {
     s.trim().parse()
 }
@@ -438,7 +462,10 @@ fn decode_line(args: &Args, cuda_graphs: bool) -> String {
         } else {
             ""
         }
-    )
+    ) + &match args.sm_partition() {
+        Some(p) => format!("; on the {:?} side of --sm-split {}", p.side, p.split),
+        None => String::new(),
+    }
 }
 
 fn summarise(args: &Args, name: &str, dir: &Path, cfg: &ModelConfig, f: &Figures) -> ModelResult {
@@ -532,6 +559,8 @@ fn summarise(args: &Args, name: &str, dir: &Path, cfg: &ModelConfig, f: &Figures
         "split_decode": !args.no_split_decode,
         "pdl": format!("{:?}", args.pdl).to_lowercase(),
         "fuse_norms": args.fuse_norms,
+        "sm_split": args.sm_split.map(|s| s.to_string()),
+        "sm_side": args.sm_side.map(|s| format!("{s:?}").to_lowercase()),
         "weight_bytes_per_step": f.step_bytes,
         "bound_ms_per_token_batch1": f.bound_step() * 1e3,
         "batch1_bandwidth_utilisation": util1,
@@ -612,6 +641,7 @@ fn bench_model(args: &Args, name: &str, dev: &mut DeviceFigures) -> anyhow::Resu
         split_decode: !args.no_split_decode,
         pdl: args.pdl,
         fuse_norms: args.fuse_norms,
+        sm_partition: args.sm_partition(),
     };
     let backend = CudaBackend::new(
         &cfg,

@@ -10,6 +10,7 @@ pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod sim;
+pub mod sm_split;
 
 use std::sync::Arc;
 
@@ -54,6 +55,9 @@ pub struct CudaOptions {
     /// the row into shared memory, bit for bit as `add_rmsnorm_to_bf16`), saving two launches
     /// a layer. Off by default until a GPU run has measured it (`gpu-bench --fuse-norms`).
     pub fuse_norms: bool,
+    /// Run on one side of an SM split (a green context holding only that side's SMs),
+    /// rather than on the whole device. `gpu-bench --sm-split` measures a side alone.
+    pub sm_partition: Option<sm_split::SmPartition>,
 }
 
 /// `CudaOptions::pdl`.
@@ -115,6 +119,7 @@ impl CudaOptions {
             split_decode: true,
             pdl: Pdl::Auto,
             fuse_norms: false,
+            sm_partition: None,
         }
     }
 }

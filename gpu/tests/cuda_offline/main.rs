@@ -5,7 +5,7 @@
 //!   time, the backend's options) for every architecture it claims, then assembled by ptxas:
 //!   registers, shared memory and spills per kernel, checked against the launch the host
 //!   makes and the limits of each architecture (`shapes`);
-//! - every NVRTC and cuBLAS function the backend calls resolved in the libraries, and every
+//! - every NVRTC, cuBLAS and cuBLASLt function the backend calls resolved in the libraries, and every
 //!   driver function it calls found in CUDA 13.0's `cuda.h` (the driver itself needs a GPU,
 //!   so those calls are listed as checked only on a device).
 //!
@@ -338,7 +338,7 @@ fn cuda_broken_and_spilling_kernels_are_caught() {
 }
 
 /// Keeps the whole backend in this test binary, as it is in `kvmesh`: the entry point the
-/// engine builds it through, and what other crates call on it directly.
+/// engine builds it through, what other crates call on it directly, and the IPC calls.
 fn link_the_backend() {
     use kvmesh_gpu::backend::cuda::CudaBackend;
     std::hint::black_box((
@@ -349,6 +349,17 @@ fn link_the_backend() {
         CudaBackend::cuda_graphs_enabled as *const () as usize,
         CudaBackend::kv_bytes_per_block as *const () as usize,
         kvmesh_gpu::backend::cuda::device_count as *const () as usize,
+        kvmesh_gpu::backend::cuda::green::resolved as *const () as usize,
+    ));
+    // CUDA IPC, which KV hand-over between processes on one host is built on.
+    use kvmesh_gpu::backend::cuda::ipc;
+    std::hint::black_box((
+        ipc::Exported::alloc as *const () as usize,
+        ipc::Mapped::open as *const () as usize,
+        ipc::upload as *const () as usize,
+        ipc::download as *const () as usize,
+        std::mem::drop::<ipc::Mapped> as fn(_) as *const () as usize,
+        std::mem::drop::<ipc::Exported> as fn(_) as *const () as usize,
     ));
 }
 
@@ -359,8 +370,9 @@ fn render_calls(calls: &BTreeMap<String, BTreeSet<String>>) -> String {
     let mut out = String::from(
         "# Library functions the CUDA backend calls, by library, as cudarc loads them at run\n\
          # time. gpu/tests/cuda_offline finds them in the linked backend and resolves the\n\
-         # nvrtc and cublas ones in NVIDIA's 13.0 wheels; the driver ones need a GPU to load, so\n\
-         # there they are only checked against cuda.h. Regenerate with KVMESH_BLESS=1.\n",
+         # nvrtc, cublas and cublaslt ones in NVIDIA's 13.0 wheels; the driver ones need a GPU\n\
+         # to load, so there they are only checked against cuda.h. Regenerate with\n\
+         # KVMESH_BLESS=1.\n",
     );
     for (lib, names) in calls {
         out.push_str(&format!("\n[{lib}]\n"));
@@ -382,7 +394,7 @@ fn cuda_library_functions_the_backend_calls_resolve() {
     link_the_backend();
     let exe = std::fs::read(std::env::current_exe().unwrap()).unwrap();
     let calls = cudarc_calls(&exe).expect("reading this binary's symbol table");
-    for lib in ["cublas", "driver", "nvrtc"] {
+    for lib in ["cublas", "cublaslt", "driver", "nvrtc"] {
         assert!(
             calls.get(lib).is_some_and(|c| !c.is_empty()),
             "no {lib} calls found in the linked backend: {calls:?}"
@@ -393,9 +405,14 @@ fn cuda_library_functions_the_backend_calls_resolve() {
     unsafe {
         assert!(cudarc::nvrtc::sys::is_culib_present(), "libnvrtc.so.13");
         assert!(cudarc::cublas::sys::is_culib_present(), "libcublas.so.13");
+        assert!(
+            cudarc::cublaslt::sys::is_culib_present(),
+            "libcublasLt.so.13"
+        );
         for (lib, found) in [
             ("nvrtc", cudarc::nvrtc::sys::culib()),
             ("cublas", cudarc::cublas::sys::culib()),
+            ("cublaslt", cudarc::cublaslt::sys::culib()),
         ] {
             for name in &calls[lib] {
                 if found
@@ -440,9 +457,11 @@ fn cuda_library_functions_the_backend_calls_resolve() {
         "found in cuda.h, and checked only on a device (no driver here)"
     };
     println!(
-        "resolved: {} nvrtc and {} cublas functions; {driver_note}: {} driver functions: {}",
+        "resolved: {} nvrtc, {} cublas and {} cublaslt functions; {driver_note}: {} driver \
+         functions: {}",
         calls["nvrtc"].len(),
         calls["cublas"].len(),
+        calls["cublaslt"].len(),
         calls["driver"].len(),
         calls["driver"]
             .iter()

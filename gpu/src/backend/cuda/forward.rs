@@ -13,7 +13,7 @@ use super::kernels::{
 };
 use super::kv::KvCache;
 use super::shapes;
-use super::weights::{DevLayer, DevLinear, DevWeights};
+use super::weights::{DevLayer, DevWeights, Linear};
 use super::CudaBackend;
 use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
@@ -35,6 +35,7 @@ impl CudaBackend {
             skinny_max_rows,
             split_decode,
             fuse_norms,
+            fp8,
             ..
         } = self;
         let ws = ws
@@ -49,6 +50,7 @@ impl CudaBackend {
                 s: stream,
                 k,
                 skinny_max_rows: *skinny_max_rows,
+                fp8: fp8.as_ref(),
             },
             w,
             dims,
@@ -62,7 +64,10 @@ impl CudaBackend {
             fuse_norms: false,
         };
         let pass = Pass {
-            fuse_norms: *fuse_norms && pass.mm.norm_prologue(dims.tokens, cfg.hidden_size),
+            // The fused norm prologues are bf16 products' only.
+            fuse_norms: *fuse_norms
+                && !w.fp8
+                && pass.mm.norm_prologue(dims.tokens, cfg.hidden_size),
             ..pass
         };
         pass.embed(ws)?;
@@ -155,7 +160,7 @@ impl Pass<'_> {
                 res_out: &mut ws.x2,
             };
             self.mm
-                .linear_normed(&layer.qkv_proj, t, input, &mut ws.qkv)?;
+                .linear_normed(layer.qkv_proj.bf16()?, t, input, &mut ws.qkv)?;
             std::mem::swap(&mut ws.x, &mut ws.x2);
             swaps = !swaps;
         } else {
@@ -210,13 +215,18 @@ impl Pass<'_> {
                 res_out: &mut ws.x2,
             };
             self.mm
-                .gate_up_silu_normed(&layer.gate_up_proj, t, input, &mut ws.act)?;
+                .gate_up_silu_normed(layer.gate_up_proj.bf16()?, t, input, &mut ws.act)?;
             std::mem::swap(&mut ws.x, &mut ws.x2);
             swaps = !swaps;
         } else {
             self.add_rms_norm(ws, &layer.post_attention_layernorm)?;
-            self.mm
-                .gate_up_silu(&layer.gate_up_proj, t, &ws.xn, &mut ws.gate_up, &mut ws.act)?;
+            self.mm.gate_up_silu_proj(
+                &layer.gate_up_proj,
+                t,
+                &ws.xn,
+                &mut ws.gate_up,
+                &mut ws.act,
+            )?;
         }
         self.linear(&layer.down_proj, &ws.act, &mut ws.tmp)?;
         // The residual add, fused with the next layer's input norm (as a launch, or left to
@@ -249,8 +259,8 @@ impl Pass<'_> {
     }
 
     /// `y = x · Wᵀ (+ b)` over the step's tokens.
-    fn linear(&self, l: &DevLinear, x: &CudaSlice<u16>, y: &mut CudaSlice<f32>) -> Result<()> {
-        self.mm.linear(l, self.dims.tokens, x, y)
+    fn linear(&self, l: &Linear, x: &CudaSlice<u16>, y: &mut CudaSlice<f32>) -> Result<()> {
+        self.mm.proj(l, self.dims.tokens, x, y)
     }
 
     /// `x += tmp`, then `xn = rmsnorm(x) * norm`.

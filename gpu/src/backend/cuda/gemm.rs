@@ -6,8 +6,9 @@ use std::ffi::c_void;
 use cudarc::cublas::{result as blas_result, sys as blas_sys, CudaBlas};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 
+use super::fp8_gemm::{Fp8Ctx, Fp8Products};
 use super::kernels::{AddRmsNorm, BiasAdd, Kernels, SiluMul, SkinnyGemm, SkinnyIn, SkinnyOut};
-use super::weights::DevLinear;
+use super::weights::{DevLinear, Linear};
 use crate::error::{EngineError, Result};
 
 /// `y[m, n] = x[m, k] · W[n, k]ᵀ`, everything row-major, x and W bf16, y f32, accumulated in
@@ -98,6 +99,8 @@ pub struct Products<'a> {
     pub s: &'a CudaStream,
     pub k: &'a Kernels,
     pub skinny_max_rows: usize,
+    /// cuBLASLt and scratch for FP8 products; `None` for a bf16 model.
+    pub fp8: Option<&'a Fp8Ctx>,
 }
 
 impl Products<'_> {
@@ -159,6 +162,58 @@ impl Products<'_> {
         y: &mut CudaSlice<f32>,
     ) -> Result<()> {
         self.product_bias(x, &l.w, l.bias.as_ref(), y, (m, l.out, l.inp))
+    }
+
+    /// The FP8 products, with products of up to `skinny_max_rows` rows by `fp8_gemv_*`.
+    fn fp8(&self) -> Result<Fp8Products<'_>> {
+        let ctx = self
+            .fp8
+            .ok_or_else(|| EngineError::Backend("an FP8 product without cuBLASLt set up".into()))?;
+        Ok(Fp8Products {
+            blas: self.blas,
+            s: self.s,
+            k: self.k,
+            ctx,
+            gemv_max_rows: self.skinny_max_rows,
+        })
+    }
+
+    /// `y = x · Wᵀ` (+ bias) for a dense layer's product over the first `m` rows.
+    pub fn proj(
+        &self,
+        l: &Linear,
+        m: usize,
+        x: &CudaSlice<u16>,
+        y: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        match l {
+            Linear::Bf16(l) => self.linear(l, m, x, y),
+            Linear::Fp8(l) => self.fp8()?.linear(l, m, x, y),
+        }
+    }
+
+    /// `gate_up_silu` for a dense layer's product: an FP8 one writes the products and
+    /// `silu_mul` gates them.
+    pub fn gate_up_silu_proj(
+        &self,
+        gate_up: &Linear,
+        m: usize,
+        x: &CudaSlice<u16>,
+        products: &mut CudaSlice<f32>,
+        act: &mut CudaSlice<u16>,
+    ) -> Result<()> {
+        let l = match gate_up {
+            Linear::Bf16(l) => return self.gate_up_silu(l, m, x, products, act),
+            Linear::Fp8(l) => l,
+        };
+        self.fp8()?.linear(l, m, x, products)?;
+        SiluMul {
+            gate_up: products,
+            out: act,
+            rows: m,
+            inter: l.out / 2,
+        }
+        .launch(self.k, self.s)
     }
 
     /// An MLP's `act = silu(x · gateᵀ) · (x · upᵀ)` in bf16 from its stacked gate/up
@@ -295,6 +350,7 @@ pub fn skinny_and_cublas(
             s: &s,
             k: &kernels,
             skinny_max_rows,
+            fp8: None,
         }
         .product(&xd, &wd, &mut y, (m, n, k))?;
         s.clone_dtoh(&y).map_err(|e| drv("download", e))

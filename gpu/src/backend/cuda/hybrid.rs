@@ -81,7 +81,7 @@ impl CudaHybridBackend {
         let per_slot = layout.bytes_per_slot();
         let full_layers = hy.num_full_layers();
         let per_block = (2 * full_layers * block_size * cfg.kv_dim() * 2).max(1);
-        let ctx = CudaContext::new(ordinal).map_err(|e| drv("context creation", e))?;
+        let ctx = super::green::context(ordinal, opts.sm_partition)?;
         let stream = ctx.new_stream().map_err(|e| drv("stream creation", e))?;
         let (free, total) = ctx.mem_get_info().map_err(|e| drv("memory query", e))?;
         let mut plan = MemoryPlan::of(cfg, &opts, block_size);

@@ -134,6 +134,7 @@ impl CudaHybridBackend {
                 s,
                 k,
                 skinny_max_rows: *skinny_max_rows,
+                fp8: None,
             },
             inp,
             dims,

@@ -35,6 +35,7 @@ pub const KERNELS_CU: &str = concat!(
     include_str!("kernels/delta.cu"),
     include_str!("kernels/skinny.cu"),
     include_str!("kernels/hybrid.cu"),
+    include_str!("kernels/fp8.cu"),
 );
 
 /// The compiled module's functions.
@@ -67,6 +68,8 @@ pub struct Kernels {
     /// Qwen3.5's gated attention (`kernels/hybrid.cu`).
     pub(super) gated_rope_kv_write: CudaFunction,
     pub(super) gate_sigmoid_mul: CudaFunction,
+    /// FP8 linear layers (`kernels/fp8.cu`, launched by `fp8_gemm`).
+    pub(super) fp8: Fp8Kernels,
     /// Whether launches carry programmatic dependent launch (`launch`): on Hopper and later
     /// by default, off with `CudaOptions::pdl` false.
     pub pdl: bool,
@@ -135,10 +138,25 @@ impl Kernels {
             skinny_norm_silu: by_size(&shapes::SKINNY_NORM_SILU)?,
             gated_rope_kv_write: f(shapes::GATED_ROPE_KV_WRITE)?,
             gate_sigmoid_mul: f(shapes::GATE_SIGMOID_MUL)?,
+            fp8: Fp8Kernels {
+                gemv_block: by_size(&shapes::FP8_GEMV_BLOCK)?,
+                gemv_channel: by_size(&shapes::FP8_GEMV_CHANNEL)?,
+                quant: f(shapes::FP8_QUANT)?,
+                out: f(shapes::FP8_OUT)?,
+            },
             pdl: major >= 9,
         };
         Ok((k, arch))
     }
+}
+
+/// `kernels/fp8.cu`'s functions.
+pub(super) struct Fp8Kernels {
+    /// `fp8_gemv_block_m*` and `fp8_gemv_channel_m*`, by the most rows each takes.
+    pub gemv_block: Vec<(usize, CudaFunction)>,
+    pub gemv_channel: Vec<(usize, CudaFunction)>,
+    pub quant: CudaFunction,
+    pub out: CudaFunction,
 }
 
 /// The head layout the per-head kernels index by.

@@ -21,6 +21,8 @@
 //!   uploaded, the upload;
 //! - `weights`: the model on the device, from the `checkpoint` walk both backends share;
 //! - `kernels`: one typed launch per kernel of `kernels/*.cu`; `gemm`: the cuBLAS products;
+//!   `fp8`, `fp8_gemm`: FP8 checkpoints' layers kept in FP8 and their products (decode
+//!   kernels reading e4m3 weights, cuBLASLt's FP8 GEMMs for longer steps);
 //!   `delta`: Gated DeltaNet's mixing (Qwen3.5's linear-attention layers), checked against
 //!   the CPU's on a GPU, not yet part of a forward pass;
 //! - `step`: one step, from the batch to logits, eager or through a graph (`graphs`);
@@ -42,11 +44,16 @@ mod buffers;
 pub mod delta;
 mod device;
 mod forward;
+mod fp8;
+mod fp8_check;
+mod fp8_gemm;
 mod gemm;
 mod graphs;
+pub mod green;
 mod hybrid;
 mod hybrid_forward;
 mod hybrid_weights;
+pub mod ipc;
 mod kernels;
 mod kv;
 mod launch;
@@ -59,6 +66,7 @@ mod step;
 mod weights;
 
 pub use device::device_count;
+pub use fp8_check::{fp8_product, fp8_quantize};
 pub use gemm::{skinny_and_cublas, skinny_epilogues, skinny_norm_prologues};
 pub use hybrid::CudaHybridBackend;
 pub use kernels::KERNELS_CU;
@@ -102,6 +110,8 @@ pub struct CudaBackend {
     split_decode: bool,
     /// `CudaOptions::fuse_norms`.
     fuse_norms: bool,
+    /// cuBLASLt and scratch for an FP8 checkpoint's products (`fp8_gemm`).
+    fp8: Option<fp8_gemm::Fp8Ctx>,
 }
 
 impl CudaBackend {

@@ -231,6 +231,35 @@ const _: () = assert!(SKINNY_THREADS == ADD_RMSNORM.threads);
 /// Weight rows one block of a skinny product covers.
 pub const SKINNY_ROWS_PER_BLOCK: usize = SKINNY_THREADS as usize / 32 * SKINNY_ROWS;
 
+/// The FP8 products of a few rows (`kernels/fp8.cu`, `fp8_gemv_*`): warps per block, weight
+/// rows each warp streams and 16-byte loads each lane has in flight per row, as the skinny
+/// kernels have them (one load is 16 weights here, 8 there).
+const FP8_THREADS: u32 = 256;
+pub const FP8_ROWS: usize = 2;
+const FP8_UNROLL: usize = 4;
+const fn fp8_gemv(name: &'static str) -> KernelShape {
+    shape(name, FP8_THREADS, 0, true)
+}
+/// `fp8_gemv_block_m*` (128 x 128 block scales) and `fp8_gemv_channel_m*` (a scale per
+/// row), by the most rows each takes.
+pub const FP8_GEMV_BLOCK: [(usize, KernelShape); 3] = [
+    (1, fp8_gemv("fp8_gemv_block_m1")),
+    (2, fp8_gemv("fp8_gemv_block_m2")),
+    (4, fp8_gemv("fp8_gemv_block_m4")),
+];
+pub const FP8_GEMV_CHANNEL: [(usize, KernelShape); 3] = [
+    (1, fp8_gemv("fp8_gemv_channel_m1")),
+    (2, fp8_gemv("fp8_gemv_channel_m2")),
+    (4, fp8_gemv("fp8_gemv_channel_m4")),
+];
+/// Weight rows one block of `fp8_gemv_*` covers.
+pub const FP8_ROWS_PER_BLOCK: usize = FP8_THREADS as usize / 32 * FP8_ROWS;
+/// The activations' quantizer before an FP8 GEMM: a block a row, a warp per 128-column
+/// group; `block_max`'s scratch.
+pub const FP8_QUANT: KernelShape = shape("fp8_quant_rows", 256, 32 * F32, true);
+/// cuBLASLt's bf16 output widened into the f32 product, with the bias.
+pub const FP8_OUT: KernelShape = shape("fp8_out_cols", 256, 0, true);
+
 /// Most blocks `sample_rows` spreads a row's first pass over (one warp merges them), and
 /// the fewest logits each takes.
 pub const SAMPLE_MAX_CHUNKS: usize = 32;
@@ -292,6 +321,14 @@ pub const KERNELS: &[KernelShape] = &[
     SKINNY_NORM_SILU[1].1,
     GATED_ROPE_KV_WRITE,
     GATE_SIGMOID_MUL,
+    FP8_GEMV_BLOCK[0].1,
+    FP8_GEMV_BLOCK[1].1,
+    FP8_GEMV_BLOCK[2].1,
+    FP8_GEMV_CHANNEL[0].1,
+    FP8_GEMV_CHANNEL[1].1,
+    FP8_GEMV_CHANNEL[2].1,
+    FP8_QUANT,
+    FP8_OUT,
 ];
 
 /// The macros the kernels (`kernels/*.cu`) are compiled with: the figures above, under the names the kernels
@@ -325,6 +362,11 @@ pub fn defines() -> Vec<(&'static str, usize)> {
         ("SKINNY_THREADS", SKINNY_THREADS as usize),
         ("SKINNY_ROWS", SKINNY_ROWS),
         ("SKINNY_UNROLL", SKINNY_UNROLL),
+        ("FP8_THREADS", FP8_THREADS as usize),
+        ("FP8_ROWS", FP8_ROWS),
+        ("FP8_UNROLL", FP8_UNROLL),
+        ("FP8_QUANT_THREADS", FP8_QUANT.threads as usize),
+        ("FP8_OUT_THREADS", FP8_OUT.threads as usize),
     ]
 }
 

@@ -103,6 +103,9 @@ impl CudaBackend {
             &self.cfg,
             t.next_power_of_two(),
         )?);
+        if let Some(f) = &mut self.fp8 {
+            f.ensure_tokens(&self.stream, t.next_power_of_two())?;
+        }
         Ok(())
     }
 

@@ -1,12 +1,14 @@
 //! The model on the device: what `checkpoint::Checkpoint` reads, converted to bf16 matrices
-//! and f32 norms and biases, uploaded layer by layer.
+//! and f32 norms and biases, uploaded layer by layer; an FP8 checkpoint's quantized layers
+//! as stored, one byte a weight, with their scales (`fp8`).
 
 use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream};
 
 use super::device::upload_err;
-use crate::checkpoint::{Checkpoint, LayerWeights, Projection};
+use super::fp8::{self, Fp8Linear};
+use crate::checkpoint::{Checkpoint, LayerWeights, Projection, Stack};
 use crate::config::ModelConfig;
 use crate::error::Result;
 use crate::safetensors::{TensorData, WeightStore};
@@ -19,17 +21,43 @@ pub struct DevLinear {
     pub bias: Option<CudaSlice<f32>>,
 }
 
+/// A dense layer's product: bf16, or with FP8 parts (see `fp8`).
+pub enum Linear {
+    Bf16(DevLinear),
+    Fp8(Fp8Linear),
+}
+
+impl Linear {
+    /// The bf16 product, for the paths only bf16 products take (the fused norm prologues).
+    pub fn bf16(&self) -> Result<&DevLinear> {
+        match self {
+            Linear::Bf16(l) => Ok(l),
+            Linear::Fp8(_) => Err(crate::error::EngineError::Backend(
+                "an FP8 product has no kernel with the norm as its prologue".into(),
+            )),
+        }
+    }
+
+    /// Bytes a decode step reads.
+    fn bytes(&self) -> usize {
+        match self {
+            Linear::Bf16(l) => 2 * l.w.len() + 4 * l.bias.as_ref().map_or(0, |b| b.len()),
+            Linear::Fp8(l) => l.bytes(),
+        }
+    }
+}
+
 pub struct DevLayer {
     pub input_layernorm: CudaSlice<f32>,
     /// q, k and v stacked: `[q_dim + 2 * kv_dim, hidden]`.
-    pub qkv_proj: DevLinear,
+    pub qkv_proj: Linear,
     pub q_norm: Option<CudaSlice<f32>>,
     pub k_norm: Option<CudaSlice<f32>>,
-    pub o_proj: DevLinear,
+    pub o_proj: Linear,
     pub post_attention_layernorm: CudaSlice<f32>,
     /// gate and up stacked: `[2 * intermediate, hidden]`.
-    pub gate_up_proj: DevLinear,
-    pub down_proj: DevLinear,
+    pub gate_up_proj: Linear,
+    pub down_proj: Linear,
 }
 
 pub struct DevWeights {
@@ -40,6 +68,8 @@ pub struct DevWeights {
     pub lm_head: Option<DevLinear>,
     /// RoPE inverse frequencies, `[head_dim / 2]`.
     pub inv_freq: CudaSlice<f32>,
+    /// Whether any layer has FP8 parts.
+    pub fp8: bool,
 }
 
 /// Copies to the device, naming what failed (most likely: out of memory).
@@ -76,18 +106,59 @@ impl Upload<'_> {
 
     fn layer(&self, i: usize, l: LayerWeights) -> Result<DevLayer> {
         let p = format!("model.layers.{i}");
+        let lin = |what: String, proj| self.linear(&what, proj).map(Linear::Bf16);
         Ok(DevLayer {
             input_layernorm: self.f32s(&format!("{p}.input_layernorm"), &l.input_layernorm)?,
-            qkv_proj: self.linear(&format!("{p}.self_attn qkv"), l.qkv_proj)?,
+            qkv_proj: lin(format!("{p}.self_attn qkv"), l.qkv_proj)?,
             q_norm: self.opt_f32s(&format!("{p}.self_attn.q_norm.weight"), l.q_norm)?,
             k_norm: self.opt_f32s(&format!("{p}.self_attn.k_norm.weight"), l.k_norm)?,
-            o_proj: self.linear(&format!("{p}.self_attn.o_proj"), l.o_proj)?,
+            o_proj: lin(format!("{p}.self_attn.o_proj"), l.o_proj)?,
             post_attention_layernorm: self.f32s(
                 &format!("{p}.post_attention_layernorm"),
                 &l.post_attention_layernorm,
             )?,
-            gate_up_proj: self.linear(&format!("{p} gate/up"), l.gate_up_proj)?,
-            down_proj: self.linear(&format!("{p}.mlp.down_proj"), l.down_proj)?,
+            gate_up_proj: lin(format!("{p} gate/up"), l.gate_up_proj)?,
+            down_proj: lin(format!("{p}.mlp.down_proj"), l.down_proj)?,
+        })
+    }
+
+    /// Layer `i` of an FP8 checkpoint: each product's quantized parts uploaded as stored
+    /// (`fp8::upload_stack`), a product with none through the bf16 path.
+    fn fp8_layer(
+        &self,
+        ck: &Checkpoint,
+        cfg: &ModelConfig,
+        store: &WeightStore,
+        i: usize,
+    ) -> Result<DevLayer> {
+        let p = format!("model.layers.{i}");
+        let q = cfg.quantization.as_ref();
+        let product = |s: &Stack| -> Result<Linear> {
+            let quantized = s
+                .parts
+                .iter()
+                .any(|(name, _)| q.and_then(|q| q.scheme_of(name)).is_some());
+            if quantized {
+                fp8::upload_stack(self.stream, self.ordinal, ck, cfg, store, s).map(Linear::Fp8)
+            } else {
+                let what = s.parts.first().map_or("", |(n, _)| n.as_str());
+                self.linear(what, ck.stacked(s)?).map(Linear::Bf16)
+            }
+        };
+        let [qkv, o, gate_up, down] = ck.stacks(i)?;
+        let norms = ck.norms(i)?;
+        Ok(DevLayer {
+            input_layernorm: self.f32s(&format!("{p}.input_layernorm"), &norms.input_layernorm)?,
+            qkv_proj: product(&qkv)?,
+            q_norm: self.opt_f32s(&format!("{p}.self_attn.q_norm.weight"), norms.q_norm)?,
+            k_norm: self.opt_f32s(&format!("{p}.self_attn.k_norm.weight"), norms.k_norm)?,
+            o_proj: product(&o)?,
+            post_attention_layernorm: self.f32s(
+                &format!("{p}.post_attention_layernorm"),
+                &norms.post_attention_layernorm,
+            )?,
+            gate_up_proj: product(&gate_up)?,
+            down_proj: product(&down)?,
         })
     }
 }
@@ -105,8 +176,13 @@ impl DevWeights {
         let ck = Checkpoint::new(cfg, store);
         let up = Upload { stream, ordinal };
         let mut layers = Vec::with_capacity(cfg.num_layers);
+        let fp8 = cfg.quantization.is_some();
         for i in 0..cfg.num_layers {
-            layers.push(up.layer(i, ck.layer(i)?)?);
+            layers.push(if fp8 {
+                up.fp8_layer(&ck, cfg, store, i)?
+            } else {
+                up.layer(i, ck.layer(i)?)?
+            });
         }
         Ok(DevWeights {
             embed_tokens: up.bf16s("embed_tokens", ck.embed_tokens()?)?,
@@ -116,6 +192,11 @@ impl DevWeights {
                 .transpose()?,
             norm: up.f32s("model.norm", &ck.norm()?)?,
             inv_freq: up.f32s("rope frequencies", &cfg.rope_inv_freq())?,
+            fp8: layers.iter().any(|l| {
+                [&l.qkv_proj, &l.o_proj, &l.gate_up_proj, &l.down_proj]
+                    .iter()
+                    .any(|p| matches!(p, Linear::Fp8(_)))
+            }),
             layers,
         })
     }
@@ -131,10 +212,10 @@ impl DevWeights {
             .layers
             .iter()
             .map(|l| {
-                lin(&l.qkv_proj)
-                    + lin(&l.o_proj)
-                    + lin(&l.gate_up_proj)
-                    + lin(&l.down_proj)
+                l.qkv_proj.bytes()
+                    + l.o_proj.bytes()
+                    + l.gate_up_proj.bytes()
+                    + l.down_proj.bytes()
                     + 4 * (l.input_layernorm.len()
                         + l.post_attention_layernorm.len()
                         + norm_len(&l.q_norm)

@@ -1,0 +1,115 @@
+//! The FP8 kernels and cuBLASLt's FP8 GEMMs run on their own, for `tests/cuda_parity.rs` to
+//! hold against host computations on a GPU: a layout mistake in the scales (which operand
+//! dimension is outer, the padding) shows there as a wrong product, not as a model that is
+//! merely a little off.
+
+use std::sync::Arc;
+
+use cudarc::cublas::CudaBlas;
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
+
+use super::device::drv;
+use super::fp8::{pad_block_scales, Fp8Linear, Part, PartWeights, ScaleKind};
+use super::fp8_gemm::{Fp8Ctx, Fp8Products, Quantize};
+use super::kernels::Kernels;
+use crate::error::{EngineError, Result};
+
+fn device(ordinal: usize) -> Result<(Arc<CudaStream>, Kernels)> {
+    let ctx = CudaContext::new(ordinal).map_err(|e| drv("context creation", e))?;
+    let s = ctx.new_stream().map_err(|e| drv("stream creation", e))?;
+    let (kernels, _) = Kernels::load(&ctx)?;
+    Ok((s, kernels))
+}
+
+fn up<T: cudarc::driver::DeviceRepr>(s: &Arc<CudaStream>, v: &[T]) -> Result<CudaSlice<T>> {
+    s.clone_htod(v).map_err(|e| drv("upload", e))
+}
+
+/// An FP8 product on device `ordinal`: `x` `[m, k]` bf16 bits, `w` `[n, k]` e4m3 bytes with
+/// `scales` as a checkpoint stores them (`block`: `[ceil(n / 128), ceil(k / 128)]`; else one
+/// per row), `bias` `[n]`. `gemv` runs `fp8_gemv_*` (m at most 4), otherwise the activations
+/// are quantized and cuBLASLt multiplies. Returns `y` `[m, n]`.
+#[allow(clippy::too_many_arguments)]
+pub fn fp8_product(
+    ordinal: usize,
+    x: &[u16],
+    w: &[u8],
+    scales: &[f32],
+    block: bool,
+    bias: Option<&[f32]>,
+    (m, n, k): (usize, usize, usize),
+    gemv: bool,
+) -> Result<Vec<f32>> {
+    let (s, kernels) = device(ordinal)?;
+    let blas = CudaBlas::new(s.clone()).map_err(|e| EngineError::device("cuBLAS handle", e))?;
+    let ctx = Fp8Ctx::with_widest(&s, (k, n), m)?;
+    let (kind, scales) = if block {
+        (ScaleKind::Block, pad_block_scales(scales, n, k))
+    } else {
+        (ScaleKind::Row, scales.to_vec())
+    };
+    let l = Fp8Linear {
+        out: n,
+        inp: k,
+        parts: vec![Part {
+            row0: 0,
+            rows: n,
+            w: PartWeights::Fp8 {
+                w: up(&s, w)?,
+                kind,
+                scales: up(&s, &scales)?,
+            },
+        }],
+        bias: bias.map(|b| up(&s, b)).transpose()?,
+    };
+    let xd = up(&s, x)?;
+    // Poisoned first, so an element the product leaves unwritten shows.
+    let mut y = up(&s, &vec![f32::NAN; m * n])?;
+    let p = Fp8Products {
+        blas: &blas,
+        s: &s,
+        k: &kernels,
+        ctx: &ctx,
+        gemv_max_rows: if gemv { m } else { 0 },
+    };
+    if gemv != p.gemv(m) {
+        return Err(EngineError::Backend(format!(
+            "no fp8_gemv kernel for {m} rows"
+        )));
+    }
+    p.linear(&l, m, &xd, &mut y)?;
+    s.clone_dtoh(&y).map_err(|e| drv("download", e))
+}
+
+/// `fp8_quant_rows` on device `ordinal`: `x` `[rows, k]` bf16 bits quantized per token in
+/// groups of 128 (`per_group`) or per token. Returns the e4m3 bytes `[rows, k]` and the
+/// scales as the GEMM reads them (per group: `[groups, rows]`; per token: `[rows]`).
+pub fn fp8_quantize(
+    ordinal: usize,
+    x: &[u16],
+    (rows, k): (usize, usize),
+    per_group: bool,
+) -> Result<(Vec<u8>, Vec<f32>)> {
+    let (s, kernels) = device(ordinal)?;
+    let xd = up(&s, x)?;
+    let mut q = up(&s, &vec![0xaau8; rows * k])?;
+    let groups = if per_group { k.div_ceil(128) } else { 1 };
+    let mut scales = up(&s, &vec![f32::NAN; rows * groups])?;
+    Quantize {
+        x: &xd,
+        q: &mut q,
+        scales: &mut scales,
+        rows,
+        k,
+        kind: if per_group {
+            ScaleKind::Block
+        } else {
+            ScaleKind::Row
+        },
+    }
+    .launch(&kernels, &s)?;
+    Ok((
+        s.clone_dtoh(&q).map_err(|e| drv("download", e))?,
+        s.clone_dtoh(&scales).map_err(|e| drv("download", e))?,
+    ))
+}

@@ -1,0 +1,309 @@
+// FP8 (e4m3) linear layers: weights [n, k] as stored by a checkpoint, one byte each, with f32
+// scales (see gpu/src/quant.rs for what they mean and gpu/src/backend/cuda/fp8.rs for how
+// they are laid out on the device).
+//
+// - fp8_gemv_*: products of a few rows (a decode step's), x bf16 as the skinny kernels take
+//   it, the weights streamed once with 16-byte loads (16 weights a load), f32 sums. Block
+//   scales multiply each 128-wide k block's partial sum; per-channel scales multiply the row's
+//   sum at the end. Activations are not quantized: this is the dequantized product the CPU
+//   reference computes, in another order of summation.
+// - fp8_quant_rows: activations quantized for cuBLASLt's FP8 GEMM (prefill), per token in
+//   groups of 128 columns or per token, scale = amax / 448.
+// - fp8_out_cols: cuBLASLt's bf16 output widened into columns of the f32 product rows, with
+//   the bias.
+
+#if !defined(FP8_THREADS) || !defined(FP8_ROWS) || !defined(FP8_UNROLL) || \
+    !defined(FP8_QUANT_THREADS) || !defined(FP8_OUT_THREADS)
+#error "the FP8 kernels are compiled with shapes.rs's FP8_* figures"
+#endif
+#if FP8_QUANT_THREADS % 32 != 0 || FP8_QUANT_THREADS > 1024
+#error "fp8_quant_rows reduces whole warps with block_max"
+#endif
+
+// The largest finite e4m3 magnitude.
+#define E4M3_MAX 448.0f
+
+// Two e4m3 bytes (the low two of v) as f16x2, low byte in the low half, each value scaled by
+// 2^-8: e4m3 and f16 share the layout sign | exponent | mantissa with 3 and 10 mantissa bits
+// and biases 7 and 15, so the byte's bits moved into place are the f16 of value * 2^-8,
+// subnormals included. Exact, and the same on every architecture (sm_89's cvt.f16x2.e4m3x2
+// would save two instructions a pair).
+__device__ __forceinline__ unsigned int e4m3x2_to_f16x2_lo(unsigned int v) {
+    unsigned int t = __byte_perm(v, 0u, 0x1404);  // byte 0 -> bits 8..15, byte 1 -> 24..31
+    return (t & 0x80008000u) | ((t >> 1) & 0x3f803f80u);
+}
+
+// 2^8: undoes the 2^-8 of e4m3x2_to_f16x2_lo, applied once per sum.
+#define E4M3_UNIT 256.0f
+
+__device__ __forceinline__ void f16x2_to_f32(unsigned int h, float& lo, float& hi) {
+    asm("{\n\t.reg .b16 l, h;\n\tmov.b32 {l, h}, %2;\n\tcvt.f32.f16 %0, l;\n\tcvt.f32.f16 %1, h;\n\t}"
+        : "=f"(lo), "=f"(hi)
+        : "r"(h));
+}
+
+// 16 weights (one 16-byte load) as f32, each scaled by 2^-8.
+__device__ __forceinline__ void widen16(uint4 v, float* f) {
+    unsigned int words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        f16x2_to_f32(e4m3x2_to_f16x2_lo(words[j]), f[4 * j], f[4 * j + 1]);
+        f16x2_to_f32(e4m3x2_to_f16x2_lo(words[j] >> 16), f[4 * j + 2], f[4 * j + 3]);
+    }
+}
+
+// acc + the dot product of 16 widened weights and 16 bf16 activations (two 16-byte words).
+__device__ __forceinline__ float dot16(const float* f, uint4 a, uint4 b, float acc) {
+    unsigned int xs[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+        acc = fmaf(f[2 * j], __uint_as_float(xs[j] << 16), acc);
+        acc = fmaf(f[2 * j + 1], __uint_as_float(xs[j] & 0xffff0000u), acc);
+    }
+    return acc;
+}
+
+// y[m, col0 + j] = sum_k x[m, k] * w[j, k] * scale (+ bias[j]) for j < n and m < rows, y's
+// rows ldy apart. Warp j streams weight rows FP8_ROWS * j ..., FP8_UNROLL 16-byte loads in
+// flight per lane and row (4 x 2 x 512 bytes a warp, as the skinny kernels have).
+//
+// BLOCK: ws holds one scale per 128 x 128 block, row-major with rows ws_stride apart: the
+// 16-byte chunk i of row r is in block (r / 128, i / 8), so each chunk's partial sum is scaled
+// before it joins the row's. Otherwise ws holds one scale per row, applied to the sum.
+// The host launches these for k a multiple of 16 (16-byte rows of w, 32-byte rows of x).
+template <int M, bool BLOCK>
+__device__ __forceinline__ void fp8_gemv(const bf16* __restrict__ x,
+                                         const unsigned char* __restrict__ w,
+                                         const float* __restrict__ ws, int ws_stride,
+                                         const float* __restrict__ bias, float* __restrict__ y,
+                                         int ldy, int col0, int rows, int n, int k) {
+    const int warp = threadIdx.x >> 5;
+    const int lane = threadIdx.x & 31;
+    const int n0 = (blockIdx.x * (FP8_THREADS / 32) + warp) * FP8_ROWS;
+    if (n0 >= n) return;
+    const int k16 = k >> 4;
+    const uint4* w16 = reinterpret_cast<const uint4*>(w);
+    const uint4* x16 = reinterpret_cast<const uint4*>(x);
+    // Rows past the end read the last one again; their sums are not written.
+    long long wrow[FP8_ROWS];
+    int srow[FP8_ROWS];  // BLOCK: the first scale of the row's block row
+#pragma unroll
+    for (int r = 0; r < FP8_ROWS; r++) {
+        int row = min(n0 + r, n - 1);
+        wrow[r] = (long long)row * k16;
+        srow[r] = BLOCK ? (row >> 7) * ws_stride : row;
+    }
+    float acc[FP8_ROWS][M];
+#pragma unroll
+    for (int r = 0; r < FP8_ROWS; r++) {
+#pragma unroll
+        for (int m = 0; m < M; m++) acc[r][m] = 0.0f;
+    }
+    // The weights and scales depend on no earlier kernel: the first loads go to L2 before
+    // the wait for the kernel that wrote x (as skinny_gemm does).
+    pdl_trigger();
+#pragma unroll
+    for (int u = 0; u < FP8_UNROLL; u++) {
+        int i = lane + u * 32;
+#pragma unroll
+        for (int r = 0; r < FP8_ROWS; r++) {
+            if (i < k16) prefetch_l2(w16 + wrow[r] + i);
+        }
+    }
+    pdl_wait();
+    for (int i0 = lane; i0 < k16; i0 += 32 * FP8_UNROLL) {
+        uint4 wv[FP8_UNROLL][FP8_ROWS];
+#pragma unroll
+        for (int u = 0; u < FP8_UNROLL; u++) {
+            int i = i0 + u * 32;
+#pragma unroll
+            for (int r = 0; r < FP8_ROWS; r++) {
+                wv[u][r] = i < k16 ? ld_once16(w16 + wrow[r] + i) : make_uint4(0u, 0u, 0u, 0u);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < FP8_UNROLL; u++) {
+            int i = i0 + u * 32;
+            if (i < k16) {
+#pragma unroll
+                for (int r = 0; r < FP8_ROWS; r++) {
+                    float f[16];
+                    widen16(wv[u][r], f);
+                    float s = BLOCK ? ws[srow[r] + (i >> 3)] : 1.0f;
+#pragma unroll
+                    for (int m = 0; m < M; m++) {
+                        const uint4* xr = x16 + (long long)min(m, rows - 1) * 2 * k16 + 2 * i;
+                        float part = dot16(f, xr[0], xr[1], 0.0f);
+                        acc[r][m] = BLOCK ? fmaf(s, part, acc[r][m]) : acc[r][m] + part;
+                    }
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < FP8_ROWS; r++) {
+#pragma unroll
+        for (int m = 0; m < M; m++) acc[r][m] = warp_sum(acc[r][m]);
+    }
+    if (lane != 0) return;
+#pragma unroll
+    for (int r = 0; r < FP8_ROWS; r++) {
+        if (n0 + r < n) {
+            float s = (BLOCK ? 1.0f : ws[srow[r]]) * E4M3_UNIT;
+            float b = bias != nullptr ? bias[n0 + r] : 0.0f;
+#pragma unroll
+            for (int m = 0; m < M; m++) {
+                if (m < rows) y[(long long)m * ldy + col0 + n0 + r] = fmaf(acc[r][m], s, b);
+            }
+        }
+    }
+}
+
+// Grid (ceil(n / (FP8_THREADS / 32 * FP8_ROWS))).
+#define FP8_GEMV_KERNEL(M)                                                                      \
+    extern "C" __global__ void __launch_bounds__(FP8_THREADS) fp8_gemv_block_m##M(              \
+        const bf16* __restrict__ x, const unsigned char* __restrict__ w,                        \
+        const float* __restrict__ ws, int ws_stride, const float* __restrict__ bias,            \
+        float* __restrict__ y, int ldy, int col0, int rows, int n, int k) {                     \
+        fp8_gemv<M, true>(x, w, ws, ws_stride, bias, y, ldy, col0, rows, n, k);                 \
+    }
+#define FP8_GEMV_CHANNEL_KERNEL(M)                                                              \
+    extern "C" __global__ void __launch_bounds__(FP8_THREADS) fp8_gemv_channel_m##M(            \
+        const bf16* __restrict__ x, const unsigned char* __restrict__ w,                        \
+        const float* __restrict__ ws, int ws_stride, const float* __restrict__ bias,            \
+        float* __restrict__ y, int ldy, int col0, int rows, int n, int k) {                     \
+        fp8_gemv<M, false>(x, w, ws, ws_stride, bias, y, ldy, col0, rows, n, k);                \
+    }
+FP8_GEMV_KERNEL(1)
+FP8_GEMV_KERNEL(2)
+FP8_GEMV_KERNEL(4)
+FP8_GEMV_CHANNEL_KERNEL(1)
+FP8_GEMV_CHANNEL_KERNEL(2)
+FP8_GEMV_CHANNEL_KERNEL(4)
+
+// x as e4m3, rounded to nearest even and saturated to +-448 (NaN stays NaN), as PyTorch's
+// clamp-then-cast quantizers and the host's f32_to_e4m3 do. sm_89 and later convert in one
+// instruction; older GPUs never run an FP8 model (load.rs refuses them) but compile this too.
+__device__ __forceinline__ unsigned int f32_to_e4m3(float x) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    unsigned short h;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(h) : "f"(0.0f), "f"(x));
+    return h & 0xffu;
+#else
+    unsigned int u = __float_as_uint(x);
+    unsigned int sign = (u >> 24) & 0x80u;
+    float a = fabsf(x);
+    if (a != a) return 0x7fu;
+    if (a >= E4M3_MAX) return sign | 0x7eu;
+    if (a < 0.015625f) {  // below 2^-6: subnormal, steps of 2^-9 (8 rounds up to 2^-6)
+        return sign | (unsigned int)__float2int_rn(a * 512.0f);
+    }
+    int e = (int)((u >> 23) & 0xffu) - 127;
+    unsigned int m = (u >> 20) & 7u;
+    unsigned int rest = u & 0xfffffu;
+    if (rest > 0x80000u || (rest == 0x80000u && (m & 1u))) m++;
+    if (m == 8u) {
+        m = 0u;
+        e++;
+    }
+    return sign | ((unsigned int)(e + 7) << 3) | m;
+#endif
+}
+
+// The largest of v over the block (blockDim.x a multiple of 32); every thread gets it.
+__device__ float block_max(float v) {
+    __shared__ float scratch_max[32];
+    int lane = threadIdx.x & 31;
+    int warp = threadIdx.x >> 5;
+    v = warp_max(v);
+    __syncthreads();
+    if (lane == 0) scratch_max[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        float m = lane < (int)(blockDim.x >> 5) ? scratch_max[lane] : 0.0f;
+        m = warp_max(m);
+        if (lane == 0) scratch_max[0] = m;
+    }
+    __syncthreads();
+    return scratch_max[0];
+}
+
+// q[r, c] = e4m3(x[r, c] / s) with s = amax / 448 over the values s covers: with group (128),
+// the row's 128-column group c / 128, s stored at scales[(c / 128) * rows + r] (cuBLASLt's
+// VEC128_32F layout for the activations: each group's scales for every row together); with
+// group 0, the whole row, s at scales[r] (OUTER_VEC_32F). A group of zeros gets s = 0 and
+// zeros, never 0 / 0. Grid (rows); k a multiple of 4 (the host checks 16).
+extern "C" __global__ void __launch_bounds__(FP8_QUANT_THREADS)
+    fp8_quant_rows(const bf16* __restrict__ x, unsigned char* __restrict__ q,
+                   float* __restrict__ scales, int rows, int k, int group) {
+    pdl_start();
+    const int r = blockIdx.x;
+    const uint2* x4 = reinterpret_cast<const uint2*>(x + (long long)r * k);
+    unsigned int* q4 = reinterpret_cast<unsigned int*>(q + (long long)r * k);
+    const int k4 = k >> 2;
+    if (group != 0) {
+        // One warp a group: 32 lanes of 4 columns are 128.
+        const int warps = FP8_QUANT_THREADS / 32;
+        const int lane = threadIdx.x & 31;
+        const int groups = (k + 127) >> 7;
+        for (int g = threadIdx.x >> 5; g < groups; g += warps) {
+            int i = g * 32 + lane;
+            uint2 v = i < k4 ? x4[i] : make_uint2(0u, 0u);
+            float f[4] = {__uint_as_float(v.x << 16), __uint_as_float(v.x & 0xffff0000u),
+                          __uint_as_float(v.y << 16), __uint_as_float(v.y & 0xffff0000u)};
+            float amax = fmaxf(fmaxf(fabsf(f[0]), fabsf(f[1])), fmaxf(fabsf(f[2]), fabsf(f[3])));
+            amax = warp_max(amax);
+            float s = __fdiv_rn(amax, E4M3_MAX);
+            if (i < k4) {
+                unsigned int packed = 0u;
+#pragma unroll
+                for (int j = 0; j < 4; j++) {
+                    unsigned int b = s > 0.0f ? f32_to_e4m3(__fdiv_rn(f[j], s)) : 0u;
+                    packed |= b << (8 * j);
+                }
+                q4[i] = packed;
+            }
+            if (lane == 0) scales[(long long)g * rows + r] = s;
+        }
+        return;
+    }
+    float amax = 0.0f;
+    for (int i = threadIdx.x; i < k4; i += FP8_QUANT_THREADS) {
+        uint2 v = x4[i];
+        amax = fmaxf(amax, fmaxf(fmaxf(fabsf(__uint_as_float(v.x << 16)),
+                                       fabsf(__uint_as_float(v.x & 0xffff0000u))),
+                                 fmaxf(fabsf(__uint_as_float(v.y << 16)),
+                                       fabsf(__uint_as_float(v.y & 0xffff0000u)))));
+    }
+    amax = block_max(amax);
+    float s = __fdiv_rn(amax, E4M3_MAX);
+    for (int i = threadIdx.x; i < k4; i += FP8_QUANT_THREADS) {
+        uint2 v = x4[i];
+        float f[4] = {__uint_as_float(v.x << 16), __uint_as_float(v.x & 0xffff0000u),
+                      __uint_as_float(v.y << 16), __uint_as_float(v.y & 0xffff0000u)};
+        unsigned int packed = 0u;
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            unsigned int b = s > 0.0f ? f32_to_e4m3(__fdiv_rn(f[j], s)) : 0u;
+            packed |= b << (8 * j);
+        }
+        q4[i] = packed;
+    }
+    if (threadIdx.x == 0) scales[r] = s;
+}
+
+// y[r, col0 + c] = d[r, c] (bf16, rows cols apart) + bias[c] (when not null), y's rows ldy
+// apart; with d null, y[r, col0 + c] += bias[c] (a bf16 part's bias, after cuBLAS wrote its
+// columns). Grid (rows, ceil(cols / FP8_OUT_THREADS)).
+extern "C" __global__ void __launch_bounds__(FP8_OUT_THREADS)
+    fp8_out_cols(const bf16* __restrict__ d, const float* __restrict__ bias,
+                 float* __restrict__ y, int cols, int ldy, int col0) {
+    pdl_start();
+    const int r = blockIdx.x;
+    const int c = blockIdx.y * FP8_OUT_THREADS + threadIdx.x;
+    if (c >= cols) return;
+    float* out = y + (long long)r * ldy + col0 + c;
+    float v = d != nullptr ? bf2f(d[(long long)r * cols + c]) : *out;
+    if (bias != nullptr) v += bias[c];
+    *out = v;
+}
