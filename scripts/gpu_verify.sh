@@ -60,7 +60,7 @@ run)
     mkdir -p "$work"
     t0=$(date +%s)
     budget="${GPU_BUDGET_S:-540}"
-    stages="${STAGES:-offline parity bench-8b skinny-ab-8b long-decode-8b pdl-ab-8b pdl-ab-small fuse-ab sm-split-8b profile-8b profile-small serve-8b bench-llama-8b bench-small peer-8b}"
+    stages="${STAGES:-offline parity bench-8b bench-8b-fp8 skinny-ab-8b long-decode-8b pdl-ab-8b pdl-ab-small fuse-ab sm-split-8b profile-8b profile-small serve-8b bench-llama-8b bench-small peer-8b bench-32b-fp8}"
     # The device returns at most 8 files from $OUT: everything is packed into one archive
     # (and a summary printed) however the run ends.
     touch "$work/.start"
@@ -103,6 +103,10 @@ run)
     # The 8B shapes (issue: batch-1 decode against the copy bound, prefill against the GEMM
     # peak, KV capacity at the default memory share); the checkpoints are written here.
     stage bench-8b 150 gpu-out/gpu-bench --presets qwen3-8b --json "bench/results/gpu-8b-qwen3.json"
+    # FP8 (block-scaled e4m3, as Qwen publishes) on the same shape and card as bench-8b's bf16:
+    # the FP8 copy bound is about half, prefill runs cuBLASLt's FP8 GEMMs.
+    stage bench-8b-fp8 150 gpu-out/gpu-bench --presets qwen3-8b-fp8 --batches 1,8,32,64,128 \
+        --prefill-lens 512,2048 --json bench/results/gpu-8b-qwen3-fp8.json
     # The same card, the same checkpoint: small decode batches with every product through
     # cuBLAS, then with the skinny kernels taking up to 8 rows, side by side (the default,
     # SKINNY_MAX_ROWS, is what these decide).
@@ -144,6 +148,11 @@ run)
     stage serve-8b 170 env OUT="$work" MODEL=target/bench-models/qwen3-8b bash scripts/gpu_serve_bench.sh
     stage bench-llama-8b 110 gpu-out/gpu-bench --presets llama-3.1-8b --json "bench/results/gpu-8b-llama.json"
     stage bench-small 60 gpu-out/gpu-bench
+    # Qwen3-32B as FP8 on one H100 (34 GB of weights; bf16 would leave almost no KV). Its
+    # 33 GB checkpoint needs the disk the other 8B checkpoints take (they are remade on demand).
+    stage bench-32b-fp8 300 bash -c 'rm -rf target/bench-models/llama-3.1-8b \
+        target/bench-models/qwen3-8b-fp8 && gpu-out/gpu-bench --presets qwen3-32b-fp8 \
+        --batches 1,8,32,64,128 --prefill-lens 512,2048 --json bench/results/gpu-32b-qwen3-fp8.json'
     # transformers + torch.compile on the 8B checkpoint: each new shape recompiles (the first
     # run spent its 150 s compiling after a 512-token prefill), so one prefill length.
     stage peer-8b 240 python3 scripts/hf_peer_bench.py --presets qwen3-8b --compile --batches 1,32 \

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use anyhow::Context;
 use clap::{Subcommand, ValueEnum};
 use kvmesh_gpu::config::{Arch, RopeScaling};
-use kvmesh_gpu::init::{preset, write_random_checkpoint};
+use kvmesh_gpu::init::{preset, write_random_checkpoint, write_random_fp8_checkpoint};
 use kvmesh_gpu::model::LoadedModel;
 use kvmesh_gpu::safetensors::DType;
 use serde_json::{json, Value};
@@ -44,7 +44,7 @@ pub enum ModelCommand {
         #[arg(long, value_enum)]
         arch: Option<ArchArg>,
         /// Shape preset: tiny, or a published model's shape (qwen2.5-0.5b, llama-3.2-1b,
-        /// qwen3-0.6b, qwen3-8b, llama-3.1-8b).
+        /// qwen3-0.6b, qwen3-8b, llama-3.1-8b, qwen3-32b, qwen2.5-72b).
         #[arg(long, default_value = "tiny", value_parser = clap::builder::PossibleValuesParser::new(kvmesh_gpu::init::PRESETS))]
         preset: String,
         #[arg(long)]
@@ -67,6 +67,10 @@ pub enum ModelCommand {
         seed: u64,
         #[arg(long, value_enum, default_value = "bf16")]
         dtype: DTypeArg,
+        /// Write an FP8 checkpoint as Qwen publishes them (`quant_method: fp8`): the
+        /// decoder's linear layers as e4m3 with a scale per 128 x 128 block, the rest bf16.
+        #[arg(long)]
+        fp8: bool,
         /// Folder to write.
         #[arg(long)]
         out: PathBuf,
@@ -104,6 +108,7 @@ pub fn run(cmd: ModelCommand) -> anyhow::Result<()> {
             max_position_embeddings,
             seed,
             dtype,
+            fp8,
             out,
         } => {
             let arch = arch.map(|a| match a {
@@ -155,19 +160,24 @@ pub fn run(cmd: ModelCommand) -> anyhow::Result<()> {
                 DTypeArg::F16 => DType::F16,
                 DTypeArg::F32 => DType::F32,
             };
-            let cfg = write_random_checkpoint(
-                cfg,
-                seed,
-                dtype,
-                &kvmesh_gpu::embedded::default_tokenizer(),
-                &out,
-            )
+            anyhow::ensure!(
+                !fp8 || dtype == DType::BF16,
+                "--fp8 writes what it does not quantize as bf16: leave --dtype out"
+            );
+            let tokenizer = kvmesh_gpu::embedded::default_tokenizer();
+            let cfg = if fp8 {
+                write_random_fp8_checkpoint(cfg, seed, &tokenizer, &out)
+            } else {
+                write_random_checkpoint(cfg, seed, dtype, &tokenizer, &out)
+            }
             .with_context(|| format!("writing {}", out.display()))?;
             println!(
                 "wrote {} ({} {}, {:.1}M parameters, vocab {}) to {}",
                 name,
                 cfg.arch.architecture_name(),
-                dtype.name(),
+                cfg.quantization
+                    .as_ref()
+                    .map_or_else(|| dtype.name().to_string(), |q| q.summary()),
                 cfg.num_params() as f64 / 1e6,
                 cfg.vocab_size,
                 out.display()
@@ -349,7 +359,9 @@ fn quantization(m: &LoadedModel) -> Value {
         "gpu_bytes_fp8": fp8,
         "gpu_bytes_bf16": bf16,
         "cpu": "dequantized to f32 at load",
-        "cuda": "refused (FP8 GEMMs not implemented yet)",
+        "cuda": "kept in FP8 (e4m3 weights read by the decode kernels, cuBLASLt FP8 GEMMs \
+                 for larger steps; compute capability 8.9 or later, block and per-channel \
+                 scales on Hopper)",
     })
 }
 

@@ -3,9 +3,13 @@
 
 use std::path::Path;
 
-use crate::config::{Arch, ModelConfig, Rope, RopeScaling, TensorRole, TensorSpec};
+use rayon::prelude::*;
+
+use crate::config::{Arch, ModelConfig, Rope, RopeScaling, TensorRole, TensorSpec, FP8_BLOCK};
 use crate::error::{EngineError, Result};
-use crate::safetensors::{write_file_streamed, DType, STREAM_CHUNK};
+use crate::safetensors::{
+    f32_to_e4m3, write_chunks, write_file_parts, write_file_streamed, DType, STREAM_CHUNK,
+};
 use crate::sampler::Rng;
 use crate::tokenizer::{TextTokenizer, TokenizerFiles};
 
@@ -17,6 +21,8 @@ pub const PRESETS: &[&str] = &[
     "qwen3-0.6b",
     "qwen3-8b",
     "llama-3.1-8b",
+    "qwen3-32b",
+    "qwen2.5-72b",
 ];
 
 fn base(arch: Arch) -> ModelConfig {
@@ -51,9 +57,9 @@ fn base(arch: Arch) -> ModelConfig {
 /// The shape of a preset; `vocab_size` 0 means "the tokenizer's size".
 pub fn preset(arch: Option<Arch>, name: &str) -> Result<ModelConfig> {
     let real_arch = match name {
-        "qwen2.5-0.5b" => Some(Arch::Qwen2),
+        "qwen2.5-0.5b" | "qwen2.5-72b" => Some(Arch::Qwen2),
         "llama-3.2-1b" => Some(Arch::Llama),
-        "qwen3-0.6b" | "qwen3-8b" => Some(Arch::Qwen3),
+        "qwen3-0.6b" | "qwen3-8b" | "qwen3-32b" => Some(Arch::Qwen3),
         "llama-3.1-8b" => Some(Arch::Llama),
         "tiny" => None,
         other => {
@@ -132,6 +138,30 @@ pub fn preset(arch: Option<Arch>, name: &str) -> Result<ModelConfig> {
             c.rope = Rope::plain(1_000_000.0);
             c.max_position_embeddings = 40_960;
         }
+        // The published configs of Qwen/Qwen3-32B and Qwen/Qwen2.5-72B(-Instruct): the
+        // shapes the FP8 tables are about.
+        "qwen3-32b" => {
+            c.vocab_size = 151_936;
+            c.hidden_size = 5120;
+            c.intermediate_size = 25_600;
+            c.num_layers = 64;
+            c.num_heads = 64;
+            c.num_kv_heads = 8;
+            c.head_dim = 128;
+            c.rope = Rope::plain(1_000_000.0);
+            c.max_position_embeddings = 40_960;
+        }
+        "qwen2.5-72b" => {
+            c.vocab_size = 152_064;
+            c.hidden_size = 8192;
+            c.intermediate_size = 29_568;
+            c.num_layers = 80;
+            c.num_heads = 64;
+            c.num_kv_heads = 8;
+            c.head_dim = 128;
+            c.rope = Rope::plain(1_000_000.0);
+            c.max_position_embeddings = 32_768;
+        }
         "llama-3.1-8b" => {
             c.vocab_size = 128_256;
             c.hidden_size = 4096;
@@ -182,24 +212,14 @@ fn tiny_shape(arch: Arch, c: &mut ModelConfig) -> Result<()> {
 /// Writes a checkpoint with `cfg`'s shape and random weights. The tokenizer files are
 /// copied in; a vocabulary smaller than the tokenizer's is grown to fit it.
 pub fn write_random_checkpoint(
-    mut cfg: ModelConfig,
+    cfg: ModelConfig,
     seed: u64,
     dtype: DType,
     tokenizer: &TokenizerFiles,
     out: &Path,
 ) -> Result<ModelConfig> {
-    let tok = TextTokenizer::from_files(tokenizer, &[])?;
-    cfg.vocab_size = cfg.vocab_size.max(tok.vocab_size());
-    cfg.bos_token_id = tok.bos_id();
-    cfg.eos_token_ids = tok.eos_ids().to_vec();
-    std::fs::create_dir_all(out)
-        .map_err(|e| EngineError::io(format!("create {}", out.display()), e))?;
-
+    let (cfg, live) = prepare(cfg, tokenizer, out)?;
     let specs = cfg.tensors();
-    let live = Live {
-        vocab: tok.vocab_size(),
-        tied: cfg.tie_word_embeddings,
-    };
     let names: Vec<(String, Vec<usize>)> = specs
         .iter()
         .map(|t| (t.name.clone(), t.shape.clone()))
@@ -214,8 +234,138 @@ pub fn write_random_checkpoint(
         },
     )?;
 
-    write_side_files(&cfg, dtype, tokenizer, out)?;
+    write_side_files(&cfg, dtype, None, tokenizer, out)?;
     Ok(cfg)
+}
+
+/// The config with the tokenizer's vocabulary and special ids, the folder made, and which
+/// head rows stay silent.
+fn prepare(
+    mut cfg: ModelConfig,
+    tokenizer: &TokenizerFiles,
+    out: &Path,
+) -> Result<(ModelConfig, Live)> {
+    let tok = TextTokenizer::from_files(tokenizer, &[])?;
+    cfg.vocab_size = cfg.vocab_size.max(tok.vocab_size());
+    cfg.bos_token_id = tok.bos_id();
+    cfg.eos_token_ids = tok.eos_ids().to_vec();
+    std::fs::create_dir_all(out)
+        .map_err(|e| EngineError::io(format!("create {}", out.display()), e))?;
+    let live = Live {
+        vocab: tok.vocab_size(),
+        tied: cfg.tie_word_embeddings,
+    };
+    Ok((cfg, live))
+}
+
+/// Like [`write_random_checkpoint`], as the FP8 checkpoints Qwen publishes are laid out
+/// (`quant_method: fp8`, `fmt: e4m3`, dynamic activations, `weight_block_size: [128, 128]`):
+/// every linear layer of the decoder is quantized from the values the bf16 checkpoint of the
+/// same seed draws, as e4m3 with one f32 `weight_scale_inv` per 128 x 128 block (the block's
+/// largest magnitude over 448); embeddings, norms, biases and the output head stay bf16.
+pub fn write_random_fp8_checkpoint(
+    cfg: ModelConfig,
+    seed: u64,
+    tokenizer: &TokenizerFiles,
+    out: &Path,
+) -> Result<ModelConfig> {
+    let (cfg, live) = prepare(cfg, tokenizer, out)?;
+    let specs = cfg.tensors();
+    // What each entry of the file is made from: a tensor as bf16, a quantized tensor, or the
+    // scales of the quantized tensor before it.
+    enum Part {
+        Plain(usize),
+        Fp8(usize),
+        Scales,
+    }
+    let mut list = Vec::new();
+    let mut parts = Vec::new();
+    for (ti, t) in specs.iter().enumerate() {
+        if t.role != TensorRole::Dense {
+            list.push((t.name.clone(), t.shape.clone(), DType::BF16));
+            parts.push(Part::Plain(ti));
+            continue;
+        }
+        let module = t.name.strip_suffix(".weight").ok_or_else(|| {
+            EngineError::InvalidRequest(format!("`{}` is not a linear layer's weight", t.name))
+        })?;
+        let (rows, cols) = (t.shape[0], t.shape[1]);
+        list.push((t.name.clone(), t.shape.clone(), DType::F8E4M3));
+        parts.push(Part::Fp8(ti));
+        list.push((
+            format!("{module}.weight_scale_inv"),
+            vec![rows.div_ceil(FP8_BLOCK), cols.div_ceil(FP8_BLOCK)],
+            DType::F32,
+        ));
+        parts.push(Part::Scales);
+    }
+    let fill = |ti: usize, start: usize, vals: &mut [f32]| {
+        random_values(&specs[ti], seed, ti, start, vals);
+        live.silence_padding(&specs[ti], start, vals);
+    };
+    let mut scales: Vec<f32> = Vec::new();
+    write_file_parts(&out.join("model.safetensors"), &list, &mut |i, w| {
+        let io = |e| EngineError::io(format!("write {}", out.display()), e);
+        match parts[i] {
+            Part::Plain(ti) => write_chunks(&list[i].1, DType::BF16, &|s, v| fill(ti, s, v), w),
+            Part::Fp8(ti) => {
+                let shape = &specs[ti].shape;
+                let mut vals = vec![0f32; shape[0] * shape[1]];
+                vals.par_chunks_mut(STREAM_CHUNK)
+                    .enumerate()
+                    .for_each(|(c, v)| fill(ti, c * STREAM_CHUNK, v));
+                let (q, s) = quantize_fp8_blocks(&vals, shape[0], shape[1]);
+                scales = s;
+                w.write_all(&q).map_err(io)
+            }
+            Part::Scales => {
+                let bytes: Vec<u8> = scales.iter().flat_map(|s| s.to_le_bytes()).collect();
+                w.write_all(&bytes).map_err(io)
+            }
+        }
+    })?;
+    let quant = serde_json::json!({
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [FP8_BLOCK, FP8_BLOCK],
+    });
+    write_side_files(&cfg, DType::BF16, Some(quant), tokenizer, out)?;
+    // The config as it reads back, its quantization included.
+    let path = out.join("config.json");
+    let text = std::fs::read_to_string(&path)
+        .map_err(|e| EngineError::io(format!("read {}", path.display()), e))?;
+    ModelConfig::from_json(&text)
+}
+
+/// Quantizes a `[rows, cols]` matrix to e4m3 by 128 x 128 blocks: each block's scale is its
+/// largest magnitude over 448 (1 for a block of zeros), and each value the e4m3 nearest to
+/// it over that scale. Returns the bytes and the scales, `[ceil(rows/128), ceil(cols/128)]`.
+pub fn quantize_fp8_blocks(vals: &[f32], rows: usize, cols: usize) -> (Vec<u8>, Vec<f32>) {
+    assert_eq!(vals.len(), rows * cols, "a [rows, cols] matrix");
+    let bc = cols.div_ceil(FP8_BLOCK);
+    let mut q = vec![0u8; rows * cols];
+    let mut scales = vec![0f32; rows.div_ceil(FP8_BLOCK) * bc];
+    let band = FP8_BLOCK * cols.max(1);
+    q.par_chunks_mut(band)
+        .zip(vals.par_chunks(band))
+        .zip(scales.par_chunks_mut(bc.max(1)))
+        .for_each(|((qb, vb), sb)| {
+            let nr = vb.len() / cols.max(1);
+            for (j, s) in sb.iter_mut().enumerate() {
+                let (c0, c1) = (j * FP8_BLOCK, ((j + 1) * FP8_BLOCK).min(cols));
+                let amax = (0..nr)
+                    .flat_map(|r| vb[r * cols + c0..r * cols + c1].iter())
+                    .fold(0f32, |m, x| m.max(x.abs()));
+                *s = if amax > 0.0 { amax / 448.0 } else { 1.0 };
+                for r in 0..nr {
+                    for c in c0..c1 {
+                        qb[r * cols + c] = f32_to_e4m3(vb[r * cols + c] / *s);
+                    }
+                }
+            }
+        });
+    (q, scales)
 }
 
 /// The ids the tokenizer can decode. A preset's vocabulary (151,936 for Qwen3-8B) is far larger
@@ -285,15 +435,19 @@ fn random_values(t: &TensorSpec, seed: u64, ti: usize, start: usize, vals: &mut 
     }
 }
 
-/// The files beside the weights: config (declaring `dtype`), tokenizer, chat template and
-/// generation config.
+/// The files beside the weights: config (declaring `dtype`, and `quant` as its
+/// `quantization_config`), tokenizer, chat template and generation config.
 fn write_side_files(
     cfg: &ModelConfig,
     dtype: DType,
+    quant: Option<serde_json::Value>,
     tokenizer: &TokenizerFiles,
     out: &Path,
 ) -> Result<()> {
     let mut config = cfg.to_hf_json();
+    if let Some(q) = quant {
+        config["quantization_config"] = q;
+    }
     config["dtype"] = match dtype {
         DType::F32 => "float32",
         DType::F16 => "float16",
@@ -349,6 +503,108 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("qwen3"));
+    }
+
+    #[test]
+    fn the_fp8_table_presets_have_the_published_sizes() {
+        // The model cards' figures, rounded as they give them: total and non-embedding.
+        for (name, total, body) in [("qwen3-32b", 32.8, 31.2), ("qwen2.5-72b", 72.7, 70.0)] {
+            let c = preset(None, name).unwrap();
+            let n = c.num_params() as f64 / 1e9;
+            let emb = (c.vocab_size * c.hidden_size * if c.tie_word_embeddings { 1 } else { 2 })
+                as f64
+                / 1e9;
+            assert!((n - total).abs() < 0.05, "{name}: {n:.3}B");
+            assert!((n - emb - body).abs() < 0.25, "{name}: {:.3}B", n - emb);
+        }
+        assert_eq!(preset(None, "qwen2.5-72b").unwrap().arch, Arch::Qwen2);
+    }
+
+    #[test]
+    fn fp8_blocks_dequantize_within_e4m3_rounding() {
+        // Ragged sides: the last row and column blocks are partial.
+        let (rows, cols) = (200, 300);
+        let mut rng = Rng::seeded(5);
+        let vals: Vec<f32> = (0..rows * cols)
+            .map(|i| {
+                let x = (rng.next_f64() - 0.5) as f32;
+                // A block of zeros, and magnitudes spread over decades.
+                if (i / cols) < 128 && (i % cols) < 128 {
+                    0.0
+                } else {
+                    x * 10f32.powi((i % 5) as i32 - 2)
+                }
+            })
+            .collect();
+        let (q, scales) = quantize_fp8_blocks(&vals, rows, cols);
+        assert_eq!(scales.len(), 2 * 3);
+        assert_eq!(scales[0], 1.0, "a block of zeros");
+        for (i, &x) in vals.iter().enumerate() {
+            let s = scales[(i / cols) / 128 * 3 + (i % cols) / 128];
+            let back = crate::safetensors::e4m3_to_f32(q[i]) * s;
+            // Half a step: 2^-4 relative for normals, 2^-10 of the scale below them.
+            let tol = (x.abs() / 16.0).max(s / 1024.0) * 1.0001;
+            assert!((back - x).abs() <= tol, "{i}: {x} came back {back}");
+        }
+        // Each block's largest magnitude lands on 448.
+        let top = (0..rows * cols)
+            .filter(|i| (i / cols) >= 128)
+            .map(|i| crate::safetensors::e4m3_to_f32(q[i]).abs())
+            .fold(0f32, f32::max);
+        assert_eq!(top, 448.0);
+    }
+
+    #[test]
+    fn an_fp8_random_checkpoint_reads_back_block_scaled_and_runs_near_its_bf16_twin() {
+        use crate::backend::{ForwardBatch, SeqInput};
+        use crate::kv_cache::BlockId;
+        use crate::model::{build_backend, BackendKind, KvBudget, LoadedModel};
+        let base = std::env::temp_dir().join(format!("kvmesh-init-fp8-{}", std::process::id()));
+        let tok = crate::embedded::default_tokenizer();
+        let cfg = || preset(Some(Arch::Qwen3), "tiny").unwrap();
+        let fp8 = write_random_fp8_checkpoint(cfg(), 4, &tok, &base.join("fp8")).unwrap();
+        write_random_checkpoint(cfg(), 4, DType::BF16, &tok, &base.join("bf16")).unwrap();
+        let q = fp8.quantization.as_ref().expect("a quantization_config");
+        assert!(q.summary().contains("fp8"), "{}", q.summary());
+        let w = crate::safetensors::WeightStore::open_dir(&base.join("fp8")).unwrap();
+        let proj = "model.layers.0.mlp.down_proj";
+        let dtype = |n: &str| w.info(n).unwrap_or_else(|| panic!("{n}")).dtype;
+        assert_eq!(dtype(&format!("{proj}.weight")), DType::F8E4M3);
+        assert_eq!(dtype(&format!("{proj}.weight_scale_inv")), DType::F32);
+        assert_eq!(dtype("model.embed_tokens.weight"), DType::BF16);
+        let logits = |dir: &str| {
+            let m = LoadedModel::from_dir(&base.join(dir)).unwrap();
+            let mut be = build_backend(
+                BackendKind::Cpu(Default::default()),
+                &m,
+                16,
+                KvBudget::Blocks(8),
+            )
+            .unwrap();
+            let tokens: Vec<u32> = (0..40).map(|i| (i * 7 + 3) % 200).collect();
+            let table: Vec<BlockId> = (0..3).map(BlockId).collect();
+            let batch = ForwardBatch {
+                seqs: vec![SeqInput {
+                    tokens: &tokens,
+                    start_pos: 0,
+                    context_len: 0,
+                    block_table: &table,
+                    want_logits: true,
+                    state_slot: None,
+                }],
+            };
+            be.forward(&batch).unwrap().pop().unwrap()
+        };
+        let (a, b) = (logits("fp8"), logits("bf16"));
+        let scale = b.iter().fold(0f32, |m, x| m.max(x.abs()));
+        let worst = a
+            .iter()
+            .zip(&b)
+            .fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+        println!("fp8 against bf16: largest logit difference {worst} (scale {scale})");
+        assert!(worst > 0.0, "the weights were quantized");
+        assert!(worst < 0.1 * scale, "{worst} of {scale}");
+        std::fs::remove_dir_all(&base).unwrap();
     }
 
     #[test]

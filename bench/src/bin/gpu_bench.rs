@@ -28,7 +28,7 @@ use kvmesh_gpu::backend::{
     Backend, CudaOptions, ForwardBatch, KvBudget, Pdl, SampleSpec, SeqInput,
 };
 use kvmesh_gpu::config::ModelConfig;
-use kvmesh_gpu::init::{preset, write_random_checkpoint};
+use kvmesh_gpu::init::{preset, write_random_checkpoint, write_random_fp8_checkpoint};
 use kvmesh_gpu::kv_cache::BlockId;
 use kvmesh_gpu::model::LoadedModel;
 use kvmesh_gpu::safetensors::DType;
@@ -44,7 +44,8 @@ struct Args {
     /// Where the random-weight checkpoints are made (once) and found.
     #[arg(long, value_name = "DIR", default_value = "target/bench-models")]
     models_dir: PathBuf,
-    /// Model shapes to measure, comma-separated (presets of `kvmesh model init-random`).
+    /// Model shapes to measure, comma-separated (presets of `kvmesh model init-random`; a
+    /// `-fp8` suffix, e.g. `qwen3-32b-fp8`, measures the shape as an FP8 checkpoint).
     #[arg(long, value_delimiter = ',', value_parser = trimmed::<String>,
           default_value = "qwen2.5-0.5b,llama-3.2-1b")]
     presets: Vec<String>,
@@ -200,21 +201,32 @@ fn median(mut v: Vec<f64>) -> f64 {
     v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
 }
 
-/// The checkpoint folder for `name`, written with random weights the first time.
+/// The checkpoint folder for `name`, written with random weights the first time: a preset's
+/// shape in bf16, or with `-fp8` after the name, as an FP8 checkpoint in Qwen's published
+/// format (block-scaled e4m3 linear layers), quantized here from the same random values.
 fn checkpoint(models_dir: &Path, name: &str) -> anyhow::Result<PathBuf> {
     let d = models_dir.join(name);
     if !d.join("model.safetensors").exists() {
+        let (shape, fp8) = match name.strip_suffix("-fp8") {
+            Some(base) => (base, true),
+            None => (name, false),
+        };
+        let kind = if fp8 {
+            "FP8 (block-scaled e4m3)"
+        } else {
+            "bf16"
+        };
         eprintln!(
-            "making a {name}-shaped random bf16 checkpoint in {}",
+            "making a {shape}-shaped random {kind} checkpoint in {}",
             d.display()
         );
-        write_random_checkpoint(
-            preset(None, name)?,
-            0,
-            DType::BF16,
-            &kvmesh_gpu::embedded::default_tokenizer(),
-            &d,
-        )?;
+        let tokenizer = kvmesh_gpu::embedded::default_tokenizer();
+        let cfg = preset(None, shape)?;
+        if fp8 {
+            write_random_fp8_checkpoint(cfg, 0, &tokenizer, &d)?;
+        } else {
+            write_random_checkpoint(cfg, 0, DType::BF16, &tokenizer, &d)?;
+        }
     }
     Ok(d)
 }
@@ -552,7 +564,7 @@ fn summarise(args: &Args, name: &str, dir: &Path, cfg: &ModelConfig, f: &Figures
         "model": dir.display().to_string(),
         "architecture": cfg.arch.architecture_name(),
         "parameters": cfg.num_params(),
-        "dtype": "bf16",
+        "dtype": cfg.quantization.as_ref().map_or_else(|| "bf16".to_string(), |q| q.summary()),
         "kv_block_size": BLOCK_SIZE,
         "cuda_graphs": f.cuda_graphs,
         "skinny_max_rows": args.skinny_rows(),
