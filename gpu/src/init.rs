@@ -138,30 +138,7 @@ pub fn preset(arch: Option<Arch>, name: &str) -> Result<ModelConfig> {
             c.rope = Rope::plain(1_000_000.0);
             c.max_position_embeddings = 40_960;
         }
-        // The published configs of Qwen/Qwen3-32B and Qwen/Qwen2.5-72B(-Instruct): the
-        // shapes the FP8 tables are about.
-        "qwen3-32b" => {
-            c.vocab_size = 151_936;
-            c.hidden_size = 5120;
-            c.intermediate_size = 25_600;
-            c.num_layers = 64;
-            c.num_heads = 64;
-            c.num_kv_heads = 8;
-            c.head_dim = 128;
-            c.rope = Rope::plain(1_000_000.0);
-            c.max_position_embeddings = 40_960;
-        }
-        "qwen2.5-72b" => {
-            c.vocab_size = 152_064;
-            c.hidden_size = 8192;
-            c.intermediate_size = 29_568;
-            c.num_layers = 80;
-            c.num_heads = 64;
-            c.num_kv_heads = 8;
-            c.head_dim = 128;
-            c.rope = Rope::plain(1_000_000.0);
-            c.max_position_embeddings = 32_768;
-        }
+        "qwen3-32b" | "qwen2.5-72b" => fp8_table_shape(name, &mut c),
         "llama-3.1-8b" => {
             c.vocab_size = 128_256;
             c.hidden_size = 4096;
@@ -185,6 +162,36 @@ pub fn preset(arch: Option<Arch>, name: &str) -> Result<ModelConfig> {
         _ => tiny_shape(arch, &mut c)?,
     }
     Ok(c)
+}
+
+/// The published configs of Qwen/Qwen3-32B and Qwen/Qwen2.5-72B(-Instruct): the shapes the
+/// FP8 tables are about.
+fn fp8_table_shape(name: &str, c: &mut ModelConfig) {
+    match name {
+        "qwen3-32b" => {
+            c.vocab_size = 151_936;
+            c.hidden_size = 5120;
+            c.intermediate_size = 25_600;
+            c.num_layers = 64;
+            c.num_heads = 64;
+            c.num_kv_heads = 8;
+            c.head_dim = 128;
+            c.rope = Rope::plain(1_000_000.0);
+            c.max_position_embeddings = 40_960;
+        }
+        "qwen2.5-72b" => {
+            c.vocab_size = 152_064;
+            c.hidden_size = 8192;
+            c.intermediate_size = 29_568;
+            c.num_layers = 80;
+            c.num_heads = 64;
+            c.num_kv_heads = 8;
+            c.head_dim = 128;
+            c.rope = Rope::plain(1_000_000.0);
+            c.max_position_embeddings = 32_768;
+        }
+        _ => unreachable!("not an FP8-table preset: {name}"),
+    }
 }
 
 /// The tiny preset's shape of `arch`: small, but with what makes each family different.
