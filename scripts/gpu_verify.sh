@@ -60,7 +60,7 @@ run)
     mkdir -p "$work"
     t0=$(date +%s)
     budget="${GPU_BUDGET_S:-540}"
-    stages="${STAGES:-offline parity bench-8b bench-8b-fp8 skinny-ab-8b long-decode-8b pdl-ab-8b pdl-ab-small fuse-ab sm-split-8b profile-8b profile-small serve-8b bench-llama-8b bench-small peer-8b bench-32b-fp8}"
+    stages="${STAGES:-offline parity bench-8b bench-8b-fp8 skinny-ab-8b long-decode-8b pdl-ab-8b pdl-ab-small fuse-ab sm-split-8b profile-8b profile-small serve-8b colocate-8b bench-llama-8b bench-small peer-8b bench-32b-fp8}"
     # The device returns at most 8 files from $OUT: everything is packed into one archive
     # (and a summary printed) however the run ends.
     touch "$work/.start"
@@ -146,6 +146,10 @@ run)
     stage profile-small 60 env OUT="$work" PRESET=qwen2.5-0.5b BATCH=1 PREFILL=2048 \
         bash scripts/gpu_profile.sh
     stage serve-8b 170 env OUT="$work" MODEL=target/bench-models/qwen3-8b bash scripts/gpu_serve_bench.sh
+    # Prefill and decode sharing the GPU: one server against one node whose two engines share
+    # every SM or split them (green contexts), on the public two-servers experiment's load.
+    stage colocate-8b 330 env OUT="$work" MODEL=target/bench-models/qwen3-8b \
+        bash scripts/gpu_colocate_bench.sh
     stage bench-llama-8b 110 gpu-out/gpu-bench --presets llama-3.1-8b --json "bench/results/gpu-8b-llama.json"
     stage bench-small 60 gpu-out/gpu-bench
     # Qwen3-32B as FP8 on one H100 (34 GB of weights; bf16 would leave almost no KV). Its

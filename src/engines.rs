@@ -10,6 +10,7 @@ use anyhow::Context;
 use clap::{Args, ValueEnum};
 
 use kvmesh_gpu::backend::sim::SimTiming;
+use kvmesh_gpu::backend::sm_split::SmPartition;
 use kvmesh_gpu::card::ModelCard;
 use kvmesh_gpu::engine::{self, EngineConfig};
 use kvmesh_gpu::guided::LazyGuides;
@@ -104,6 +105,9 @@ pub struct EngineArgs {
     /// Compute threads (default: all cores).
     #[arg(long)]
     pub threads: Option<usize>,
+    /// Set by a node given `--sm-split`: the side of the GPU's SMs this engine runs on.
+    #[arg(skip)]
+    pub sm_partition: Option<SmPartition>,
 }
 
 impl EngineArgs {
@@ -321,9 +325,19 @@ pub fn start_engine_on(
 ) -> anyhow::Result<StartedEngine> {
     let mut cfg = args.engine_config()?;
     let mut kind = args.backend_kind()?;
-    if let BackendKind::Cuda(cuda) = &mut kind {
-        cuda.reserve_tokens = args.max_num_batched_tokens;
-        cuda.reserve_rows = args.max_num_seqs;
+    match (&mut kind, args.sm_partition) {
+        (BackendKind::Cuda(cuda), part) => {
+            cuda.reserve_tokens = args.max_num_batched_tokens;
+            cuda.reserve_rows = args.max_num_seqs;
+            cuda.sm_partition = part;
+        }
+        (_, Some(p)) => anyhow::bail!(
+            "--sm-split {} splits a CUDA GPU's SMs between the prefill and decode engines, and \
+             --device {} runs them on the CPU: give a CUDA device, or leave --sm-split out",
+            p.split,
+            args.device
+        ),
+        _ => {}
     }
     if let Some(t) = args.threads {
         // A node with two engines (prefill and decode roles) shares one compute pool.

@@ -177,3 +177,26 @@ fn kv_over_ucx_without_the_library_says_what_to_install() {
         "{text}"
     );
 }
+
+/// An SM split on an engine that runs on the CPU is refused at start, naming the device.
+#[test]
+fn an_sm_split_without_a_gpu_is_refused_naming_the_device() {
+    let (ok, out) = kvmesh(&[
+        "node",
+        "--no-etcd",
+        "--roles",
+        "gateway,router,prefill,decode",
+        "--port",
+        "0",
+        "--device",
+        "cpu",
+        "--sm-split",
+        "prefill:96,decode:36",
+    ]);
+    assert!(!ok, "{out}");
+    assert!(
+        out.contains("--sm-split prefill:96,decode:36 splits a CUDA GPU's SMs")
+            && out.contains("--device cpu runs them on the CPU"),
+        "{out}"
+    );
+}

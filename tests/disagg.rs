@@ -276,6 +276,47 @@ async fn disaggregated_greedy_output_equals_aggregated_for_every_family() {
     }
 }
 
+/// `--no-etcd`: one node with the gateway, router, prefill and decode roles is a whole
+/// disaggregated cluster (no etcd), its prompts prefilled by its own prefill engine and handed
+/// over in process; greedy output equals `kvmesh serve`'s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_without_etcd_is_a_whole_disaggregated_cluster() {
+    let http = client();
+    let engine = [
+        "--backend",
+        "cpu",
+        "--max-num-batched-tokens",
+        "16",
+        "--num-kv-blocks",
+        "96",
+    ];
+    let mut args = vec![
+        "--roles",
+        "gateway,router,prefill,decode",
+        "--host",
+        "127.0.0.1",
+    ];
+    args.extend(["--port", "0", "--disagg-min-tokens", "8"]);
+    args.extend(engine);
+    let solo = kvmesh().node_alone("solo", &args);
+    let agg = Server::start(&engine);
+    ready(&http, &solo, 1, 1).await;
+    for salt in 0..2 {
+        let p = prompt_ids(70, salt);
+        let (st, want) = post(&http, &agg.base, greedy(&p, 8)).await;
+        assert_eq!(st, 200, "{want}");
+        let (st, got) = post(&http, &solo.http, greedy(&p, 8)).await;
+        assert_eq!(st, 200, "{got}");
+        assert_eq!(token_ids(&got), token_ids(&want), "prompt {salt}");
+    }
+    // The router sent both to the prefill role (a gateway node's /metrics is the router's
+    // and gateway's; the tokens above are the decode role's).
+    let remote = solo
+        .metric(&http, "kvmesh:disagg_decisions_total{reason=\"remote\"}")
+        .await;
+    assert_eq!(remote, 2.0, "both prompts prefilled by the prefill role");
+}
+
 /// Sim workers whose prefill takes long enough (4 ms a token, chunks of 64) that a 400-token
 /// prompt is mid-transfer for over a second.
 const SLOW_PREFILL: [&str; 8] = [

@@ -19,8 +19,17 @@ pub struct NodeArgs {
     #[arg(long, value_delimiter = ',', default_value = "worker", value_parser = role)]
     pub roles: Vec<Role>,
     /// etcd endpoints, comma-separated (http://HOST:2379).
-    #[arg(long, value_delimiter = ',', required = true)]
+    #[arg(long, value_delimiter = ',', required_unless_present = "no_etcd")]
     pub etcd: Vec<String>,
+    /// No etcd: this node is the whole cluster, its roles finding each other in process
+    /// (e.g. `--roles gateway,router,prefill,decode` on one machine); no other node can join.
+    #[arg(long, conflicts_with = "etcd")]
+    pub no_etcd: bool,
+    /// Prefill and decode engines on one GPU, each on its own share of the SMs (green
+    /// contexts): SM counts (`prefill:96,decode:36`, or one side, the other taking the rest)
+    /// or prefill's share (`0.75`). Needs `--roles prefill,decode` on a CUDA device.
+    #[arg(long, value_name = "SPLIT")]
+    pub sm_split: Option<kvmesh_gpu::backend::sm_split::SmSplit>,
     /// The cluster's name: nodes see only members of their own cluster.
     #[arg(long, default_value = "default")]
     pub cluster: String,

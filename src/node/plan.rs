@@ -19,6 +19,7 @@ use kvmesh_gateway::tools::ToolFormat;
 use super::args::{default_node_id, KvTransportArg, NodeArgs};
 use crate::engines::{BackendArg, EngineArgs};
 use crate::flags::TraceFlags;
+use kvmesh_gpu::backend::sm_split::SmSplit;
 
 /// A node's start, every flag checked.
 #[derive(Debug)]
@@ -54,11 +55,14 @@ pub struct EnginePlan {
     pub capacity: Option<f64>,
     /// Sim workers hosted beside the node (`--replicas` less the node itself).
     pub extra_replicas: usize,
+    /// `--sm-split`: the prefill and decode engines each on their share of the GPU's SMs.
+    pub sm_split: Option<SmSplit>,
 }
 
 /// Where the node listens, and where it joins its cluster.
 #[derive(Debug)]
 pub struct NetworkPlan {
+    /// etcd's endpoints; empty with `--no-etcd` (the cluster is this process).
     pub etcd: Vec<String>,
     pub cluster: String,
     pub lease_ttl: i64,
@@ -226,6 +230,18 @@ impl EnginePlan {
         if generate.is_some() && prefill {
             engine.gpu_memory_utilization /= 2.0;
         }
+        if let Some(split) = args.sm_split {
+            ensure!(
+                generate == Some(Role::Decode) && prefill,
+                "--sm-split {split} shares one GPU between a prefill and a decode engine: it \
+                 needs --roles prefill,decode (with any others), not {}",
+                roles_joined(&args.roles)
+            );
+            ensure!(
+                !matches!(args.engine.backend, BackendArg::Sim),
+                "--sm-split {split} splits a GPU's SMs, and --backend sim runs no GPU"
+            );
+        }
         ensure!(args.replicas >= 1, "--replicas must be at least 1");
         if args.replicas > 1 {
             ensure!(
@@ -249,6 +265,7 @@ impl EnginePlan {
             args: engine,
             capacity: args.capacity,
             extra_replicas: args.replicas - 1,
+            sm_split: args.sm_split,
         })
     }
 
@@ -277,6 +294,16 @@ impl EnginePlan {
 
 impl NetworkPlan {
     fn of(args: &NodeArgs) -> anyhow::Result<NetworkPlan> {
+        if args.no_etcd {
+            let has = |r| args.roles.contains(&r);
+            ensure!(
+                has(Role::Router) && (has(Role::Worker) || has(Role::Decode)),
+                "--no-etcd makes this node the whole cluster, so it needs a router and a worker \
+                 (or decode) role of its own, not --roles {}; nodes on several machines find \
+                 each other through --etcd",
+                roles_joined(&args.roles)
+            );
+        }
         if args.listen.ip().is_unspecified() && args.advertise_addr.is_none() {
             bail!(
                 "--listen {} is on every interface: say which address other nodes dial with \

@@ -265,3 +265,60 @@ fn hidden_test_flags_reach_the_plan() {
     assert!(p.debug.tamper_card && p.fault_injection);
     assert_eq!(plan("--node-id n7").unwrap().node_id, "n7");
 }
+
+/// The plan `kvmesh node --no-etcd <flags>` gets.
+fn plan_alone(flags: &str) -> anyhow::Result<NodePlan> {
+    let argv = ["node", "--no-etcd"]
+        .into_iter()
+        .chain(flags.split_whitespace());
+    let cli = Cli::try_parse_from(argv).map_err(|e| anyhow::anyhow!("{e}"))?;
+    NodePlan::from_args(cli.node)
+}
+
+#[test]
+fn a_node_without_etcd_is_a_whole_cluster_or_refused() {
+    let p = plan_alone("--roles gateway,router,prefill,decode").unwrap();
+    assert!(p.network.etcd.is_empty(), "no etcd endpoints");
+    assert!(p.gateway.is_some() && p.router.is_some() && p.kv.is_some());
+    assert!(plan_alone("--roles router,worker").is_ok());
+    for roles in [
+        "worker",
+        "gateway,router",
+        "prefill,decode",
+        "router,prefill",
+    ] {
+        let e = format!("{:#}", plan_alone(&format!("--roles {roles}")).unwrap_err());
+        assert!(
+            e.contains("--no-etcd makes this node the whole cluster"),
+            "{roles}: {e}"
+        );
+    }
+    // --replicas needs `--roles worker` alone, which is no whole cluster.
+    assert!(plan_alone("--roles worker --replicas 2 --backend sim").is_err());
+    // Either etcd or none, never both, and one of them.
+    let both = Cli::try_parse_from(["node", "--no-etcd", "--etcd", "http://e:2379"]);
+    assert!(both.is_err());
+    assert!(
+        Cli::try_parse_from(["node"]).is_err(),
+        "--etcd is required without --no-etcd"
+    );
+}
+
+#[test]
+fn an_sm_split_needs_both_engines_on_a_gpu_backend() {
+    let p = plan("--roles prefill,decode --sm-split prefill:96,decode:36").unwrap();
+    assert_eq!(
+        p.engines.sm_split,
+        Some("prefill:96,decode:36".parse().unwrap())
+    );
+    assert_eq!(plan("").unwrap().engines.sm_split, None);
+    for roles in ["worker", "decode", "prefill", "router"] {
+        let e = refused(&format!("--roles {roles} --sm-split 0.5"));
+        assert!(e.contains("needs --roles prefill,decode"), "{roles}: {e}");
+    }
+    let e = refused("--roles prefill,decode --backend sim --sm-split 0.5");
+    assert!(e.contains("--backend sim runs no GPU"), "{e}");
+    // What the flag itself cannot read is refused by clap, naming the flag.
+    let e = refused("--roles prefill,decode --sm-split cook:8");
+    assert!(e.contains("not prefill or decode"), "{e}");
+}

@@ -12,8 +12,11 @@ use tokio::net::TcpListener;
 use kvmesh_actors::pace::ReportPace;
 use kvmesh_actors::worker::{KvSide, KvTransport, UcxSide};
 use kvmesh_actors::{NodeRoles, Pinned, Pools, Role, RoleRestarts, Serving, WorkerCore};
-use kvmesh_discovery::{EtcdRegistry, Membership, NodeRecord, Registration, Registry};
+use kvmesh_discovery::{
+    EmbeddedRegistry, EtcdRegistry, Membership, NodeRecord, Registration, Registry,
+};
 use kvmesh_gateway::AppState;
+use kvmesh_gpu::backend::sm_split::{SmPartition, SmSide};
 use kvmesh_gpu::model::{LoadedModel, Numerics};
 use kvmesh_gpu::tokenizer::TextTokenizer;
 use kvmesh_transport::kv::ucx::{Ucx, UcxOptions};
@@ -102,12 +105,17 @@ impl Engines {
         } else {
             None
         };
-        let start = |wanted: bool| match (&loaded, wanted) {
-            (Some(m), true) => start_engine_with(&p.args, m).map(Some),
+        // With --sm-split each engine runs on its side of the GPU's SMs.
+        let start = |wanted: bool, side: SmSide| match (&loaded, wanted) {
+            (Some(m), true) => {
+                let mut args = p.args.clone();
+                args.sm_partition = p.sm_split.map(|split| SmPartition { split, side });
+                start_engine_with(&args, m).map(Some)
+            }
             _ => Ok(None),
         };
-        let generate = start(p.generate.is_some())?;
-        let prefill = start(p.prefill)?;
+        let generate = start(p.generate.is_some(), SmSide::Decode)?;
+        let prefill = start(p.prefill, SmSide::Prefill)?;
         let first = generate.as_ref().or(prefill.as_ref());
         let layout = match first {
             Some(e) if plan.kv.is_some() => Some(kv_layout(e)?),
@@ -163,7 +171,11 @@ struct Network {
     endpoint: NodeEndpoint,
     /// Where other nodes dial it.
     quic_addr: SocketAddr,
-    registry: Arc<EtcdRegistry>,
+    /// Where the node publishes itself: etcd, or with `--no-etcd` this process.
+    registry: Arc<dyn Registry>,
+    /// The same registry when it is etcd, for what only etcd does (replicas' records share
+    /// the node's lease).
+    etcd: Option<Arc<EtcdRegistry>>,
     /// The gateway's listener, or the status listener of a node without one.
     listener: TcpListener,
     http_url: String,
@@ -187,9 +199,14 @@ impl Network {
         let endpoint = NodeEndpoint::bind(net.listen, identity.clone(), allowed.clone())?;
         // The plan refused an unspecified --listen without --advertise-addr.
         let quic_addr = net.advertise.unwrap_or_else(|| endpoint.local_addr());
-        let registry = EtcdRegistry::connect(&net.etcd, &net.cluster, net.lease_ttl)
-            .await
-            .with_context(|| format!("joining cluster '{}'", net.cluster))?;
+        let (registry, etcd): (Arc<dyn Registry>, _) = if net.etcd.is_empty() {
+            (EmbeddedRegistry::new(&net.cluster), None)
+        } else {
+            let r = EtcdRegistry::connect(&net.etcd, &net.cluster, net.lease_ttl)
+                .await
+                .with_context(|| format!("joining cluster '{}'", net.cluster))?;
+            (r.clone(), Some(r))
+        };
         let listener = TcpListener::bind(&net.http_bind)
             .await
             .with_context(|| format!("binding {}", net.http_bind))?;
@@ -227,6 +244,7 @@ impl Network {
             endpoint,
             quic_addr,
             registry,
+            etcd,
             listener,
             http_url,
             kv_listener,
@@ -259,7 +277,7 @@ fn start_ucx(kv: Option<&KvPlan>) -> anyhow::Result<Option<Ucx>> {
 pub struct Started {
     pub node: Arc<NodeState>,
     /// Kept for as long as the node runs: its watch feeds every view of the membership.
-    pub registry: Arc<EtcdRegistry>,
+    pub registry: Arc<dyn Registry>,
     pub endpoint: NodeEndpoint,
     pub registration: Registration,
     pub replicas: Vec<Replica>,
@@ -534,11 +552,15 @@ async fn start_replicas(
     if extra == 0 {
         return Ok(replicas);
     }
+    let etcd = net
+        .etcd
+        .as_ref()
+        .context("--replicas registers its workers in etcd")?;
     let host = &Host {
         engine: &plan.engines.args,
         listen_ip: plan.network.listen.ip(),
         model: Arc::new(crate::engines::load_model(&plan.engines.args)?),
-        registry: &net.registry,
+        registry: etcd,
         beside,
         node: record,
         pace,

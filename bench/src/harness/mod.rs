@@ -107,6 +107,16 @@ impl Kvmesh {
         self.start(cmd, Ready::Node, &format!("node {id}"))
     }
 
+    /// `kvmesh node --no-etcd` under `id` with `args`: a node that is a whole cluster by
+    /// itself; returns once it is ready.
+    pub fn node_alone(&self, id: &str, args: &[&str]) -> Proc {
+        let mut cmd = self.command();
+        cmd.args(["node", "--no-etcd", "--node-id", id])
+            .args(&self.node_flags)
+            .args(args);
+        self.start(cmd, Ready::Node, &format!("node {id} (no etcd)"))
+    }
+
     /// A worker on the `sim` backend, with extra flags.
     pub fn worker(&self, etcd: &Etcd, cluster: &str, id: &str, extra: &[&str]) -> Proc {
         let mut args = vec!["--roles", "worker", "--backend", "sim"];
