@@ -309,12 +309,16 @@ async fn a_node_without_etcd_is_a_whole_disaggregated_cluster() {
         assert_eq!(st, 200, "{got}");
         assert_eq!(token_ids(&got), token_ids(&want), "prompt {salt}");
     }
-    // The router sent both to the prefill role (a gateway node's /metrics is the router's
-    // and gateway's; the tokens above are the decode role's).
-    let remote = solo
-        .metric(&http, "kvmesh:disagg_decisions_total{reason=\"remote\"}")
-        .await;
-    assert_eq!(remote, 2.0, "both prompts prefilled by the prefill role");
+    // The router sent both to the prefill role, and the node's /metrics (its gateway's) shows
+    // its own engines and KV side too: both prompts prefilled remotely, handed over in
+    // process.
+    for (series, want) in [
+        ("kvmesh:disagg_decisions_total{reason=\"remote\"}", 2.0),
+        ("kvmesh:disagg_prefills_total{outcome=\"remote\"}", 2.0),
+        ("kvmesh:kv_transfers_total{transport=\"in-process\"}", 2.0),
+    ] {
+        assert_eq!(solo.metric(&http, series).await, want, "{series}");
+    }
 }
 
 /// Sim workers whose prefill takes long enough (4 ms a token, chunks of 64) that a 400-token

@@ -96,9 +96,20 @@ pub struct MeshCatalog {
     fetches: Mutex<BTreeMap<(String, &'static str), u64>>,
     /// `--tool-call-parser`: how every model's tool calls are read.
     tool_parser: Option<ToolFormat>,
+    /// The node's own engines' and KV side's families, when the gateway's node runs
+    /// engines too (`--roles gateway,router,worker`, a `--no-etcd` node).
+    local_metrics: std::sync::OnceLock<LocalMetrics>,
 }
 
+/// Renders a node's own worker families onto its gateway's `/metrics`.
+pub type LocalMetrics = Box<dyn Fn(&Exposition) + Send + Sync>;
+
 impl MeshCatalog {
+    /// The node's own worker families join the gateway's `/metrics` (set once, at start).
+    pub fn show_local_metrics(&self, render: LocalMetrics) {
+        let _ = self.local_metrics.set(render);
+    }
+
     pub fn new(
         pools: Arc<Pools>,
         restarts: Arc<RoleRestarts>,
@@ -114,6 +125,7 @@ impl MeshCatalog {
             fetching: Mutex::new(BTreeMap::new()),
             fetches: Mutex::new(BTreeMap::new()),
             tool_parser,
+            local_metrics: std::sync::OnceLock::new(),
         };
         if let Some(m) = local {
             if let Some(pool) = catalog.pools.get(&m.name) {
@@ -574,6 +586,9 @@ impl Catalog for MeshCatalog {
     fn render_metrics(&self, out: &Exposition) {
         kvmesh_actors::router::render_pools(&self.pools.all(), out);
         render_restarts(out, &self.restarts);
+        if let Some(local) = self.local_metrics.get() {
+            local(out);
+        }
         let fetches = self.fetches.lock();
         out.counters(
             "kvmesh:model_card_fetches_total",

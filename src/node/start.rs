@@ -622,6 +622,10 @@ fn app(
         gateway.cache_dir.clone(),
         gateway.tool_call_parser,
     );
+    if !node.cores.is_empty() {
+        let n = node.clone();
+        catalog.show_local_metrics(Box::new(move |o| n.render_workers(o)));
+    }
     let state = AppState::new(
         catalog,
         plan.api_key.clone(),

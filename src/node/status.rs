@@ -122,6 +122,13 @@ impl NodeState {
     fn metrics(&self) -> String {
         let o = Exposition::new();
         render_restarts(&o, &self.restarts);
+        self.render_workers(&o);
+        o.render()
+    }
+
+    /// The families of the node's engines (labelled by role when there are two) and of its
+    /// KV side.
+    pub(super) fn render_workers(&self, o: &Exposition) {
         let labelled = self.cores.len() > 1;
         let engines: Vec<(Option<&str>, &EngineHandle)> = self
             .cores
@@ -129,13 +136,12 @@ impl NodeState {
             .map(|c| (labelled.then(|| c.role.as_str()), &c.engine))
             .collect();
         if !engines.is_empty() {
-            kvmesh_gateway::metrics::render_engines(&o, &self.record.model, &engines);
+            kvmesh_gateway::metrics::render_engines(o, &self.record.model, &engines);
         }
         // A node's prefill and decode cores share one KV side.
         if let Some(kv) = self.cores.iter().find_map(|c| c.kv.as_ref()) {
-            kv.render_metrics(&o);
+            kv.render_metrics(o);
         }
-        o.render()
     }
 }
 
