@@ -48,6 +48,10 @@ pub struct LoadedModel {
     /// What was derived from the model once for many engines of it: fingerprints by
     /// numerics, and bytes by key ([`LoadedModel::derived_bytes`]).
     derived: std::sync::Mutex<Derived>,
+    /// Device copies of the weights by device, while a backend holds one
+    /// ([`LoadedModel::device_weights`]).
+    device_weights:
+        std::sync::Mutex<Vec<(usize, std::sync::Weak<dyn std::any::Any + Send + Sync>)>>,
 }
 
 #[derive(Default)]
@@ -86,6 +90,34 @@ fn external_weights_dir() -> std::path::PathBuf {
 }
 
 impl LoadedModel {
+    /// The device copy of the weights on device `ordinal` that a backend of this model holds,
+    /// if one does: the GPU backends of one model on one device (a node's prefill and decode
+    /// engines) share one copy rather than each uploading its own.
+    pub fn device_weights_held<T: std::any::Any + Send + Sync>(
+        &self,
+        ordinal: usize,
+    ) -> Option<Arc<T>> {
+        let held = self
+            .device_weights
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        held.iter()
+            .filter(|(o, _)| *o == ordinal)
+            .find_map(|(_, w)| w.upgrade()?.downcast::<T>().ok())
+    }
+
+    /// Keeps a backend's device copy of the weights on device `ordinal` for the next backend
+    /// of this model there ([`LoadedModel::device_weights_held`]), for as long as one holds it.
+    pub fn hold_device_weights<T: std::any::Any + Send + Sync>(&self, ordinal: usize, w: &Arc<T>) {
+        let mut held = self
+            .device_weights
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        held.retain(|(_, w)| w.strong_count() > 0);
+        let any: Arc<dyn std::any::Any + Send + Sync> = w.clone();
+        held.push((ordinal, Arc::downgrade(&any)));
+    }
+
     /// The weights the CPU backends run with `opts`, made the first time (bf16 kept as bf16)
     /// and shared by every later caller with the same options: engines built from one
     /// `LoadedModel` hold one copy. A caller with other options gets a copy of its own.
@@ -143,6 +175,7 @@ impl LoadedModel {
             sim_words: Default::default(),
             cpu_weights: Default::default(),
             derived: Default::default(),
+            device_weights: Default::default(),
         })
     }
 
@@ -179,6 +212,7 @@ impl LoadedModel {
             sim_words: Default::default(),
             cpu_weights: Default::default(),
             derived: Default::default(),
+            device_weights: Default::default(),
         })
     }
 
@@ -508,7 +542,7 @@ pub fn build_backend_for(
         #[cfg(feature = "cuda")]
         BackendKind::Cuda(opts) => {
             use crate::backend::cuda::CudaBackend;
-            Ok(Box::new(CudaBackend::new(&model.config, &model.weights, opts, kv, block_size)?))
+            Ok(Box::new(CudaBackend::of_model(model, opts, kv, block_size)?))
         }
         #[cfg(not(feature = "cuda"))]
         BackendKind::Cuda(_) => Err(EngineError::Backend(
@@ -730,5 +764,37 @@ mod shared_weight_tests {
         assert_eq!(Arc::strong_count(&w), 4);
         drop((first, second));
         assert_eq!(Arc::strong_count(&w), 2);
+    }
+
+    /// A device copy is shared by device while a backend holds it, and never across devices,
+    /// types or models.
+    #[test]
+    fn device_weights_are_shared_per_device_while_held() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/shakespeare");
+        let (m, other) = (
+            LoadedModel::from_dir(&dir).unwrap(),
+            LoadedModel::from_dir(&dir).unwrap(),
+        );
+        assert!(m.device_weights_held::<Vec<u8>>(0).is_none());
+        let w = Arc::new(vec![1u8, 2, 3]);
+        m.hold_device_weights(0, &w);
+        let got = m
+            .device_weights_held::<Vec<u8>>(0)
+            .expect("held on device 0");
+        assert!(Arc::ptr_eq(&got, &w));
+        assert!(
+            m.device_weights_held::<Vec<u8>>(1).is_none(),
+            "another device"
+        );
+        assert!(m.device_weights_held::<String>(0).is_none(), "another type");
+        assert!(
+            other.device_weights_held::<Vec<u8>>(0).is_none(),
+            "another model"
+        );
+        drop((got, w));
+        assert!(
+            m.device_weights_held::<Vec<u8>>(0).is_none(),
+            "none once no one holds it"
+        );
     }
 }

@@ -36,6 +36,8 @@ fn each_side_of_an_sm_split_computes_what_the_whole_gpu_does() {
         let table: Vec<BlockId> = (0..(prompt.len() + 2).div_ceil(BLOCK_SIZE) as u32)
             .map(BlockId)
             .collect();
+        // Built from one model, the backends below share the device copy of the weights
+        // `whole` uploaded (in the primary context) from their green contexts.
         let mut whole = on_partition(&m, None);
         let want = forward(whole.as_mut(), prompt, 0, &table);
         let want_next = forward(

@@ -1,6 +1,8 @@
 //! Bringing the backend up: what is refused before anything is allocated, the memory check,
 //! then the context, kernels, cuBLAS handle, weights and KV cache, in that order.
 
+use std::sync::Arc;
+
 use cudarc::cublas::CudaBlas;
 
 use super::buffers::{LogitsSpace, Workspace};
@@ -16,6 +18,7 @@ use super::CudaBackend;
 use crate::backend::{CudaOptions, KvBudget};
 use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
+use crate::model::LoadedModel;
 use crate::safetensors::WeightStore;
 
 impl CudaBackend {
@@ -31,12 +34,42 @@ impl CudaBackend {
         kv: KvBudget,
         block_size: usize,
     ) -> Result<CudaBackend> {
+        Self::build(cfg, Source::Store(weights), opts, kv, block_size)
+    }
+
+    /// [`CudaBackend::new`] for a backend of `model` that shares the device copy of its
+    /// weights with the model's other backends on the same device, if one holds one (a
+    /// node's prefill and decode engines on one GPU: the weights are on it once). Its memory
+    /// plan then counts no weights.
+    pub fn of_model(
+        model: &LoadedModel,
+        opts: CudaOptions,
+        kv: KvBudget,
+        block_size: usize,
+    ) -> Result<CudaBackend> {
+        Self::build(&model.config, Source::Model(model), opts, kv, block_size)
+    }
+
+    fn build(
+        cfg: &ModelConfig,
+        source: Source<'_>,
+        opts: CudaOptions,
+        kv: KvBudget,
+        block_size: usize,
+    ) -> Result<CudaBackend> {
         let ordinal = opts.ordinal;
         refuse_unsupported(cfg, ordinal, block_size)?;
         let ctx = super::green::context(ordinal, opts.sm_partition)?;
         let stream = ctx.new_stream().map_err(|e| drv("stream creation", e))?;
         let (free, total) = ctx.mem_get_info().map_err(|e| drv("memory query", e))?;
-        let plan = MemoryPlan::of(cfg, &opts, block_size);
+        let mut plan = MemoryPlan::of(cfg, &opts, block_size);
+        let held = match source {
+            Source::Model(m) => m.device_weights_held::<DevWeights>(ordinal),
+            Source::Store(_) => None,
+        };
+        if held.is_some() {
+            plan.weights = 0;
+        }
         let num_blocks = plan.blocks(kv, ordinal, free, total)?;
 
         let fp8 = match cfg.quantization {
@@ -52,7 +85,30 @@ impl CudaBackend {
         let (mut k, arch) = Kernels::load(&ctx)?;
         let blas = CudaBlas::new(stream.clone())
             .map_err(|e| EngineError::device("cuBLAS initialisation", e))?;
-        let w = DevWeights::upload(&stream, ordinal, cfg, weights)?;
+        let w = match (held, source) {
+            (Some(w), _) => {
+                tracing::info!(
+                    device = ordinal,
+                    "weights shared with this model's other engine"
+                );
+                w
+            }
+            (None, Source::Store(weights)) => {
+                Arc::new(DevWeights::upload(&stream, ordinal, cfg, weights)?)
+            }
+            (None, Source::Model(m)) => {
+                // Read by other contexts' streams too (a green context per engine): made
+                // without cudarc's per-slice events, which belong to one context; the stream
+                // is synchronized below before any engine runs.
+                // SAFETY: tracking is back on before anything else is made in this context.
+                unsafe { ctx.disable_event_tracking() };
+                let w = DevWeights::upload(&stream, ordinal, cfg, &m.weights);
+                unsafe { ctx.enable_event_tracking() };
+                let w = Arc::new(w?);
+                m.hold_device_weights(ordinal, &w);
+                w
+            }
+        };
         k.pdl &= opts.pdl.enabled(w.bytes_per_step());
         // One block more than asked for: the scratch block decode graphs pad with.
         let kv = KvCache::alloc(&stream, ordinal, cfg, num_blocks, block_size)?;
@@ -100,6 +156,14 @@ impl CudaBackend {
     pub fn kv_bytes_per_block(cfg: &ModelConfig, block_size: usize) -> usize {
         2 * cfg.num_layers * block_size * cfg.kv_dim() * 2
     }
+}
+
+/// Where a backend's weights come from: a checkpoint's tensors (a copy of its own), or a
+/// model whose other backends on the device may already hold them.
+#[derive(Clone, Copy)]
+enum Source<'a> {
+    Store(&'a WeightStore),
+    Model(&'a LoadedModel),
 }
 
 /// What the backend cannot run, refused before any device memory is touched.

@@ -97,7 +97,7 @@ pub struct CudaBackend {
     stream: Arc<CudaStream>,
     blas: CudaBlas,
     k: Kernels,
-    w: DevWeights,
+    w: Arc<DevWeights>,
     kv: KvCache,
     /// Grown on demand by `step`; `None` until the first step.
     ws: Option<Workspace>,
