@@ -48,10 +48,9 @@ pub struct LoadedModel {
     /// What was derived from the model once for many engines of it: fingerprints by
     /// numerics, and bytes by key ([`LoadedModel::derived_bytes`]).
     derived: std::sync::Mutex<Derived>,
-    /// Device copies of the weights by device, while a backend holds one
-    /// ([`LoadedModel::device_weights`]).
-    device_weights:
-        std::sync::Mutex<Vec<(usize, std::sync::Weak<dyn std::any::Any + Send + Sync>)>>,
+    /// Device copies of the weights by device, while a backend holds one: the GPU backends
+    /// of this model on one device share one copy.
+    pub device_weights: crate::backend::DeviceWeightCache,
 }
 
 #[derive(Default)]
@@ -90,34 +89,6 @@ fn external_weights_dir() -> std::path::PathBuf {
 }
 
 impl LoadedModel {
-    /// The device copy of the weights on device `ordinal` that a backend of this model holds,
-    /// if one does: the GPU backends of one model on one device (a node's prefill and decode
-    /// engines) share one copy rather than each uploading its own.
-    pub fn device_weights_held<T: std::any::Any + Send + Sync>(
-        &self,
-        ordinal: usize,
-    ) -> Option<Arc<T>> {
-        let held = self
-            .device_weights
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
-        held.iter()
-            .filter(|(o, _)| *o == ordinal)
-            .find_map(|(_, w)| w.upgrade()?.downcast::<T>().ok())
-    }
-
-    /// Keeps a backend's device copy of the weights on device `ordinal` for the next backend
-    /// of this model there ([`LoadedModel::device_weights_held`]), for as long as one holds it.
-    pub fn hold_device_weights<T: std::any::Any + Send + Sync>(&self, ordinal: usize, w: &Arc<T>) {
-        let mut held = self
-            .device_weights
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
-        held.retain(|(_, w)| w.strong_count() > 0);
-        let any: Arc<dyn std::any::Any + Send + Sync> = w.clone();
-        held.push((ordinal, Arc::downgrade(&any)));
-    }
-
     /// The weights the CPU backends run with `opts`, made the first time (bf16 kept as bf16)
     /// and shared by every later caller with the same options: engines built from one
     /// `LoadedModel` hold one copy. A caller with other options gets a copy of its own.
@@ -540,10 +511,7 @@ pub fn build_backend_for(
             Ok(Box::new(CpuBackend::new(m, blocks, block_size)?))
         }
         #[cfg(feature = "cuda")]
-        BackendKind::Cuda(opts) => {
-            use crate::backend::cuda::CudaBackend;
-            Ok(Box::new(CudaBackend::of_model(model, opts, kv, block_size)?))
-        }
+        BackendKind::Cuda(opts) => cuda_backend(model, opts, kv, block_size),
         #[cfg(not(feature = "cuda"))]
         BackendKind::Cuda(_) => Err(EngineError::Backend(
             "this kvmesh was built without CUDA support; rebuild with `cargo build --release --features cuda`".into(),
@@ -574,6 +542,25 @@ pub fn build_backend_for(
             )?))
         }
     }
+}
+
+/// A CUDA backend of `model`, sharing the device copy of its weights with the model's other
+/// backends on that device.
+#[cfg(feature = "cuda")]
+fn cuda_backend(
+    model: &LoadedModel,
+    opts: CudaOptions,
+    kv: KvBudget,
+    block_size: usize,
+) -> Result<Box<dyn Backend>> {
+    Ok(Box::new(crate::backend::cuda::CudaBackend::of_model(
+        &model.config,
+        &model.weights,
+        &model.device_weights,
+        opts,
+        kv,
+        block_size,
+    )?))
 }
 
 /// The most whole-word tokens the sim draws its outputs from (plenty for varied text; a
@@ -775,25 +762,26 @@ mod shared_weight_tests {
             LoadedModel::from_dir(&dir).unwrap(),
             LoadedModel::from_dir(&dir).unwrap(),
         );
-        assert!(m.device_weights_held::<Vec<u8>>(0).is_none());
+        assert!(m.device_weights.held::<Vec<u8>>(0).is_none());
         let w = Arc::new(vec![1u8, 2, 3]);
-        m.hold_device_weights(0, &w);
+        m.device_weights.hold(0, &w);
         let got = m
-            .device_weights_held::<Vec<u8>>(0)
+            .device_weights
+            .held::<Vec<u8>>(0)
             .expect("held on device 0");
         assert!(Arc::ptr_eq(&got, &w));
         assert!(
-            m.device_weights_held::<Vec<u8>>(1).is_none(),
+            m.device_weights.held::<Vec<u8>>(1).is_none(),
             "another device"
         );
-        assert!(m.device_weights_held::<String>(0).is_none(), "another type");
+        assert!(m.device_weights.held::<String>(0).is_none(), "another type");
         assert!(
-            other.device_weights_held::<Vec<u8>>(0).is_none(),
+            other.device_weights.held::<Vec<u8>>(0).is_none(),
             "another model"
         );
         drop((got, w));
         assert!(
-            m.device_weights_held::<Vec<u8>>(0).is_none(),
+            m.device_weights.held::<Vec<u8>>(0).is_none(),
             "none once no one holds it"
         );
     }

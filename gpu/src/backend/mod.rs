@@ -124,6 +124,37 @@ impl CudaOptions {
     }
 }
 
+/// Device copies of a model's weights by device, while a backend holds one: the GPU backends
+/// built from one model on one device (a node's prefill and decode engines) share one copy
+/// rather than each uploading its own. Only a model's own backends see it, so no other
+/// model's weights can ever be taken for its.
+#[derive(Default)]
+pub struct DeviceWeightCache {
+    held: std::sync::Mutex<Vec<(usize, std::sync::Weak<dyn std::any::Any + Send + Sync>)>>,
+}
+
+impl DeviceWeightCache {
+    /// The copy on device `ordinal` a backend holds, if one does.
+    pub fn held<T: std::any::Any + Send + Sync>(
+        &self,
+        ordinal: usize,
+    ) -> Option<std::sync::Arc<T>> {
+        let held = self.held.lock().unwrap_or_else(|p| p.into_inner());
+        held.iter()
+            .filter(|(o, _)| *o == ordinal)
+            .find_map(|(_, w)| w.upgrade()?.downcast::<T>().ok())
+    }
+
+    /// Keeps `w`, a backend's copy on device `ordinal`, for the next backend there, for as
+    /// long as one holds it.
+    pub fn hold<T: std::any::Any + Send + Sync>(&self, ordinal: usize, w: &std::sync::Arc<T>) {
+        let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
+        held.retain(|(_, w)| w.strong_count() > 0);
+        let any: std::sync::Arc<dyn std::any::Any + Send + Sync> = w.clone();
+        held.push((ordinal, std::sync::Arc::downgrade(&any)));
+    }
+}
+
 /// How much memory to give the KV cache.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum KvBudget {

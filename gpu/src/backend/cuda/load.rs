@@ -15,10 +15,9 @@ use super::kv::KvCache;
 use super::shapes::MAX_HEAD_DIM;
 use super::weights::DevWeights;
 use super::CudaBackend;
-use crate::backend::{CudaOptions, KvBudget};
+use crate::backend::{CudaOptions, DeviceWeightCache, KvBudget};
 use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
-use crate::model::LoadedModel;
 use crate::safetensors::WeightStore;
 
 impl CudaBackend {
@@ -37,17 +36,19 @@ impl CudaBackend {
         Self::build(cfg, Source::Store(weights), opts, kv, block_size)
     }
 
-    /// [`CudaBackend::new`] for a backend of `model` that shares the device copy of its
-    /// weights with the model's other backends on the same device, if one holds one (a
-    /// node's prefill and decode engines on one GPU: the weights are on it once). Its memory
-    /// plan then counts no weights.
+    /// [`CudaBackend::new`] for a backend of a model that shares the device copy of its
+    /// weights with the model's other backends on the same device (`cache`, the model's), if
+    /// one holds one (a node's prefill and decode engines on one GPU: the weights are on it
+    /// once). Its memory plan then counts no weights.
     pub fn of_model(
-        model: &LoadedModel,
+        cfg: &ModelConfig,
+        weights: &WeightStore,
+        cache: &DeviceWeightCache,
         opts: CudaOptions,
         kv: KvBudget,
         block_size: usize,
     ) -> Result<CudaBackend> {
-        Self::build(&model.config, Source::Model(model), opts, kv, block_size)
+        Self::build(cfg, Source::Model(weights, cache), opts, kv, block_size)
     }
 
     fn build(
@@ -64,7 +65,7 @@ impl CudaBackend {
         let (free, total) = ctx.mem_get_info().map_err(|e| drv("memory query", e))?;
         let mut plan = MemoryPlan::of(cfg, &opts, block_size);
         let held = match source {
-            Source::Model(m) => m.device_weights_held::<DevWeights>(ordinal),
+            Source::Model(_, cache) => cache.held::<DevWeights>(ordinal),
             Source::Store(_) => None,
         };
         if held.is_some() {
@@ -96,16 +97,16 @@ impl CudaBackend {
             (None, Source::Store(weights)) => {
                 Arc::new(DevWeights::upload(&stream, ordinal, cfg, weights)?)
             }
-            (None, Source::Model(m)) => {
+            (None, Source::Model(weights, cache)) => {
                 // Read by other contexts' streams too (a green context per engine): made
                 // without cudarc's per-slice events, which belong to one context; the stream
                 // is synchronized below before any engine runs.
                 // SAFETY: tracking is back on before anything else is made in this context.
                 unsafe { ctx.disable_event_tracking() };
-                let w = DevWeights::upload(&stream, ordinal, cfg, &m.weights);
+                let w = DevWeights::upload(&stream, ordinal, cfg, weights);
                 unsafe { ctx.enable_event_tracking() };
                 let w = Arc::new(w?);
-                m.hold_device_weights(ordinal, &w);
+                cache.hold(ordinal, &w);
                 w
             }
         };
@@ -163,7 +164,7 @@ impl CudaBackend {
 #[derive(Clone, Copy)]
 enum Source<'a> {
     Store(&'a WeightStore),
-    Model(&'a LoadedModel),
+    Model(&'a WeightStore, &'a DeviceWeightCache),
 }
 
 /// What the backend cannot run, refused before any device memory is touched.
