@@ -235,7 +235,7 @@ fn prepare_completion(st: &ServedModel, body: &[u8]) -> Result<Prepared, ApiErro
         Prompt::TokenLists(l) => l.iter().any(Vec::is_empty),
     };
     if empty {
-        return Err(ApiError::param("prompt", "The prompt is empty."));
+        return Err(Invalid::EmptyPrompt.into());
     }
     let echo = req.echo.unwrap_or(false);
     let (prompt, text) = span("tokenize").in_scope(|| {

@@ -134,19 +134,13 @@ pub fn refuse_unsupported(body: &Value) -> Result<(), ApiError> {
     let get = |k: &str| body.get(k).filter(|v| !v.is_null());
     for old in ["functions", "function_call"] {
         if get(old).is_some() {
-            return Err(ApiError::param(
-                old,
-                format!("`{old}` is the deprecated form of tools; send `tools` and `tool_choice`."),
-            ));
+            return Err(Invalid::DeprecatedFunctions(old).into());
         }
     }
     if let Some(b) = get("best_of") {
         let n = body.get("n").and_then(Value::as_i64).unwrap_or(1);
         if b.as_i64() != Some(n) {
-            return Err(ApiError::param(
-                "best_of",
-                format!("`best_of` other than `n` ({n}) is not supported: this server does not generate candidates to pick from. Leave it out or send best_of = n."),
-            ));
+            return Err(Invalid::BestOf(n).into());
         }
     }
     Ok(())

@@ -118,18 +118,10 @@ fn tool_use(
         Some(f) => f,
         None if request.choice != Choice::Auto => ToolFormat::JsonArray,
         None => {
-            return Err(ApiError::param(
-                "tools",
-                format!(
-                    "The chat template of `{}` does not say how the model calls tools (it shows \
-                     no Hermes/Qwen <tool_call>, Llama 3 JSON or Mistral [TOOL_CALLS] format), so \
-                     calls cannot be told from text with tool_choice \"auto\": start the server \
-                     with --tool-call-parser hermes|llama3_json|mistral, or send tool_choice \
-                     \"required\" or a named function (calls are then forced as JSON), or \
-                     \"none\".",
-                    model.name
-                ),
-            ))
+            return Err(Invalid::NoToolFormat {
+                model: model.name.clone(),
+            }
+            .into())
         }
     };
     let forced = match &request.choice {

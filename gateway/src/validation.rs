@@ -159,6 +159,19 @@ pub enum Invalid {
     // Completions.
     #[error("Send one prompt per request (got {0}).")]
     OnePrompt(usize),
+    #[error("The prompt is empty.")]
+    EmptyPrompt,
+
+    // Fields of the API this server does not implement.
+    /// `functions` or `function_call`.
+    #[error("`{0}` is the deprecated form of tools; send `tools` and `tool_choice`.")]
+    DeprecatedFunctions(&'static str),
+    /// `best_of` other than `n` (given).
+    #[error(
+        "`best_of` other than `n` ({0}) is not supported: this server does not generate \
+         candidates to pick from. Leave it out or send best_of = n."
+    )]
+    BestOf(i64),
 }
 
 impl Invalid {
@@ -214,7 +227,9 @@ impl Invalid {
             | I::ToolChoiceValue(_)
             | I::ToolChoiceNamed => "tool_choice".into(),
             I::ParallelToolCalls => "parallel_tool_calls".into(),
-            I::OnePrompt(_) => "prompt".into(),
+            I::OnePrompt(_) | I::EmptyPrompt => "prompt".into(),
+            I::DeprecatedFunctions(field) => (*field).into(),
+            I::BestOf(_) => "best_of".into(),
         }
     }
 }
@@ -488,6 +503,17 @@ mod tests {
                 Invalid::ToolChoiceNamed,
                 "tool_choice",
                 r#"A named `tool_choice` is {"type": "function", "function": {"name": ...}}."#,
+            ),
+            (Invalid::EmptyPrompt, "prompt", "The prompt is empty."),
+            (
+                Invalid::DeprecatedFunctions("function_call"),
+                "function_call",
+                "`function_call` is the deprecated form of tools",
+            ),
+            (
+                Invalid::BestOf(1),
+                "best_of",
+                "`best_of` other than `n` (1) is not supported",
             ),
             (
                 Invalid::OnePrompt(3),
