@@ -8,7 +8,7 @@ use rayon::prelude::*;
 use crate::config::{Arch, ModelConfig, Rope, RopeScaling, TensorRole, TensorSpec, FP8_BLOCK};
 use crate::error::{EngineError, Result};
 use crate::safetensors::{
-    f32_to_e4m3, write_chunks, write_file_parts, write_file_streamed, DType, STREAM_CHUNK,
+    f32_to_e4m3, write_chunks, write_file_streamed, write_parts, DType, WeightStore, STREAM_CHUNK,
 };
 use crate::sampler::Rng;
 use crate::tokenizer::{TextTokenizer, TokenizerFiles};
@@ -245,19 +245,24 @@ pub fn write_random_checkpoint(
     Ok(cfg)
 }
 
-/// The config with the tokenizer's vocabulary and special ids, the folder made, and which
-/// head rows stay silent.
+/// [`prepare_config`], the folder made.
 fn prepare(
-    mut cfg: ModelConfig,
+    cfg: ModelConfig,
     tokenizer: &TokenizerFiles,
     out: &Path,
 ) -> Result<(ModelConfig, Live)> {
+    std::fs::create_dir_all(out)
+        .map_err(|e| EngineError::io(format!("create {}", out.display()), e))?;
+    prepare_config(cfg, tokenizer)
+}
+
+/// The config with the tokenizer's vocabulary and special ids, and which head rows stay
+/// silent.
+fn prepare_config(mut cfg: ModelConfig, tokenizer: &TokenizerFiles) -> Result<(ModelConfig, Live)> {
     let tok = TextTokenizer::from_files(tokenizer, &[])?;
     cfg.vocab_size = cfg.vocab_size.max(tok.vocab_size());
     cfg.bos_token_id = tok.bos_id();
     cfg.eos_token_ids = tok.eos_ids().to_vec();
-    std::fs::create_dir_all(out)
-        .map_err(|e| EngineError::io(format!("create {}", out.display()), e))?;
     let live = Live {
         vocab: tok.vocab_size(),
         tied: cfg.tie_word_embeddings,
@@ -277,17 +282,67 @@ pub fn write_random_fp8_checkpoint(
     out: &Path,
 ) -> Result<ModelConfig> {
     let (cfg, live) = prepare(cfg, tokenizer, out)?;
-    let specs = cfg.tensors();
-    // What each entry of the file is made from: a tensor as bf16, a quantized tensor, or the
-    // scales of the quantized tensor before it.
-    enum Part {
-        Plain(usize),
-        Fp8(usize),
-        Scales,
-    }
+    let path = out.join("model.safetensors");
+    let io = |e| EngineError::io(format!("write {}", path.display()), e);
+    let mut file = std::io::BufWriter::new(std::fs::File::create(&path).map_err(io)?);
+    write_fp8_tensors(&cfg, seed, &live, &mut file, &path.display().to_string())?;
+    std::io::Write::flush(&mut file).map_err(io)?;
+    write_side_files(&cfg, DType::BF16, Some(fp8_quantization()), tokenizer, out)?;
+    // The config as it reads back, its quantization included.
+    let path = out.join("config.json");
+    let text = std::fs::read_to_string(&path)
+        .map_err(|e| EngineError::io(format!("read {}", path.display()), e))?;
+    ModelConfig::from_json(&text)
+}
+
+/// [`write_random_fp8_checkpoint`]'s config and weights made in memory instead of a folder,
+/// for a checkpoint larger than the disk it would be written to (Qwen2.5-72B's 73 GB on a
+/// machine with 64 GB of disk and 128 GB of memory). The buffer is sized once: no growth
+/// doubles it on the way.
+pub fn random_fp8_in_memory(
+    cfg: ModelConfig,
+    seed: u64,
+    tokenizer: &TokenizerFiles,
+) -> Result<(ModelConfig, WeightStore)> {
+    let (cfg, live) = prepare_config(cfg, tokenizer)?;
+    let data: usize = fp8_layout(&cfg)?
+        .0
+        .iter()
+        .map(|(_, shape, dtype)| shape.iter().product::<usize>() * dtype.size())
+        .sum();
+    let mut bytes = Vec::with_capacity(data + (4 << 20));
+    write_fp8_tensors(&cfg, seed, &live, &mut bytes, "a checkpoint in memory")?;
+    let mut json = cfg.to_hf_json();
+    json["quantization_config"] = fp8_quantization();
+    let cfg = ModelConfig::from_json(&json.to_string())?;
+    Ok((cfg, WeightStore::from_vec("model.safetensors", bytes)?))
+}
+
+/// `quantization_config` as Qwen's FP8 checkpoints give it.
+fn fp8_quantization() -> serde_json::Value {
+    serde_json::json!({
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [FP8_BLOCK, FP8_BLOCK],
+    })
+}
+
+/// What each entry of an FP8 file is made from: a tensor as bf16, a quantized tensor, or the
+/// scales of the quantized tensor before it.
+enum Part {
+    Plain(usize),
+    Fp8(usize),
+    Scales,
+}
+
+type Layout = (Vec<(String, Vec<usize>, DType)>, Vec<Part>);
+
+/// The entries of an FP8 file for `cfg` (name, shape, dtype) and what makes each.
+fn fp8_layout(cfg: &ModelConfig) -> Result<Layout> {
     let mut list = Vec::new();
     let mut parts = Vec::new();
-    for (ti, t) in specs.iter().enumerate() {
+    for (ti, t) in cfg.tensors().iter().enumerate() {
         if t.role != TensorRole::Dense {
             list.push((t.name.clone(), t.shape.clone(), DType::BF16));
             parts.push(Part::Plain(ti));
@@ -306,13 +361,26 @@ pub fn write_random_fp8_checkpoint(
         ));
         parts.push(Part::Scales);
     }
+    Ok((list, parts))
+}
+
+/// The safetensors bytes of an FP8 checkpoint of `cfg` into `out` (`what` names it).
+fn write_fp8_tensors(
+    cfg: &ModelConfig,
+    seed: u64,
+    live: &Live,
+    out: &mut dyn std::io::Write,
+    what: &str,
+) -> Result<()> {
+    let specs = cfg.tensors();
+    let (list, parts) = fp8_layout(cfg)?;
     let fill = |ti: usize, start: usize, vals: &mut [f32]| {
         random_values(&specs[ti], seed, ti, start, vals);
         live.silence_padding(&specs[ti], start, vals);
     };
     let mut scales: Vec<f32> = Vec::new();
-    write_file_parts(&out.join("model.safetensors"), &list, &mut |i, w| {
-        let io = |e| EngineError::io(format!("write {}", out.display()), e);
+    write_parts(out, what, &list, &mut |i, w| {
+        let io = |e| EngineError::io(format!("write {what}"), e);
         match parts[i] {
             Part::Plain(ti) => write_chunks(&list[i].1, DType::BF16, &|s, v| fill(ti, s, v), w),
             Part::Fp8(ti) => {
@@ -330,19 +398,7 @@ pub fn write_random_fp8_checkpoint(
                 w.write_all(&bytes).map_err(io)
             }
         }
-    })?;
-    let quant = serde_json::json!({
-        "quant_method": "fp8",
-        "fmt": "e4m3",
-        "activation_scheme": "dynamic",
-        "weight_block_size": [FP8_BLOCK, FP8_BLOCK],
-    });
-    write_side_files(&cfg, DType::BF16, Some(quant), tokenizer, out)?;
-    // The config as it reads back, its quantization included.
-    let path = out.join("config.json");
-    let text = std::fs::read_to_string(&path)
-        .map_err(|e| EngineError::io(format!("read {}", path.display()), e))?;
-    ModelConfig::from_json(&text)
+    })
 }
 
 /// Quantizes a `[rows, cols]` matrix to e4m3 by 128 x 128 blocks: each block's scale is its
@@ -612,6 +668,28 @@ mod tests {
         assert!(worst > 0.0, "the weights were quantized");
         assert!(worst < 0.1 * scale, "{worst} of {scale}");
         std::fs::remove_dir_all(&base).unwrap();
+    }
+
+    #[test]
+    fn an_fp8_checkpoint_made_in_memory_is_the_file_byte_for_byte() {
+        let dir = std::env::temp_dir().join(format!("kvmesh-init-mem-{}", std::process::id()));
+        let tok = crate::embedded::default_tokenizer();
+        let cfg = || preset(Some(Arch::Qwen2), "tiny").unwrap();
+        let on_disk = write_random_fp8_checkpoint(cfg(), 9, &tok, &dir).unwrap();
+        let (in_mem, w) = random_fp8_in_memory(cfg(), 9, &tok).unwrap();
+        assert_eq!(
+            in_mem.quantization.as_ref().map(|q| q.summary()),
+            on_disk.quantization.as_ref().map(|q| q.summary())
+        );
+        assert_eq!(in_mem.num_params(), on_disk.num_params());
+        let file = crate::safetensors::WeightStore::open_dir(&dir).unwrap();
+        assert_eq!(w.names(), file.names());
+        for n in file.names() {
+            let (a, b) = (w.raw(n).unwrap(), file.raw(n).unwrap());
+            assert_eq!((a.0.dtype, &a.0.shape), (b.0.dtype, &b.0.shape), "{n}");
+            assert!(a.1 == b.1, "{n}: bytes differ");
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

@@ -111,11 +111,12 @@ pub fn f32_to_e4m3(x: f32) -> u8 {
     sign | ((e as u8) << 3) | m as u8
 }
 
-/// Bytes of one file: memory-mapped, or compiled into the binary.
+/// Bytes of one file: memory-mapped, compiled into the binary, or made in memory.
 #[derive(Clone)]
 enum Bytes {
     Mapped(Arc<memmap2::Mmap>),
     Static(&'static [u8]),
+    Owned(Arc<Vec<u8>>),
 }
 
 impl Bytes {
@@ -123,6 +124,7 @@ impl Bytes {
         match self {
             Bytes::Mapped(m) => m,
             Bytes::Static(s) => s,
+            Bytes::Owned(v) => v,
         }
     }
 }
@@ -366,6 +368,15 @@ impl WeightStore {
     /// A single safetensors file compiled into the binary.
     pub fn from_static(name: &str, bytes: &'static [u8]) -> Result<WeightStore> {
         Self::from_files(vec![File::parse(name.to_string(), Bytes::Static(bytes))?])
+    }
+
+    /// A single safetensors file made in memory (a benchmark's random checkpoint larger than
+    /// the disk it runs on).
+    pub fn from_vec(name: &str, bytes: Vec<u8>) -> Result<WeightStore> {
+        Self::from_files(vec![File::parse(
+            name.to_string(),
+            Bytes::Owned(Arc::new(bytes)),
+        )?])
     }
 
     /// Indexes the files' tensors; a tensor found in two shards is refused (which copy a
@@ -621,6 +632,19 @@ pub fn write_file_parts(
     tensors: &[(String, Vec<usize>, DType)],
     write: &mut dyn FnMut(usize, &mut dyn Write) -> Result<()>,
 ) -> Result<()> {
+    let io = |e| EngineError::io(format!("write {}", path.display()), e);
+    let mut out = std::io::BufWriter::new(std::fs::File::create(path).map_err(io)?);
+    write_parts(&mut out, &path.display().to_string(), tensors, write)?;
+    out.flush().map_err(io)
+}
+
+/// [`write_file_parts`] into any writer (`what` names it in errors).
+pub fn write_parts(
+    out: &mut dyn Write,
+    what: &str,
+    tensors: &[(String, Vec<usize>, DType)],
+    write: &mut dyn FnMut(usize, &mut dyn Write) -> Result<()>,
+) -> Result<()> {
     let mut header = serde_json::Map::new();
     let mut offset = 0usize;
     for (name, shape, dtype) in tensors {
@@ -636,20 +660,19 @@ pub fn write_file_parts(
     while !h.len().is_multiple_of(8) {
         h.push(b' ');
     }
-    let io = |e| EngineError::io(format!("write {}", path.display()), e);
-    let mut out = std::io::BufWriter::new(std::fs::File::create(path).map_err(io)?);
+    let io = |e| EngineError::io(format!("write {what}"), e);
     out.write_all(&(h.len() as u64).to_le_bytes()).map_err(io)?;
     out.write_all(&h).map_err(io)?;
     for (i, (name, shape, dtype)) in tensors.iter().enumerate() {
         let want = shape.iter().product::<usize>() * dtype.size();
         let mut counted = Counted {
-            inner: &mut out,
+            inner: &mut *out,
             bytes: 0,
         };
         write(i, &mut counted)?;
         if counted.bytes != want {
             return Err(EngineError::io(
-                format!("write {}", path.display()),
+                format!("write {what}"),
                 std::io::Error::other(format!(
                     "tensor `{name}`: {} bytes written where its shape takes {want}",
                     counted.bytes

@@ -28,10 +28,12 @@ use kvmesh_gpu::backend::{
     Backend, CudaOptions, ForwardBatch, KvBudget, Pdl, SampleSpec, SeqInput,
 };
 use kvmesh_gpu::config::ModelConfig;
-use kvmesh_gpu::init::{preset, write_random_checkpoint, write_random_fp8_checkpoint};
+use kvmesh_gpu::init::{
+    preset, random_fp8_in_memory, write_random_checkpoint, write_random_fp8_checkpoint,
+};
 use kvmesh_gpu::kv_cache::BlockId;
 use kvmesh_gpu::model::LoadedModel;
-use kvmesh_gpu::safetensors::DType;
+use kvmesh_gpu::safetensors::{DType, WeightStore};
 use kvmesh_gpu::sampler::{Rng, SamplingParams};
 
 const BLOCK_SIZE: usize = 16;
@@ -41,6 +43,10 @@ const BLOCK_SIZE: usize = 16;
 #[derive(Parser)]
 #[command(name = "gpu-bench")]
 struct Args {
+    /// Make `-fp8` presets' checkpoints in memory and never write them (a checkpoint larger
+    /// than the disk: Qwen2.5-72B's 73 GB).
+    #[arg(long)]
+    in_memory: bool,
     /// Where the random-weight checkpoints are made (once) and found.
     #[arg(long, value_name = "DIR", default_value = "target/bench-models")]
     models_dir: PathBuf,
@@ -229,6 +235,24 @@ fn checkpoint(models_dir: &Path, name: &str) -> anyhow::Result<PathBuf> {
         }
     }
     Ok(d)
+}
+
+/// The config and weights of preset `name`: a checkpoint folder (made the first time), or
+/// with `--in-memory` an FP8 checkpoint made in memory and never written.
+fn model(args: &Args, name: &str) -> anyhow::Result<(ModelConfig, WeightStore, PathBuf)> {
+    if args.in_memory {
+        let shape = name.strip_suffix("-fp8").ok_or_else(|| {
+            anyhow::anyhow!("--in-memory makes FP8 checkpoints: name the preset {name}-fp8")
+        })?;
+        eprintln!("making a {shape}-shaped random FP8 checkpoint in memory");
+        let tokenizer = kvmesh_gpu::embedded::default_tokenizer();
+        let (cfg, w) = random_fp8_in_memory(preset(None, shape)?, 0, &tokenizer)?;
+        return Ok((cfg, w, PathBuf::from(format!("(in memory) {name}"))));
+    }
+    let dir = checkpoint(&args.models_dir, name)?;
+    let m = LoadedModel::from_dir(&dir)?;
+    let cfg = m.config.clone();
+    Ok((cfg, m.weights, dir))
 }
 
 /// Greedy sampling, which the CUDA backend does on the device: a step copies back one token
@@ -632,9 +656,7 @@ fn kv_json(kv: &KvCapacity, share: f64) -> serde_json::Value {
 }
 
 fn bench_model(args: &Args, name: &str, dev: &mut DeviceFigures) -> anyhow::Result<ModelResult> {
-    let dir = checkpoint(&args.models_dir, name)?;
-    let model = LoadedModel::from_dir(&dir)?;
-    let cfg = model.config.clone();
+    let (cfg, weights, dir) = model(args, name)?;
     let max_batch = args.batches.iter().copied().max().unwrap_or(1);
     let max_prefill = args.prefill_lens.iter().copied().max().unwrap_or(0);
     let per_seq_blocks =
@@ -657,13 +679,13 @@ fn bench_model(args: &Args, name: &str, dev: &mut DeviceFigures) -> anyhow::Resu
     };
     let backend = CudaBackend::new(
         &cfg,
-        &model.weights,
+        &weights,
         cuda,
         KvBudget::Blocks(num_blocks),
         BLOCK_SIZE,
     )?;
     // The host copy of the weights is no longer needed; free it before the runs.
-    drop(model);
+    drop(weights);
     if dev.name.is_none() {
         dev.name = Some(backend.device_name()?);
     }
