@@ -4,6 +4,8 @@
 # one server's published 17.6 req/s) through
 #
 #   aggregated      kvmesh serve: one engine, the whole GPU
+#   two-servers-*   two kvmesh serve sharing the GPU, half the load each (the public
+#                   experiment's second configuration; time-sliced here, no MPS)
 #   split-<S>       kvmesh node --no-etcd --roles gateway,router,prefill,decode --sm-split S:
 #                   a prefill and a decode engine, each on its share of the SMs (green
 #                   contexts), KV handed over in process
@@ -27,9 +29,9 @@ mkdir -p "$out"
 . scripts/gpu_env.sh
 in_len="${INPUT_LEN:-1000}"
 engine=(--device "${DEVICE:-cuda}" --model "$model" --max-model-len "${MAX_LEN:-4096}" --max-num-seqs 256
-    --max-num-batched-tokens 8192 --host 127.0.0.1 --port "$port")
+    --max-num-batched-tokens 8192 --host 127.0.0.1)
 pid=""
-trap '[ -n "$pid" ] && kill $pid 2>/dev/null || true' EXIT
+trap '[ -n "$pid" ] && kill $pid 2>/dev/null || true' EXIT # one pid, or two
 # Waits for the server on $port, and with a router for its decode and prefill roles.
 up() {
     local log=$1 routed=$2
@@ -62,12 +64,41 @@ run() { # LABEL ROUTED COMMAND...
     wait "$pid" 2>/dev/null || true
     pid=""
 }
-run aggregated 0 "$bin" serve "${engine[@]}"
+run aggregated 0 "$bin" serve "${engine[@]}" --port "$port"
+# Two aggregated servers sharing the GPU, as the public experiment ran them (there under MPS;
+# here time-sliced, no MPS daemon): half the memory each, half the requests each at half the
+# rate, two clients at once.
+if [ "${TWO_SERVERS:-1}" = 1 ]; then
+    pids=()
+    for i in 0 1; do
+        "$bin" serve "${engine[@]}" --port $((port + 1 + i)) --gpu-memory-utilization 0.45 \
+            >"$out/two-servers-$i.log" 2>&1 &
+        pids+=($!)
+    done
+    for i in 0 1; do
+        pid=${pids[$i]} port=$((port + 1 + i)) up "$out/two-servers-$i.log" 0
+    done
+    pid="${pids[*]}" # for the exit trap
+    half_rate=$(python3 -c "print(float('$rate') / 2)")
+    clients=()
+    for i in 0 1; do
+        "$bin" bench --base-url "http://127.0.0.1:$((port + 1 + i))" --tokenizer "$model" \
+            --label "two-servers-$i" --result-dir "$out" --percentiles 50,99 --timeout 300 \
+            --dataset random --input-len "$in_len" --output-len 100 --seed $((i + 1)) \
+            --num-prompts $((n / 2)) --request-rate "$half_rate" >"$out/two-servers-$i.txt" 2>&1 &
+        clients+=($!)
+    done
+    wait "${clients[@]}" || true
+    cat "$out"/two-servers-?.txt | tee -a "$out/bench.txt" | grep "req/s:" || true
+    kill "${pids[@]}" 2>/dev/null || true
+    wait "${pids[@]}" 2>/dev/null || true
+    pid=""
+fi
 for s in ${SPLITS:-whole prefill:96 prefill:80 prefill:112}; do
     split=(--sm-split "$s")
     [ "$s" = whole ] && split=()
     run "split-${s/:/-}" 1 "$bin" node --no-etcd --node-id colocated \
-        --roles gateway,router,prefill,decode "${split[@]}" "${engine[@]}"
+        --roles gateway,router,prefill,decode "${split[@]}" "${engine[@]}" --port "$port"
 done
 python3 - "$out" "$model" "$n" "$rate" "$in_len" <<'PY'
 import glob, json, re, subprocess, sys

@@ -146,9 +146,10 @@ run)
     stage profile-small 60 env OUT="$work" PRESET=qwen2.5-0.5b BATCH=1 PREFILL=2048 \
         bash scripts/gpu_profile.sh
     stage serve-8b 170 env OUT="$work" MODEL=target/bench-models/qwen3-8b bash scripts/gpu_serve_bench.sh
-    # Prefill and decode sharing the GPU: one server against one node whose two engines share
-    # every SM or split them (green contexts), on the public two-servers experiment's load.
-    stage colocate-8b 330 env OUT="$work" MODEL=target/bench-models/qwen3-8b \
+    # Prefill and decode sharing the GPU, on the public two-servers experiment's load: one
+    # server, two servers sharing the GPU, and one node whose two engines share every SM or
+    # split them (green contexts).
+    stage colocate-8b 420 env OUT="$work" MODEL=target/bench-models/qwen3-8b \
         bash scripts/gpu_colocate_bench.sh
     stage bench-llama-8b 110 gpu-out/gpu-bench --presets llama-3.1-8b --json "bench/results/gpu-8b-llama.json"
     stage bench-small 60 gpu-out/gpu-bench
