@@ -12,7 +12,7 @@ use std::cell::RefCell;
 use std::ffi::c_void;
 use std::sync::Arc;
 
-use cudarc::cublas::{result as blas_result, sys as blas_sys, CudaBlas};
+use cudarc::cublas::{sys as blas_sys, CudaBlas};
 use cudarc::cublaslt::{result as lt, sys as lt_sys};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 
@@ -385,7 +385,7 @@ impl Fp8Ctx {
     /// The GEMM of `op` on stream `s`.
     ///
     /// Layout. cuBLASLt is column-major; FP8 GEMMs take only the "TN" form (A transposed, B
-    /// not: both operands K-major, cuBLASLt's FP8 requirement). As `gemm::gemm_bf16_f32`
+    /// not: both operands K-major, cuBLASLt's FP8 requirement). As `blas::gemm_bf16_f32`
     /// derives: A = W's memory, `[k, n]` column-major with ld k, op T; B = q's memory,
     /// `[k, m]` with ld k, op N; D = `dᵀ`, `[n, m]` with ld n, which is d row-major `[m, n]`.
     ///
@@ -484,8 +484,7 @@ fn ptr<T>(v: &T) -> *const c_void {
     v as *const T as *const c_void
 }
 
-/// cuBLAS's bf16 product of an unquantized part into its columns: as `gemm_bf16_f32`, with C
-/// starting at column `col0` of rows `ld` apart (ldc = ld).
+/// cuBLAS's bf16 product of an unquantized part into its columns (`gemm_bf16_f32_cols`).
 #[allow(clippy::too_many_arguments)]
 fn gemm_bf16_cols(
     blas: &CudaBlas,
@@ -497,47 +496,7 @@ fn gemm_bf16_cols(
     k: usize,
     c: Cols,
 ) -> Result<()> {
-    let name = "bf16 part of an FP8 product";
-    holds(name, "w", w.len(), c.rows * k)?;
-    holds(name, "y", y.len(), (m - 1) * c.ld + c.col0 + c.rows)?;
-    let (mi, ni, ki, ldc) = (
-        i32_of("m", m)?,
-        i32_of("n", c.rows)?,
-        i32_of("k", k)?,
-        i32_of("ld", c.ld)?,
-    );
-    let (alpha, beta) = (1.0f32, 0.0f32);
-    let (xp, _gx) = x.device_ptr(s);
-    let (wp, _gw) = w.device_ptr(s);
-    let (yp, _gy) = y.device_ptr_mut(s);
-    let yp = yp + (c.col0 * 4) as u64;
-    // SAFETY: live allocations of the handle's context held by the guards; x holds m rows
-    // of k, w its rows of k, y from column col0 the m rows of ld the call writes (checked
-    // above and by `linear`).
-    unsafe {
-        blas_result::gemm_ex(
-            *blas.handle(),
-            blas_sys::cublasOperation_t::CUBLAS_OP_T,
-            blas_sys::cublasOperation_t::CUBLAS_OP_N,
-            ni,
-            mi,
-            ki,
-            ptr(&alpha),
-            wp as *const c_void,
-            blas_sys::cudaDataType::CUDA_R_16BF,
-            ki,
-            xp as *const c_void,
-            blas_sys::cudaDataType::CUDA_R_16BF,
-            ki,
-            ptr(&beta),
-            yp as *mut c_void,
-            blas_sys::cudaDataType::CUDA_R_32F,
-            ldc,
-            blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-            blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-        )
-    }
-    .map_err(|e| EngineError::device(format!("cuBLAS GEMM ({m}x{k} by {}x{k})", c.rows), e))
+    super::blas::gemm_bf16_f32_cols(blas, s, x, w, y, (m, c.rows, k), (c.ld, c.col0))
 }
 
 /// `fp8_gemv_*`: a part's product for a few rows, into its columns.

@@ -85,7 +85,7 @@ impl CudaBackend {
         let mut best = 0f64;
         for i in 0..=reps {
             let start = s.record_event(timing).map_err(|e| drv("GEMM event", e))?;
-            super::gemm::gemm_bf16_f32(&self.blas, s, &x, &w, &mut y, (m, n, k))?;
+            super::blas::gemm_bf16_f32(&self.blas, s, &x, &w, &mut y, (m, n, k))?;
             let end = s.record_event(timing).map_err(|e| drv("GEMM event", e))?;
             let ms = start.elapsed_ms(&end).map_err(|e| drv("GEMM timing", e))?;
             if i > 0 && ms > 0.0 {

@@ -40,6 +40,7 @@
 //! memory plan (`load::MemoryPlan`), so serving never grows them.
 
 pub mod batch;
+mod blas;
 mod buffers;
 pub mod delta;
 mod device;
