@@ -12,6 +12,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use clap::Parser;
+use kvmesh_bench::compute::{prefill_flops, ComputePeaks};
 use kvmesh_bench::programs::write_json;
 use kvmesh_gpu::backend::cpu::{CpuBackend, CpuModel};
 use kvmesh_gpu::backend::{Backend, ForwardBatch, SeqInput};
@@ -225,6 +226,8 @@ fn decode(backend: &mut CpuBackend, args: &Args, b: usize, vocab: u32) -> anyhow
 struct Measured {
     /// Memory read bandwidth, bytes/s.
     bw: f64,
+    /// The cores' f32 FMA and bf16 dot-product peaks, what a prefill's rate is set against.
+    peaks: ComputePeaks,
     /// Weight bytes one step reads, as held in memory (bf16 stays bf16).
     step_bytes: usize,
     stored_bytes: usize,
@@ -250,6 +253,8 @@ fn measure(args: &Args, model: LoadedModel) -> anyhow::Result<Measured> {
     let mut backend = CpuBackend::new(cpu, num_blocks, BLOCK_SIZE)?;
     eprintln!("measuring memory bandwidth...");
     let bw = read_bandwidth();
+    eprintln!("measuring the cores' arithmetic peaks...");
+    let peaks = ComputePeaks::measure();
     let vocab = cfg.vocab_size as u32;
     let prefill_secs = prefill(&mut backend, args.prefill_len, vocab)?;
     let mut rows = Vec::new();
@@ -288,6 +293,7 @@ fn measure(args: &Args, model: LoadedModel) -> anyhow::Result<Measured> {
     )?;
     Ok(Measured {
         bw,
+        peaks,
         step_bytes,
         stored_bytes,
         decode: rows,
@@ -350,21 +356,43 @@ fn report(args: &Args, dir: &Path, cfg: &ModelConfig, m: &Measured) -> serde_jso
         m.f32_bytes as f64 / m.bw * 1e3,
         bf16_step.map_or(f64::NAN, |b| m.f32_step / b)
     );
+    let flops = prefill_flops(cfg, args.prefill_len);
+    let gf = |secs: f64| flops / secs / gb;
+    let share = |secs: f64, peak: Option<f64>| {
+        peak.map_or("no peak measured".to_string(), |p| {
+            format!("{:.0}% of it", 100.0 * flops / secs / p)
+        })
+    };
     println!(
-        "prefill      {} tokens in {:.0} ms = {:.1} tokens/s",
+        "compute      f32 FMA peak {}, bf16 dot-product peak {} ({threads} threads)",
+        m.peaks
+            .f32_fma
+            .map_or("-".into(), |p| format!("{:.0} GFLOP/s", p / gb)),
+        m.peaks
+            .bf16_dot
+            .map_or("-".into(), |p| format!("{:.0} GFLOP/s", p / gb)),
+    );
+    println!(
+        "prefill      {} tokens in {:.0} ms = {:.1} tokens/s, {:.0} GFLOP/s: f32 products, {}",
         args.prefill_len,
         m.prefill_secs * 1e3,
-        args.prefill_len as f64 / m.prefill_secs
+        args.prefill_len as f64 / m.prefill_secs,
+        gf(m.prefill_secs),
+        share(m.prefill_secs, m.peaks.f32_fma)
     );
     let bf16_json = match m.prefill_bf16 {
         Some((bf, again)) => {
             let tps = |s: f64| args.prefill_len as f64 / s;
             println!(
-                "prefill      bf16 products (AVX512-BF16, activations rounded to bf16): {:.1} tokens/s; the default again {:.1} tokens/s",
+                "prefill      bf16 products (AVX512-BF16, activations rounded to bf16): {:.1} tokens/s, {:.0} GFLOP/s: {} of the bf16 peak; the default again {:.1} tokens/s",
                 tps(bf),
+                gf(bf),
+                share(bf, m.peaks.bf16_dot).trim_end_matches(" of it"),
                 tps(again)
             );
-            serde_json::json!({"tokens_per_s": tps(bf), "default_again_tokens_per_s": tps(again)})
+            serde_json::json!({"tokens_per_s": tps(bf), "gflop_s": gf(bf),
+                "share_of_bf16_dot_peak": m.peaks.bf16_dot.map(|p| flops / bf / p),
+                "default_again_tokens_per_s": tps(again)})
         }
         None => {
             println!("prefill      bf16 products: not run (no AVX512-BF16, or f32 weights)");
@@ -383,7 +411,11 @@ fn report(args: &Args, dir: &Path, cfg: &ModelConfig, m: &Measured) -> serde_jso
         "decode": json_rows,
         "decode_context_tokens": args.prompt_len,
         "f32_weights_batch1": {"ms_per_step": m.f32_step * 1e3, "weight_bytes_per_step": m.f32_bytes, "step_over_bound": m.f32_step / (m.f32_bytes as f64 / m.bw)},
-        "prefill": {"tokens": args.prefill_len, "ms": m.prefill_secs * 1e3, "tokens_per_s": args.prefill_len as f64 / m.prefill_secs},
+        "compute_peaks": m.peaks.json(),
+        "prefill": {"tokens": args.prefill_len, "ms": m.prefill_secs * 1e3, "tokens_per_s": args.prefill_len as f64 / m.prefill_secs,
+            "flops": flops, "gflop_s": gf(m.prefill_secs),
+            "share_of_f32_fma_peak": m.peaks.f32_fma.map(|p| flops / m.prefill_secs / p)},
+        "prefill_flops_note": "2 x the linear layers' parameters per token (not the embedding; the LM head for one row), plus causal attention's 4 x q_dim x T^2/2 per layer",
         "prefill_bf16_products": bf16_json,
     })
 }

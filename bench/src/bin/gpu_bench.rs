@@ -21,6 +21,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use clap::Parser;
+use kvmesh_bench::compute::prefill_flops;
 use kvmesh_bench::programs::write_json;
 use kvmesh_gpu::backend::cuda::{CudaBackend, MemoryPlan};
 use kvmesh_gpu::backend::sm_split::{SmPartition, SmSide, SmSplit};
@@ -610,20 +611,6 @@ fn summarise(args: &Args, name: &str, dir: &Path, cfg: &ModelConfig, f: &Figures
         "kv_capacity": kv_json(&f.kv, args.memory_share),
     });
     ModelResult { json, table }
-}
-
-/// FLOPs of a `len`-token prefill that wants one row of logits.
-fn prefill_flops(cfg: &ModelConfig, len: usize) -> f64 {
-    let head = cfg.vocab_size * cfg.hidden_size;
-    let embed_and_head = if cfg.tie_word_embeddings {
-        head
-    } else {
-        2 * head
-    };
-    let linear = (cfg.num_params() - embed_and_head) as f64;
-    let t = len as f64;
-    let attn = 4.0 * (cfg.num_layers * cfg.q_dim()) as f64 * t * t / 2.0;
-    2.0 * linear * t + 2.0 * head as f64 + attn
 }
 
 fn kv_line(kv: &KvCapacity) -> String {
