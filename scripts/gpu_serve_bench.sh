@@ -12,6 +12,13 @@
 #                                                                     lengths of scripts/sharegpt_like.py
 #
 #   MODEL=target/bench-models/qwen3-8b bash scripts/gpu_serve_bench.sh
+#   DEVICE=cpu MAX_LEN=4096 PROFILES=throughput TP_N=4 MODEL=tests/fixtures/models/hf-qwen35-f32 \
+#       KVMESH_BIN=target/release/kvmesh OUT=/tmp/smoke TAG=smoke bash scripts/gpu_serve_bench.sh
+#
+# DEVICE=cpu runs the same on the CPU (a smoke run of the script, with a small model and
+# small counts). PROFILES (default: all four) picks profiles by name, e.g. PROFILES=throughput; TAG names
+# the results file (bench/results/serve-<device>[-TAG].json), so that another model's run
+# does not replace the 8B one's.
 #
 # Needs gpu-out/kvmesh (`scripts/gpu_verify.sh build`) and the model folder (gpu-bench makes
 # it). Writes bench/results/serve-<device>.json and the per-run JSON under $OUT/serve.
@@ -21,13 +28,22 @@ out="${OUT:-gpu-out/results}"
 model="${MODEL:-target/bench-models/qwen3-8b}"
 port="${PORT:-8471}"
 bin="${KVMESH_BIN:-gpu-out/kvmesh}"
+profiles=" ${PROFILES:-throughput sharegpt-like generation-heavy long-context} "
+for p in $profiles; do
+    case " throughput sharegpt-like generation-heavy long-context " in
+    *" $p "*) ;;
+    *) echo "gpu_serve_bench: unknown profile '$p' in PROFILES" >&2; exit 2 ;;
+    esac
+done
+tag="${TAG:-}"
+[[ $tag =~ ^[a-z0-9.-]*$ ]] || { echo "gpu_serve_bench: TAG must be lowercase letters, digits, dots and dashes" >&2; exit 2; }
 mkdir -p "$out/serve"
 # shellcheck source=scripts/gpu_env.sh
 . scripts/gpu_env.sh
 # vLLM's defaults on an H100 (V1 engine, OpenAI server): up to 1,024 sequences and 8,192
 # tokens a step; 256 sequences here, so that the throughput profile's KV (up to 1,152 tokens
 # each) fits the cache an 8B model leaves on an 80 GB card without preemption.
-"$bin" serve --device cuda --model "$model" --max-model-len 32768 \
+"$bin" serve --device "${DEVICE:-cuda}" --model "$model" --max-model-len "${MAX_LEN:-32768}" \
     --max-num-seqs 256 --max-num-batched-tokens 8192 --port "$port" \
     >"$out/serve/server.log" 2>&1 &
 server=$!
@@ -42,6 +58,7 @@ grep -m1 "KV cache" "$out/serve/server.log" || true
 bench() {
     local label=$1
     shift
+    case "$profiles" in *" $label "*) ;; *) return 0 ;; esac
     "$bin" bench --base-url "http://127.0.0.1:$port" --tokenizer "$model" --label "$label" \
         --result-dir "$out/serve" --percentiles 50,99 --timeout 300 "$@" 2>&1 | tee -a "$out/serve/bench.txt"
 }
@@ -55,26 +72,29 @@ bench generation-heavy --dataset random --input-len 1000 --output-len 2000 \
 bench long-context --dataset random --input-len 32000 --output-len 100 \
     --num-prompts "${LONG_N:-8}" --request-rate 1
 kill $server 2>/dev/null || true
-python3 - "$out/serve" "$model" <<'PY'
-import glob, json, re, subprocess, sys
+python3 - "$out/serve" "$model" "$tag" <<'PY'
+import glob, json, os, re, subprocess, sys
 from pathlib import Path
-d, model = Path(sys.argv[1]), sys.argv[2]
-name = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-                      capture_output=True, text=True).stdout.strip().splitlines()[0]
+d, model, tag = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+try:
+    name = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                          capture_output=True, text=True).stdout.strip().splitlines()[0]
+except (OSError, IndexError):  # DEVICE=cpu smoke runs, on a machine without a GPU
+    name = "cpu"
 runs = {}
 for f in sorted(glob.glob(str(d / "*-summary.json"))):
     label = Path(f).name[: -len("-summary.json")]
     runs[label] = json.loads(Path(f).read_text())
 out = {
     "benchmark": "serve-profiles",
-    "engine": "kvmesh serve --device cuda",
+    "engine": "kvmesh serve --device " + (os.environ.get("DEVICE") or "cuda"),
     "device": name,
     "model": model,
-    "server_flags": "--max-model-len 32768 --max-num-seqs 256 --max-num-batched-tokens 8192 (KV: --gpu-memory-utilization 0.9)",
+    "server_flags": "--max-model-len " + (os.environ.get("MAX_LEN") or "32768") + " --max-num-seqs 256 --max-num-batched-tokens 8192 (KV: --gpu-memory-utilization 0.9)",
     "scaled": "request counts scaled down from vLLM's tuning tables to fit a GPU lease; lengths and rates as published",
     "runs": runs,
 }
-p = Path("bench/results") / ("serve-" + (re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "unknown") + ".json")
+p = Path("bench/results") / ("serve-" + (re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "unknown") + (f"-{tag}" if tag else "") + ".json")
 p.parent.mkdir(parents=True, exist_ok=True)
 p.write_text(json.dumps(out, indent=2))
 print(f"wrote {p}")

@@ -60,7 +60,7 @@ run)
     mkdir -p "$work"
     t0=$(date +%s)
     budget="${GPU_BUDGET_S:-540}"
-    stages="${STAGES:-offline parity bench-8b bench-8b-fp8 skinny-ab-8b long-decode-8b pdl-ab-8b pdl-ab-small fuse-ab sm-split-8b profile-8b profile-small serve-8b colocate-8b bench-llama-8b bench-small peer-8b bench-32b-fp8 bench-72b-fp8}"
+    stages="${STAGES:-offline parity bench-8b bench-8b-fp8 skinny-ab-8b long-decode-8b pdl-ab-8b pdl-ab-small fuse-ab sm-split-8b profile-8b profile-small serve-8b colocate-8b serve-qwen35-9b bench-llama-8b bench-small peer-8b bench-32b-fp8 bench-72b-fp8}"
     # The device returns at most 8 files from $OUT: everything is packed into one archive
     # (and a summary printed) however the run ends.
     touch "$work/.start"
@@ -151,6 +151,13 @@ run)
     # split them (green contexts).
     stage colocate-8b 420 env OUT="$work" MODEL=target/bench-models/qwen3-8b \
         bash scripts/gpu_colocate_bench.sh
+    # Qwen3.5-9B (hybrid: Gated DeltaNet + gated attention) served through the gateway, the
+    # Throughput profile of vLLM's tuning table for that model (1,024 in / 128 out); the
+    # checkpoint (18 GB, random bf16) is written here first.
+    stage serve-qwen35-9b 300 env OUT="$work/qwen35" MODEL=target/bench-models/qwen3.5-9b \
+        PROFILES=throughput TAG=qwen3.5-9b bash -c '[ -e "$MODEL/model.safetensors" ] || \
+        gpu-out/kvmesh model init-random --preset qwen3.5-9b --out "$MODEL" || exit; \
+        bash scripts/gpu_serve_bench.sh'
     stage bench-llama-8b 110 gpu-out/gpu-bench --presets llama-3.1-8b --json "bench/results/gpu-8b-llama.json"
     stage bench-small 60 gpu-out/gpu-bench
     # Qwen3-32B as FP8 on one H100 (34 GB of weights; bf16 would leave almost no KV), and

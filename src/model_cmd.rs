@@ -44,7 +44,8 @@ pub enum ModelCommand {
         #[arg(long, value_enum)]
         arch: Option<ArchArg>,
         /// Shape preset: tiny, or a published model's shape (qwen2.5-0.5b, llama-3.2-1b,
-        /// qwen3-0.6b, qwen3-8b, llama-3.1-8b, qwen3-32b, qwen2.5-72b).
+        /// qwen3-0.6b, qwen3-8b, llama-3.1-8b, qwen3-32b, qwen2.5-72b, and Qwen3.5's hybrid
+        /// qwen3.5-9b, whose shape the flags below cannot change).
         #[arg(long, default_value = "tiny", value_parser = clap::builder::PossibleValuesParser::new(kvmesh_gpu::init::PRESETS))]
         preset: String,
         #[arg(long)]
@@ -118,6 +119,28 @@ pub fn run(cmd: ModelCommand) -> anyhow::Result<()> {
                 ArchArg::Mistral => Arch::Mistral,
             });
             let mut cfg = preset(arch, &name)?;
+            if cfg.hybrid.is_some() {
+                let shape_flags = [
+                    layers,
+                    hidden_size,
+                    intermediate_size,
+                    heads,
+                    kv_heads,
+                    head_dim,
+                    vocab_size,
+                    max_position_embeddings,
+                ];
+                anyhow::ensure!(
+                    shape_flags.iter().all(Option::is_none),
+                    "--preset {name} is a hybrid (Qwen3.5) model whose layer layout and linear \
+                     attention heads come with its shape; the shape flags apply to the dense presets"
+                );
+                anyhow::ensure!(
+                    !fp8,
+                    "--fp8 writes dense models' linear layers; --preset {name} is a hybrid \
+                     (Qwen3.5) model"
+                );
+            }
             if let Some(v) = layers {
                 cfg.num_layers = v;
             }

@@ -116,6 +116,33 @@ fn init_random_writes_every_family_and_preset_shape() {
     assert!(!ok && out.contains("qwen3"), "{out}");
 }
 
+/// The Qwen3.5 preset's layer layout comes with its shape: a flag that would change one
+/// without the other, or FP8, which is written for dense models, is refused before anything
+/// is written.
+#[test]
+fn the_hybrid_preset_refuses_shape_flags_and_fp8() {
+    for extra in [&["--layers", "1"][..], &["--hidden-size", "64"], &["--fp8"]] {
+        let dir = tmp("qwen35-9b");
+        let mut args = vec![
+            "model",
+            "init-random",
+            "--preset",
+            "qwen3.5-9b",
+            "--out",
+            dir.to_str().unwrap(),
+        ];
+        args.extend_from_slice(extra);
+        let (ok, out) = kvmesh(&args);
+        assert!(!ok, "{extra:?}: {out}");
+        assert!(
+            out.contains("qwen3.5-9b") && out.contains("hybrid"),
+            "{extra:?}: {out}"
+        );
+        assert!(!dir.join("model.safetensors").exists(), "{extra:?}");
+        std::fs::remove_dir_all(&dir).ok();
+    }
+}
+
 #[test]
 fn asking_for_a_device_that_is_not_there_is_a_clear_error() {
     let (ok, out) = kvmesh(&["serve", "--device", "tpu", "--port", "0"]);
