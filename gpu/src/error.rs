@@ -7,12 +7,20 @@ pub enum EngineError {
     /// The model folder is missing a file, or a file is malformed.
     #[error("model: {0}")]
     BadModel(String),
+    /// `config.json` is refused: which rule, with the values its message shows. Not a
+    /// `#[source]` (the message already holds it, and a chain would print it twice); the
+    /// `From` conversion is `config`'s.
+    #[error("model: config.json: {0}")]
+    Config(crate::config::error::ConfigError),
     #[error("tokenizer: {0}")]
     Tokenizer(String),
     #[error("chat template: {0}")]
     ChatTemplate(String),
+    /// A backend refuses to run, or to run this step: which rule, with the values its
+    /// message shows. Not a `#[source]` (the message already holds it, and a chain would
+    /// print it twice); the `From` conversions are `backend`'s.
     #[error("backend: {0}")]
-    Backend(String),
+    Backend(crate::backend::error::BackendError),
     /// A GPU library call failed: what was being done, and the library's own error (the
     /// driver's `CUresult`, cuBLAS's or NVRTC's status) kept as the source, so a caller can
     /// tell out-of-memory from a lost device without reading text.

@@ -28,7 +28,8 @@
 use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::ptr::NonNull;
 
-use crate::error::{EngineError, Result};
+use crate::backend::error::{KvCopyError, MemoryError};
+use crate::error::Result;
 use crate::kv_cache::BlockId;
 
 /// How K and V elements are stored.
@@ -191,9 +192,7 @@ impl HostKvPool {
         let per = num_blocks
             .checked_mul(spec.block_bytes())
             .filter(|&b| b <= isize::MAX as usize)
-            .ok_or_else(|| {
-                EngineError::Backend(format!("a KV cache of {num_blocks} blocks is too large"))
-            })?;
+            .ok_or(MemoryError::HostTooLarge { blocks: num_blocks })?;
         let mut k = Vec::with_capacity(spec.num_layers);
         let mut v = Vec::with_capacity(spec.num_layers);
         for _ in 0..spec.num_layers {
@@ -203,10 +202,12 @@ impl HostKvPool {
                     v.push(b);
                 }
                 _ => {
-                    return Err(EngineError::Backend(format!(
-                    "cannot allocate a KV cache of {num_blocks} blocks ({:.2} GiB); ask for fewer",
-                    2.0 * spec.num_layers as f64 * per as f64 / (1u64 << 30) as f64
-                )))
+                    return Err(MemoryError::HostAlloc {
+                        blocks: num_blocks,
+                        layers: spec.num_layers,
+                        layer_bytes: per,
+                    }
+                    .into())
                 }
             }
         }
@@ -243,10 +244,11 @@ impl HostKvPool {
     /// Checks that every block of a table is in the pool.
     pub fn check_table(&self, table: &[BlockId]) -> Result<()> {
         match table.iter().find(|b| b.0 as usize >= self.num_blocks) {
-            Some(b) => Err(EngineError::Backend(format!(
-                "block {} is outside the pool of {} blocks",
-                b.0, self.num_blocks
-            ))),
+            Some(b) => Err(KvCopyError::BlockOutsidePool {
+                block: b.0,
+                num_blocks: self.num_blocks,
+            }
+            .into()),
             None => Ok(()),
         }
     }

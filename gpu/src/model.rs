@@ -5,6 +5,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use crate::backend::cpu::{CpuBackend, CpuModel, HybridBackend, HybridModel};
+use crate::backend::error::BackendError;
 use crate::backend::sim::SimBackend;
 use crate::backend::{Backend, CudaOptions};
 use crate::config::ModelConfig;
@@ -371,16 +372,11 @@ pub fn resolve_device(spec: &str) -> Result<BackendKind> {
     };
     let count = cuda_devices()?;
     if cuda_ordinal >= count {
-        return Err(EngineError::Backend(if count == 0 {
-            format!(
-                "--device {spec}: no CUDA device was found (no driver library, or no GPU visible)"
-            )
-        } else {
-            format!(
-                "--device {spec}: only {count} CUDA device(s) are visible (cuda:0..cuda:{})",
-                count - 1
-            )
-        }));
+        return Err(BackendError::NoDevice {
+            spec: spec.to_string(),
+            found: count,
+        }
+        .into());
     }
     Ok(BackendKind::Cuda(CudaOptions::device(cuda_ordinal)))
 }
@@ -392,9 +388,7 @@ fn cuda_devices() -> Result<usize> {
 
 #[cfg(not(feature = "cuda"))]
 fn cuda_devices() -> Result<usize> {
-    Err(EngineError::Backend(
-        "this kvmesh was built without CUDA support; rebuild with `cargo build --release --features cuda`".into(),
-    ))
+    Err(BackendError::NoCuda.into())
 }
 
 pub use crate::backend::KvBudget;
@@ -513,9 +507,7 @@ pub fn build_backend_for(
         #[cfg(feature = "cuda")]
         BackendKind::Cuda(opts) => cuda_backend(model, opts, kv, block_size),
         #[cfg(not(feature = "cuda"))]
-        BackendKind::Cuda(_) => Err(EngineError::Backend(
-            "this kvmesh was built without CUDA support; rebuild with `cargo build --release --features cuda`".into(),
-        )),
+        BackendKind::Cuda(_) => Err(BackendError::NoCuda.into()),
         BackendKind::Sim(timing) => {
             // Budgeted as a GPU would hold it: bf16 K and V for every layer. A hybrid model
             // is timed as a dense one of its shape (its linear layers' KV counted as if

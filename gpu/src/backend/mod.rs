@@ -9,6 +9,7 @@
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod error;
 pub mod sim;
 pub mod sm_split;
 
@@ -18,6 +19,7 @@ use crate::error::Result;
 use crate::kv_cache::BlockId;
 use crate::kv_pool::{HostKvPool, KvSpec};
 use crate::sampler::{sample, Rng, Sampled, SamplingParams};
+use error::{BackendError, Capability};
 
 /// How the CUDA backend runs: on which device, and whether pure decode steps replay CUDA
 /// graphs. It lives here rather than in `cuda` so that builds without the `cuda` feature can
@@ -265,29 +267,23 @@ pub trait Backend: Send {
     /// A slot's recurrent state, every layer's, to move it to another engine of the same
     /// model (disaggregated prefill and decode).
     fn read_state(&mut self, slot: u32) -> Result<Vec<f32>> {
-        Err(crate::error::EngineError::Backend(format!(
-            "the {} backend has no recurrent state to read (slot {slot})",
-            self.device()
-        )))
+        Err(cannot(self.device(), Capability::ReadState { slot }))
     }
 
     /// Sets a slot's recurrent state to what [`Self::read_state`] gave on another engine of
     /// the same model; refuses a state of another size.
     fn write_state(&mut self, slot: u32, state: &[f32]) -> Result<()> {
-        Err(crate::error::EngineError::Backend(format!(
-            "the {} backend has no recurrent state to write ({} values for slot {slot})",
+        let values = state.len();
+        Err(cannot(
             self.device(),
-            state.len()
-        )))
+            Capability::WriteState { slot, values },
+        ))
     }
 
     /// Copies every layer's recurrent state from slot `from` to slot `to` (either kind of
     /// slot), in order with the steps around it: a step after the call sees the copy.
     fn copy_state(&mut self, from: u32, to: u32) -> Result<()> {
-        Err(crate::error::EngineError::Backend(format!(
-            "the {} backend cannot copy recurrent state (slot {from} to {to})",
-            self.device()
-        )))
+        Err(cannot(self.device(), Capability::CopyState { from, to }))
     }
 
     /// Whether a block's K/V depend on more than its tokens and positions (dynamic RoPE
@@ -366,10 +362,7 @@ pub trait Backend: Send {
         _dst: &HostKvPool,
         _dst_table: &[BlockId],
     ) -> Result<()> {
-        Err(crate::error::EngineError::Backend(format!(
-            "the {} backend cannot copy its KV to host memory",
-            self.device()
-        )))
+        Err(cannot(self.device(), Capability::KvToHost))
     }
 
     /// The reverse of `kv_to_host`: K and V of `positions` from a host pool into the
@@ -382,10 +375,7 @@ pub trait Backend: Send {
         _positions: std::ops::Range<usize>,
         _table: &[BlockId],
     ) -> Result<()> {
-        Err(crate::error::EngineError::Backend(format!(
-            "the {} backend cannot copy KV from host memory",
-            self.device()
-        )))
+        Err(cannot(self.device(), Capability::KvFromHost))
     }
 
     /// Like `forward_sample`, and calls `kv_ready(layer)` once that layer's K and V of every
@@ -403,6 +393,42 @@ pub trait Backend: Send {
         }
         Ok(out)
     }
+}
+
+/// A backend's refusals into the engine's error (`EngineError::Backend`): from
+/// [`BackendError`] and from each of its families, so a site writes
+/// `Err(BatchError::ZeroBlockSize.into())` or `?`.
+macro_rules! into_engine_error {
+    ($($family:ty),*) => {$(
+        impl From<$family> for crate::error::EngineError {
+            fn from(e: $family) -> crate::error::EngineError {
+                crate::error::EngineError::Backend(e.into())
+            }
+        }
+    )*};
+}
+
+into_engine_error!(
+    BackendError,
+    error::ToolchainError,
+    error::ModelRefusal,
+    error::Fp8Refusal,
+    error::MemoryError,
+    error::BatchError,
+    error::LaunchError,
+    error::KvCopyError,
+    error::StateError,
+    error::GreenContextError,
+    error::SimError
+);
+
+/// What a backend on `device` without `what` says.
+fn cannot(device: String, what: Capability) -> crate::error::EngineError {
+    BackendError::Cannot {
+        backend: device,
+        what,
+    }
+    .into()
 }
 
 /// Samples one token per row of logits.

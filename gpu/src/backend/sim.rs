@@ -13,8 +13,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use super::error::SimError;
 use super::{Backend, ForwardBatch, SampleSpec};
-use crate::error::{EngineError, Result};
+use crate::error::Result;
 use crate::kv_pool::{HostKvPool, KvSpec};
 use crate::sampler::Sampled;
 
@@ -114,14 +115,10 @@ impl SimBackend {
         outputs: Vec<u32>,
     ) -> Result<SimBackend> {
         if outputs.is_empty() {
-            return Err(EngineError::Backend(
-                "the sim backend needs at least one token id to emit".into(),
-            ));
+            return Err(SimError::NoOutputs.into());
         }
         if let Some(bad) = outputs.iter().find(|&&t| t as usize >= vocab) {
-            return Err(EngineError::Backend(format!(
-                "the sim backend was given token id {bad} to emit, outside the vocabulary of {vocab}"
-            )));
+            return Err(SimError::OutsideVocab { token: *bad, vocab }.into());
         }
         Ok(SimBackend {
             timing,

@@ -2,8 +2,8 @@
 
 use serde_json::Value;
 
-use super::reader::{bad, shown, Fields};
-use crate::error::Result;
+use super::error::{ConfigError, Result};
+use super::reader::{shown, Fields};
 
 /// The model families kvmesh runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -16,12 +16,6 @@ pub enum Arch {
     /// (see `config::hybrid`).
     Qwen35,
 }
-
-/// Appended to every refusal of an unknown or ambiguous family.
-const SUPPORTED: &str = "kvmesh runs LlamaForCausalLM (llama), Qwen2ForCausalLM (qwen2), \
-                         Qwen3ForCausalLM (qwen3), MistralForCausalLM (mistral), and \
-                         Qwen3.5's text model: Qwen3_5ForCausalLM (qwen3_5_text) or \
-                         Qwen3_5ForConditionalGeneration (qwen3_5)";
 
 impl Arch {
     pub fn from_architecture(name: &str) -> Option<Arch> {
@@ -138,44 +132,44 @@ pub(super) fn read_arch(f: &Fields) -> Result<Arch> {
     let model_type = f.str("model_type")?;
     let archs = architectures(f)?;
     if let Some(t) = model_type.filter(|t| t.starts_with("qwen3_5_moe")) {
-        return Err(super::hybrid::moe_refusal(&format!("model_type {t:?}")));
+        return Err(ConfigError::MoeRefused {
+            what: format!("model_type {t:?}"),
+        });
     }
     if let Some(a) = archs.iter().find(|a| a.starts_with("Qwen3_5Moe")) {
-        return Err(super::hybrid::moe_refusal(a));
+        return Err(ConfigError::MoeRefused { what: a.clone() });
     }
-    let from_archs = match archs.as_slice() {
-        [] => None,
-        [one] => Some(Arch::from_architecture(one).ok_or_else(|| {
-            bad(format!(
-                "unsupported architecture {one:?} (model_type {:?}); {SUPPORTED}",
-                model_type.unwrap_or("")
-            ))
-        })?),
-        many => {
-            return Err(bad(format!(
-                "`architectures` names several classes {many:?}; a checkpoint for kvmesh names one: {SUPPORTED}"
-            )))
-        }
-    };
+    let from_archs =
+        match archs.as_slice() {
+            [] => None,
+            [one] => Some(Arch::from_architecture(one).ok_or_else(|| {
+                ConfigError::UnknownArchitecture {
+                    architecture: one.clone(),
+                    model_type: model_type.unwrap_or("").to_string(),
+                }
+            })?),
+            many => {
+                return Err(ConfigError::SeveralArchitectures {
+                    names: many.to_vec(),
+                })
+            }
+        };
     let from_type = match model_type {
         None => None,
-        Some(t) => Some(Arch::from_model_type(t).ok_or_else(|| {
-            bad(format!(
-                "unsupported model_type {t:?} (architectures {archs:?}); {SUPPORTED}"
-            ))
-        })?),
+        Some(t) => Some(
+            Arch::from_model_type(t).ok_or_else(|| ConfigError::UnknownModelType {
+                model_type: t.to_string(),
+                architectures: archs.clone(),
+            })?,
+        ),
     };
     match (from_archs, from_type) {
-        (Some(a), Some(t)) if a != t => Err(bad(format!(
-            "`architectures` says {} but `model_type` says {:?}; transformers builds the model \
-             from model_type, so the file is ambiguous: make them agree",
-            a.architecture_name(),
-            t.model_type()
-        ))),
+        (Some(a), Some(t)) if a != t => Err(ConfigError::FamilyMismatch {
+            architecture: a.architecture_name(),
+            model_type: t.model_type(),
+        }),
         (Some(a), _) | (None, Some(a)) => Ok(a),
-        (None, None) => Err(bad(format!(
-            "neither `architectures` nor `model_type` is set; {SUPPORTED}"
-        ))),
+        (None, None) => Err(ConfigError::NoFamily),
     }
 }
 
@@ -186,18 +180,16 @@ fn architectures(f: &Fields) -> Result<Vec<String>> {
         Some(Value::Array(a)) => a
             .iter()
             .map(|x| {
-                x.as_str().map(String::from).ok_or_else(|| {
-                    bad(format!(
-                        "`architectures` holds {}; expected class names",
-                        shown(x)
-                    ))
-                })
+                x.as_str()
+                    .map(String::from)
+                    .ok_or_else(|| ConfigError::ArchitectureNotAName { value: shown(x) })
             })
             .collect(),
-        Some(v) => Err(bad(format!(
-            "`architectures` is {}; expected a list of class names",
-            shown(v)
-        ))),
+        Some(v) => Err(ConfigError::Mistyped {
+            field: "architectures".into(),
+            value: shown(v),
+            expected: "a list of class names",
+        }),
     }
 }
 

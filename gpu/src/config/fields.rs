@@ -4,8 +4,8 @@
 use serde_json::{Map, Value};
 
 use super::arch::Arch;
-use super::reader::{bad, shown};
-use crate::error::{EngineError, Result};
+use super::error::{ConfigError, Result};
+use super::reader::shown;
 
 /// Fields that never change the forward pass: provenance, training-only settings, how
 /// transformers runs, and generation defaults (sampling defaults are read from
@@ -137,31 +137,27 @@ pub(super) fn screen(obj: &Map<String, Value>, arch: Arch) -> Result<Vec<String>
             ignored_fields.push(k.clone());
             continue;
         }
-        return Err(bad(format!(
-            "`{key}` = {} is not a field kvmesh knows for {} models, and it may change the \
-             model's math, so the model is refused rather than run differently from how it \
-             was trained. If it does not change the forward pass, delete it from config.json",
-            shown(v),
-            arch.model_type()
-        )));
+        return Err(ConfigError::UnknownField {
+            field: key.to_string(),
+            value: shown(v),
+            model_type: arch.model_type(),
+        });
     }
     Ok(ignored_fields)
 }
 
 /// The refusal of a `MUST_BE_OFF` field that is on, saying what kind of model it makes.
-fn must_be_off(key: &str, v: &Value) -> EngineError {
-    let what = match key {
-        "quantization_config" | "compression_config" => format!(
-            "the checkpoint is quantized ({}); kvmesh reads FP8 `quantization_config`s of \
-             the dense families (Llama, Qwen2, Qwen3, Mistral) only, and otherwise bf16, f16 \
-             and f32 weights",
-            v.get("quant_method")
-                .or_else(|| v.get("format"))
-                .map_or_else(|| shown(v), |m| format!("quant_method {}", shown(m)))
-        ),
-        _ => format!("`{key}` is {}; kvmesh runs decoder-only models", shown(v)),
-    };
-    bad(what)
+fn must_be_off(key: &str, v: &Value) -> ConfigError {
+    match key {
+        "quantization_config" | "compression_config" => ConfigError::QuantizedModel {
+            method: v.get("quant_method").or_else(|| v.get("format")).map(shown),
+            value: shown(v),
+        },
+        _ => ConfigError::NotDecoderOnly {
+            field: key.to_string(),
+            value: shown(v),
+        },
+    }
 }
 
 #[cfg(test)]

@@ -3,8 +3,6 @@
 //! shape, partial RoPE, and which of transformers' classes wrote the file. How a config is
 //! read into these is `qwen35`'s.
 
-use super::reader::bad;
-
 /// What mixes tokens in a layer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum LayerType {
@@ -129,12 +127,3 @@ pub(super) const OWN_FIELDS: &[&str] = &[
 /// never runs (its `mtp.*` tensors are not loaded).
 pub(super) const SKIPPED_FIELDS: &[&str] =
     &["mtp_num_hidden_layers", "mtp_use_dedicated_embeddings"];
-
-/// The refusal of the mixture-of-experts variants, by the name the file gives them.
-pub(super) fn moe_refusal(what: &str) -> crate::error::EngineError {
-    bad(format!(
-        "{what} is a Qwen3.5 mixture-of-experts model; kvmesh runs the dense Qwen3.5 models \
-         (Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration) and does not implement \
-         expert routing yet"
-    ))
-}

@@ -27,9 +27,11 @@
 //! in `hf_json`; Qwen3.5's hybrid text model in `hybrid` (what it adds to the dense shape)
 //! and `qwen35` (its two layouts read into that); FP8 checkpoints' `quantization_config` in
 //! `quant` (what a quantization is), `quant_read` (the block-scaled `fp8` format) and
-//! `quant_ct` (compressed-tensors).
+//! `quant_ct` (compressed-tensors). Every refusal is a [`ConfigError`] (`error`), one
+//! variant per rule.
 
 mod arch;
+pub mod error;
 mod fields;
 mod hf_json;
 mod hybrid;
@@ -48,9 +50,19 @@ mod testing;
 mod window;
 
 pub use arch::Arch;
+pub use error::{ConfigError, PatternError};
 pub use fields::IGNORED_FIELDS;
 pub use hybrid::{HybridConfig, HybridLayout, LayerType};
 pub use model::{ModelConfig, TensorRole, TensorSpec};
 pub use quant::{ActivationScheme, QuantMethod, Quantization, Scheme, WeightScale, FP8_BLOCK};
 pub(crate) use reader::token_ids;
 pub use rope::{Rope, RopeLayout, RopeScaling};
+
+/// A refusal of the file, as the engine reports it (`model: config.json: ...`). Written out
+/// rather than `#[from]` so that the error is not also the engine error's source: its text
+/// is already the message, and a chain (anyhow's `{:?}`) would print it twice.
+impl From<ConfigError> for crate::error::EngineError {
+    fn from(e: ConfigError) -> Self {
+        crate::error::EngineError::Config(e)
+    }
+}

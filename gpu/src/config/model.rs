@@ -4,12 +4,12 @@
 use serde_json::{Map, Value};
 
 use super::arch::Arch;
+use super::error::{ConfigError, Result};
 use super::fields::screen;
 use super::quant_read::read_quantization;
-use super::reader::{bad, token_ids, Fields};
+use super::reader::{token_ids, Fields};
 use super::rope::{read_rope, Rope, RopeScaling};
 use super::window::read_window;
-use crate::error::Result;
 
 #[derive(Clone, Debug)]
 pub struct ModelConfig {
@@ -66,23 +66,22 @@ impl Heads {
         let hidden_size = f.need("hidden_size")?;
         let num_heads = f.need("num_attention_heads")?;
         if num_heads == 0 || hidden_size == 0 {
-            return Err(bad("zero hidden_size or num_attention_heads"));
+            return Err(ConfigError::ZeroWidth);
         }
         let num_kv_heads = f
             .usize("num_key_value_heads")?
             .unwrap_or(arch.default_num_kv_heads(num_heads));
         if num_kv_heads == 0 || num_heads % num_kv_heads != 0 {
-            return Err(bad(format!(
-                "num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}"
-            )));
+            return Err(ConfigError::KvHeads {
+                heads: num_heads,
+                kv_heads: num_kv_heads,
+            });
         }
         let head_dim = f
             .usize("head_dim")?
             .unwrap_or(arch.default_head_dim(hidden_size, num_heads));
         if head_dim == 0 || head_dim % 2 != 0 {
-            return Err(bad(format!(
-                "head_dim is {head_dim}; rotary embeddings need an even, non-zero head size"
-            )));
+            return Err(ConfigError::HeadDim { head_dim });
         }
         Ok(Heads {
             hidden_size,
@@ -97,10 +96,9 @@ impl Heads {
 pub(super) fn check_activation(f: &Fields) -> Result<()> {
     let act = f.str("hidden_act")?.unwrap_or("silu");
     if act != "silu" && act != "swish" {
-        return Err(bad(format!(
-            "`hidden_act` is {act:?}; the families kvmesh runs use silu (SwiGLU), and it \
-             implements no other activation"
-        )));
+        return Err(ConfigError::Activation {
+            act: act.to_string(),
+        });
     }
     Ok(())
 }
@@ -110,7 +108,9 @@ pub(super) fn read_max_position_embeddings(f: &Fields, arch: Arch) -> Result<usi
         .usize("max_position_embeddings")?
         .unwrap_or_else(|| arch.default_max_position_embeddings());
     if max == 0 {
-        return Err(bad("`max_position_embeddings` is 0"));
+        return Err(ConfigError::Zero {
+            field: "max_position_embeddings".into(),
+        });
     }
     Ok(max)
 }
@@ -118,9 +118,7 @@ pub(super) fn read_max_position_embeddings(f: &Fields, arch: Arch) -> Result<usi
 pub(super) fn read_rms_norm_eps(f: &Fields) -> Result<f64> {
     let eps = f.f64("rms_norm_eps")?.unwrap_or(1e-6);
     if !(eps > 0.0 && eps.is_finite()) {
-        return Err(bad(format!(
-            "`rms_norm_eps` is {eps}; expected a small positive number"
-        )));
+        return Err(ConfigError::RmsNormEps { eps });
     }
     Ok(eps)
 }
@@ -158,7 +156,7 @@ impl ModelConfig {
         let max_position_embeddings = read_max_position_embeddings(&f, arch)?;
         let rope = read_rope(&f, max_position_embeddings)?;
         if matches!(rope.scaling, RopeScaling::Dynamic { .. }) && heads.head_dim <= 2 {
-            return Err(bad("dynamic RoPE needs head_dim above 2"));
+            return Err(ConfigError::DynamicRopeHeadDim);
         }
         let attention_bias = f.bool("attention_bias")?.unwrap_or(false);
         let mlp_bias = f.bool("mlp_bias")?.unwrap_or(false);
@@ -168,10 +166,10 @@ impl ModelConfig {
         let num_layers = f.need("num_hidden_layers")?;
         if let Some(l) = &sliding_layers {
             if l.len() != num_layers {
-                return Err(bad(format!(
-                    "`layer_types` lists {} layers but num_hidden_layers is {num_layers}",
-                    l.len()
-                )));
+                return Err(ConfigError::LayerCount {
+                    listed: l.len(),
+                    num_layers,
+                });
             }
         }
         let cfg = ModelConfig {

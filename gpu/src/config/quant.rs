@@ -25,8 +25,8 @@
 use regex::Regex;
 use serde_json::Value;
 
-use super::reader::{bad, shown};
-use crate::error::{EngineError, Result};
+use super::error::{ConfigError, PatternError, Result};
+use super::reader::shown;
 
 /// The block side of the block-scaled format: what every published checkpoint uses and the
 /// FP8 GEMMs with block scales take.
@@ -208,14 +208,14 @@ impl Quantization {
                 .filter(|(t, _)| t.iter().any(|p| p.matches(m)))
                 .collect();
             if claims.windows(2).any(|w| w[0].1 != w[1].1) {
-                let targets: Vec<&str> = claims
+                let targets = claims
                     .iter()
-                    .flat_map(|(t, _)| t.iter().map(Pattern::text))
+                    .flat_map(|(t, _)| t.iter().map(|p| p.text().to_string()))
                     .collect();
-                return Err(bad(format!(
-                    "quantization_config: layer {m} is targeted by config groups with \
-                     different schemes (targets {targets:?}); which applies is ambiguous"
-                )));
+                return Err(ConfigError::AmbiguousLayer {
+                    layer: m.to_string(),
+                    targets,
+                });
             }
         }
         Ok(())
@@ -254,14 +254,6 @@ impl Quantization {
     }
 }
 
-/// The refusal of field `field` of `quantization_config` holding `v`.
-pub(super) fn refuse(field: &str, v: &Value, why: &str) -> EngineError {
-    bad(format!(
-        "quantization_config.{field} is {}: {why}",
-        shown(v)
-    ))
-}
-
 /// Null, false or empty: the field turns nothing on.
 pub(super) fn off(v: Option<&Value>) -> bool {
     match v {
@@ -276,17 +268,25 @@ pub(super) fn off(v: Option<&Value>) -> bool {
 pub(super) fn patterns(
     field: &str,
     v: &Value,
-    make: impl Fn(&str) -> std::result::Result<Pattern, String>,
+    make: impl Fn(&str) -> std::result::Result<Pattern, PatternError>,
 ) -> Result<Vec<Pattern>> {
-    let list = v
-        .as_array()
-        .ok_or_else(|| refuse(field, v, "expected a list of module names or patterns"))?;
+    let list = v.as_array().ok_or_else(|| ConfigError::Quant {
+        field: field.to_string(),
+        value: shown(v),
+        why: "expected a list of module names or patterns",
+    })?;
     list.iter()
         .map(|p| {
-            let s = p
-                .as_str()
-                .ok_or_else(|| refuse(field, v, "every entry must be a string"))?;
-            make(s).map_err(|why| refuse(field, p, &why))
+            let s = p.as_str().ok_or_else(|| ConfigError::Quant {
+                field: field.to_string(),
+                value: shown(v),
+                why: "every entry must be a string",
+            })?;
+            make(s).map_err(|why| ConfigError::UnreadablePattern {
+                field: field.to_string(),
+                value: shown(p),
+                why,
+            })
         })
         .collect()
 }
@@ -294,11 +294,9 @@ pub(super) fn patterns(
 /// A compressed-tensors target or ignore entry (see [`Pattern::Exact`], [`Pattern::Re`],
 /// [`Pattern::Linear`]). Other class names (a decoder layer's, an attention module's) would
 /// target modules that are not linear layers, which the format does not quantize.
-pub(super) fn ct_pattern(s: &str, is_target: bool) -> std::result::Result<Pattern, String> {
+pub(super) fn ct_pattern(s: &str, is_target: bool) -> std::result::Result<Pattern, PatternError> {
     if let Some(re) = s.strip_prefix("re:") {
-        let start = Regex::new(&format!("^(?:{re})")).map_err(|e| {
-            format!("kvmesh cannot read it as the regex compressed-tensors matches ({e})")
-        })?;
+        let start = Regex::new(&format!("^(?:{re})")).map_err(PatternError::CtRegex)?;
         return Ok(Pattern::Re {
             text: s.to_string(),
             start,
@@ -309,9 +307,7 @@ pub(super) fn ct_pattern(s: &str, is_target: bool) -> std::result::Result<Patter
     }
     let is_class = s.chars().next().is_some_and(char::is_uppercase) && !s.contains('.');
     if is_target && is_class {
-        return Err(format!(
-            "class target {s:?}: kvmesh matches the class `Linear`, module names and `re:` regexes"
-        ));
+        return Err(PatternError::ClassTarget(s.to_string()));
     }
     Ok(Pattern::Exact(s.to_string()))
 }

@@ -7,12 +7,12 @@
 
 use serde_json::{Map, Value};
 
+use super::error::{ConfigError, Result};
 use super::quant::{
-    ct_pattern, off, patterns, quantization, refuse, ActivationScheme, Pattern, QuantMethod,
-    Quantization, Scheme, WeightScale,
+    ct_pattern, off, patterns, quantization, ActivationScheme, Pattern, QuantMethod, Quantization,
+    Scheme, WeightScale,
 };
-use super::reader::bad;
-use crate::error::Result;
+use super::reader::shown;
 
 /// Reads the whole `quantization_config` of a compressed-tensors checkpoint.
 pub(super) fn read_compressed_tensors(o: &Map<String, Value>) -> Result<Quantization> {
@@ -31,55 +31,47 @@ pub(super) fn read_compressed_tensors(o: &Map<String, Value>) -> Result<Quantiza
         "moe_sparsity_config",
     ];
     if let Some((k, v)) = o.iter().find(|(k, _)| !KNOWN.contains(&k.as_str())) {
-        return Err(refuse(
-            k,
-            v,
-            "not a field of the compressed-tensors format kvmesh knows, and it may change how \
-             the weights are read; refused rather than ignored",
-        ));
+        return Err(ConfigError::UnknownQuantField {
+            field: k.clone(),
+            value: shown(v),
+            format: "compressed-tensors",
+        });
     }
     let format = o.get("format").and_then(Value::as_str);
     let format = match format {
         Some(f @ ("float-quantized" | "naive-quantized")) => f,
         _ => {
-            return Err(refuse(
-                "format",
-                o.get("format").unwrap_or(&Value::Null),
-                "kvmesh reads float8 weights stored as \"float-quantized\" or \
+            return Err(ConfigError::Quant {
+                field: "format".into(),
+                value: shown(o.get("format").unwrap_or(&Value::Null)),
+                why: "kvmesh reads float8 weights stored as \"float-quantized\" or \
                  \"naive-quantized\"",
-            ))
+            })
         }
     };
     match o.get("quantization_status") {
         Some(Value::String(s)) if s == "compressed" => {}
         Some(v) => {
-            return Err(refuse(
-                "quantization_status",
-                v,
-                "kvmesh reads checkpoints saved compressed (FP8 weights with their scales)",
-            ))
+            return Err(ConfigError::Quant {
+                field: "quantization_status".into(),
+                value: shown(v),
+                why: "kvmesh reads checkpoints saved compressed (FP8 weights with their scales)",
+            })
         }
-        None => {
-            return Err(bad(
-                "quantization_config.quantization_status is absent; kvmesh reads checkpoints \
-                 saved \"compressed\"",
-            ))
-        }
+        None => return Err(ConfigError::NoQuantizationStatus),
     }
     if !off(o.get("kv_cache_scheme")) {
-        return Err(refuse(
-            "kv_cache_scheme",
-            &o["kv_cache_scheme"],
-            "kvmesh keeps the KV cache in bf16 (f32 on the CPU) and reads no KV-cache scales",
-        ));
+        return Err(ConfigError::KvCacheScheme {
+            value: shown(&o["kv_cache_scheme"]),
+        });
     }
     for k in ["sparsity_config", "transform_config", "moe_sparsity_config"] {
         if !off(o.get(k)) {
-            return Err(refuse(
-                k,
-                &o[k],
-                "sparse, transformed or pruned weights are not read by kvmesh",
-            ));
+            return Err(ConfigError::Quant {
+                field: k.to_string(),
+                value: shown(&o[k]),
+                why: "sparse, transformed or pruned weights are not read by kvmesh",
+            });
         }
     }
     let ignore = match o.get("ignore") {
@@ -89,11 +81,11 @@ pub(super) fn read_compressed_tensors(o: &Map<String, Value>) -> Result<Quantiza
     let groups = match o.get("config_groups") {
         Some(Value::Object(g)) if !g.is_empty() => g,
         other => {
-            return Err(refuse(
-                "config_groups",
-                other.unwrap_or(&Value::Null),
-                "expected an object of quantization schemes",
-            ))
+            return Err(ConfigError::Quant {
+                field: "config_groups".into(),
+                value: shown(other.unwrap_or(&Value::Null)),
+                why: "expected an object of quantization schemes",
+            })
         }
     };
     let mut read = Vec::new();
@@ -122,18 +114,20 @@ fn read_group(name: &str, g: &Value, format: &str) -> Result<(Vec<Pattern>, Sche
                 activations: ActivationScheme::StaticTensor,
             },
             _ => {
-                return Err(refuse(
-                    &path,
-                    g,
-                    "a preset scheme kvmesh does not read (it reads FP8 and FP8_DYNAMIC)",
-                ))
+                return Err(ConfigError::Quant {
+                    field: path.clone(),
+                    value: shown(g),
+                    why: "a preset scheme kvmesh does not read (it reads FP8 and FP8_DYNAMIC)",
+                })
             }
         };
         return Ok((patterns(&path, g, |s| ct_pattern(s, true))?, scheme));
     }
-    let o = g
-        .as_object()
-        .ok_or_else(|| refuse(&path, g, "expected a scheme object"))?;
+    let o = g.as_object().ok_or_else(|| ConfigError::Quant {
+        field: path.clone(),
+        value: shown(g),
+        why: "expected a scheme object",
+    })?;
     const KNOWN: &[&str] = &[
         "targets",
         "weights",
@@ -142,33 +136,32 @@ fn read_group(name: &str, g: &Value, format: &str) -> Result<(Vec<Pattern>, Sche
         "format",
     ];
     if let Some((k, v)) = o.iter().find(|(k, _)| !KNOWN.contains(&k.as_str())) {
-        return Err(refuse(
-            &format!("{path}.{k}"),
-            v,
-            "not a scheme field kvmesh knows",
-        ));
+        return Err(ConfigError::UnknownSchemeField {
+            field: format!("{path}.{k}"),
+            value: shown(v),
+        });
     }
     if let Some(f) = o.get("format").filter(|v| !v.is_null()) {
         // float-quantized is compressed-tensors' alias of naive-quantized: one storage.
         let same = |x: &str| matches!(x, "float-quantized" | "naive-quantized");
         if !(f.as_str().is_some_and(same) && same(format)) {
-            return Err(refuse(
-                &format!("{path}.format"),
-                f,
-                "a group stored in another format than the checkpoint's is not read",
-            ));
+            return Err(ConfigError::Quant {
+                field: format!("{path}.format"),
+                value: shown(f),
+                why: "a group stored in another format than the checkpoint's is not read",
+            });
         }
     }
     if !off(o.get("output_activations")) {
-        return Err(refuse(
-            &format!("{path}.output_activations"),
-            &o["output_activations"],
-            "quantized outputs are not run by kvmesh",
-        ));
+        return Err(ConfigError::Quant {
+            field: format!("{path}.output_activations"),
+            value: shown(&o["output_activations"]),
+            why: "quantized outputs are not run by kvmesh",
+        });
     }
     let targets = match o.get("targets") {
         Some(t) => patterns(&format!("{path}.targets"), t, |s| ct_pattern(s, true))?,
-        None => return Err(bad(format!("quantization_config.{path} has no targets"))),
+        None => return Err(ConfigError::NoTargets { group: path }),
     };
     let weights = match o.get("weights").filter(|v| !v.is_null()) {
         Some(w) => {
@@ -176,19 +169,16 @@ fn read_group(name: &str, g: &Value, format: &str) -> Result<(Vec<Pattern>, Sche
             match (a.strategy.as_str(), a.dynamic) {
                 ("channel", false) => WeightScale::Channel,
                 ("tensor", false) => WeightScale::Tensor,
-                _ => {
-                    return Err(a.refusal(
-                        &format!("{path}.weights"),
-                        "kvmesh reads static per-channel and per-tensor FP8 weight scales",
-                    ))
+                (strategy, dynamic) => {
+                    return Err(ConfigError::WeightStrategy {
+                        field: format!("{path}.weights"),
+                        strategy: strategy.to_string(),
+                        dynamic,
+                    })
                 }
             }
         }
-        None => {
-            return Err(bad(format!(
-                "quantization_config.{path} quantizes no weights; kvmesh reads FP8 weights"
-            )))
-        }
+        None => return Err(ConfigError::NoWeights { group: path }),
     };
     let activations = match o.get("input_activations").filter(|v| !v.is_null()) {
         None => ActivationScheme::Unquantized,
@@ -198,12 +188,12 @@ fn read_group(name: &str, g: &Value, format: &str) -> Result<(Vec<Pattern>, Sche
                 ("token", true) => ActivationScheme::DynamicToken,
                 ("tensor", true) => ActivationScheme::DynamicTensor,
                 ("tensor", false) => ActivationScheme::StaticTensor,
-                _ => {
-                    return Err(a.refusal(
-                        &format!("{path}.input_activations"),
-                        "kvmesh reads dynamic per-token, dynamic per-tensor and static \
-                         per-tensor FP8 activations",
-                    ))
+                (strategy, dynamic) => {
+                    return Err(ConfigError::ActivationStrategy {
+                        field: format!("{path}.input_activations"),
+                        strategy: strategy.to_string(),
+                        dynamic,
+                    })
                 }
             }
         }
@@ -225,18 +215,12 @@ struct Args {
 }
 
 impl Args {
-    /// The refusal of this strategy and dynamic-ness at `path`.
-    fn refusal(&self, path: &str, why: &str) -> crate::error::EngineError {
-        bad(format!(
-            "quantization_config.{path} has strategy {:?} with dynamic {}: {why}",
-            self.strategy, self.dynamic
-        ))
-    }
-
     fn read(path: &str, v: &Value) -> Result<Args> {
-        let o = v
-            .as_object()
-            .ok_or_else(|| refuse(path, v, "expected quantization arguments"))?;
+        let o = v.as_object().ok_or_else(|| ConfigError::Quant {
+            field: path.to_string(),
+            value: shown(v),
+            why: "expected quantization arguments",
+        })?;
         const KNOWN: &[&str] = &[
             "num_bits",
             "type",
@@ -253,53 +237,56 @@ impl Args {
             "observer_kwargs",
         ];
         if let Some((k, x)) = o.iter().find(|(k, _)| !KNOWN.contains(&k.as_str())) {
-            return Err(refuse(
-                &format!("{path}.{k}"),
-                x,
-                "not an argument kvmesh knows",
-            ));
+            return Err(ConfigError::UnknownQuantArgument {
+                field: format!("{path}.{k}"),
+                value: shown(x),
+            });
         }
         let field = |k: &str| o.get(k).filter(|x| !x.is_null());
         let at = |k: &str| format!("{path}.{k}");
         // compressed-tensors' defaults: 8 bits, int, symmetric.
         if field("num_bits").is_some_and(|x| x.as_u64() != Some(8)) {
-            return Err(refuse(
-                &at("num_bits"),
-                &o["num_bits"],
-                "kvmesh reads 8-bit FP8",
-            ));
+            return Err(ConfigError::Quant {
+                field: at("num_bits"),
+                value: shown(&o["num_bits"]),
+                why: "kvmesh reads 8-bit FP8",
+            });
         }
         let float = field("type")
             .and_then(Value::as_str)
             .is_some_and(|t| t.eq_ignore_ascii_case("float"));
         if !float {
-            return Err(refuse(
-                &at("type"),
-                o.get("type").unwrap_or(&Value::Null),
-                "kvmesh reads float (e4m3) quantization, not int",
-            ));
+            return Err(ConfigError::Quant {
+                field: at("type"),
+                value: shown(o.get("type").unwrap_or(&Value::Null)),
+                why: "kvmesh reads float (e4m3) quantization, not int",
+            });
         }
         if field("symmetric").is_some_and(|x| x != &Value::Bool(true)) {
-            return Err(refuse(
-                &at("symmetric"),
-                &o["symmetric"],
-                "asymmetric (zero-point) FP8 is not read by kvmesh",
-            ));
+            return Err(ConfigError::Quant {
+                field: at("symmetric"),
+                value: shown(&o["symmetric"]),
+                why: "asymmetric (zero-point) FP8 is not read by kvmesh",
+            });
         }
         for k in ["block_structure", "scale_dtype", "zp_dtype"] {
             if let Some(x) = field(k) {
-                return Err(refuse(&at(k), x, "not read by kvmesh (expected null)"));
+                return Err(ConfigError::Quant {
+                    field: at(k),
+                    value: shown(x),
+                    why: "not read by kvmesh (expected null)",
+                });
             }
         }
         if let Some(x) = field("actorder") {
             let calibration_only = matches!(x, Value::Bool(false))
                 || x.as_str().is_some_and(|s| s == "weight" || s == "static");
             if !calibration_only {
-                return Err(refuse(
-                    &at("actorder"),
-                    x,
-                    "kvmesh reads no reordered columns",
-                ));
+                return Err(ConfigError::Quant {
+                    field: at("actorder"),
+                    value: shown(x),
+                    why: "kvmesh reads no reordered columns",
+                });
             }
         }
         let group = field("group_size").map(|x| x.as_i64());
@@ -308,22 +295,22 @@ impl Args {
             (None, None) => "tensor".into(),
             (None, Some(Some(-1))) => "channel".into(),
             _ => {
-                return Err(refuse(
-                    &at("group_size"),
-                    o.get("group_size").unwrap_or(&Value::Null),
-                    "group-wise scales are not read by kvmesh",
-                ))
+                return Err(ConfigError::Quant {
+                    field: at("group_size"),
+                    value: shown(o.get("group_size").unwrap_or(&Value::Null)),
+                    why: "group-wise scales are not read by kvmesh",
+                })
             }
         };
         let dynamic = match field("dynamic") {
             None => false,
             Some(Value::Bool(b)) => *b,
             Some(x) => {
-                return Err(refuse(
-                    &at("dynamic"),
-                    x,
-                    "expected true or false (\"local\" scales are NVFP4's)",
-                ))
+                return Err(ConfigError::Quant {
+                    field: at("dynamic"),
+                    value: shown(x),
+                    why: "expected true or false (\"local\" scales are NVFP4's)",
+                })
             }
         };
         Ok(Args { strategy, dynamic })

@@ -5,34 +5,28 @@
 use regex::Regex;
 use serde_json::{Map, Value};
 
+use super::error::{ConfigError, PatternError, Result};
 use super::quant::{
-    off, patterns, quantization, refuse, ActivationScheme, Pattern, QuantMethod, Quantization,
-    Scheme, WeightScale, FP8_BLOCK,
+    off, patterns, quantization, ActivationScheme, Pattern, QuantMethod, Quantization, Scheme,
+    WeightScale, FP8_BLOCK,
 };
 use super::quant_ct::read_compressed_tensors;
-use super::reader::{bad, shown};
-use crate::error::Result;
+use super::reader::shown;
 
 /// Reads `quantization_config`, refusing what it does not understand.
 pub(super) fn read_quantization(v: &Value) -> Result<Quantization> {
-    let o = v.as_object().ok_or_else(|| {
-        bad(format!(
-            "`quantization_config` is {}; expected an object",
-            shown(v)
-        ))
+    let o = v.as_object().ok_or_else(|| ConfigError::Mistyped {
+        field: "quantization_config".into(),
+        value: shown(v),
+        expected: "an object",
     })?;
     match o.get("quant_method").and_then(Value::as_str) {
         Some("fp8") => read_fp8(o),
         Some("compressed-tensors") => read_compressed_tensors(o),
-        Some(other) => Err(bad(format!(
-            "the checkpoint is quantized with quantization_config.quant_method {other:?}; \
-             kvmesh reads FP8 checkpoints in the formats \"fp8\" (block-scaled) and \
-             \"compressed-tensors\" (float8), and runs no other quantization"
-        ))),
-        None => Err(bad(format!(
-            "quantization_config has no quant_method ({}); cannot tell how the weights are stored",
-            shown(v)
-        ))),
+        Some(other) => Err(ConfigError::UnknownQuantMethod {
+            method: other.to_string(),
+        }),
+        None => Err(ConfigError::NoQuantMethod { value: shown(v) }),
     }
 }
 
@@ -53,17 +47,20 @@ fn read_fp8(o: &Map<String, Value>) -> Result<Quantization> {
         "expert_dtype",
     ];
     if let Some((k, v)) = o.iter().find(|(k, _)| !KNOWN.contains(&k.as_str())) {
-        return Err(refuse(
-            k,
-            v,
-            "not a field of the fp8 format kvmesh knows, and it may change how the weights \
-             are read; refused rather than ignored",
-        ));
+        return Err(ConfigError::UnknownQuantField {
+            field: k.clone(),
+            value: shown(v),
+            format: "fp8",
+        });
     }
     let s = |k: &str| o.get(k).filter(|v| !v.is_null());
     if let Some(v) = s("fmt") {
         if v.as_str() != Some("e4m3") {
-            return Err(refuse("fmt", v, "kvmesh reads e4m3 FP8 weights only"));
+            return Err(ConfigError::Quant {
+                field: "fmt".into(),
+                value: shown(v),
+                why: "kvmesh reads e4m3 FP8 weights only",
+            });
         }
     }
     match s("activation_scheme") {
@@ -72,61 +69,55 @@ fn read_fp8(o: &Map<String, Value>) -> Result<Quantization> {
             if v.as_str()
                 .is_some_and(|a| a.eq_ignore_ascii_case("dynamic")) => {}
         Some(v) if v.as_str().is_some_and(|a| a.eq_ignore_ascii_case("static")) => {
-            return Err(refuse(
-                "activation_scheme",
-                v,
-                "static activation scales (`activation_scale` tensors) are not read by kvmesh \
-                 yet; it reads the dynamic scheme",
-            ))
+            return Err(ConfigError::StaticActivations { value: shown(v) })
         }
-        Some(v) => return Err(refuse("activation_scheme", v, "expected \"dynamic\"")),
+        Some(v) => return Err(ConfigError::UnknownActivationScheme { value: shown(v) }),
     }
-    let block =
-        match s("weight_block_size") {
-            None => return Err(bad(
-                "quantization_config.weight_block_size is absent: a per-tensor fp8 checkpoint; \
-                 kvmesh reads the block-scaled one ([128, 128])",
-            )),
-            Some(v) => {
-                match v
-                    .as_array()
-                    .map(|a| a.iter().map(Value::as_u64).collect::<Vec<_>>())
-                {
-                    Some(b) if b == [Some(FP8_BLOCK as u64), Some(FP8_BLOCK as u64)] => FP8_BLOCK,
-                    _ => return Err(refuse(
-                        "weight_block_size",
-                        v,
-                        "kvmesh reads 128x128 blocks, the size published checkpoints and the FP8 \
-                     GEMMs' block scales use",
-                    )),
-                }
+    let block = match s("weight_block_size") {
+        None => return Err(ConfigError::NoBlockSize),
+        Some(v) => {
+            match v
+                .as_array()
+                .map(|a| a.iter().map(Value::as_u64).collect::<Vec<_>>())
+            {
+                Some(b) if b == [Some(FP8_BLOCK as u64), Some(FP8_BLOCK as u64)] => FP8_BLOCK,
+                _ => return Err(ConfigError::BlockSize { value: shown(v) }),
             }
-        };
+        }
+    };
     if let Some(v) = s("scale_fmt") {
         if v.as_str() != Some("float") {
-            return Err(refuse(
-                "scale_fmt",
-                v,
-                "kvmesh reads float scales (f32 or bf16), not power-of-two ue8m0 ones",
-            ));
+            return Err(ConfigError::Quant {
+                field: "scale_fmt".into(),
+                value: shown(v),
+                why: "kvmesh reads float scales (f32 or bf16), not power-of-two ue8m0 ones",
+            });
         }
     }
     if let Some(v) = s("expert_dtype") {
         if v.as_str() != Some("fp8") {
-            return Err(refuse("expert_dtype", v, "kvmesh runs no FP4 experts"));
+            return Err(ConfigError::Quant {
+                field: "expert_dtype".into(),
+                value: shown(v),
+                why: "kvmesh runs no FP4 experts",
+            });
         }
     }
     if let Some(v) = s("dequantize") {
         if !v.is_boolean() {
-            return Err(refuse("dequantize", v, "expected true or false"));
+            return Err(ConfigError::Quant {
+                field: "dequantize".into(),
+                value: shown(v),
+                why: "expected true or false",
+            });
         }
     }
     if !off(o.get("modules_to_convert")) {
-        return Err(refuse(
-            "modules_to_convert",
-            &o["modules_to_convert"],
-            "FP8 embedding tables are not read by kvmesh",
-        ));
+        return Err(ConfigError::Quant {
+            field: "modules_to_convert".into(),
+            value: shown(&o["modules_to_convert"]),
+            why: "FP8 embedding tables are not read by kvmesh",
+        });
     }
     let scheme = Scheme {
         weights: WeightScale::Block {
@@ -149,13 +140,10 @@ fn skip_list(o: &Map<String, Value>) -> Result<Vec<Pattern>> {
     let s = |k: &str| o.get(k).filter(|v| !v.is_null());
     Ok(match (s("modules_to_not_convert"), s("ignored_layers")) {
         (Some(a), Some(b)) if a != b => {
-            return Err(bad(format!(
-                "quantization_config gives both modules_to_not_convert {} and ignored_layers {} \
-                 and they differ; transformers reads only the first, so which layers stay \
-                 unquantized is ambiguous",
-                shown(a),
-                shown(b)
-            )))
+            return Err(ConfigError::SkipListsDisagree {
+                modules_to_not_convert: shown(a),
+                ignored_layers: shown(b),
+            })
         }
         (Some(v), _) => patterns("modules_to_not_convert", v, hf_pattern)?,
         (None, Some(v)) => patterns("ignored_layers", v, hf_pattern)?,
@@ -165,10 +153,8 @@ fn skip_list(o: &Map<String, Value>) -> Result<Vec<Pattern>> {
 }
 
 /// A skip-list entry as transformers reads it (see [`Pattern::Hf`]).
-fn hf_pattern(s: &str) -> std::result::Result<Pattern, String> {
-    let whole = Regex::new(&format!("^(?:{s})$")).map_err(|e| {
-        format!("kvmesh cannot read it as the regex transformers matches it as ({e})")
-    })?;
+fn hf_pattern(s: &str) -> std::result::Result<Pattern, PatternError> {
+    let whole = Regex::new(&format!("^(?:{s})$")).map_err(PatternError::HfRegex)?;
     Ok(Pattern::Hf {
         text: s.to_string(),
         whole,

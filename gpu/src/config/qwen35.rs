@@ -20,15 +20,15 @@
 use serde_json::{Map, Value};
 
 use super::arch::Arch;
+use super::error::{ConfigError, Result};
 use super::fields::screen;
-use super::hybrid::{moe_refusal, HybridConfig, HybridLayout, LayerType};
+use super::hybrid::{HybridConfig, HybridLayout, LayerType};
 use super::model::{
     check_activation, read_max_position_embeddings, read_rms_norm_eps, Heads, ModelConfig,
     TensorRole, TensorSpec,
 };
-use super::reader::{bad, shown, token_ids, Fields};
+use super::reader::{shown, token_ids, Fields};
 use super::rope::{read_rope, Rope, RopeScaling};
-use crate::error::Result;
 
 /// Fields of the mixture-of-experts variants (Qwen3.5-35B-A3B and up): refused by name
 /// with the reason rather than as unknown fields.
@@ -67,15 +67,14 @@ pub(super) fn read_qwen35(root: &Map<String, Value>) -> Result<ModelConfig> {
     let named = root.get("architectures").and_then(Value::as_array);
     if let Some(a) = named.and_then(|a| a.first()).and_then(Value::as_str) {
         if a != layout.architecture_name() {
-            return Err(bad(format!(
-                "`architectures` names {a} but the file has the layout {} writes (fields \
-                 {}); make them agree",
-                layout.architecture_name(),
-                match layout {
+            return Err(ConfigError::LayoutMismatch {
+                named: a.to_string(),
+                layout: layout.architecture_name(),
+                fields: match layout {
                     HybridLayout::CausalLm => "at the top level",
                     HybridLayout::ConditionalGeneration => "nested in text_config",
-                }
-            )));
+                },
+            });
         }
     }
     let f = Fields { obj: text };
@@ -89,11 +88,11 @@ pub(super) fn read_qwen35(root: &Map<String, Value>) -> Result<ModelConfig> {
     let (rope, partial) = read_partial_rope(text, max_position_embeddings)?;
     let rotary_dim = (heads.head_dim as f64 * partial) as usize;
     if rotary_dim == 0 || !rotary_dim.is_multiple_of(2) {
-        return Err(bad(format!(
-            "`partial_rotary_factor` {partial} of head_dim {} rotates {rotary_dim} \
-             dimensions; RoPE needs an even, non-zero number",
-            heads.head_dim
-        )));
+        return Err(ConfigError::RotaryDim {
+            partial,
+            head_dim: heads.head_dim,
+            rotary_dim,
+        });
     }
     let num_layers = f.need("num_hidden_layers")?;
     let hybrid = HybridConfig {
@@ -110,11 +109,10 @@ pub(super) fn read_qwen35(root: &Map<String, Value>) -> Result<ModelConfig> {
         .linear_num_value_heads
         .is_multiple_of(hybrid.linear_num_key_heads)
     {
-        return Err(bad(format!(
-            "linear_num_value_heads {} is not a multiple of linear_num_key_heads {}; each \
-             key head serves a whole number of value heads",
-            hybrid.linear_num_value_heads, hybrid.linear_num_key_heads
-        )));
+        return Err(ConfigError::LinearHeads {
+            value_heads: hybrid.linear_num_value_heads,
+            key_heads: hybrid.linear_num_key_heads,
+        });
     }
     let attention_bias = f.bool("attention_bias")?.unwrap_or(false);
     let top = Fields { obj: root };
@@ -165,35 +163,31 @@ fn unwrap_layout(
 ) -> Result<(&Map<String, Value>, HybridLayout, Vec<String>)> {
     let Some(text) = root.get("text_config").filter(|v| !v.is_null()) else {
         if root.get("model_type").and_then(Value::as_str) == Some("qwen3_5") {
-            return Err(bad(
-                "model_type is \"qwen3_5\" (Qwen3_5ForConditionalGeneration) but there is no \
-                 `text_config`; that class keeps the text model's fields there",
-            ));
+            return Err(ConfigError::NoTextConfig);
         }
         return Ok((root, HybridLayout::CausalLm, Vec::new()));
     };
     let Value::Object(text) = text else {
-        return Err(bad(format!(
-            "`text_config` is {}; expected an object",
-            shown(text)
-        )));
+        return Err(ConfigError::Mistyped {
+            field: "text_config".into(),
+            value: shown(text),
+            expected: "an object",
+        });
     };
     if root.get("model_type").and_then(Value::as_str) == Some("qwen3_5_text") {
-        return Err(bad(
-            "model_type is \"qwen3_5_text\" (Qwen3_5ForCausalLM, fields at the top level) but \
-             the file nests a `text_config`; make them agree",
-        ));
+        return Err(ConfigError::NestedTextConfig);
     }
     match text.get("model_type").and_then(Value::as_str) {
         None | Some("qwen3_5_text") => {}
         Some(t) if t.contains("moe") => {
-            return Err(moe_refusal(&format!("text_config.model_type {t:?}")))
+            return Err(ConfigError::MoeRefused {
+                what: format!("text_config.model_type {t:?}"),
+            })
         }
         Some(t) => {
-            return Err(bad(format!(
-                "`text_config.model_type` is {t:?}; a Qwen3.5 checkpoint's text model is \
-                 \"qwen3_5_text\""
-            )))
+            return Err(ConfigError::TextModelType {
+                model_type: t.to_string(),
+            })
         }
     }
     let mut skipped = Vec::new();
@@ -211,12 +205,10 @@ fn unwrap_layout(
             skipped.push(k.clone());
             continue;
         }
-        return Err(bad(format!(
-            "`{key}` = {} is not a field kvmesh knows at the top level of a \
-             Qwen3_5ForConditionalGeneration config (it reads `text_config`), and it may \
-             change the model's math, so the model is refused",
-            shown(v)
-        )));
+        return Err(ConfigError::UnknownWrapperField {
+            field: key.to_string(),
+            value: shown(v),
+        });
     }
     Ok((text, HybridLayout::ConditionalGeneration, skipped))
 }
@@ -228,7 +220,9 @@ fn refuse_moe(f: &Fields) -> Result<()> {
                 || v.as_u64() == Some(0)
                 || v.as_array().is_some_and(|a| a.is_empty());
             if !off {
-                return Err(moe_refusal(&format!("`{k}` = {}: this", shown(v))));
+                return Err(ConfigError::MoeRefused {
+                    what: format!("`{k}` = {}: this", shown(v)),
+                });
             }
         }
     }
@@ -240,33 +234,30 @@ fn refuse_moe(f: &Fields) -> Result<()> {
 /// and the recurrent state's dtype, which kvmesh keeps in f32 as transformers does.
 fn check_gates(f: &Fields) -> Result<()> {
     if f.bool("attn_output_gate")? == Some(false) {
-        return Err(bad(
-            "`attn_output_gate` is false; Qwen3.5's full-attention layers always gate their \
-             output (q_proj holds the gate), and kvmesh implements no ungated variant",
-        ));
+        return Err(ConfigError::UngatedAttention);
     }
     match f.str("output_gate_type")? {
         None | Some("swish") | Some("silu") => {}
         Some(other) => {
-            return Err(bad(format!(
-                "`output_gate_type` is {other:?}; the linear layers' norm is gated by \
-                 swish (SiLU) in Qwen3.5, and kvmesh implements no other gate"
-            )))
+            return Err(ConfigError::OutputGate {
+                gate: other.to_string(),
+            })
         }
     }
     match f.str("mamba_ssm_dtype")? {
         None | Some("float32") => Ok(()),
-        Some(other) => Err(bad(format!(
-            "`mamba_ssm_dtype` is {other:?}; kvmesh keeps the recurrent (delta rule) state \
-             in float32, and a state kept in another dtype would give other numbers"
-        ))),
+        Some(other) => Err(ConfigError::StateDtype {
+            dtype: other.to_string(),
+        }),
     }
 }
 
 fn positive(f: &Fields, k: &str, default: usize) -> Result<usize> {
     let v = f.usize(k)?.unwrap_or(default);
     if v == 0 {
-        return Err(bad(format!("`{k}` is 0")));
+        return Err(ConfigError::Zero {
+            field: k.to_string(),
+        });
     }
     Ok(v)
 }
@@ -274,7 +265,7 @@ fn positive(f: &Fields, k: &str, default: usize) -> Result<usize> {
 /// `layer_types`, or the pattern `full_attention_interval` gives; both given must agree.
 fn read_layer_types(f: &Fields, num_layers: usize) -> Result<Vec<LayerType>> {
     let interval = match f.usize("full_attention_interval")? {
-        Some(0) => return Err(bad("`full_attention_interval` is 0")),
+        Some(0) => return Err(ConfigError::ZeroLayerInterval),
         i => i,
     };
     let from_interval = |n: usize| -> Vec<LayerType> {
@@ -292,10 +283,11 @@ fn read_layer_types(f: &Fields, num_layers: usize) -> Result<Vec<LayerType>> {
         return Ok(from_interval(interval.unwrap_or(4)));
     };
     let Value::Array(list) = v else {
-        return Err(bad(format!(
-            "`layer_types` is {}; expected a list of layer types",
-            shown(v)
-        )));
+        return Err(ConfigError::Mistyped {
+            field: "layer_types".into(),
+            value: shown(v),
+            expected: "a list of layer types",
+        });
     };
     let mut types = Vec::with_capacity(list.len());
     for (i, t) in list.iter().enumerate() {
@@ -303,27 +295,22 @@ fn read_layer_types(f: &Fields, num_layers: usize) -> Result<Vec<LayerType>> {
             Some("linear_attention") => LayerType::LinearAttention,
             Some("full_attention") => LayerType::FullAttention,
             _ => {
-                return Err(bad(format!(
-                    "`layer_types[{i}]` is {}; Qwen3.5 layers are \"linear_attention\" \
-                     (Gated DeltaNet) or \"full_attention\", and kvmesh implements no other",
-                    shown(t)
-                )))
+                return Err(ConfigError::UnknownHybridLayerType {
+                    layer: i,
+                    value: shown(t),
+                })
             }
         });
     }
     if types.len() != num_layers {
-        return Err(bad(format!(
-            "`layer_types` lists {} layers but num_hidden_layers is {num_layers}",
-            types.len()
-        )));
+        return Err(ConfigError::LayerCount {
+            listed: types.len(),
+            num_layers,
+        });
     }
     if let Some(n) = interval {
         if from_interval(n) != types {
-            return Err(bad(format!(
-                "`layer_types` and `full_attention_interval` = {n} describe different layers; \
-                 transformers follows layer_types and ignores the interval, so the file is \
-                 ambiguous: make them agree or drop one"
-            )));
+            return Err(ConfigError::IntervalMismatch { interval: n });
         }
     }
     Ok(types)
@@ -345,18 +332,20 @@ fn read_partial_rope(text: &Map<String, Value>, max_pos: usize) -> Result<(Rope,
                 .as_array()
                 .is_some_and(|a| a.len() == 3 && a.iter().all(|x| x.as_u64().is_some()));
             if !ok && !s.is_null() {
-                return Err(bad(format!(
-                    "`{dict_name}.mrope_section` is {}; expected three non-negative integers",
-                    shown(&s)
-                )));
+                return Err(ConfigError::Mistyped {
+                    field: format!("{dict_name}.mrope_section"),
+                    value: shown(&s),
+                    expected: "three non-negative integers",
+                });
             }
         }
         if let Some(i) = dict.remove("mrope_interleaved") {
             if !(i.is_boolean() || i.is_null()) {
-                return Err(bad(format!(
-                    "`{dict_name}.mrope_interleaved` is {}; expected true or false",
-                    shown(&i)
-                )));
+                return Err(ConfigError::Mistyped {
+                    field: format!("{dict_name}.mrope_interleaved"),
+                    value: shown(&i),
+                    expected: "true or false",
+                });
             }
         }
         if let Some(p) = dict.remove("partial_rotary_factor") {
@@ -371,21 +360,16 @@ fn read_partial_rope(text: &Map<String, Value>, max_pos: usize) -> Result<(Rope,
         let top = partial_value("partial_rotary_factor", &p)?;
         if let (Some(a), Some(b)) = (partial, top) {
             if a != b {
-                return Err(bad(format!(
-                    "`rope_parameters.partial_rotary_factor` is {a} but the top-level one is \
-                     {b}; make them agree"
-                )));
+                return Err(ConfigError::PartialRotaryDisagrees { dict: a, top: b });
             }
         }
         partial = partial.or(top);
     }
     let rope = read_rope(&Fields { obj: &obj }, max_pos)?;
     if rope.scaling != RopeScaling::Default {
-        return Err(bad(format!(
-            "rope type `{}` on a Qwen3.5 model; kvmesh runs Qwen3.5 with plain (default) \
-             RoPE on the rotated part of each head",
-            rope.scaling.type_name()
-        )));
+        return Err(ConfigError::HybridRopeType {
+            rope_type: rope.scaling.type_name(),
+        });
     }
     Ok((rope, partial.unwrap_or(0.25)))
 }
@@ -395,14 +379,16 @@ fn partial_value(name: &str, v: &Value) -> Result<Option<f64>> {
         Value::Null => Ok(None),
         Value::Number(n) => match n.as_f64() {
             Some(x) if x > 0.0 && x <= 1.0 => Ok(Some(x)),
-            _ => Err(bad(format!(
-                "`{name}` is {n}; expected a fraction in (0, 1]"
-            ))),
+            _ => Err(ConfigError::PartialRotaryRange {
+                field: name.to_string(),
+                value: n.to_string(),
+            }),
         },
-        other => Err(bad(format!(
-            "`{name}` is {}; expected a number",
-            shown(other)
-        ))),
+        other => Err(ConfigError::Mistyped {
+            field: name.to_string(),
+            value: shown(other),
+            expected: "a number",
+        }),
     }
 }
 

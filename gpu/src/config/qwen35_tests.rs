@@ -1,5 +1,6 @@
 use super::*;
 use crate::config::testing::err;
+use crate::error::Result;
 
 /// A small Qwen3_5ForCausalLM config with `extra` appended (`extra` starts with a comma).
 fn text(extra: &str) -> Result<ModelConfig> {

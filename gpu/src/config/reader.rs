@@ -3,7 +3,7 @@
 
 use serde_json::{Map, Value};
 
-use crate::error::{EngineError, Result};
+use super::error::{ConfigError, Result};
 
 /// Token ids given as a number or a list of numbers.
 pub(crate) fn token_ids(v: &Value) -> Vec<u32> {
@@ -18,11 +18,6 @@ pub(crate) fn token_ids(v: &Value) -> Vec<u32> {
     }
 }
 
-/// A refusal of the file, in the one form every config message takes.
-pub(super) fn bad(msg: impl Into<String>) -> EngineError {
-    EngineError::BadModel(format!("config.json: {}", msg.into()))
-}
-
 /// A value as it appears in the file, cut short for messages.
 pub(super) fn shown(v: &Value) -> String {
     let s = v.to_string();
@@ -34,11 +29,6 @@ pub(super) fn shown(v: &Value) -> String {
     } else {
         s
     }
-}
-
-/// The refusal of a value of the wrong type, naming the field as `name`.
-pub(super) fn mistyped(name: &str, v: &Value, expected: &str) -> EngineError {
-    bad(format!("`{name}` is {}; expected {expected}", shown(v)))
 }
 
 /// Reads typed fields from the top-level object, naming the field on a type error.
@@ -58,11 +48,15 @@ impl<'a> Fields<'a> {
         &self,
         k: &str,
         conv: impl Fn(&'a Value) -> Option<T>,
-        expected: &str,
+        expected: &'static str,
     ) -> Result<Option<T>> {
         match self.get(k) {
             None => Ok(None),
-            Some(v) => conv(v).map(Some).ok_or_else(|| mistyped(k, v, expected)),
+            Some(v) => conv(v).map(Some).ok_or_else(|| ConfigError::Mistyped {
+                field: k.to_string(),
+                value: shown(v),
+                expected,
+            }),
         }
     }
 
@@ -72,7 +66,9 @@ impl<'a> Fields<'a> {
     }
 
     pub(super) fn need(&self, k: &str) -> Result<usize> {
-        self.usize(k)?.ok_or_else(|| bad(format!("missing `{k}`")))
+        self.usize(k)?.ok_or_else(|| ConfigError::Missing {
+            field: k.to_string(),
+        })
     }
 
     pub(super) fn f64(&self, k: &str) -> Result<Option<f64>> {

@@ -2,8 +2,8 @@
 //! family spells this its own way, and a window where the family has none is refused.
 
 use super::arch::Arch;
-use super::reader::{bad, shown, Fields};
-use crate::error::Result;
+use super::error::{ConfigError, Result};
+use super::reader::{shown, Fields};
 
 /// The window size, and which layers use it (`None`: all of them, when there is a window).
 pub(super) type Windows = (Option<usize>, Option<Vec<bool>>);
@@ -21,23 +21,14 @@ pub(super) fn read_window(f: &Fields, arch: Arch) -> Result<Windows> {
 
 fn llama(f: &Fields) -> Result<Windows> {
     if let Some(v) = f.get("sliding_window") {
-        return Err(bad(format!(
-            "`sliding_window` is {} on a llama model; Llama attends over the whole \
-             context (transformers' Llama ignores the field, so a window here means the \
-             checkpoint is something else)",
-            shown(v)
-        )));
+        return Err(ConfigError::LlamaWindow { value: shown(v) });
     }
     Ok((None, None))
 }
 
 fn mistral(f: &Fields) -> Result<Windows> {
     if let Some(v) = f.get("layer_types") {
-        return Err(bad(format!(
-            "`layer_types` is {} on a mistral model; transformers' Mistral applies one \
-             window to every layer and ignores per-layer types (those are Ministral's)",
-            shown(v)
-        )));
+        return Err(ConfigError::MistralLayerTypes { value: shown(v) });
     }
     Ok((window_size(f)?, None))
 }
@@ -48,17 +39,12 @@ fn qwen(f: &Fields) -> Result<Windows> {
     let size = window_size(f)?;
     if !enabled {
         if let Some(i) = types.as_ref().and_then(|t| t.iter().position(|&s| s)) {
-            return Err(bad(format!(
-                "`layer_types[{i}]` is sliding_attention but use_sliding_window is \
-                 false; transformers would then find no window size"
-            )));
+            return Err(ConfigError::SlidingWithoutWindow { layer: i });
         }
         return Ok((None, None));
     }
     let Some(size) = size else {
-        return Err(bad(
-            "use_sliding_window is true but `sliding_window` is null; name the window size",
-        ));
+        return Err(ConfigError::NoWindowSize);
     };
     let layers = match types {
         Some(t) => t,
@@ -81,9 +67,7 @@ fn window_size(f: &Fields) -> Result<Option<usize>> {
         return Ok(Some(4096));
     }
     match f.usize("sliding_window")? {
-        Some(0) => Err(bad(
-            "`sliding_window` is 0; expected a window of at least 1 token",
-        )),
+        Some(0) => Err(ConfigError::ZeroWindow),
         w => Ok(w),
     }
 }
@@ -93,18 +77,20 @@ fn layer_types(f: &Fields) -> Result<Option<Vec<bool>>> {
     let Some(v) = f.get("layer_types") else {
         return Ok(None);
     };
-    let a = v
-        .as_array()
-        .ok_or_else(|| bad(format!("`layer_types` is {}; expected a list", shown(v))))?;
+    let a = v.as_array().ok_or_else(|| ConfigError::Mistyped {
+        field: "layer_types".into(),
+        value: shown(v),
+        expected: "a list",
+    })?;
     a.iter()
         .enumerate()
         .map(|(i, t)| match t.as_str() {
             Some("full_attention") => Ok(false),
             Some("sliding_attention") => Ok(true),
-            _ => Err(bad(format!(
-                "`layer_types[{i}]` is {}; kvmesh runs full_attention and sliding_attention layers",
-                shown(t)
-            ))),
+            _ => Err(ConfigError::UnknownLayerType {
+                layer: i,
+                value: shown(t),
+            }),
         })
         .collect::<Result<Vec<bool>>>()
         .map(Some)

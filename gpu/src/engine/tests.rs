@@ -5,6 +5,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
 use super::*;
+use crate::backend::error::{BackendError, StateError};
 use crate::backend::{Backend, ForwardBatch};
 use crate::error::{EngineError, Result};
 use crate::sampler::SamplingParams;
@@ -560,10 +561,12 @@ impl Backend for Recurrent {
     fn forward(&mut self, batch: &ForwardBatch) -> Result<Vec<Vec<f32>>> {
         let mut seen = Vec::new();
         let mut out = Vec::new();
-        for s in &batch.seqs {
+        for (seq, s) in batch.seqs.iter().enumerate() {
             let slot = s.state_slot.expect("a slot for every sequence") as usize;
             if seen.contains(&slot) {
-                return Err(EngineError::Backend(format!("slot {slot} twice in a step")));
+                let slots = self.num_state_slots();
+                let slot = s.state_slot;
+                return Err(StateError::NotOwn { seq, slot, slots }.into());
             }
             seen.push(slot);
             let state = &mut self.slots[slot];
@@ -571,11 +574,10 @@ impl Backend for Recurrent {
                 state.clear();
             }
             if state.len() != s.start_pos {
-                return Err(EngineError::Backend(format!(
-                    "slot {slot} holds {} tokens, continued at {}",
-                    state.len(),
-                    s.start_pos
-                )));
+                return Err(BackendError::Invariant(
+                    "a state slot continued at a position other than its length",
+                )
+                .into());
             }
             state.extend_from_slice(s.tokens);
             if s.want_logits {

@@ -16,6 +16,7 @@ use super::masks::MaskThread;
 use super::request::{EngineConfig, EngineInfo, FinishReason, Progress, SeqEvent, SeqId};
 use super::scheduler::{Entry, Lend, Limits, Place, Plan, Scheduler, SeqState, Transfer};
 use super::stats::{prefill_part_us, EngineStats};
+use crate::backend::error::{KvCopyError, StateError};
 use crate::backend::{Backend, ForwardBatch, MaskSlot, SampleSpec, SeqInput};
 use crate::error::{EngineError, Result};
 use crate::guided::{mask_words, Guided};
@@ -399,9 +400,7 @@ impl Engine {
             Some(slot) => {
                 let written = match &l.state {
                     Some(state) => self.backend.write_state(slot, state),
-                    None => Err(EngineError::Backend(
-                        "the prefill worker sent no recurrent state".into(),
-                    )),
+                    None => Err(StateError::NotSent.into()),
                 };
                 if let Err(err) = &written {
                     tracing::warn!(
@@ -476,9 +475,7 @@ impl Engine {
         let (pool, blocks) = match &self.pool {
             Some(p) => (p.clone(), e.seq.blocks.clone()),
             None => {
-                let spec = self.backend.kv_spec().ok_or_else(|| {
-                    EngineError::Backend("the backend has no KV layout to stage".into())
-                })?;
+                let spec = self.backend.kv_spec().ok_or(KvCopyError::NoLayout)?;
                 let stage = Arc::new(HostKvPool::new(spec, e.seq.blocks.len())?);
                 let local = mirror(e.seq.blocks.len());
                 if !stage_fill.is_empty() {

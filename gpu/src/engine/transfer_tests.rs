@@ -8,9 +8,10 @@ use std::time::{Duration, Instant};
 use std::sync::Arc;
 
 use super::*;
+use crate::backend::error::BackendError;
 use crate::backend::sim::{SimBackend, SimTiming};
 use crate::backend::{Backend, ForwardBatch};
-use crate::error::{EngineError, Result};
+use crate::error::Result;
 use crate::kv_cache::BlockId;
 use crate::kv_pool::{HostKvPool, KvDtype, KvKind, KvSpec};
 use crate::sampler::{Sampled, SamplingParams};
@@ -368,9 +369,10 @@ impl Backend for Staged {
                     for pos in 0..s.start_pos {
                         let v = Self::slot(&self.pool, s.block_table, pos, layer, kind);
                         if v.iter().any(|&x| x != Self::pattern(pos, layer, kind)) {
-                            return Err(EngineError::Backend(format!(
-                                "position {pos} layer {layer} holds the wrong KV"
-                            )));
+                            return Err(BackendError::Invariant(
+                                "a position before the step holds the wrong KV",
+                            )
+                            .into());
                         }
                     }
                     for pos in s.start_pos..s.start_pos + s.tokens.len() {

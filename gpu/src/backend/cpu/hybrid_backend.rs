@@ -27,6 +27,7 @@ use rayon::prelude::*;
 use super::hybrid::{add, mlp, HybridModel, Mixer, StateLayout};
 use super::hybrid_layers::attend;
 use super::ops;
+use crate::backend::error::{BatchError, StateError};
 use crate::backend::{Backend, ForwardBatch, KvBudget};
 use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
@@ -190,9 +191,7 @@ impl HybridBackend {
         let n = self.layout.floats_per_slot();
         let s = slot as usize;
         if s >= total {
-            return Err(EngineError::Backend(format!(
-                "state slot {slot} is not in the pool of {total}"
-            )));
+            return Err(StateError::OutOfPool { slot: s, total }.into());
         }
         Ok(&mut self.states[s * n..(s + 1) * n])
     }
@@ -211,10 +210,12 @@ impl HybridBackend {
             match slot {
                 Some(x) if !seen[x] => seen[x] = true,
                 _ => {
-                    return Err(EngineError::Backend(format!(
-                        "sequence {si} of the step holds no state slot of its own ({:?} of {})",
-                        s.state_slot, self.num_slots
-                    )))
+                    return Err(StateError::NotOwn {
+                        seq: si,
+                        slot: s.state_slot,
+                        slots: self.num_slots,
+                    }
+                    .into())
                 }
             }
             // Raw slot access in `run` relies on every block being in the pool.
@@ -226,9 +227,10 @@ impl HybridBackend {
                     )));
                 }
                 let pos = s.start_pos + j;
-                let block = s.block_table.get(pos / bs).ok_or_else(|| {
-                    EngineError::Backend(format!("no block for position {pos} of sequence {si}"))
-                })?;
+                let block = s
+                    .block_table
+                    .get(pos / bs)
+                    .ok_or(BatchError::NoBlockForPosition { seq: si, pos })?;
                 tokens.push((si, pos, block.0 as usize * bs + pos % bs));
             }
         }
@@ -381,11 +383,11 @@ impl Backend for HybridBackend {
     fn write_state(&mut self, slot: u32, state: &[f32]) -> Result<()> {
         let dst = self.state_of(slot)?;
         if state.len() != dst.len() {
-            return Err(EngineError::Backend(format!(
-                "a recurrent state of {} values does not fit this model's slots of {}",
-                state.len(),
-                dst.len()
-            )));
+            return Err(StateError::Size {
+                values: state.len(),
+                slot_len: dst.len(),
+            }
+            .into());
         }
         dst.copy_from_slice(state);
         Ok(())
@@ -395,10 +397,8 @@ impl Backend for HybridBackend {
         let total = self.num_slots + self.num_snapshots;
         let (from, to) = (from as usize, to as usize);
         if from >= total || to >= total {
-            return Err(EngineError::Backend(format!(
-                "state slot {} is not in the pool of {total}",
-                from.max(to)
-            )));
+            let slot = from.max(to);
+            return Err(StateError::OutOfPool { slot, total }.into());
         }
         if from != to {
             let n = self.layout.floats_per_slot();

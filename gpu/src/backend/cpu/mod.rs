@@ -342,9 +342,10 @@ impl CpuBackend {
                     )));
                 }
                 let pos = s.start_pos + j;
-                let block = s.block_table.get(pos / bs).ok_or_else(|| {
-                    EngineError::Backend(format!("no block for position {pos} of sequence {si}"))
-                })?;
+                let block = s
+                    .block_table
+                    .get(pos / bs)
+                    .ok_or(super::error::BatchError::NoBlockForPosition { seq: si, pos })?;
                 slots.push(TokenSlot {
                     seq: si,
                     pos,

@@ -2,6 +2,7 @@
 //! kernels index by. Kept free of any CUDA type so the layout (the part that is easy to get
 //! subtly wrong and silently corrupts the KV cache) is tested on machines without a GPU.
 
+use crate::backend::error::BatchError;
 use crate::backend::ForwardBatch;
 use crate::error::{EngineError, Result};
 
@@ -54,12 +55,8 @@ impl BatchLayout {
     }
 }
 
-fn to_i32(v: usize, what: &str) -> Result<i32> {
-    i32::try_from(v).map_err(|_| {
-        EngineError::Backend(format!(
-            "{what} {v} does not fit the 32-bit indices the CUDA kernels use; use fewer KV blocks"
-        ))
-    })
+fn to_i32(v: usize, what: &'static str) -> Result<i32> {
+    i32::try_from(v).map_err(|_| BatchError::Over32Bits { what, value: v }.into())
 }
 
 /// Flattens `batch`. `num_blocks` and `vocab_size` bound the ids so that a bad block table
@@ -71,7 +68,7 @@ pub fn build(
     vocab_size: usize,
 ) -> Result<BatchLayout> {
     if block_size == 0 {
-        return Err(EngineError::Backend("block size is 0".into()));
+        return Err(BatchError::ZeroBlockSize.into());
     }
     let t = batch.num_tokens();
     let n = batch.seqs.len();
@@ -95,18 +92,22 @@ pub fn build(
         let len = s.start_pos + s.tokens.len();
         let nb = len.div_ceil(block_size);
         if s.block_table.len() < nb {
-            return Err(EngineError::Backend(format!(
-                "sequence {si} has {} blocks for {len} positions (block size {block_size}); \
-                 the scheduler must allocate blocks before the step",
-                s.block_table.len()
-            )));
+            return Err(BatchError::TooFewBlocks {
+                seq: si,
+                blocks: s.block_table.len(),
+                positions: len,
+                block_size,
+            }
+            .into());
         }
         for b in &s.block_table[..nb] {
             if b.0 as usize >= num_blocks {
-                return Err(EngineError::Backend(format!(
-                    "sequence {si} uses block {} but the pool has {num_blocks} blocks",
-                    b.0
-                )));
+                return Err(BatchError::BlockOutsidePool {
+                    seq: si,
+                    block: b.0,
+                    num_blocks,
+                }
+                .into());
             }
         }
         needed.push(nb);
@@ -142,9 +143,7 @@ pub fn build(
         }
         if s.want_logits {
             if s.tokens.is_empty() {
-                return Err(EngineError::Backend(format!(
-                    "sequence {si} wants logits but runs no tokens"
-                )));
+                return Err(BatchError::LogitsWithoutTokens { seq: si }.into());
             }
             l.logits_rows.push(l.token_ids.len() as i32 - 1);
         }

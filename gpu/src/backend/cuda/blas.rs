@@ -6,6 +6,7 @@ use std::ffi::c_void;
 use cudarc::cublas::{result as blas_result, sys as blas_sys, CudaBlas};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 
+use crate::backend::error::LaunchError;
 use crate::error::{EngineError, Result};
 
 /// `y[m, n] = x[m, k] · W[n, k]ᵀ`, everything row-major, x and W bf16, y f32, accumulated in
@@ -43,10 +44,16 @@ pub fn gemm_bf16_f32_cols(
     (m, n, k): (usize, usize, usize),
     (ld, col0): (usize, usize),
 ) -> Result<()> {
-    let short = |what: &str, len: usize, need: usize| {
-        EngineError::Backend(format!(
-            "cuBLAS GEMM ({m}x{k} by {n}x{k}): `{what}` holds {len} elements, needs {need}"
-        ))
+    let short = |what: &'static str, len: usize, need: usize| -> EngineError {
+        LaunchError::GemmShort {
+            m,
+            n,
+            k,
+            what,
+            len,
+            need,
+        }
+        .into()
     };
     let y_need = if m == 0 { 0 } else { (m - 1) * ld + col0 + n };
     for (what, len, need) in [
@@ -59,10 +66,7 @@ pub fn gemm_bf16_f32_cols(
         }
     }
     if col0 + n > ld {
-        return Err(EngineError::Backend(format!(
-            "cuBLAS GEMM ({m}x{k} by {n}x{k}): columns {col0}..{} do not fit rows of {ld}",
-            col0 + n
-        )));
+        return Err(LaunchError::GemmColumns { m, n, k, col0, ld }.into());
     }
     let (mi, ni, ki, ldc) = (
         i32::try_from(m).map_err(|_| too_big("m"))?,
@@ -106,8 +110,6 @@ pub fn gemm_bf16_f32_cols(
     .map_err(|e| EngineError::device(format!("cuBLAS GEMM ({m}x{k} by {n}x{k})"), e))
 }
 
-fn too_big(what: &str) -> EngineError {
-    EngineError::Backend(format!(
-        "GEMM dimension {what} exceeds the 32-bit range cuBLAS takes"
-    ))
+fn too_big(what: &'static str) -> EngineError {
+    LaunchError::GemmOver32Bits { what }.into()
 }

@@ -15,8 +15,9 @@ use super::kv::KvCache;
 use super::shapes;
 use super::weights::{DevLayer, DevWeights, Linear};
 use super::CudaBackend;
+use crate::backend::error::BackendError;
 use crate::config::ModelConfig;
-use crate::error::{EngineError, Result};
+use crate::error::Result;
 
 impl CudaBackend {
     /// Enqueues the whole forward pass for a step whose inputs are in `inp` (device arrays
@@ -40,7 +41,7 @@ impl CudaBackend {
         } = self;
         let ws = ws
             .as_mut()
-            .ok_or_else(|| EngineError::Backend("workspace missing".into()))?;
+            .ok_or(BackendError::Invariant("workspace missing"))?;
         let pass = Pass {
             cfg,
             s: stream,
@@ -86,7 +87,7 @@ impl CudaBackend {
         }
         let ls = ls
             .as_mut()
-            .ok_or_else(|| EngineError::Backend("logits space missing".into()))?;
+            .ok_or(BackendError::Invariant("logits space missing"))?;
         pass.logits(ws, ls)?;
         Ok(dims.logits)
     }
@@ -172,9 +173,10 @@ impl Pass<'_> {
             (Some(q_w), Some(k_w)) => Some((q_w, k_w, cfg.rms_norm_eps)),
             (None, None) => None,
             _ => {
-                return Err(EngineError::Backend(
-                    "a layer with a q norm and no k norm, or the other way round".into(),
-                ))
+                return Err(BackendError::Invariant(
+                    "a layer with a q norm and no k norm, or the other way round",
+                )
+                .into())
             }
         };
         RopeKvWrite {

@@ -18,9 +18,10 @@ use std::sync::Arc;
 use cudarc::driver::{CudaSlice, CudaStream};
 
 use super::device::upload_err;
+use crate::backend::error::Fp8Refusal;
 use crate::checkpoint::{Checkpoint, Stack};
 use crate::config::{ActivationScheme, ModelConfig, Scheme, WeightScale, FP8_BLOCK};
-use crate::error::{EngineError, Result};
+use crate::error::Result;
 use crate::safetensors::{TensorData, WeightStore};
 
 /// The oldest compute capability with FP8 tensor cores (Ada, 8.9).
@@ -44,23 +45,19 @@ pub enum ScaleKind {
 }
 
 impl ScaleKind {
-    /// The device kind of a scheme this path runs, or why it does not run it.
-    pub fn of(s: &Scheme) -> std::result::Result<ScaleKind, String> {
+    /// The device kind of a scheme this path runs; `None` for one it does not run
+    /// (`Fp8Refusal::Scheme` says which it runs).
+    pub fn of(s: &Scheme) -> Option<ScaleKind> {
         match (s.weights, s.activations) {
             (WeightScale::Block { rows, cols }, ActivationScheme::DynamicTokenGroup(g))
                 if rows == FP8_BLOCK && cols == FP8_BLOCK && g == FP8_BLOCK =>
             {
-                Ok(ScaleKind::Block)
+                Some(ScaleKind::Block)
             }
             (WeightScale::Channel | WeightScale::Tensor, ActivationScheme::DynamicToken) => {
-                Ok(ScaleKind::Row)
+                Some(ScaleKind::Row)
             }
-            _ => Err(format!(
-                "{}: the CUDA backend's FP8 GEMMs run 128x128 block scales with dynamic \
-                 per-token-group (128) activations, and per-channel or per-tensor weight \
-                 scales with dynamic per-token activations",
-                s.describe()
-            )),
+            _ => None,
         }
     }
 }
@@ -210,7 +207,10 @@ fn read_stack(
     for (name, out) in &s.parts {
         let part = match q.and_then(|q| q.scheme_of(name)) {
             Some(scheme) => {
-                let kind = ScaleKind::of(&scheme).map_err(|why| refusal(name, &why))?;
+                let kind = ScaleKind::of(&scheme).ok_or_else(|| Fp8Refusal::Scheme {
+                    module: name.clone(),
+                    scheme: scheme.describe(),
+                })?;
                 HostPart::Fp8 {
                     kind,
                     w: crate::quant::stored_fp8(store, name, *out, s.inp)?.to_vec(),
@@ -292,12 +292,6 @@ pub fn upload_stack(
     })
 }
 
-fn refusal(module: &str, why: &str) -> EngineError {
-    EngineError::Backend(format!(
-        "FP8 layer {module} is not run by the CUDA backend ({why}); run with --device cpu"
-    ))
-}
-
 /// What the FP8 path refuses from the config alone, before the device is touched: a hybrid
 /// model, a quantized output head, a scheme it has no GEMM for, a layer whose sides are not
 /// multiples of 16 (16-byte rows for the decode kernels; cuBLASLt's FP8 operands need
@@ -307,28 +301,21 @@ pub fn refuse_schemes(cfg: &ModelConfig) -> Result<()> {
         return Ok(());
     };
     if cfg.hybrid.is_some() {
-        return Err(EngineError::Backend(format!(
-            "FP8 weights ({}) on a hybrid (Qwen3.5) model are not run by the CUDA backend; \
-             run with --device cpu",
-            q.summary()
-        )));
+        return Err(Fp8Refusal::Hybrid { quant: q.summary() }.into());
     }
     for (module, out, inp) in cfg.linear_layers() {
         let Some(scheme) = q.scheme_of(&module) else {
             continue;
         };
         if module == "lm_head" {
-            return Err(refusal(
-                &module,
-                "an FP8 output head: the logits products are bf16",
-            ));
+            return Err(Fp8Refusal::OutputHead { module }.into());
         }
-        ScaleKind::of(&scheme).map_err(|why| refusal(&module, &why))?;
+        if ScaleKind::of(&scheme).is_none() {
+            let scheme = scheme.describe();
+            return Err(Fp8Refusal::Scheme { module, scheme }.into());
+        }
         if !out.is_multiple_of(16) || !inp.is_multiple_of(16) {
-            return Err(refusal(
-                &module,
-                &format!("[{out}, {inp}]: FP8 GEMMs take sides that are multiples of 16"),
-            ));
+            return Err(Fp8Refusal::Sides { module, out, inp }.into());
         }
     }
     Ok(())
@@ -342,37 +329,33 @@ pub fn refuse_device(cfg: &ModelConfig, cc: (i32, i32), lt_version: usize) -> Re
         return Ok(());
     };
     let (major, minor) = cc;
+    let quant = q.summary();
     if cc < FP8_MIN_CAPABILITY {
-        return Err(EngineError::Backend(format!(
-            "FP8 weights ({}) need FP8 tensor cores (compute capability 8.9 or newer); this \
-             GPU has {major}.{minor}; run with --device cpu",
-            q.summary()
-        )));
+        return Err(Fp8Refusal::Capability {
+            quant,
+            major,
+            minor,
+        }
+        .into());
     }
     // Every scheme this path runs uses block or outer-vector scales (`ScaleKind`), which
     // cuBLASLt takes on sm_90 only.
     if major != 9 {
-        return Err(EngineError::Backend(format!(
-            "FP8 weights ({}): cuBLASLt runs FP8 GEMMs with 128x128 block and per-row \
-             (outer-vector) scales on compute capability 9.0 (Hopper) only; this GPU has \
-             {major}.{minor}; run with --device cpu",
-            q.summary()
-        )));
+        return Err(Fp8Refusal::OffHopper {
+            quant,
+            major,
+            minor,
+        }
+        .into());
     }
     if lt_version < LT_MIN_VERSION {
-        return Err(EngineError::Backend(format!(
-            "FP8 weights ({}): cuBLASLt {} is loaded; FP8 GEMMs with block and per-row scales \
-             need cuBLASLt 12.9 or newer (CUDA 12.9); update the CUDA libraries",
-            q.summary(),
-            show_version(lt_version)
-        )));
+        return Err(Fp8Refusal::OldCublasLt {
+            quant,
+            version: lt_version,
+        }
+        .into());
     }
     Ok(())
-}
-
-/// `120900` as `12.9.0`.
-fn show_version(v: usize) -> String {
-    format!("{}.{}.{}", v / 10_000, v / 100 % 100, v % 100)
 }
 
 /// Device bytes of the model's weights when the quantized layers stay FP8 (see
@@ -392,7 +375,7 @@ pub fn weight_bytes(cfg: &ModelConfig) -> usize {
         };
         saved += out * inp;
         scales += 4 * match ScaleKind::of(&scheme) {
-            Ok(ScaleKind::Block) => out.div_ceil(FP8_BLOCK) * block_stride(inp),
+            Some(ScaleKind::Block) => out.div_ceil(FP8_BLOCK) * block_stride(inp),
             _ => out,
         };
     }
@@ -421,6 +404,16 @@ pub fn widest(cfg: &ModelConfig) -> (usize, usize) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::backend::error::BackendError;
+    use crate::error::EngineError;
+
+    /// The FP8 refusal in `r`, by variant.
+    fn refusal(r: Result<()>) -> Fp8Refusal {
+        match r {
+            Err(EngineError::Backend(BackendError::Fp8(e))) => e,
+            other => panic!("not an FP8 refusal: {other:?}"),
+        }
+    }
 
     fn qwen3_8b(quant: Option<serde_json::Value>) -> ModelConfig {
         let mut v = crate::init::preset(None, "qwen3-8b").unwrap().to_hf_json();
@@ -468,9 +461,19 @@ mod tests {
     #[test]
     fn a_gpu_without_fp8_tensor_cores_is_refused_with_its_capability() {
         let cfg = qwen3_8b(Some(block()));
-        let e = refuse_device(&cfg, (8, 6), 130_000)
-            .unwrap_err()
-            .to_string();
+        let e = refusal(refuse_device(&cfg, (8, 6), 130_000));
+        assert!(
+            matches!(
+                e,
+                Fp8Refusal::Capability {
+                    major: 8,
+                    minor: 6,
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        let e = e.to_string();
         assert!(
             e.contains("compute capability 8.9") && e.contains("this GPU has 8.6"),
             "{e}"
@@ -482,7 +485,9 @@ mod tests {
         for q in [block(), ct("channel", token_acts())] {
             let cfg = qwen3_8b(Some(q));
             for cc in [(8, 9), (10, 0), (12, 0)] {
-                let e = refuse_device(&cfg, cc, 130_000).unwrap_err().to_string();
+                let e = refusal(refuse_device(&cfg, cc, 130_000));
+                assert!(matches!(e, Fp8Refusal::OffHopper { .. }), "{e}");
+                let e = e.to_string();
                 assert!(
                     e.contains("compute capability 9.0 (Hopper) only")
                         && e.contains(&format!("this GPU has {}.{}", cc.0, cc.1)),
@@ -495,9 +500,18 @@ mod tests {
     #[test]
     fn a_cublaslt_before_12_9_is_refused_with_its_version() {
         let cfg = qwen3_8b(Some(block()));
-        let e = refuse_device(&cfg, (9, 0), 120_801)
-            .unwrap_err()
-            .to_string();
+        let e = refusal(refuse_device(&cfg, (9, 0), 120_801));
+        assert!(
+            matches!(
+                e,
+                Fp8Refusal::OldCublasLt {
+                    version: 120_801,
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        let e = e.to_string();
         assert!(
             e.contains("cuBLASLt 12.8.1 is loaded") && e.contains("12.9 or newer"),
             "{e}"
@@ -516,7 +530,9 @@ mod tests {
             (serde_json::Value::Null, "unquantized activations"),
         ] {
             let cfg = qwen3_8b(Some(ct("channel", acts)));
-            let e = refuse_schemes(&cfg).unwrap_err().to_string();
+            let e = refusal(refuse_schemes(&cfg));
+            assert!(matches!(e, Fp8Refusal::Scheme { .. }), "{e}");
+            let e = e.to_string();
             assert!(
                 e.contains("model.layers.0.self_attn.q_proj") && e.contains(said),
                 "{e}"
@@ -531,7 +547,12 @@ mod tests {
             "activation_scheme": "dynamic", "weight_block_size": [128, 128],
             "modules_to_not_convert": []});
         let cfg = ModelConfig::from_json(&v.to_string()).unwrap();
-        let e = refuse_schemes(&cfg).unwrap_err().to_string();
+        let e = refusal(refuse_schemes(&cfg));
+        assert!(
+            matches!(&e, Fp8Refusal::OutputHead { module } if module == "lm_head"),
+            "{e}"
+        );
+        let e = e.to_string();
         assert!(e.contains("lm_head") && e.contains("output head"), "{e}");
     }
 

@@ -12,6 +12,7 @@ use super::device::drv;
 use super::fp8::{pad_block_scales, Fp8Linear, Part, PartWeights, ScaleKind};
 use super::fp8_gemm::{Fp8Ctx, Fp8Products, Quantize};
 use super::kernels::Kernels;
+use crate::backend::error::Fp8Refusal;
 use crate::error::{EngineError, Result};
 
 fn device(ordinal: usize) -> Result<(Arc<CudaStream>, Kernels)> {
@@ -73,9 +74,7 @@ pub fn fp8_product(
         gemv_max_rows: if gemv { m } else { 0 },
     };
     if gemv != p.gemv(m) {
-        return Err(EngineError::Backend(format!(
-            "no fp8_gemv kernel for {m} rows"
-        )));
+        return Err(Fp8Refusal::NoGemv { rows: m }.into());
     }
     p.linear(&l, m, &xd, &mut y)?;
     s.clone_dtoh(&y).map_err(|e| drv("download", e))

@@ -21,6 +21,7 @@ use super::fp8::{Fp8Linear, PartWeights, ScaleKind};
 use super::kernels::{failed, holds, Kernels};
 use super::launch::{Launch, Null};
 use super::shapes::{self, grid, KernelShape};
+use crate::backend::error::{Fp8Refusal, LaunchError};
 use crate::config::{ModelConfig, FP8_BLOCK};
 use crate::error::{EngineError, Result};
 
@@ -132,9 +133,7 @@ impl Fp8Ctx {
     pub fn lt_version() -> Result<usize> {
         // SAFETY: only checks that the library can be opened.
         if !unsafe { lt_sys::is_culib_present() } {
-            return Err(EngineError::Backend(
-                "FP8 weights need cuBLASLt (libcublasLt), which could not be loaded".into(),
-            ));
+            return Err(Fp8Refusal::NoCublasLt.into());
         }
         // SAFETY: takes no arguments and reads a constant of the library.
         Ok(unsafe { lt_sys::cublasLtGetVersion() })
@@ -213,10 +212,11 @@ impl Fp8Products<'_> {
                 PartWeights::Fp8 { w, kind, scales } => {
                     let mut sc = self.ctx.scratch.borrow_mut();
                     if sc.tokens < m {
-                        return Err(EngineError::Backend(format!(
-                            "FP8 scratch holds {} tokens, the step has {m}",
-                            sc.tokens
-                        )));
+                        return Err(LaunchError::Fp8Scratch {
+                            tokens: sc.tokens,
+                            rows: m,
+                        }
+                        .into());
                     }
                     let Scratch { q, qs, d, .. } = &mut *sc;
                     if quantized != Some(*kind) {
@@ -264,9 +264,8 @@ struct Cols {
     ld: usize,
 }
 
-fn i32_of(what: &str, v: usize) -> Result<i32> {
-    i32::try_from(v)
-        .map_err(|_| EngineError::Backend(format!("FP8 product: {what} {v} exceeds i32")))
+fn i32_of(what: &'static str, v: usize) -> Result<i32> {
+    i32::try_from(v).map_err(|_| LaunchError::Fp8Over32Bits { what, value: v }.into())
 }
 
 /// One FP8 GEMM through cuBLASLt: `d[m, n] = (q[m, k] · W[n, k]ᵀ)` with both operands' scales
@@ -520,15 +519,17 @@ impl Gemv<'_> {
         };
         let (rows, n, k, c) = (self.rows, self.cols.rows, self.k, self.cols);
         let Some(i) = family.iter().position(|(most, _)| rows <= *most) else {
-            return Err(EngineError::Backend(format!(
-                "fp8_gemv: no kernel for {rows} rows"
-            )));
+            return Err(Fp8Refusal::NoGemv { rows }.into());
         };
         let name = family[i].1.name;
         if rows == 0 || n == 0 || !k.is_multiple_of(16) {
-            return Err(EngineError::Backend(format!(
-                "{name}: {rows} rows of {k} by {n} outputs (k must be a multiple of 16)"
-            )));
+            return Err(LaunchError::Fp8Gemv {
+                kernel: name,
+                rows,
+                k,
+                n,
+            }
+            .into());
         }
         holds(name, "x", self.x.len(), rows * k)?;
         holds(name, "w", self.w.len(), n * k)?;
@@ -595,9 +596,7 @@ impl Quantize<'_> {
         let name = shapes::FP8_QUANT.name;
         let (rows, k) = (self.rows, self.k);
         if !k.is_multiple_of(16) {
-            return Err(EngineError::Backend(format!(
-                "{name}: rows of {k} (a multiple of 16 is needed)"
-            )));
+            return Err(LaunchError::Fp8QuantRows { kernel: name, k }.into());
         }
         holds(name, "x", self.x.len(), rows * k)?;
         holds(name, "q", self.q.len(), rows * k)?;

@@ -8,6 +8,7 @@ use super::blas::gemm_bf16_f32;
 use super::fp8_gemm::{Fp8Ctx, Fp8Products};
 use super::kernels::{AddRmsNorm, BiasAdd, Kernels, SiluMul, SkinnyGemm, SkinnyIn, SkinnyOut};
 use super::weights::{DevLinear, Linear};
+use crate::backend::error::{BackendError, LaunchError};
 use crate::error::{EngineError, Result};
 
 /// Where a forward pass's products run: the skinny kernels for products of at most
@@ -85,9 +86,9 @@ impl Products<'_> {
 
     /// The FP8 products, with products of up to `skinny_max_rows` rows by `fp8_gemv_*`.
     fn fp8(&self) -> Result<Fp8Products<'_>> {
-        let ctx = self
-            .fp8
-            .ok_or_else(|| EngineError::Backend("an FP8 product without cuBLASLt set up".into()))?;
+        let ctx = self.fp8.ok_or(BackendError::Invariant(
+            "an FP8 product without cuBLASLt set up",
+        ))?;
         Ok(Fp8Products {
             blas: self.blas,
             s: self.s,
@@ -206,9 +207,7 @@ impl Products<'_> {
         act: &mut CudaSlice<u16>,
     ) -> Result<()> {
         if gate_up.bias.is_some() || !gate_up.out.is_multiple_of(2) {
-            return Err(EngineError::Backend(
-                "a gate/up projection with a bias, or of an odd width, has no fused kernel".into(),
-            ));
+            return Err(LaunchError::NoFusedGateUp.into());
         }
         SkinnyGemm {
             x: input,

@@ -16,8 +16,9 @@ use cudarc::driver::{CudaContext, CudaGraph, CudaStream};
 use super::batch::{self, BatchLayout};
 use super::buffers::{StepDims, StepInputs};
 use super::device::drv;
+use crate::backend::error::BackendError;
 use crate::config::ModelConfig;
-use crate::error::{EngineError, Result};
+use crate::error::Result;
 
 /// `CudaGraph` holds raw driver handles and so is not `Send`. The backend must be `Send`
 /// (the engine moves it to its own thread) and touches a graph only through `&mut self`,
@@ -92,7 +93,8 @@ pub fn capture(
                 .end_capture(CUgraphInstantiate_flags(0))
                 .map_err(|e| drv("graph capture", e));
             r.and(end).and_then(|graph| {
-                graph.ok_or_else(|| EngineError::Backend("graph capture recorded nothing".into()))
+                graph
+                    .ok_or_else(|| BackendError::Invariant("graph capture recorded nothing").into())
             })
         }
     };

@@ -17,8 +17,9 @@ use cudarc::driver::sys;
 use cudarc::driver::CudaContext;
 
 use super::device::drv;
+use crate::backend::error::GreenContextError;
 use crate::backend::sm_split::{ResolvedSplit, SmFigures, SmPartition, SmSide, SmSplit};
-use crate::error::{EngineError, Result};
+use crate::error::Result;
 
 /// Green contexts came with CUDA 12.4 (driver version 12040).
 const GREEN_MIN_DRIVER: i32 = 12040;
@@ -83,12 +84,7 @@ impl Split {
             .result()
             .map_err(|e| drv("driver version query", e))?;
         if version < GREEN_MIN_DRIVER {
-            return Err(EngineError::Backend(format!(
-                "--sm-split needs green contexts, which came with CUDA 12.4; this driver \
-                 supports CUDA {}.{}: update the NVIDIA driver, or leave --sm-split out",
-                version / 1000,
-                version % 1000 / 10
-            )));
+            return Err(GreenContextError::OldDriver { driver: version }.into());
         }
         let (all, dev) = device_sms(&primary)?;
         let r = split.resolve(figures(&all))?;
@@ -119,11 +115,14 @@ impl Split {
             )
         };
         if groups != 1 || got.0 != want {
-            return Err(EngineError::Backend(format!(
-                "--sm-split {split}: asked the driver for a group of {want} SMs and got {} \
-                 group(s) of {} SMs ({} left); refusing a split other than the one asked for",
-                groups, got.0, got.1
-            )));
+            return Err(GreenContextError::Mismatch {
+                split,
+                want,
+                groups,
+                got: got.0,
+                left: got.1,
+            }
+            .into());
         }
         let cut = green_context(ordinal, dev, group)?;
         let other = green_context(ordinal, dev, rest)?;

@@ -23,6 +23,7 @@ use super::kv::KvCache;
 use super::load::MemoryPlan;
 use super::sampling;
 use crate::backend::cpu::{HybridBackend, StateBudget, StateLayout};
+use crate::backend::error::StateError;
 use crate::backend::{Backend, CudaOptions, ForwardBatch, KvBudget, SampleSpec};
 use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
@@ -161,9 +162,7 @@ impl CudaHybridBackend {
         let n = self.layout.floats_per_slot();
         let s = slot as usize;
         if s >= total {
-            return Err(EngineError::Backend(format!(
-                "state slot {slot} is not in the pool of {total}"
-            )));
+            return Err(StateError::OutOfPool { slot: s, total }.into());
         }
         Ok(s * n..(s + 1) * n)
     }
@@ -179,10 +178,12 @@ impl CudaHybridBackend {
             {
                 Some(x) if !seen[x] => seen[x] = true,
                 _ => {
-                    return Err(EngineError::Backend(format!(
-                        "sequence {si} of the step holds no state slot of its own ({:?} of {})",
-                        s.state_slot, self.num_slots
-                    )))
+                    return Err(StateError::NotOwn {
+                        seq: si,
+                        slot: s.state_slot,
+                        slots: self.num_slots,
+                    }
+                    .into())
                 }
             }
         }
@@ -226,11 +227,11 @@ impl Backend for CudaHybridBackend {
     fn write_state(&mut self, slot: u32, state: &[f32]) -> Result<()> {
         let r = self.slot_range(slot)?;
         if state.len() != r.len() {
-            return Err(EngineError::Backend(format!(
-                "a recurrent state of {} values does not fit this model's slots of {}",
-                state.len(),
-                r.len()
-            )));
+            return Err(StateError::Size {
+                values: state.len(),
+                slot_len: r.len(),
+            }
+            .into());
         }
         let mut dst = self.states.slice_mut(r);
         self.stream

@@ -18,9 +18,10 @@ use super::kernels::{
 };
 use super::launch::Launch;
 use super::shapes::{self, grid};
+use crate::backend::error::{BackendError, LaunchError};
 use crate::backend::ForwardBatch;
 use crate::config::ModelConfig;
-use crate::error::{EngineError, Result};
+use crate::error::Result;
 
 impl CudaHybridBackend {
     /// Runs the step up to the logits, left in `self.ls.logits` (rows in batch order), and
@@ -123,7 +124,7 @@ impl CudaHybridBackend {
         } = self;
         let sp = space
             .as_mut()
-            .ok_or_else(|| EngineError::Backend("activations missing".into()))?;
+            .ok_or(BackendError::Invariant("activations missing"))?;
         let s = &**stream;
         let pass = Pass {
             cfg,
@@ -189,7 +190,7 @@ impl CudaHybridBackend {
         }
         let ls = ls
             .as_mut()
-            .ok_or_else(|| EngineError::Backend("logits space missing".into()))?;
+            .ok_or(BackendError::Invariant("logits space missing"))?;
         GatherRows {
             src: &sp.xn,
             rows: &inp.logits_rows,
@@ -243,7 +244,7 @@ impl Pass<'_> {
             out_proj,
         } = mixer
         else {
-            return Err(EngineError::Backend("not a Gated DeltaNet layer".into()));
+            return Err(BackendError::Invariant("not a Gated DeltaNet layer").into());
         };
         let t = self.dims.tokens;
         self.mm.linear(in_proj, t, &sp.xn, &mut sp.proj)?;
@@ -286,7 +287,7 @@ impl Pass<'_> {
             o_proj,
         } = mixer
         else {
-            return Err(EngineError::Backend("not an attention layer".into()));
+            return Err(BackendError::Invariant("not an attention layer").into());
         };
         let (cfg, t) = (self.cfg, self.dims.tokens);
         self.mm.linear(qkv, t, &sp.xn, &mut sp.proj)?;
@@ -394,10 +395,12 @@ impl GatedRopeKvWrite<'_> {
         let row = 2 * h.q * h.dim + 2 * h.kv * h.dim;
         let qd = h.q * h.dim;
         if self.rot > h.dim || !self.rot.is_multiple_of(2) {
-            return Err(EngineError::Backend(format!(
-                "{n}: a rotary dimension of {} in heads of {}",
-                self.rot, h.dim
-            )));
+            return Err(LaunchError::Rotary {
+                kernel: n,
+                rot: self.rot,
+                dim: h.dim,
+            }
+            .into());
         }
         holds(n, "proj", self.proj.len(), self.tokens * row)?;
         holds(n, "positions", self.inputs.positions.len(), self.tokens)?;

@@ -20,6 +20,7 @@ use super::device::drv;
 use super::launch::{Launch, Null};
 use super::ptx_cache;
 use super::shapes::{self, grid, KernelShape};
+use crate::backend::error::{LaunchError, ToolchainError};
 use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
 
@@ -84,10 +85,13 @@ impl Kernels {
             .map_err(|e| drv("compute capability query", e))?;
         let (min_major, min_minor) = shapes::MIN_COMPUTE_CAPABILITY;
         if (major, minor) < (min_major, min_minor) {
-            return Err(EngineError::Backend(format!(
-                "the GPU has compute capability {major}.{minor}; the CUDA backend needs \
-                 {min_major}.{min_minor} or newer (its matrix products are bf16 GEMMs)"
-            )));
+            return Err(ToolchainError::Capability {
+                major,
+                minor,
+                need_major: min_major,
+                need_minor: min_minor,
+            }
+            .into());
         }
         let arch = ptx_cache::arch_for(major, minor);
         let ptx = ptx_cache::load_or_compile(KERNELS_CU, &arch)?;
@@ -95,13 +99,11 @@ impl Kernels {
         let module = ctx.load_module(Ptx::from_src(ptx)).map_err(|e| {
             if e.0 == CUresult::CUDA_ERROR_UNSUPPORTED_PTX_VERSION {
                 // A newer NVRTC than the driver: the PTX names an ISA the driver predates.
-                let nvrtc =
-                    ptx_cache::nvrtc_version().map_or("?".to_string(), |(a, b)| format!("{a}.{b}"));
-                EngineError::Backend(format!(
-                    "the NVIDIA driver cannot load PTX ISA {isa}, which NVRTC {nvrtc} produced: \
-                     update the driver, or use an NVRTC no newer than the driver's CUDA \
-                     version (nvidia-smi shows it)"
-                ))
+                ToolchainError::PtxIsa {
+                    isa,
+                    nvrtc: ptx_cache::nvrtc_version(),
+                }
+                .into()
             } else {
                 drv("loading the compiled kernels", e)
             }
@@ -188,11 +190,20 @@ pub(super) fn failed(kernel: &'static str) -> impl Fn(DriverError) -> EngineErro
 
 /// A buffer must hold what the launch's grid touches. A shortfall is a bug on the host side,
 /// reported here rather than left to read or write past the allocation on the device.
-pub(super) fn holds(kernel: &str, what: &str, len: usize, need: usize) -> Result<()> {
+pub(super) fn holds(
+    kernel: &'static str,
+    what: &'static str,
+    len: usize,
+    need: usize,
+) -> Result<()> {
     if len < need {
-        return Err(EngineError::Backend(format!(
-            "{kernel}: `{what}` holds {len} elements but the launch needs {need}"
-        )));
+        return Err(LaunchError::Short {
+            kernel,
+            what,
+            len,
+            need,
+        }
+        .into());
     }
     Ok(())
 }
@@ -265,9 +276,13 @@ impl SkinnyGemm<'_> {
             Self::takes(rows, k)
         };
         if !fits || n == 0 {
-            return Err(EngineError::Backend(format!(
-                "{name}: no skinny kernel for {rows} rows of {k} (by {n} outputs)"
-            )));
+            return Err(LaunchError::NoSkinny {
+                kernel: name,
+                rows,
+                k,
+                n,
+            }
+            .into());
         }
         let w_rows = if silu { 2 * n } else { n };
         holds(name, "w", self.w.len(), w_rows * k)?;
@@ -277,8 +292,9 @@ impl SkinnyGemm<'_> {
             .find(|((most, _), _)| rows <= *most)
             .map(|((_, shape), (_, func))| (shape, func))
             .expect("takes() checked rows against the largest kernel");
-        let too_big =
-            |what: &str| EngineError::Backend(format!("{name}: {what} exceeds the 32-bit range"));
+        let too_big = |what: &'static str| -> EngineError {
+            LaunchError::Over32Bits { kernel: name, what }.into()
+        };
         let (ri, ni, ki) = (
             i32::try_from(rows).map_err(|_| too_big("rows"))?,
             i32::try_from(n).map_err(|_| too_big("n"))?,
@@ -561,10 +577,13 @@ impl Attention<'_> {
         holds(n, "qkv", self.qkv.len(), dims.tokens * self.q_row)?;
         holds(n, "out", self.out.len(), dims.tokens * h.q * h.dim)?;
         if self.q_row < h.q * h.dim {
-            return Err(EngineError::Backend(format!(
-                "{n}: query rows of {} hold fewer than {} heads of {}",
-                self.q_row, h.q, h.dim
-            )));
+            return Err(LaunchError::QueryRows {
+                kernel: n,
+                q_row: self.q_row,
+                heads: h.q,
+                dim: h.dim,
+            }
+            .into());
         }
         holds(n, "positions", inp.positions.len(), dims.tokens)?;
         holds(n, "seq_starts", inp.seq_starts.len(), dims.seqs + 1)?;
@@ -782,12 +801,12 @@ impl ConstrainRows<'_> {
         holds(n, "has_mask", self.has_mask.len(), rows)?;
         holds(n, "bias_off", self.bias_off.len(), rows + 1)?;
         if self.words * 32 < self.vocab {
-            return Err(EngineError::Backend(format!(
-                "{n}: {} mask words cover {} tokens, fewer than the vocabulary's {}",
-                self.words,
-                self.words * 32,
-                self.vocab
-            )));
+            return Err(LaunchError::MaskWords {
+                kernel: n,
+                words: self.words,
+                vocab: self.vocab,
+            }
+            .into());
         }
         let (vocab, words) = (self.vocab as i32, self.words as i32);
         let mut b = Launch::new(s, &k.constrain_rows, k.pdl);

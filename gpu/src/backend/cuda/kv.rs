@@ -11,8 +11,9 @@ use std::sync::Arc;
 use cudarc::driver::{CudaSlice, CudaStream};
 
 use super::device::{drv, upload_err};
+use crate::backend::error::KvCopyError;
 use crate::config::ModelConfig;
-use crate::error::{EngineError, Result};
+use crate::error::Result;
 use crate::kv_cache::BlockId;
 use crate::kv_pool::{HostKvPool, KvDtype, KvKind, KvSpec};
 
@@ -143,12 +144,12 @@ impl KvCache {
         self.check_blocks(layer, blocks)?;
         let n = blocks.len() * 2 * per;
         if bytes.len() != 2 * n {
-            return Err(EngineError::Backend(format!(
-                "KV transfer for {} blocks expects {} bytes, got {}",
-                blocks.len(),
-                2 * n,
-                bytes.len()
-            )));
+            return Err(KvCopyError::Bytes {
+                blocks: blocks.len(),
+                expected: 2 * n,
+                got: bytes.len(),
+            }
+            .into());
         }
         if blocks.is_empty() {
             return Ok(());
@@ -209,8 +210,8 @@ impl KvCache {
         let bpp = self.spec.bytes_per_pos();
         let block_bytes = bs * bpp;
         let (b0, b1) = (positions.start / bs, (positions.end - 1) / bs + 1);
-        let blocks = table.get(b0..b1).ok_or_else(|| {
-            EngineError::Backend(format!("no blocks for positions {positions:?}"))
+        let blocks = table.get(b0..b1).ok_or_else(|| KvCopyError::NoBlocks {
+            positions: positions.clone(),
         })?;
         dst.check_table(dst_table)?;
         for layer in 0..self.spec.num_layers {
@@ -220,7 +221,7 @@ impl KvCache {
                 let (i, off) = (pos / bs - b0, pos % bs);
                 let dst_block = dst_table
                     .get(pos / bs)
-                    .ok_or_else(|| EngineError::Backend(format!("no staging block for {pos}")))?;
+                    .ok_or(KvCopyError::NoStagingBlock { pos })?;
                 let at = (dst_block.0 as usize * bs + off) * bpp;
                 for (kind, src_at) in [
                     (KvKind::K, i * 2 * block_bytes + off * bpp),
@@ -258,9 +259,7 @@ impl KvCache {
         let block_bytes = self.spec.block_bytes();
         let n = (positions.end - positions.start).div_ceil(self.spec.block_size);
         if src_table.len() < n || table.len() < n {
-            return Err(EngineError::Backend(format!(
-                "positions {positions:?} need {n} blocks"
-            )));
+            return Err(KvCopyError::TooFewBlocks { positions, need: n }.into());
         }
         for layer in 0..self.spec.num_layers {
             let mut bytes = Vec::with_capacity(n * 2 * block_bytes);
@@ -282,27 +281,29 @@ impl KvCache {
     /// A staging pool must have this cache's shape.
     fn check_stage(&self, pool: &HostKvPool) -> Result<()> {
         if pool.spec() != &self.spec {
-            return Err(EngineError::Backend(format!(
-                "a staging pool of shape {:?} does not match the cache's {:?}",
-                pool.spec(),
-                Some(&self.spec)
-            )));
+            return Err(KvCopyError::StagingShape {
+                pool: format!("{:?}", pool.spec()),
+                cache: format!("{:?}", self.spec),
+            }
+            .into());
         }
         Ok(())
     }
 
     fn check_blocks(&self, layer: usize, blocks: &[BlockId]) -> Result<()> {
         if layer >= self.k.len() {
-            return Err(EngineError::Backend(format!(
-                "layer {layer} does not exist (the model has {})",
-                self.k.len()
-            )));
+            return Err(KvCopyError::NoLayer {
+                layer,
+                layers: self.k.len(),
+            }
+            .into());
         }
         if let Some(b) = blocks.iter().find(|b| b.0 as usize >= self.num_blocks) {
-            return Err(EngineError::Backend(format!(
-                "block {} is outside the pool of {} blocks",
-                b.0, self.num_blocks
-            )));
+            return Err(KvCopyError::BlockOutsidePool {
+                block: b.0,
+                num_blocks: self.num_blocks,
+            }
+            .into());
         }
         Ok(())
     }

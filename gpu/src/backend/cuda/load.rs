@@ -15,6 +15,7 @@ use super::kv::KvCache;
 use super::shapes::MAX_HEAD_DIM;
 use super::weights::DevWeights;
 use super::CudaBackend;
+use crate::backend::error::{BackendError, MemoryError, ModelRefusal, PlanSizes};
 use crate::backend::{CudaOptions, DeviceWeightCache, KvBudget};
 use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
@@ -178,30 +179,24 @@ pub(super) fn refuse_unsupported(
     fp8::refuse_schemes(cfg)?;
     let count = device_count()?;
     if ordinal >= count {
-        return Err(EngineError::Backend(format!(
-            "cuda:{ordinal} was asked for but {count} CUDA device(s) are visible \
-             (check CUDA_VISIBLE_DEVICES and the NVIDIA driver)"
-        )));
+        return Err(BackendError::NotVisible { ordinal, count }.into());
     }
     let d = cfg.head_dim;
     if d > MAX_HEAD_DIM || !d.is_multiple_of(2) || d == 0 {
-        return Err(EngineError::Backend(format!(
-            "head_dim {d} is not supported by the CUDA kernels (even, at most {MAX_HEAD_DIM})"
-        )));
+        return Err(ModelRefusal::HeadDim {
+            dim: d,
+            max: MAX_HEAD_DIM,
+        }
+        .into());
     }
     if block_size == 0 {
-        return Err(EngineError::Backend(
-            "the KV cache needs blocks of at least one token".into(),
-        ));
+        return Err(MemoryError::ZeroBlockSize.into());
     }
     if cfg.rope_depends_on_length() {
         // The kernels rotate by one frequency table for the whole batch; dynamic NTK
         // needs one per sequence length. Refused rather than rotated wrongly.
-        return Err(EngineError::Backend(format!(
-            "RoPE type `{}` (frequencies that change with the sequence length) is not \
-             implemented by the CUDA backend; run this model with --device cpu",
-            cfg.rope.scaling.type_name()
-        )));
+        let rope = cfg.rope.scaling.type_name();
+        return Err(ModelRefusal::Rope { rope }.into());
     }
     Ok(())
 }
@@ -252,19 +247,20 @@ impl MemoryPlan {
         self.weights + self.activations + self.fixed
     }
 
+    /// The sizes, as a refusal shows them.
+    fn sizes(&self) -> PlanSizes {
+        PlanSizes {
+            weights: self.weights,
+            activations: self.activations,
+            tokens: self.tokens,
+            rows: self.rows,
+            fixed: self.fixed,
+        }
+    }
+
     /// The KV blocks `kv` gives on device `ordinal` with `free` of `total` bytes free, or
     /// the refusal, with the sizes, of a plan that does not fit.
     pub fn blocks(&self, kv: KvBudget, ordinal: usize, free: usize, total: usize) -> Result<usize> {
-        let g = |b: usize| b as f64 / GIB;
-        let sizes = format!(
-            "weights {:.2} GiB + activations {:.2} GiB (steps of up to {} tokens, {} rows of \
-             logits) + {:.2} GiB working space",
-            g(self.weights),
-            g(self.activations),
-            self.tokens,
-            self.rows,
-            g(self.fixed)
-        );
         let blocks = match kv {
             KvBudget::Blocks(n) => n,
             KvBudget::Bytes(b) => (b / self.per_block).max(1),
@@ -276,46 +272,44 @@ impl MemoryPlan {
                 }
                 let budget = (share * total as f64) as usize;
                 if budget > free {
-                    return Err(EngineError::Backend(format!(
-                        "cuda:{ordinal} has {:.2} GiB free of {:.2} GiB, less than the \
-                         {:.2} GiB --gpu-memory-utilization {share} asks for (something else \
-                         holds the rest); lower it to at most {:.2} or free the GPU",
-                        g(free),
-                        g(total),
-                        g(budget),
-                        (free as f64 / total as f64 * 100.0).floor() / 100.0
-                    )));
+                    return Err(MemoryError::ShareOverFree {
+                        ordinal,
+                        free,
+                        total,
+                        budget,
+                        share,
+                    }
+                    .into());
                 }
                 if budget < self.base() + self.per_block {
-                    return Err(EngineError::Backend(format!(
-                        "the model does not fit in {share} of cuda:{ordinal}'s {:.2} GiB \
-                         ({:.2} GiB): it needs {sizes} = {:.2} GiB before any KV cache; raise \
-                         --gpu-memory-utilization, lower --max-num-batched-tokens, or use a \
-                         larger GPU",
-                        g(total),
-                        g(budget),
-                        g(self.base())
-                    )));
+                    return Err(MemoryError::ModelOverShare {
+                        ordinal,
+                        share,
+                        total,
+                        budget,
+                        sizes: self.sizes(),
+                        base: self.base(),
+                    }
+                    .into());
                 }
                 (budget - self.base()) / self.per_block
             }
         };
         if blocks == 0 {
-            return Err(EngineError::Backend(
-                "the KV cache needs at least one block".into(),
-            ));
+            return Err(MemoryError::NoBlocks.into());
         }
         let need = self.base() + blocks * self.per_block;
         if need > free {
-            return Err(EngineError::Backend(format!(
-                "not enough GPU memory: cuda:{ordinal} has {:.2} GiB free of {:.2} GiB, but \
-                 this needs {:.2} GiB ({sizes} + KV cache {:.2} GiB for {blocks} blocks); ask \
-                 for fewer KV blocks or use a larger GPU",
-                g(free),
-                g(total),
-                g(need),
-                g(blocks * self.per_block)
-            )));
+            return Err(MemoryError::NotEnough {
+                ordinal,
+                free,
+                total,
+                need,
+                sizes: self.sizes(),
+                kv: blocks * self.per_block,
+                blocks,
+            }
+            .into());
         }
         Ok(blocks)
     }

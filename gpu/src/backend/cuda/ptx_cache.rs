@@ -11,6 +11,7 @@
 
 use std::path::{Path, PathBuf};
 
+use crate::backend::error::ToolchainError;
 use crate::error::{EngineError, Result};
 
 /// Bumped when the cache layout itself changes, so old files are never read as new ones.
@@ -174,11 +175,7 @@ fn write_atomically(path: &Path, text: &str) -> std::io::Result<()> {
 fn compile(source: &str, options: &[String]) -> Result<String> {
     // SAFETY: only probes whether the library can be opened.
     if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
-        return Err(EngineError::Backend(
-            "the NVRTC library (libnvrtc.so) was not found; install the CUDA runtime \
-             libraries or add their folder to LD_LIBRARY_PATH"
-                .into(),
-        ));
+        return Err(ToolchainError::NoNvrtc.into());
     }
     let opts = cudarc::nvrtc::CompileOptions {
         options: options.to_vec(),
@@ -191,11 +188,10 @@ fn compile(source: &str, options: &[String]) -> Result<String> {
         Some(bytes) => {
             // The image is a NUL-terminated C string.
             let end = bytes.iter().position(|&b| b == 0).unwrap_or(bytes.len());
-            String::from_utf8(bytes[..end].to_vec()).map_err(|_| {
-                EngineError::Backend("NVRTC returned PTX that is not valid UTF-8".into())
-            })
+            String::from_utf8(bytes[..end].to_vec())
+                .map_err(|e| ToolchainError::PtxNotUtf8(e).into())
         }
-        None => Err(EngineError::Backend("NVRTC returned no PTX image".into())),
+        None => Err(ToolchainError::NoPtx.into()),
     }
 }
 

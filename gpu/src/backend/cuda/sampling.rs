@@ -10,8 +10,9 @@ use cudarc::driver::CudaStream;
 use super::buffers::LogitsSpace;
 use super::device::drv;
 use super::kernels::{ConstrainRows, Kernels, SampleRows};
+use crate::backend::error::{BackendError, BatchError};
 use crate::backend::{ForwardBatch, SampleSpec};
-use crate::error::{EngineError, Result};
+use crate::error::Result;
 use crate::sampler::Sampled;
 
 /// Samples one token for each of the first `specs.len()` rows of `ls.logits`.
@@ -192,7 +193,7 @@ pub(super) fn forward_logits(
         return Ok(Vec::new());
     }
     let (stream, _, ls, v) = b.logits();
-    let ls = ls.ok_or_else(|| EngineError::Backend("logits space missing".into()))?;
+    let ls = ls.ok_or(BackendError::Invariant("logits space missing"))?;
     let host = stream
         .clone_dtoh(&ls.logits.slice(0..n * v))
         .map_err(|e| drv("logits copy", e))?;
@@ -223,16 +224,17 @@ pub(super) fn forward_sampled(
     }
     let n = b.run_step(batch)?;
     if n != specs.len() {
-        return Err(EngineError::Backend(format!(
-            "{n} sequences want a token but {} sampling specs were given",
-            specs.len()
-        )));
+        return Err(BatchError::SpecCount {
+            seqs: n,
+            specs: specs.len(),
+        }
+        .into());
     }
     if n == 0 {
         return Ok(Vec::new());
     }
     let (stream, k, ls, vocab) = b.logits();
-    let ls = ls.ok_or_else(|| EngineError::Backend("logits space missing".into()))?;
+    let ls = ls.ok_or(BackendError::Invariant("logits space missing"))?;
     sample_logits(stream, k, ls, vocab, specs)
 }
 
@@ -252,11 +254,12 @@ pub fn sample_host_logits(
     cfg.vocab_size = vocab;
     let mut ls = LogitsSpace::alloc(&stream, &cfg, specs.len())?;
     if logits.len() != specs.len() * vocab {
-        return Err(crate::error::EngineError::Backend(format!(
-            "{} logits for {} rows of {vocab}",
-            logits.len(),
-            specs.len()
-        )));
+        return Err(BatchError::LogitsShape {
+            logits: logits.len(),
+            rows: specs.len(),
+            vocab,
+        }
+        .into());
     }
     stream
         .memcpy_htod(logits, &mut ls.logits)

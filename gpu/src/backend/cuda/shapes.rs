@@ -13,7 +13,8 @@
 
 use cudarc::driver::LaunchConfig;
 
-use crate::error::{EngineError, Result};
+use crate::backend::error::LaunchError;
+use crate::error::Result;
 
 /// One kernel as the host launches it.
 #[derive(Clone, Copy, Debug)]
@@ -380,11 +381,15 @@ const MAX_GRID_YZ: usize = 65_535;
 pub fn grid(k: &KernelShape, x: usize, y: usize, z: usize) -> Result<LaunchConfig> {
     let fits = |v: usize, max: usize| v >= 1 && v <= max;
     if !(fits(x, MAX_GRID_X) && fits(y, MAX_GRID_YZ) && fits(z, MAX_GRID_YZ)) {
-        return Err(EngineError::Backend(format!(
-            "{}: a grid of ({x}, {y}, {z}) blocks is outside CUDA's limits \
-             (x 1..={MAX_GRID_X}, y and z 1..={MAX_GRID_YZ}); lower --max-num-batched-tokens",
-            k.name
-        )));
+        return Err(LaunchError::Grid {
+            kernel: k.name,
+            x,
+            y,
+            z,
+            max_x: MAX_GRID_X,
+            max_yz: MAX_GRID_YZ,
+        }
+        .into());
     }
     Ok(LaunchConfig {
         grid_dim: (x as u32, y as u32, z as u32),

@@ -8,6 +8,7 @@ use cudarc::driver::{CudaSlice, CudaStream};
 
 use super::device::upload_err;
 use super::fp8::{self, Fp8Linear};
+use crate::backend::error::BackendError;
 use crate::checkpoint::{Checkpoint, LayerWeights, Projection, Stack};
 use crate::config::ModelConfig;
 use crate::error::Result;
@@ -32,9 +33,10 @@ impl Linear {
     pub fn bf16(&self) -> Result<&DevLinear> {
         match self {
             Linear::Bf16(l) => Ok(l),
-            Linear::Fp8(_) => Err(crate::error::EngineError::Backend(
-                "an FP8 product has no kernel with the norm as its prologue".into(),
-            )),
+            Linear::Fp8(_) => Err(BackendError::Invariant(
+                "an FP8 product has no kernel with the norm as its prologue",
+            )
+            .into()),
         }
     }
 

@@ -5,8 +5,8 @@
 
 use super::typed::{Param, RopeParams, RopeSource, RopeType, TypeName, SHARED_PARAMS};
 use super::{Rope, RopeScaling};
-use crate::config::reader::{bad, shown, Fields};
-use crate::error::Result;
+use crate::config::error::{ConfigError, Result};
+use crate::config::reader::{shown, Fields};
 
 /// transformers' default theta for every family kvmesh runs.
 const DEFAULT_THETA: f64 = 10_000.0;
@@ -29,11 +29,10 @@ pub(in crate::config) fn read_rope(f: &Fields, max_pos: usize) -> Result<Rope> {
     let kind = match type_name {
         TypeName::Known(kind) => kind,
         TypeName::Other(other) => {
-            return Err(bad(format!(
-                "`{}` has rope type {other:?}, which kvmesh does not implement; supported: \
-                 default, linear, dynamic, llama3, yarn",
-                d.name
-            )))
+            return Err(ConfigError::UnknownRopeType {
+                dict: d.name,
+                rope_type: other,
+            })
         }
     };
     refuse_foreign(&src, kind)?;
@@ -58,11 +57,10 @@ pub(in crate::config) fn read_rope(f: &Fields, max_pos: usize) -> Result<Rope> {
 /// Per-layer-type RoPE (a dict of dicts keyed by layer type) belongs to other families.
 fn refuse_nested(src: &RopeSource) -> Result<()> {
     match src.entries().find(|(_, v)| v.is_object()) {
-        Some((k, _)) => Err(bad(format!(
-            "`{}.{k}` is a nested RoPE dict (RoPE per layer type); the families kvmesh runs \
-             use one RoPE for every layer",
-            src.name
-        ))),
+        Some((k, _)) => Err(ConfigError::NestedRope {
+            dict: src.name,
+            key: k.clone(),
+        }),
         None => Ok(()),
     }
 }
@@ -74,18 +72,13 @@ fn refuse_foreign(src: &RopeSource, kind: RopeType) -> Result<()> {
         !SHARED_PARAMS.contains(&k.as_str()) && !takes.contains(&k.as_str()) && !v.is_null()
     });
     match foreign {
-        Some((k, v)) => Err(bad(format!(
-            "`{}.{k}` = {} is not a parameter of rope type `{}` (it takes: {}); \
-             kvmesh will not guess what it means",
-            src.name,
-            shown(v),
-            kind.name(),
-            if takes.is_empty() {
-                "rope_theta only".to_string()
-            } else {
-                takes.join(", ")
-            }
-        ))),
+        Some((k, v)) => Err(ConfigError::ForeignRopeParam {
+            dict: src.name,
+            key: k.clone(),
+            value: shown(v),
+            rope_type: kind.name(),
+            takes,
+        }),
         None => Ok(()),
     }
 }
@@ -110,17 +103,17 @@ impl Dict<'_> {
         let name = self.name;
         let theta = match (self.num("rope_theta", &self.p.rope_theta)?, top_theta) {
             (Some(a), Some(b)) if a != b => {
-                return Err(bad(format!(
-                "`{name}.rope_theta` is {a} but the top-level `rope_theta` is {b}; make them agree"
-            )))
+                return Err(ConfigError::ThetaDisagrees {
+                    dict: name,
+                    dict_theta: a,
+                    top_theta: b,
+                })
             }
             (Some(a), _) | (None, Some(a)) => a,
             (None, None) => DEFAULT_THETA,
         };
         if !(theta > 1.0 && theta.is_finite()) {
-            return Err(bad(format!(
-                "`rope_theta` is {theta}; expected a number above 1"
-            )));
+            return Err(ConfigError::RopeTheta { theta });
         }
         Ok(theta)
     }
@@ -131,11 +124,11 @@ impl Dict<'_> {
         let current = self.p.rope_type.read(name, "rope_type")?;
         let legacy = self.p.legacy_type.read(name, "type")?;
         match (current, legacy) {
-            (Some(a), Some(b)) if a != b => Err(bad(format!(
-                "`{name}.rope_type` is {:?} but `{name}.type` is {:?}; make them agree",
-                a.as_str(),
-                b.as_str()
-            ))),
+            (Some(a), Some(b)) if a != b => Err(ConfigError::RopeTypeDisagrees {
+                dict: name,
+                rope_type: a.as_str().to_string(),
+                legacy_type: b.as_str().to_string(),
+            }),
             (Some(a), _) | (None, Some(a)) => Ok(a),
             (None, None) => Ok(TypeName::Known(RopeType::Default)),
         }
@@ -150,22 +143,17 @@ impl Dict<'_> {
             (None, None) => 1.0,
         };
         if partial != 1.0 {
-            return Err(bad(format!(
-                "`partial_rotary_factor` is {partial}: RoPE on part of each head is not how \
-                 Llama, Qwen2, Qwen3 or Mistral models work, and kvmesh rotates whole heads"
-            )));
+            return Err(ConfigError::PartialRotary { factor: partial });
         }
         Ok(())
     }
 
     /// A parameter `kind` cannot do without.
-    fn need(&self, key: &str, p: &Param<f64>, kind: RopeType) -> Result<f64> {
-        self.num(key, p)?.ok_or_else(|| {
-            bad(format!(
-                "`{}` is rope type `{}` but has no `{key}`, which that type requires",
-                self.name,
-                kind.name()
-            ))
+    fn need(&self, key: &'static str, p: &Param<f64>, kind: RopeType) -> Result<f64> {
+        self.num(key, p)?.ok_or(ConfigError::MissingRopeParam {
+            dict: self.name,
+            rope_type: kind.name(),
+            key,
         })
     }
 
@@ -173,11 +161,11 @@ impl Dict<'_> {
     fn factor(&self, kind: RopeType) -> Result<f64> {
         let f = self.need("factor", &self.p.factor, kind)?;
         if !(f >= 1.0 && f.is_finite()) {
-            return Err(bad(format!(
-                "`{}.factor` is {f}; rope type `{}` needs a factor of 1 or more",
-                self.name,
-                kind.name()
-            )));
+            return Err(ConfigError::RopeFactor {
+                dict: self.name,
+                factor: f,
+                rope_type: kind.name(),
+            });
         }
         Ok(f)
     }
@@ -190,11 +178,11 @@ impl Dict<'_> {
             self.num(k, &self.p.original_max_position_embeddings)?,
             self.f.f64(k)?,
         ) {
-            (Some(a), Some(b)) if a != b => Err(bad(format!(
-                "`{}.original_max_position_embeddings` is {a} but the top-level one is {b}; \
-                 make them agree",
-                self.name
-            ))),
+            (Some(a), Some(b)) if a != b => Err(ConfigError::OriginalDisagrees {
+                dict: self.name,
+                dict_value: a,
+                top: b,
+            }),
             (Some(a), _) | (None, Some(a)) => Ok(a),
             (None, None) => Ok(self.max_pos as f64),
         }
@@ -207,10 +195,11 @@ impl Dict<'_> {
         let hi = self.need("high_freq_factor", &self.p.high_freq_factor, kind)?;
         let original_max_position_embeddings = self.original()?;
         if hi <= lo || lo <= 0.0 {
-            return Err(bad(format!(
-                "`{}`: llama3 needs 0 < low_freq_factor < high_freq_factor, got {lo} and {hi}",
-                self.name
-            )));
+            return Err(ConfigError::Llama3Freqs {
+                dict: self.name,
+                low: lo,
+                high: hi,
+            });
         }
         Ok(RopeScaling::Llama3 {
             factor,
@@ -223,10 +212,10 @@ impl Dict<'_> {
     fn yarn(&self) -> Result<RopeScaling> {
         let orig = self.original()?;
         if orig < 1.0 {
-            return Err(bad(format!(
-                "`{}.original_max_position_embeddings` is {orig}; expected a positive length",
-                self.name
-            )));
+            return Err(ConfigError::YarnOriginal {
+                dict: self.name,
+                original: orig,
+            });
         }
         // An explicit null factor means "the ratio of the context lengths", as in
         // transformers; an absent one is an error there and here.
@@ -262,10 +251,10 @@ impl Dict<'_> {
         };
         match self.num("attention_factor", &self.p.attention_factor)? {
             Some(a) if a > 0.0 => Ok(a),
-            Some(a) => Err(bad(format!(
-                "`{}.attention_factor` is {a}; expected a positive number",
-                self.name
-            ))),
+            Some(a) => Err(ConfigError::YarnAttentionFactor {
+                dict: self.name,
+                factor: a,
+            }),
             None => match (
                 self.num("mscale", &self.p.mscale)?,
                 self.num("mscale_all_dim", &self.p.mscale_all_dim)?,

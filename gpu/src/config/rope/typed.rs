@@ -12,8 +12,8 @@ use serde::Deserialize;
 use serde_json::{Map, Value};
 
 use super::RopeLayout;
-use crate::config::reader::{bad, mistyped, shown, Fields};
-use crate::error::Result;
+use crate::config::error::{ConfigError, Result};
+use crate::config::reader::{shown, Fields};
 
 /// The RoPE types kvmesh implements, by the names transformers gives them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
@@ -127,7 +127,11 @@ impl<T: Clone + Expected> Param<T> {
         match self {
             Param::Absent | Param::Null => Ok(None),
             Param::Given(v) => Ok(Some(v.clone())),
-            Param::Mistyped(v) => Err(mistyped(&format!("{dict}.{key}"), v, T::WHAT)),
+            Param::Mistyped(v) => Err(ConfigError::Mistyped {
+                field: format!("{dict}.{key}"),
+                value: shown(v),
+                expected: T::WHAT,
+            }),
         }
     }
 }
@@ -169,14 +173,10 @@ impl<'a> RopeSource<'a> {
     pub(super) fn select(f: &Fields<'a>, top_theta: bool) -> Result<RopeSource<'a>> {
         let (name, dict, layout) = match (f.get("rope_parameters"), f.get("rope_scaling")) {
             (Some(p), Some(l)) => {
-                return Err(bad(format!(
-                    "both `rope_parameters` ({}) and the legacy `rope_scaling` ({}) are set; \
-                     transformers would take rope_scaling and drop rope_parameters, which is \
-                     rarely what was meant. Keep one: move rope_scaling's fields into \
-                     rope_parameters",
-                    shown(p),
-                    shown(l)
-                )))
+                return Err(ConfigError::BothRopeLayouts {
+                    parameters: shown(p),
+                    scaling: shown(l),
+                })
             }
             (Some(p), None) => ("rope_parameters", Some(p), RopeLayout::Parameters),
             (None, Some(l)) => ("rope_scaling", Some(l), RopeLayout::Legacy),
@@ -187,7 +187,11 @@ impl<'a> RopeSource<'a> {
             None => None,
             Some(Value::Object(o)) => Some(o),
             Some(v) => {
-                return Err(bad(format!("`{name}` is {}; expected an object", shown(v))));
+                return Err(ConfigError::Mistyped {
+                    field: name.to_string(),
+                    value: shown(v),
+                    expected: "an object",
+                });
             }
         };
         Ok(RopeSource { name, layout, dict })
@@ -205,8 +209,12 @@ impl<'a> RopeSource<'a> {
         };
         // Every entry deserializes (a mistyped one as `Param::Mistyped`), so this fails
         // only if serde itself cannot read the object.
-        RopeParams::deserialize(&Value::Object(dict.clone()))
-            .map_err(|e| bad(format!("`{}`: {e}", self.name)))
+        RopeParams::deserialize(&Value::Object(dict.clone())).map_err(|error| {
+            ConfigError::RopeDict {
+                dict: self.name,
+                error,
+            }
+        })
     }
 }
 
