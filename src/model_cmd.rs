@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::{Subcommand, ValueEnum};
-use kvmesh_gpu::config::{Arch, RopeScaling};
+use kvmesh_gpu::config::{Arch, ModelConfig, RopeScaling};
 use kvmesh_gpu::init::{preset, write_random_checkpoint, write_random_fp8_checkpoint};
 use kvmesh_gpu::model::LoadedModel;
 use kvmesh_gpu::safetensors::DType;
@@ -78,6 +78,49 @@ pub enum ModelCommand {
     },
 }
 
+/// A hybrid (Qwen3.5) preset's layer layout and linear-attention heads come with its shape, so
+/// a flag changing one part of the shape is refused, as is `--fp8` (written for dense models).
+fn refuse_hybrid_overrides(
+    name: &str,
+    shape_flags: &[Option<usize>],
+    fp8: bool,
+) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        shape_flags.iter().all(Option::is_none),
+        "--preset {name} is a hybrid (Qwen3.5) model whose layer layout and linear attention \
+         heads come with its shape; the shape flags apply to the dense presets"
+    );
+    anyhow::ensure!(
+        !fp8,
+        "--fp8 writes dense models' linear layers; --preset {name} is a hybrid (Qwen3.5) model"
+    );
+    Ok(())
+}
+
+/// The shape's head counts and sizes after the flags, and the dtype to write.
+fn check_shape(cfg: &ModelConfig, dtype: DTypeArg, fp8: bool) -> anyhow::Result<DType> {
+    anyhow::ensure!(
+        cfg.num_kv_heads > 0 && cfg.num_heads.is_multiple_of(cfg.num_kv_heads),
+        "--heads ({}) must be a multiple of --kv-heads ({})",
+        cfg.num_heads,
+        cfg.num_kv_heads
+    );
+    anyhow::ensure!(
+        cfg.head_dim.is_multiple_of(2) && cfg.head_dim > 0,
+        "head_dim must be even"
+    );
+    let dtype = match dtype {
+        DTypeArg::Bf16 => DType::BF16,
+        DTypeArg::F16 => DType::F16,
+        DTypeArg::F32 => DType::F32,
+    };
+    anyhow::ensure!(
+        !fp8 || dtype == DType::BF16,
+        "--fp8 writes what it does not quantize as bf16: leave --dtype out"
+    );
+    Ok(dtype)
+}
+
 pub fn run(cmd: ModelCommand) -> anyhow::Result<()> {
     match cmd {
         ModelCommand::Inspect { dir, json } => {
@@ -130,16 +173,7 @@ pub fn run(cmd: ModelCommand) -> anyhow::Result<()> {
                     vocab_size,
                     max_position_embeddings,
                 ];
-                anyhow::ensure!(
-                    shape_flags.iter().all(Option::is_none),
-                    "--preset {name} is a hybrid (Qwen3.5) model whose layer layout and linear \
-                     attention heads come with its shape; the shape flags apply to the dense presets"
-                );
-                anyhow::ensure!(
-                    !fp8,
-                    "--fp8 writes dense models' linear layers; --preset {name} is a hybrid \
-                     (Qwen3.5) model"
-                );
+                refuse_hybrid_overrides(&name, &shape_flags, fp8)?;
             }
             if let Some(v) = layers {
                 cfg.num_layers = v;
@@ -168,25 +202,7 @@ pub fn run(cmd: ModelCommand) -> anyhow::Result<()> {
             if let Some(v) = max_position_embeddings {
                 cfg.max_position_embeddings = v;
             }
-            anyhow::ensure!(
-                cfg.num_kv_heads > 0 && cfg.num_heads % cfg.num_kv_heads == 0,
-                "--heads ({}) must be a multiple of --kv-heads ({})",
-                cfg.num_heads,
-                cfg.num_kv_heads
-            );
-            anyhow::ensure!(
-                cfg.head_dim % 2 == 0 && cfg.head_dim > 0,
-                "head_dim must be even"
-            );
-            let dtype = match dtype {
-                DTypeArg::Bf16 => DType::BF16,
-                DTypeArg::F16 => DType::F16,
-                DTypeArg::F32 => DType::F32,
-            };
-            anyhow::ensure!(
-                !fp8 || dtype == DType::BF16,
-                "--fp8 writes what it does not quantize as bf16: leave --dtype out"
-            );
+            let dtype = check_shape(&cfg, dtype, fp8)?;
             let tokenizer = kvmesh_gpu::embedded::default_tokenizer();
             let cfg = if fp8 {
                 write_random_fp8_checkpoint(cfg, seed, &tokenizer, &out)
