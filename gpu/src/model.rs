@@ -501,6 +501,13 @@ pub fn build_backend_for(
                     "--cpu-bf16-products: this CPU has no AVX512-BF16 (or the weights are not \
                      bf16); products stay in f32"
                 );
+            } else if !opts.bf16_products && m.bf16_products_available() {
+                tracing::info!(
+                    "prompt products run in f32 (the reference numerics, within 2e-3 of \
+                     transformers in f32); this CPU has AVX512-BF16, and --cpu-bf16-products \
+                     would run them with activations rounded to bf16, as llama.cpp does, for \
+                     about 1.4x the prefill speed"
+                );
             }
             Ok(Box::new(CpuBackend::new(m, blocks, block_size)?))
         }

@@ -79,6 +79,15 @@ impl CpuModel {
             .is_some_and(|l| l.qkv_proj.takes_bf16_products())
     }
 
+    /// Whether `with_bf16_products` would change how this model multiplies here: bf16
+    /// weights and a CPU with AVX512-BF16.
+    pub fn bf16_products_available(&self) -> bool {
+        self.layers.first().is_some_and(|l| {
+            let p = &l.qkv_proj;
+            matches!(p.w, ops::Matrix::Bf16(_)) && p.inp.is_multiple_of(2) && gemm_bf16::available()
+        })
+    }
+
     /// Loads the weights, keeping bf16 ones as bf16.
     pub fn load(cfg: &ModelConfig, w: &WeightStore) -> Result<CpuModel> {
         Self::load_with(cfg, w, true)
