@@ -41,6 +41,8 @@ for l in sys.stdin:
         strip --strip-debug gpu-out/cuda_offline # it reads its own symbol table
     fi
     strip gpu-out/kvmesh gpu-out/gpu-bench gpu-out/cuda_parity
+    # flash-linear-attention (pure Python + Triton, ~1 MB), the peer of the gdn-fla stage.
+    pip download --quiet --no-deps --require-hashes -r scripts/requirements-fla.txt -d gpu-out
     xz -T0 -6 gpu-out/*
     ls -la gpu-out
     tracked=$(git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
@@ -60,7 +62,7 @@ run)
     mkdir -p "$work"
     t0=$(date +%s)
     budget="${GPU_BUDGET_S:-540}"
-    stages="${STAGES:-offline parity bench-8b bench-8b-fp8 skinny-ab-8b long-decode-8b pdl-ab-8b pdl-ab-small fuse-ab sm-split-8b profile-8b profile-small serve-8b colocate-8b serve-qwen35-9b bench-llama-8b bench-small peer-8b bench-32b-fp8 bench-72b-fp8}"
+    stages="${STAGES:-offline parity bench-8b bench-8b-fp8 skinny-ab-8b long-decode-8b pdl-ab-8b pdl-ab-small fuse-ab sm-split-8b profile-8b profile-small serve-8b colocate-8b serve-qwen35-9b gdn-fla bench-llama-8b bench-small peer-8b bench-32b-fp8 bench-72b-fp8}"
     # The device returns at most 8 files from $OUT: everything is packed into one archive
     # (and a summary printed) however the run ends.
     touch "$work/.start"
@@ -158,6 +160,13 @@ run)
         PROFILES=throughput TAG=qwen3.5-9b bash -c '[ -e "$MODEL/model.safetensors" ] || \
         gpu-out/kvmesh model init-random --preset qwen3.5-9b --out "$MODEL" || exit; \
         bash scripts/gpu_serve_bench.sh'
+    # Qwen3.5-9B's Gated DeltaNet layer: kvmesh's two kernels, then flash-linear-attention's
+    # (chunked prompts, fused recurrent decode) on the same shapes, in the same run.
+    stage gdn-fla 240 bash -c 'gpu-out/gpu-bench --presets qwen3.5-9b --gated-deltanet \
+        --json bench/results/gpu-gdn-kvmesh.json || exit; d=$(mktemp -d); \
+        for w in gpu-out/*.whl; do python3 -m zipfile -e "$w" "$d" || exit; done; \
+        PYTHONPATH="$d" python3 scripts/fla_peer_bench.py \
+        --kvmesh bench/results/gpu-gdn-kvmesh.json --json bench/results/gpu-gdn-fla.json'
     stage bench-llama-8b 110 gpu-out/gpu-bench --presets llama-3.1-8b --json "bench/results/gpu-8b-llama.json"
     stage bench-small 60 gpu-out/gpu-bench
     # Qwen3-32B as FP8 on one H100 (34 GB of weights; bf16 would leave almost no KV), and

@@ -8,6 +8,8 @@
 //! transfer bench for reference figures ([`kv_peers`]).
 
 pub mod compute;
+#[cfg(feature = "cuda")]
+pub mod delta_peer;
 pub mod harness;
 pub mod kv_peers;
 pub mod programs;

@@ -127,6 +127,11 @@ struct Args {
     /// against; 0 skips it.
     #[arg(long, value_name = "N", default_value_t = 8192)]
     gemm_size: usize,
+    /// Time only the Gated DeltaNet kernels of the presets' linear layers (hybrid presets,
+    /// e.g. qwen3.5-9b), one layer per case, for `scripts/fla_peer_bench.py`; `--prefill-reps`
+    /// (at least 10 here) runs per case.
+    #[arg(long)]
+    gated_deltanet: bool,
     /// Share of the device's memory the KV capacity is reported at (the engine's default
     /// `--gpu-memory-utilization`).
     #[arg(long, value_name = "F", default_value_t = 0.9)]
@@ -757,6 +762,18 @@ fn kv_capacity(
 
 fn main() -> anyhow::Result<()> {
     let args = parse_args()?;
+    if args.gated_deltanet {
+        let path = args
+            .json
+            .clone()
+            .unwrap_or_else(|| PathBuf::from("bench/results/gpu-gdn-kvmesh.json"));
+        return kvmesh_bench::delta_peer::run(
+            &args.presets,
+            args.device,
+            args.prefill_reps.max(10),
+            &path,
+        );
+    }
     let mut dev = DeviceFigures::default();
     let mut results = Vec::new();
     for name in &args.presets {

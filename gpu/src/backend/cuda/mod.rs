@@ -43,6 +43,7 @@ pub mod batch;
 mod blas;
 mod buffers;
 pub mod delta;
+pub mod delta_timing;
 mod device;
 mod forward;
 mod fp8;
