@@ -6,7 +6,7 @@ use std::time::Duration;
 use clap::Args;
 
 use kvmesh_gateway::http::{self, HttpLimits};
-use kvmesh_gateway::tools::ToolFormat;
+use kvmesh_gateway::tools::{ToolFormat, UnknownToolParser};
 
 /// On SIGTERM, seconds open streams get to finish (`serve` and `node`).
 pub const SHUTDOWN_GRACE_S: f64 = 30.0;
@@ -96,6 +96,6 @@ pub fn api_key(s: &str) -> Result<String, String> {
 }
 
 /// `--tool-call-parser`: how tool calls are read out of the model's output (vLLM's names).
-pub fn tool_call_parser(s: &str) -> Result<ToolFormat, String> {
+pub fn tool_call_parser(s: &str) -> Result<ToolFormat, UnknownToolParser> {
     ToolFormat::by_name(s)
 }

@@ -86,16 +86,21 @@ impl fmt::Display for Role {
 
 /// A role's name (surrounding spaces allowed, as in `--roles "gateway, router"`).
 impl FromStr for Role {
-    type Err = String;
+    type Err = UnknownRole;
 
-    fn from_str(s: &str) -> Result<Role, String> {
+    fn from_str(s: &str) -> Result<Role, UnknownRole> {
         let s = s.trim();
         Role::ALL
             .into_iter()
             .find(|r| r.as_str() == s)
-            .ok_or_else(|| format!("unknown role '{s}' ({})", Role::list(&Role::ALL)))
+            .ok_or_else(|| UnknownRole(s.to_string()))
     }
 }
+
+/// A name that is none of [`Role::ALL`]'s.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("unknown role '{0}' ({list})", list = Role::list(&Role::ALL))]
+pub struct UnknownRole(pub String);
 
 #[cfg(test)]
 mod tests {
@@ -112,6 +117,8 @@ mod tests {
         }
         assert_eq!(" decode ".parse::<Role>(), Ok(Role::Decode));
         let e = "cook".parse::<Role>().unwrap_err();
+        assert_eq!(e, UnknownRole("cook".into()));
+        let e = e.to_string();
         assert!(e.contains("'cook'") && e.contains("prefill"), "{e}");
         let e = serde_json::from_str::<Role>("\"cook\"")
             .unwrap_err()

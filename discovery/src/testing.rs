@@ -90,7 +90,7 @@ impl Etcd {
             match etcd.launch() {
                 Ok(()) => return etcd,
                 Err(failure) => {
-                    last_failure = failure;
+                    last_failure = failure.to_string();
                     etcd.kill();
                     // The data names the failed attempt's peer URL; start over (the log stays).
                     let _ = fs::remove_dir_all(etcd.data_dir());
@@ -175,13 +175,16 @@ impl Etcd {
         }
     }
 
-    fn launch(&mut self) -> Result<(), String> {
+    fn launch(&mut self) -> Result<(), LaunchError> {
         let log_path = self.dir.join("etcd.log");
         let mut log = File::options()
             .create(true)
             .append(true)
             .open(&log_path)
-            .map_err(|e| format!("cannot open {}: {e}", log_path.display()))?;
+            .map_err(|source| LaunchError::Io {
+                what: format!("cannot open {}", log_path.display()),
+                source,
+            })?;
         let _ = writeln!(
             log,
             "=== kvmesh_discovery::testing: starting etcd at {} ===",
@@ -209,7 +212,10 @@ impl Etcd {
             .arg("--logger=zap")
             .arg("--log-outputs=stderr")
             .stdin(Stdio::null())
-            .stdout(log.try_clone().map_err(|e| e.to_string())?)
+            .stdout(log.try_clone().map_err(|source| LaunchError::Io {
+                what: "cannot share the log file".into(),
+                source,
+            })?)
             .stderr(log);
         // ETCD_* variables set flags too and conflict with the ones above; keep only the arch
         // override, which etcd 3.4 needs on arm64 and other non-amd64 machines.
@@ -225,35 +231,51 @@ impl Etcd {
                 cmd.env("ETCD_UNSUPPORTED_ARCH", arch);
             }
         }
-        let child = cmd
-            .spawn()
-            .map_err(|e| format!("cannot run {}: {e}", self.bin.display()))?;
+        let child = cmd.spawn().map_err(|source| LaunchError::Io {
+            what: format!("cannot run {}", self.bin.display()),
+            source,
+        })?;
         self.child = Some(child);
         self.wait_ready()
     }
 
-    fn wait_ready(&mut self) -> Result<(), String> {
+    fn wait_ready(&mut self) -> Result<(), LaunchError> {
         let deadline = Instant::now() + READY_TIMEOUT;
         let addr: SocketAddr = ([127, 0, 0, 1], self.client_port).into();
         loop {
             if let Some(child) = &mut self.child {
                 if let Ok(Some(status)) = child.try_wait() {
                     self.child = None;
-                    return Err(format!("etcd exited with {status}"));
+                    return Err(LaunchError::Exited(status));
                 }
             }
             if health(addr) {
                 return Ok(());
             }
             if Instant::now() > deadline {
-                return Err(format!(
-                    "not healthy at {} after {READY_TIMEOUT:?}",
-                    self.url()
-                ));
+                return Err(LaunchError::NotHealthy {
+                    url: self.url(),
+                    after: READY_TIMEOUT,
+                });
             }
             std::thread::sleep(Duration::from_millis(50));
         }
     }
+}
+
+/// Why a test etcd did not come up.
+#[derive(Debug, thiserror::Error)]
+enum LaunchError {
+    #[error("{what}: {source}")]
+    Io {
+        what: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("etcd exited with {0}")]
+    Exited(std::process::ExitStatus),
+    #[error("not healthy at {url} after {after:?}")]
+    NotHealthy { url: String, after: Duration },
 }
 
 impl Drop for Etcd {

@@ -27,6 +27,11 @@ pub enum ToolFormat {
     JsonArray,
 }
 
+/// A `--tool-call-parser` name kvmesh has no parser for.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("unknown tool call parser {0:?}: kvmesh reads hermes, llama3_json or mistral")]
+pub struct UnknownToolParser(pub String);
+
 impl ToolFormat {
     /// The format a chat template speaks, if it offers tools at all.
     pub fn of_template(text: &str) -> Option<ToolFormat> {
@@ -45,14 +50,12 @@ impl ToolFormat {
     }
 
     /// The format `--tool-call-parser` names (vLLM's names for the same formats).
-    pub fn by_name(name: &str) -> Result<ToolFormat, String> {
+    pub fn by_name(name: &str) -> Result<ToolFormat, UnknownToolParser> {
         match name {
             "hermes" => Ok(ToolFormat::Hermes),
             "llama3_json" => Ok(ToolFormat::Llama3Json),
             "mistral" => Ok(ToolFormat::Mistral),
-            other => Err(format!(
-                "unknown tool call parser {other:?}: kvmesh reads hermes, llama3_json or mistral"
-            )),
+            other => Err(UnknownToolParser(other.to_string())),
         }
     }
 
@@ -732,9 +735,9 @@ mod tests {
             name: "g".into()
         }));
         assert_eq!(ToolFormat::by_name("hermes"), Ok(ToolFormat::Hermes));
-        assert!(ToolFormat::by_name("pythonic")
-            .unwrap_err()
-            .contains("hermes"));
+        let e = ToolFormat::by_name("pythonic").unwrap_err();
+        assert_eq!(e, UnknownToolParser("pythonic".into()));
+        assert!(e.to_string().contains("hermes"), "{e}");
     }
 
     #[test]

@@ -25,7 +25,7 @@ pub enum DType {
 }
 
 impl DType {
-    fn parse(s: &str) -> std::result::Result<DType, String> {
+    fn parse(s: &str) -> std::result::Result<DType, DTypeRefusal> {
         match s {
             "F32" => Ok(DType::F32),
             "F16" => Ok(DType::F16),
@@ -33,10 +33,8 @@ impl DType {
             "F8_E4M3" => Ok(DType::F8E4M3),
             // e5m2 is the gradient format; no published inference checkpoint kvmesh runs
             // stores weights in it, and reading it as e4m3 would misread every value.
-            "F8_E5M2" => Err("F8_E5M2; kvmesh reads FP8 weights as F8_E4M3 only".into()),
-            other => Err(format!(
-                "{other}; kvmesh reads F32, F16, BF16 and F8_E4M3 (with a quantization_config)"
-            )),
+            "F8_E5M2" => Err(DTypeRefusal::E5m2),
+            other => Err(DTypeRefusal::Unknown(other.to_string())),
         }
     }
 
@@ -161,7 +159,7 @@ impl File {
                 )))
             }
         };
-        let header = Header::parse(&buf[8..8 + n]).map_err(bad)?;
+        let header = Header::parse(&buf[8..8 + n]).map_err(|e| bad(e.to_string()))?;
         let data_start = 8 + n;
         let data_len = buf.len() - data_start;
         let mut tensors = HashMap::new();
@@ -201,7 +199,7 @@ impl File {
             };
             tensors.insert(key, info);
         }
-        check_no_overlap(&tensors).map_err(bad)?;
+        check_no_overlap(&tensors).map_err(|e| bad(e.to_string()))?;
         Ok(File {
             name,
             bytes,
@@ -211,9 +209,32 @@ impl File {
     }
 }
 
+/// A tensor dtype a safetensors header gives that kvmesh does not read.
+#[derive(Debug, thiserror::Error)]
+enum DTypeRefusal {
+    #[error("F8_E5M2; kvmesh reads FP8 weights as F8_E4M3 only")]
+    E5m2,
+    #[error("{0}; kvmesh reads F32, F16, BF16 and F8_E4M3 (with a quantization_config)")]
+    Unknown(String),
+}
+
+/// Two tensors whose bytes overlap in a file's data section.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "tensors `{first}` (bytes {}..{}) and `{second}` (bytes {}..{}) overlap in the data \
+     section; each tensor must have bytes of its own",
+    .first_bytes.start, .first_bytes.end, .second_bytes.start, .second_bytes.end
+)]
+struct Overlap {
+    first: String,
+    first_bytes: std::ops::Range<usize>,
+    second: String,
+    second_bytes: std::ops::Range<usize>,
+}
+
 /// Refuses two tensors whose byte ranges share a byte: each would read the other's values.
 /// A zero-length tensor holds no bytes and overlaps nothing.
-fn check_no_overlap(tensors: &HashMap<String, TensorInfo>) -> std::result::Result<(), String> {
+fn check_no_overlap(tensors: &HashMap<String, TensorInfo>) -> std::result::Result<(), Overlap> {
     let mut ranges: Vec<(&str, &TensorInfo)> = tensors
         .iter()
         .filter(|(_, t)| t.end > t.start)
@@ -226,11 +247,12 @@ fn check_no_overlap(tensors: &HashMap<String, TensorInfo>) -> std::result::Resul
     for (k, t) in ranges {
         if let Some((fk, f)) = furthest {
             if t.start < f.end {
-                return Err(format!(
-                    "tensors `{fk}` (bytes {}..{}) and `{k}` (bytes {}..{}) overlap in the data \
-                     section; each tensor must have bytes of its own",
-                    f.start, f.end, t.start, t.end
-                ));
+                return Err(Overlap {
+                    first: fk.to_string(),
+                    first_bytes: f.start..f.end,
+                    second: k.to_string(),
+                    second_bytes: t.start..t.end,
+                });
             }
         }
         if furthest.is_none_or(|(_, f)| t.end > f.end) {
@@ -255,18 +277,31 @@ struct Entry {
 struct Header;
 
 impl Header {
-    fn parse(json: &[u8]) -> std::result::Result<Vec<(String, Entry)>, String> {
+    fn parse(json: &[u8]) -> std::result::Result<Vec<(String, Entry)>, HeaderError> {
         use serde::de::DeserializeSeed;
         let mut at = None;
         let mut de = serde_json::Deserializer::from_slice(json);
         let entries = HeaderSeed(&mut at)
             .deserialize(&mut de)
             .and_then(|h| de.end().map(|()| h));
-        entries.map_err(|e| match at {
-            Some(key) => format!("header entry `{key}`: {e}"),
-            None => format!("header is not a JSON object of tensor entries: {e}"),
+        entries.map_err(|source| match at {
+            Some(key) => HeaderError::Entry { key, source },
+            None => HeaderError::NotEntries(source),
         })
     }
+}
+
+/// A safetensors header that does not read as tensor entries.
+#[derive(Debug, thiserror::Error)]
+enum HeaderError {
+    /// Reading the value of `key` failed (its shape, dtype or offsets, or the key repeated).
+    #[error("header entry `{key}`: {source}")]
+    Entry {
+        key: String,
+        source: serde_json::Error,
+    },
+    #[error("header is not a JSON object of tensor entries: {0}")]
+    NotEntries(serde_json::Error),
 }
 
 /// Deserializes the header, leaving in `.0` the key whose value was being read when it

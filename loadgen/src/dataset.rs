@@ -32,19 +32,33 @@ pub enum DatasetArg {
     ShareGpt(PathBuf),
 }
 
-impl FromStr for DatasetArg {
-    type Err = String;
+/// A `--dataset` value that names no dataset.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct UnknownDataset(pub String);
 
-    fn from_str(s: &str) -> std::result::Result<Self, String> {
+impl fmt::Display for UnknownDataset {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "unknown dataset {:?}: use random, shakespeare, conversation or sharegpt:PATH",
+            self.0
+        )
+    }
+}
+
+impl std::error::Error for UnknownDataset {}
+
+impl FromStr for DatasetArg {
+    type Err = UnknownDataset;
+
+    fn from_str(s: &str) -> std::result::Result<Self, UnknownDataset> {
         match s {
             "random" => Ok(DatasetArg::Random),
             "shakespeare" => Ok(DatasetArg::Shakespeare),
             "conversation" => Ok(DatasetArg::Conversation),
             _ => match s.strip_prefix("sharegpt:") {
                 Some(p) if !p.is_empty() => Ok(DatasetArg::ShareGpt(PathBuf::from(p))),
-                _ => Err(format!(
-                    "unknown dataset {s:?}: use random, shakespeare, conversation or sharegpt:PATH"
-                )),
+                _ => Err(UnknownDataset(s.to_string())),
             },
         }
     }
@@ -464,7 +478,9 @@ mod tests {
             Ok(DatasetArg::ShareGpt("/x/y.json".into()))
         );
         assert!("sharegpt:".parse::<DatasetArg>().is_err());
-        assert!("wiki".parse::<DatasetArg>().is_err());
+        let e = "wiki".parse::<DatasetArg>().unwrap_err();
+        assert_eq!(e, UnknownDataset("wiki".into()));
+        assert!(e.to_string().contains("sharegpt:PATH"), "{e}");
     }
 
     fn write(name: &str, text: &str) -> PathBuf {

@@ -91,16 +91,21 @@ impl Pdl {
 }
 
 impl std::str::FromStr for Pdl {
-    type Err = String;
-    fn from_str(s: &str) -> std::result::Result<Pdl, String> {
+    type Err = UnknownPdl;
+    fn from_str(s: &str) -> std::result::Result<Pdl, UnknownPdl> {
         match s {
             "auto" => Ok(Pdl::Auto),
             "on" => Ok(Pdl::On),
             "off" => Ok(Pdl::Off),
-            other => Err(format!("`{other}`: expected auto, on or off")),
+            other => Err(UnknownPdl(other.to_string())),
         }
     }
 }
+
+/// A `--pdl` value that is none of auto, on and off.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("`{0}`: expected auto, on or off")]
+pub struct UnknownPdl(pub String);
 
 /// The default `CudaOptions::skinny_max_rows`. On an H100 (Qwen3-8B's shapes, decode step
 /// against every product through cuBLAS) the skinny kernels took 6.39 / 6.59 / 6.92 / 8.24 ms
@@ -457,6 +462,8 @@ mod tests {
         assert_eq!("off".parse::<Pdl>(), Ok(Pdl::Off));
         assert_eq!("auto".parse::<Pdl>(), Ok(Pdl::Auto));
         let e = "yes".parse::<Pdl>().unwrap_err();
+        assert_eq!(e, UnknownPdl("yes".into()));
+        let e = e.to_string();
         assert!(e.contains("`yes`") && e.contains("auto, on or off"), "{e}");
     }
 }

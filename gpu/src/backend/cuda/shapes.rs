@@ -476,47 +476,108 @@ pub struct Fit {
     pub occupancy: f64,
 }
 
+/// Why a kernel's block cannot launch on an architecture, one variant per limit.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum NoFit {
+    #[error("{name}: {threads} threads per block; {sm} takes a multiple of 32 up to {max}")]
+    Threads {
+        name: &'static str,
+        sm: &'static str,
+        threads: u32,
+        max: u32,
+    },
+    #[error("{name}: {registers} registers per thread, above {sm}'s {max}")]
+    RegistersPerThread {
+        name: &'static str,
+        sm: &'static str,
+        registers: u32,
+        max: u32,
+    },
+    #[error(
+        "{name}: {registers} registers x {threads} threads = {per_block} per block, above \
+         {sm}'s {max} (the launch would fail with CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES)"
+    )]
+    RegistersPerBlock {
+        name: &'static str,
+        sm: &'static str,
+        registers: u32,
+        threads: u32,
+        per_block: u32,
+        max: u32,
+    },
+    #[error(
+        "{name}: {bytes} bytes of static shared memory, above the {max} bytes a block may declare"
+    )]
+    StaticSmem {
+        name: &'static str,
+        bytes: u32,
+        max: u32,
+    },
+    #[error("{name}: {bytes} bytes of shared memory per block, above {sm}'s {max}")]
+    Smem {
+        name: &'static str,
+        sm: &'static str,
+        bytes: u32,
+        max: u32,
+    },
+    #[error("{name}: not one block fits a multiprocessor of {sm}")]
+    NoBlock {
+        name: &'static str,
+        sm: &'static str,
+    },
+}
+
 impl ArchLimits {
     /// Whether a block of `k` with ptxas's `usage` can launch at all here, and if so how
     /// many are resident per multiprocessor. Registers are allocated per warp in units of
     /// 256; every block on 8.0 and later also reserves 1 KiB of shared memory.
-    pub fn fit(&self, k: &KernelShape, usage: &KernelUsage) -> std::result::Result<Fit, String> {
-        let name = k.name;
+    pub fn fit(&self, k: &KernelShape, usage: &KernelUsage) -> std::result::Result<Fit, NoFit> {
+        let (name, sm) = (k.name, self.sm);
         if k.threads == 0 || k.threads > self.max_threads_per_block || !k.threads.is_multiple_of(32)
         {
-            return Err(format!(
-                "{name}: {} threads per block; {} takes a multiple of 32 up to {}",
-                k.threads, self.sm, self.max_threads_per_block
-            ));
+            return Err(NoFit::Threads {
+                name,
+                sm,
+                threads: k.threads,
+                max: self.max_threads_per_block,
+            });
         }
         if usage.registers > self.max_regs_per_thread {
-            return Err(format!(
-                "{name}: {} registers per thread, above {}'s {}",
-                usage.registers, self.sm, self.max_regs_per_thread
-            ));
+            return Err(NoFit::RegistersPerThread {
+                name,
+                sm,
+                registers: usage.registers,
+                max: self.max_regs_per_thread,
+            });
         }
         let warps = k.threads / 32;
         let regs_per_warp = (usage.registers.max(1) * 32).div_ceil(256) * 256;
         let regs_per_block = regs_per_warp * warps;
         if regs_per_block > self.max_regs_per_block {
-            return Err(format!(
-                "{name}: {} registers x {} threads = {regs_per_block} per block, above {}'s {} \
-                 (the launch would fail with CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES)",
-                usage.registers, k.threads, self.sm, self.max_regs_per_block
-            ));
+            return Err(NoFit::RegistersPerBlock {
+                name,
+                sm,
+                registers: usage.registers,
+                threads: k.threads,
+                per_block: regs_per_block,
+                max: self.max_regs_per_block,
+            });
         }
         if usage.smem > self.max_static_smem_per_block {
-            return Err(format!(
-                "{name}: {} bytes of static shared memory, above the {} bytes a block may declare",
-                usage.smem, self.max_static_smem_per_block
-            ));
+            return Err(NoFit::StaticSmem {
+                name,
+                bytes: usage.smem,
+                max: self.max_static_smem_per_block,
+            });
         }
         let smem = usage.smem + k.dynamic_smem;
         if smem > self.max_smem_per_block {
-            return Err(format!(
-                "{name}: {smem} bytes of shared memory per block, above {}'s {}",
-                self.sm, self.max_smem_per_block
-            ));
+            return Err(NoFit::Smem {
+                name,
+                sm,
+                bytes: smem,
+                max: self.max_smem_per_block,
+            });
         }
         let by_threads = self.max_threads_per_sm / k.threads;
         let by_regs = self.regs_per_sm / regs_per_block;
@@ -526,10 +587,7 @@ impl ArchLimits {
             .min(by_smem)
             .min(self.max_blocks_per_sm);
         if blocks == 0 {
-            return Err(format!(
-                "{name}: not one block fits a multiprocessor of {}",
-                self.sm
-            ));
+            return Err(NoFit::NoBlock { name, sm });
         }
         Ok(Fit {
             blocks_per_sm: blocks,
@@ -663,7 +721,17 @@ mod tests {
         assert!((f.occupancy - 0.25).abs() < 1e-9);
         // One register more and the launch fails for lack of registers.
         let e = sm90.fit(&SAMPLE_ROWS, &usage(129, 6280)).unwrap_err();
-        assert!(e.contains("OUT_OF_RESOURCES"), "{e}");
+        assert!(
+            matches!(
+                e,
+                NoFit::RegistersPerBlock {
+                    per_block: 69_632,
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        assert!(e.to_string().contains("OUT_OF_RESOURCES"), "{e}");
         // 41 KiB of static shared memory: five blocks of 256 threads fit Hopper's 228 KiB...
         let f = sm90.fit(&ATTENTION_PREFILL, &usage(40, 41_216)).unwrap();
         assert_eq!(f.blocks_per_sm, 5);
@@ -675,6 +743,9 @@ mod tests {
                 .blocks_per_sm,
             2
         );
-        assert!(sm90.fit(&ATTENTION_PREFILL, &usage(40, 49 * 1024)).is_err());
+        assert!(matches!(
+            sm90.fit(&ATTENTION_PREFILL, &usage(40, 49 * 1024)),
+            Err(NoFit::StaticSmem { .. })
+        ));
     }
 }
