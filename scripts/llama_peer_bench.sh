@@ -367,6 +367,13 @@ for entry in index:
             for row in data["decode"]:
                 kv.setdefault(f"decode_b{row['batch']}", []).append(row["tokens_per_s"])
         kv.setdefault("memory_bw", []).append(data["memory_read_bandwidth_gb_s"])
+        # The prefill's FLOPs and the cores' peaks, measured in the same engine-bench run.
+        peaks = data.get("compute_peaks") or {}
+        if data["prefill"].get("flops") and peaks.get("f32_fma_gflop_s"):
+            kv.setdefault(f"flop_per_token_{p}", []).append(data["prefill"]["flops"] / p)
+            kv.setdefault("f32_peak", []).append(peaks["f32_fma_gflop_s"] * 1e9)
+            if peaks.get("bf16_dot_gflop_s"):
+                kv.setdefault("bf16_peak", []).append(peaks["bf16_dot_gflop_s"] * 1e9)
 
 quiet = float(env["QUIET_LOAD"])
 contended = [e for e in index if e["other_cpus"] > quiet]
@@ -407,6 +414,35 @@ for key, llama_key, label in rows:
     ratio = f"{statistics.mean(b) / statistics.mean(a):.2f}×" if a and b else "—"
     lines.append(f"| {label} | {span(a)} | {span(b)} | {ratio} |")
     summary.append({"metric": key, "unit": "tokens/s", "llama_cpp": a, "kvmesh": b})
+# Each engine's prefill rate as a share of the arithmetic peaks: what f32 products could reach
+# at best, and what llama.cpp's rate would need of them.
+arith = []
+if kv.get("f32_peak"):
+    f32p = statistics.mean(kv["f32_peak"])
+    bf16p = statistics.mean(kv["bf16_peak"]) if kv.get("bf16_peak") else None
+    lines += ["", f"arithmetic (engine-bench's FLOP count; peaks measured in each kvmesh run, "
+              f"means: f32 FMA {f32p / 1e9:.0f} GFLOP/s"
+              + (f", bf16 dot products {bf16p / 1e9:.0f} GFLOP/s" if bf16p else "") + "):"]
+    for p in prompts:
+        fpt = kv.get(f"flop_per_token_{p}")
+        if not fpt:
+            continue
+        fpt = statistics.mean(fpt)
+        share = lambda tps, peak: statistics.mean(tps) * fpt / peak
+        row = {"prompt": p, "flop_per_token": fpt, "f32_fma_peak": f32p, "bf16_dot_peak": bf16p}
+        parts = []
+        if kv.get(f"prefill_{p}"):
+            row["kvmesh_f32_share_of_f32_peak"] = share(kv[f"prefill_{p}"], f32p)
+            parts.append(f"kvmesh's f32 products {100 * row['kvmesh_f32_share_of_f32_peak']:.0f}% of the f32 peak")
+        if kv.get(f"prefill_bf16_{p}") and bf16p:
+            row["kvmesh_bf16_share_of_bf16_peak"] = share(kv[f"prefill_bf16_{p}"], bf16p)
+            parts.append(f"its bf16 products {100 * row['kvmesh_bf16_share_of_bf16_peak']:.0f}% of the bf16 peak")
+        if llama.get(f"prefill_{p}"):
+            row["llama_cpp_share_of_f32_peak"] = share(llama[f"prefill_{p}"], f32p)
+            parts.append(f"llama.cpp's rate {100 * row['llama_cpp_share_of_f32_peak']:.0f}% of the f32 peak"
+                         + (f" ({100 * share(llama[f'prefill_{p}'], bf16p):.0f}% of the bf16 peak its products run at)" if bf16p else ""))
+        arith.append(row)
+        lines.append(f"- prefill {p}: " + "; ".join(parts))
 table = "\n".join(lines)
 print(table)
 
@@ -438,6 +474,7 @@ out = {
     },
     "kvmesh": {"version": env["kvmesh_version"], "command": env["kv_cmd"]},
     "summary": summary,
+    "arithmetic": arith,
     "table_markdown": table,
     "seconds": {"setup": int(env["setup_s"]), "measure": int(env["measure_s"])},
     "runs": raw_runs,
