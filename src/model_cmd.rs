@@ -48,22 +48,8 @@ pub enum ModelCommand {
         /// qwen3.5-9b, whose shape the flags below cannot change).
         #[arg(long, default_value = "tiny", value_parser = clap::builder::PossibleValuesParser::new(kvmesh_gpu::init::PRESETS))]
         preset: String,
-        #[arg(long)]
-        layers: Option<usize>,
-        #[arg(long)]
-        hidden_size: Option<usize>,
-        #[arg(long)]
-        intermediate_size: Option<usize>,
-        #[arg(long)]
-        heads: Option<usize>,
-        #[arg(long)]
-        kv_heads: Option<usize>,
-        #[arg(long)]
-        head_dim: Option<usize>,
-        #[arg(long)]
-        vocab_size: Option<usize>,
-        #[arg(long)]
-        max_position_embeddings: Option<usize>,
+        #[command(flatten)]
+        shape: ShapeFlags,
         #[arg(long, default_value_t = 0)]
         seed: u64,
         #[arg(long, value_enum, default_value = "bf16")]
@@ -78,15 +64,77 @@ pub enum ModelCommand {
     },
 }
 
+/// `init-random`'s changes to a preset's shape.
+#[derive(clap::Args, Debug, Default)]
+pub struct ShapeFlags {
+    #[arg(long)]
+    layers: Option<usize>,
+    #[arg(long)]
+    hidden_size: Option<usize>,
+    #[arg(long)]
+    intermediate_size: Option<usize>,
+    #[arg(long)]
+    heads: Option<usize>,
+    #[arg(long)]
+    kv_heads: Option<usize>,
+    #[arg(long)]
+    head_dim: Option<usize>,
+    #[arg(long)]
+    vocab_size: Option<usize>,
+    #[arg(long)]
+    max_position_embeddings: Option<usize>,
+}
+
+impl ShapeFlags {
+    fn any(&self) -> bool {
+        [
+            self.layers,
+            self.hidden_size,
+            self.intermediate_size,
+            self.heads,
+            self.kv_heads,
+            self.head_dim,
+            self.vocab_size,
+            self.max_position_embeddings,
+        ]
+        .iter()
+        .any(Option::is_some)
+    }
+
+    /// The flags given, over `cfg`; a new hidden size without `--head-dim` sets the head size
+    /// to hidden ÷ heads.
+    fn apply(&self, cfg: &mut ModelConfig) {
+        if let Some(v) = self.layers {
+            cfg.num_layers = v;
+        }
+        if let Some(v) = self.hidden_size {
+            cfg.hidden_size = v;
+            if self.head_dim.is_none() {
+                cfg.head_dim = v / self.heads.unwrap_or(cfg.num_heads);
+            }
+        }
+        let set = |field: &mut usize, v: Option<usize>| {
+            if let Some(v) = v {
+                *field = v;
+            }
+        };
+        set(&mut cfg.intermediate_size, self.intermediate_size);
+        set(&mut cfg.num_heads, self.heads);
+        set(&mut cfg.num_kv_heads, self.kv_heads);
+        set(&mut cfg.head_dim, self.head_dim);
+        set(&mut cfg.vocab_size, self.vocab_size);
+        set(
+            &mut cfg.max_position_embeddings,
+            self.max_position_embeddings,
+        );
+    }
+}
+
 /// A hybrid (Qwen3.5) preset's layer layout and linear-attention heads come with its shape, so
 /// a flag changing one part of the shape is refused, as is `--fp8` (written for dense models).
-fn refuse_hybrid_overrides(
-    name: &str,
-    shape_flags: &[Option<usize>],
-    fp8: bool,
-) -> anyhow::Result<()> {
+fn refuse_hybrid_overrides(name: &str, shape: &ShapeFlags, fp8: bool) -> anyhow::Result<()> {
     anyhow::ensure!(
-        shape_flags.iter().all(Option::is_none),
+        !shape.any(),
         "--preset {name} is a hybrid (Qwen3.5) model whose layer layout and linear attention \
          heads come with its shape; the shape flags apply to the dense presets"
     );
@@ -142,14 +190,7 @@ pub fn run(cmd: ModelCommand) -> anyhow::Result<()> {
         ModelCommand::InitRandom {
             arch,
             preset: name,
-            layers,
-            hidden_size,
-            intermediate_size,
-            heads,
-            kv_heads,
-            head_dim,
-            vocab_size,
-            max_position_embeddings,
+            shape,
             seed,
             dtype,
             fp8,
@@ -163,45 +204,9 @@ pub fn run(cmd: ModelCommand) -> anyhow::Result<()> {
             });
             let mut cfg = preset(arch, &name)?;
             if cfg.hybrid.is_some() {
-                let shape_flags = [
-                    layers,
-                    hidden_size,
-                    intermediate_size,
-                    heads,
-                    kv_heads,
-                    head_dim,
-                    vocab_size,
-                    max_position_embeddings,
-                ];
-                refuse_hybrid_overrides(&name, &shape_flags, fp8)?;
+                refuse_hybrid_overrides(&name, &shape, fp8)?;
             }
-            if let Some(v) = layers {
-                cfg.num_layers = v;
-            }
-            if let Some(v) = hidden_size {
-                cfg.hidden_size = v;
-                if head_dim.is_none() {
-                    cfg.head_dim = v / heads.unwrap_or(cfg.num_heads);
-                }
-            }
-            if let Some(v) = intermediate_size {
-                cfg.intermediate_size = v;
-            }
-            if let Some(v) = heads {
-                cfg.num_heads = v;
-            }
-            if let Some(v) = kv_heads {
-                cfg.num_kv_heads = v;
-            }
-            if let Some(v) = head_dim {
-                cfg.head_dim = v;
-            }
-            if let Some(v) = vocab_size {
-                cfg.vocab_size = v;
-            }
-            if let Some(v) = max_position_embeddings {
-                cfg.max_position_embeddings = v;
-            }
+            shape.apply(&mut cfg);
             let dtype = check_shape(&cfg, dtype, fp8)?;
             let tokenizer = kvmesh_gpu::embedded::default_tokenizer();
             let cfg = if fp8 {
