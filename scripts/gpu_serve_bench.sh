@@ -11,6 +11,9 @@
 #   sharegpt-like      ShareGPT, all at once                          ${SG_N:-300} requests,
 #                                                                     lengths of scripts/sharegpt_like.py
 #
+# and, only when PROFILES names it, batch1: 1,024 in / 128 out one request at a time
+# (${B1_N:-8} requests), whose TPOT is the batch-1 decode step as served.
+#
 #   MODEL=target/bench-models/qwen3-8b bash scripts/gpu_serve_bench.sh
 #   DEVICE=cpu MAX_LEN=4096 PROFILES=throughput TP_N=4 MODEL=tests/fixtures/models/hf-qwen35-f32 \
 #       KVMESH_BIN=target/release/kvmesh OUT=/tmp/smoke TAG=smoke bash scripts/gpu_serve_bench.sh
@@ -30,7 +33,7 @@ port="${PORT:-8471}"
 bin="${KVMESH_BIN:-gpu-out/kvmesh}"
 profiles=" ${PROFILES:-throughput sharegpt-like generation-heavy long-context} "
 for p in $profiles; do
-    case " throughput sharegpt-like generation-heavy long-context " in
+    case " throughput sharegpt-like generation-heavy long-context batch1 " in
     *" $p "*) ;;
     *) echo "gpu_serve_bench: unknown profile '$p' in PROFILES" >&2; exit 2 ;;
     esac
@@ -63,6 +66,8 @@ bench() {
         --result-dir "$out/serve" --percentiles 50,99 --timeout 300 "$@" 2>&1 | tee -a "$out/serve/bench.txt"
 }
 python3 scripts/sharegpt_like.py "$out/serve/sharegpt-like.json" --n "${SG_N:-300}"
+bench batch1 --dataset random --input-len 1024 --output-len 128 \
+    --num-prompts "${B1_N:-8}" --request-rate inf --max-concurrency 1
 bench throughput --dataset random --input-len 1024 --output-len 128 \
     --num-prompts "${TP_N:-300}" --request-rate inf --max-concurrency 512
 bench sharegpt-like --dataset "sharegpt:$out/serve/sharegpt-like.json" \

@@ -153,11 +153,12 @@ run)
     # split them (green contexts).
     stage colocate-8b 420 env OUT="$work" MODEL=target/bench-models/qwen3-8b \
         bash scripts/gpu_colocate_bench.sh
-    # Qwen3.5-9B (hybrid: Gated DeltaNet + gated attention) served through the gateway, the
-    # Throughput profile of vLLM's tuning table for that model (1,024 in / 128 out); the
-    # checkpoint (18 GB, random bf16) is written here first.
+    # Qwen3.5-9B (hybrid: Gated DeltaNet + gated attention) served through the gateway: one
+    # request at a time (the batch-1 step as served, against the copy bound of its weights and
+    # state), then the Throughput profile of vLLM's tuning table for that model (1,024 in /
+    # 128 out); the checkpoint (18 GB, random bf16) is written here first.
     stage serve-qwen35-9b 300 env OUT="$work/qwen35" MODEL=target/bench-models/qwen3.5-9b \
-        PROFILES=throughput TAG=qwen3.5-9b bash -c '[ -e "$MODEL/model.safetensors" ] || \
+        PROFILES="batch1 throughput" TAG=qwen3.5-9b bash -c '[ -e "$MODEL/model.safetensors" ] || \
         gpu-out/kvmesh model init-random --preset qwen3.5-9b --out "$MODEL" || exit; \
         bash scripts/gpu_serve_bench.sh'
     # Qwen3.5-9B's Gated DeltaNet layer: kvmesh's two kernels, then flash-linear-attention's
