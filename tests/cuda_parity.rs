@@ -1061,20 +1061,7 @@ fn delta_params(nk: usize, nv: usize, dk: usize, dv: usize, seed: u64) -> DeltaP
         linear_conv_kernel_dim: 4,
         rotary_dim: 0,
     };
-    let mut r = Rng::seeded(seed);
-    let mut draw = |n: usize, lo: f32, hi: f32| -> Vec<f32> {
-        (0..n)
-            .map(|_| lo + (hi - lo) * (r.next_u64() >> 40) as f32 / (1u64 << 24) as f32)
-            .collect()
-    };
-    DeltaParams {
-        conv: draw(hy.conv_dim() * 4, -0.6, 0.6),
-        neg_a: draw(nv, -3.0, 2.0).into_iter().map(|a| -a.exp()).collect(),
-        dt_bias: draw(nv, -1.0, 1.0),
-        norm: draw(dv, 0.5, 1.5),
-        hy,
-        eps: 1e-6,
-    }
+    DeltaParams::random(hy, 1e-6, seed)
 }
 
 /// The device's Gated DeltaNet mixing (`delta_conv_silu`, then `gated_delta_rule`) against

@@ -8,7 +8,6 @@ use std::path::Path;
 use kvmesh_gpu::backend::cpu::delta::DeltaParams;
 use kvmesh_gpu::backend::cuda::delta_timing::{time_delta_mix, DELTA_CASES};
 use kvmesh_gpu::init::preset;
-use kvmesh_gpu::sampler::Rng;
 
 use crate::programs::write_json;
 
@@ -19,23 +18,7 @@ fn params(preset_name: &str) -> anyhow::Result<DeltaParams> {
     let Some(hy) = cfg.hybrid.clone() else {
         anyhow::bail!("--gated-deltanet times a hybrid (Qwen3.5) model's linear layers; {preset_name} has none");
     };
-    let mut r = Rng::seeded(11);
-    let mut draw = |n: usize, lo: f32, hi: f32| -> Vec<f32> {
-        (0..n)
-            .map(|_| lo + (hi - lo) * (r.next_u64() >> 40) as f32 / (1u64 << 24) as f32)
-            .collect()
-    };
-    Ok(DeltaParams {
-        conv: draw(hy.conv_dim() * hy.linear_conv_kernel_dim, -0.6, 0.6),
-        neg_a: draw(hy.linear_num_value_heads, -3.0, 2.0)
-            .into_iter()
-            .map(|a| -a.exp())
-            .collect(),
-        dt_bias: draw(hy.linear_num_value_heads, -1.0, 1.0),
-        norm: draw(hy.linear_value_head_dim, 0.5, 1.5),
-        eps: cfg.rms_norm_eps as f32,
-        hy,
-    })
+    Ok(DeltaParams::random(hy, cfg.rms_norm_eps as f32, 11))
 }
 
 /// Times every case on device `ordinal` for each preset and writes one JSON per preset

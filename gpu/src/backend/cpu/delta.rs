@@ -52,6 +52,29 @@ pub struct DeltaParams {
     pub eps: f32,
 }
 
+impl DeltaParams {
+    /// A layer of `hy`'s shape with pseudo-random weights drawn from `seed`: convolution taps
+    /// in ±0.6, decays from slow (`A_log` near -3) to fast (near 2), `dt_bias` in ±1, norm
+    /// weights in [0.5, 1.5). What the GPU parity test and the kernel benchmark run on.
+    pub fn random(hy: HybridConfig, eps: f32, seed: u64) -> DeltaParams {
+        let mut r = crate::sampler::Rng::seeded(seed);
+        let mut draw = |n: usize, lo: f32, hi: f32| -> Vec<f32> {
+            (0..n)
+                .map(|_| lo + (hi - lo) * (r.next_u64() >> 40) as f32 / (1u64 << 24) as f32)
+                .collect()
+        };
+        let nv = hy.linear_num_value_heads;
+        DeltaParams {
+            conv: draw(hy.conv_dim() * hy.linear_conv_kernel_dim, -0.6, 0.6),
+            neg_a: draw(nv, -3.0, 2.0).into_iter().map(|a| -a.exp()).collect(),
+            dt_bias: draw(nv, -1.0, 1.0),
+            norm: draw(hy.linear_value_head_dim, 0.5, 1.5),
+            hy,
+            eps,
+        }
+    }
+}
+
 pub(super) fn softplus(x: f32) -> f32 {
     // torch's softplus returns x itself above its threshold of 20.
     if x > 20.0 {
