@@ -101,7 +101,7 @@ run)
     # Kernels assembled for this GPU's architecture and the others, every library function
     # resolved (the driver's too, here), before anything runs on the device.
     [ -x gpu-out/cuda_offline ] && stage offline 90 gpu-out/cuda_offline --test-threads=1 --nocapture
-    stage parity 200 env KVMESH_BIN="$PWD/gpu-out/kvmesh" gpu-out/cuda_parity --test-threads=1 --nocapture
+    stage parity 240 env KVMESH_BIN="$PWD/gpu-out/kvmesh" gpu-out/cuda_parity --test-threads=1 --nocapture
     # The 8B shapes (issue: batch-1 decode against the copy bound, prefill against the GEMM
     # peak, KV capacity at the default memory share); the checkpoints are written here.
     stage bench-8b 150 gpu-out/gpu-bench --presets qwen3-8b --json "bench/results/gpu-8b-qwen3.json"

@@ -28,10 +28,14 @@
 //!   CPU's dequantized model, with the FP8 decode kernels, the activation quantizer and
 //!   cuBLASLt's FP8 GEMMs each held to a host computation of the same product.
 //! - each side of an SM split (green contexts) computing what the whole GPU does, and a
-//!   region exported by CUDA IPC read and written by a second process (`cuda/split.rs`).
+//!   region exported by CUDA IPC read and written by a second process (`cuda/split.rs`);
+//! - KV handed from one engine to another of the process on the device, directly and
+//!   through a `kvmesh node` with both roles on one GPU, whole and split (`cuda/handover.rs`).
 #![cfg(feature = "cuda")]
 
 mod common;
+#[path = "cuda/handover.rs"]
+mod handover;
 #[path = "cuda/split.rs"]
 mod split;
 
@@ -1009,8 +1013,14 @@ fn staged_kv_transfer_between_cuda_engines_decodes_the_same() {
                         // finished and the decode side is waiting for them.
                         unsafe {
                             std::ptr::copy_nonoverlapping(
-                                plo.pool().base(layer, kind).add(at(plo.blocks())),
-                                dlo.pool().base(layer, kind).add(at(dlo.blocks())),
+                                plo.host_pool()
+                                    .unwrap()
+                                    .base(layer, kind)
+                                    .add(at(plo.blocks())),
+                                dlo.host_pool()
+                                    .unwrap()
+                                    .base(layer, kind)
+                                    .add(at(dlo.blocks())),
                                 bpp,
                             )
                         };

@@ -316,6 +316,11 @@ async fn a_node_without_etcd_is_a_whole_disaggregated_cluster() {
         ("kvmesh:disagg_decisions_total{reason=\"remote\"}", 2.0),
         ("kvmesh:disagg_prefills_total{outcome=\"remote\"}", 2.0),
         ("kvmesh:kv_transfers_total{transport=\"in-process\"}", 2.0),
+        // CPU engines' KV is host memory: nothing to hand over on a device.
+        (
+            "kvmesh:kv_transfers_total{transport=\"in-process-device\"}",
+            0.0,
+        ),
     ] {
         assert_eq!(solo.metric(&http, series).await, want, "{series}");
     }

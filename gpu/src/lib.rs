@@ -5,6 +5,7 @@ pub mod backend;
 pub mod card;
 pub mod checkpoint;
 pub mod config;
+pub mod device_kv;
 pub mod embedded;
 pub mod engine;
 pub mod error;

@@ -23,6 +23,15 @@ pub enum TransportError {
     Stream(String),
     #[error("bad message: {0}")]
     Codec(String),
+    #[error(
+        "the KV blocks are in the memory of GPU {device}, which only a transfer between two \
+         engines of one process can move"
+    )]
+    DeviceMemory { device: u32 },
+    #[error("copying KV on the device: {0}")]
+    DeviceCopy(String),
+    #[error("an in-process transfer between host memory and a GPU's memory")]
+    MixedMemory,
     #[error(transparent)]
     Ucx(#[from] crate::kv::ucx::UcxError),
 }

@@ -9,7 +9,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
-use kvmesh_gpu::engine::{ExportEvent, KvLease, SeqEvent, Submission};
+use kvmesh_gpu::engine::{ExportEvent, Handover, KvLease, SeqEvent, Submission};
 use kvmesh_gpu::error::EngineError;
 use kvmesh_telemetry::TARGET;
 use kvmesh_transport::kv::local::{LocalSender, LocalTarget};
@@ -49,6 +49,7 @@ impl WorkerCore {
             node = self.node_id.as_str(),
             decode_worker = req.decode_node.as_str(),
             via = match (&via, &req.data) {
+                (SendVia::Local(t), _) if t.on_device() => "in-process-device",
                 (SendVia::Local(_), _) => "in-process",
                 (_, DataPath::Quic { .. }) => "quic",
                 (_, DataPath::Tcp { .. }) => "tcp",
@@ -116,7 +117,13 @@ impl WorkerCore {
             return Err(TransferError::fatal(m));
         }
         let from = req.from_pos as usize;
-        let (mut sub, mut ev, lease, computed) = self.admit(req).await?;
+        // A decode engine of this process that lent its device cache's blocks takes them
+        // from this engine's on the device.
+        let handover = match &via {
+            SendVia::Local(t) if t.on_device() => Handover::Device,
+            _ => Handover::Host,
+        };
+        let (mut sub, mut ev, lease, computed) = self.admit(req, handover).await?;
         let span = tracing::Span::current();
         span.record("cached_tokens", computed);
         let _ = events.send(PrefillEvent::Started {
@@ -196,6 +203,7 @@ impl WorkerCore {
     async fn admit(
         &self,
         req: &PrefillRequest,
+        handover: Handover,
     ) -> Result<
         (
             Submission,
@@ -212,7 +220,7 @@ impl WorkerCore {
         ereq.params.stop_token_ids.clear();
         let (mut sub, mut ev) = self
             .engine
-            .submit_export(ereq, req.from_pos as usize)
+            .submit_export_on(ereq, req.from_pos as usize, handover)
             .map_err(|e| TransferError {
                 retryable: matches!(e, EngineError::QueueFull { .. }),
                 message: e.to_string(),

@@ -9,6 +9,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use kvmesh_gpu::device_kv::{CopyRun, DeviceCopy, DeviceKey, KvMemory};
 use kvmesh_gpu::engine::KvLease;
 use kvmesh_gpu::kv_pool::HostKvPool;
 use kvmesh_gpu::kv_pool::KvKind;
@@ -16,7 +17,7 @@ use kvmesh_telemetry::metrics::Exposition;
 use kvmesh_transport::grant::{self, Counted, StreamGrant};
 use kvmesh_transport::kv::streams::KvInbox;
 use kvmesh_transport::kv::ucx::{MemoryType, Registration, Ucx, UcxError};
-use kvmesh_transport::kv::HostRegion;
+use kvmesh_transport::kv::KvRegion;
 use kvmesh_transport::wire::{self, KvLayout, PrefillPeer, UniHeader};
 use kvmesh_transport::{Connection, NodeEndpoint};
 
@@ -155,12 +156,13 @@ pub struct KvStats {
     pub failed: AtomicU64,
     pub bytes_out: AtomicU64,
     /// Decode side: remote prefills landed, by transport (`VIA` order).
-    pub via: [AtomicU64; 4],
+    pub via: [AtomicU64; 5],
 }
 
 impl KvStats {
-    /// The transports `via` counts.
-    pub const VIA: [&'static str; 4] = ["in-process", "quic", "tcp", "ucx"];
+    /// The transports `via` counts: `in-process-device` is a copy between two engines'
+    /// device caches, `in-process` one through host memory.
+    pub const VIA: [&'static str; 5] = ["in-process", "in-process-device", "quic", "tcp", "ucx"];
 
     pub fn count_via(&self, transport: &str) {
         if let Some(i) = Self::VIA.iter().position(|&t| t == transport) {
@@ -255,30 +257,78 @@ impl KvSide {
     }
 }
 
-/// A lease's blocks as a transfer addresses them, over `positions`.
-pub(super) fn region(lease: &KvLease, positions: Range<usize>) -> HostRegion {
-    let pool = lease.pool();
-    let spec = pool.spec();
+/// A lease's blocks as a transfer addresses them, over `positions`: host memory, or the
+/// device cache's own blocks for a transfer between two engines of this process.
+pub(super) fn region(lease: &KvLease, positions: Range<usize>) -> KvRegion {
+    let spec = lease.spec();
     let layers = spec.num_layers;
-    let k = (0..layers).map(|l| pool.base(l, KvKind::K)).collect();
-    let v = (0..layers).map(|l| pool.base(l, KvKind::V)).collect();
     let blocks = lease.blocks().iter().map(|b| b.0).collect();
-    // SAFETY: the pool's buffers are `[num_blocks, block_size, kv_dim]` per layer and live as
-    // long as the pool, which the lease (the keepalive) holds; the engine allocated every
-    // block of the table from this pool; and while a lease clone lives, the positions a
-    // transfer moves are its own (read-only computed ones on the prefill side, reserved
-    // ones on the decode side): the engine keeps the blocks and does not touch them.
-    unsafe {
-        HostRegion::new(
-            k,
-            v,
-            pool.layer_bytes(),
-            spec.bytes_per_pos(),
-            spec.block_size,
-            blocks,
-            positions,
-            Arc::new(lease.clone()),
-        )
+    let keep = Arc::new(lease.clone());
+    match lease.memory() {
+        KvMemory::Host(pool) => {
+            let k = (0..layers).map(|l| pool.base(l, KvKind::K)).collect();
+            let v = (0..layers).map(|l| pool.base(l, KvKind::V)).collect();
+            // SAFETY: the pool's buffers are `[num_blocks, block_size, kv_dim]` per layer and
+            // live as long as the pool, which the lease (the keepalive) holds; the engine
+            // allocated every block of the table from this pool; and while a lease clone
+            // lives, the positions a transfer moves are its own (read-only computed ones on
+            // the prefill side, reserved ones on the decode side): the engine keeps the
+            // blocks and does not touch them.
+            unsafe {
+                KvRegion::new(
+                    k,
+                    v,
+                    pool.layer_bytes(),
+                    spec.bytes_per_pos(),
+                    spec.block_size,
+                    blocks,
+                    positions,
+                    keep,
+                )
+            }
+        }
+        KvMemory::Device(pool) => {
+            let addr = |l, kind| pool.base(l, kind) as usize as *mut u8;
+            let k = (0..layers).map(|l| addr(l, KvKind::K)).collect();
+            let v = (0..layers).map(|l| addr(l, KvKind::V)).collect();
+            // SAFETY: as above, for the device cache's buffers (the pool keeps them alive
+            // past the engine), which only `EngineCopy` touches.
+            unsafe {
+                KvRegion::new(
+                    k,
+                    v,
+                    pool.layer_bytes(),
+                    spec.bytes_per_pos(),
+                    spec.block_size,
+                    blocks,
+                    positions,
+                    keep,
+                )
+                .on_device(Arc::new(EngineCopy(pool.copier().clone())))
+            }
+        }
+    }
+}
+
+/// An engine's device copier, as the transport calls it.
+struct EngineCopy(Arc<dyn DeviceCopy>);
+
+impl kvmesh_transport::kv::DeviceCopy for EngineCopy {
+    fn device(&self) -> u32 {
+        self.0.device().ordinal
+    }
+
+    unsafe fn copy(&self, runs: &[(usize, usize, usize)], dst: u32) -> Result<(), String> {
+        let runs: Vec<CopyRun> = runs
+            .iter()
+            .map(|&(src, dst, len)| CopyRun {
+                src: src as u64,
+                dst: dst as u64,
+                len: len as u64,
+            })
+            .collect();
+        // SAFETY: the transport's contract is the engine's.
+        unsafe { self.0.copy(&runs, DeviceKey { ordinal: dst }) }
     }
 }
 

@@ -182,6 +182,7 @@ mod tests {
             vocab_size: 16,
             kv_spec: None,
             kv_transfer: false,
+            device_kv: None,
         }
     }
 

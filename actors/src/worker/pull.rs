@@ -12,7 +12,8 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvmesh_gpu::engine::{KvLease, Landed, Submission};
+use kvmesh_gpu::device_kv::KvMemory;
+use kvmesh_gpu::engine::{Handover, KvLease, Landed, Submission};
 use kvmesh_gpu::error::EngineError;
 use kvmesh_telemetry::TARGET;
 use kvmesh_transport::kv::local;
@@ -52,9 +53,11 @@ pub(super) async fn decode(
     peer: &PrefillPeer,
     router_gone: &mut (impl std::future::Future + Unpin),
 ) -> Result<Option<Submission>, EngineError> {
-    let (sub, lease) = core
-        .engine
-        .submit_remote_prefill(convert::request_from_wire(req), peer.min_tokens as usize)?;
+    let (sub, lease) = core.engine.submit_remote_prefill_on(
+        convert::request_from_wire(req),
+        peer.min_tokens as usize,
+        handover(core, peer),
+    )?;
     let queue = tracing::info_span!(target: TARGET, "queue", reserved = true);
     let lease = tokio::select! {
         l = lease => match l {
@@ -132,6 +135,8 @@ enum PullError {
     UcxRegistration(#[source] UcxError),
     #[error("a UCX fallback cannot itself be UCX")]
     UcxFallbackIsUcx,
+    #[error("the blocks were lent on the device, which UCX cannot register here")]
+    DeviceLease,
     #[error("opening a stream to {node}: {source}")]
     OpenStream {
         node: String,
@@ -153,6 +158,19 @@ enum PullError {
         landed: u64,
         total: usize,
     },
+}
+
+/// Where the decode engine lends its blocks: on the device where this node's own prefill
+/// role computes the prompt and both engines' caches are on GPUs (the copy never leaves
+/// the device), else in host memory, which every transport reaches.
+fn handover(core: &WorkerCore, peer: &PrefillPeer) -> Handover {
+    let local = core.local_prefill.read();
+    match local.as_ref().filter(|_| peer.node_id == core.node_id) {
+        Some(p) if p.engine.info.device_kv.is_some() && core.engine.info.device_kv.is_some() => {
+            Handover::Device
+        }
+        _ => Handover::Host,
+    }
 }
 
 /// Fetches the prompt's KV into the lease's blocks: the first token and what was moved.
@@ -188,8 +206,12 @@ async fn pull(
         .filter(|_| peer.node_id == core.node_id);
     let asked = match local_prefill {
         Some(p) => {
-            tracing::Span::current().record("transport", "in-process");
-            Asked::in_process(p, preq, &landing)
+            let via = match lease.memory() {
+                KvMemory::Device(_) => "in-process-device",
+                KvMemory::Host(_) => "in-process",
+            };
+            tracing::Span::current().record("transport", via);
+            Asked::in_process(p, preq, &landing, via)
         }
         None => Asked::over_network(kv, peer, preq, lease, &landing).await?,
     };
@@ -222,7 +244,12 @@ struct Asked {
 
 impl Asked {
     /// This node's own prefill role computes the prompt and copies it in.
-    fn in_process(prefill: Arc<WorkerCore>, preq: PrefillRequest, landing: &Arc<Landing>) -> Asked {
+    fn in_process(
+        prefill: Arc<WorkerCore>,
+        preq: PrefillRequest,
+        landing: &Arc<Landing>,
+        via: &'static str,
+    ) -> Asked {
         let (target, recv) = local::channel(landing.clone());
         let (etx, erx) = mpsc::unbounded_channel();
         Asked {
@@ -236,7 +263,7 @@ impl Asked {
             })),
             _entry: None,
             _registration: None,
-            via: "in-process",
+            via,
         }
     }
 
@@ -257,8 +284,9 @@ impl Asked {
         if let KvTransport::Ucx { lanes, otherwise } = transport {
             match (&kv.ucx, peer.ucx) {
                 (Some(u), true) => {
+                    let pool = lease.host_pool().ok_or(PullError::DeviceLease)?;
                     let reg = u
-                        .registration(lease.pool())
+                        .registration(pool)
                         .await
                         .map_err(PullError::UcxRegistration)?;
                     preq.data = DataPath::Ucx {

@@ -350,6 +350,13 @@ pub trait Backend: Send {
         None
     }
 
+    /// The KV cache in device memory, as a transfer to or from another engine of this process
+    /// addresses it (copies on the device, no host staging). `None`: host memory, or a
+    /// backend that cannot.
+    fn device_kv(&self) -> Option<Arc<crate::device_kv::DeviceKvPool>> {
+        None
+    }
+
     /// For a backend whose KV is not in host memory (`host_kv` is `None`): whether it can
     /// copy K and V to and from a host pool of the same shape, so that transfers go through
     /// host staging buffers.

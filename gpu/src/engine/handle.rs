@@ -7,7 +7,7 @@ use std::sync::Arc;
 use tokio::sync::{mpsc, oneshot};
 
 use super::kv_events::KvEventHub;
-use super::lease::{ExportEvent, KvLease, LeaseEvent};
+use super::lease::{ExportEvent, Handover, KvLease, LeaseEvent};
 use super::request::{EngineInfo, Progress, Request, SeqEvent, SeqId};
 use super::stats::EngineStats;
 use crate::error::{EngineError, Result};
@@ -57,11 +57,13 @@ pub(super) enum Mode {
     Remote {
         min_uncached: usize,
         lease_tx: oneshot::Sender<KvLease>,
+        handover: Handover,
     },
     /// Prefill side: computed here and sent elsewhere from position `from_pos` on.
     Export {
         from_pos: usize,
         tx: mpsc::UnboundedSender<ExportEvent>,
+        handover: Handover,
     },
 }
 
@@ -188,6 +190,16 @@ impl EngineHandle {
         req: Request,
         min_uncached: usize,
     ) -> Result<(Submission, oneshot::Receiver<KvLease>)> {
+        self.submit_remote_prefill_on(req, min_uncached, Handover::Host)
+    }
+
+    /// The same, with the blocks lent where `handover` says.
+    pub fn submit_remote_prefill_on(
+        &self,
+        req: Request,
+        min_uncached: usize,
+        handover: Handover,
+    ) -> Result<(Submission, oneshot::Receiver<KvLease>)> {
         self.check_transfer()?;
         let (tx, rx) = oneshot::channel();
         let sub = self.enqueue(
@@ -195,6 +207,7 @@ impl EngineHandle {
             Mode::Remote {
                 min_uncached,
                 lease_tx: tx,
+                handover,
             },
         )?;
         Ok((sub, rx))
@@ -209,6 +222,16 @@ impl EngineHandle {
         req: Request,
         from_pos: usize,
     ) -> Result<(Submission, mpsc::UnboundedReceiver<ExportEvent>)> {
+        self.submit_export_on(req, from_pos, Handover::Host)
+    }
+
+    /// The same, with the blocks lent where `handover` says.
+    pub fn submit_export_on(
+        &self,
+        req: Request,
+        from_pos: usize,
+        handover: Handover,
+    ) -> Result<(Submission, mpsc::UnboundedReceiver<ExportEvent>)> {
         self.check_transfer()?;
         if from_pos >= req.prompt.len() {
             return Err(EngineError::InvalidRequest(format!(
@@ -217,7 +240,14 @@ impl EngineHandle {
             )));
         }
         let (tx, rx) = mpsc::unbounded_channel();
-        let sub = self.enqueue(req, Mode::Export { from_pos, tx })?;
+        let sub = self.enqueue(
+            req,
+            Mode::Export {
+                from_pos,
+                tx,
+                handover,
+            },
+        )?;
         Ok((sub, rx))
     }
 

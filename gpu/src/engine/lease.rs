@@ -16,6 +16,7 @@
 use std::sync::Arc;
 
 use super::request::SeqId;
+use crate::device_kv::KvMemory;
 use crate::kv_cache::BlockId;
 use crate::kv_pool::{HostKvPool, KvSpec};
 use crate::sampler::Sampled;
@@ -26,7 +27,7 @@ pub struct KvLease(Arc<LeaseInner>);
 
 struct LeaseInner {
     seq: SeqId,
-    pool: Arc<HostKvPool>,
+    memory: KvMemory,
     blocks: Vec<BlockId>,
     prompt_len: usize,
     from_pos: usize,
@@ -70,6 +71,19 @@ pub struct Landed {
     pub state: Option<Vec<f32>>,
 }
 
+/// Where a transfer wants a sequence's blocks lent.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Handover {
+    /// In host memory: the pool itself, or a staging pool a device backend fills and empties
+    /// (`Backend::kv_to_host`, `kv_from_host`). Every transport reads and writes these.
+    #[default]
+    Host,
+    /// The device cache's own blocks ([`KvMemory::Device`]), on a backend that has one
+    /// (`EngineInfo::device_kv`); elsewhere the same as `Host`. Only for a copy to or from
+    /// another engine of this process: nothing crosses the host.
+    Device,
+}
+
 /// What the prefill side hears about a sequence it exports.
 pub enum ExportEvent {
     /// The sequence was admitted; its blocks cover the whole prompt. Positions below
@@ -88,7 +102,7 @@ pub enum ExportEvent {
 impl KvLease {
     pub(super) fn new(
         seq: SeqId,
-        pool: Arc<HostKvPool>,
+        memory: KvMemory,
         blocks: Vec<BlockId>,
         prompt_len: usize,
         from_pos: usize,
@@ -96,7 +110,7 @@ impl KvLease {
     ) -> KvLease {
         KvLease(Arc::new(LeaseInner {
             seq,
-            pool,
+            memory,
             blocks,
             prompt_len,
             from_pos,
@@ -116,12 +130,19 @@ impl KvLease {
         (self.0.notify)(LeaseEvent::Abandoned(self.0.seq));
     }
 
-    pub fn pool(&self) -> &Arc<HostKvPool> {
-        &self.0.pool
+    /// Where the blocks are: host memory, or (for a transfer to another engine of this
+    /// process, [`Handover::Device`](super::Handover::Device)) the device cache itself.
+    pub fn memory(&self) -> &KvMemory {
+        &self.0.memory
+    }
+
+    /// The host pool the blocks are in; `None` for blocks lent on the device.
+    pub fn host_pool(&self) -> Option<&Arc<HostKvPool>> {
+        self.0.memory.host()
     }
 
     pub fn spec(&self) -> &KvSpec {
-        self.0.pool.spec()
+        self.0.memory.spec()
     }
 
     /// The sequence's block table: block `i` holds positions `i * block_size ..`.

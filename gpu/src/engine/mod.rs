@@ -44,7 +44,7 @@ mod thread;
 mod transfer_tests;
 
 pub use handle::{EngineHandle, Submission};
-pub use lease::{ExportEvent, KvLease, Landed};
+pub use lease::{ExportEvent, Handover, KvLease, Landed};
 pub use request::{EngineConfig, EngineInfo, FinishReason, Progress, Request, SeqEvent, SeqId};
 pub use shared::EnginePool;
 pub use stats::{prefill_part_us, EngineStats, StepFit, StepModel};

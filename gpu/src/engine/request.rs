@@ -104,4 +104,7 @@ pub struct EngineInfo {
     pub kv_spec: Option<KvSpec>,
     /// Whether the backend's KV can be moved in and out by transfers (host memory).
     pub kv_transfer: bool,
+    /// The device the KV cache is on, where a transfer to or from another engine of this
+    /// process can copy on the device ([`Handover::Device`](super::Handover::Device)).
+    pub device_kv: Option<crate::device_kv::DeviceKey>,
 }

@@ -11,13 +11,14 @@ use tokio::sync::{mpsc, oneshot};
 
 use super::handle::{Command, EngineHandle, Inbox, Mode};
 use super::kv_events::KvEventHub;
-use super::lease::{ExportEvent, KvLease, Landed, LeaseEvent, LeaseNotify};
+use super::lease::{ExportEvent, Handover, KvLease, Landed, LeaseEvent, LeaseNotify};
 use super::masks::MaskThread;
 use super::request::{EngineConfig, EngineInfo, FinishReason, Progress, SeqEvent, SeqId};
 use super::scheduler::{Entry, Lend, Limits, Place, Plan, Scheduler, SeqState, Transfer};
 use super::stats::{prefill_part_us, EngineStats};
 use crate::backend::error::{KvCopyError, StateError};
 use crate::backend::{Backend, ForwardBatch, MaskSlot, SampleSpec, SeqInput};
+use crate::device_kv::{DeviceKvPool, KvMemory};
 use crate::error::{EngineError, Result};
 use crate::guided::{mask_words, Guided};
 use crate::kv_cache::BlockId;
@@ -35,6 +36,8 @@ struct SeqIo {
     lease_tx: Option<oneshot::Sender<KvLease>>,
     /// Prefill side: what its transfer hears.
     export: Option<mpsc::UnboundedSender<ExportEvent>>,
+    /// Where its transfer wants the blocks lent.
+    handover: Handover,
     /// On a backend without host-visible KV: the host copy of this sequence's blocks that
     /// its transfer reads from or lands in (block `i` mirrors `blocks[i]`).
     stage: Option<Arc<HostKvPool>>,
@@ -111,6 +114,7 @@ pub(super) fn build(
     stats.free_state_slots.store(state_slots, Ordering::Relaxed);
     let kv_events = Arc::new(KvEventHub::default());
     let pool = backend.host_kv();
+    let device_kv = backend.device_kv();
     let kv_spec = backend.kv_spec();
     let info = Arc::new(EngineInfo {
         device: backend.device(),
@@ -122,6 +126,7 @@ pub(super) fn build(
         vocab_size,
         kv_spec: kv_spec.clone(),
         kv_transfer: pool.is_some() || (backend.kv_staging() && kv_spec.is_some()),
+        device_kv: device_kv.as_ref().map(|d| d.device()),
     });
     let limits = Limits {
         max_num_seqs: cfg.max_num_seqs,
@@ -142,6 +147,7 @@ pub(super) fn build(
         cfg,
         eos_ids,
         pool,
+        device_kv,
         stats: stats.clone(),
         kv_events: kv_events.clone(),
         rx,
@@ -169,6 +175,8 @@ pub(super) struct Engine {
     cfg: EngineConfig,
     eos_ids: Vec<u32>,
     pool: Option<Arc<HostKvPool>>,
+    /// The device cache as in-process transfers address it, on a backend that has one.
+    device_kv: Option<Arc<DeviceKvPool>>,
     stats: Arc<EngineStats>,
     kv_events: Arc<KvEventHub>,
     rx: crossbeam_channel::Receiver<Command>,
@@ -341,13 +349,23 @@ impl Engine {
             }
             None => Rng::from_entropy(),
         };
-        let (transfer, lease_tx, export) = match mode {
-            Mode::Local => (Transfer::Local, None, None),
+        let (transfer, lease_tx, export, handover) = match mode {
+            Mode::Local => (Transfer::Local, None, None, Handover::Host),
             Mode::Remote {
                 min_uncached,
                 lease_tx,
-            } => (Transfer::Remote { min_uncached }, Some(lease_tx), None),
-            Mode::Export { from_pos, tx } => (Transfer::Export { from_pos }, None, Some(tx)),
+                handover,
+            } => (
+                Transfer::Remote { min_uncached },
+                Some(lease_tx),
+                None,
+                handover,
+            ),
+            Mode::Export {
+                from_pos,
+                tx,
+                handover,
+            } => (Transfer::Export { from_pos }, None, Some(tx), handover),
         };
         self.sched.waiting.push_back(Entry {
             seq: SeqState::new(id, prompt, transfer),
@@ -359,6 +377,7 @@ impl Engine {
                 enqueued: Instant::now(),
                 lease_tx,
                 export,
+                handover,
                 stage: None,
                 landed: None,
                 guided,
@@ -463,8 +482,9 @@ impl Engine {
             .store(s.held.values().map(Vec::len).sum(), Ordering::Relaxed);
     }
 
-    /// A lease on a sequence's blocks: the pool's own blocks, or on a backend without host
-    /// KV a host mirror of them (filled with positions `stage_fill` first).
+    /// A lease on a sequence's blocks: the pool's own blocks; the device cache's own, for a
+    /// transfer in this process that asked for them ([`Handover::Device`]); or on a backend
+    /// without host KV a host mirror of them (filled with positions `stage_fill` first).
     fn lease(
         &mut self,
         place: Place,
@@ -472,9 +492,12 @@ impl Engine {
         stage_fill: Range<usize>,
     ) -> Result<KvLease> {
         let e = self.sched.at_mut(place);
-        let (pool, blocks) = match &self.pool {
-            Some(p) => (p.clone(), e.seq.blocks.clone()),
-            None => {
+        let (memory, blocks) = match (&self.pool, &self.device_kv, e.io.handover) {
+            (Some(p), _, _) => (KvMemory::Host(p.clone()), e.seq.blocks.clone()),
+            (None, Some(d), Handover::Device) => {
+                (KvMemory::Device(d.clone()), e.seq.blocks.clone())
+            }
+            (None, _, _) => {
                 let spec = self.backend.kv_spec().ok_or(KvCopyError::NoLayout)?;
                 let stage = Arc::new(HostKvPool::new(spec, e.seq.blocks.len())?);
                 let local = mirror(e.seq.blocks.len());
@@ -483,12 +506,12 @@ impl Engine {
                         .kv_to_host(&e.seq.blocks, stage_fill, &stage, &local)?;
                 }
                 e.io.stage = Some(stage.clone());
-                (stage, local)
+                (KvMemory::Host(stage), local)
             }
         };
         Ok(KvLease::new(
             e.seq.id,
-            pool,
+            memory,
             blocks,
             e.seq.prompt_len,
             from_pos,

@@ -483,13 +483,15 @@ fn staged_transfers_carry_the_kv_intact() {
     for pos in 0..21 {
         for layer in 0..3 {
             for kind in [KvKind::K, KvKind::V] {
-                let v = Staged::slot(plo.pool(), plo.blocks(), pos, layer, kind).to_vec();
+                let v =
+                    Staged::slot(plo.host_pool().unwrap(), plo.blocks(), pos, layer, kind).to_vec();
                 assert_eq!(
                     v[0],
                     Staged::pattern(pos, layer, kind),
                     "staged on the prefill side"
                 );
-                Staged::slot(dlo.pool(), dlo.blocks(), pos, layer, kind).copy_from_slice(&v);
+                Staged::slot(dlo.host_pool().unwrap(), dlo.blocks(), pos, layer, kind)
+                    .copy_from_slice(&v);
             }
         }
     }
@@ -506,4 +508,46 @@ fn staged_transfers_carry_the_kv_intact() {
     });
     assert_eq!(tokens(&mut dsub), local_run(&prompt, 5));
     assert!(all_free(&p) && all_free(&d));
+}
+
+/// `Handover::Device` asks for the device cache's own blocks; a backend without device KV
+/// (host pools, or staging like the test's `Staged`) lends host memory as it always does, so
+/// every transport still reaches the blocks.
+#[test]
+fn a_device_handover_lends_host_memory_where_the_backend_has_no_device_kv() {
+    use crate::device_kv::KvMemory;
+    let sim = engine(64);
+    let staged = spawn(
+        Box::new(Staged::new()),
+        EngineConfig {
+            max_model_len: 100,
+            block_size: 4,
+            ..Default::default()
+        },
+        vec![],
+        VOCAB,
+    );
+    for h in [&sim, &staged] {
+        assert_eq!(h.info.device_kv, None);
+        let req = Request {
+            prompt: prompt(10),
+            params: greedy(1),
+        };
+        let (mut sub, mut ev) = h
+            .submit_export_on(req.clone(), 0, Handover::Device)
+            .unwrap();
+        let ExportEvent::Ready { lease, .. } = ev.blocking_recv().unwrap() else {
+            panic!("Ready first")
+        };
+        assert!(matches!(lease.memory(), KvMemory::Host(_)));
+        tokens(&mut sub);
+        drop(lease);
+        let (_sub, rx) = h
+            .submit_remote_prefill_on(req, 1, Handover::Device)
+            .unwrap();
+        let lease = rx.blocking_recv().expect("a lease");
+        assert!(lease.host_pool().is_some(), "host memory");
+        drop(lease);
+        assert!(all_free(h));
+    }
 }

@@ -27,7 +27,7 @@
 //!
 //! # Memory
 //!
-//! Both sides name memory through a [`HostRegion`]: for each layer the base address of its K
+//! Both sides name memory through a [`KvRegion`]: for each layer the base address of its K
 //! and of its V buffer (`[num_blocks, block_size, kv_heads, head_dim]`, so one block's
 //! positions are contiguous), the sequence's block table, and the range of positions the
 //! transfer owns. The receiver reads each payload **straight into the destination blocks**:
@@ -42,7 +42,10 @@
 //! - TCP (`streams`, the same code): plain connections from the prefill worker to the decode
 //!   worker's KV listener, for trusted networks, as a baseline;
 //! - in-process (`local`): both roles in one process; the sender copies each piece from one
-//!   pool into the other (a single `memcpy`), no framing, no socket.
+//!   pool into the other (a single `memcpy`), no framing, no socket. Two engines on GPUs
+//!   lend their device caches' blocks instead ([`RegionMemory::Device`]), and the piece is
+//!   copied on the device by the engine's [`DeviceCopy`]; every other transport refuses a
+//!   device region ([`TransportError::DeviceMemory`]).
 //!
 //! RDMA slots in beside them without changing either side's logic: the decode worker
 //! registers its pool as memory regions at start-up and puts, in the `DataPath`, the remote
@@ -75,7 +78,7 @@ pub enum Kind {
 }
 
 /// A sequence's KV memory as a transfer sees it. See the module docs.
-pub struct HostRegion {
+pub struct KvRegion {
     k: Vec<usize>,
     v: Vec<usize>,
     layer_bytes: usize,
@@ -83,11 +86,12 @@ pub struct HostRegion {
     block_size: usize,
     blocks: Vec<u32>,
     positions: Range<usize>,
+    memory: RegionMemory,
     /// Keeps the memory (and the blocks' ownership) alive as long as the region.
     _keepalive: Arc<dyn Any + Send + Sync>,
 }
 
-impl HostRegion {
+impl KvRegion {
     /// # Safety
     /// For every layer, `k[l]` and `v[l]` must point to `layer_bytes` bytes laid out as
     /// `[blocks, block_size, bytes_per_pos]`, valid while `keepalive` lives; every block in
@@ -103,8 +107,8 @@ impl HostRegion {
         blocks: Vec<u32>,
         positions: Range<usize>,
         keepalive: Arc<dyn Any + Send + Sync>,
-    ) -> HostRegion {
-        HostRegion {
+    ) -> KvRegion {
+        KvRegion {
             k: k.into_iter().map(|p| p as usize).collect(),
             v: v.into_iter().map(|p| p as usize).collect(),
             layer_bytes,
@@ -112,8 +116,24 @@ impl HostRegion {
             block_size,
             blocks,
             positions,
+            memory: RegionMemory::Host,
             _keepalive: keepalive,
         }
+    }
+
+    /// The same addresses, as device memory of this process that `copy` moves: only an
+    /// in-process transfer ([`local`]) reads or writes such a region; every other transport
+    /// refuses it.
+    ///
+    /// # Safety
+    /// `new`'s contract, for device addresses on the device `copy` copies on.
+    pub unsafe fn on_device(mut self, copy: Arc<dyn DeviceCopy>) -> KvRegion {
+        self.memory = RegionMemory::Device(copy);
+        self
+    }
+
+    pub fn memory(&self) -> &RegionMemory {
+        &self.memory
     }
 
     pub fn num_layers(&self) -> usize {
@@ -143,7 +163,23 @@ impl HostRegion {
 
     /// The memory of `kind` for positions `first .. first + n` of `layer`: one
     /// `(address, length)` per block touched, in position order.
+    /// Host memory only: a device region's bytes cannot be read or written from here.
     pub fn segments(
+        &self,
+        layer: usize,
+        kind: Kind,
+        first: usize,
+        n: usize,
+    ) -> Result<Vec<(usize, usize)>, TransportError> {
+        if let RegionMemory::Device(c) = &self.memory {
+            return Err(TransportError::DeviceMemory { device: c.device() });
+        }
+        self.any_segments(layer, kind, first, n)
+    }
+
+    /// `segments` in host or device memory, for a transfer that copies with the region's
+    /// own [`DeviceCopy`] where it is on a device.
+    pub(crate) fn any_segments(
         &self,
         layer: usize,
         kind: Kind,
@@ -182,6 +218,30 @@ impl HostRegion {
             })
             .collect()
     }
+}
+
+/// Where a region's bytes are.
+#[derive(Clone)]
+pub enum RegionMemory {
+    /// Host memory: every transport reads and writes it.
+    Host,
+    /// A GPU's memory in this process, moved only by its copier (in-process transfers).
+    Device(Arc<dyn DeviceCopy>),
+}
+
+/// Copies between device addresses of this process: the engine's, behind a trait so that
+/// the transport needs no GPU library.
+pub trait DeviceCopy: Send + Sync {
+    /// The device's ordinal: equal for two regions on one device.
+    fn device(&self) -> u32;
+
+    /// Copies every `(source, destination, length)` run, the destinations on `dst_device`,
+    /// and returns once all have landed.
+    ///
+    /// # Safety
+    /// Every run's source must be readable and its destination writable device memory, lent
+    /// to this copy until it returns, with no overlap between them.
+    unsafe fn copy(&self, runs: &[(usize, usize, usize)], dst_device: u32) -> Result<(), String>;
 }
 
 /// Where positions `first .. first + n` of a sequence lie in one layer's buffer laid out as
@@ -352,7 +412,7 @@ pub trait KvReceiver: Send {
 
 /// What has landed of a transfer, checked piece by piece.
 pub struct Landing {
-    pub region: HostRegion,
+    pub region: KvRegion,
     pub transfer_id: u64,
     /// Per layer, the next position expected.
     next: Mutex<Vec<usize>>,
@@ -361,7 +421,7 @@ pub struct Landing {
 }
 
 impl Landing {
-    pub fn new(region: HostRegion, transfer_id: u64) -> Landing {
+    pub fn new(region: KvRegion, transfer_id: u64) -> Landing {
         let start = region.positions().start;
         let layers = region.num_layers();
         Landing {
@@ -374,8 +434,26 @@ impl Landing {
     }
 
     /// Checks a piece's header against the region and what already landed; the segments
-    /// its payload goes to (K's, then V's).
+    /// its payload goes to (K's, then V's). Host memory only.
     fn accept(&self, p: &KvPiece) -> Result<Vec<(usize, usize)>, TransportError> {
+        self.check(p)?;
+        let (layer, first, n) = (p.layer as usize, p.first_pos as usize, p.num_pos as usize);
+        let mut segs = self.region.segments(layer, Kind::K, first, n)?;
+        segs.extend(self.region.segments(layer, Kind::V, first, n)?);
+        Ok(segs)
+    }
+
+    /// `accept` in host or device memory (an in-process transfer copies either way).
+    fn accept_any(&self, p: &KvPiece) -> Result<Vec<(usize, usize)>, TransportError> {
+        self.check(p)?;
+        let (layer, first, n) = (p.layer as usize, p.first_pos as usize, p.num_pos as usize);
+        let mut segs = self.region.any_segments(layer, Kind::K, first, n)?;
+        segs.extend(self.region.any_segments(layer, Kind::V, first, n)?);
+        Ok(segs)
+    }
+
+    /// A piece's header against the region and what already landed.
+    fn check(&self, p: &KvPiece) -> Result<(), TransportError> {
         let bad = |m: String| Err(TransportError::Codec(m));
         if p.transfer_id != self.transfer_id {
             return bad(format!(
@@ -414,9 +492,7 @@ impl Landing {
                 self.region.blocks_of(first, n)
             ));
         }
-        let mut segs = self.region.segments(layer, Kind::K, first, n)?;
-        segs.extend(self.region.segments(layer, Kind::V, first, n)?);
-        Ok(segs)
+        Ok(())
     }
 
     fn landed(&self, p: &KvPiece) {
@@ -533,12 +609,12 @@ mod tests {
         mem: &mut [Vec<u8>],
         blocks: Vec<u32>,
         positions: Range<usize>,
-    ) -> HostRegion {
+    ) -> KvRegion {
         let layer_bytes = mem[0].len();
         let ptrs: Vec<*mut u8> = mem.iter_mut().map(|m| m.as_mut_ptr()).collect();
         let (k, v) = (vec![ptrs[0], ptrs[1]], vec![ptrs[2], ptrs[3]]);
         // SAFETY: the test keeps `mem` alive and unaliased while the region is used.
-        unsafe { HostRegion::new(k, v, layer_bytes, 8, 4, blocks, positions, Arc::new(())) }
+        unsafe { KvRegion::new(k, v, layer_bytes, 8, 4, blocks, positions, Arc::new(())) }
     }
 
     #[test]

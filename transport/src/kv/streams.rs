@@ -19,7 +19,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, Semaphore};
 use tokio::task::JoinSet;
 
-use super::{blocks_of, HostRegion, Kind, KvReceiver, KvSender, Landing, Lanes, TransferTotals};
+use super::{blocks_of, Kind, KvReceiver, KvRegion, KvSender, Landing, Lanes, TransferTotals};
 use crate::wire::{self, KvPiece, KvStreamHello, UniHeader};
 use crate::TransportError;
 
@@ -95,7 +95,7 @@ impl StreamSender {
 /// What a stream sender reads from and where the pieces go.
 pub struct Target {
     /// The prefill side's memory of the sequence.
-    pub source: Arc<HostRegion>,
+    pub source: Arc<KvRegion>,
     pub transfer_id: u64,
     /// The decode side's block table, named in each piece's header.
     pub dest_blocks: Vec<u32>,
@@ -124,7 +124,7 @@ trait PieceWriter: Send {
     /// A payload: runs of the source region's memory.
     async fn segments(
         &mut self,
-        region: &Arc<HostRegion>,
+        region: &Arc<KvRegion>,
         segs: &[(usize, usize)],
     ) -> std::io::Result<()>;
     async fn close(&mut self) -> std::io::Result<()>;
@@ -142,7 +142,7 @@ impl PieceWriter for TcpWriter {
     /// One `writev` for many runs: the kernel copies straight from the KV pool.
     async fn segments(
         &mut self,
-        _region: &Arc<HostRegion>,
+        _region: &Arc<KvRegion>,
         segs: &[(usize, usize)],
     ) -> std::io::Result<()> {
         // SAFETY: the region's contract: these positions are computed and ours to read.
@@ -165,7 +165,7 @@ struct QuicWriter(quinn::SendStream);
 /// so the blocks' lease) alive until QUIC lets go of it, after the peer acknowledged it, so
 /// a retransmission always reads the same bytes.
 struct Segment {
-    _region: Arc<HostRegion>,
+    _region: Arc<KvRegion>,
     addr: usize,
     len: usize,
 }
@@ -186,7 +186,7 @@ impl PieceWriter for QuicWriter {
 
     async fn segments(
         &mut self,
-        region: &Arc<HostRegion>,
+        region: &Arc<KvRegion>,
         segs: &[(usize, usize)],
     ) -> std::io::Result<()> {
         let mut chunks: Vec<bytes::Bytes> = segs

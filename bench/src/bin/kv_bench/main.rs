@@ -33,7 +33,7 @@ use kvmesh_bench::programs::write_json;
 use kvmesh_gpu::kv_pool::{HostKvPool, KvDtype, KvKind, KvSpec};
 use kvmesh_transport::kv::local::{self, LocalSender};
 use kvmesh_transport::kv::streams::{KvInbox, StreamReceiver, StreamSender, Target};
-use kvmesh_transport::kv::{random_u64, HostRegion, KvReceiver, KvSender, Landing};
+use kvmesh_transport::kv::{random_u64, KvReceiver, KvRegion, KvSender, Landing};
 use kvmesh_transport::wire::{self, UniHeader};
 use kvmesh_transport::{AllowList, NodeEndpoint, NodeIdentity};
 use serde_json::{json, Value};
@@ -86,14 +86,14 @@ fn pool(tokens: usize, seed: u8) -> Arc<HostKvPool> {
 }
 
 /// The whole pool as one sequence's region; `table` maps the sequence's blocks.
-fn region(p: &Arc<HostKvPool>, table: &[u32], tokens: usize) -> HostRegion {
+fn region(p: &Arc<HostKvPool>, table: &[u32], tokens: usize) -> KvRegion {
     let s = p.spec();
     let k = (0..s.num_layers).map(|l| p.base(l, KvKind::K)).collect();
     let v = (0..s.num_layers).map(|l| p.base(l, KvKind::V)).collect();
     // SAFETY: the pool outlives the region (kept alive by it); the benchmark runs one
     // transfer at a time, so source and destination positions are not shared.
     unsafe {
-        HostRegion::new(
+        KvRegion::new(
             k,
             v,
             p.layer_bytes(),
@@ -161,7 +161,7 @@ impl Setup {
         ))
     }
 
-    fn source(&self) -> Arc<HostRegion> {
+    fn source(&self) -> Arc<KvRegion> {
         Arc::new(region(&self.src, &self.src_table, self.tokens))
     }
 

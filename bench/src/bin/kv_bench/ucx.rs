@@ -10,7 +10,7 @@ use kvmesh_transport::kv::ucx::{
     remote_keys, wire_buffers, MemoryType, NoticeStream, Registration, Ucx, UcxError, UcxOptions,
     UcxReceiver, UcxSender,
 };
-use kvmesh_transport::kv::{HostRegion, KvReceiver, KvSender, Landing};
+use kvmesh_transport::kv::{KvReceiver, KvRegion, KvSender, Landing};
 
 /// Two UCX workers (one per side) and the destination pool's registration.
 pub struct UcxPair {
@@ -48,7 +48,7 @@ impl UcxPair {
     pub fn transfer(
         &self,
         landing: Arc<Landing>,
-        source: Arc<HostRegion>,
+        source: Arc<KvRegion>,
         dest_blocks: Vec<u32>,
         lanes: usize,
     ) -> (Box<dyn KvSender>, Box<dyn KvReceiver>) {

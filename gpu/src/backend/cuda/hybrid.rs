@@ -49,6 +49,8 @@ pub struct CudaHybridBackend {
     num_snapshots: usize,
     pub(super) skinny_max_rows: usize,
     pub(super) split_decode: bool,
+    /// The full-attention layers' cache as transfers in this process address it.
+    device_kv: Arc<crate::device_kv::DeviceKvPool>,
 }
 
 impl CudaHybridBackend {
@@ -130,6 +132,7 @@ impl CudaHybridBackend {
         let states = stream
             .alloc_zeros::<f32>((split.slots + split.snapshots) * layout.floats_per_slot())
             .map_err(|e| upload_err(ordinal, "the recurrent-state slots", e))?;
+        let device_kv = super::handover::device_pool(&kv, &ctx, ordinal, k.kv_copy.clone())?;
         let mut be = CudaHybridBackend {
             cfg: cfg.clone(),
             ordinal,
@@ -147,6 +150,7 @@ impl CudaHybridBackend {
             num_snapshots: split.snapshots,
             skinny_max_rows: opts.skinny_max_rows,
             split_decode: opts.split_decode,
+            device_kv,
         };
         // The activations of the largest step the engine runs, allocated now (as planned).
         be.ensure_space(plan.tokens)?;
@@ -268,6 +272,10 @@ impl Backend for CudaHybridBackend {
 
     fn kv_staging(&self) -> bool {
         true
+    }
+
+    fn device_kv(&self) -> Option<Arc<crate::device_kv::DeviceKvPool>> {
+        Some(self.device_kv.clone())
     }
 
     fn kv_to_host(

@@ -37,6 +37,7 @@ pub const KERNELS_CU: &str = concat!(
     include_str!("kernels/skinny.cu"),
     include_str!("kernels/hybrid.cu"),
     include_str!("kernels/fp8.cu"),
+    include_str!("kernels/kv_copy.cu"),
 );
 
 /// The compiled module's functions.
@@ -71,6 +72,8 @@ pub struct Kernels {
     pub(super) gate_sigmoid_mul: CudaFunction,
     /// FP8 linear layers (`kernels/fp8.cu`, launched by `fp8_gemm`).
     pub(super) fp8: Fp8Kernels,
+    /// The in-process KV handover's copy (`kernels/kv_copy.cu`, launched by `handover`).
+    pub(super) kv_copy: CudaFunction,
     /// Whether launches carry programmatic dependent launch (`launch`): on Hopper and later
     /// by default, off with `CudaOptions::pdl` false.
     pub pdl: bool,
@@ -146,6 +149,7 @@ impl Kernels {
                 quant: f(shapes::FP8_QUANT)?,
                 out: f(shapes::FP8_OUT)?,
             },
+            kv_copy: f(shapes::KV_COPY)?,
             pdl: major >= 9,
         };
         Ok((k, arch))

@@ -8,7 +8,7 @@
 use std::ops::Range;
 use std::sync::Arc;
 
-use cudarc::driver::{CudaSlice, CudaStream};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 
 use super::device::{drv, upload_err};
 use crate::backend::error::KvCopyError;
@@ -24,6 +24,21 @@ pub struct KvCache {
     pub num_blocks: usize,
     spec: KvSpec,
     stream: Arc<CudaStream>,
+    /// Where `k` and `v` go when the cache is dropped, to be freed with the last device
+    /// pool handle (`handover::device_pool`): a transfer may still be copying into them.
+    parked: Arc<Parked>,
+}
+
+/// A dropped cache's buffers, kept for the device pools that still address them.
+#[derive(Default)]
+pub struct Parked(parking_lot::Mutex<Vec<CudaSlice<u16>>>);
+
+impl Drop for KvCache {
+    fn drop(&mut self) {
+        let mut p = self.parked.0.lock();
+        p.append(&mut self.k);
+        p.append(&mut self.v);
+    }
 }
 
 impl KvCache {
@@ -71,7 +86,23 @@ impl KvCache {
                 dtype: KvDtype::Bf16,
             },
             stream: stream.clone(),
+            parked: Arc::default(),
         })
+    }
+
+    /// The device address of `layer`'s K or V buffer.
+    pub fn address(&self, layer: usize, kind: KvKind) -> u64 {
+        let buf = match kind {
+            KvKind::K => &self.k[layer],
+            KvKind::V => &self.v[layer],
+        };
+        let (p, _record) = buf.device_ptr(&self.stream);
+        p
+    }
+
+    /// What keeps the buffers alive past the cache (see `parked`).
+    pub fn keep(&self) -> Arc<dyn std::any::Any + Send + Sync> {
+        self.parked.clone()
     }
 
     pub fn spec(&self) -> &KvSpec {

@@ -114,6 +114,7 @@ impl CudaBackend {
         k.pdl &= opts.pdl.enabled(w.bytes_per_step());
         // One block more than asked for: the scratch block decode graphs pad with.
         let kv = KvCache::alloc(&stream, ordinal, cfg, num_blocks, block_size)?;
+        let device_kv = super::handover::device_pool(&kv, &ctx, ordinal, k.kv_copy.clone())?;
         let graphs = DecodeGraphs::new(opts.graphs, cfg, num_blocks, block_size);
         let ws = match plan.tokens {
             0 => None,
@@ -151,6 +152,7 @@ impl CudaBackend {
             split_decode: opts.split_decode,
             fuse_norms: opts.fuse_norms,
             fp8,
+            device_kv,
         })
     }
 

@@ -28,6 +28,7 @@
 //! - `step`: one step, from the batch to logits, eager or through a graph (`graphs`);
 //! - `forward`: the forward pass itself, launch by launch;
 //! - `sampling`: sampling on the device; `kv`: the cache and its host copies;
+//!   `handover`: its copies into another engine's cache in this process, on the device;
 //! - `buffers`: the step's device buffers; `batch`: the batch flattened on the host;
 //! - `shapes`: each kernel's launch figures, shared with `kernels/*.cu`, and device limits.
 //!
@@ -52,6 +53,7 @@ mod fp8_gemm;
 mod gemm;
 mod graphs;
 pub mod green;
+mod handover;
 mod hybrid;
 mod hybrid_forward;
 mod hybrid_weights;
@@ -114,6 +116,8 @@ pub struct CudaBackend {
     fuse_norms: bool,
     /// cuBLASLt and scratch for an FP8 checkpoint's products (`fp8_gemm`).
     fp8: Option<fp8_gemm::Fp8Ctx>,
+    /// The cache as transfers to and from another engine of this process address it.
+    device_kv: Arc<crate::device_kv::DeviceKvPool>,
 }
 
 impl CudaBackend {
@@ -162,6 +166,10 @@ impl Backend for CudaBackend {
     /// the host side.
     fn kv_staging(&self) -> bool {
         true
+    }
+
+    fn device_kv(&self) -> Option<Arc<crate::device_kv::DeviceKvPool>> {
+        Some(self.device_kv.clone())
     }
 
     fn kv_to_host(

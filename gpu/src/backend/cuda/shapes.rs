@@ -285,6 +285,9 @@ pub const GATED_ROPE_KV_WRITE: KernelShape = shape("gated_rope_kv_write", 64, 0,
 pub const GATE_SIGMOID_MUL: KernelShape = shape("gate_sigmoid_mul", 256, 0, false);
 const _: () = assert!(GATED_ROPE_KV_WRITE.threads == ROPE_KV_WRITE.threads);
 
+/// The in-process KV handover's copy (`kernels/kv_copy.cu`): one block per run of positions.
+pub const KV_COPY: KernelShape = shape("kv_copy_runs", 256, 0, false);
+
 /// Every kernel of `kernels/*.cu`. A kernel missing here is one the offline check refuses.
 pub const KERNELS: &[KernelShape] = &[
     EMBED,
@@ -330,6 +333,7 @@ pub const KERNELS: &[KernelShape] = &[
     FP8_GEMV_CHANNEL[2].1,
     FP8_QUANT,
     FP8_OUT,
+    KV_COPY,
 ];
 
 /// The macros the kernels (`kernels/*.cu`) are compiled with: the figures above, under the names the kernels
@@ -346,6 +350,7 @@ pub fn defines() -> Vec<(&'static str, usize)> {
         ("BIAS_ADD_THREADS", BIAS_ADD.threads as usize),
         ("ROPE_THREADS", ROPE_KV_WRITE.threads as usize),
         ("GATE_THREADS", GATE_SIGMOID_MUL.threads as usize),
+        ("KV_COPY_THREADS", KV_COPY.threads as usize),
         ("DECODE_THREADS", ATTENTION_DECODE.threads as usize),
         ("SILU_MUL_THREADS", SILU_MUL.threads as usize),
         ("GATHER_THREADS", GATHER_ROWS.threads as usize),

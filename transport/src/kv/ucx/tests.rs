@@ -3,7 +3,7 @@
 
 use super::*;
 use crate::kv::tests::region;
-use crate::kv::HostRegion;
+use crate::kv::KvRegion;
 
 fn fill(mem: &mut [Vec<u8>]) {
     for (i, m) in mem.iter_mut().enumerate() {
@@ -51,7 +51,7 @@ async fn decode(
 fn pair(
     prefill: &Ucx,
     d: &Decode,
-    src: Arc<HostRegion>,
+    src: Arc<KvRegion>,
     dest_blocks: Vec<u32>,
     lanes: usize,
     keys: Option<RemoteKeys>,

@@ -1,0 +1,202 @@
+//! KV handed from one CUDA engine to another of the same process on the device: the
+//! decode engine lends its device cache's blocks, the prefill engine its own, and
+//! `kv_copy_runs` copies between them with nothing crossing the host.
+
+use kvmesh_gpu::device_kv::{CopyRun, KvMemory};
+use kvmesh_gpu::engine::{ExportEvent, Handover, Landed};
+use kvmesh_gpu::kv_pool::KvKind;
+
+use super::*;
+
+fn cuda_engine(m: &LoadedModel, budget: usize) -> engine::EngineHandle {
+    let be = build_backend(
+        BackendKind::Cuda(CudaOptions::device(0)),
+        m,
+        BLOCK_SIZE,
+        KvBudget::Blocks(64),
+    )
+    .expect("a CUDA device");
+    engine::spawn(
+        be,
+        EngineConfig {
+            max_model_len: 512,
+            block_size: BLOCK_SIZE,
+            max_num_batched_tokens: budget,
+            ..Default::default()
+        },
+        vec![],
+        m.config.vocab_size,
+    )
+}
+
+/// The runs that copy positions `0..n` of every layer from `src`'s blocks to `dst`'s: one
+/// per block, K's then V's.
+fn runs(src: &engine::KvLease, dst: &engine::KvLease, n: usize) -> Vec<CopyRun> {
+    let (KvMemory::Device(sp), KvMemory::Device(dp)) = (src.memory(), dst.memory()) else {
+        panic!("both leases should be the device caches' own blocks")
+    };
+    let bpp = sp.spec().bytes_per_pos() as u64;
+    let mut out = Vec::new();
+    for layer in 0..sp.spec().num_layers {
+        for kind in [KvKind::K, KvKind::V] {
+            for b in 0..n.div_ceil(BLOCK_SIZE) {
+                let len = (n - b * BLOCK_SIZE).min(BLOCK_SIZE) as u64;
+                let at = |base: u64, blocks: &[BlockId]| {
+                    base + blocks[b].0 as u64 * BLOCK_SIZE as u64 * bpp
+                };
+                out.push(CopyRun {
+                    src: at(sp.base(layer, kind), src.blocks()),
+                    dst: at(dp.base(layer, kind), dst.blocks()),
+                    len: len * bpp,
+                });
+            }
+        }
+    }
+    out
+}
+
+/// A prompt exported by one CUDA engine (chunked) and copied on the device into a second
+/// engine's lent blocks decodes there exactly as on one engine.
+#[test]
+fn kv_handed_over_on_the_device_decodes_the_same() {
+    for name in MODELS {
+        let m = load(name);
+        let vocab = m.config.vocab_size;
+        let (_, gpu) = backends(&m, 64);
+        let want = run_engine(gpu, vocab, greedy_requests(name, 12));
+        let (p, d) = (cuda_engine(&m, 16), cuda_engine(&m, 2048));
+        assert!(p.info.device_kv.is_some() && d.info.device_kv.is_some());
+        for (req, want) in greedy_requests(name, 12).into_iter().zip(want) {
+            let n = req.prompt.len();
+            let mut first_req = req.clone();
+            first_req.params.max_tokens = 1;
+            let (mut psub, mut pev) = p.submit_export_on(first_req, 0, Handover::Device).unwrap();
+            let Some(ExportEvent::Ready { lease: plo, .. }) = pev.blocking_recv() else {
+                panic!("{name}: no Ready")
+            };
+            let first = match psub.events.blocking_recv() {
+                Some(SeqEvent::Token { sampled, .. }) => sampled,
+                other => panic!("{name}: {other:?}"),
+            };
+            psub.finished();
+            let (mut dsub, dl) = d
+                .submit_remote_prefill_on(req, 1, Handover::Device)
+                .unwrap();
+            let dlo = dl.blocking_recv().expect("a lease");
+            let runs = runs(&plo, &dlo, n);
+            let (KvMemory::Device(sp), KvMemory::Device(dp)) = (plo.memory(), dlo.memory()) else {
+                unreachable!()
+            };
+            // SAFETY: the export is finished (its token arrived, so every layer is final),
+            // and the decode side's blocks are lent to this copy until `landed`.
+            unsafe { sp.copier().copy(&runs, dp.device()) }.expect("the device copy");
+            drop(plo);
+            dlo.landed(Landed {
+                first,
+                rng: None,
+                cached_tokens: 0,
+                state: None,
+            });
+            let mut got = Vec::new();
+            loop {
+                match dsub.events.blocking_recv() {
+                    Some(SeqEvent::Token {
+                        sampled, finish, ..
+                    }) => {
+                        got.push(sampled.token);
+                        if finish.is_some() {
+                            dsub.finished();
+                            break;
+                        }
+                    }
+                    other => panic!("{name}: {other:?}"),
+                }
+            }
+            assert_eq!(got, want, "{name}: the device handover changed the tokens");
+        }
+        println!("{name}: KV handed over on the device decodes identically");
+    }
+}
+
+/// `kvmesh node --no-etcd` with the prefill and decode roles on one GPU (whole, then split
+/// by SMs): greedy answers equal `kvmesh serve --device cuda`'s, and every prompt's KV went
+/// from one engine to the other on the device.
+#[test]
+fn a_node_with_both_roles_on_one_gpu_hands_kv_over_on_the_device() {
+    use kvmesh_bench::harness::{client, wait_for};
+    let dir = model_dir("tiny-llama");
+    let dir = dir.to_str().unwrap();
+    let engine = [
+        "--model",
+        dir,
+        "--device",
+        "cuda",
+        "--max-num-batched-tokens",
+        "16",
+        "--num-kv-blocks",
+        "96",
+    ];
+    let agg = common::Server::start(&engine);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    for split in [None, Some("0.5")] {
+        let mut args = vec!["--roles", "gateway,router,prefill,decode"];
+        args.extend([
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--disagg-min-tokens",
+            "8",
+        ]);
+        args.extend(engine);
+        if let Some(s) = split {
+            args.extend(["--sm-split", s]);
+        }
+        let solo = common::kvmesh().node_alone("solo", &args);
+        rt.block_on(async {
+            let http = client();
+            wait_for("the router connected to both roles", 60, async || {
+                solo.try_metric(&http, "kvmesh:router_workers_routable")
+                    .await
+                    == Some(1.0)
+                    && solo
+                        .try_metric(&http, "kvmesh:router_prefill_workers_connected")
+                        .await
+                        == Some(1.0)
+            })
+            .await;
+            let prompts = [
+                "To be, or not to be, that is the question: whether 'tis nobler",
+                "Now is the winter of our discontent made glorious summer by this sun of York",
+            ];
+            for p in prompts {
+                let body = json!({"model": "tiny-llama", "prompt": p, "max_tokens": 12,
+                                  "temperature": 0, "ignore_eos": true});
+                let (sa, a) = agg.post("/v1/completions", body.clone()).await;
+                let r = http
+                    .post(format!("{}/v1/completions", solo.http))
+                    .json(&body)
+                    .send()
+                    .await
+                    .expect("send");
+                assert_eq!((sa, r.status().as_u16()), (200, 200));
+                let s: Value = r.json().await.expect("json");
+                assert_eq!(common::text_of(&s), common::text_of(&a), "{split:?}: {p}");
+            }
+            for (series, want) in [
+                (
+                    "kvmesh:kv_transfers_total{transport=\"in-process-device\"}",
+                    2.0,
+                ),
+                ("kvmesh:kv_transfers_total{transport=\"in-process\"}", 0.0),
+            ] {
+                assert_eq!(
+                    solo.metric(&http, series).await,
+                    want,
+                    "{split:?}: {series}"
+                );
+            }
+        });
+        println!("split {split:?}: both prompts handed over on the device, answers as serve's");
+    }
+}
