@@ -38,7 +38,7 @@ pub const LT_MIN_VERSION: usize = 120_900;
 /// quantized for cuBLASLt: `Block` weights meet activations quantized per token in groups
 /// of 128 (the `fp8` format's dynamic scheme); `Row` weights (per-channel, or a per-tensor
 /// scale repeated per row, the same product) meet activations quantized per token.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum ScaleKind {
     Block,
     Row,
