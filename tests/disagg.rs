@@ -326,6 +326,65 @@ async fn a_node_without_etcd_is_a_whole_disaggregated_cluster() {
     }
 }
 
+/// `--registry-dir`: a prefill node and a gateway + router + decode node, two processes of
+/// one machine without etcd, find each other through files in one directory; greedy output
+/// equals `kvmesh serve`'s with the KV over QUIC between them, and a node that goes away
+/// leaves the router's view.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn processes_of_one_machine_find_each_other_through_a_registry_directory() {
+    let http = client();
+    let dir = std::env::temp_dir().join(format!("kvmesh-registry-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let engine = [
+        "--backend",
+        "cpu",
+        "--max-num-batched-tokens",
+        "16",
+        "--num-kv-blocks",
+        "96",
+    ];
+    let mut pargs = vec!["--roles", "prefill"];
+    pargs.extend(engine);
+    let prefill = kvmesh().node_in_dir(&dir, "p", &pargs);
+    let mut gargs = vec!["--roles", "gateway,router,decode", "--host", "127.0.0.1"];
+    gargs.extend(["--port", "0", "--disagg-min-tokens", "8"]);
+    gargs.extend(engine);
+    let gw = kvmesh().node_in_dir(&dir, "g", &gargs);
+    let agg = Server::start(&engine);
+    ready(&http, &gw, 1, 1).await;
+    let files: Vec<_> = std::fs::read_dir(dir.join("default"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(".json"))
+        .collect();
+    assert_eq!(files.len(), 2, "one record per node: {files:?}");
+    for salt in 0..2 {
+        let p = prompt_ids(70, salt);
+        let (st, want) = post(&http, &agg.base, greedy(&p, 8)).await;
+        assert_eq!(st, 200, "{want}");
+        let (st, got) = post(&http, &gw.http, greedy(&p, 8)).await;
+        assert_eq!(st, 200, "{got}");
+        assert_eq!(token_ids(&got), token_ids(&want), "prompt {salt}");
+    }
+    for (series, want) in [
+        ("kvmesh:disagg_prefills_total{outcome=\"remote\"}", 2.0),
+        ("kvmesh:kv_transfers_total{transport=\"quic\"}", 2.0),
+    ] {
+        assert_eq!(gw.metric(&http, series).await, want, "{series}");
+    }
+    // A prefill node that goes away (killed: its record lapses) leaves the router's view.
+    drop(prefill);
+    wait_for("the prefill node's record gone", 20, async || {
+        gw.try_metric(&http, "kvmesh:router_prefill_workers_connected")
+            .await
+            == Some(0.0)
+    })
+    .await;
+    drop(gw);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// Sim workers whose prefill takes long enough (4 ms a token, chunks of 64) that a 400-token
 /// prompt is mid-transfer for over a second.
 const SLOW_PREFILL: [&str; 8] = [

@@ -19,6 +19,13 @@ pub enum DiscoveryError {
         endpoints: String,
         reason: String,
     },
+    /// A directory registry's file could not be written.
+    #[error("registry directory {dir}: {op} failed: {reason}")]
+    Directory {
+        op: &'static str,
+        dir: String,
+        reason: String,
+    },
     /// The record could not be turned into JSON.
     #[error("cannot encode node record: {0}")]
     Encode(#[from] serde_json::Error),

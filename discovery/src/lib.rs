@@ -10,11 +10,14 @@
 //!   new lease without restarting anything. Subscribers get a view kept up to date by one watch
 //!   per registry that resumes after disconnects.
 //! * [`EmbeddedRegistry`]: in-process, for `kvmesh serve` (every role in one process, no etcd).
+//! * [`DirRegistry`]: files in a directory of one machine, for several processes there
+//!   without etcd (`kvmesh node --registry-dir`).
 //!
 //! With the `testing` feature (tests and bench programs), `testing::Etcd` starts a
 //! throw-away etcd server.
 
 mod backoff;
+mod dir;
 mod embedded;
 mod error;
 mod etcd;
@@ -26,6 +29,7 @@ pub mod testing;
 
 pub use async_trait::async_trait;
 pub use backoff::Backoff;
+pub use dir::DirRegistry;
 pub use embedded::EmbeddedRegistry;
 pub use error::DiscoveryError;
 pub use etcd::EtcdRegistry;

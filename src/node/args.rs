@@ -19,8 +19,17 @@ pub struct NodeArgs {
     #[arg(long, value_delimiter = ',', default_value = "worker", value_parser = role)]
     pub roles: Vec<Role>,
     /// etcd endpoints, comma-separated (http://HOST:2379).
-    #[arg(long, value_delimiter = ',', required_unless_present = "no_etcd")]
+    #[arg(
+        long,
+        value_delimiter = ',',
+        required_unless_present_any = ["no_etcd", "registry_dir"]
+    )]
     pub etcd: Vec<String>,
+    /// No etcd, several processes on this machine: the nodes publish themselves as files in
+    /// this directory (one per node, kept alive like etcd's leases, `--lease-ttl`) and read
+    /// each other's from it. Every node of the cluster names the same directory.
+    #[arg(long, value_name = "DIR", conflicts_with_all = ["etcd", "no_etcd"])]
+    pub registry_dir: Option<std::path::PathBuf>,
     /// No etcd: this node is the whole cluster, its roles finding each other in process
     /// (e.g. `--roles gateway,router,prefill,decode` on one machine); no other node can join.
     #[arg(long, conflicts_with = "etcd")]

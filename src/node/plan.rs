@@ -62,8 +62,11 @@ pub struct EnginePlan {
 /// Where the node listens, and where it joins its cluster.
 #[derive(Debug)]
 pub struct NetworkPlan {
-    /// etcd's endpoints; empty with `--no-etcd` (the cluster is this process).
+    /// etcd's endpoints; empty with `--no-etcd` (the cluster is this process) or
+    /// `--registry-dir`.
     pub etcd: Vec<String>,
+    /// `--registry-dir`: the cluster's records are files there (processes of one machine).
+    pub registry_dir: Option<std::path::PathBuf>,
     pub cluster: String,
     pub lease_ttl: i64,
     pub listen: SocketAddr,
@@ -324,6 +327,7 @@ impl NetworkPlan {
         };
         Ok(NetworkPlan {
             etcd: args.etcd.clone(),
+            registry_dir: args.registry_dir.clone(),
             cluster: args.cluster.clone(),
             lease_ttl: args.lease_ttl,
             listen: args.listen,

@@ -322,3 +322,33 @@ fn an_sm_split_needs_both_engines_on_a_gpu_backend() {
     let e = refused("--roles prefill,decode --sm-split cook:8");
     assert!(e.contains("not prefill or decode"), "{e}");
 }
+
+#[test]
+fn a_registry_directory_stands_for_etcd_and_excludes_it() {
+    let parse = |argv: &[&str]| {
+        Cli::try_parse_from(argv.iter().copied())
+            .map_err(|e| anyhow::anyhow!("{e}"))
+            .and_then(|c| NodePlan::from_args(c.node))
+    };
+    let p = parse(&["node", "--registry-dir", "/tmp/r", "--roles", "prefill"]).unwrap();
+    assert_eq!(
+        p.network.registry_dir.as_deref(),
+        Some(std::path::Path::new("/tmp/r"))
+    );
+    assert!(p.network.etcd.is_empty());
+    for argv in [
+        &[
+            "node",
+            "--registry-dir",
+            "/tmp/r",
+            "--etcd",
+            "http://e:2379",
+        ][..],
+        &["node", "--registry-dir", "/tmp/r", "--no-etcd"][..],
+    ] {
+        let e = format!("{:#}", parse(argv).unwrap_err());
+        assert!(e.contains("cannot be used with"), "{argv:?}: {e}");
+    }
+    let e = format!("{:#}", parse(&["node", "--roles", "prefill"]).unwrap_err());
+    assert!(e.contains("--etcd"), "{e}");
+}

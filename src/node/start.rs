@@ -13,7 +13,7 @@ use kvmesh_actors::pace::ReportPace;
 use kvmesh_actors::worker::{KvSide, KvTransport, UcxSide};
 use kvmesh_actors::{NodeRoles, Pinned, Pools, Role, RoleRestarts, Serving, WorkerCore};
 use kvmesh_discovery::{
-    EmbeddedRegistry, EtcdRegistry, Membership, NodeRecord, Registration, Registry,
+    DirRegistry, EmbeddedRegistry, EtcdRegistry, Membership, NodeRecord, Registration, Registry,
 };
 use kvmesh_gateway::AppState;
 use kvmesh_gpu::backend::sm_split::{SmPartition, SmSide};
@@ -199,7 +199,11 @@ impl Network {
         let endpoint = NodeEndpoint::bind(net.listen, identity.clone(), allowed.clone())?;
         // The plan refused an unspecified --listen without --advertise-addr.
         let quic_addr = net.advertise.unwrap_or_else(|| endpoint.local_addr());
-        let (registry, etcd): (Arc<dyn Registry>, _) = if net.etcd.is_empty() {
+        let (registry, etcd): (Arc<dyn Registry>, _) = if let Some(dir) = &net.registry_dir {
+            let r = DirRegistry::open(dir, &net.cluster, net.lease_ttl)
+                .with_context(|| format!("joining cluster '{}'", net.cluster))?;
+            (r, None)
+        } else if net.etcd.is_empty() {
             (EmbeddedRegistry::new(&net.cluster), None)
         } else {
             let r = EtcdRegistry::connect(&net.etcd, &net.cluster, net.lease_ttl)

@@ -117,6 +117,22 @@ impl Kvmesh {
         self.start(cmd, Ready::Node, &format!("node {id} (no etcd)"))
     }
 
+    /// `kvmesh node --registry-dir DIR` under `id` with `args`: one of several processes
+    /// of this machine finding each other through files in `dir`; returns once it is ready.
+    pub fn node_in_dir(&self, dir: &std::path::Path, id: &str, args: &[&str]) -> Proc {
+        let mut cmd = self.command();
+        cmd.args(["node", "--registry-dir"])
+            .arg(dir)
+            .args(["--node-id", id])
+            .args(&self.node_flags)
+            .args(args);
+        self.start(
+            cmd,
+            Ready::Node,
+            &format!("node {id} (registry {})", dir.display()),
+        )
+    }
+
     /// A worker on the `sim` backend, with extra flags.
     pub fn worker(&self, etcd: &Etcd, cluster: &str, id: &str, extra: &[&str]) -> Proc {
         let mut args = vec!["--roles", "worker", "--backend", "sim"];
