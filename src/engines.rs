@@ -108,6 +108,10 @@ pub struct EngineArgs {
     /// Set by a node given `--sm-split`: the side of the GPU's SMs this engine runs on.
     #[arg(skip)]
     pub sm_partition: Option<SmPartition>,
+    /// Set for a decode engine of a node given `--kv-transport cuda-ipc`: its KV cache is
+    /// one allocation another process of this host can map.
+    #[arg(skip)]
+    pub kv_exportable: bool,
 }
 
 impl EngineArgs {
@@ -330,11 +334,18 @@ pub fn start_engine_on(
             cuda.reserve_tokens = args.max_num_batched_tokens;
             cuda.reserve_rows = args.max_num_seqs;
             cuda.sm_partition = part;
+            cuda.kv_exportable = args.kv_exportable;
         }
         (_, Some(p)) => anyhow::bail!(
             "--sm-split {} splits a CUDA GPU's SMs between the prefill and decode engines, and \
              --device {} runs them on the CPU: give a CUDA device, or leave --sm-split out",
             p.split,
+            args.device
+        ),
+        _ if args.kv_exportable => anyhow::bail!(
+            "--kv-transport cuda-ipc has prefill nodes copy KV into this decode node's cache on \
+             its GPU, and --device {} runs it on the CPU: give a CUDA device, or another \
+             --kv-transport",
             args.device
         ),
         _ => {}

@@ -227,3 +227,25 @@ fn an_sm_split_without_a_gpu_is_refused_naming_the_device() {
         "{out}"
     );
 }
+
+/// CUDA IPC on a decode engine that runs on the CPU is refused at start, naming the device.
+#[test]
+fn cuda_ipc_without_a_gpu_is_refused_naming_the_device() {
+    let (ok, out) = kvmesh(&[
+        "node",
+        "--no-etcd",
+        "--roles",
+        "gateway,router,decode",
+        "--port",
+        "0",
+        "--device",
+        "cpu",
+        "--kv-transport",
+        "cuda-ipc",
+    ]);
+    assert!(!ok, "{out}");
+    assert!(
+        out.contains("--kv-transport cuda-ipc") && out.contains("--device cpu runs it on the CPU"),
+        "{out}"
+    );
+}

@@ -39,6 +39,28 @@ pub trait DeviceCopy: Send + Sync {
     /// range device memory that stays writable and read by no one else, until the call
     /// returns; no destination may overlap a source or another destination.
     unsafe fn copy(&self, runs: &[CopyRun], dst_device: DeviceKey) -> Result<(), String>;
+
+    /// Maps another process's exported pool ([`PoolExport`]) into this one, for copies
+    /// into it (CUDA IPC).
+    fn map(&self, export: &PoolExport) -> Result<MappedPool, String>;
+}
+
+/// A device pool another process of this host may map (CUDA IPC): the driver's handle for
+/// the one allocation that holds every layer's K and V, its length, and its base address in
+/// the exporting process (a layer's offset is its address less the base).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PoolExport {
+    pub handle: [u8; 64],
+    pub len: u64,
+    pub base: u64,
+}
+
+/// Another process's pool, mapped here: its base address in this process, the device it is
+/// on (as this process numbers them), and what keeps it mapped.
+pub struct MappedPool {
+    pub base: u64,
+    pub device: DeviceKey,
+    pub keep: Arc<dyn Any + Send + Sync>,
 }
 
 /// A device of this process, by ordinal: two engines on one device (each on its own green
@@ -55,6 +77,7 @@ pub struct DeviceKvPool {
     k: Vec<u64>,
     v: Vec<u64>,
     copier: Arc<dyn DeviceCopy>,
+    export: Option<PoolExport>,
     _keep: Arc<dyn Any + Send + Sync>,
 }
 
@@ -62,13 +85,15 @@ impl DeviceKvPool {
     /// # Safety
     /// For every layer `k[l]` and `v[l]` must be device addresses of at least `num_blocks *
     /// spec.block_bytes()` bytes laid out as `[num_blocks, block_size, kv_heads, head_dim]`
-    /// of `spec.dtype`, alive as long as `keep` is, on the device `copier` copies on.
+    /// of `spec.dtype`, alive as long as `keep` is, on the device `copier` copies on; with
+    /// `export`, inside the exported allocation.
     pub unsafe fn new(
         spec: KvSpec,
         num_blocks: usize,
         k: Vec<u64>,
         v: Vec<u64>,
         copier: Arc<dyn DeviceCopy>,
+        export: Option<PoolExport>,
         keep: Arc<dyn Any + Send + Sync>,
     ) -> DeviceKvPool {
         debug_assert!(k.len() == spec.num_layers && v.len() == spec.num_layers);
@@ -78,8 +103,15 @@ impl DeviceKvPool {
             k,
             v,
             copier,
+            export,
             _keep: keep,
         }
+    }
+
+    /// How another process of this host maps the pool, when it was allocated exportable
+    /// (`CudaOptions::kv_exportable`).
+    pub fn export(&self) -> Option<&PoolExport> {
+        self.export.as_ref()
     }
 
     pub fn spec(&self) -> &KvSpec {

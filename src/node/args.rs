@@ -88,8 +88,11 @@ pub struct NodeArgs {
     /// QUIC connection), tcp (plain TCP to --kv-listen, for trusted networks), ucx (UCX
     /// puts into this node's registered KV pool: RDMA where the fabric has it, shared
     /// memory on one host, else TCP; QUIC from prefill nodes without UCX) or auto (UCX
-    /// where both ends have it, else TCP). Prefill: ucx or auto load UCX so decode nodes
-    /// can ask for it. UCX is the system's libucp.so.0 (Debian: libucx0).
+    /// where both ends have it, else TCP) or cuda-ipc (prefill nodes of this host on GPUs
+    /// copy on the device into this node's KV cache, exported once by CUDA IPC; QUIC from
+    /// the others). Prefill: ucx or auto load UCX so decode nodes can ask for it; a prefill
+    /// node on a GPU takes CUDA IPC whenever a decode node asks. UCX is the system's
+    /// libucp.so.0 (Debian: libucx0).
     #[arg(long, value_enum, default_value = "quic")]
     pub kv_transport: KvTransportArg,
     /// With --kv-transport ucx or auto: the UCX transports to use, as UCX_TLS takes them
@@ -167,6 +170,7 @@ pub enum KvTransportArg {
     Tcp,
     Ucx,
     Auto,
+    CudaIpc,
 }
 
 /// `--roles`: one role's name; unknown names are refused with the list of known ones.

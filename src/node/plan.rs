@@ -82,6 +82,9 @@ pub struct NetworkPlan {
 pub struct KvPlan {
     /// UCX, when the transport asks for it.
     pub ucx: Option<UcxPlan>,
+    /// `--kv-transport cuda-ipc` on a decode node: its engine's KV cache is exportable,
+    /// and prefill nodes of this host on GPUs copy into it (QUIC from the others).
+    pub cuda_ipc: bool,
     /// A decode node taking KV over TCP binds a listener: at `Some(addr)` (`--kv-listen`),
     /// or with None on the QUIC address's host, a free port.
     pub tcp_listener: Option<Option<SocketAddr>>,
@@ -346,7 +349,7 @@ impl KvPlan {
                 required: matches!(args.kv_transport, KvTransportArg::Ucx),
                 tls: args.ucx_tls.clone(),
             }),
-            KvTransportArg::Quic | KvTransportArg::Tcp => None,
+            KvTransportArg::Quic | KvTransportArg::Tcp | KvTransportArg::CudaIpc => None,
         };
         let tcp_listener = match args.kv_transport {
             KvTransportArg::Tcp | KvTransportArg::Auto if decode => Some(args.kv_listen),
@@ -354,6 +357,7 @@ impl KvPlan {
         };
         KvPlan {
             ucx,
+            cuda_ipc: decode && matches!(args.kv_transport, KvTransportArg::CudaIpc),
             tcp_listener,
             streams: args.kv_streams,
             checksum: args.kv_checksum,

@@ -352,3 +352,13 @@ fn a_registry_directory_stands_for_etcd_and_excludes_it() {
     let e = format!("{:#}", parse(&["node", "--roles", "prefill"]).unwrap_err());
     assert!(e.contains("--etcd"), "{e}");
 }
+
+#[test]
+fn cuda_ipc_makes_a_decode_nodes_cache_exportable_and_asks_nothing_of_prefill_nodes() {
+    let d = plan("--roles decode --kv-transport cuda-ipc").unwrap();
+    let kv = d.kv.unwrap();
+    assert!(kv.cuda_ipc && kv.ucx.is_none() && kv.tcp_listener.is_none());
+    let p = plan("--roles prefill --kv-transport cuda-ipc").unwrap();
+    assert!(!p.kv.unwrap().cuda_ipc, "a prefill node copies when asked");
+    assert!(!plan("--roles decode").unwrap().kv.unwrap().cuda_ipc);
+}

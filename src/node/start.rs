@@ -110,6 +110,8 @@ impl Engines {
             (Some(m), true) => {
                 let mut args = p.args.clone();
                 args.sm_partition = p.sm_split.map(|split| SmPartition { split, side });
+                args.kv_exportable =
+                    side == SmSide::Decode && plan.kv.as_ref().is_some_and(|k| k.cuda_ipc);
                 start_engine_with(&args, m).map(Some)
             }
             _ => Ok(None),
@@ -480,6 +482,11 @@ fn record(plan: &NodePlan, engines: &Engines, net: &Network, capacity: f64) -> N
                 let mut t = vec!["quic".to_string()];
                 t.extend(net.kv_tcp_addr.map(|_| "tcp".to_string()));
                 t.extend(net.ucx.as_ref().map(|_| "ucx".to_string()));
+                // A prefill engine on a GPU copies into a decode node's exported cache.
+                let gpu = |e: &StartedEngine| e.handle.info.device_kv.is_some();
+                if engines.prefill.as_ref().is_some_and(gpu) {
+                    t.push("cuda-ipc".to_string());
+                }
                 t
             }
             None => Vec::new(),
@@ -500,10 +507,14 @@ fn cores(plan: &NodePlan, engines: &Engines, net: &Network, capacity: f64) -> Ve
             },
             None => KvTransport::Quic { streams: k.streams },
         };
-        // `ucx`: QUIC from prefill nodes without UCX; `auto`: TCP (its listener is bound).
+        // `ucx`: QUIC from prefill nodes without UCX; `auto`: TCP (its listener is bound);
+        // `cuda-ipc`: QUIC from prefill nodes without a GPU cache.
         let transport = match &net.ucx {
             Some(_) => KvTransport::Ucx {
                 lanes: k.streams,
+                otherwise: Box::new(streams),
+            },
+            None if k.cuda_ipc => KvTransport::CudaIpc {
                 otherwise: Box::new(streams),
             },
             None => streams,

@@ -200,3 +200,84 @@ fn a_node_with_both_roles_on_one_gpu_hands_kv_over_on_the_device() {
         println!("split {split:?}: both prompts handed over on the device, answers as serve's");
     }
 }
+
+/// Two `kvmesh node` processes on one GPU, finding each other through a registry
+/// directory: the decode node exports its KV cache (`--kv-transport cuda-ipc`) and the
+/// prefill node copies each prompt into it on the device. Greedy answers equal
+/// `kvmesh serve --device cuda`'s and every prompt landed by CUDA IPC.
+#[test]
+fn two_processes_on_one_gpu_hand_kv_over_by_cuda_ipc() {
+    use kvmesh_bench::harness::{client, wait_for};
+    let dir = model_dir("tiny-llama");
+    let dir = dir.to_str().unwrap();
+    let engine = [
+        "--model",
+        dir,
+        "--device",
+        "cuda",
+        "--max-num-batched-tokens",
+        "16",
+        "--num-kv-blocks",
+        "96",
+    ];
+    let agg = common::Server::start(&engine);
+    let reg = std::env::temp_dir().join(format!("kvmesh-ipc-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&reg);
+    let mut pargs = vec!["--roles", "prefill"];
+    pargs.extend(engine);
+    let prefill = common::kvmesh().node_in_dir(&reg, "p", &pargs);
+    let mut dargs = vec![
+        "--roles",
+        "gateway,router,decode",
+        "--kv-transport",
+        "cuda-ipc",
+    ];
+    dargs.extend([
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--disagg-min-tokens",
+        "8",
+    ]);
+    dargs.extend(engine);
+    let decode = common::kvmesh().node_in_dir(&reg, "d", &dargs);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let http = client();
+        wait_for("the router connected to both nodes", 60, async || {
+            decode
+                .try_metric(&http, "kvmesh:router_workers_routable")
+                .await
+                == Some(1.0)
+                && decode
+                    .try_metric(&http, "kvmesh:router_prefill_workers_connected")
+                    .await
+                    == Some(1.0)
+        })
+        .await;
+        let prompts = [
+            "To be, or not to be, that is the question: whether 'tis nobler",
+            "Now is the winter of our discontent made glorious summer by this sun of York",
+        ];
+        for p in prompts {
+            let body = json!({"model": "tiny-llama", "prompt": p, "max_tokens": 12,
+                              "temperature": 0, "ignore_eos": true});
+            let (sa, a) = agg.post("/v1/completions", body.clone()).await;
+            let r = http
+                .post(format!("{}/v1/completions", decode.http))
+                .json(&body)
+                .send()
+                .await
+                .expect("send");
+            assert_eq!((sa, r.status().as_u16()), (200, 200));
+            let s: Value = r.json().await.expect("json");
+            assert_eq!(common::text_of(&s), common::text_of(&a), "{p}");
+        }
+        let series = "kvmesh:kv_transfers_total{transport=\"cuda-ipc\"}";
+        assert_eq!(decode.metric(&http, series).await, 2.0, "{series}");
+    });
+    drop((prefill, decode));
+    let _ = std::fs::remove_dir_all(&reg);
+    println!("two processes on one GPU: both prompts copied by CUDA IPC, answers as serve's");
+}

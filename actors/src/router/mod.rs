@@ -304,6 +304,7 @@ impl RouterCore {
             cert_sha256: pl.record.cert_sha256.clone(),
             min_tokens: self.disagg.min_tokens as u32,
             ucx: pl.record.kv_transports.iter().any(|t| t == "ucx"),
+            cuda_ipc: pl.record.kv_transports.iter().any(|t| t == "cuda-ipc"),
         });
         Some(PrefillInFlight::new(pl, uncached as i64))
     }

@@ -12,10 +12,11 @@ use std::time::Instant;
 use kvmesh_gpu::engine::{ExportEvent, Handover, KvLease, SeqEvent, Submission};
 use kvmesh_gpu::error::EngineError;
 use kvmesh_telemetry::TARGET;
+use kvmesh_transport::kv::ipc::IpcSender;
 use kvmesh_transport::kv::local::{LocalSender, LocalTarget};
 use kvmesh_transport::kv::streams::{StreamSender, Target};
 use kvmesh_transport::kv::ucx::{remote_keys, UcxSender};
-use kvmesh_transport::kv::KvSender;
+use kvmesh_transport::kv::{KvRegion, KvSender};
 use kvmesh_transport::wire::{self, DataPath, PrefillEvent, PrefillRequest};
 use kvmesh_transport::{Connection, TransportError};
 use tokio::sync::mpsc;
@@ -54,6 +55,7 @@ impl WorkerCore {
                 (_, DataPath::Quic { .. }) => "quic",
                 (_, DataPath::Tcp { .. }) => "tcp",
                 (_, DataPath::Ucx { .. }) => "ucx",
+                (_, DataPath::CudaIpc(_)) => "cuda-ipc",
             },
             prompt_tokens = req.request.prompt.len(),
             from_pos = req.from_pos,
@@ -119,8 +121,10 @@ impl WorkerCore {
         let from = req.from_pos as usize;
         // A decode engine of this process that lent its device cache's blocks takes them
         // from this engine's on the device.
-        let handover = match &via {
-            SendVia::Local(t) if t.on_device() => Handover::Device,
+        // So does a decode worker of this host that exported its cache (CUDA IPC).
+        let handover = match (&via, &req.data) {
+            (SendVia::Local(t), _) if t.on_device() => Handover::Device,
+            (SendVia::Network(_), DataPath::CudaIpc(_)) => Handover::Device,
             _ => Handover::Host,
         };
         let (mut sub, mut ev, lease, computed) = self.admit(req, handover).await?;
@@ -142,9 +146,16 @@ impl WorkerCore {
             dest_blocks: req.dest_blocks.clone(),
             span: span.clone(),
         };
+        let ipc_dest = match &req.data {
+            DataPath::CudaIpc(_) => {
+                let dest = kv.ipc.dest(&lease, &req.data, &req.dest_blocks, from..to);
+                Some(dest.map_err(|e| TransferError::fatal(e.0))?)
+            }
+            _ => None,
+        };
         drop(lease);
         let ucx = kv.ucx.as_ref().map(|u| &u.ucx);
-        let mut sender = open_sender(via, req, target, ucx).await?;
+        let mut sender = open_sender(via, req, target, ucx, ipc_dest).await?;
         let layers = kv.layout.num_layers as usize;
         let mut progress = Layers::new(layers, from, to, &span);
         // The cached prefix goes at once.
@@ -283,6 +294,7 @@ async fn open_sender(
     req: &PrefillRequest,
     target: Target,
     ucx: Option<&kvmesh_transport::kv::ucx::Ucx>,
+    ipc_dest: Option<KvRegion>,
 ) -> Result<Box<dyn KvSender>, TransferError> {
     Ok(match (via, &req.data) {
         (SendVia::Local(t), _) => Box::new(LocalSender::new(target.source, t)),
@@ -338,6 +350,18 @@ async fn open_sender(
                     TransportError::Codec(m) => TransferError::fatal(m),
                     e => net(e),
                 })?,
+            )
+        }
+        (SendVia::Network(conn), DataPath::CudaIpc(path)) => {
+            let dest = ipc_dest.ok_or_else(|| TransferError::fatal("no mapped destination"))?;
+            let ids = (target.transfer_id, req.secret, path.registration);
+            Box::new(
+                IpcSender::quic(&conn, target.source, dest, ids)
+                    .await
+                    .map_err(|e| match e {
+                        TransportError::Codec(m) => TransferError::fatal(m),
+                        e => net(e),
+                    })?,
             )
         }
     })

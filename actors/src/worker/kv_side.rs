@@ -37,6 +37,10 @@ pub enum KvTransport {
         lanes: usize,
         otherwise: Box<KvTransport>,
     },
+    /// Copies on the GPU by prefill workers of this host straight into this worker's
+    /// exported KV cache (CUDA IPC), with notices on a QUIC stream; from a prefill worker
+    /// whose cache is not on a GPU, KV comes as `otherwise` says.
+    CudaIpc { otherwise: Box<KvTransport> },
 }
 
 impl KvTransport {
@@ -45,6 +49,7 @@ impl KvTransport {
             KvTransport::Quic { .. } => "quic",
             KvTransport::Tcp { .. } => "tcp",
             KvTransport::Ucx { .. } => "ucx",
+            KvTransport::CudaIpc { .. } => "cuda-ipc",
         }
     }
 }
@@ -156,13 +161,21 @@ pub struct KvStats {
     pub failed: AtomicU64,
     pub bytes_out: AtomicU64,
     /// Decode side: remote prefills landed, by transport (`VIA` order).
-    pub via: [AtomicU64; 5],
+    pub via: [AtomicU64; 6],
 }
 
 impl KvStats {
     /// The transports `via` counts: `in-process-device` is a copy between two engines'
-    /// device caches, `in-process` one through host memory.
-    pub const VIA: [&'static str; 5] = ["in-process", "in-process-device", "quic", "tcp", "ucx"];
+    /// device caches, `in-process` one through host memory, `cuda-ipc` a copy on the GPU
+    /// from another process of this host.
+    pub const VIA: [&'static str; 6] = [
+        "in-process",
+        "in-process-device",
+        "quic",
+        "tcp",
+        "ucx",
+        "cuda-ipc",
+    ];
 
     pub fn count_via(&self, transport: &str) {
         if let Some(i) = Self::VIA.iter().position(|&t| t == transport) {
@@ -185,6 +198,8 @@ pub struct KvSide {
     /// The node's UCX, with `--kv-transport ucx` or `auto` where the library loads.
     pub ucx: Option<UcxSide>,
     pub stats: KvStats,
+    /// Prefill side: decode workers' caches mapped for CUDA IPC transfers.
+    pub ipc: super::ipc_side::IpcMaps,
 }
 
 impl KvSide {
@@ -211,6 +226,7 @@ impl KvSide {
             tcp_listener,
             ucx,
             stats: KvStats::default(),
+            ipc: Default::default(),
         })
     }
 

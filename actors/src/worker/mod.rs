@@ -12,6 +12,7 @@
 
 mod export;
 mod generate;
+mod ipc_side;
 mod kv_side;
 mod load;
 mod pull;

@@ -15,13 +15,15 @@ use std::time::{Duration, Instant};
 use kvmesh_gpu::device_kv::KvMemory;
 use kvmesh_gpu::engine::{Handover, KvLease, Landed, Submission};
 use kvmesh_gpu::error::EngineError;
+use kvmesh_gpu::kv_pool::KvKind;
 use kvmesh_telemetry::TARGET;
 use kvmesh_transport::kv::local;
 use kvmesh_transport::kv::streams::{InboxEntry, StreamReceiver};
 use kvmesh_transport::kv::ucx::{wire_buffers, Registration, UcxReceiver};
 use kvmesh_transport::kv::{random_u64, KvReceiver, Landing, TransferTotals};
 use kvmesh_transport::wire::{
-    self, DataPath, GenerateRequest, PrefillEvent, PrefillPeer, PrefillRequest, StreamRequest,
+    self, CudaIpcPath, DataPath, GenerateRequest, PrefillEvent, PrefillPeer, PrefillRequest,
+    StreamRequest,
 };
 use tokio::sync::mpsc;
 use tracing::{field::Empty, Instrument};
@@ -56,7 +58,7 @@ pub(super) async fn decode(
     let (sub, lease) = core.engine.submit_remote_prefill_on(
         convert::request_from_wire(req),
         peer.min_tokens as usize,
-        handover(core, peer),
+        handover(core, kv, peer),
     )?;
     let queue = tracing::info_span!(target: TARGET, "queue", reserved = true);
     let lease = tokio::select! {
@@ -162,15 +164,51 @@ enum PullError {
 
 /// Where the decode engine lends its blocks: on the device where this node's own prefill
 /// role computes the prompt and both engines' caches are on GPUs (the copy never leaves
-/// the device), else in host memory, which every transport reaches.
-fn handover(core: &WorkerCore, peer: &PrefillPeer) -> Handover {
+/// the device), or where a prefill node of this host copies in by CUDA IPC; else in host
+/// memory, which every transport reaches.
+fn handover(core: &WorkerCore, kv: &KvSide, peer: &PrefillPeer) -> Handover {
+    if core.engine.info.device_kv.is_none() {
+        return Handover::Host;
+    }
     let local = core.local_prefill.read();
     match local.as_ref().filter(|_| peer.node_id == core.node_id) {
-        Some(p) if p.engine.info.device_kv.is_some() && core.engine.info.device_kv.is_some() => {
+        Some(p) if p.engine.info.device_kv.is_some() => Handover::Device,
+        Some(_) => Handover::Host,
+        // Another node: CUDA IPC copies into the exported cache where it was asked for and
+        // the prefill node's cache is on a GPU.
+        None if peer.cuda_ipc && matches!(kv.transport, KvTransport::CudaIpc { .. }) => {
             Handover::Device
         }
-        _ => Handover::Host,
+        None => Handover::Host,
     }
+}
+
+/// `--kv-transport cuda-ipc`: where the prefill worker's cache is on a GPU and this
+/// worker's blocks were lent in its exported device cache, the request's data path (the
+/// export's handle, each layer buffer's offset, this host's id) and the export's id.
+fn cuda_ipc_path(lease: &KvLease, peer: &PrefillPeer) -> Option<(DataPath, u64)> {
+    let KvMemory::Device(pool) = lease.memory() else {
+        return None;
+    };
+    let export = pool.export().filter(|_| peer.cuda_ipc)?;
+    let host = kvmesh_transport::kv::ipc::host_id()?;
+    let offsets = (0..pool.spec().num_layers)
+        .flat_map(|l| [KvKind::K, KvKind::V].map(|kind| pool.base(l, kind) - export.base))
+        .collect();
+    // The allocation's address in this process names the export (a restarted process
+    // exports another).
+    let registration = export.base ^ u64::from(std::process::id()) << 48;
+    Some((
+        DataPath::CudaIpc(Box::new(CudaIpcPath {
+            handle: export.handle.to_vec(),
+            len: export.len,
+            offsets,
+            num_blocks: pool.num_blocks() as u64,
+            registration,
+            host,
+        })),
+        registration,
+    ))
 }
 
 /// Fetches the prompt's KV into the lease's blocks: the first token and what was moved.
@@ -278,9 +316,20 @@ impl Asked {
     ) -> Result<Asked, PullError> {
         let conn = kv.peers.get(peer).await.map_err(PullError::Peer)?;
         let (entry, incoming) = kv.inbox.register(preq.transfer_id, preq.secret);
-        // UCX where both ends have it; otherwise what the decode worker falls back to.
+        // UCX or CUDA IPC where both ends have it; otherwise what the decode worker falls
+        // back to.
         let mut transport = &kv.transport;
         let mut registration = None;
+        let mut ipc = None;
+        if let KvTransport::CudaIpc { otherwise } = transport {
+            match cuda_ipc_path(lease, peer) {
+                Some((data, reg)) => {
+                    preq.data = data;
+                    ipc = Some(reg);
+                }
+                None => transport = otherwise,
+            }
+        }
         if let KvTransport::Ucx { lanes, otherwise } = transport {
             match (&kv.ucx, peer.ucx) {
                 (Some(u), true) => {
@@ -323,6 +372,13 @@ impl Asked {
                 (KvTransport::Ucx { .. }, None) => {
                     return Err(PullError::UcxFallbackIsUcx);
                 }
+                (KvTransport::CudaIpc { .. }, _) => match ipc {
+                    // Notices come on one stream; device memory has no checksum here.
+                    Some(reg) => {
+                        Box::new(UcxReceiver::new(landing.clone(), incoming, 1, false, reg))
+                    }
+                    None => return Err(PullError::UcxFallbackIsUcx),
+                },
             };
         let (mut s, mut r) = conn
             .open_bi()
@@ -357,7 +413,9 @@ impl Asked {
             events: erx,
             receiver: Some(receiver),
             landed: false,
-            lease: registration.as_ref().map(|_| lease.clone()),
+            // One-sided writers (UCX puts, CUDA IPC copies) may still write after a failure:
+            // the blocks stay lent until their notice streams end.
+            lease: (registration.is_some() || ipc.is_some()).then(|| lease.clone()),
             quarantine_for: kvmesh_transport::kv::ucx::PUT_DEADLINE + kv.timeout,
             _work: AbortOnDrop(work),
             _entry: Some(entry),

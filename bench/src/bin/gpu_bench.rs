@@ -668,6 +668,7 @@ fn bench_model(args: &Args, name: &str, dev: &mut DeviceFigures) -> anyhow::Resu
         pdl: args.pdl,
         fuse_norms: args.fuse_norms,
         sm_partition: args.sm_partition(),
+        kv_exportable: false,
     };
     let backend = CudaBackend::new(
         &cfg,

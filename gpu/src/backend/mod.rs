@@ -60,6 +60,10 @@ pub struct CudaOptions {
     /// Run on one side of an SM split (a green context holding only that side's SMs),
     /// rather than on the whole device. `gpu-bench --sm-split` measures a side alone.
     pub sm_partition: Option<sm_split::SmPartition>,
+    /// Allocate the KV cache as one region another process of this host can map (CUDA
+    /// IPC), so a prefill process copies into it on the device (`--kv-transport cuda-ipc`
+    /// on a decode node).
+    pub kv_exportable: bool,
 }
 
 /// `CudaOptions::pdl`.
@@ -127,6 +131,7 @@ impl CudaOptions {
             pdl: Pdl::Auto,
             fuse_norms: false,
             sm_partition: None,
+            kv_exportable: false,
         }
     }
 }

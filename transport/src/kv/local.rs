@@ -149,7 +149,7 @@ impl KvReceiver for LocalReceiver {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kv::tests::region;
+    use crate::kv::tests::{device, region};
 
     #[tokio::test]
     async fn copies_between_different_block_tables() {
@@ -191,33 +191,6 @@ mod tests {
         send.send(0, 0, 8).await.unwrap();
         drop(send);
         assert!(recv.complete().await.is_err());
-    }
-
-    /// Device memory stood in for by host buffers: copies as a GPU's copier would (every
-    /// run at once), and says which runs it was given and for which destination device.
-    struct HostAsDevice {
-        ordinal: u32,
-        calls: parking_lot::Mutex<Vec<(usize, u32)>>,
-    }
-
-    impl crate::kv::DeviceCopy for HostAsDevice {
-        fn device(&self) -> u32 {
-            self.ordinal
-        }
-
-        unsafe fn copy(&self, runs: &[(usize, usize, usize)], dst: u32) -> Result<(), String> {
-            self.calls.lock().push((runs.len(), dst));
-            // SAFETY: the trait's contract (host buffers here).
-            unsafe { copy_runs(runs) };
-            Ok(())
-        }
-    }
-
-    fn device(ordinal: u32) -> Arc<HostAsDevice> {
-        Arc::new(HostAsDevice {
-            ordinal,
-            calls: Default::default(),
-        })
     }
 
     #[tokio::test]

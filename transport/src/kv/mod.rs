@@ -56,6 +56,7 @@
 //! `KvReceiver` completes when that completion arrives on its queue pair. Coverage needs no
 //! per-piece check there: the writes cannot land outside the registered blocks.
 
+pub mod ipc;
 pub mod local;
 pub mod streams;
 pub mod ucx;
@@ -615,6 +616,36 @@ mod tests {
         let (k, v) = (vec![ptrs[0], ptrs[1]], vec![ptrs[2], ptrs[3]]);
         // SAFETY: the test keeps `mem` alive and unaliased while the region is used.
         unsafe { KvRegion::new(k, v, layer_bytes, 8, 4, blocks, positions, Arc::new(())) }
+    }
+
+    /// Device memory stood in for by host buffers: copies as a GPU's copier would (every
+    /// run at once, host bytes here), and says which runs it was given and for which
+    /// destination device.
+    pub(crate) struct HostAsDevice {
+        pub ordinal: u32,
+        pub calls: parking_lot::Mutex<Vec<(usize, u32)>>,
+    }
+
+    impl DeviceCopy for HostAsDevice {
+        fn device(&self) -> u32 {
+            self.ordinal
+        }
+
+        unsafe fn copy(&self, runs: &[(usize, usize, usize)], dst: u32) -> Result<(), String> {
+            self.calls.lock().push((runs.len(), dst));
+            for &(s, d, n) in runs {
+                // SAFETY: the trait's contract (host buffers here).
+                unsafe { std::ptr::copy_nonoverlapping(s as *const u8, d as *mut u8, n) };
+            }
+            Ok(())
+        }
+    }
+
+    pub(crate) fn device(ordinal: u32) -> Arc<HostAsDevice> {
+        Arc::new(HostAsDevice {
+            ordinal,
+            calls: Default::default(),
+        })
     }
 
     #[test]

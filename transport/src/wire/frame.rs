@@ -222,6 +222,7 @@ mod tests {
                 cert_sha256: "00".repeat(32),
                 min_tokens: 64,
                 ucx: true,
+                cuda_ipc: true,
             }),
             logit_bias: vec![TokenBias {
                 token: 3,

@@ -83,6 +83,7 @@ mod tests {
                 cert_sha256: "00".repeat(32),
                 min_tokens: 64,
                 ucx: true,
+                cuda_ipc: false,
             }),
             logit_bias: vec![TokenBias {
                 token: 3,

@@ -59,6 +59,9 @@ pub struct PrefillPeer {
     pub min_tokens: u32,
     /// The prefill worker can send KV with UCX puts.
     pub ucx: bool,
+    /// The prefill worker's cache is on a GPU, so it can copy KV into a decode worker's
+    /// exported pool on this host (CUDA IPC).
+    pub cuda_ipc: bool,
 }
 
 #[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Clone, Debug, PartialEq)]
@@ -254,6 +257,27 @@ pub enum DataPath {
         /// Whether each notice carries a checksum of the piece's bytes (for tests).
         checksum: bool,
     },
+    /// Copies on the GPU straight into the decode worker's KV pool, which it exported
+    /// once (CUDA IPC, two processes of one host), and a [`KvLandedNotice`] per piece on
+    /// one QUIC stream once its copies have completed.
+    CudaIpc(Box<CudaIpcPath>),
+}
+
+/// Where a CUDA IPC transfer copies to (boxed: larger than the other data paths).
+#[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Clone, Debug, PartialEq)]
+pub struct CudaIpcPath {
+    /// The driver's IPC handle of the pool's one allocation (64 bytes).
+    pub handle: Vec<u8>,
+    /// The allocation's length in bytes.
+    pub len: u64,
+    /// Per layer, the offsets of its K buffer then its V buffer in the allocation.
+    pub offsets: Vec<u64>,
+    /// The pool's blocks per layer buffer (the bounds every copy is checked against).
+    pub num_blocks: u64,
+    /// Which export of the decode worker's (notices name it back).
+    pub registration: u64,
+    /// The decode worker's host (Linux's boot id): a handle means nothing elsewhere.
+    pub host: String,
 }
 
 /// A registered KV buffer of the decode worker.

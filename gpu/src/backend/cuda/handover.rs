@@ -19,10 +19,11 @@ use cudarc::driver::{sys, CudaContext, CudaFunction, CudaSlice, CudaStream, Laun
 use parking_lot::Mutex;
 
 use super::device::drv;
+use super::ipc::{IpcHandle, Mapped};
 use super::kv::KvCache;
 use super::launch::Launch;
 use super::shapes;
-use crate::device_kv::{CopyRun, DeviceCopy, DeviceKey, DeviceKvPool};
+use crate::device_kv::{CopyRun, DeviceCopy, DeviceKey, DeviceKvPool, MappedPool, PoolExport};
 use crate::error::Result;
 use crate::kv_pool::KvKind;
 
@@ -114,6 +115,33 @@ impl DeviceCopy for CudaKvCopy {
         self.device
     }
 
+    fn map(&self, export: &PoolExport) -> std::result::Result<MappedPool, String> {
+        let ctx = self.stream.context();
+        let h = IpcHandle {
+            bytes: export.handle,
+            len: export.len as usize,
+        };
+        let m = Mapped::open(ctx, &h).map_err(|e| e.to_string())?;
+        let mut ordinal: i32 = -1;
+        // SAFETY: an int for DEVICE_ORDINAL, of an address the driver just mapped.
+        unsafe {
+            sys::cuPointerGetAttribute(
+                (&mut ordinal as *mut i32).cast(),
+                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+                m.device_ptr(),
+            )
+        }
+        .result()
+        .map_err(|e| format!("the mapped pool's device: {e}"))?;
+        Ok(MappedPool {
+            base: m.device_ptr(),
+            device: DeviceKey {
+                ordinal: ordinal as u32,
+            },
+            keep: Arc::new(m),
+        })
+    }
+
     unsafe fn copy(&self, runs: &[CopyRun], dst: DeviceKey) -> std::result::Result<(), String> {
         if runs.is_empty() {
             return Ok(());
@@ -146,7 +174,7 @@ pub fn device_pool(
     // (`KvCache::alloc_layers`), and `keep` holds them: a cache dropped while the pool lives
     // parks its buffers there (`KvCache`'s `Drop`).
     Ok(Arc::new(unsafe {
-        DeviceKvPool::new(spec, kv.num_blocks, k, v, copier, kv.keep())
+        DeviceKvPool::new(spec, kv.num_blocks, k, v, copier, kv.export(), kv.keep())
     }))
 }
 

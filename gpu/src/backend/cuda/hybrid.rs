@@ -127,8 +127,11 @@ impl CudaHybridBackend {
             .map_err(|e| EngineError::device("cuBLAS initialisation", e))?;
         let w = HybridWeights::upload(&stream, ordinal, cfg, weights)?;
         k.pdl &= opts.pdl.enabled(w.bytes_per_step());
-        let kv =
-            KvCache::alloc_layers(&stream, ordinal, cfg, full_layers, split.blocks, block_size)?;
+        let kv = if opts.kv_exportable {
+            KvCache::alloc_exportable(&stream, ordinal, cfg, full_layers, split.blocks, block_size)?
+        } else {
+            KvCache::alloc_layers(&stream, ordinal, cfg, full_layers, split.blocks, block_size)?
+        };
         let states = stream
             .alloc_zeros::<f32>((split.slots + split.snapshots) * layout.floats_per_slot())
             .map_err(|e| upload_err(ordinal, "the recurrent-state slots", e))?;

@@ -11,8 +11,10 @@ use std::sync::Arc;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 
 use super::device::{drv, upload_err};
+use super::ipc::Exported;
 use crate::backend::error::KvCopyError;
 use crate::config::ModelConfig;
+use crate::device_kv::PoolExport;
 use crate::error::Result;
 use crate::kv_cache::BlockId;
 use crate::kv_pool::{HostKvPool, KvDtype, KvKind, KvSpec};
@@ -29,13 +31,24 @@ pub struct KvCache {
     parked: Arc<Parked>,
 }
 
-/// A dropped cache's buffers, kept for the device pools that still address them.
+/// A dropped cache's buffers, kept for the device pools that still address them; for an
+/// exportable cache, the one allocation every layer's K and V lie in.
 #[derive(Default)]
-pub struct Parked(parking_lot::Mutex<Vec<CudaSlice<u16>>>);
+pub struct Parked {
+    slices: parking_lot::Mutex<Vec<CudaSlice<u16>>>,
+    region: Option<Exported>,
+}
 
 impl Drop for KvCache {
     fn drop(&mut self) {
-        let mut p = self.parked.0.lock();
+        if self.parked.region.is_some() {
+            // Views into the region, which is freed with `parked`, not slice by slice.
+            for s in self.k.drain(..).chain(self.v.drain(..)) {
+                s.leak();
+            }
+            return;
+        }
+        let mut p = self.parked.slices.lock();
         p.append(&mut self.k);
         p.append(&mut self.v);
     }
@@ -87,6 +100,61 @@ impl KvCache {
             },
             stream: stream.clone(),
             parked: Arc::default(),
+        })
+    }
+
+    /// As `alloc_layers`, in one allocation another process of this host can map (CUDA IPC,
+    /// `ipc::Exported`): per layer K then V, each `[num_blocks + 1, block_size, kv_dim]`.
+    pub fn alloc_exportable(
+        stream: &Arc<CudaStream>,
+        ordinal: usize,
+        cfg: &ModelConfig,
+        layers: usize,
+        num_blocks: usize,
+        block_size: usize,
+    ) -> Result<KvCache> {
+        let per_layer = (num_blocks + 1) * block_size * cfg.kv_dim();
+        let region = Exported::alloc(stream.context(), 2 * layers * per_layer * 2)?;
+        let base = region.device_ptr();
+        let mut k = Vec::with_capacity(layers);
+        let mut v = Vec::with_capacity(layers);
+        for l in 0..layers {
+            for (i, out) in [(2 * l, &mut k), (2 * l + 1, &mut v)] {
+                let at = base + (i * per_layer * 2) as u64;
+                // SAFETY: `per_layer` bf16 inside the region, which `parked` keeps until the
+                // cache is dropped, when the views are leaked rather than freed.
+                let mut view = unsafe { stream.upgrade_device_ptr::<u16>(at, per_layer) };
+                stream
+                    .memset_zeros(&mut view)
+                    .map_err(|e| upload_err(ordinal, "the KV cache", e))?;
+                out.push(view);
+            }
+        }
+        Ok(KvCache {
+            k,
+            v,
+            num_blocks,
+            spec: KvSpec {
+                num_layers: layers,
+                block_size,
+                num_kv_heads: cfg.num_kv_heads,
+                head_dim: cfg.head_dim,
+                dtype: KvDtype::Bf16,
+            },
+            stream: stream.clone(),
+            parked: Arc::new(Parked {
+                slices: Default::default(),
+                region: Some(region),
+            }),
+        })
+    }
+
+    /// How another process maps the cache, when it was allocated exportable.
+    pub fn export(&self) -> Option<PoolExport> {
+        self.parked.region.as_ref().map(|r| PoolExport {
+            handle: r.handle().bytes,
+            len: r.len() as u64,
+            base: r.device_ptr(),
         })
     }
 
