@@ -9,11 +9,17 @@
 #   split-<S>       kvmesh node --no-etcd --roles gateway,router,prefill,decode --sm-split S:
 #                   a prefill and a decode engine, each on its share of the SMs (green
 #                   contexts), KV handed over in process
+#   ipc-<S>         two kvmesh node processes finding each other through --registry-dir: a
+#                   prefill node on its side of --sm-split S, and a gateway + router + decode
+#                   node on the other with --kv-transport cuda-ipc (the prefill process copies
+#                   KV into the decode process's exported cache on the GPU); each loads its
+#                   own weights, with 0.45 of the memory
 #
 # for each S in ${SPLITS:-whole prefill:96 prefill:80 prefill:112} (on an H100's 132 SMs:
 # decode on 36, 52 and 20; `whole`: both engines on every SM, time-shared, as two servers
 # under MPS are). kvmesh bench prints each run's table (TTFT / TPOT / ITL mean, median, p99,
-# req/s); the runs go to bench/results/colocate-<device>.json.
+# req/s); the runs go to bench/results/colocate-<device>.json. IPC_SPLITS (default
+# prefill:96) lists the ipc-<S> runs; empty skips them.
 #
 #   MODEL=target/bench-models/qwen3-8b bash scripts/gpu_colocate_bench.sh
 set -euo pipefail
@@ -60,6 +66,9 @@ run() { # LABEL ROUTED COMMAND...
         --result-dir "$out" --percentiles 50,99 --timeout 300 --dataset random \
         --input-len "$in_len" --output-len 100 --num-prompts "$n" --request-rate "$rate" 2>&1 |
         tee -a "$out/bench.txt"
+    # How the KV moved (kvmesh:kv_transfers_total by transport), for the summary.
+    curl -sf "http://127.0.0.1:$port/metrics" | grep '^kvmesh:kv_transfers_total' \
+        >"$out/$label.transfers" || true
     kill "$pid" 2>/dev/null || true
     wait "$pid" 2>/dev/null || true
     pid=""
@@ -100,6 +109,19 @@ for s in ${SPLITS:-whole prefill:96 prefill:80 prefill:112}; do
     run "split-${s/:/-}" 1 "$bin" node --no-etcd --node-id colocated \
         --roles gateway,router,prefill,decode "${split[@]}" "${engine[@]}" --port "$port"
 done
+for s in ${IPC_SPLITS-prefill:96}; do
+    reg=$(mktemp -d)
+    "$bin" node --registry-dir "$reg" --node-id prefill --roles prefill --sm-split "$s" \
+        "${engine[@]}" --gpu-memory-utilization 0.45 >"$out/ipc-${s/:/-}-prefill.log" 2>&1 &
+    ppid_=$!
+    trap '[ -n "$pid" ] && kill $pid 2>/dev/null || true; kill $ppid_ 2>/dev/null || true' EXIT
+    run "ipc-${s/:/-}" 1 "$bin" node --registry-dir "$reg" --node-id decode \
+        --roles gateway,router,decode --kv-transport cuda-ipc --sm-split "$s" "${engine[@]}" \
+        --gpu-memory-utilization 0.45 --port "$port"
+    kill "$ppid_" 2>/dev/null || true
+    wait "$ppid_" 2>/dev/null || true
+    rm -rf "$reg"
+done
 python3 - "$out" "$model" "$n" "$rate" "$in_len" <<'PY'
 import glob, json, re, subprocess, sys
 from pathlib import Path
@@ -111,6 +133,11 @@ except (OSError, IndexError):
     sys.exit("no GPU named by nvidia-smi: the runs stay under " + str(d))
 runs = {Path(f).name[: -len("-summary.json")]: json.loads(Path(f).read_text())
         for f in sorted(glob.glob(str(d / "*-summary.json")))}
+for label, run in runs.items():
+    t = d / f"{label}.transfers"
+    if t.exists():
+        run["kv_transfers"] = {m.group(1): float(m.group(2)) for m in re.finditer(
+            r'transport="([^"]+)"\}\s+(\S+)', t.read_text()) if float(m.group(2)) > 0}
 out = {
     "benchmark": "colocated prefill and decode on one GPU",
     "device": name,

@@ -151,7 +151,7 @@ run)
     # Prefill and decode sharing the GPU, on the public two-servers experiment's load: one
     # server, two servers sharing the GPU, and one node whose two engines share every SM or
     # split them (green contexts).
-    stage colocate-8b 420 env OUT="$work" MODEL=target/bench-models/qwen3-8b \
+    stage colocate-8b 500 env OUT="$work" MODEL=target/bench-models/qwen3-8b \
         bash scripts/gpu_colocate_bench.sh
     # Qwen3.5-9B (hybrid: Gated DeltaNet + gated attention) served through the gateway: one
     # request at a time (the batch-1 step as served, against the copy bound of its weights and

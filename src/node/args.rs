@@ -36,7 +36,9 @@ pub struct NodeArgs {
     pub no_etcd: bool,
     /// Prefill and decode engines on one GPU, each on its own share of the SMs (green
     /// contexts): SM counts (`prefill:96,decode:36`, or one side, the other taking the rest)
-    /// or prefill's share (`0.75`). Needs `--roles prefill,decode` on a CUDA device.
+    /// or prefill's share (`0.75`). Needs a prefill or decode role on a CUDA device: with
+    /// both, each engine takes its side; with one, its engine takes that side and another
+    /// process of this host the other (`--kv-transport cuda-ipc` between them).
     #[arg(long, value_name = "SPLIT")]
     pub sm_split: Option<kvmesh_gpu::backend::sm_split::SmSplit>,
     /// The cluster's name: nodes see only members of their own cluster.

@@ -237,10 +237,13 @@ impl EnginePlan {
             engine.gpu_memory_utilization /= 2.0;
         }
         if let Some(split) = args.sm_split {
+            // Both engines here, or one of them, the other side's in another process of
+            // this host (with --kv-transport cuda-ipc between them).
             ensure!(
-                generate == Some(Role::Decode) && prefill,
+                generate != Some(Role::Worker) && (generate.is_some() || prefill),
                 "--sm-split {split} shares one GPU between a prefill and a decode engine: it \
-                 needs --roles prefill,decode (with any others), not {}",
+                 needs --roles with prefill, decode or both (an engine per side; a side's \
+                 engine may be another process's), not {}",
                 roles_joined(&args.roles)
             );
             ensure!(

@@ -312,9 +312,17 @@ fn an_sm_split_needs_both_engines_on_a_gpu_backend() {
         Some("prefill:96,decode:36".parse().unwrap())
     );
     assert_eq!(plan("").unwrap().engines.sm_split, None);
-    for roles in ["worker", "decode", "prefill", "router"] {
+    // One side per process: the other side's engine runs in another process.
+    for roles in ["prefill", "gateway,router,decode"] {
+        let p = plan(&format!("--roles {roles} --sm-split 0.5")).unwrap();
+        assert!(p.engines.sm_split.is_some(), "{roles}");
+    }
+    for roles in ["worker", "router", "gateway,router"] {
         let e = refused(&format!("--roles {roles} --sm-split 0.5"));
-        assert!(e.contains("needs --roles prefill,decode"), "{roles}: {e}");
+        assert!(
+            e.contains("needs --roles with prefill, decode or both"),
+            "{roles}: {e}"
+        );
     }
     let e = refused("--roles prefill,decode --backend sim --sm-split 0.5");
     assert!(e.contains("--backend sim runs no GPU"), "{e}");
