@@ -62,7 +62,7 @@ run)
     mkdir -p "$work"
     t0=$(date +%s)
     budget="${GPU_BUDGET_S:-540}"
-    stages="${STAGES:-offline parity bench-8b bench-8b-fp8 skinny-ab-8b long-decode-8b pdl-ab-8b pdl-ab-small fuse-ab sm-split-8b profile-8b profile-small serve-8b colocate-8b serve-qwen35-9b gdn-fla bench-llama-8b bench-small peer-8b bench-32b-fp8 bench-72b-fp8}"
+    stages="${STAGES:-offline parity bench-8b bench-8b-fp8 skinny-ab-8b long-decode-8b pdl-ab-8b pdl-ab-small fuse-ab sm-split-8b profile-8b profile-small serve-8b colocate-8b serve-qwen35-9b gdn-fla bench-qwen35-9b bench-llama-8b bench-small peer-8b bench-32b-fp8 bench-72b-fp8}"
     # The device returns at most 8 files from $OUT: everything is packed into one archive
     # (and a summary printed) however the run ends.
     touch "$work/.start"
@@ -168,6 +168,11 @@ run)
         for w in gpu-out/*.whl; do python3 -m zipfile -e "$w" "$d" || exit; done; \
         PYTHONPATH="$d" python3 scripts/fla_peer_bench.py \
         --kvmesh bench/results/gpu-gdn-kvmesh.json --json bench/results/gpu-gdn-fla.json'
+    # Qwen3.5-9B's steps alone (gpu-bench drives the hybrid backend): batch-1 decode against
+    # the copy bound of its weights and recurrent state, larger batches, and prefill, whose
+    # linear layers run the recurrence token by token (what gdn-fla weighs against chunking).
+    stage bench-qwen35-9b 200 gpu-out/gpu-bench --presets qwen3.5-9b --batches 1,8,32,64,128 \
+        --sampled-batches 1 --prefill-lens 512,2048,8192 --json bench/results/gpu-9b-qwen35.json
     stage bench-llama-8b 110 gpu-out/gpu-bench --presets llama-3.1-8b --json "bench/results/gpu-8b-llama.json"
     stage bench-small 60 gpu-out/gpu-bench
     # Qwen3-32B as FP8 on one H100 (34 GB of weights; bf16 would leave almost no KV), and

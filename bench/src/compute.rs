@@ -11,7 +11,9 @@ use rayon::prelude::*;
 
 /// FLOPs of a `len`-token prefill that wants one row of logits: 2 × the linear layers'
 /// parameters per token (not the embedding; the LM head for one row), plus causal
-/// attention's 4 × q_dim × T²/2 per layer.
+/// attention's 4 × q_dim × T²/2 per softmax-attention layer; in a hybrid model (Qwen3.5)
+/// only its full-attention layers have that, and each linear-attention layer's delta rule
+/// costs 6 × dk × dv per value head per token (decay, Sᵀk, the rank-one update, Sᵀq).
 pub fn prefill_flops(cfg: &ModelConfig, len: usize) -> f64 {
     let head = cfg.vocab_size * cfg.hidden_size;
     let embed_and_head = if cfg.tie_word_embeddings {
@@ -21,8 +23,19 @@ pub fn prefill_flops(cfg: &ModelConfig, len: usize) -> f64 {
     };
     let linear = (cfg.num_params() - embed_and_head) as f64;
     let t = len as f64;
-    let attn = 4.0 * (cfg.num_layers * cfg.q_dim()) as f64 * t * t / 2.0;
-    2.0 * linear * t + 2.0 * head as f64 + attn
+    let (full, delta) = match &cfg.hybrid {
+        Some(h) => (
+            h.num_full_layers(),
+            6.0 * (h.num_linear_layers()
+                * h.linear_num_value_heads
+                * h.linear_key_head_dim
+                * h.linear_value_head_dim) as f64
+                * t,
+        ),
+        None => (cfg.num_layers, 0.0),
+    };
+    let attn = 4.0 * (full * cfg.q_dim()) as f64 * t * t / 2.0;
+    2.0 * linear * t + 2.0 * head as f64 + attn + delta
 }
 
 /// Peak arithmetic rates, FLOP/s, with every rayon thread busy. `None`: the CPU lacks the
@@ -152,6 +165,18 @@ mod tests {
         // Doubling the prompt more than doubles the cost: attention grows as T².
         let (a, b) = (prefill_flops(&cfg, 2048), prefill_flops(&cfg, 4096));
         assert!(b > 2.1 * a && b < 2.5 * a, "{a:e} → {b:e}");
+    }
+
+    #[test]
+    fn a_hybrid_models_attention_is_its_full_layers_and_its_delta_rule_linear_in_t() {
+        let cfg = preset(None, "qwen3.5-9b").unwrap();
+        let h = cfg.hybrid.as_ref().unwrap();
+        assert_eq!((h.num_full_layers(), h.num_linear_layers()), (8, 24));
+        // The T² term comes from 8 layers of 16 x 256 query columns, not 32.
+        let f = |t| prefill_flops(&cfg, t);
+        let t2 = (f(4096) - 2.0 * f(2048) + f(0)) / (2.0 * 2048.0 * 2048.0);
+        let want = 4.0 * 8.0 * 4096.0 / 2.0;
+        assert!((t2 / want - 1.0).abs() < 1e-6, "{t2} vs {want}");
     }
 
     #[test]

@@ -12,6 +12,10 @@
 //! Pure decode steps replay CUDA graphs unless `--enforce-eager`; run once each way (with
 //! different `--json` paths) to see what the graphs buy.
 //!
+//! A hybrid preset (`qwen3.5-9b`: Gated DeltaNet and gated attention) runs on the hybrid
+//! backend, every sequence with a recurrent-state slot; its batch-1 bound counts the state
+//! a step reads and writes beside the weights, and its steps run eagerly (no graphs yet).
+//!
 //! `cargo build --release --features cuda --bin gpu-bench`, then on the GPU machine
 //! `target/release/gpu-bench [--presets qwen2.5-0.5b,llama-3.2-1b] [--json PATH]`
 //! (`--help` lists every flag). The JSON goes to `bench/results/gpu-<device name>.json`
@@ -23,7 +27,7 @@ use std::time::Instant;
 use clap::Parser;
 use kvmesh_bench::compute::prefill_flops;
 use kvmesh_bench::programs::write_json;
-use kvmesh_gpu::backend::cuda::{CudaBackend, MemoryPlan};
+use kvmesh_gpu::backend::cuda::{CudaBackend, CudaHybridBackend, Device, MemoryPlan};
 use kvmesh_gpu::backend::sm_split::{SmPartition, SmSide, SmSplit};
 use kvmesh_gpu::backend::{
     Backend, CudaOptions, ForwardBatch, KvBudget, Pdl, SampleSpec, SeqInput,
@@ -286,7 +290,7 @@ fn sampled() -> SamplingParams {
 /// uploads, launches), which is what a serving loop pays per step. Returns the seconds and
 /// the sampled tokens.
 fn timed_step(
-    backend: &mut CudaBackend,
+    backend: &mut Gpu,
     batch: &ForwardBatch,
     rngs: &mut [Rng],
     params: &SamplingParams,
@@ -301,12 +305,63 @@ fn timed_step(
             mask: None,
         })
         .collect();
-    backend.synchronize()?;
+    backend.measure().synchronize()?;
     let t = Instant::now();
-    let out = backend.forward_sample(batch, &mut specs)?;
-    backend.synchronize()?;
+    let out = backend.backend().forward_sample(batch, &mut specs)?;
+    backend.measure().synchronize()?;
     let secs = t.elapsed().as_secs_f64();
     Ok((secs, out.into_iter().map(|s| s.token).collect()))
+}
+
+/// The backend under test: a dense model's, or a hybrid (Qwen3.5) model's, whose steps
+/// also read and write each sequence's recurrent state (a slot per sequence).
+enum Gpu {
+    Dense(CudaBackend),
+    Hybrid(CudaHybridBackend),
+}
+
+impl Gpu {
+    fn backend(&mut self) -> &mut dyn Backend {
+        match self {
+            Gpu::Dense(b) => b,
+            Gpu::Hybrid(b) => b,
+        }
+    }
+
+    fn measure(&self) -> Device<'_> {
+        match self {
+            Gpu::Dense(b) => b.measure(),
+            Gpu::Hybrid(b) => b.measure(),
+        }
+    }
+
+    /// Sequence `s`'s recurrent-state slot, for a hybrid model.
+    fn slot(&self, s: usize) -> Option<u32> {
+        matches!(self, Gpu::Hybrid(_)).then_some(s as u32)
+    }
+
+    fn weight_bytes_per_step(&self) -> usize {
+        match self {
+            Gpu::Dense(b) => b.weight_bytes_per_step(),
+            Gpu::Hybrid(b) => b.weight_bytes_per_step(),
+        }
+    }
+
+    /// Recurrent state a step reads and writes per sequence (0 for a dense model).
+    fn state_bytes_per_seq(&self) -> usize {
+        match self {
+            Gpu::Dense(_) => 0,
+            Gpu::Hybrid(b) => b.state_bytes_per_seq(),
+        }
+    }
+
+    /// Whether decode steps replayed CUDA graphs (hybrid steps run eagerly).
+    fn cuda_graphs(&self) -> bool {
+        match self {
+            Gpu::Dense(b) => b.cuda_graphs_enabled(),
+            Gpu::Hybrid(_) => false,
+        }
+    }
 }
 
 struct ModelResult {
@@ -318,7 +373,7 @@ struct ModelResult {
 struct Runner<'a> {
     args: &'a Args,
     name: &'a str,
-    backend: CudaBackend,
+    backend: Gpu,
     rngs: Vec<Rng>,
     vocab: u32,
     /// KV blocks each decoding sequence owns.
@@ -351,7 +406,7 @@ impl Runner<'_> {
                     context_len: 0,
                     block_table: &table,
                     want_logits: true,
-                    state_slot: None,
+                    state_slot: self.backend.slot(0),
                 }],
             };
             let greedy = greedy();
@@ -395,7 +450,7 @@ impl Runner<'_> {
                         context_len: 0,
                         block_table: &tables[s],
                         want_logits: false,
-                        state_slot: None,
+                        state_slot: self.backend.slot(s),
                     })
                     .collect(),
             };
@@ -418,7 +473,7 @@ impl Runner<'_> {
                         context_len: 0,
                         block_table: &tables[s],
                         want_logits: true,
-                        state_slot: None,
+                        state_slot: self.backend.slot(s),
                     })
                     .collect(),
             };
@@ -459,8 +514,11 @@ struct KvCapacity {
 
 /// What was measured for one model.
 struct Figures {
-    /// Weight bytes one step reads.
+    /// Bytes one batch-1 step must move: its weights, and a hybrid model's recurrent state
+    /// read and written back.
     step_bytes: usize,
+    /// Of those, the recurrent state's (read and write; 0 for a dense model).
+    state_bytes: usize,
     /// Device-to-device copy bandwidth, bytes/s.
     bw: f64,
     gemm: Option<f64>,
@@ -520,8 +578,16 @@ fn summarise(args: &Args, name: &str, dir: &Path, cfg: &ModelConfig, f: &Figures
             cfg.num_params() as f64 / 1e6
         ),
         format!(
-            "weights/step {:.3} GB (bf16 on the device) -> bound {:.3} ms/token at batch 1",
-            f.step_bytes as f64 / gb,
+            "weights/step {:.3} GB (bf16 on the device){} -> bound {:.3} ms/token at batch 1",
+            (f.step_bytes - f.state_bytes) as f64 / gb,
+            if f.state_bytes > 0 {
+                format!(
+                    " + recurrent state {:.1} MB (read and written)",
+                    f.state_bytes as f64 / 1e6
+                )
+            } else {
+                String::new()
+            },
             f.bound_step() * 1e3
         ),
         decode_line(args, f.cuda_graphs),
@@ -603,7 +669,8 @@ fn summarise(args: &Args, name: &str, dir: &Path, cfg: &ModelConfig, f: &Figures
         "fuse_norms": args.fuse_norms,
         "sm_split": args.sm_split.map(|s| s.to_string()),
         "sm_side": args.sm_side.map(|s| format!("{s:?}").to_lowercase()),
-        "weight_bytes_per_step": f.step_bytes,
+        "weight_bytes_per_step": f.step_bytes - f.state_bytes,
+        "state_bytes_per_step_batch1": f.state_bytes,
         "bound_ms_per_token_batch1": f.bound_step() * 1e3,
         "batch1_bandwidth_utilisation": util1,
         "decode_prompt_tokens": args.prompt_len,
@@ -670,17 +737,30 @@ fn bench_model(args: &Args, name: &str, dev: &mut DeviceFigures) -> anyhow::Resu
         sm_partition: args.sm_partition(),
         kv_exportable: false,
     };
-    let backend = CudaBackend::new(
-        &cfg,
-        &weights,
-        cuda,
-        KvBudget::Blocks(num_blocks),
-        BLOCK_SIZE,
-    )?;
+    let backend = match cfg.hybrid {
+        // A recurrent-state slot for every sequence of the largest batch.
+        Some(_) => Gpu::Hybrid(CudaHybridBackend::new(
+            &cfg,
+            &weights,
+            cuda,
+            KvBudget::Blocks(num_blocks),
+            BLOCK_SIZE,
+            max_batch.max(1),
+            false,
+        )?),
+        None => Gpu::Dense(CudaBackend::new(
+            &cfg,
+            &weights,
+            cuda,
+            KvBudget::Blocks(num_blocks),
+            BLOCK_SIZE,
+        )?),
+    };
     // The host copy of the weights is no longer needed; free it before the runs.
     drop(weights);
+    let device = backend.measure();
     if dev.name.is_none() {
-        dev.name = Some(backend.device_name()?);
+        dev.name = Some(device.device_name()?);
     }
     let bw = match dev.copy_bw {
         Some(b) => b,
@@ -689,7 +769,7 @@ fn bench_model(args: &Args, name: &str, dev: &mut DeviceFigures) -> anyhow::Resu
                 "measuring device-to-device copy bandwidth ({} MiB buffer)...",
                 args.copy_mib
             );
-            let b = backend.copy_bandwidth(args.copy_mib << 20, args.copy_reps)?;
+            let b = device.copy_bandwidth(args.copy_mib << 20, args.copy_reps)?;
             dev.copy_bw = Some(b);
             b
         }
@@ -697,9 +777,9 @@ fn bench_model(args: &Args, name: &str, dev: &mut DeviceFigures) -> anyhow::Resu
     if dev.gemm.is_none() && args.gemm_size > 0 {
         let n = args.gemm_size;
         eprintln!("measuring bf16 GEMM throughput ({n} x {n} x {n})...");
-        dev.gemm = Some(backend.gemm_flops((n, n, n), args.copy_reps)?);
+        dev.gemm = Some(device.gemm_flops((n, n, n), args.copy_reps)?);
     }
-    let kv = kv_capacity(args, &cfg, &backend)?;
+    let kv = kv_capacity(args, &cfg, &device)?;
     let mut runner = Runner {
         args,
         name,
@@ -723,12 +803,14 @@ fn bench_model(args: &Args, name: &str, dev: &mut DeviceFigures) -> anyhow::Resu
             decode_sampled.push((b, step));
         }
     }
+    let state_bytes = 2 * runner.backend.state_bytes_per_seq();
     let figures = Figures {
-        step_bytes: runner.backend.weight_bytes_per_step(),
+        step_bytes: runner.backend.weight_bytes_per_step() + state_bytes,
+        state_bytes,
         bw,
         gemm: dev.gemm,
         kv,
-        cuda_graphs: runner.backend.cuda_graphs_enabled(),
+        cuda_graphs: runner.backend.cuda_graphs(),
         prefill,
         decode,
         decode_sampled,
@@ -737,13 +819,21 @@ fn bench_model(args: &Args, name: &str, dev: &mut DeviceFigures) -> anyhow::Resu
 }
 
 /// What a served engine would give itself for KV on this device (see [`KvCapacity`]).
-fn kv_capacity(
-    args: &Args,
-    cfg: &ModelConfig,
-    backend: &CudaBackend,
-) -> anyhow::Result<KvCapacity> {
-    let (_, total) = backend.memory_info()?;
+fn kv_capacity(args: &Args, cfg: &ModelConfig, device: &Device) -> anyhow::Result<KvCapacity> {
+    let (_, total) = device.memory_info()?;
     let plan = MemoryPlan::of(cfg, &CudaOptions::device(args.device), BLOCK_SIZE);
+    if cfg.hybrid.is_some() {
+        return Ok(KvCapacity {
+            tokens: None,
+            plan,
+            total,
+            refusal: Some(
+                "not computed for a hybrid model here: its budget is split between the \
+                 full-attention layers' KV and the recurrent-state slots when it is served"
+                    .into(),
+            ),
+        });
+    }
     let (tokens, refusal) = match plan.blocks(
         KvBudget::Share(args.memory_share),
         args.device,

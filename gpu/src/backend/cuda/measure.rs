@@ -1,13 +1,61 @@
 //! What a benchmark asks of the backend besides steps: the device's name, a fence, the bytes
 //! a decode step must read, and the memory bandwidth to compare them against.
 
-use cudarc::driver::DriverError;
+use std::sync::Arc;
+
+use cudarc::cublas::CudaBlas;
+use cudarc::driver::{CudaContext, CudaStream, DriverError};
 
 use super::device::{drv, GIB};
-use super::CudaBackend;
+use super::{CudaBackend, CudaHybridBackend};
 use crate::error::{EngineError, Result};
 
+/// What the measurements need of a backend: its context, stream and cuBLAS handle.
+pub struct Device<'a> {
+    ctx: &'a Arc<CudaContext>,
+    stream: &'a Arc<CudaStream>,
+    blas: &'a CudaBlas,
+}
+
 impl CudaBackend {
+    /// The device the backend runs on, for the measurements below.
+    pub fn measure(&self) -> Device<'_> {
+        Device {
+            ctx: &self.ctx,
+            stream: &self.stream,
+            blas: &self.blas,
+        }
+    }
+
+    /// Bytes of weights one decode step reads (see `weights::DevWeights::bytes_per_step`).
+    pub fn weight_bytes_per_step(&self) -> usize {
+        self.w.bytes_per_step()
+    }
+}
+
+impl CudaHybridBackend {
+    /// The device the backend runs on, for the measurements below.
+    pub fn measure(&self) -> Device<'_> {
+        Device {
+            ctx: &self.ctx,
+            stream: &self.stream,
+            blas: &self.blas,
+        }
+    }
+
+    /// Bytes of weights one decode step reads.
+    pub fn weight_bytes_per_step(&self) -> usize {
+        self.w.bytes_per_step()
+    }
+
+    /// Bytes of recurrent state (every linear layer's convolution window and delta-rule
+    /// state) a decode step reads for each sequence, and writes back.
+    pub fn state_bytes_per_seq(&self) -> usize {
+        self.layout.bytes_per_slot()
+    }
+}
+
+impl Device<'_> {
     /// The device's name as the driver reports it ("NVIDIA H100 80GB HBM3"), so benchmark
     /// results say which GPU produced them.
     pub fn device_name(&self) -> Result<String> {
@@ -20,11 +68,6 @@ impl CudaBackend {
         self.stream
             .synchronize()
             .map_err(|e| drv("stream synchronisation", e))
-    }
-
-    /// Bytes of weights one decode step reads (see `weights::DevWeights::bytes_per_step`).
-    pub fn weight_bytes_per_step(&self) -> usize {
-        self.w.bytes_per_step()
     }
 
     /// Device-to-device copy bandwidth in bytes/s: the best of `reps` timed copies of a
@@ -60,9 +103,7 @@ impl CudaBackend {
         }
         Ok(best)
     }
-}
 
-impl CudaBackend {
     /// The device's free and total memory, in bytes.
     pub fn memory_info(&self) -> Result<(usize, usize)> {
         self.ctx.mem_get_info().map_err(|e| drv("memory query", e))
@@ -85,7 +126,7 @@ impl CudaBackend {
         let mut best = 0f64;
         for i in 0..=reps {
             let start = s.record_event(timing).map_err(|e| drv("GEMM event", e))?;
-            super::blas::gemm_bf16_f32(&self.blas, s, &x, &w, &mut y, (m, n, k))?;
+            super::blas::gemm_bf16_f32(self.blas, s, &x, &w, &mut y, (m, n, k))?;
             let end = s.record_event(timing).map_err(|e| drv("GEMM event", e))?;
             let ms = start.elapsed_ms(&end).map_err(|e| drv("GEMM timing", e))?;
             if i > 0 && ms > 0.0 {

@@ -75,6 +75,7 @@ pub use gemm::{skinny_and_cublas, skinny_epilogues, skinny_norm_prologues};
 pub use hybrid::CudaHybridBackend;
 pub use kernels::KERNELS_CU;
 pub use load::MemoryPlan;
+pub use measure::Device;
 pub use sampling::sample_host_logits;
 
 use std::sync::Arc;
