@@ -30,12 +30,17 @@
 //! - each side of an SM split (green contexts) computing what the whole GPU does, and a
 //!   region exported by CUDA IPC read and written by a second process (`cuda/split.rs`);
 //! - KV handed from one engine to another of the process on the device, directly and
-//!   through a `kvmesh node` with both roles on one GPU, whole and split (`cuda/handover.rs`).
+//!   through a `kvmesh node` with both roles on one GPU, whole and split, and between two
+//!   processes by CUDA IPC (`cuda/handover.rs`);
+//! - Qwen3.5's decode steps through CUDA graphs, padded to their bucket, against eager
+//!   steps (`cuda/hybrid_graphs.rs`).
 #![cfg(feature = "cuda")]
 
 mod common;
 #[path = "cuda/handover.rs"]
 mod handover;
+#[path = "cuda/hybrid_graphs.rs"]
+mod hybrid_graphs;
 #[path = "cuda/split.rs"]
 mod split;
 

@@ -14,7 +14,7 @@
 //!
 //! A hybrid preset (`qwen3.5-9b`: Gated DeltaNet and gated attention) runs on the hybrid
 //! backend, every sequence with a recurrent-state slot; its batch-1 bound counts the state
-//! a step reads and writes beside the weights, and its steps run eagerly (no graphs yet).
+//! a step reads and writes beside the weights.
 //!
 //! `cargo build --release --features cuda --bin gpu-bench`, then on the GPU machine
 //! `target/release/gpu-bench [--presets qwen2.5-0.5b,llama-3.2-1b] [--json PATH]`
@@ -316,15 +316,15 @@ fn timed_step(
 /// The backend under test: a dense model's, or a hybrid (Qwen3.5) model's, whose steps
 /// also read and write each sequence's recurrent state (a slot per sequence).
 enum Gpu {
-    Dense(CudaBackend),
-    Hybrid(CudaHybridBackend),
+    Dense(Box<CudaBackend>),
+    Hybrid(Box<CudaHybridBackend>),
 }
 
 impl Gpu {
     fn backend(&mut self) -> &mut dyn Backend {
         match self {
-            Gpu::Dense(b) => b,
-            Gpu::Hybrid(b) => b,
+            Gpu::Dense(b) => b.as_mut(),
+            Gpu::Hybrid(b) => b.as_mut(),
         }
     }
 
@@ -355,11 +355,11 @@ impl Gpu {
         }
     }
 
-    /// Whether decode steps replayed CUDA graphs (hybrid steps run eagerly).
+    /// Whether decode steps replayed CUDA graphs.
     fn cuda_graphs(&self) -> bool {
         match self {
             Gpu::Dense(b) => b.cuda_graphs_enabled(),
-            Gpu::Hybrid(_) => false,
+            Gpu::Hybrid(b) => b.cuda_graphs_enabled(),
         }
     }
 }
@@ -739,7 +739,7 @@ fn bench_model(args: &Args, name: &str, dev: &mut DeviceFigures) -> anyhow::Resu
     };
     let backend = match cfg.hybrid {
         // A recurrent-state slot for every sequence of the largest batch.
-        Some(_) => Gpu::Hybrid(CudaHybridBackend::new(
+        Some(_) => Gpu::Hybrid(Box::new(CudaHybridBackend::new(
             &cfg,
             &weights,
             cuda,
@@ -747,14 +747,14 @@ fn bench_model(args: &Args, name: &str, dev: &mut DeviceFigures) -> anyhow::Resu
             BLOCK_SIZE,
             max_batch.max(1),
             false,
-        )?),
-        None => Gpu::Dense(CudaBackend::new(
+        )?)),
+        None => Gpu::Dense(Box::new(CudaBackend::new(
             &cfg,
             &weights,
             cuda,
             KvBudget::Blocks(num_blocks),
             BLOCK_SIZE,
-        )?),
+        )?)),
     };
     // The host copy of the weights is no longer needed; free it before the runs.
     drop(weights);

@@ -10,6 +10,7 @@
 //! per running sequence, and as many again for the prefix cache's saved states) taking at
 //! most half of what is left for KV, as on the CPU.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use cudarc::cublas::CudaBlas;
@@ -17,6 +18,7 @@ use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 
 use super::buffers::LogitsSpace;
 use super::device::{drv, upload_err};
+use super::graphs::DecodeGraphs;
 use super::hybrid_weights::{HybridSpace, HybridWeights};
 use super::kernels::Kernels;
 use super::kv::KvCache;
@@ -51,6 +53,13 @@ pub struct CudaHybridBackend {
     pub(super) split_decode: bool,
     /// The full-attention layers' cache as transfers in this process address it.
     device_kv: Arc<crate::device_kv::DeviceKvPool>,
+    /// Pure decode steps' CUDA graphs, by bucket (as the dense backend's), with each
+    /// bucket's delta-rule sequence table: padding rows run on `scratch_slot`.
+    pub(super) graphs: DecodeGraphs,
+    pub(super) graph_seqs: HashMap<usize, CudaSlice<i32>>,
+    /// The state slot past the pool's (running slots and snapshots) that a decode graph's
+    /// padding sequences read and write, so they touch no sequence's state.
+    pub(super) scratch_slot: u32,
 }
 
 impl CudaHybridBackend {
@@ -98,10 +107,11 @@ impl CudaHybridBackend {
                 snapshots: if snapshots { max_num_seqs.max(1) } else { 0 },
             },
             _ => {
-                // What the dense plan gives the KV cache, then divided as on the CPU.
+                // What the dense plan gives the KV cache, less the graphs' scratch slot, then
+                // divided as on the CPU.
                 let blocks = plan.blocks(kv, ordinal, free, total)?;
                 HybridBackend::split_bytes(
-                    blocks * per_block,
+                    (blocks * per_block).saturating_sub(per_slot),
                     per_slot,
                     per_block,
                     max_num_seqs,
@@ -111,7 +121,7 @@ impl CudaHybridBackend {
         };
         if matches!(kv, KvBudget::Blocks(_)) {
             // Blocks given exactly: the states come on top, and must fit too.
-            plan.fixed += (split.slots + split.snapshots) * per_slot;
+            plan.fixed += (split.slots + split.snapshots + 1) * per_slot;
             plan.blocks(kv, ordinal, free, total)?;
         }
         if split.slots < max_num_seqs {
@@ -132,8 +142,10 @@ impl CudaHybridBackend {
         } else {
             KvCache::alloc_layers(&stream, ordinal, cfg, full_layers, split.blocks, block_size)?
         };
+        // Every slot, and the scratch slot after them.
+        let scratch_slot = split.slots + split.snapshots;
         let states = stream
-            .alloc_zeros::<f32>((split.slots + split.snapshots) * layout.floats_per_slot())
+            .alloc_zeros::<f32>((scratch_slot + 1) * layout.floats_per_slot())
             .map_err(|e| upload_err(ordinal, "the recurrent-state slots", e))?;
         let device_kv = super::handover::device_pool(&kv, &ctx, ordinal, k.kv_copy.clone())?;
         let mut be = CudaHybridBackend {
@@ -154,6 +166,9 @@ impl CudaHybridBackend {
             skinny_max_rows: opts.skinny_max_rows,
             split_decode: opts.split_decode,
             device_kv,
+            graphs: DecodeGraphs::new(opts.graphs, cfg, split.blocks, block_size),
+            graph_seqs: HashMap::new(),
+            scratch_slot: scratch_slot as u32,
         };
         // The activations of the largest step the engine runs, allocated now (as planned).
         be.ensure_space(plan.tokens)?;
@@ -162,6 +177,11 @@ impl CudaHybridBackend {
             .synchronize()
             .map_err(|e| drv("uploading the weights", e))?;
         Ok(be)
+    }
+
+    /// Whether pure decode steps replay CUDA graphs (see `DecodeGraphs`).
+    pub fn cuda_graphs_enabled(&self) -> bool {
+        self.graphs.enabled()
     }
 
     fn slot_range(&self, slot: u32) -> Result<std::ops::Range<usize>> {

@@ -11,6 +11,7 @@ use super::buffers::{LogitsSpace, StepDims, StepInputs};
 use super::delta::{seq_table, DeltaMix, StateAt};
 use super::device::drv;
 use super::gemm::Products;
+use super::graphs::{self, DecodeGraph, GraphHostInputs};
 use super::hybrid::CudaHybridBackend;
 use super::hybrid_weights::{DevHybridLayer, DevMixer, HybridSpace};
 use super::kernels::{
@@ -41,6 +42,9 @@ impl CudaHybridBackend {
         self.ctx
             .bind_to_thread()
             .map_err(|e| drv("binding the context", e))?;
+        if let Some(n) = self.run_graph(&layout, batch)? {
+            return Ok(n);
+        }
         self.ensure_space(t)?;
         let dims = StepDims::of(&layout);
         self.ensure_logits_space(dims.logits)?;
@@ -71,13 +75,90 @@ impl CudaHybridBackend {
         Ok(dims.logits)
     }
 
+    /// A pure decode step through its bucket's CUDA graph, as the dense backend's
+    /// (`step::run_graph`): the step's inputs padded to the bucket go into the graph's
+    /// buffers, and so does its delta-rule table, the padding rows on the scratch slot from
+    /// no state. `None` when the step does not qualify or a capture failed (graphs are then
+    /// off, and the step runs eagerly).
+    fn run_graph(
+        &mut self,
+        layout: &batch::BatchLayout,
+        batch: &ForwardBatch,
+    ) -> Result<Option<usize>> {
+        let Some(b) = self.graphs.bucket(layout) else {
+            return Ok(None);
+        };
+        self.ensure_space(b)?;
+        self.ensure_logits_space(b)?;
+        let host = self.graphs.host_inputs(layout, b);
+        let scratch = self.scratch_slot;
+        let rows: Vec<(usize, usize, u32, bool)> = (0..b)
+            .map(|i| match batch.seqs.get(i) {
+                Some(s) => (i, 1, s.state_slot.expect("check_slots"), s.start_pos == 0),
+                None => (i, 1, scratch, true),
+            })
+            .collect();
+        let table = seq_table(&rows);
+        let mut seqs = match self.graph_seqs.remove(&b) {
+            Some(s) => s,
+            None => self
+                .stream
+                .alloc_zeros::<i32>(table.len())
+                .map_err(|e| drv("decode graph sequence table", e))?,
+        };
+        self.stream
+            .memcpy_htod(&table, &mut seqs)
+            .map_err(|e| drv("decode graph sequence table", e))?;
+        let mut g = self.graphs.take(&self.stream, b)?;
+        let r = self.replay(&mut g, &host, &seqs, b);
+        self.graphs.put_back(b, g);
+        if self.graphs.enabled() {
+            self.graph_seqs.insert(b, seqs);
+        }
+        Ok(r?.map(|()| layout.num_seqs()))
+    }
+
+    /// Uploads `host` into `g`'s buffers, captures `g` if needed, and launches it.
+    fn replay(
+        &mut self,
+        g: &mut DecodeGraph,
+        host: &GraphHostInputs,
+        seqs: &CudaSlice<i32>,
+        b: usize,
+    ) -> Result<Option<()>> {
+        g.upload(&self.stream, host)?;
+        if g.exec.is_none() {
+            let dims = self.graphs.dims(b);
+            let (ctx, stream) = (self.ctx.clone(), self.stream.clone());
+            let scratch = self.scratch_slot as usize;
+            let record = || self.enqueue(&dims, &g.inputs, seqs, scratch).map(|()| 0);
+            match graphs::capture(&ctx, &stream, record) {
+                Ok(graph) => g.exec = Some(graph),
+                Err(e) => {
+                    tracing::warn!(
+                        error = %e,
+                        bucket = b,
+                        "CUDA graph capture failed; decode steps run eagerly from now on"
+                    );
+                    self.graphs.disable();
+                    self.graph_seqs.clear();
+                    return Ok(None);
+                }
+            }
+        }
+        g.launch()?;
+        Ok(Some(()))
+    }
+
     /// Activations for at least `t` tokens (none for 0).
     pub(super) fn ensure_space(&mut self, t: usize) -> Result<()> {
         if t == 0 || self.space.as_ref().is_some_and(|s| s.tokens >= t) {
             return Ok(());
         }
-        // The old buffers go first, so their memory can be reused.
+        // The old buffers go first, so their memory can be reused; graphs captured with them
+        // would launch on freed memory.
         self.space = None;
+        self.graphs.drop_captured();
         self.space = Some(HybridSpace::alloc(
             &self.stream,
             &self.cfg,
@@ -92,6 +173,7 @@ impl CudaHybridBackend {
             return Ok(());
         }
         self.ls = None;
+        self.graphs.drop_captured();
         self.ls = Some(LogitsSpace::alloc(
             &self.stream,
             &self.cfg,
