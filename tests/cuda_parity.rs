@@ -1039,27 +1039,32 @@ fn staged_kv_transfer_between_cuda_engines_decodes_the_same() {
                 cached_tokens: 0,
                 state: None,
             });
-            let mut got = Vec::new();
-            loop {
-                match dsub.events.blocking_recv() {
-                    Some(SeqEvent::Token {
-                        sampled, finish, ..
-                    }) => {
-                        got.push(sampled.token);
-                        if finish.is_some() {
-                            dsub.finished();
-                            break;
-                        }
-                    }
-                    other => panic!("{name}: {other:?}"),
-                }
-            }
+            let got = tokens_to_end(name, &mut dsub);
             assert_eq!(
                 got, want,
                 "{name}: staged disaggregation changed the tokens"
             );
         }
         println!("{name}: staged KV transfer between CUDA engines decodes identically");
+    }
+}
+
+/// Every token a submission sends, to its last.
+fn tokens_to_end(name: &str, sub: &mut kvmesh_gpu::engine::Submission) -> Vec<u32> {
+    let mut got = Vec::new();
+    loop {
+        match sub.events.blocking_recv() {
+            Some(SeqEvent::Token {
+                sampled, finish, ..
+            }) => {
+                got.push(sampled.token);
+                if finish.is_some() {
+                    sub.finished();
+                    return got;
+                }
+            }
+            other => panic!("{name}: {other:?}"),
+        }
     }
 }
 

@@ -301,14 +301,7 @@ async fn a_node_without_etcd_is_a_whole_disaggregated_cluster() {
     let solo = kvmesh().node_alone("solo", &args);
     let agg = Server::start(&engine);
     ready(&http, &solo, 1, 1).await;
-    for salt in 0..2 {
-        let p = prompt_ids(70, salt);
-        let (st, want) = post(&http, &agg.base, greedy(&p, 8)).await;
-        assert_eq!(st, 200, "{want}");
-        let (st, got) = post(&http, &solo.http, greedy(&p, 8)).await;
-        assert_eq!(st, 200, "{got}");
-        assert_eq!(token_ids(&got), token_ids(&want), "prompt {salt}");
-    }
+    two_prompts_as_serve(&http, &agg, &solo.http).await;
     // The router sent both to the prefill role, and the node's /metrics (its gateway's) shows
     // its own engines and KV side too: both prompts prefilled remotely, handed over in
     // process.
@@ -359,14 +352,7 @@ async fn processes_of_one_machine_find_each_other_through_a_registry_directory()
         .filter(|n| n.ends_with(".json"))
         .collect();
     assert_eq!(files.len(), 2, "one record per node: {files:?}");
-    for salt in 0..2 {
-        let p = prompt_ids(70, salt);
-        let (st, want) = post(&http, &agg.base, greedy(&p, 8)).await;
-        assert_eq!(st, 200, "{want}");
-        let (st, got) = post(&http, &gw.http, greedy(&p, 8)).await;
-        assert_eq!(st, 200, "{got}");
-        assert_eq!(token_ids(&got), token_ids(&want), "prompt {salt}");
-    }
+    two_prompts_as_serve(&http, &agg, &gw.http).await;
     for (series, want) in [
         ("kvmesh:disagg_prefills_total{outcome=\"remote\"}", 2.0),
         ("kvmesh:kv_transfers_total{transport=\"quic\"}", 2.0),
@@ -383,6 +369,18 @@ async fn processes_of_one_machine_find_each_other_through_a_registry_directory()
     .await;
     drop(gw);
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Two 70-token greedy prompts through the gateway at `base` answer as `agg` does.
+async fn two_prompts_as_serve(http: &reqwest::Client, agg: &Server, base: &str) {
+    for salt in 0..2 {
+        let p = prompt_ids(70, salt);
+        let (st, want) = post(http, &agg.base, greedy(&p, 8)).await;
+        assert_eq!(st, 200, "{want}");
+        let (st, got) = post(http, base, greedy(&p, 8)).await;
+        assert_eq!(st, 200, "{got}");
+        assert_eq!(token_ids(&got), token_ids(&want), "prompt {salt}");
+    }
 }
 
 /// Sim workers whose prefill takes long enough (4 ms a token, chunks of 64) that a 400-token

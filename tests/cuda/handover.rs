@@ -97,24 +97,51 @@ fn kv_handed_over_on_the_device_decodes_the_same() {
                 cached_tokens: 0,
                 state: None,
             });
-            let mut got = Vec::new();
-            loop {
-                match dsub.events.blocking_recv() {
-                    Some(SeqEvent::Token {
-                        sampled, finish, ..
-                    }) => {
-                        got.push(sampled.token);
-                        if finish.is_some() {
-                            dsub.finished();
-                            break;
-                        }
-                    }
-                    other => panic!("{name}: {other:?}"),
-                }
-            }
+            let got = tokens_to_end(name, &mut dsub);
             assert_eq!(got, want, "{name}: the device handover changed the tokens");
         }
         println!("{name}: KV handed over on the device decodes identically");
+    }
+}
+
+/// Waits until `node`'s router has the decode and the prefill role connected.
+async fn routed(http: &reqwest::Client, node: &kvmesh_bench::harness::Proc) {
+    kvmesh_bench::harness::wait_for("the router connected to both roles", 60, async || {
+        node.try_metric(http, "kvmesh:router_workers_routable")
+            .await
+            == Some(1.0)
+            && node
+                .try_metric(http, "kvmesh:router_prefill_workers_connected")
+                .await
+                == Some(1.0)
+    })
+    .await;
+}
+
+/// Two greedy prompts through `node`'s gateway answer as `agg` (`kvmesh serve`) does.
+async fn answers_as_serve(
+    http: &reqwest::Client,
+    agg: &common::Server,
+    node: &kvmesh_bench::harness::Proc,
+    ctx: &str,
+) {
+    let prompts = [
+        "To be, or not to be, that is the question: whether 'tis nobler",
+        "Now is the winter of our discontent made glorious summer by this sun of York",
+    ];
+    for p in prompts {
+        let body = json!({"model": "tiny-llama", "prompt": p, "max_tokens": 12,
+                          "temperature": 0, "ignore_eos": true});
+        let (sa, a) = agg.post("/v1/completions", body.clone()).await;
+        let r = http
+            .post(format!("{}/v1/completions", node.http))
+            .json(&body)
+            .send()
+            .await
+            .expect("send");
+        assert_eq!((sa, r.status().as_u16()), (200, 200));
+        let s: Value = r.json().await.expect("json");
+        assert_eq!(common::text_of(&s), common::text_of(&a), "{ctx}: {p}");
     }
 }
 
@@ -123,7 +150,7 @@ fn kv_handed_over_on_the_device_decodes_the_same() {
 /// from one engine to the other on the device.
 #[test]
 fn a_node_with_both_roles_on_one_gpu_hands_kv_over_on_the_device() {
-    use kvmesh_bench::harness::{client, wait_for};
+    use kvmesh_bench::harness::client;
     let dir = model_dir("tiny-llama");
     let dir = dir.to_str().unwrap();
     let engine = [
@@ -155,34 +182,8 @@ fn a_node_with_both_roles_on_one_gpu_hands_kv_over_on_the_device() {
         let solo = common::kvmesh().node_alone("solo", &args);
         rt.block_on(async {
             let http = client();
-            wait_for("the router connected to both roles", 60, async || {
-                solo.try_metric(&http, "kvmesh:router_workers_routable")
-                    .await
-                    == Some(1.0)
-                    && solo
-                        .try_metric(&http, "kvmesh:router_prefill_workers_connected")
-                        .await
-                        == Some(1.0)
-            })
-            .await;
-            let prompts = [
-                "To be, or not to be, that is the question: whether 'tis nobler",
-                "Now is the winter of our discontent made glorious summer by this sun of York",
-            ];
-            for p in prompts {
-                let body = json!({"model": "tiny-llama", "prompt": p, "max_tokens": 12,
-                                  "temperature": 0, "ignore_eos": true});
-                let (sa, a) = agg.post("/v1/completions", body.clone()).await;
-                let r = http
-                    .post(format!("{}/v1/completions", solo.http))
-                    .json(&body)
-                    .send()
-                    .await
-                    .expect("send");
-                assert_eq!((sa, r.status().as_u16()), (200, 200));
-                let s: Value = r.json().await.expect("json");
-                assert_eq!(common::text_of(&s), common::text_of(&a), "{split:?}: {p}");
-            }
+            routed(&http, &solo).await;
+            answers_as_serve(&http, &agg, &solo, &format!("{split:?}")).await;
             for (series, want) in [
                 (
                     "kvmesh:kv_transfers_total{transport=\"in-process-device\"}",
@@ -207,7 +208,7 @@ fn a_node_with_both_roles_on_one_gpu_hands_kv_over_on_the_device() {
 /// `kvmesh serve --device cuda`'s and every prompt landed by CUDA IPC.
 #[test]
 fn two_processes_on_one_gpu_hand_kv_over_by_cuda_ipc() {
-    use kvmesh_bench::harness::{client, wait_for};
+    use kvmesh_bench::harness::client;
     let dir = model_dir("tiny-llama");
     let dir = dir.to_str().unwrap();
     let engine = [
@@ -245,35 +246,8 @@ fn two_processes_on_one_gpu_hand_kv_over_by_cuda_ipc() {
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(async {
         let http = client();
-        wait_for("the router connected to both nodes", 60, async || {
-            decode
-                .try_metric(&http, "kvmesh:router_workers_routable")
-                .await
-                == Some(1.0)
-                && decode
-                    .try_metric(&http, "kvmesh:router_prefill_workers_connected")
-                    .await
-                    == Some(1.0)
-        })
-        .await;
-        let prompts = [
-            "To be, or not to be, that is the question: whether 'tis nobler",
-            "Now is the winter of our discontent made glorious summer by this sun of York",
-        ];
-        for p in prompts {
-            let body = json!({"model": "tiny-llama", "prompt": p, "max_tokens": 12,
-                              "temperature": 0, "ignore_eos": true});
-            let (sa, a) = agg.post("/v1/completions", body.clone()).await;
-            let r = http
-                .post(format!("{}/v1/completions", decode.http))
-                .json(&body)
-                .send()
-                .await
-                .expect("send");
-            assert_eq!((sa, r.status().as_u16()), (200, 200));
-            let s: Value = r.json().await.expect("json");
-            assert_eq!(common::text_of(&s), common::text_of(&a), "{p}");
-        }
+        routed(&http, &decode).await;
+        answers_as_serve(&http, &agg, &decode, "cuda-ipc").await;
         let series = "kvmesh:kv_transfers_total{transport=\"cuda-ipc\"}";
         assert_eq!(decode.metric(&http, series).await, 2.0, "{series}");
     });

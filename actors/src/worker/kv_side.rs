@@ -280,48 +280,43 @@ pub(super) fn region(lease: &KvLease, positions: Range<usize>) -> KvRegion {
     let layers = spec.num_layers;
     let blocks = lease.blocks().iter().map(|b| b.0).collect();
     let keep = Arc::new(lease.clone());
-    match lease.memory() {
-        KvMemory::Host(pool) => {
-            let k = (0..layers).map(|l| pool.base(l, KvKind::K)).collect();
-            let v = (0..layers).map(|l| pool.base(l, KvKind::V)).collect();
-            // SAFETY: the pool's buffers are `[num_blocks, block_size, kv_dim]` per layer and
-            // live as long as the pool, which the lease (the keepalive) holds; the engine
-            // allocated every block of the table from this pool; and while a lease clone
-            // lives, the positions a transfer moves are its own (read-only computed ones on
-            // the prefill side, reserved ones on the decode side): the engine keeps the
-            // blocks and does not touch them.
-            unsafe {
-                KvRegion::new(
-                    k,
-                    v,
-                    pool.layer_bytes(),
-                    spec.bytes_per_pos(),
-                    spec.block_size,
-                    blocks,
-                    positions,
-                    keep,
-                )
-            }
-        }
+    let (k, v, layer_bytes, copier): (Vec<*mut u8>, Vec<*mut u8>, _, _) = match lease.memory() {
+        KvMemory::Host(pool) => (
+            (0..layers).map(|l| pool.base(l, KvKind::K)).collect(),
+            (0..layers).map(|l| pool.base(l, KvKind::V)).collect(),
+            pool.layer_bytes(),
+            None,
+        ),
         KvMemory::Device(pool) => {
             let addr = |l, kind| pool.base(l, kind) as usize as *mut u8;
-            let k = (0..layers).map(|l| addr(l, KvKind::K)).collect();
-            let v = (0..layers).map(|l| addr(l, KvKind::V)).collect();
-            // SAFETY: as above, for the device cache's buffers (the pool keeps them alive
-            // past the engine), which only `EngineCopy` touches.
-            unsafe {
-                KvRegion::new(
-                    k,
-                    v,
-                    pool.layer_bytes(),
-                    spec.bytes_per_pos(),
-                    spec.block_size,
-                    blocks,
-                    positions,
-                    keep,
-                )
-                .on_device(Arc::new(EngineCopy(pool.copier().clone())))
-            }
+            (
+                (0..layers).map(|l| addr(l, KvKind::K)).collect(),
+                (0..layers).map(|l| addr(l, KvKind::V)).collect(),
+                pool.layer_bytes(),
+                Some(EngineCopy(pool.copier().clone())),
+            )
+        }
+    };
+    // SAFETY: the pool's buffers are `[num_blocks, block_size, kv_dim]` per layer and live as
+    // long as the pool, which the lease (the keepalive) holds (a device pool keeps them past
+    // its engine, and only `EngineCopy` touches them); the engine allocated every block of
+    // the table from this pool; and while a lease clone lives, the positions a transfer moves
+    // are its own (read-only computed ones on the prefill side, reserved ones on the decode
+    // side): the engine keeps the blocks and does not touch them.
+    unsafe {
+        let r = KvRegion::new(
+            k,
+            v,
+            layer_bytes,
+            spec.bytes_per_pos(),
+            spec.block_size,
+            blocks,
+            positions,
+            keep,
+        );
+        match copier {
+            Some(c) => r.on_device(Arc::new(c)),
+            None => r,
         }
     }
 }

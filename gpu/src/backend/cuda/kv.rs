@@ -87,20 +87,39 @@ impl KvCache {
             k.push(zeros()?);
             v.push(zeros()?);
         }
-        Ok(KvCache {
-            k,
-            v,
+        Ok(Self::of(
+            stream,
+            cfg,
+            (k, v),
             num_blocks,
+            block_size,
+            Parked::default(),
+        ))
+    }
+
+    /// A cache of the buffers `k` and `v` (a layer each), which `parked` keeps as it says.
+    fn of(
+        stream: &Arc<CudaStream>,
+        cfg: &ModelConfig,
+        (k, v): (Vec<CudaSlice<u16>>, Vec<CudaSlice<u16>>),
+        num_blocks: usize,
+        block_size: usize,
+        parked: Parked,
+    ) -> KvCache {
+        KvCache {
             spec: KvSpec {
-                num_layers: layers,
+                num_layers: k.len(),
                 block_size,
                 num_kv_heads: cfg.num_kv_heads,
                 head_dim: cfg.head_dim,
                 dtype: KvDtype::Bf16,
             },
+            k,
+            v,
+            num_blocks,
             stream: stream.clone(),
-            parked: Arc::default(),
-        })
+            parked: Arc::new(parked),
+        }
     }
 
     /// As `alloc_layers`, in one allocation another process of this host can map (CUDA IPC,
@@ -130,23 +149,18 @@ impl KvCache {
                 out.push(view);
             }
         }
-        Ok(KvCache {
-            k,
-            v,
+        let parked = Parked {
+            slices: Default::default(),
+            region: Some(region),
+        };
+        Ok(Self::of(
+            stream,
+            cfg,
+            (k, v),
             num_blocks,
-            spec: KvSpec {
-                num_layers: layers,
-                block_size,
-                num_kv_heads: cfg.num_kv_heads,
-                head_dim: cfg.head_dim,
-                dtype: KvDtype::Bf16,
-            },
-            stream: stream.clone(),
-            parked: Arc::new(Parked {
-                slices: Default::default(),
-                region: Some(region),
-            }),
-        })
+            block_size,
+            parked,
+        ))
     }
 
     /// How another process maps the cache, when it was allocated exportable.
