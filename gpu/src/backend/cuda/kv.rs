@@ -135,6 +135,12 @@ impl KvCache {
         let per_layer = (num_blocks + 1) * block_size * cfg.kv_dim();
         let region = Exported::alloc(stream.context(), 2 * layers * per_layer * 2)?;
         let base = region.device_ptr();
+        // Zeroed whole before any view exists, so that no error path drops (frees) a view.
+        // SAFETY: the region's own bytes, on this stream.
+        unsafe {
+            cudarc::driver::result::memset_d8_async(base, 0, region.len(), stream.cu_stream())
+        }
+        .map_err(|e| upload_err(ordinal, "the KV cache", e))?;
         let mut k = Vec::with_capacity(layers);
         let mut v = Vec::with_capacity(layers);
         for l in 0..layers {
@@ -142,11 +148,7 @@ impl KvCache {
                 let at = base + (i * per_layer * 2) as u64;
                 // SAFETY: `per_layer` bf16 inside the region, which `parked` keeps until the
                 // cache is dropped, when the views are leaked rather than freed.
-                let mut view = unsafe { stream.upgrade_device_ptr::<u16>(at, per_layer) };
-                stream
-                    .memset_zeros(&mut view)
-                    .map_err(|e| upload_err(ordinal, "the KV cache", e))?;
-                out.push(view);
+                out.push(unsafe { stream.upgrade_device_ptr::<u16>(at, per_layer) });
             }
         }
         let parked = Parked {
