@@ -11,6 +11,7 @@ use super::*;
 use crate::backend::error::BackendError;
 use crate::backend::sim::{SimBackend, SimTiming};
 use crate::backend::{Backend, ForwardBatch};
+use crate::device_kv::{CopyRun, DeviceCopy, DeviceKey, DeviceKvPool, MappedPool, PoolExport};
 use crate::error::Result;
 use crate::kv_cache::BlockId;
 use crate::kv_pool::{HostKvPool, KvDtype, KvKind, KvSpec};
@@ -310,6 +311,36 @@ fn transfers_are_refused_by_a_backend_without_host_memory() {
 struct Staged {
     inner: SimBackend,
     pool: Arc<HostKvPool>,
+    /// Lends its blocks as device memory (`Backend::device_kv`): its host pool standing for
+    /// a GPU cache, copied by `HostCopy`; staging is then an error.
+    device: Option<Arc<DeviceKvPool>>,
+}
+
+/// A "device" copier over host memory, for `Staged::on_device`.
+struct HostCopy;
+
+impl DeviceCopy for HostCopy {
+    fn device(&self) -> DeviceKey {
+        DeviceKey { ordinal: 0 }
+    }
+
+    unsafe fn copy(&self, runs: &[CopyRun], _dst: DeviceKey) -> std::result::Result<(), String> {
+        for r in runs {
+            // SAFETY: the trait's contract (host memory here).
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    r.src as usize as *const u8,
+                    r.dst as usize as *mut u8,
+                    r.len as usize,
+                )
+            };
+        }
+        Ok(())
+    }
+
+    fn map(&self, _: &PoolExport) -> std::result::Result<MappedPool, String> {
+        Err("no IPC here".into())
+    }
 }
 
 impl Staged {
@@ -323,7 +354,34 @@ impl Staged {
         };
         let inner = zero_cost_sim(spec);
         let pool = inner.host_kv().unwrap();
-        Staged { inner, pool }
+        Staged {
+            inner,
+            pool,
+            device: None,
+        }
+    }
+
+    /// A `Staged` whose blocks are lent as device memory.
+    fn on_device() -> Staged {
+        let mut st = Staged::new();
+        let p = &st.pool;
+        let addr = |l, kind| p.base(l, kind) as usize as u64;
+        let k = (0..3).map(|l| addr(l, KvKind::K)).collect();
+        let v = (0..3).map(|l| addr(l, KvKind::V)).collect();
+        // SAFETY: the pool's own buffers, kept alive by `keep`.
+        let pool = unsafe {
+            DeviceKvPool::new(
+                p.spec().clone(),
+                p.num_blocks(),
+                k,
+                v,
+                Arc::new(HostCopy),
+                None,
+                p.clone(),
+            )
+        };
+        st.device = Some(Arc::new(pool));
+        st
     }
 
     fn pattern(pos: usize, layer: usize, kind: KvKind) -> u8 {
@@ -362,6 +420,9 @@ impl Backend for Staged {
     fn kv_staging(&self) -> bool {
         true
     }
+    fn device_kv(&self) -> Option<Arc<DeviceKvPool>> {
+        self.device.clone()
+    }
     fn forward(&mut self, batch: &ForwardBatch) -> Result<Vec<Vec<f32>>> {
         for s in &batch.seqs {
             for layer in 0..3 {
@@ -391,6 +452,9 @@ impl Backend for Staged {
         dst: &HostKvPool,
         dst_table: &[BlockId],
     ) -> Result<()> {
+        if self.device.is_some() {
+            return Err(BackendError::Invariant("staged out on a device handover").into());
+        }
         for pos in positions {
             for layer in 0..3 {
                 for kind in [KvKind::K, KvKind::V] {
@@ -408,6 +472,9 @@ impl Backend for Staged {
         positions: std::ops::Range<usize>,
         table: &[BlockId],
     ) -> Result<()> {
+        if self.device.is_some() {
+            return Err(BackendError::Invariant("staged in on a device handover").into());
+        }
         let first_block = positions.start / 4;
         for pos in positions {
             let i = pos / 4 - first_block;
@@ -550,4 +617,76 @@ fn a_device_handover_lends_host_memory_where_the_backend_has_no_device_kv() {
         drop(lease);
         assert!(all_free(h));
     }
+}
+
+/// `Handover::Device` on a backend with device KV (`Staged::on_device`: host memory standing
+/// for a GPU cache): both leases are the caches' own blocks, nothing is staged (staging
+/// fails that backend), a copy through the pool's copier carries the prompt, chunked, and
+/// the decode side decodes on it exactly as a local run does, every block freed after.
+#[test]
+fn device_handovers_lend_the_caches_own_blocks_and_stage_nothing() {
+    use crate::device_kv::KvMemory;
+    let spawn_dev = |budget| {
+        spawn(
+            Box::new(Staged::on_device()),
+            EngineConfig {
+                max_model_len: 100,
+                block_size: 4,
+                max_num_batched_tokens: budget,
+                ..Default::default()
+            },
+            vec![],
+            VOCAB,
+        )
+    };
+    let (p, d) = (spawn_dev(8), spawn_dev(64));
+    assert_eq!(p.info.device_kv, Some(DeviceKey { ordinal: 0 }));
+    let prompt = prompt(21);
+    let req = |n| Request {
+        prompt: prompt.clone(),
+        params: greedy(n),
+    };
+    let (mut psub, mut pev) = p.submit_export_on(req(1), 0, Handover::Device).unwrap();
+    let first = tokens(&mut psub);
+    let ExportEvent::Ready { lease: plo, .. } = pev.blocking_recv().unwrap() else {
+        panic!("Ready first")
+    };
+    let (mut dsub, dlease) = d
+        .submit_remote_prefill_on(req(5), 1, Handover::Device)
+        .unwrap();
+    let dlo = dlease.blocking_recv().unwrap();
+    let (KvMemory::Device(sp), KvMemory::Device(dp)) = (plo.memory(), dlo.memory()) else {
+        panic!("both leases on the device")
+    };
+    let bpp = sp.spec().bytes_per_pos() as u64;
+    let mut runs = Vec::new();
+    for layer in 0..3 {
+        for kind in [KvKind::K, KvKind::V] {
+            for pos in 0..21 {
+                let at = |base: u64, t: &[BlockId]| {
+                    base + ((t[pos / 4].0 as usize * 4 + pos % 4) as u64) * bpp
+                };
+                runs.push(CopyRun {
+                    src: at(sp.base(layer, kind), plo.blocks()),
+                    dst: at(dp.base(layer, kind), dlo.blocks()),
+                    len: bpp,
+                });
+            }
+        }
+    }
+    // SAFETY: the export is finished; the decode side's blocks are lent to this copy.
+    unsafe { sp.copier().copy(&runs, dp.device()) }.unwrap();
+    drop(plo);
+    dlo.landed(Landed {
+        first: Sampled {
+            token: first[0],
+            logprob: 0.0,
+            top: vec![],
+        },
+        rng: None,
+        cached_tokens: 0,
+        state: None,
+    });
+    assert_eq!(tokens(&mut dsub), local_run(&prompt, 5));
+    assert!(all_free(&p) && all_free(&d));
 }
