@@ -965,30 +965,10 @@ fn staged_kv_transfer_between_cuda_engines_decodes_the_same() {
     for name in MODELS {
         let m = load(name);
         let vocab = m.config.vocab_size;
-        let spawn = |budget: usize| {
-            let be = build_backend(
-                BackendKind::Cuda(CudaOptions::device(0)),
-                &m,
-                BLOCK_SIZE,
-                KvBudget::Blocks(64),
-            )
-            .expect("a CUDA device");
-            engine::spawn(
-                be,
-                EngineConfig {
-                    max_model_len: 512,
-                    block_size: BLOCK_SIZE,
-                    max_num_batched_tokens: budget,
-                    ..Default::default()
-                },
-                vec![],
-                vocab,
-            )
-        };
         let reqs = greedy_requests(name, 12);
         let (_, gpu) = backends(&m, 64);
         let want = run_engine(gpu, vocab, greedy_requests(name, 12));
-        let (p, d) = (spawn(16), spawn(2048));
+        let (p, d) = (cuda_engine(&m, 16), cuda_engine(&m, 2048));
         assert!(p.info.kv_transfer, "cuda stages KV transfers");
         for (req, want) in reqs.into_iter().zip(want) {
             let n = req.prompt.len();
@@ -1047,6 +1027,28 @@ fn staged_kv_transfer_between_cuda_engines_decodes_the_same() {
         }
         println!("{name}: staged KV transfer between CUDA engines decodes identically");
     }
+}
+
+/// An engine on a CUDA backend of 64 blocks, prompts in chunks of `budget` tokens.
+fn cuda_engine(m: &LoadedModel, budget: usize) -> engine::EngineHandle {
+    let be = build_backend(
+        BackendKind::Cuda(CudaOptions::device(0)),
+        m,
+        BLOCK_SIZE,
+        KvBudget::Blocks(64),
+    )
+    .expect("a CUDA device");
+    engine::spawn(
+        be,
+        EngineConfig {
+            max_model_len: 512,
+            block_size: BLOCK_SIZE,
+            max_num_batched_tokens: budget,
+            ..Default::default()
+        },
+        vec![],
+        m.config.vocab_size,
+    )
 }
 
 /// Every token a submission sends, to its last.

@@ -276,20 +276,24 @@ async fn disaggregated_greedy_output_equals_aggregated_for_every_family() {
     }
 }
 
+/// A CPU engine with chunks of 16 prompt tokens and 96 KV blocks: the in-process and
+/// registry-directory tests' engines and their `kvmesh serve` reference.
+const SMALL_CPU_ENGINE: [&str; 6] = [
+    "--backend",
+    "cpu",
+    "--max-num-batched-tokens",
+    "16",
+    "--num-kv-blocks",
+    "96",
+];
+
 /// `--no-etcd`: one node with the gateway, router, prefill and decode roles is a whole
 /// disaggregated cluster (no etcd), its prompts prefilled by its own prefill engine and handed
 /// over in process; greedy output equals `kvmesh serve`'s.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_without_etcd_is_a_whole_disaggregated_cluster() {
     let http = client();
-    let engine = [
-        "--backend",
-        "cpu",
-        "--max-num-batched-tokens",
-        "16",
-        "--num-kv-blocks",
-        "96",
-    ];
+    let engine = SMALL_CPU_ENGINE;
     let mut args = vec![
         "--roles",
         "gateway,router,prefill,decode",
@@ -328,14 +332,7 @@ async fn processes_of_one_machine_find_each_other_through_a_registry_directory()
     let http = client();
     let dir = std::env::temp_dir().join(format!("kvmesh-registry-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
-    let engine = [
-        "--backend",
-        "cpu",
-        "--max-num-batched-tokens",
-        "16",
-        "--num-kv-blocks",
-        "96",
-    ];
+    let engine = SMALL_CPU_ENGINE;
     let mut pargs = vec!["--roles", "prefill"];
     pargs.extend(engine);
     let prefill = kvmesh().node_in_dir(&dir, "p", &pargs);

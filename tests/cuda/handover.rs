@@ -8,27 +8,6 @@ use kvmesh_gpu::kv_pool::KvKind;
 
 use super::*;
 
-fn cuda_engine(m: &LoadedModel, budget: usize) -> engine::EngineHandle {
-    let be = build_backend(
-        BackendKind::Cuda(CudaOptions::device(0)),
-        m,
-        BLOCK_SIZE,
-        KvBudget::Blocks(64),
-    )
-    .expect("a CUDA device");
-    engine::spawn(
-        be,
-        EngineConfig {
-            max_model_len: 512,
-            block_size: BLOCK_SIZE,
-            max_num_batched_tokens: budget,
-            ..Default::default()
-        },
-        vec![],
-        m.config.vocab_size,
-    )
-}
-
 /// The runs that copy positions `0..n` of every layer from `src`'s blocks to `dst`'s: one
 /// per block, K's then V's.
 fn runs(src: &engine::KvLease, dst: &engine::KvLease, n: usize) -> Vec<CopyRun> {
@@ -104,6 +83,21 @@ fn kv_handed_over_on_the_device_decodes_the_same() {
     }
 }
 
+/// tiny-llama on the GPU, chunks of 16 prompt tokens, 96 KV blocks: the nodes' engines and
+/// their `kvmesh serve` reference.
+fn small_cuda_engine(dir: &str) -> [&str; 8] {
+    [
+        "--model",
+        dir,
+        "--device",
+        "cuda",
+        "--max-num-batched-tokens",
+        "16",
+        "--num-kv-blocks",
+        "96",
+    ]
+}
+
 /// Waits until `node`'s router has the decode and the prefill role connected.
 async fn routed(http: &reqwest::Client, node: &kvmesh_bench::harness::Proc) {
     kvmesh_bench::harness::wait_for("the router connected to both roles", 60, async || {
@@ -152,17 +146,7 @@ async fn answers_as_serve(
 fn a_node_with_both_roles_on_one_gpu_hands_kv_over_on_the_device() {
     use kvmesh_bench::harness::client;
     let dir = model_dir("tiny-llama");
-    let dir = dir.to_str().unwrap();
-    let engine = [
-        "--model",
-        dir,
-        "--device",
-        "cuda",
-        "--max-num-batched-tokens",
-        "16",
-        "--num-kv-blocks",
-        "96",
-    ];
+    let engine = small_cuda_engine(dir.to_str().unwrap());
     let agg = common::Server::start(&engine);
     let rt = tokio::runtime::Runtime::new().unwrap();
     for split in [None, Some("0.5")] {
@@ -210,17 +194,7 @@ fn a_node_with_both_roles_on_one_gpu_hands_kv_over_on_the_device() {
 fn two_processes_on_one_gpu_hand_kv_over_by_cuda_ipc() {
     use kvmesh_bench::harness::client;
     let dir = model_dir("tiny-llama");
-    let dir = dir.to_str().unwrap();
-    let engine = [
-        "--model",
-        dir,
-        "--device",
-        "cuda",
-        "--max-num-batched-tokens",
-        "16",
-        "--num-kv-blocks",
-        "96",
-    ];
+    let engine = small_cuda_engine(dir.to_str().unwrap());
     let agg = common::Server::start(&engine);
     let reg = std::env::temp_dir().join(format!("kvmesh-ipc-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&reg);

@@ -491,24 +491,27 @@ impl Backend for Staged {
     }
 }
 
+/// An engine on `backend`, blocks of 4 tokens, prompts in chunks of `budget`.
+fn staged_engine(backend: Staged, budget: usize) -> EngineHandle {
+    spawn(
+        Box::new(backend),
+        EngineConfig {
+            max_model_len: 100,
+            block_size: 4,
+            max_num_batched_tokens: budget,
+            ..Default::default()
+        },
+        vec![],
+        VOCAB,
+    )
+}
+
 /// Through host staging (a backend without host-visible KV, like `cuda`): the prefill side's
 /// staged copy holds what it computed, layer reports follow each chunk, and a decode side
 /// that lands those bytes decodes on them (its backend checks every position it attends to).
 #[test]
 fn staged_transfers_carry_the_kv_intact() {
-    let spawn_staged = |budget| {
-        spawn(
-            Box::new(Staged::new()),
-            EngineConfig {
-                max_model_len: 100,
-                block_size: 4,
-                max_num_batched_tokens: budget,
-                ..Default::default()
-            },
-            vec![],
-            VOCAB,
-        )
-    };
+    let spawn_staged = |budget| staged_engine(Staged::new(), budget);
     let (p, d) = (spawn_staged(8), spawn_staged(64));
     assert!(p.info.kv_transfer);
     let prompt = prompt(21);
@@ -584,15 +587,9 @@ fn staged_transfers_carry_the_kv_intact() {
 fn a_device_handover_lends_host_memory_where_the_backend_has_no_device_kv() {
     use crate::device_kv::KvMemory;
     let sim = engine(64);
-    let staged = spawn(
-        Box::new(Staged::new()),
-        EngineConfig {
-            max_model_len: 100,
-            block_size: 4,
-            ..Default::default()
-        },
-        vec![],
-        VOCAB,
+    let staged = staged_engine(
+        Staged::new(),
+        EngineConfig::default().max_num_batched_tokens,
     );
     for h in [&sim, &staged] {
         assert_eq!(h.info.device_kv, None);
@@ -626,19 +623,7 @@ fn a_device_handover_lends_host_memory_where_the_backend_has_no_device_kv() {
 #[test]
 fn device_handovers_lend_the_caches_own_blocks_and_stage_nothing() {
     use crate::device_kv::KvMemory;
-    let spawn_dev = |budget| {
-        spawn(
-            Box::new(Staged::on_device()),
-            EngineConfig {
-                max_model_len: 100,
-                block_size: 4,
-                max_num_batched_tokens: budget,
-                ..Default::default()
-            },
-            vec![],
-            VOCAB,
-        )
-    };
+    let spawn_dev = |budget| staged_engine(Staged::on_device(), budget);
     let (p, d) = (spawn_dev(8), spawn_dev(64));
     assert_eq!(p.info.device_kv, Some(DeviceKey { ordinal: 0 }));
     let prompt = prompt(21);
