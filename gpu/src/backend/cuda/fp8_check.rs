@@ -99,6 +99,7 @@ pub fn fp8_quantize(
         q: &mut q,
         scales: &mut scales,
         rows,
+        ld: rows,
         k,
         kind: if per_group {
             ScaleKind::Block

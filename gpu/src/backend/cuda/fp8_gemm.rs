@@ -64,7 +64,7 @@ impl Scratch {
         (inp, out): (usize, usize),
         tokens: usize,
     ) -> Result<Scratch> {
-        let tokens = tokens.max(1);
+        let tokens = lt_rows(tokens.max(1));
         let a = |what: &str, e| drv(&format!("FP8 scratch ({what}) allocation"), e);
         Ok(Scratch {
             tokens,
@@ -79,6 +79,16 @@ impl Scratch {
                 .map_err(|e| a("d", e))?,
         })
     }
+}
+
+/// The token count cuBLASLt's FP8 GEMM runs for `m` tokens: `m` rounded up to a multiple of
+/// 4. On Hopper its block-scaled GEMMs (`VEC128_32F` activations) take no other token count:
+/// the heuristic answers `CUBLAS_STATUS_NOT_SUPPORTED` for 5 tokens (measured on an H200,
+/// cuBLAS 12.9+). The padding rows of the quantized activations hold whatever an earlier step
+/// left there; each output row depends only on its own activation row, and the padding
+/// rows' outputs are never read.
+pub fn lt_rows(m: usize) -> usize {
+    m.div_ceil(4) * 4
 }
 
 /// What FP8 products need besides the weights: the cuBLASLt handle, its workspace and the
@@ -221,10 +231,11 @@ impl Fp8Products<'_> {
                 }
                 PartWeights::Fp8 { w, kind, scales } => {
                     let mut sc = self.ctx.scratch.borrow_mut();
-                    if sc.tokens < m {
+                    let padded = lt_rows(m);
+                    if sc.tokens < padded {
                         return Err(LaunchError::Fp8Scratch {
                             tokens: sc.tokens,
-                            rows: m,
+                            rows: padded,
                         }
                         .into());
                     }
@@ -235,6 +246,7 @@ impl Fp8Products<'_> {
                             q,
                             scales: qs,
                             rows: m,
+                            ld: padded,
                             k: l.inp,
                             kind: *kind,
                         }
@@ -248,7 +260,7 @@ impl Fp8Products<'_> {
                         q,
                         q_scales: qs,
                         d,
-                        mnk: (m, p.rows, l.inp),
+                        mnk: (padded, p.rows, l.inp),
                     };
                     self.ctx.matmul(self.s, op)?;
                     OutCols {
@@ -408,7 +420,7 @@ impl Fp8Ctx {
     ///   (`fp8::device_scales`);
     /// - `VEC128_32F` (B, the activations): one f32 per 128 inner elements of each outer
     ///   index, `ceil(k / 128) * m` values stored outer-index-major: scale of token t, group
-    ///   g at `g * m + t` (`fp8_quant_rows`);
+    ///   g at `g * m + t` (`fp8_quant_rows`), m here a multiple of 4 (`lt_rows`);
     /// - `OUTER_VEC_32F`: one f32 per outer index: per output channel for A (`n` values), per
     ///   token for B (`m` values).
     ///
@@ -606,6 +618,9 @@ pub(super) struct Quantize<'a> {
     pub q: &'a mut CudaSlice<u8>,
     pub scales: &'a mut CudaSlice<f32>,
     pub rows: usize,
+    /// The scales' stride between 128-column groups (`Block`): at least `rows`, the token
+    /// count of the GEMM that reads them (`lt_rows`).
+    pub ld: usize,
     pub k: usize,
     pub kind: ScaleKind,
 }
@@ -613,9 +628,12 @@ pub(super) struct Quantize<'a> {
 impl Quantize<'_> {
     pub(super) fn launch(self, kernels: &Kernels, s: &CudaStream) -> Result<()> {
         let name = shapes::FP8_QUANT.name;
-        let (rows, k) = (self.rows, self.k);
+        let (rows, k, ld) = (self.rows, self.k, self.ld);
         if !k.is_multiple_of(16) {
             return Err(LaunchError::Fp8QuantRows { kernel: name, k }.into());
+        }
+        if ld < rows {
+            return Err(LaunchError::Fp8Scratch { tokens: ld, rows }.into());
         }
         holds(name, "x", self.x.len(), rows * k)?;
         holds(name, "q", self.q.len(), rows * k)?;
@@ -625,7 +643,7 @@ impl Quantize<'_> {
                     name,
                     "scales",
                     self.scales.len(),
-                    rows * k.div_ceil(FP8_BLOCK),
+                    ld * k.div_ceil(FP8_BLOCK),
                 )?;
                 FP8_BLOCK as i32
             }
@@ -634,12 +652,13 @@ impl Quantize<'_> {
                 0
             }
         };
-        let (ri, ki) = (i32_of("rows", rows)?, i32_of("k", k)?);
+        i32_of("rows", rows)?;
+        let (ldi, ki) = (i32_of("ld", ld)?, i32_of("k", k)?);
         let mut b = Launch::new(s, &kernels.fp8.quant, kernels.pdl);
         b.arg(self.x)
             .arg(self.q)
             .arg(self.scales)
-            .arg(&ri)
+            .arg(&ldi)
             .arg(&ki)
             .arg(&group);
         let cfg = grid(&shapes::FP8_QUANT, rows, 1, 1)?;

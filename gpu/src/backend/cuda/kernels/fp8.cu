@@ -229,13 +229,14 @@ __device__ float block_max(float v) {
 }
 
 // q[r, c] = e4m3(x[r, c] / s) with s = amax / 448 over the values s covers: with group (128),
-// the row's 128-column group c / 128, s stored at scales[(c / 128) * rows + r] (cuBLASLt's
-// VEC128_32F layout for the activations: each group's scales for every row together); with
+// the row's 128-column group c / 128, s stored at scales[(c / 128) * ld + r] (cuBLASLt's
+// VEC128_32F layout for the activations: each group's scales for every row together, ld at
+// least the grid's rows: the GEMM's token count, padded to a multiple of 4); with
 // group 0, the whole row, s at scales[r] (OUTER_VEC_32F). A group of zeros gets s = 0 and
 // zeros, never 0 / 0. Grid (rows); k a multiple of 4 (the host checks 16).
 extern "C" __global__ void __launch_bounds__(FP8_QUANT_THREADS)
     fp8_quant_rows(const bf16* __restrict__ x, unsigned char* __restrict__ q,
-                   float* __restrict__ scales, int rows, int k, int group) {
+                   float* __restrict__ scales, int ld, int k, int group) {
     pdl_start();
     const int r = blockIdx.x;
     const uint2* x4 = reinterpret_cast<const uint2*>(x + (long long)r * k);
@@ -263,7 +264,7 @@ extern "C" __global__ void __launch_bounds__(FP8_QUANT_THREADS)
                 }
                 q4[i] = packed;
             }
-            if (lane == 0) scales[(long long)g * rows + r] = s;
+            if (lane == 0) scales[(long long)g * ld + r] = s;
         }
         return;
     }
