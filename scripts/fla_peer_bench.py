@@ -15,7 +15,8 @@ that uses it runs it:
   decode:   causal_conv1d_update (SiLU) -> fused_recurrent_gated_delta_rule (the same options,
             the state in f32) -> rms_norm_gated
 
-kvmesh's side is `delta_conv_silu` then `gated_delta_rule` with its gated norm (two launches).
+kvmesh's side is `delta_conv_silu` then `gated_delta_rule` with its gated norm (two launches),
+and the scan path's five launches beside it (`scan ms`, CudaOptions::gdn_scan).
 Inputs are bf16 for fla (as models run it) and f32 projections for kvmesh (as its engine
 gives them); outputs bf16 on both. Each side's time is the median of --reps runs after
 warm-up runs (Triton autotunes on its first calls), CUDA events around the whole layer.
@@ -145,6 +146,8 @@ def main():
     for case in ours["cases"]:
         row = {k: case[k] for k in ("label", "seqs", "tokens", "fresh")}
         row["kvmesh_ms"] = case["ms"]
+        if "scan_ms" in case:
+            row["kvmesh_scan_ms"] = case["scan_ms"]
         try:
             fn = layer(torch, fla, shape, case)
             row["fla_ms"] = timed(torch, fn, args.reps, args.warmup)
@@ -152,11 +155,13 @@ def main():
             row["fla_error"] = f"{type(e).__name__}: {e}"[:500]
         rows.append(row)
         torch.cuda.empty_cache()
-    print(f"{'case':<20} {'kvmesh ms':>10} {'fla ms':>10} {'kvmesh / fla':>13}")
+    print(f"{'case':<20} {'kvmesh ms':>10} {'scan ms':>10} {'fla ms':>10} {'kvmesh / fla':>13} {'scan / fla':>11}")
     for r in rows:
         f = r.get("fla_ms")
+        s = r.get("kvmesh_scan_ms", float("nan"))
         ratio = f"{r['kvmesh_ms'] / f:.2f}x" if f else r.get("fla_error", "")[:60]
-        print(f"{r['label']:<20} {r['kvmesh_ms']:>10.3f} {f if f else float('nan'):>10.3f} {ratio:>13}")
+        sratio = f"{s / f:.2f}x" if f else ""
+        print(f"{r['label']:<20} {r['kvmesh_ms']:>10.3f} {s:>10.3f} {f if f else float('nan'):>10.3f} {ratio:>13} {sratio:>11}")
     out = {
         "benchmark": "gated-deltanet-kernels",
         "device": torch.cuda.get_device_name(0),

@@ -62,7 +62,7 @@ run)
     mkdir -p "$work"
     t0=$(date +%s)
     budget="${GPU_BUDGET_S:-540}"
-    stages="${STAGES:-offline parity bench-8b bench-8b-fp8 skinny-ab-8b long-decode-8b pdl-ab-8b pdl-ab-small fuse-ab sm-split-8b profile-8b profile-small serve-8b colocate-8b serve-qwen35-9b gdn-fla bench-qwen35-9b bench-llama-8b bench-small peer-8b bench-32b-fp8 bench-72b-fp8}"
+    stages="${STAGES:-offline parity bench-8b bench-8b-fp8 skinny-ab-8b long-decode-8b pdl-ab-8b pdl-ab-small fuse-ab sm-split-8b profile-8b profile-small serve-8b colocate-8b serve-qwen35-9b gdn-fla bench-qwen35-9b bench-qwen35-9b-scan profile-8b-fp8 bench-llama-8b bench-small peer-8b bench-32b-fp8 bench-72b-fp8}"
     # The device returns at most 8 files from $OUT: everything is packed into one archive
     # (and a summary printed) however the run ends.
     touch "$work/.start"
@@ -161,8 +161,9 @@ run)
         PROFILES="batch1 throughput" TAG=qwen3.5-9b bash -c '[ -e "$MODEL/model.safetensors" ] || \
         gpu-out/kvmesh model init-random --preset qwen3.5-9b --out "$MODEL" || exit; \
         bash scripts/gpu_serve_bench.sh'
-    # Qwen3.5-9B's Gated DeltaNet layer: kvmesh's two kernels, then flash-linear-attention's
-    # (chunked prompts, fused recurrent decode) on the same shapes, in the same run.
+    # Qwen3.5-9B's Gated DeltaNet layer: kvmesh's two kernels and its scan path
+    # (CudaOptions::gdn_scan), then flash-linear-attention's (chunked prompts, fused
+    # recurrent decode) on the same shapes, in the same run.
     stage gdn-fla 240 bash -c 'gpu-out/gpu-bench --presets qwen3.5-9b --gated-deltanet \
         --json bench/results/gpu-gdn-kvmesh.json || exit; d=$(mktemp -d); \
         for w in gpu-out/*.whl; do python3 -m zipfile -e "$w" "$d" || exit; done; \
@@ -173,6 +174,15 @@ run)
     # linear layers run the recurrence token by token (what gdn-fla weighs against chunking).
     stage bench-qwen35-9b 200 gpu-out/gpu-bench --presets qwen3.5-9b --batches 1,8,32,64,128 \
         --sampled-batches 1 --prefill-lens 512,2048,8192 --json bench/results/gpu-9b-qwen35.json
+    # The same prompts through the scan path (whose default this decides; decode steps are
+    # the same kernels either way).
+    stage bench-qwen35-9b-scan 120 gpu-out/gpu-bench --presets qwen3.5-9b --gdn-scan --batches 1 \
+        --sampled-batches 0 --prefill-lens 512,2048,8192 --json bench/results/gpu-9b-qwen35-scan.json
+    # The FP8 8B step kernel by kernel (an H200 spent 69% of the batch-1 step in
+    # fp8_gemv_block_m1 at 61% of the copy bandwidth, and 24% of a 512-token prefill in
+    # fp8_out_cols): what the FP8 work is decided on.
+    stage profile-8b-fp8 120 env OUT="$work" PRESET=qwen3-8b-fp8 BATCH=1 PREFILL=512 \
+        bash scripts/gpu_profile.sh
     stage bench-llama-8b 110 gpu-out/gpu-bench --presets llama-3.1-8b --json "bench/results/gpu-8b-llama.json"
     stage bench-small 60 gpu-out/gpu-bench
     # Qwen3-32B as FP8 on one H100 (34 GB of weights; bf16 would leave almost no KV), and

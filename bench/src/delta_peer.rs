@@ -36,12 +36,14 @@ pub fn run(presets: &[String], ordinal: usize, reps: usize, json: &Path) -> anyh
             hy.linear_conv_kernel_dim
         );
         let mut cases = Vec::new();
+        println!("{:<20} {:>12} {:>12}", "case", "recurrent ms", "scan ms");
         for c in DELTA_CASES {
-            let ms = time_delta_mix(ordinal, &p, c, reps)?;
-            println!("{:<20} {ms:>10.3} ms", c.label);
+            let ms = time_delta_mix(ordinal, &p, c, reps, false)?;
+            let scan_ms = time_delta_mix(ordinal, &p, c, reps, true)?;
+            println!("{:<20} {ms:>12.3} {scan_ms:>12.3}", c.label);
             cases.push(
                 serde_json::json!({"label": c.label, "seqs": c.seqs, "tokens": c.tokens,
-                "fresh": c.fresh, "ms": ms}),
+                "fresh": c.fresh, "ms": ms, "scan_ms": scan_ms}),
             );
         }
         let path = if presets.len() > 1 {
@@ -58,7 +60,7 @@ pub fn run(presets: &[String], ordinal: usize, reps: usize, json: &Path) -> anyh
                 "shape": {"nk": hy.linear_num_key_heads, "nv": hy.linear_num_value_heads,
                     "dk": hy.linear_key_head_dim, "dv": hy.linear_value_head_dim,
                     "kw": hy.linear_conv_kernel_dim},
-                "timing": format!("CUDA events around delta_conv_silu + gated_delta_rule (with the gated norm) for one layer; median of {reps} after one warm-up; f32 projections in, bf16 out; prompts run the recurrence token by token"),
+                "timing": format!("CUDA events around one layer's mixing, median of {reps} after one warm-up; f32 projections in, bf16 out; prompts run the recurrence token by token. ms: delta_conv_silu + gated_delta_rule (with the gated norm); scan_ms: the scan path (CudaOptions::gdn_scan: delta_conv_chunks, delta_conv_window, delta_qk_gates, delta_scan, delta_gated_norm)"),
                 "cases": cases,
             }),
         )?;

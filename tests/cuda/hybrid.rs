@@ -255,3 +255,56 @@ fn qwen35_hybrid_models_match_the_cpu() {
     }
     assert!(failed.is_empty(), "past bf16 tolerance: {failed:#?}");
 }
+
+/// The scan path (`CudaOptions::gdn_scan`) against the one-kernel recurrence on the same GPU
+/// and weights: the prompt's logits (and a decode step after it, from the state the scan
+/// left) within bf16 tolerance of each other, and the recurrent state after the prompt
+/// within 1% of its scale: the first layer's differs only by f32 association, and a later
+/// layer's inputs by the rare bf16 output that rounds the other way.
+#[test]
+fn hybrid_prompts_through_the_scan_path_match_the_recurrent_one() {
+    for name in [
+        "hf-qwen35-cg-bf16",
+        "hf-qwen35-interval-bf16",
+        "hf-qwen35-gqa-bias-f32",
+    ] {
+        let m = load(name);
+        let gpu = |gdn_scan: bool| {
+            build_backend(
+                BackendKind::Cuda(CudaOptions {
+                    gdn_scan,
+                    ..CudaOptions::device(0)
+                }),
+                &m,
+                BLOCK_SIZE,
+                KvBudget::Blocks(64),
+            )
+            .expect("a CUDA device")
+        };
+        let (mut rec, mut scan) = (gpu(false), gpu(true));
+        let table: Vec<BlockId> = (0..16).map(BlockId).collect();
+        let prompt = prompts(name).pop().unwrap();
+        let want = forward_slot(rec.as_mut(), &prompt, 0, &table, 0);
+        let got = forward_slot(scan.as_mut(), &prompt, 0, &table, 0);
+        let mut worst = assert_close(&format!("{name}: scan prompt"), &got, &want);
+        let (sr, ss) = (rec.read_state(0).unwrap(), scan.read_state(0).unwrap());
+        let scale = sr.iter().fold(1e-6f32, |m, x| m.max(x.abs()));
+        let state = sr
+            .iter()
+            .zip(&ss)
+            .fold(0f32, |m, (a, b)| m.max((a - b).abs()))
+            / scale;
+        assert!(
+            state < 1e-2,
+            "{name}: states differ by {state:e} of their scale"
+        );
+        let next = [argmax(&want) as u32];
+        let want = forward_slot(rec.as_mut(), &next, prompt.len(), &table, 0);
+        let got = forward_slot(scan.as_mut(), &next, prompt.len(), &table, 0);
+        worst = worst.max(assert_close(&format!("{name}: decode after"), &got, &want));
+        println!(
+            "{name}: scan path within {worst:.2e} of the recurrent one (logits), states within \
+             {state:.1e}"
+        );
+    }
+}

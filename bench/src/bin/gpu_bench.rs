@@ -85,6 +85,10 @@ struct Args {
     /// prologue (see `CudaOptions::fuse_norms`).
     #[arg(long)]
     fuse_norms: bool,
+    /// Steps with prompts run a hybrid model's Gated DeltaNet layers through the scan path
+    /// (see `CudaOptions::gdn_scan`).
+    #[arg(long)]
+    gdn_scan: bool,
     /// Run on one side of an SM split (a green context), e.g. `prefill:96,decode:36` or
     /// `0.75` (prefill's share); `--sm-side` says which side is measured.
     #[arg(long, value_name = "SPLIT", requires = "sm_side")]
@@ -667,6 +671,7 @@ fn summarise(args: &Args, name: &str, dir: &Path, cfg: &ModelConfig, f: &Figures
         "split_decode": !args.no_split_decode,
         "pdl": format!("{:?}", args.pdl).to_lowercase(),
         "fuse_norms": args.fuse_norms,
+        "gdn_scan": args.gdn_scan,
         "sm_split": args.sm_split.map(|s| s.to_string()),
         "sm_side": args.sm_side.map(|s| format!("{s:?}").to_lowercase()),
         "weight_bytes_per_step": f.step_bytes - f.state_bytes,
@@ -734,6 +739,7 @@ fn bench_model(args: &Args, name: &str, dev: &mut DeviceFigures) -> anyhow::Resu
         split_decode: !args.no_split_decode,
         pdl: args.pdl,
         fuse_norms: args.fuse_norms,
+        gdn_scan: args.gdn_scan,
         sm_partition: args.sm_partition(),
         kv_exportable: false,
     };

@@ -57,6 +57,14 @@ pub struct CudaOptions {
     /// the row into shared memory, bit for bit as `add_rmsnorm_to_bf16`), saving two launches
     /// a layer. Off by default until a GPU run has measured it (`gpu-bench --fuse-norms`).
     pub fuse_norms: bool,
+    /// Whether steps with prompts run a hybrid model's Gated DeltaNet layers through the
+    /// scan path (`cuda::delta`: the recurrence with each value column over 4 threads, the
+    /// normalisation, gates and gated norm in launches of their own) rather than
+    /// `gated_delta_rule` alone; decode steps keep the latter. Off by default until a GPU run
+    /// has checked and measured it (`gpu-bench --gdn-scan`, `--gated-deltanet`): the first
+    /// H200 run measured the one-kernel path at 35.0 ms a layer for an 8,192-token prompt of
+    /// Qwen3.5-9B's shape, 16.6x flash-linear-attention's chunked kernels.
+    pub gdn_scan: bool,
     /// Run on one side of an SM split (a green context holding only that side's SMs),
     /// rather than on the whole device. `gpu-bench --sm-split` measures a side alone.
     pub sm_partition: Option<sm_split::SmPartition>,
@@ -130,6 +138,7 @@ impl CudaOptions {
             split_decode: true,
             pdl: Pdl::Auto,
             fuse_norms: false,
+            gdn_scan: false,
             sm_partition: None,
             kv_exportable: false,
         }

@@ -5,6 +5,11 @@
 //!
 //! Prompts run the recurrence token by token here (each block walks its sequence's tokens
 //! with the state in registers), not the chunked form the CPU uses; both are the same rule.
+//! Two paths: `gated_delta_rule` alone (a block per value head holds the whole state and
+//! does the normalisation, the gates and the gated norm per token), and the scan path
+//! (`DeltaMix::scan`: those parts in launches of their own, each value column's state over 4
+//! threads in blocks of 32 columns, tokens staged in shared memory), whose serial part per
+//! token is a few shared-memory reads and shuffles rather than block-wide sums.
 //! [`mix_on_device`] runs one layer for a batch given on the host, which is how
 //! `tests/cuda_parity.rs` holds these kernels to the CPU on a GPU.
 
@@ -110,10 +115,21 @@ pub struct DeltaMix<'a> {
     /// Scratch `[tokens, cd]`: the convolution's output.
     pub mixed: &'a mut CudaSlice<f32>,
     pub out: &'a mut CudaSlice<u16>,
+    /// Run the scan path (which also overwrites `proj`'s b and a columns with the gates),
+    /// and the most tokens a sequence has in the step (its launch bounds).
+    pub scan: Option<usize>,
 }
 
 impl DeltaMix<'_> {
     pub fn launch(self, k: &Kernels, s: &CudaStream) -> Result<()> {
+        self.check()?;
+        match self.scan {
+            Some(longest) => self.launch_scan(k, s, longest),
+            None => self.launch_recurrent(k, s),
+        }
+    }
+
+    fn check(&self) -> Result<()> {
         let d = self.dims;
         let n = "gated DeltaNet";
         holds(n, "proj", self.proj.len(), self.tokens * d.row)?;
@@ -130,6 +146,19 @@ impl DeltaMix<'_> {
             self.states.len(),
             self.max_slot * self.at.slot_stride + self.at.layer_off + d.layer_floats(),
         )?;
+        if let Some(longest) = self.scan {
+            if longest > self.tokens {
+                return Err(EngineError::InvalidRequest(format!(
+                    "a sequence of {longest} tokens in a step of {}",
+                    self.tokens
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    fn launch_recurrent(self, k: &Kernels, s: &CudaStream) -> Result<()> {
+        let d = self.dims;
         let (row, kw, cd) = (d.row as i32, d.kw as i32, d.cd as i32);
         let stride = self.at.slot_stride as i64;
         let conv_off = self.at.layer_off as i64;
@@ -183,10 +212,116 @@ impl DeltaMix<'_> {
         unsafe { b.launch(cfg) }.map_err(failed("gated_delta_rule"))?;
         Ok(())
     }
+
+    /// The scan path (`kernels/delta.cu`): five launches, each after the one before in
+    /// stream order.
+    fn launch_scan(self, k: &Kernels, s: &CudaStream, longest: usize) -> Result<()> {
+        let d = self.dims;
+        let (row, kw, cd) = (d.row as i32, d.kw as i32, d.cd as i32);
+        let (nk, nv, dk, dv) = (d.nk as i32, d.nv as i32, d.dk as i32, d.dv as i32);
+        let stride = self.at.slot_stride as i64;
+        let conv_off = self.at.layer_off as i64;
+        let delta_off = (self.at.layer_off + (d.kw - 1) * d.cd) as i64;
+        let ns = self.num_seqs;
+        if ns == 0 || self.tokens == 0 {
+            return Ok(());
+        }
+        let conv_blocks = d.cd.div_ceil(shapes::DELTA_CONV_CHUNKS.threads as usize);
+        let cfg = grid(
+            &shapes::DELTA_CONV_CHUNKS,
+            conv_blocks,
+            longest.div_ceil(shapes::DCONV_TOKENS).max(1),
+            ns,
+        )?;
+        let mut b = s.launch_builder(&k.delta_conv_chunks);
+        b.arg(self.proj)
+            .arg(&row)
+            .arg(self.conv)
+            .arg(&kw)
+            .arg(&*self.states)
+            .arg(&stride)
+            .arg(&conv_off)
+            .arg(self.seqs)
+            .arg(&mut *self.mixed)
+            .arg(&cd);
+        // SAFETY: the arguments match `delta_conv_chunks`'s signature in order and type;
+        // every buffer holds what the grid reads or writes (`check`), the sequences' rows lie
+        // within `tokens`, none longer than `longest`, their slots within `max_slot`.
+        unsafe { b.launch(cfg) }.map_err(failed("delta_conv_chunks"))?;
+
+        let cfg = grid(&shapes::DELTA_CONV_WINDOW, conv_blocks, ns, 1)?;
+        let mut b = s.launch_builder(&k.delta_conv_window);
+        b.arg(self.proj)
+            .arg(&row)
+            .arg(&kw)
+            .arg(&mut *self.states)
+            .arg(&stride)
+            .arg(&conv_off)
+            .arg(self.seqs)
+            .arg(&cd);
+        // SAFETY: as above, for `delta_conv_window`.
+        unsafe { b.launch(cfg) }.map_err(failed("delta_conv_window"))?;
+
+        let cfg = grid(&shapes::DELTA_QK_GATES, self.tokens, 1, 1)?;
+        let mut b = s.launch_builder(&k.delta_qk_gates);
+        b.arg(&mut *self.mixed)
+            .arg(&cd)
+            .arg(self.proj)
+            .arg(&row)
+            .arg(self.neg_a)
+            .arg(self.dt_bias)
+            .arg(&nk)
+            .arg(&nv)
+            .arg(&dk)
+            .arg(&dv);
+        // SAFETY: as above, for `delta_qk_gates`: a block a row of `tokens`; it writes the
+        // gates over b and a in `proj`, which only the delta rule reads.
+        unsafe { b.launch(cfg) }.map_err(failed("delta_qk_gates"))?;
+
+        let cfg = grid(
+            &shapes::DELTA_SCAN,
+            d.nv,
+            d.dv.div_ceil(shapes::SCAN_COLS),
+            ns,
+        )?;
+        let mut b = s.launch_builder(&k.delta_scan);
+        b.arg(&mut *self.mixed)
+            .arg(&cd)
+            .arg(self.proj)
+            .arg(&row)
+            .arg(&mut *self.states)
+            .arg(&stride)
+            .arg(&delta_off)
+            .arg(self.seqs)
+            .arg(&nk)
+            .arg(&nv)
+            .arg(&dk)
+            .arg(&dv);
+        // SAFETY: as above, for `delta_scan`; dk and dv are at most its shared arrays and
+        // register arrays (`DeltaDims::of`).
+        unsafe { b.launch(cfg) }.map_err(failed("delta_scan"))?;
+
+        let cfg = grid(&shapes::DELTA_GATED_NORM, self.tokens, 1, 1)?;
+        let mut b = s.launch_builder(&k.delta_gated_norm);
+        b.arg(&*self.mixed)
+            .arg(&cd)
+            .arg(self.proj)
+            .arg(&row)
+            .arg(self.norm)
+            .arg(&mut *self.out)
+            .arg(&nk)
+            .arg(&nv)
+            .arg(&dk)
+            .arg(&dv)
+            .arg(&self.eps);
+        // SAFETY: as above, for `delta_gated_norm`: a block a row of `tokens`.
+        unsafe { b.launch(cfg) }.map_err(failed("delta_gated_norm"))?;
+        Ok(())
+    }
 }
 
 /// One layer's mixing on device `ordinal` for sequences given on the host, for checking the
-/// kernels against [`delta::mix`]: `seqs` are (tokens, fresh) in row order over `proj`
+/// kernels against [`delta::mix`] (through the scan path with `scan`): `seqs` are (tokens, fresh) in row order over `proj`
 /// (`[tokens, row]`), `states[i]` sequence `i`'s window then delta state for this layer
 /// (updated). Returns `[tokens, nv * dv]`, widened from the kernels' bf16.
 pub fn mix_on_device(
@@ -195,6 +330,7 @@ pub fn mix_on_device(
     proj: &[f32],
     seqs: &[(usize, bool)],
     states: &mut [Vec<f32>],
+    scan: bool,
 ) -> Result<Vec<f32>> {
     let d = DeltaDims::of(p)?;
     let per = d.layer_floats();
@@ -262,6 +398,7 @@ pub fn mix_on_device(
         tokens,
         mixed: &mut mixed,
         out: &mut out,
+        scan: scan.then(|| seqs.iter().map(|s| s.0).max().unwrap_or(0)),
     }
     .launch(&k, &s)?;
     let back = s.clone_dtoh(&pool).map_err(|e| drv("download", e))?;

@@ -1,5 +1,5 @@
-//! Gated DeltaNet's mixing (`delta_conv_silu`, then `gated_delta_rule` with its gated norm)
-//! timed alone on one layer's shapes, with CUDA events: what `gpu-bench --gated-deltanet`
+//! Gated DeltaNet's mixing (`delta_conv_silu`, then `gated_delta_rule` with its gated norm;
+//! or the scan path's five launches) timed alone on one layer's shapes, with CUDA events: what `gpu-bench --gated-deltanet`
 //! prints beside flash-linear-attention's kernels on the same shapes
 //! (`scripts/fla_peer_bench.py`).
 
@@ -65,14 +65,15 @@ pub const DELTA_CASES: &[DeltaCase] = &[
     },
 ];
 
-/// Median milliseconds of one layer's mixing for `case` on device `ordinal`, over `reps`
-/// runs after one warm-up. The projections are pseudo-random in [-1.5, 1.5), as the parity
+/// Median milliseconds of one layer's mixing for `case` on device `ordinal` (through the
+/// scan path with `scan`), over `reps` runs after one warm-up. The projections are pseudo-random in [-1.5, 1.5), as the parity
 /// test draws them; the states stay on the device between runs.
 pub fn time_delta_mix(
     ordinal: usize,
     p: &DeltaParams,
     case: &DeltaCase,
     reps: usize,
+    scan: bool,
 ) -> Result<f64> {
     let d = DeltaDims::of(p)?;
     let ctx: Arc<CudaContext> =
@@ -137,6 +138,7 @@ pub fn time_delta_mix(
             tokens,
             mixed: &mut mixed,
             out: &mut out,
+            scan: scan.then_some(case.tokens),
         }
         .launch(&k, &s)?;
         let end = s.record_event(timing).map_err(|e| drv("timing event", e))?;

@@ -51,6 +51,8 @@ pub struct CudaHybridBackend {
     num_snapshots: usize,
     pub(super) skinny_max_rows: usize,
     pub(super) split_decode: bool,
+    /// `CudaOptions::gdn_scan`.
+    pub(super) gdn_scan: bool,
     /// The full-attention layers' cache as transfers in this process address it.
     device_kv: Arc<crate::device_kv::DeviceKvPool>,
     /// Pure decode steps' CUDA graphs, by bucket (as the dense backend's), with each
@@ -165,6 +167,7 @@ impl CudaHybridBackend {
             num_snapshots: split.snapshots,
             skinny_max_rows: opts.skinny_max_rows,
             split_decode: opts.split_decode,
+            gdn_scan: opts.gdn_scan,
             device_kv,
             graphs: DecodeGraphs::new(opts.graphs, cfg, split.blocks, block_size),
             graph_seqs: HashMap::new(),

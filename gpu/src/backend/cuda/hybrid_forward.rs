@@ -202,6 +202,7 @@ impl CudaHybridBackend {
             layout,
             skinny_max_rows,
             split_decode,
+            gdn_scan,
             ..
         } = self;
         let sp = space
@@ -227,6 +228,9 @@ impl CudaHybridBackend {
             } else {
                 1
             },
+            // Steps with prompts only: a decode step (one token a sequence, its graphs too)
+            // keeps the one-kernel recurrence.
+            scan: (*gdn_scan && dims.tokens > dims.seqs).then_some(dims.max_query_len),
         };
         let (t, h, eps) = (dims.tokens, cfg.hidden_size, cfg.rms_norm_eps);
         EmbedGather {
@@ -302,6 +306,8 @@ struct Pass<'a> {
     heads: Heads,
     /// Splits of each history in a decode step's attention.
     splits: usize,
+    /// `DeltaMix::scan` for this step's Gated DeltaNet layers.
+    scan: Option<usize>,
 }
 
 impl Pass<'_> {
@@ -346,6 +352,7 @@ impl Pass<'_> {
             tokens: t,
             mixed: &mut sp.mixed,
             out: &mut sp.core,
+            scan: self.scan,
         }
         .launch(self.k, self.s)?;
         self.mm.linear(out_proj, t, &sp.core, &mut sp.tmp)

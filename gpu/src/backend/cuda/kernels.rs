@@ -60,6 +60,12 @@ pub struct Kernels {
     /// Gated DeltaNet's (see `delta`).
     pub(super) delta_conv: CudaFunction,
     pub(super) gated_delta: CudaFunction,
+    /// The scan path of steps with prompts (`CudaOptions::gdn_scan`).
+    pub(super) delta_conv_chunks: CudaFunction,
+    pub(super) delta_conv_window: CudaFunction,
+    pub(super) delta_qk_gates: CudaFunction,
+    pub(super) delta_scan: CudaFunction,
+    pub(super) delta_gated_norm: CudaFunction,
     /// `skinny_gemm_m*`, by the most rows each takes.
     skinny: Vec<(usize, CudaFunction)>,
     /// `skinny_silu_m*`, likewise.
@@ -137,6 +143,11 @@ impl Kernels {
             constrain_rows: f(shapes::CONSTRAIN_ROWS)?,
             delta_conv: f(shapes::DELTA_CONV)?,
             gated_delta: f(shapes::GATED_DELTA)?,
+            delta_conv_chunks: f(shapes::DELTA_CONV_CHUNKS)?,
+            delta_conv_window: f(shapes::DELTA_CONV_WINDOW)?,
+            delta_qk_gates: f(shapes::DELTA_QK_GATES)?,
+            delta_scan: f(shapes::DELTA_SCAN)?,
+            delta_gated_norm: f(shapes::DELTA_GATED_NORM)?,
             skinny: by_size(&shapes::SKINNY_GEMM)?,
             skinny_silu: by_size(&shapes::SKINNY_SILU)?,
             skinny_norm: by_size(&shapes::SKINNY_NORM)?,

@@ -183,6 +183,25 @@ pub const GATED_DELTA: KernelShape = shape(
     true,
 );
 
+/// The scan path of steps with prompts (`CudaOptions::gdn_scan`, `kernels/delta.cu`): the
+/// convolution a thread per channel and `DCONV_TOKENS` tokens, the window after it, q/k
+/// normalisation and the gates a block per token, the recurrence with each value column
+/// over 4 threads (`SCAN_COLS` columns a block, `SCAN_TOK` tokens staged at a time), and the
+/// gated norm a block per token.
+pub const DELTA_CONV_CHUNKS: KernelShape = shape("delta_conv_chunks", 128, 0, false);
+pub const DELTA_CONV_WINDOW: KernelShape = shape("delta_conv_window", 128, 0, false);
+pub const DCONV_TOKENS: usize = 64;
+pub const DELTA_QK_GATES: KernelShape = shape("delta_qk_gates", 128, 0, false);
+pub const SCAN_COLS: usize = 32;
+pub const SCAN_TOK: usize = 32;
+pub const DELTA_SCAN: KernelShape = shape(
+    "delta_scan",
+    4 * SCAN_COLS as u32,
+    (2 * SCAN_TOK * MAX_DELTA_HEAD + SCAN_TOK * SCAN_COLS + 2 * SCAN_TOK) * F32,
+    false,
+);
+pub const DELTA_GATED_NORM: KernelShape = shape("delta_gated_norm", 128, 0, false);
+
 /// Warps per block of the skinny products, rows of the weights each warp streams, and 16-byte
 /// loads each lane has in flight per row: 8 x 2 x 4 x 512 bytes = 32 KiB in flight a block.
 const SKINNY_THREADS: u32 = 256;
@@ -311,6 +330,11 @@ pub const KERNELS: &[KernelShape] = &[
     CONSTRAIN_ROWS,
     DELTA_CONV,
     GATED_DELTA,
+    DELTA_CONV_CHUNKS,
+    DELTA_CONV_WINDOW,
+    DELTA_QK_GATES,
+    DELTA_SCAN,
+    DELTA_GATED_NORM,
     SKINNY_GEMM[0].1,
     SKINNY_GEMM[1].1,
     SKINNY_GEMM[2].1,
@@ -362,6 +386,13 @@ pub fn defines() -> Vec<(&'static str, usize)> {
         ("MAX_CONV_KERNEL", MAX_CONV_KERNEL),
         ("DELTA_THREADS", GATED_DELTA.threads as usize),
         ("MAX_DELTA_DK", MAX_DELTA_HEAD),
+        ("DCONV_THREADS", DELTA_CONV_CHUNKS.threads as usize),
+        ("DCONV_TOKENS", DCONV_TOKENS),
+        ("QK_THREADS", DELTA_QK_GATES.threads as usize),
+        ("SCAN_COLS", SCAN_COLS),
+        ("SCAN_TOK", SCAN_TOK),
+        ("SCAN_THREADS", DELTA_SCAN.threads as usize),
+        ("GNORM_THREADS", DELTA_GATED_NORM.threads as usize),
         ("DECODE_MIN_SPLIT_KEYS", DECODE_MIN_SPLIT_KEYS),
         ("DECODE_MAX_SPLITS", MAX_DECODE_SPLITS),
         ("DECODE_UNROLL", DECODE_UNROLL),

@@ -161,3 +161,275 @@ gated_delta_rule(const float* __restrict__ mixed, int cd,
         }
     }
 }
+
+// ---- The scan path for steps with prompts (CudaOptions::gdn_scan) ----
+//
+// gated_delta_rule walks a prompt one token at a time in one block per value head: each
+// token waits on two block-wide sums and a global load, so a long prompt runs at a few µs a
+// token on a few dozen SMs. The scan path splits that work so the serial part is short:
+//   delta_conv_chunks   the convolution, a thread per channel and DCONV_TOKENS tokens;
+//   delta_conv_window   the windows left for the next step (after every chunk read them);
+//   delta_qk_gates      q and k L2-normalised in place (q scaled), beta and the decay
+//                       written over b and a in proj;
+//   delta_scan          the recurrence, each value column's state split over 4 threads and
+//                       the block's columns spread over blocks, tokens staged in shared
+//                       memory SCAN_TOK at a time; the raw output o written over v in mixed
+//                       (each v is read by the one block that writes its o, before);
+//   delta_gated_norm    o / rms(o) * w * silu(z), as bf16.
+// The same rule in the same order per column; only the sums' association differs.
+
+#if !defined(DCONV_THREADS) || !defined(DCONV_TOKENS) || !defined(QK_THREADS) || \
+    !defined(SCAN_COLS) || !defined(SCAN_TOK) || !defined(SCAN_THREADS) || !defined(GNORM_THREADS)
+#error "the scan-path kernels are compiled with the launch figures of shapes.rs"
+#endif
+#if SCAN_THREADS != 4 * SCAN_COLS || MAX_DELTA_DK % 4 != 0
+#error "delta_scan holds each state column in 4 threads"
+#endif
+
+// The input of channel ch at index i of its sequence (negative: before this step, from the
+// window its slot keeps, or zero for a fresh sequence).
+__device__ __forceinline__ float conv_input(const float* proj, int row, const float* win,
+                                            int cd, int kw, int first, int fresh, int ch,
+                                            int i) {
+    if (i >= 0) return proj[(long long)(first + i) * row + ch];
+    int w = i + kw - 1;  // the window's index, oldest first
+    return (fresh || w < 0) ? 0.0f : win[(long long)w * cd + ch];
+}
+
+// Grid (ceil(cd / DCONV_THREADS), ceil(max tokens / DCONV_TOKENS), S).
+extern "C" __global__ void __launch_bounds__(DCONV_THREADS)
+delta_conv_chunks(const float* __restrict__ proj, int row,
+                  const float* __restrict__ w, int kw,
+                  const float* __restrict__ states, long long slot_stride, long long layer_off,
+                  const int* __restrict__ seqs,
+                  float* __restrict__ mixed, int cd) {
+    int ch = blockIdx.x * blockDim.x + threadIdx.x;
+    const int* sq = seqs + 4 * blockIdx.z;
+    int first = sq[0], n = sq[1], slot = sq[2], fresh = sq[3];
+    int t0 = blockIdx.y * DCONV_TOKENS;
+    if (ch >= cd || t0 >= n) return;
+    const float* win = states + (long long)slot * slot_stride + layer_off;
+    int lead = CONV_HIST - (kw - 1);
+    float hist[CONV_HIST];
+    float taps[CONV_HIST];
+#pragma unroll
+    for (int j = 0; j < CONV_HIST; ++j) {
+        bool used = j >= lead;
+        taps[j] = used ? w[(long long)ch * kw + (j - lead)] : 0.0f;
+        hist[j] = used ? conv_input(proj, row, win, cd, kw, first, fresh, ch,
+                                    t0 - (kw - 1) + (j - lead))
+                       : 0.0f;
+    }
+    float wlast = w[(long long)ch * kw + kw - 1];
+    int t1 = min(n, t0 + DCONV_TOKENS);
+    for (int t = t0; t < t1; ++t) {
+        long long r = (long long)(first + t);
+        float x = proj[r * row + ch];
+        float acc = wlast * x;
+#pragma unroll
+        for (int j = 0; j < CONV_HIST; ++j) acc += taps[j] * hist[j];
+        mixed[r * cd + ch] = acc / (1.0f + expf(-acc));
+#pragma unroll
+        for (int j = 0; j + 1 < CONV_HIST; ++j) hist[j] = hist[j + 1];
+        hist[CONV_HIST - 1] = x;
+    }
+}
+
+// The window after the step: the last kw - 1 inputs of each channel, read before any is
+// written. Grid (ceil(cd / DCONV_THREADS), S); after delta_conv_chunks, which reads the old one.
+extern "C" __global__ void __launch_bounds__(DCONV_THREADS)
+delta_conv_window(const float* __restrict__ proj, int row, int kw,
+                  float* __restrict__ states, long long slot_stride, long long layer_off,
+                  const int* __restrict__ seqs, int cd) {
+    int ch = blockIdx.x * blockDim.x + threadIdx.x;
+    if (ch >= cd) return;
+    const int* sq = seqs + 4 * blockIdx.y;
+    int first = sq[0], n = sq[1], slot = sq[2], fresh = sq[3];
+    float* win = states + (long long)slot * slot_stride + layer_off;
+    float next[CONV_HIST];
+#pragma unroll
+    for (int j = 0; j < CONV_HIST; ++j) {
+        next[j] = j < kw - 1 ? conv_input(proj, row, win, cd, kw, first, fresh, ch,
+                                          n - (kw - 1) + j)
+                             : 0.0f;
+    }
+#pragma unroll
+    for (int j = 0; j < CONV_HIST; ++j) {
+        if (j < kw - 1) win[(long long)j * cd + ch] = next[j];
+    }
+}
+
+// Per token row: q and k of each key head L2-normalised in place in mixed (q also scaled by
+// 1/sqrt(dk)), a warp a vector; beta = sigmoid(b) and decay = exp(-A softplus(a + dt_bias))
+// of each value head written over b and a in proj. Grid (T).
+extern "C" __global__ void __launch_bounds__(QK_THREADS)
+delta_qk_gates(float* __restrict__ mixed, int cd, float* __restrict__ proj, int row,
+               const float* __restrict__ neg_a, const float* __restrict__ dt_bias,
+               int nk, int nv, int dk, int dv) {
+    long long r = blockIdx.x;
+    float* m = mixed + r * cd;
+    float* p = proj + r * row;
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    float scale = 1.0f / sqrtf((float)dk);
+    for (int vec = warp; vec < 2 * nk; vec += QK_THREADS / 32) {
+        // vec < nk: q of key head vec; else k of key head vec - nk.
+        float* x = m + (long long)vec * dk;
+        float v[MAX_DELTA_DK / 32];
+        float ss = 0.0f;
+#pragma unroll
+        for (int u = 0; u < MAX_DELTA_DK / 32; ++u) {
+            int i = lane + 32 * u;
+            v[u] = i < dk ? x[i] : 0.0f;
+            ss += v[u] * v[u];
+        }
+        ss = warp_sum(ss);
+        float f = (vec < nk ? scale : 1.0f) / sqrtf(ss + DELTA_L2_EPS);
+#pragma unroll
+        for (int u = 0; u < MAX_DELTA_DK / 32; ++u) {
+            int i = lane + 32 * u;
+            if (i < dk) x[i] = v[u] * f;
+        }
+    }
+    int vd = nv * dv;
+    for (int hv = threadIdx.x; hv < nv; hv += QK_THREADS) {
+        float b = p[cd + vd + hv];
+        float x = p[cd + vd + nv + hv] + dt_bias[hv];
+        float sp = x > 20.0f ? x : log1pf(expf(x));
+        p[cd + vd + hv] = 1.0f / (1.0f + expf(-b));
+        p[cd + vd + nv + hv] = expf(neg_a[hv] * sp);
+    }
+}
+
+// The recurrence of one value head's SCAN_COLS columns for one sequence. Thread tid holds
+// column tid / 4's rows i = 4 * ii + tid % 4 (ii < MAX_DELTA_DK / 4) in registers; per token
+//   mem_j = sum_i S_ij k_i;  delta_j = beta (v_j - decay mem_j);
+//   S_ij = decay S_ij + k_i delta_j;  o_j = sum_i S_ij q_i,
+// each sum over the column's 4 threads by two shuffles. Grid (nv, ceil(dv / SCAN_COLS), S).
+#define SCAN_ROWS (MAX_DELTA_DK / 4)
+extern "C" __global__ void __launch_bounds__(SCAN_THREADS)
+delta_scan(float* __restrict__ mixed, int cd, const float* __restrict__ proj, int row,
+           float* __restrict__ states, long long slot_stride, long long layer_off,
+           const int* __restrict__ seqs, int nk, int nv, int dk, int dv) {
+    __shared__ float ks[SCAN_TOK][MAX_DELTA_DK];
+    __shared__ float qs[SCAN_TOK][MAX_DELTA_DK];
+    __shared__ float vs[SCAN_TOK][SCAN_COLS];
+    __shared__ float gs[2][SCAN_TOK];
+    int hv = blockIdx.x;
+    int j0 = blockIdx.y * SCAN_COLS;
+    const int* sq = seqs + 4 * blockIdx.z;
+    int first = sq[0], n = sq[1], slot = sq[2], fresh = sq[3];
+    int tid = threadIdx.x;
+    int c = tid >> 2, part = tid & 3;
+    int j = j0 + c;
+    bool col = j < dv;
+    int kd = nk * dk, vd = nv * dv;
+    int kh = hv / (nv / nk);
+    float* st = states + (long long)slot * slot_stride + layer_off + (long long)hv * dk * dv;
+    // Rows past dk stay zero in shared memory and in the state, so no sum needs a guard.
+    for (int i = tid; i < SCAN_TOK * MAX_DELTA_DK; i += SCAN_THREADS) {
+        if (i % MAX_DELTA_DK >= dk) {
+            ks[i / MAX_DELTA_DK][i % MAX_DELTA_DK] = 0.0f;
+            qs[i / MAX_DELTA_DK][i % MAX_DELTA_DK] = 0.0f;
+        }
+    }
+    float s[SCAN_ROWS];
+#pragma unroll
+    for (int ii = 0; ii < SCAN_ROWS; ++ii) {
+        int i = 4 * ii + part;
+        s[ii] = (col && i < dk && !fresh) ? st[(long long)i * dv + j] : 0.0f;
+    }
+    for (int t0 = 0; t0 < n; t0 += SCAN_TOK) {
+        int nt = min(SCAN_TOK, n - t0);
+        __syncthreads();  // the previous chunk's reads are done
+        for (int i = tid; i < nt * dk; i += SCAN_THREADS) {
+            int t = i / dk, e = i - t * dk;
+            const float* m = mixed + (long long)(first + t0 + t) * cd;
+            ks[t][e] = m[kd + kh * dk + e];
+            qs[t][e] = m[kh * dk + e];
+        }
+        for (int i = tid; i < nt * SCAN_COLS; i += SCAN_THREADS) {
+            int t = i / SCAN_COLS, cc = i - t * SCAN_COLS;
+            vs[t][cc] = j0 + cc < dv
+                            ? mixed[(long long)(first + t0 + t) * cd + 2 * kd + hv * dv + j0 + cc]
+                            : 0.0f;
+        }
+        for (int t = tid; t < nt; t += SCAN_THREADS) {
+            const float* p = proj + (long long)(first + t0 + t) * row;
+            gs[0][t] = p[cd + vd + hv];
+            gs[1][t] = p[cd + vd + nv + hv];
+        }
+        __syncthreads();
+        for (int t = 0; t < nt; ++t) {
+            float beta = gs[0][t], decay = gs[1][t];
+            float m0 = 0.0f, m1 = 0.0f, m2 = 0.0f, m3 = 0.0f;
+#pragma unroll
+            for (int ii = 0; ii < SCAN_ROWS; ii += 4) {
+                m0 += s[ii] * ks[t][4 * ii + part];
+                m1 += s[ii + 1] * ks[t][4 * (ii + 1) + part];
+                m2 += s[ii + 2] * ks[t][4 * (ii + 2) + part];
+                m3 += s[ii + 3] * ks[t][4 * (ii + 3) + part];
+            }
+            float mem = (m0 + m1) + (m2 + m3);
+            mem += __shfl_xor_sync(0xffffffffu, mem, 1);
+            mem += __shfl_xor_sync(0xffffffffu, mem, 2);
+            float delta = beta * (vs[t][c] - decay * mem);
+            float o0 = 0.0f, o1 = 0.0f, o2 = 0.0f, o3 = 0.0f;
+#pragma unroll
+            for (int ii = 0; ii < SCAN_ROWS; ii += 4) {
+                s[ii] = decay * s[ii] + ks[t][4 * ii + part] * delta;
+                s[ii + 1] = decay * s[ii + 1] + ks[t][4 * (ii + 1) + part] * delta;
+                s[ii + 2] = decay * s[ii + 2] + ks[t][4 * (ii + 2) + part] * delta;
+                s[ii + 3] = decay * s[ii + 3] + ks[t][4 * (ii + 3) + part] * delta;
+                o0 += s[ii] * qs[t][4 * ii + part];
+                o1 += s[ii + 1] * qs[t][4 * (ii + 1) + part];
+                o2 += s[ii + 2] * qs[t][4 * (ii + 2) + part];
+                o3 += s[ii + 3] * qs[t][4 * (ii + 3) + part];
+            }
+            float o = (o0 + o1) + (o2 + o3);
+            o += __shfl_xor_sync(0xffffffffu, o, 1);
+            o += __shfl_xor_sync(0xffffffffu, o, 2);
+            if (col && part == 0) {
+                mixed[(long long)(first + t0 + t) * cd + 2 * kd + hv * dv + j] = o;
+            }
+        }
+    }
+    if (col) {
+#pragma unroll
+        for (int ii = 0; ii < SCAN_ROWS; ++ii) {
+            int i = 4 * ii + part;
+            if (i < dk) st[(long long)i * dv + j] = s[ii];
+        }
+    }
+}
+
+// out[r, hv * dv + j] = o_j / rms(o) * w_j * silu(z_j) for the raw o delta_scan left over v
+// in mixed, a warp a value head. Grid (T).
+extern "C" __global__ void __launch_bounds__(GNORM_THREADS)
+delta_gated_norm(const float* __restrict__ mixed, int cd, const float* __restrict__ proj,
+                 int row, const float* __restrict__ norm_w, bf16* __restrict__ out,
+                 int nk, int nv, int dk, int dv, float eps) {
+    long long r = blockIdx.x;
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int kd = nk * dk, vd = nv * dv;
+    for (int hv = warp; hv < nv; hv += GNORM_THREADS / 32) {
+        const float* o = mixed + r * cd + 2 * kd + hv * dv;
+        float v[MAX_DELTA_DK / 32];
+        float ss = 0.0f;
+#pragma unroll
+        for (int u = 0; u < MAX_DELTA_DK / 32; ++u) {
+            int j = lane + 32 * u;
+            v[u] = j < dv ? o[j] : 0.0f;
+            ss += v[u] * v[u];
+        }
+        ss = warp_sum(ss);
+        float inv = 1.0f / sqrtf(ss / (float)dv + eps);
+#pragma unroll
+        for (int u = 0; u < MAX_DELTA_DK / 32; ++u) {
+            int j = lane + 32 * u;
+            if (j < dv) {
+                float z = proj[r * row + cd + hv * dv + j];
+                out[r * vd + hv * dv + j] = f2bf(v[u] * inv * norm_w[j] * (z / (1.0f + expf(-z))));
+            }
+        }
+    }
+}
