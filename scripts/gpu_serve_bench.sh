@@ -58,12 +58,20 @@ for _ in $(seq 1 300); do
 done
 curl -sf "http://127.0.0.1:$port/health" >/dev/null || { echo "the server did not come up"; exit 1; }
 grep -m1 "KV cache" "$out/serve/server.log" || true
+# The engine's decode counters before and after each profile: where a served token's time
+# goes (the model's step, the step around it, the cycle from planning to tokens sent).
+scrape() {
+    curl -sf "http://127.0.0.1:$port/metrics" | grep '^kvmesh:engine_decode_' >"$out/serve/metrics-$1.txt" || true
+}
+scrape start
 bench() {
     local label=$1
     shift
     case "$profiles" in *" $label "*) ;; *) return 0 ;; esac
     "$bin" bench --base-url "http://127.0.0.1:$port" --tokenizer "$model" --label "$label" \
         --result-dir "$out/serve" --percentiles 50,99 --timeout 300 "$@" 2>&1 | tee -a "$out/serve/bench.txt"
+    scrape "$label"
+    echo "$label" >>"$out/serve/order.txt"
 }
 python3 scripts/sharegpt_like.py "$out/serve/sharegpt-like.json" --n "${SG_N:-300}"
 bench batch1 --dataset random --input-len 1024 --output-len 128 \
@@ -90,6 +98,34 @@ runs = {}
 for f in sorted(glob.glob(str(d / "*-summary.json"))):
     label = Path(f).name[: -len("-summary.json")]
     runs[label] = json.loads(Path(f).read_text())
+
+def counters(label):
+    vals = {}
+    p = d / f"metrics-{label}.txt"
+    for line in (p.read_text().splitlines() if p.exists() else []):
+        name, _, v = line.rpartition(" ")
+        key = name.split("{")[0].removeprefix("kvmesh:engine_decode_")
+        vals[key] = vals.get(key, 0.0) + float(v)
+    return vals
+
+# Each profile's decode steps, from the counters' change across it.
+order = (d / "order.txt").read_text().split() if (d / "order.txt").exists() else []
+before = counters("start")
+for label in order:
+    after = counters(label)
+    n = after.get("steps_total", 0) - before.get("steps_total", 0)
+    if label in runs and n > 0:
+        ms = lambda k: round(1e3 * (after.get(k, 0) - before.get(k, 0)) / n, 3)
+        runs[label]["engine_decode"] = {
+            "steps": int(n),
+            "mean_cycle_ms": ms("cycle_seconds_total"),
+            "mean_step_ms": ms("step_seconds_total"),
+            "mean_forward_ms": ms("forward_seconds_total"),
+        }
+        e = runs[label]["engine_decode"]
+        print(f"{label}: {e['steps']} decode steps, mean cycle {e['mean_cycle_ms']} ms = step "
+              f"{e['mean_step_ms']} ms (forward {e['mean_forward_ms']} ms) + planning and tokens out")
+    before = after
 out = {
     "benchmark": "serve-profiles",
     "engine": "kvmesh serve --device " + (os.environ.get("DEVICE") or "cuda"),

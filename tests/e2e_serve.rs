@@ -619,3 +619,41 @@ async fn the_sim_backend_serves_deterministic_tokens_through_the_real_engine() {
         messages.push(json!({"role": "user", "content": "And what of the queen, my lord?"}));
     }
 }
+
+#[tokio::test]
+async fn metrics_split_a_decode_steps_time_between_the_model_and_the_engine() {
+    // A sim backend whose decode step takes 20 ms: the forward part of each decode step
+    // holds that time, the step and the cycle around it hold the forward.
+    let s = Server::start(&[
+        "--backend",
+        "sim",
+        "--sim-decode-ms",
+        "20",
+        "--sim-decode-us-per-seq",
+        "0",
+    ]);
+    let (status, _) = s
+        .post(
+            "/v1/completions",
+            completion("ROMEO:\n", json!({"max_tokens": 12, "temperature": 0})),
+        )
+        .await;
+    assert_eq!(status, 200);
+    let steps = s.metric("kvmesh:engine_decode_steps_total").await;
+    let cycle = s.metric("kvmesh:engine_decode_cycle_seconds_total").await;
+    let step = s.metric("kvmesh:engine_decode_step_seconds_total").await;
+    let forward = s.metric("kvmesh:engine_decode_forward_seconds_total").await;
+    assert!(
+        steps >= 10.0,
+        "12 tokens, the first from the prompt's step: {steps} decode steps"
+    );
+    assert!(
+        cycle >= step && step >= forward && forward > 0.0,
+        "cycle {cycle} s >= step {step} s >= forward {forward} s"
+    );
+    assert!(
+        forward / steps >= 0.005,
+        "the sim's 20 ms steps are inside the forward part: {} ms a step",
+        1e3 * forward / steps
+    );
+}

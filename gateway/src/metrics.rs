@@ -233,4 +233,24 @@ pub fn render_engines(o: &Exposition, model: &str, engines: &[(Option<&str>, &En
     counter("kvmesh:engine_steps_total", "Engine steps run.", &|e| {
         count(&e.stats.steps)
     });
+    counter(
+        "kvmesh:engine_decode_steps_total",
+        "Engine steps with no prompt tokens in them.",
+        &|e| count(&e.stats.decode_steps),
+    );
+    counter(
+        "kvmesh:engine_decode_cycle_seconds_total",
+        "Wall time of those steps from planning to their tokens sent.",
+        &|e| count(&e.stats.decode_cycle_us) / 1e6,
+    );
+    counter(
+        "kvmesh:engine_decode_step_seconds_total",
+        "Of that, the step from its batch's start to its tokens back.",
+        &|e| count(&e.stats.decode_busy_us) / 1e6,
+    );
+    counter(
+        "kvmesh:engine_decode_forward_seconds_total",
+        "Of that, the backend's forward and sampling (the model's step).",
+        &|e| count(&e.stats.decode_forward_us) / 1e6,
+    );
 }

@@ -24,6 +24,12 @@ pub struct EngineStats {
     /// apart from the prompts a node happens to be computing.
     pub decode_steps: AtomicU64,
     pub decode_busy_us: AtomicU64,
+    /// Of those steps: the time the backend's forward and sampling took (the model's step as
+    /// `gpu-bench` measures it, plus waiting for its tokens), and the whole cycle from
+    /// planning the step to its tokens sent. Cycle less forward is what the engine adds to
+    /// a served token's time (`/metrics`: `kvmesh:engine_decode_*_seconds_total`).
+    pub decode_forward_us: AtomicU64,
+    pub decode_cycle_us: AtomicU64,
     /// Wall time prompt tokens took: steps that computed them, less the decode part of a
     /// mixed step (see [`prefill_part_us`]).
     pub prefill_busy_us: AtomicU64,

@@ -196,6 +196,9 @@ struct Stepped {
     /// Whether its layers were reported as they were computed.
     streamed: bool,
     started: Instant,
+    /// When the step's planning began, and how long the backend's forward took.
+    cycle: Instant,
+    forward_us: u64,
     sampling: Vec<usize>,
     sampled: Vec<Sampled>,
     rngs: Vec<Rng>,
@@ -606,6 +609,7 @@ impl Engine {
 
     /// Plans a step and computes its batch.
     fn begin_step(&mut self) -> Result<Began> {
+        let cycle = Instant::now();
         let mut plan = self.sched.schedule();
         // Sequences that resume after a cached prefix start from its saved state (those
         // waiting for a transfer too: they prefill from it if the transfer fails).
@@ -625,7 +629,7 @@ impl Engine {
         }
         let started = Instant::now();
         let exports = self.exports(&plan);
-        self.forward(plan, exports, started)
+        self.forward(plan, exports, (cycle, started))
             .map(|s| Began::Ran(Box::new(s)))
     }
 
@@ -637,6 +641,8 @@ impl Engine {
             exports,
             streamed,
             started,
+            cycle,
+            forward_us,
             sampling,
             sampled,
             rngs,
@@ -644,6 +650,11 @@ impl Engine {
             decode_seqs,
         } = *s;
         self.count_step(started, prompt_tokens, sampling.len(), decode_seqs);
+        if prompt_tokens == 0 {
+            self.stats
+                .decode_forward_us
+                .fetch_add(forward_us, Ordering::Relaxed);
+        }
         if !exports.is_empty() && !streamed {
             self.stage_out(&exports)?;
         }
@@ -683,6 +694,11 @@ impl Engine {
             let e = self.sched.running.remove(i);
             self.sched.retire(e.seq);
         }
+        if prompt_tokens == 0 {
+            self.stats
+                .decode_cycle_us
+                .fetch_add(cycle.elapsed().as_micros() as u64, Ordering::Relaxed);
+        }
         Ok(())
     }
 
@@ -702,7 +718,12 @@ impl Engine {
 
     /// The batch through the backend: the indices of the sequences that sampled, their
     /// tokens and their generators after the draws, with what the step's end counts.
-    fn forward(&mut self, plan: Plan, exports: Vec<Export>, started: Instant) -> Result<Stepped> {
+    fn forward(
+        &mut self,
+        plan: Plan,
+        exports: Vec<Export>,
+        (cycle, started): (Instant, Instant),
+    ) -> Result<Stepped> {
         let sampling: Vec<usize> = plan
             .run
             .iter()
@@ -772,12 +793,14 @@ impl Engine {
             self.masks
                 .start(std::mem::take(&mut guided), slots.clone(), words, inline)
         });
+        let f0 = Instant::now();
         let out = if streaming {
             self.backend
                 .forward_sample_streaming(&batch, &mut specs, &ready)
         } else {
             self.backend.forward_sample(&batch, &mut specs)
         };
+        let forward_us = f0.elapsed().as_micros() as u64;
         drop(specs);
         if let Some(p) = pending {
             guided = p.wait();
@@ -801,6 +824,8 @@ impl Engine {
             exports,
             streamed: streaming,
             started,
+            cycle,
+            forward_us,
             sampling,
             rngs,
             prompt_tokens,
