@@ -716,7 +716,7 @@ impl OutCols<'_> {
         let cfg = grid(
             &shapes::FP8_OUT,
             self.rows,
-            c.rows.div_ceil(shapes::FP8_OUT.threads as usize),
+            c.rows.div_ceil(8 * shapes::FP8_OUT.threads as usize),
             1,
         )?;
         // SAFETY: the arguments match `fp8_out_cols`'s signature (d or null, bias or null, y,
