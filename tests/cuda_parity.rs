@@ -37,6 +37,8 @@
 #![cfg(feature = "cuda")]
 
 mod common;
+#[path = "cuda/fp8_twin.rs"]
+mod fp8_twin;
 #[path = "cuda/handover.rs"]
 mod handover;
 #[path = "cuda/hybrid.rs"]
@@ -1245,8 +1247,15 @@ fn fp8_error(ctx: &str, gpu: &[f32], cpu: &[f32]) -> (f32, String) {
 #[test]
 fn fp8_models_match_the_cpus_dequantized_model() {
     let mut failed = Vec::new();
-    for name in FP8_MODELS {
-        let m = load(name);
+    let models = FP8_MODELS
+        .iter()
+        .map(|&n| (n, n.to_string(), load(n)))
+        .chain(std::iter::once((
+            fp8_twin::STATIC_BASE,
+            format!("{} (static per-tensor activations)", fp8_twin::STATIC_BASE),
+            fp8_twin::fp8_static_twin(),
+        )));
+    for (base, name, m) in models {
         assert!(
             m.config.quantization.is_some(),
             "{name} is not an FP8 fixture"
@@ -1259,7 +1268,7 @@ fn fp8_models_match_the_cpus_dequantized_model() {
             }
             e
         };
-        for (pi, prompt) in prompts(name).iter().enumerate() {
+        for (pi, prompt) in prompts(base).iter().enumerate() {
             let (mut cpu, mut gpu) = backends(&m, 16);
             let table: Vec<BlockId> = [5u32, 2, 7, 0, 3, 6, 1, 4, 9, 8]
                 .iter()
@@ -1458,7 +1467,7 @@ fn fp8_activation_quantizer_matches_the_host_bit_for_bit() {
             x[k + 7] = f32::from_bits((xb[k + 7] as u32) << 16);
         }
         for per_group in [true, false] {
-            let (q, s) = fp8_quantize(0, &xb, (rows, k), per_group).unwrap();
+            let (q, s) = fp8_quantize(0, &xb, (rows, k), per_group, None).unwrap();
             let (hq, hs) = host_quantize(&x, rows, k, per_group);
             let ctx = format!("rows {rows} k {k} per_group {per_group}");
             assert_eq!(s.len(), hs.len(), "{ctx}");
@@ -1480,6 +1489,26 @@ fn fp8_activation_quantizer_matches_the_host_bit_for_bit() {
             );
             println!("fp8_quant_rows {ctx}: bytes and scales identical to the host's");
         }
+        // A static scale (llm-compressor's calibrated `input_scale`): every row by the same
+        // scale, the large value saturating at 448.
+        let fixed = 0.01f32;
+        let (q, s) = fp8_quantize(0, &xb, (rows, k), false, Some(fixed)).unwrap();
+        assert!(
+            s.iter().all(|&v| v == fixed),
+            "rows {rows} k {k}: static scales {s:?}"
+        );
+        let hq: Vec<u8> = x
+            .iter()
+            .map(|&v| kvmesh_gpu::safetensors::f32_to_e4m3(v / fixed))
+            .collect();
+        let diff = q.iter().zip(&hq).position(|(a, b)| a != b);
+        assert!(
+            diff.is_none(),
+            "rows {rows} k {k} static: byte {diff:?}: gpu {:#04x} host {:#04x}",
+            q[diff.unwrap()],
+            hq[diff.unwrap()]
+        );
+        println!("fp8_quant_rows rows {rows} k {k} static: bytes identical to the host's");
     }
 }
 

@@ -230,6 +230,15 @@ pub fn render_engines(o: &Exposition, model: &str, engines: &[(Option<&str>, &En
         "Tokens generated.",
         &|e| count(&e.stats.generation_tokens),
     );
+    step_counters(&counter);
+}
+
+/// A counter family of every engine: name, help, and the value of one engine.
+type Counter<'a> = dyn Fn(&str, &str, &dyn Fn(&EngineHandle) -> f64) + 'a;
+
+/// The engines' steps, and where a pure decode step's time goes.
+fn step_counters(counter: &Counter) {
+    let count = |a: &AtomicU64| a.load(Ordering::Relaxed) as f64;
     counter("kvmesh:engine_steps_total", "Engine steps run.", &|e| {
         count(&e.stats.steps)
     });

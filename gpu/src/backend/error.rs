@@ -144,8 +144,8 @@ pub enum Fp8Refusal {
     #[error(
         "FP8 layer {module} is not run by the CUDA backend ({scheme}: the CUDA backend's FP8 \
          GEMMs run 128x128 block scales with dynamic per-token-group (128) activations, and \
-         per-channel or per-tensor weight scales with dynamic per-token activations); run \
-         with --device cpu"
+         per-channel or per-tensor weight scales with dynamic per-token or static per-tensor \
+         activations); run with --device cpu"
     )]
     Scheme { module: String, scheme: String },
     #[error(
@@ -439,6 +439,8 @@ pub enum LaunchError {
     Fp8QuantRows { kernel: &'static str, k: usize },
     #[error("FP8 scratch holds {tokens} tokens, the step has {rows}")]
     Fp8Scratch { tokens: usize, rows: usize },
+    #[error("{kernel}: a static activation scale quantizes whole rows, not 128-column groups")]
+    Fp8StaticGroups { kernel: &'static str },
 }
 
 /// A KV copy or transfer of the wrong shape.

@@ -139,7 +139,7 @@ fn fp8_refusals_read_as_before() {
             "model.layers.0.mlp.up_proj",
             "e4m3 weights, per-tensor scale: the CUDA backend's FP8 GEMMs run 128x128 block \
              scales with dynamic per-token-group (128) activations, and per-channel or \
-             per-tensor weight scales with dynamic per-token activations"
+             per-tensor weight scales with dynamic per-token or static per-tensor activations"
         )
     );
     let sides = Fp8Refusal::Sides {

@@ -37,7 +37,9 @@ pub const LT_MIN_VERSION: usize = 120_900;
 /// How a part's weights are scaled on the device, which also says how its activations are
 /// quantized for cuBLASLt: `Block` weights meet activations quantized per token in groups
 /// of 128 (the `fp8` format's dynamic scheme); `Row` weights (per-channel, or a per-tensor
-/// scale repeated per row, the same product) meet activations quantized per token.
+/// scale repeated per row, the same product) meet activations quantized per token, by
+/// their own amax (dynamic) or by the layer's calibrated `input_scale` (static per-tensor,
+/// llm-compressor's `FP8` recipe: the one scale given to every token).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum ScaleKind {
     Block,
@@ -54,12 +56,23 @@ impl ScaleKind {
             {
                 Some(ScaleKind::Block)
             }
-            (WeightScale::Channel | WeightScale::Tensor, ActivationScheme::DynamicToken) => {
-                Some(ScaleKind::Row)
-            }
+            (
+                WeightScale::Channel | WeightScale::Tensor,
+                ActivationScheme::DynamicToken | ActivationScheme::StaticTensor,
+            ) => Some(ScaleKind::Row),
             _ => None,
         }
     }
+}
+
+/// The token count cuBLASLt's FP8 GEMM runs for `m` tokens: `m` rounded up to a multiple of
+/// 4. On Hopper its block-scaled GEMMs (`VEC128_32F` activations) take no other token count:
+/// the heuristic answers `CUBLAS_STATUS_NOT_SUPPORTED` for 5 tokens (measured on an H200,
+/// cuBLAS 12.9+). The padding rows of the quantized activations hold whatever an earlier step
+/// left there; each output row depends only on its own activation row, and the padding
+/// rows' outputs are never read.
+pub fn lt_rows(m: usize) -> usize {
+    m.div_ceil(4) * 4
 }
 
 /// Block scales are stored row-major, `[ceil(rows / 128), stride]`, each row padded to a
@@ -77,6 +90,9 @@ pub enum PartWeights {
         w: CudaSlice<u8>,
         kind: ScaleKind,
         scales: CudaSlice<f32>,
+        /// A static scheme's `input_scale`, on the host (which parts may share one
+        /// quantization of x) and on the device (what `fp8_quant_rows` reads).
+        input_scale: Option<(f32, CudaSlice<f32>)>,
     },
     /// An unquantized part, bf16 `[rows, inp]`.
     Bf16(CudaSlice<u16>),
@@ -120,6 +136,7 @@ enum HostPart {
         kind: ScaleKind,
         w: Vec<u8>,
         scales: Vec<f32>,
+        input_scale: Option<f32>,
         rows: usize,
     },
     Bf16 {
@@ -143,15 +160,20 @@ impl HostPart {
                     kind,
                     w,
                     scales,
+                    input_scale,
                     rows,
                 },
                 HostPart::Fp8 {
                     kind: k2,
                     w: w2,
                     scales: s2,
+                    input_scale: i2,
                     rows: r2,
                 },
-            ) if *kind == k2 && (k2 == ScaleKind::Row || rows.is_multiple_of(FP8_BLOCK)) => {
+            ) if *kind == k2
+                && *input_scale == i2
+                && (k2 == ScaleKind::Row || rows.is_multiple_of(FP8_BLOCK)) =>
+            {
                 w.extend(w2);
                 scales.extend(s2);
                 *rows += r2;
@@ -215,6 +237,7 @@ fn read_stack(
                     kind,
                     w: crate::quant::stored_fp8(store, name, *out, s.inp)?.to_vec(),
                     scales: device_scales(store, name, *out, s.inp, &scheme, kind)?,
+                    input_scale: static_input_scale(store, name, &scheme)?,
                     rows: *out,
                 }
             }
@@ -233,6 +256,28 @@ fn read_stack(
         }
     }
     Ok(parts)
+}
+
+/// A static scheme's calibrated activation scale (`{module}.input_scale`, one value; the
+/// loader checked its presence, dtype and shape), refused unless finite and positive: a
+/// zero or negative scale would quantize every activation to nothing or flip its sign.
+/// `None` for dynamic schemes.
+fn static_input_scale(store: &WeightStore, module: &str, scheme: &Scheme) -> Result<Option<f32>> {
+    if scheme.activations != ActivationScheme::StaticTensor {
+        return Ok(None);
+    }
+    let name = format!("{module}.input_scale");
+    let shape = store
+        .info(&name)
+        .map(|i| i.shape.clone())
+        .ok_or_else(|| crate::error::EngineError::BadModel(format!("`{name}` is missing")))?;
+    let v = store.f32(&name, &shape)?;
+    match v.as_slice() {
+        [s] if s.is_finite() && *s > 0.0 => Ok(Some(*s)),
+        _ => Err(crate::error::EngineError::BadModel(format!(
+            "`{name}` is {v:?}: a static activation scale must be one finite positive value"
+        ))),
+    }
 }
 
 /// As `weights::to_bf16` (bf16 as stored, f32 rounded to nearest even), for an unquantized
@@ -264,11 +309,19 @@ pub fn upload_stack(
         let rows = p.rows();
         let w = match p {
             HostPart::Fp8 {
-                kind, w, scales, ..
+                kind,
+                w,
+                scales,
+                input_scale,
+                ..
             } => PartWeights::Fp8 {
                 w: stream.clone_htod(&w).map_err(err)?,
                 kind,
                 scales: stream.clone_htod(&scales).map_err(err)?,
+                input_scale: match input_scale {
+                    Some(v) => Some((v, stream.clone_htod(&[v]).map_err(err)?)),
+                    None => None,
+                },
             },
             HostPart::Bf16 { w, .. } => PartWeights::Bf16(stream.clone_htod(&w).map_err(err)?),
         };
@@ -390,6 +443,7 @@ pub fn scratch_bytes(cfg: &ModelConfig, tokens: usize) -> usize {
         return 0;
     }
     let (widest_in, widest_out) = widest(cfg);
+    let tokens = lt_rows(tokens);
     tokens * widest_in + 4 * tokens * widest_in.div_ceil(FP8_BLOCK) + 2 * tokens * widest_out
 }
 
@@ -444,10 +498,14 @@ mod tests {
 
     #[test]
     fn the_published_schemes_pass_on_hopper_with_cublaslt_12_9() {
+        let static_acts = serde_json::json!({"num_bits": 8, "type": "float",
+            "symmetric": true, "strategy": "tensor", "dynamic": false});
         for q in [
             block(),
             ct("channel", token_acts()),
             ct("tensor", token_acts()),
+            ct("channel", static_acts.clone()),
+            ct("tensor", static_acts),
         ] {
             let cfg = qwen3_8b(Some(q));
             refuse_schemes(&cfg).unwrap();
@@ -456,6 +514,67 @@ mod tests {
         }
         // A bf16 model is none of this path's business.
         refuse_device(&qwen3_8b(None), (8, 0), 0).unwrap();
+    }
+
+    /// Parts merge into one product only where one quantization of x serves both: the same
+    /// kind and the same static scale (or none).
+    #[test]
+    fn parts_with_other_static_scales_stay_apart() {
+        let part = |input_scale: Option<f32>| HostPart::Fp8 {
+            kind: ScaleKind::Row,
+            w: vec![0; 32],
+            scales: vec![1.0; 2],
+            input_scale,
+            rows: 2,
+        };
+        let mut a = part(Some(0.5));
+        assert!(a.merge(part(Some(0.25))).is_err());
+        assert!(a.merge(part(None)).is_err());
+        assert!(a.merge(part(Some(0.5))).is_ok());
+        assert_eq!(a.rows(), 4);
+        let mut b = part(None);
+        assert!(b.merge(part(None)).is_ok());
+    }
+
+    /// A static scale is read as stored ([1] or a scalar) and refused unless it is one finite
+    /// positive value.
+    #[test]
+    fn static_input_scales_are_read_or_refused_by_name() {
+        let dir = std::env::temp_dir().join(format!("kvmesh-input-scale-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let m = "model.layers.0.self_attn.q_proj";
+        let tensors = [
+            (format!("{m}.input_scale"), vec![1], vec![0.03f32]),
+            ("a.input_scale".to_string(), vec![], vec![0.5]),
+            ("z.input_scale".to_string(), vec![1], vec![0.0]),
+            ("n.input_scale".to_string(), vec![1], vec![f32::NAN]),
+            ("t.input_scale".to_string(), vec![2], vec![0.1, 0.2]),
+        ];
+        crate::safetensors::write_file(
+            &dir.join("model.safetensors"),
+            &tensors,
+            crate::safetensors::DType::F32,
+        )
+        .unwrap();
+        let store = WeightStore::open_dir(&dir).unwrap();
+        let stat = Scheme {
+            weights: WeightScale::Channel,
+            activations: ActivationScheme::StaticTensor,
+        };
+        let dynamic = Scheme {
+            weights: WeightScale::Channel,
+            activations: ActivationScheme::DynamicToken,
+        };
+        assert_eq!(static_input_scale(&store, m, &stat).unwrap(), Some(0.03));
+        assert_eq!(static_input_scale(&store, "a", &stat).unwrap(), Some(0.5));
+        assert_eq!(static_input_scale(&store, m, &dynamic).unwrap(), None);
+        for bad in ["z", "n", "t", "missing"] {
+            let e = static_input_scale(&store, bad, &stat)
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(&format!("{bad}.input_scale")), "{e}");
+        }
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]
@@ -520,12 +639,9 @@ mod tests {
 
     #[test]
     fn schemes_without_an_fp8_gemm_here_are_refused_by_layer() {
-        let static_acts = serde_json::json!({"num_bits": 8, "type": "float",
-            "symmetric": true, "strategy": "tensor", "dynamic": false});
         let dynamic_tensor = serde_json::json!({"num_bits": 8, "type": "float",
             "symmetric": true, "strategy": "tensor", "dynamic": true});
         for (acts, said) in [
-            (static_acts, "static per-tensor activations"),
             (dynamic_tensor, "dynamic per-tensor activations"),
             (serde_json::Value::Null, "unquantized activations"),
         ] {

@@ -59,6 +59,7 @@ pub fn fp8_product(
                 w: up(&s, w)?,
                 kind,
                 scales: up(&s, &scales)?,
+                input_scale: None,
             },
         }],
         bias: bias.map(|b| up(&s, b)).transpose()?,
@@ -81,16 +82,19 @@ pub fn fp8_product(
 }
 
 /// `fp8_quant_rows` on device `ordinal`: `x` `[rows, k]` bf16 bits quantized per token in
-/// groups of 128 (`per_group`) or per token. Returns the e4m3 bytes `[rows, k]` and the
-/// scales as the GEMM reads them (per group: `[groups, rows]`; per token: `[rows]`).
+/// groups of 128 (`per_group`) or per token, by its own amax or by the static scale `fixed`.
+/// Returns the e4m3 bytes `[rows, k]` and the scales as the GEMM reads them (per group:
+/// `[groups, rows]`; per token: `[rows]`).
 pub fn fp8_quantize(
     ordinal: usize,
     x: &[u16],
     (rows, k): (usize, usize),
     per_group: bool,
+    fixed: Option<f32>,
 ) -> Result<(Vec<u8>, Vec<f32>)> {
     let (s, kernels) = device(ordinal)?;
     let xd = up(&s, x)?;
+    let fixed = fixed.map(|v| up(&s, &[v])).transpose()?;
     let mut q = up(&s, &vec![0xaau8; rows * k])?;
     let groups = if per_group { k.div_ceil(128) } else { 1 };
     let mut scales = up(&s, &vec![f32::NAN; rows * groups])?;
@@ -106,6 +110,7 @@ pub fn fp8_quantize(
         } else {
             ScaleKind::Row
         },
+        fixed: fixed.as_ref(),
     }
     .launch(&kernels, &s)?;
     Ok((

@@ -18,7 +18,7 @@ use cudarc::cublaslt::{result as lt, sys as lt_sys};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 
 use super::device::drv;
-use super::fp8::{Fp8Linear, PartWeights, ScaleKind};
+use super::fp8::{lt_rows, Fp8Linear, PartWeights, ScaleKind};
 use super::kernels::{failed, holds, Kernels};
 use super::launch::{Launch, Null};
 use super::shapes::{self, grid, KernelShape};
@@ -79,16 +79,6 @@ impl Scratch {
                 .map_err(|e| a("d", e))?,
         })
     }
-}
-
-/// The token count cuBLASLt's FP8 GEMM runs for `m` tokens: `m` rounded up to a multiple of
-/// 4. On Hopper its block-scaled GEMMs (`VEC128_32F` activations) take no other token count:
-/// the heuristic answers `CUBLAS_STATUS_NOT_SUPPORTED` for 5 tokens (measured on an H200,
-/// cuBLAS 12.9+). The padding rows of the quantized activations hold whatever an earlier step
-/// left there; each output row depends only on its own activation row, and the padding
-/// rows' outputs are never read.
-pub fn lt_rows(m: usize) -> usize {
-    m.div_ceil(4) * 4
 }
 
 /// What FP8 products need besides the weights: the cuBLASLt handle, its workspace and the
@@ -192,8 +182,9 @@ impl Fp8Products<'_> {
             return Ok(());
         }
         let gemv = self.gemv(m);
-        // The input is quantized once for all the parts that take it quantized the same way.
-        let mut quantized: Option<ScaleKind> = None;
+        // The input is quantized once for all the parts that take it quantized the same way
+        // (the same scale kind, and the same static scale if any).
+        let mut quantized: Option<(ScaleKind, Option<u32>)> = None;
         for p in &l.parts {
             let bias = l.bias.as_ref().map(|b| b.slice(p.row0..p.row0 + p.rows));
             let cols = Cols {
@@ -215,7 +206,9 @@ impl Fp8Products<'_> {
                         .launch(self.k, self.s)?;
                     }
                 }
-                PartWeights::Fp8 { w, kind, scales } if gemv => {
+                PartWeights::Fp8 {
+                    w, kind, scales, ..
+                } if gemv => {
                     Gemv {
                         x,
                         w,
@@ -229,7 +222,12 @@ impl Fp8Products<'_> {
                     }
                     .launch(self.k, self.s)?;
                 }
-                PartWeights::Fp8 { w, kind, scales } => {
+                PartWeights::Fp8 {
+                    w,
+                    kind,
+                    scales,
+                    input_scale,
+                } => {
                     let mut sc = self.ctx.scratch.borrow_mut();
                     let padded = lt_rows(m);
                     if sc.tokens < padded {
@@ -240,7 +238,8 @@ impl Fp8Products<'_> {
                         .into());
                     }
                     let Scratch { q, qs, d, .. } = &mut *sc;
-                    if quantized != Some(*kind) {
+                    let how = (*kind, input_scale.as_ref().map(|(v, _)| v.to_bits()));
+                    if quantized != Some(how) {
                         Quantize {
                             x,
                             q,
@@ -249,9 +248,10 @@ impl Fp8Products<'_> {
                             ld: padded,
                             k: l.inp,
                             kind: *kind,
+                            fixed: input_scale.as_ref().map(|(_, d)| d),
                         }
                         .launch(self.k, self.s)?;
-                        quantized = Some(*kind);
+                        quantized = Some(how);
                     }
                     let op = LtOp {
                         kind: *kind,
@@ -623,6 +623,8 @@ pub(super) struct Quantize<'a> {
     pub ld: usize,
     pub k: usize,
     pub kind: ScaleKind,
+    /// A static scheme's scale (one value): every row quantized by it (`Row` only).
+    pub fixed: Option<&'a CudaSlice<f32>>,
 }
 
 impl Quantize<'_> {
@@ -652,6 +654,12 @@ impl Quantize<'_> {
                 0
             }
         };
+        if let Some(f) = self.fixed {
+            holds(name, "static scale", f.len(), 1)?;
+            if self.kind != ScaleKind::Row {
+                return Err(LaunchError::Fp8StaticGroups { kernel: name }.into());
+            }
+        }
         i32_of("rows", rows)?;
         let (ldi, ki) = (i32_of("ld", ld)?, i32_of("k", k)?);
         let mut b = Launch::new(s, &kernels.fp8.quant, kernels.pdl);
@@ -661,6 +669,10 @@ impl Quantize<'_> {
             .arg(&ldi)
             .arg(&ki)
             .arg(&group);
+        match self.fixed {
+            Some(f) => b.arg(f),
+            None => b.arg(Null),
+        };
         let cfg = grid(&shapes::FP8_QUANT, rows, 1, 1)?;
         // SAFETY: the arguments match `fp8_quant_rows`'s signature in order and type; x and
         // q hold the grid's rows of k, the scales what the grouping writes (checked above).

@@ -259,15 +259,32 @@ __device__ float block_max(float v) {
 // VEC128_32F layout for the activations: each group's scales for every row together, ld at
 // least the grid's rows: the GEMM's token count, padded to a multiple of 4); with
 // group 0, the whole row, s at scales[r] (OUTER_VEC_32F). A group of zeros gets s = 0 and
-// zeros, never 0 / 0. Grid (rows); k a multiple of 4 (the host checks 16).
+// zeros, never 0 / 0. With `fixed` (a layer's calibrated `input_scale`, group 0), s is
+// *fixed for every row and values past 448 s saturate, as the checkpoint's static scheme
+// means. Grid (rows); k a multiple of 4 (the host checks 16).
 extern "C" __global__ void __launch_bounds__(FP8_QUANT_THREADS)
     fp8_quant_rows(const bf16* __restrict__ x, unsigned char* __restrict__ q,
-                   float* __restrict__ scales, int ld, int k, int group) {
+                   float* __restrict__ scales, int ld, int k, int group,
+                   const float* __restrict__ fixed) {
     pdl_start();
     const int r = blockIdx.x;
     const uint2* x4 = reinterpret_cast<const uint2*>(x + (long long)r * k);
     unsigned int* q4 = reinterpret_cast<unsigned int*>(q + (long long)r * k);
     const int k4 = k >> 2;
+    if (fixed != nullptr) {
+        const float s = *fixed;
+        for (int i = threadIdx.x; i < k4; i += FP8_QUANT_THREADS) {
+            uint2 v = x4[i];
+            float f[4] = {__uint_as_float(v.x << 16), __uint_as_float(v.x & 0xffff0000u),
+                          __uint_as_float(v.y << 16), __uint_as_float(v.y & 0xffff0000u)};
+            unsigned int packed = 0u;
+#pragma unroll
+            for (int j = 0; j < 4; j++) packed |= f32_to_e4m3(__fdiv_rn(f[j], s)) << (8 * j);
+            q4[i] = packed;
+        }
+        if (threadIdx.x == 0) scales[r] = s;
+        return;
+    }
     if (group != 0) {
         // One warp a group: 32 lanes of 4 columns are 128.
         const int warps = FP8_QUANT_THREADS / 32;
