@@ -18,6 +18,9 @@ build)
     # The `gpu` profile (fat LTO, no symbols) and xz keep what travels small: the device
     # takes 64 MiB in all, the repository's tracked files included.
     export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-target}"
+    # The revision marker goes first and comes back last: a `run` started while a build is
+    # still under way (its binaries are the old ones) refuses rather than test stale code.
+    rm -f gpu-out/build-rev.txt gpu-out/build-rev.txt.xz
     # external-default-model: the default model is read from models/shakespeare there, not
     # carried twice (10 MB of the binary).
     cargo build --profile gpu --features cuda,external-default-model --bin kvmesh --bin gpu-bench
@@ -44,6 +47,7 @@ for l in sys.stdin:
     # flash-linear-attention (pure Python + Triton, ~1 MB), the peer of the gdn-fla stage.
     pip download --quiet --no-deps --require-hashes -r scripts/requirements-fla.txt -d gpu-out
     xz -T0 -6 gpu-out/*
+    git describe --always --dirty >gpu-out/build-rev.txt
     ls -la gpu-out
     tracked=$(git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
     untracked=$(git ls-files -z -o --exclude-standard | xargs -0 -r du -cb 2>/dev/null | tail -1 | cut -f1)
@@ -72,6 +76,12 @@ run)
         echo "== stages: $(cat "$work/stages.txt" 2>/dev/null | tr '\n' ' ')"
     }
     trap pack EXIT
+    [ -e gpu-out/build-rev.txt ] || {
+        echo "gpu-out/build-rev.txt is missing: a build is under way or none finished (wait for" \
+            "'bash scripts/gpu_verify.sh build' to print its transfer line)" >&2
+        exit 2
+    }
+    echo "binaries built at $(cat gpu-out/build-rev.txt)"
     for f in gpu-out/*.xz; do
         [ -e "$f" ] && xz -d -f "$f"
     done
