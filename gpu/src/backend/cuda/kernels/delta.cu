@@ -25,6 +25,26 @@
 #define CONV_HIST (MAX_CONV_KERNEL - 1)
 #define DELTA_L2_EPS 1e-6f
 
+// Channel ch's convolution and SiLU over tokens [t0, t1) of the sequence whose first row is
+// `first`: hist holds the inputs before t0 (newest last), taps their weights, wlast the
+// current input's; hist is left holding the inputs before t1.
+__device__ __forceinline__ void conv_tokens(const float* __restrict__ proj, int row,
+                                            float* __restrict__ mixed, int cd, int ch, int first,
+                                            int t0, int t1, const float* taps, float wlast,
+                                            float* hist) {
+    for (int t = t0; t < t1; ++t) {
+        long long r = (long long)(first + t);
+        float x = proj[r * row + ch];
+        float acc = wlast * x;
+#pragma unroll
+        for (int j = 0; j < CONV_HIST; ++j) acc += taps[j] * hist[j];
+        mixed[r * cd + ch] = acc / (1.0f + expf(-acc));
+#pragma unroll
+        for (int j = 0; j + 1 < CONV_HIST; ++j) hist[j] = hist[j + 1];
+        hist[CONV_HIST - 1] = x;
+    }
+}
+
 // The depthwise causal convolution and SiLU for each sequence of the step, continuing the
 // window its slot keeps (zeros for fresh sequences), and the window left for the next step.
 // One thread a channel walks its sequence's tokens in order, the last inputs in registers,
@@ -52,17 +72,7 @@ delta_conv_silu(const float* __restrict__ proj, int row,
         hist[j] = (used && !fresh) ? win[(long long)(j - lead) * cd + ch] : 0.0f;
     }
     float wlast = w[(long long)ch * kw + kw - 1];
-    for (int t = 0; t < n; ++t) {
-        long long r = (long long)(first + t);
-        float x = proj[r * row + ch];
-        float acc = wlast * x;
-#pragma unroll
-        for (int j = 0; j < CONV_HIST; ++j) acc += taps[j] * hist[j];
-        mixed[r * cd + ch] = acc / (1.0f + expf(-acc));
-#pragma unroll
-        for (int j = 0; j + 1 < CONV_HIST; ++j) hist[j] = hist[j + 1];
-        hist[CONV_HIST - 1] = x;
-    }
+    conv_tokens(proj, row, mixed, cd, ch, first, 0, n, taps, wlast, hist);
 #pragma unroll
     for (int j = 0; j < CONV_HIST; ++j) {
         if (j >= lead) win[(long long)(j - lead) * cd + ch] = hist[j];
@@ -221,18 +231,7 @@ delta_conv_chunks(const float* __restrict__ proj, int row,
                        : 0.0f;
     }
     float wlast = w[(long long)ch * kw + kw - 1];
-    int t1 = min(n, t0 + DCONV_TOKENS);
-    for (int t = t0; t < t1; ++t) {
-        long long r = (long long)(first + t);
-        float x = proj[r * row + ch];
-        float acc = wlast * x;
-#pragma unroll
-        for (int j = 0; j < CONV_HIST; ++j) acc += taps[j] * hist[j];
-        mixed[r * cd + ch] = acc / (1.0f + expf(-acc));
-#pragma unroll
-        for (int j = 0; j + 1 < CONV_HIST; ++j) hist[j] = hist[j + 1];
-        hist[CONV_HIST - 1] = x;
-    }
+    conv_tokens(proj, row, mixed, cd, ch, first, t0, min(n, t0 + DCONV_TOKENS), taps, wlast, hist);
 }
 
 // The window after the step: the last kw - 1 inputs of each channel, read before any is

@@ -262,6 +262,26 @@ __device__ float block_max(float v) {
 // zeros, never 0 / 0. With `fixed` (a layer's calibrated `input_scale`, group 0), s is
 // *fixed for every row and values past 448 s saturate, as the checkpoint's static scheme
 // means. Grid (rows); k a multiple of 4 (the host checks 16).
+// Four bf16 values (v) as e4m3 bytes of value / s, packed low byte first; zeros when s is 0
+// (a group or row of zeros), never 0 / 0.
+__device__ __forceinline__ unsigned int e4m3x4(uint2 v, float s) {
+    float f[4] = {__uint_as_float(v.x << 16), __uint_as_float(v.x & 0xffff0000u),
+                  __uint_as_float(v.y << 16), __uint_as_float(v.y & 0xffff0000u)};
+    unsigned int packed = 0u;
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        unsigned int b = s > 0.0f ? f32_to_e4m3(__fdiv_rn(f[j], s)) : 0u;
+        packed |= b << (8 * j);
+    }
+    return packed;
+}
+
+// The largest magnitude of four bf16 values.
+__device__ __forceinline__ float bf16x4_amax(uint2 v) {
+    return fmaxf(fmaxf(fabsf(__uint_as_float(v.x << 16)), fabsf(__uint_as_float(v.x & 0xffff0000u))),
+                 fmaxf(fabsf(__uint_as_float(v.y << 16)), fabsf(__uint_as_float(v.y & 0xffff0000u))));
+}
+
 extern "C" __global__ void __launch_bounds__(FP8_QUANT_THREADS)
     fp8_quant_rows(const bf16* __restrict__ x, unsigned char* __restrict__ q,
                    float* __restrict__ scales, int ld, int k, int group,
@@ -271,21 +291,7 @@ extern "C" __global__ void __launch_bounds__(FP8_QUANT_THREADS)
     const uint2* x4 = reinterpret_cast<const uint2*>(x + (long long)r * k);
     unsigned int* q4 = reinterpret_cast<unsigned int*>(q + (long long)r * k);
     const int k4 = k >> 2;
-    if (fixed != nullptr) {
-        const float s = *fixed;
-        for (int i = threadIdx.x; i < k4; i += FP8_QUANT_THREADS) {
-            uint2 v = x4[i];
-            float f[4] = {__uint_as_float(v.x << 16), __uint_as_float(v.x & 0xffff0000u),
-                          __uint_as_float(v.y << 16), __uint_as_float(v.y & 0xffff0000u)};
-            unsigned int packed = 0u;
-#pragma unroll
-            for (int j = 0; j < 4; j++) packed |= f32_to_e4m3(__fdiv_rn(f[j], s)) << (8 * j);
-            q4[i] = packed;
-        }
-        if (threadIdx.x == 0) scales[r] = s;
-        return;
-    }
-    if (group != 0) {
+    if (group != 0 && fixed == nullptr) {
         // One warp a group: 32 lanes of 4 columns are 128.
         const int warps = FP8_QUANT_THREADS / 32;
         const int lane = threadIdx.x & 31;
@@ -293,46 +299,21 @@ extern "C" __global__ void __launch_bounds__(FP8_QUANT_THREADS)
         for (int g = threadIdx.x >> 5; g < groups; g += warps) {
             int i = g * 32 + lane;
             uint2 v = i < k4 ? x4[i] : make_uint2(0u, 0u);
-            float f[4] = {__uint_as_float(v.x << 16), __uint_as_float(v.x & 0xffff0000u),
-                          __uint_as_float(v.y << 16), __uint_as_float(v.y & 0xffff0000u)};
-            float amax = fmaxf(fmaxf(fabsf(f[0]), fabsf(f[1])), fmaxf(fabsf(f[2]), fabsf(f[3])));
-            amax = warp_max(amax);
-            float s = __fdiv_rn(amax, E4M3_MAX);
-            if (i < k4) {
-                unsigned int packed = 0u;
-#pragma unroll
-                for (int j = 0; j < 4; j++) {
-                    unsigned int b = s > 0.0f ? f32_to_e4m3(__fdiv_rn(f[j], s)) : 0u;
-                    packed |= b << (8 * j);
-                }
-                q4[i] = packed;
-            }
+            float s = __fdiv_rn(warp_max(bf16x4_amax(v)), E4M3_MAX);
+            if (i < k4) q4[i] = e4m3x4(v, s);
             if (lane == 0) scales[(long long)g * ld + r] = s;
         }
         return;
     }
-    float amax = 0.0f;
-    for (int i = threadIdx.x; i < k4; i += FP8_QUANT_THREADS) {
-        uint2 v = x4[i];
-        amax = fmaxf(amax, fmaxf(fmaxf(fabsf(__uint_as_float(v.x << 16)),
-                                       fabsf(__uint_as_float(v.x & 0xffff0000u))),
-                                 fmaxf(fabsf(__uint_as_float(v.y << 16)),
-                                       fabsf(__uint_as_float(v.y & 0xffff0000u)))));
+    float s;
+    if (fixed != nullptr) {
+        s = *fixed;
+    } else {
+        float amax = 0.0f;
+        for (int i = threadIdx.x; i < k4; i += FP8_QUANT_THREADS) amax = fmaxf(amax, bf16x4_amax(x4[i]));
+        s = __fdiv_rn(block_max(amax), E4M3_MAX);
     }
-    amax = block_max(amax);
-    float s = __fdiv_rn(amax, E4M3_MAX);
-    for (int i = threadIdx.x; i < k4; i += FP8_QUANT_THREADS) {
-        uint2 v = x4[i];
-        float f[4] = {__uint_as_float(v.x << 16), __uint_as_float(v.x & 0xffff0000u),
-                      __uint_as_float(v.y << 16), __uint_as_float(v.y & 0xffff0000u)};
-        unsigned int packed = 0u;
-#pragma unroll
-        for (int j = 0; j < 4; j++) {
-            unsigned int b = s > 0.0f ? f32_to_e4m3(__fdiv_rn(f[j], s)) : 0u;
-            packed |= b << (8 * j);
-        }
-        q4[i] = packed;
-    }
+    for (int i = threadIdx.x; i < k4; i += FP8_QUANT_THREADS) q4[i] = e4m3x4(x4[i], s);
     if (threadIdx.x == 0) scales[r] = s;
 }
 
