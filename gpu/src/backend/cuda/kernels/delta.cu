@@ -258,6 +258,19 @@ delta_conv_window(const float* __restrict__ proj, int row, int kw,
     }
 }
 
+// A head vector of d <= MAX_DELTA_DK values spread over a warp (lane + 32 u into v[u], zeros
+// past d): returns its sum of squares, the whole warp's.
+__device__ __forceinline__ float warp_head(const float* x, int d, int lane, float* v) {
+    float ss = 0.0f;
+#pragma unroll
+    for (int u = 0; u < MAX_DELTA_DK / 32; ++u) {
+        int i = lane + 32 * u;
+        v[u] = i < d ? x[i] : 0.0f;
+        ss += v[u] * v[u];
+    }
+    return warp_sum(ss);
+}
+
 // Per token row: q and k of each key head L2-normalised in place in mixed (q also scaled by
 // 1/sqrt(dk)), a warp a vector; beta = sigmoid(b) and decay = exp(-A softplus(a + dt_bias))
 // of each value head written over b and a in proj. Grid (T).
@@ -274,14 +287,7 @@ delta_qk_gates(float* __restrict__ mixed, int cd, float* __restrict__ proj, int 
         // vec < nk: q of key head vec; else k of key head vec - nk.
         float* x = m + (long long)vec * dk;
         float v[MAX_DELTA_DK / 32];
-        float ss = 0.0f;
-#pragma unroll
-        for (int u = 0; u < MAX_DELTA_DK / 32; ++u) {
-            int i = lane + 32 * u;
-            v[u] = i < dk ? x[i] : 0.0f;
-            ss += v[u] * v[u];
-        }
-        ss = warp_sum(ss);
+        float ss = warp_head(x, dk, lane, v);
         float f = (vec < nk ? scale : 1.0f) / sqrtf(ss + DELTA_L2_EPS);
 #pragma unroll
         for (int u = 0; u < MAX_DELTA_DK / 32; ++u) {
@@ -413,14 +419,7 @@ delta_gated_norm(const float* __restrict__ mixed, int cd, const float* __restric
     for (int hv = warp; hv < nv; hv += GNORM_THREADS / 32) {
         const float* o = mixed + r * cd + 2 * kd + hv * dv;
         float v[MAX_DELTA_DK / 32];
-        float ss = 0.0f;
-#pragma unroll
-        for (int u = 0; u < MAX_DELTA_DK / 32; ++u) {
-            int j = lane + 32 * u;
-            v[u] = j < dv ? o[j] : 0.0f;
-            ss += v[u] * v[u];
-        }
-        ss = warp_sum(ss);
+        float ss = warp_head(o, dv, lane, v);
         float inv = 1.0f / sqrtf(ss / (float)dv + eps);
 #pragma unroll
         for (int u = 0; u < MAX_DELTA_DK / 32; ++u) {
