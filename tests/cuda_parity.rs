@@ -431,7 +431,8 @@ fn random_model(arch: Arch, d: usize, window: Option<usize>) -> LoadedModel {
 }
 
 /// Prefill attention over long prompts, for every head dimension the tensor-core kernel is
-/// built for (16, 32, 64, 128) and a sliding window: a 700-token prompt in one step (eleven
+/// built for (16, 32, 64, 128), Qwen3.5's 256 (the general prefill kernel, the 16-byte decode
+/// one) and a sliding window: a 700-token prompt in one step (eleven
 /// 64-query blocks, 22 key tiles), and the same prompt as a 300-token prefill followed by a
 /// 400-token chunk that attends over the cached 300, each against the CPU in one step; then
 /// a decode step over the 700 (the decode kernels of the same head dimensions).
@@ -442,6 +443,7 @@ fn long_prompts_match_the_cpu_for_every_head_dimension() {
         (Arch::Qwen3, 32, None),
         (Arch::Qwen2, 64, None),
         (Arch::Llama, 128, None),
+        (Arch::Llama, 256, None),
         (Arch::Mistral, 64, Some(100)),
     ];
     for (arch, d, window) in cases {
