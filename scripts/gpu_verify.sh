@@ -66,7 +66,7 @@ run)
     mkdir -p "$work"
     t0=$(date +%s)
     budget="${GPU_BUDGET_S:-540}"
-    stages="${STAGES:-offline parity bench-8b bench-8b-fp8 skinny-ab-8b long-decode-8b pdl-ab-8b pdl-ab-small fuse-ab sm-split-8b profile-8b profile-small serve-8b colocate-8b serve-qwen35-9b gdn-fla bench-qwen35-9b bench-qwen35-9b-scan profile-8b-fp8 bench-llama-8b bench-small peer-8b bench-32b-fp8 bench-72b-fp8}"
+    stages="${STAGES:-offline parity bench-8b bench-8b-fp8 skinny-ab-8b long-decode-8b pdl-ab-8b pdl-ab-small fuse-ab sm-split-8b profile-8b profile-small serve-8b colocate-8b serve-qwen35-9b gdn-fla bench-qwen35-9b bench-qwen35-9b-scan long-decode-qwen35 profile-8b-fp8 bench-llama-8b bench-small peer-8b bench-32b-fp8 bench-72b-fp8}"
     # The device returns at most 8 files from $OUT: everything is packed into one archive
     # (and a summary printed) however the run ends.
     touch "$work/.start"
@@ -188,6 +188,12 @@ run)
     # the same kernels either way).
     stage bench-qwen35-9b-scan 120 gpu-out/gpu-bench --presets qwen3.5-9b --gdn-scan --batches 1 \
         --sampled-batches 0 --prefill-lens 512,2048,8192 --json bench/results/gpu-9b-qwen35-scan.json
+    # Qwen3.5-9B's decode over 2,048-token histories: its full-attention layers' head of 256
+    # now has the 16-byte split decode kernel (served at 1,024-token histories its batch-1
+    # token took 9.32 ms against gpu-bench's 5.62 ms at 128).
+    stage long-decode-qwen35 120 gpu-out/gpu-bench --presets qwen3.5-9b --prompt-len 2048 \
+        --batches 1,8,32 --sampled-batches 0 --prefill-lens 512 --gemm-size 0 --copy-reps 3 \
+        --json bench/results/gpu-9b-qwen35-long.json
     # The FP8 8B step kernel by kernel (an H200 spent 69% of the batch-1 step in
     # fp8_gemv_block_m1 at 61% of the copy bandwidth, and 24% of a 512-token prefill in
     # fp8_out_cols): what the FP8 work is decided on.
