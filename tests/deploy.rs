@@ -678,10 +678,7 @@ fn running(pid: u32) -> bool {
 }
 
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free port")
+    kvmesh_discovery::testing::free_port()
 }
 
 #[test]

@@ -306,7 +306,26 @@ fn health(addr: SocketAddr) -> bool {
     response.starts_with("HTTP/1.1 200") && response.contains(r#""health":"true""#)
 }
 
-fn free_port() -> u16 {
+/// A loopback port free now, for a process a test starts to bind. It is drawn below Linux's
+/// default ephemeral range (32768–60999): a port `127.0.0.1:0` hands out comes from that
+/// range, where the next outgoing connection of any process on the machine may take it
+/// before the started process binds it (a CI run saw a node fail with "Address already in
+/// use" so). Below it, only another test drawing the same port could.
+pub fn free_port() -> u16 {
+    static DRAWS: AtomicU64 = AtomicU64::new(0);
+    let seed = u64::from(std::process::id())
+        ^ std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64);
+    for i in 0..512u64 {
+        let n = DRAWS.fetch_add(1, Ordering::Relaxed) + i;
+        let mix =
+            (seed ^ n.wrapping_mul(0x9e37_79b9_7f4a_7c15)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        let port = 20_000 + (mix >> 40) as u16 % 12_000;
+        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
     TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .map(|a| a.port())

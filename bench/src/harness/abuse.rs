@@ -23,12 +23,10 @@ pub fn rss_mib(p: &Proc) -> f64 {
         .map_or(f64::NAN, |kb| kb / 1024.0)
 }
 
-/// A loopback port nothing listens on (yet).
+/// A loopback port nothing listens on (yet), below the ephemeral range
+/// (`kvmesh_discovery::testing::free_port`).
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free port")
+    kvmesh_discovery::testing::free_port()
 }
 
 /// Whether the peer has closed `s` (a read sees the end or an error) within `wait`.
