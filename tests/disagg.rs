@@ -157,14 +157,7 @@ async fn disaggregated_greedy_output_equals_aggregated_for_every_family() {
         (Some(fixture_model("hf-qwen35-cg-bf16")), 70, "in-process"),
     ];
     for (i, (model, len, transport)) in cases.iter().enumerate() {
-        let mut engine = vec![
-            "--backend",
-            "cpu",
-            "--max-num-batched-tokens",
-            "16",
-            "--num-kv-blocks",
-            "96",
-        ];
+        let mut engine = SMALL_CPU_ENGINE.to_vec();
         if let Some(m) = model {
             engine.extend(["--model", m.as_str()]);
         }

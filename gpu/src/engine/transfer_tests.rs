@@ -90,6 +90,20 @@ fn all_free(h: &EngineHandle) -> bool {
     eventually(|| h.stats.free_blocks.load(Ordering::Relaxed) == BLOCKS)
 }
 
+/// A handed-over prompt's landing with its first token and nothing cached or carried.
+fn landed_with(token: u32) -> Landed {
+    Landed {
+        first: Sampled {
+            token,
+            logprob: 0.0,
+            top: vec![],
+        },
+        rng: None,
+        cached_tokens: 0,
+        state: None,
+    }
+}
+
 fn local_run(p: &[u32], n: usize) -> Vec<u32> {
     let h = engine(64);
     let mut s = h
@@ -566,16 +580,7 @@ fn staged_transfers_carry_the_kv_intact() {
         }
     }
     drop(plo);
-    dlo.landed(Landed {
-        first: Sampled {
-            token: first[0],
-            logprob: 0.0,
-            top: vec![],
-        },
-        rng: None,
-        cached_tokens: 0,
-        state: None,
-    });
+    dlo.landed(landed_with(first[0]));
     assert_eq!(tokens(&mut dsub), local_run(&prompt, 5));
     assert!(all_free(&p) && all_free(&d));
 }
@@ -662,16 +667,7 @@ fn device_handovers_lend_the_caches_own_blocks_and_stage_nothing() {
     // SAFETY: the export is finished; the decode side's blocks are lent to this copy.
     unsafe { sp.copier().copy(&runs, dp.device()) }.unwrap();
     drop(plo);
-    dlo.landed(Landed {
-        first: Sampled {
-            token: first[0],
-            logprob: 0.0,
-            top: vec![],
-        },
-        rng: None,
-        cached_tokens: 0,
-        state: None,
-    });
+    dlo.landed(landed_with(first[0]));
     assert_eq!(tokens(&mut dsub), local_run(&prompt, 5));
     assert!(all_free(&p) && all_free(&d));
 }

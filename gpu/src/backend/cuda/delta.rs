@@ -157,11 +157,10 @@ impl DeltaMix<'_> {
         Ok(())
     }
 
-    fn launch_recurrent(self, k: &Kernels, s: &CudaStream) -> Result<()> {
+    fn launch_recurrent(mut self, k: &Kernels, s: &CudaStream) -> Result<()> {
         let d = self.dims;
-        let (row, kw, cd) = (d.row as i32, d.kw as i32, d.cd as i32);
+        let (row, cd) = (d.row as i32, d.cd as i32);
         let stride = self.at.slot_stride as i64;
-        let conv_off = self.at.layer_off as i64;
         let delta_off = (self.at.layer_off + (d.kw - 1) * d.cd) as i64;
 
         let threads = shapes::DELTA_CONV.threads as usize;
@@ -171,21 +170,7 @@ impl DeltaMix<'_> {
             self.num_seqs,
             1,
         )?;
-        let mut b = s.launch_builder(&k.delta_conv);
-        b.arg(self.proj)
-            .arg(&row)
-            .arg(self.conv)
-            .arg(&kw)
-            .arg(&mut *self.states)
-            .arg(&stride)
-            .arg(&conv_off)
-            .arg(self.seqs)
-            .arg(&mut *self.mixed)
-            .arg(&cd);
-        // SAFETY: the arguments match `delta_conv_silu`'s signature in order and type; every
-        // buffer holds what the grid reads or writes (checked above), the sequences' rows lie
-        // within `tokens` and their slots within `max_slot` (the caller's table).
-        unsafe { b.launch(cfg) }.map_err(failed("delta_conv_silu"))?;
+        self.launch_conv(s, &k.delta_conv, cfg, "delta_conv_silu")?;
 
         let (nk, nv, dk, dv) = (d.nk as i32, d.nv as i32, d.dk as i32, d.dv as i32);
         let cfg = grid(&shapes::GATED_DELTA, d.nv, self.num_seqs, 1)?;
@@ -213,9 +198,40 @@ impl DeltaMix<'_> {
         Ok(())
     }
 
+    /// The convolution, `delta_conv_silu` or `delta_conv_chunks` (the same arguments; the
+    /// latter leaves the windows to `delta_conv_window`).
+    fn launch_conv(
+        &mut self,
+        s: &CudaStream,
+        f: &cudarc::driver::CudaFunction,
+        cfg: cudarc::driver::LaunchConfig,
+        name: &'static str,
+    ) -> Result<()> {
+        let d = self.dims;
+        let (row, kw, cd) = (d.row as i32, d.kw as i32, d.cd as i32);
+        let (stride, conv_off) = (self.at.slot_stride as i64, self.at.layer_off as i64);
+        let mut b = s.launch_builder(f);
+        b.arg(self.proj)
+            .arg(&row)
+            .arg(self.conv)
+            .arg(&kw)
+            .arg(&mut *self.states)
+            .arg(&stride)
+            .arg(&conv_off)
+            .arg(self.seqs)
+            .arg(&mut *self.mixed)
+            .arg(&cd);
+        // SAFETY: the arguments match both kernels' signatures in order and type; every
+        // buffer holds what the grid reads or writes (`check`), the sequences' rows lie
+        // within `tokens` (and, for the chunked grid, none is longer than its bound), their
+        // slots within `max_slot` (the caller's table).
+        unsafe { b.launch(cfg) }.map_err(failed(name))?;
+        Ok(())
+    }
+
     /// The scan path (`kernels/delta.cu`): five launches, each after the one before in
     /// stream order.
-    fn launch_scan(self, k: &Kernels, s: &CudaStream, longest: usize) -> Result<()> {
+    fn launch_scan(mut self, k: &Kernels, s: &CudaStream, longest: usize) -> Result<()> {
         let d = self.dims;
         let (row, kw, cd) = (d.row as i32, d.kw as i32, d.cd as i32);
         let (nk, nv, dk, dv) = (d.nk as i32, d.nv as i32, d.dk as i32, d.dv as i32);
@@ -233,21 +249,7 @@ impl DeltaMix<'_> {
             longest.div_ceil(shapes::DCONV_TOKENS).max(1),
             ns,
         )?;
-        let mut b = s.launch_builder(&k.delta_conv_chunks);
-        b.arg(self.proj)
-            .arg(&row)
-            .arg(self.conv)
-            .arg(&kw)
-            .arg(&*self.states)
-            .arg(&stride)
-            .arg(&conv_off)
-            .arg(self.seqs)
-            .arg(&mut *self.mixed)
-            .arg(&cd);
-        // SAFETY: the arguments match `delta_conv_chunks`'s signature in order and type;
-        // every buffer holds what the grid reads or writes (`check`), the sequences' rows lie
-        // within `tokens`, none longer than `longest`, their slots within `max_slot`.
-        unsafe { b.launch(cfg) }.map_err(failed("delta_conv_chunks"))?;
+        self.launch_conv(s, &k.delta_conv_chunks, cfg, "delta_conv_chunks")?;
 
         let cfg = grid(&shapes::DELTA_CONV_WINDOW, conv_blocks, ns, 1)?;
         let mut b = s.launch_builder(&k.delta_conv_window);

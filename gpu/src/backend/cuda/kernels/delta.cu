@@ -366,31 +366,28 @@ delta_scan(float* __restrict__ mixed, int cd, const float* __restrict__ proj, in
         __syncthreads();
         for (int t = 0; t < nt; ++t) {
             float beta = gs[0][t], decay = gs[1][t];
-            float m0 = 0.0f, m1 = 0.0f, m2 = 0.0f, m3 = 0.0f;
+            // Four partial sums each (the rows ii + u), for four chains of FMAs at once.
+            float m4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
             for (int ii = 0; ii < SCAN_ROWS; ii += 4) {
-                m0 += s[ii] * ks[t][4 * ii + part];
-                m1 += s[ii + 1] * ks[t][4 * (ii + 1) + part];
-                m2 += s[ii + 2] * ks[t][4 * (ii + 2) + part];
-                m3 += s[ii + 3] * ks[t][4 * (ii + 3) + part];
+#pragma unroll
+                for (int u = 0; u < 4; ++u) m4[u] += s[ii + u] * ks[t][4 * (ii + u) + part];
             }
-            float mem = (m0 + m1) + (m2 + m3);
+            float mem = (m4[0] + m4[1]) + (m4[2] + m4[3]);
             mem += __shfl_xor_sync(0xffffffffu, mem, 1);
             mem += __shfl_xor_sync(0xffffffffu, mem, 2);
             float delta = beta * (vs[t][c] - decay * mem);
-            float o0 = 0.0f, o1 = 0.0f, o2 = 0.0f, o3 = 0.0f;
+            float o4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
             for (int ii = 0; ii < SCAN_ROWS; ii += 4) {
-                s[ii] = decay * s[ii] + ks[t][4 * ii + part] * delta;
-                s[ii + 1] = decay * s[ii + 1] + ks[t][4 * (ii + 1) + part] * delta;
-                s[ii + 2] = decay * s[ii + 2] + ks[t][4 * (ii + 2) + part] * delta;
-                s[ii + 3] = decay * s[ii + 3] + ks[t][4 * (ii + 3) + part] * delta;
-                o0 += s[ii] * qs[t][4 * ii + part];
-                o1 += s[ii + 1] * qs[t][4 * (ii + 1) + part];
-                o2 += s[ii + 2] * qs[t][4 * (ii + 2) + part];
-                o3 += s[ii + 3] * qs[t][4 * (ii + 3) + part];
+#pragma unroll
+                for (int u = 0; u < 4; ++u) {
+                    int i = 4 * (ii + u) + part;
+                    s[ii + u] = decay * s[ii + u] + ks[t][i] * delta;
+                    o4[u] += s[ii + u] * qs[t][i];
+                }
             }
-            float o = (o0 + o1) + (o2 + o3);
+            float o = (o4[0] + o4[1]) + (o4[2] + o4[3]);
             o += __shfl_xor_sync(0xffffffffu, o, 1);
             o += __shfl_xor_sync(0xffffffffu, o, 2);
             if (col && part == 0) {
