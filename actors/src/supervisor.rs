@@ -298,9 +298,10 @@ impl Actor for NodeSupervisor {
             return Ok(());
         };
         tracing::error!("the {} role failed ({why}); restarting it", role.as_str());
-        state.roles.restarts.bump(role);
         let r = start_role(role, &state.roles, myself.get_cell()).await?;
         state.children.insert(role, r);
+        // Counted once the role serves again: a restart seen on `/metrics` is one done.
+        state.roles.restarts.bump(role);
         Ok(())
     }
 }

@@ -498,9 +498,22 @@ impl Drop for InFlight<'_> {
 async fn read_reports(link: Arc<WorkerLink>, conn: Connection, wants_kv: bool) {
     while let Ok(mut recv) = conn.accept_uni().await {
         let link = link.clone();
+        let id = conn.stable_id();
         tokio::spawn(async move {
             match wire::read_msg::<UniHeader>(&mut recv).await {
                 Ok(Some(UniHeader::Load)) => {
+                    // The worker opens this stream once it has accepted the connection: only
+                    // now is the link up. The handshake completing on this side is not
+                    // enough, as a worker that does not know this router's certificate yet
+                    // refuses it a moment after (a node that has just joined).
+                    // Under the lock the link's loss takes too: a late stream of a lost
+                    // connection cannot mark its successor up.
+                    {
+                        let current = link.conn.lock();
+                        if current.as_ref().is_some_and(|c| c.stable_id() == id) {
+                            link.hot.up.store(true, Ordering::Release);
+                        }
+                    }
                     while let Ok(Some(r)) = wire::read_msg::<LoadReport>(&mut recv).await {
                         LOAD_REPORTS.fetch_add(1, Ordering::Relaxed);
                         link.set_report(Some(r));
@@ -568,7 +581,6 @@ pub(crate) async fn maintain(
                 tracing::info!("connected to worker {id} at {addr}");
                 state.connected();
                 *link.conn.lock() = Some(conn.clone());
-                link.hot.up.store(true, Ordering::Release);
                 let reports = tokio::spawn(read_reports(link.clone(), conn.clone(), wants_kv));
                 // Several of this link's beats, or of the pace the cluster has grown to since
                 // (the machine hosting it is busier too).
@@ -586,8 +598,11 @@ pub(crate) async fn maintain(
                     }
                 };
                 reports.abort();
-                link.hot.up.store(false, Ordering::Release);
-                *link.conn.lock() = None;
+                {
+                    let mut current = link.conn.lock();
+                    *current = None;
+                    link.hot.up.store(false, Ordering::Release);
+                }
                 link.set_report(None);
                 link.kv.clear();
                 Attempt::Lost(reason)
