@@ -46,6 +46,27 @@ for l in sys.stdin:
     strip gpu-out/kvmesh gpu-out/gpu-bench gpu-out/cuda_parity
     # flash-linear-attention (pure Python + Triton, ~1 MB), the peer of the gdn-fla stage.
     pip download --quiet --no-deps --require-hashes -r scripts/requirements-fla.txt -d gpu-out
+    # UCX with CUDA (PyPI's libucx-cu13): its run-time libraries only (~17 MB, 4 MB packed),
+    # laid out as UCX finds its modules (lib/ucx beside libucs), for KVMESH_UCX_LIB there.
+    ucxw=$(mktemp -d)
+    pip download --quiet --no-deps --require-hashes -r scripts/requirements-ucx.txt -d "$ucxw"
+    python3 - "$ucxw"/libucx_cu13-*.whl gpu-out/ucx <<'PY'
+import os, sys, zipfile
+whl, dest = sys.argv[1], sys.argv[2]
+keep = ["lib/libucp.so.0", "lib/libuct.so.0", "lib/libucs.so.0", "lib/libucm.so.0",
+        "lib/ucx/libuct_cuda.so.0", "lib/ucx/libucm_cuda.so.0", "lib/ucx/libuct_cma.so.0",
+        "bin/ucx_info"]
+with zipfile.ZipFile(whl) as z:
+    for k in keep:
+        out = os.path.join(dest, k)
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        with open(out, "wb") as f:
+            f.write(z.read("libucx/" + k))
+        os.chmod(out, 0o755)
+PY
+    rm -rf "$ucxw"
+    tar -C gpu-out -cf gpu-out/ucx-cu13.tar ucx
+    rm -rf gpu-out/ucx
     xz -T0 -6 gpu-out/*
     git describe --always --dirty >gpu-out/build-rev.txt
     ls -la gpu-out
@@ -86,6 +107,13 @@ run)
         [ -e "$f" ] && xz -d -f "$f"
     done
     chmod +x gpu-out/*
+    # UCX with CUDA for the tests of --kv-transport ucx between GPU caches (parity runs them).
+    if [ -e gpu-out/ucx-cu13.tar ]; then
+        tar -C gpu-out -xf gpu-out/ucx-cu13.tar
+        export KVMESH_UCX_LIB="$PWD/gpu-out/ucx/lib/libucp.so.0"
+        LD_LIBRARY_PATH="$PWD/gpu-out/ucx/lib" gpu-out/ucx/bin/ucx_info -d >"$work/ucx_info.txt" 2>&1 || true
+        echo "UCX for KV: $(grep -c 'Transport: cuda' "$work/ucx_info.txt") CUDA transports ($(grep 'Transport: cuda' "$work/ucx_info.txt" | tr -s ' ' | tr '\n' ' '))"
+    fi
     nvidia-smi | tee "$work/nvidia-smi.txt" || true
     # shellcheck source=scripts/gpu_env.sh
     . scripts/gpu_env.sh
@@ -112,6 +140,9 @@ run)
     # resolved (the driver's too, here), before anything runs on the device.
     [ -x gpu-out/cuda_offline ] && stage offline 90 gpu-out/cuda_offline --test-threads=1 --nocapture
     stage parity 240 env KVMESH_BIN="$PWD/gpu-out/kvmesh" gpu-out/cuda_parity --test-threads=1 --nocapture
+    # Only the UCX test of parity (asked for by name: parity runs it too): KV put from one
+    # process's GPU cache into another's.
+    stage ucx-cuda 90 env KVMESH_BIN="$PWD/gpu-out/kvmesh" gpu-out/cuda_parity --test-threads=1 --nocapture put_kv_with_ucx
     # The 8B shapes (issue: batch-1 decode against the copy bound, prefill against the GEMM
     # peak, KV capacity at the default memory share); the checkpoints are written here.
     stage bench-8b 150 gpu-out/gpu-bench --presets qwen3-8b --json "bench/results/gpu-8b-qwen3.json"

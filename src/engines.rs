@@ -112,6 +112,11 @@ pub struct EngineArgs {
     /// one allocation another process of this host can map.
     #[arg(skip)]
     pub kv_exportable: bool,
+    /// Set for a decode engine of a node given `--kv-transport ucx`: on a GPU its KV cache is
+    /// one `cuMemAlloc` allocation, which UCX's CUDA transports register and map (memory of
+    /// the driver's stream-ordered pools they may not); nothing changes on the CPU.
+    #[arg(skip)]
+    pub kv_for_ucx: bool,
 }
 
 impl EngineArgs {
@@ -334,7 +339,7 @@ pub fn start_engine_on(
             cuda.reserve_tokens = args.max_num_batched_tokens;
             cuda.reserve_rows = args.max_num_seqs;
             cuda.sm_partition = part;
-            cuda.kv_exportable = args.kv_exportable;
+            cuda.kv_exportable = args.kv_exportable || args.kv_for_ucx;
         }
         (_, Some(p)) => anyhow::bail!(
             "--sm-split {} splits a CUDA GPU's SMs between the prefill and decode engines, and \

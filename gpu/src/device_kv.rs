@@ -43,6 +43,10 @@ pub trait DeviceCopy: Send + Sync {
     /// Maps another process's exported pool ([`PoolExport`]) into this one, for copies
     /// into it (CUDA IPC).
     fn map(&self, export: &PoolExport) -> Result<MappedPool, String>;
+
+    /// Makes the device's context current on the calling thread, for a library that reads
+    /// or registers this memory from a thread of its own (UCX's).
+    fn bind_thread(&self) -> Result<(), String>;
 }
 
 /// A device pool another process of this host may map (CUDA IPC): the driver's handle for

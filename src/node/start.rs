@@ -110,8 +110,9 @@ impl Engines {
             (Some(m), true) => {
                 let mut args = p.args.clone();
                 args.sm_partition = p.sm_split.map(|split| SmPartition { split, side });
-                args.kv_exportable =
-                    side == SmSide::Decode && plan.kv.as_ref().is_some_and(|k| k.cuda_ipc);
+                let decode = side == SmSide::Decode;
+                args.kv_exportable = decode && plan.kv.as_ref().is_some_and(|k| k.cuda_ipc);
+                args.kv_for_ucx = decode && plan.kv.as_ref().is_some_and(|k| k.ucx.is_some());
                 start_engine_with(&args, m).map(Some)
             }
             _ => Ok(None),
@@ -486,6 +487,10 @@ fn record(plan: &NodePlan, engines: &Engines, net: &Network, capacity: f64) -> N
                 let gpu = |e: &StartedEngine| e.handle.info.device_kv.is_some();
                 if engines.prefill.as_ref().is_some_and(gpu) {
                     t.push("cuda-ipc".to_string());
+                    // ... and puts from its cache on the GPU where UCX has CUDA.
+                    if net.ucx.as_ref().is_some_and(Ucx::supports_cuda) {
+                        t.push("ucx-cuda".to_string());
+                    }
                 }
                 t
             }

@@ -229,3 +229,64 @@ fn two_processes_on_one_gpu_hand_kv_over_by_cuda_ipc() {
     let _ = std::fs::remove_dir_all(&reg);
     println!("two processes on one GPU: both prompts copied by CUDA IPC, answers as serve's");
 }
+
+/// Two `kvmesh node` processes on one GPU with `--kv-transport ucx` and a UCX built with
+/// CUDA (`KVMESH_UCX_LIB`: the device script unpacks PyPI's `libucx-cu13`): the decode
+/// node registers its KV cache on the GPU with UCX and the prefill node puts each prompt
+/// from its own cache on the GPU into it (UCX's `cuda_ipc` lane), with no host staging.
+/// Greedy answers equal `kvmesh serve --device cuda`'s, and every prompt landed that way.
+#[test]
+fn two_processes_on_one_gpu_put_kv_with_ucx_from_gpu_to_gpu() {
+    use kvmesh_bench::harness::client;
+    let lib = std::env::var("KVMESH_UCX_LIB").unwrap_or_else(|_| {
+        panic!(
+            "KVMESH_UCX_LIB must name the libucp.so.0 of a UCX built with CUDA (PyPI's \
+             libucx-cu13, which scripts/gpu_verify.sh unpacks); Debian's has no CUDA lanes"
+        )
+    });
+    let dir = model_dir("tiny-llama");
+    let engine = small_cuda_engine(dir.to_str().unwrap());
+    let agg = common::Server::start(&engine);
+    let reg = std::env::temp_dir().join(format!("kvmesh-ucx-cuda-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&reg);
+    let ucx = [
+        "--kv-transport",
+        "ucx",
+        "--ucx-tls",
+        "tcp,cuda_copy,cuda_ipc",
+    ];
+    let mut pargs = vec!["--roles", "prefill"];
+    pargs.extend(ucx);
+    pargs.extend(engine);
+    let prefill = common::kvmesh().node_in_dir(&reg, "p", &pargs);
+    let mut dargs = vec!["--roles", "gateway,router,decode"];
+    dargs.extend(ucx);
+    dargs.extend([
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--disagg-min-tokens",
+        "8",
+    ]);
+    dargs.extend(engine);
+    let decode = common::kvmesh().node_in_dir(&reg, "d", &dargs);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let http = client();
+        routed(&http, &decode).await;
+        answers_as_serve(&http, &agg, &decode, &format!("UCX from {lib}")).await;
+        for (series, want) in [
+            ("kvmesh:kv_transfers_total{transport=\"ucx-device\"}", 2.0),
+            ("kvmesh:kv_transfers_total{transport=\"ucx\"}", 0.0),
+            ("kvmesh:disagg_prefills_total{outcome=\"fallback\"}", 0.0),
+        ] {
+            assert_eq!(decode.metric(&http, series).await, want, "{series}");
+        }
+    });
+    drop((prefill, decode));
+    let _ = std::fs::remove_dir_all(&reg);
+    println!(
+        "two processes on one GPU: both prompts put by UCX from GPU to GPU, answers as serve's"
+    );
+}

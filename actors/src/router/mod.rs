@@ -305,6 +305,7 @@ impl RouterCore {
             min_tokens: self.disagg.min_tokens as u32,
             ucx: pl.record.kv_transports.iter().any(|t| t == "ucx"),
             cuda_ipc: pl.record.kv_transports.iter().any(|t| t == "cuda-ipc"),
+            ucx_cuda: pl.record.kv_transports.iter().any(|t| t == "ucx-cuda"),
         });
         Some(PrefillInFlight::new(pl, uncached as i64))
     }

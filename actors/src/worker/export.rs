@@ -54,6 +54,7 @@ impl WorkerCore {
                 (SendVia::Local(_), _) => "in-process",
                 (_, DataPath::Quic { .. }) => "quic",
                 (_, DataPath::Tcp { .. }) => "tcp",
+                (_, DataPath::Ucx { device: true, .. }) => "ucx-device",
                 (_, DataPath::Ucx { .. }) => "ucx",
                 (_, DataPath::CudaIpc(_)) => "cuda-ipc",
             },
@@ -121,10 +122,12 @@ impl WorkerCore {
         let from = req.from_pos as usize;
         // A decode engine of this process that lent its device cache's blocks takes them
         // from this engine's on the device.
-        // So does a decode worker of this host that exported its cache (CUDA IPC).
+        // So does a decode worker of this host that exported its cache (CUDA IPC), and one
+        // whose cache on a GPU is registered with UCX.
         let handover = match (&via, &req.data) {
             (SendVia::Local(t), _) if t.on_device() => Handover::Device,
             (SendVia::Network(_), DataPath::CudaIpc(_)) => Handover::Device,
+            (SendVia::Network(_), DataPath::Ucx { device: true, .. }) => Handover::Device,
             _ => Handover::Host,
         };
         let (mut sub, mut ev, lease, computed) = self.admit(req, handover).await?;
@@ -326,6 +329,7 @@ async fn open_sender(
                 buffers,
                 lanes,
                 checksum,
+                device: _,
             },
         ) => {
             let ucx = ucx.ok_or_else(|| {

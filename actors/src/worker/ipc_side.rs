@@ -41,6 +41,10 @@ impl DeviceCopy for Mapped {
     unsafe fn copy(&self, _: &[(usize, usize, usize)], _: u32) -> Result<(), String> {
         Err("another process's mapped cache is only copied into".into())
     }
+
+    fn bind_thread(&self) -> Result<(), String> {
+        Err("another process's mapped cache is not read by UCX".into())
+    }
 }
 
 impl IpcMaps {

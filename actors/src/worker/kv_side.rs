@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvmesh_gpu::device_kv::{CopyRun, DeviceCopy, DeviceKey, KvMemory};
+use kvmesh_gpu::device_kv::{CopyRun, DeviceCopy, DeviceKey, DeviceKvPool, KvMemory};
 use kvmesh_gpu::engine::KvLease;
 use kvmesh_gpu::kv_pool::HostKvPool;
 use kvmesh_gpu::kv_pool::KvKind;
@@ -63,8 +63,31 @@ pub struct UcxSide {
 }
 
 struct PoolRegistration {
-    pool: std::sync::Weak<HostKvPool>,
+    pool: WeakPool,
     reg: Arc<Registration>,
+}
+
+/// A registered pool, held weakly: its registration goes when it does.
+enum WeakPool {
+    Host(std::sync::Weak<HostKvPool>),
+    Device(std::sync::Weak<DeviceKvPool>),
+}
+
+impl WeakPool {
+    fn alive(&self) -> bool {
+        match self {
+            WeakPool::Host(p) => p.strong_count() > 0,
+            WeakPool::Device(p) => p.strong_count() > 0,
+        }
+    }
+
+    fn is(&self, memory: &KvMemory) -> bool {
+        match (self, memory) {
+            (WeakPool::Host(w), KvMemory::Host(p)) => std::ptr::eq(w.as_ptr(), Arc::as_ptr(p)),
+            (WeakPool::Device(w), KvMemory::Device(p)) => std::ptr::eq(w.as_ptr(), Arc::as_ptr(p)),
+            _ => false,
+        }
+    }
 }
 
 impl UcxSide {
@@ -80,42 +103,66 @@ impl UcxSide {
         }
     }
 
-    /// The registration of `pool`'s buffers (per layer, K then V): made on first use and
-    /// kept while the pool lives.
-    pub async fn registration(
-        &self,
-        pool: &Arc<HostKvPool>,
-    ) -> Result<Arc<Registration>, UcxError> {
+    /// The registration of a pool's buffers (per layer, K then V), in host memory or a
+    /// GPU's (UCX built with CUDA): made on first use and kept while the pool lives.
+    pub async fn registration(&self, memory: &KvMemory) -> Result<Arc<Registration>, UcxError> {
         {
             let mut regs = self.regs.lock();
-            regs.retain(|r| r.pool.strong_count() > 0);
-            if let Some(r) = regs
-                .iter()
-                .find(|r| std::ptr::eq(r.pool.as_ptr(), Arc::as_ptr(pool)))
-            {
+            regs.retain(|r| r.pool.alive());
+            if let Some(r) = regs.iter().find(|r| r.pool.is(memory)) {
                 return Ok(r.reg.clone());
             }
         }
-        let layers = pool.spec().num_layers;
-        let buffers = (0..layers)
-            .flat_map(|l| {
-                [KvKind::K, KvKind::V].map(|k| (pool.base(l, k) as usize, pool.layer_bytes()))
-            })
-            .collect();
-        // SAFETY: the buffers are the pool's, allocated while it lives; the registration is
-        // dropped (unmapped) once the pool is gone (`retain` above), and a transfer holds
-        // the pool through its lease while it uses the registration.
-        let reg = Arc::new(unsafe { self.ucx.register(buffers, MemoryType::Host) }.await?);
+        let layers = memory.spec().num_layers;
+        let (buffers, mem, pool) = match memory {
+            KvMemory::Host(p) => (
+                pool_buffers(layers, |l, k| p.base(l, k) as usize, p.layer_bytes()),
+                MemoryType::Host,
+                WeakPool::Host(Arc::downgrade(p)),
+            ),
+            KvMemory::Device(p) => {
+                // UCX registers a GPU's memory in the context current on its thread.
+                self.ucx
+                    .bind(Arc::new(EngineCopy(p.copier().clone())))
+                    .await?;
+                (
+                    pool_buffers(layers, |l, k| p.base(l, k) as usize, p.layer_bytes()),
+                    MemoryType::Cuda,
+                    WeakPool::Device(Arc::downgrade(p)),
+                )
+            }
+        };
+        // SAFETY: the buffers are the pool's, allocated while it lives, of the type said;
+        // the registration is dropped (unmapped) once the pool is gone (`retain` above),
+        // and a transfer holds the pool through its lease while it uses the registration.
+        let reg = Arc::new(unsafe { self.ucx.register(buffers, mem) }.await?);
         let mut regs = self.regs.lock();
         if regs.len() >= Self::KEPT {
             regs.remove(0);
         }
         regs.push(PoolRegistration {
-            pool: Arc::downgrade(pool),
+            pool,
             reg: reg.clone(),
         });
         Ok(reg)
     }
+
+    /// Whether this decode worker takes KV straight into its cache on a GPU: UCX has
+    /// CUDA, and no checksum was asked for (one is taken of host memory only).
+    pub fn takes_device(&self) -> bool {
+        self.ucx.supports_cuda() && !self.checksum
+    }
+}
+
+/// A pool's layer buffers as UCX registers them: per layer, K then V.
+fn pool_buffers(
+    layers: usize,
+    base: impl Fn(usize, KvKind) -> usize,
+    layer_bytes: usize,
+) -> Vec<(usize, usize)> {
+    (0..layers)
+        .flat_map(|l| [KvKind::K, KvKind::V].map(|k| (base(l, k), layer_bytes)))
+        .collect()
 }
 
 /// Why a KV transfer did not complete, and whether another prefill worker may succeed where
@@ -161,19 +208,21 @@ pub struct KvStats {
     pub failed: AtomicU64,
     pub bytes_out: AtomicU64,
     /// Decode side: remote prefills landed, by transport (`VIA` order).
-    pub via: [AtomicU64; 6],
+    pub via: [AtomicU64; 7],
 }
 
 impl KvStats {
     /// The transports `via` counts: `in-process-device` is a copy between two engines'
     /// device caches, `in-process` one through host memory, `cuda-ipc` a copy on the GPU
-    /// from another process of this host.
-    pub const VIA: [&'static str; 6] = [
+    /// from another process of this host, `ucx-device` UCX puts from one GPU cache into
+    /// another (`ucx` puts land in host memory).
+    pub const VIA: [&'static str; 7] = [
         "in-process",
         "in-process-device",
         "quic",
         "tcp",
         "ucx",
+        "ucx-device",
         "cuda-ipc",
     ];
 
@@ -340,6 +389,10 @@ impl kvmesh_transport::kv::DeviceCopy for EngineCopy {
             .collect();
         // SAFETY: the transport's contract is the engine's.
         unsafe { self.0.copy(&runs, DeviceKey { ordinal: dst }) }
+    }
+
+    fn bind_thread(&self) -> Result<(), String> {
+        self.0.bind_thread()
     }
 }
 

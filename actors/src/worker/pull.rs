@@ -32,7 +32,7 @@ use kvmesh_transport::kv::ucx::UcxError;
 use kvmesh_transport::{ConnectionError, TransportError};
 
 use super::export::SendVia;
-use super::kv_side::{region, KvSide, KvTransport, PeerError};
+use super::kv_side::{region, KvSide, KvTransport, PeerError, UcxSide};
 use super::role_core::WorkerCore;
 use crate::convert;
 
@@ -137,7 +137,10 @@ enum PullError {
     UcxRegistration(#[source] UcxError),
     #[error("a UCX fallback cannot itself be UCX")]
     UcxFallbackIsUcx,
-    #[error("the blocks were lent on the device, which UCX cannot register here")]
+    #[error(
+        "the blocks were lent on the device, and UCX puts between GPUs need UCX built with \
+         CUDA on both workers and no checksum"
+    )]
     DeviceLease,
     #[error("opening a stream to {node}: {source}")]
     OpenStream {
@@ -179,8 +182,44 @@ fn handover(core: &WorkerCore, kv: &KvSide, peer: &PrefillPeer) -> Handover {
         None if peer.cuda_ipc && matches!(kv.transport, KvTransport::CudaIpc { .. }) => {
             Handover::Device
         }
+        // UCX with CUDA on both ends: puts from one GPU cache into the other.
+        None if peer.ucx_cuda
+            && matches!(kv.transport, KvTransport::Ucx { .. })
+            && kv.ucx.as_ref().is_some_and(|u| u.takes_device()) =>
+        {
+            Handover::Device
+        }
         None => Handover::Host,
     }
+}
+
+/// `--kv-transport ucx`, the prefill worker having UCX too: the lease's pool registered with
+/// UCX (its cache on the GPU where both ends have UCX with CUDA, else host memory) and the
+/// request's data path.
+async fn ucx_path(
+    u: &UcxSide,
+    lease: &KvLease,
+    peer: &PrefillPeer,
+    lanes: usize,
+) -> Result<(DataPath, Arc<Registration>), PullError> {
+    let memory = lease.memory();
+    let device = matches!(memory, KvMemory::Device(_));
+    if device && !(peer.ucx_cuda && u.takes_device()) {
+        return Err(PullError::DeviceLease);
+    }
+    let reg = u
+        .registration(memory)
+        .await
+        .map_err(PullError::UcxRegistration)?;
+    let data = DataPath::Ucx {
+        worker: u.ucx.address().to_vec(),
+        registration: reg.id,
+        buffers: wire_buffers(&reg),
+        lanes: lanes as u32,
+        checksum: u.checksum && !device,
+        device,
+    };
+    Ok((data, reg))
 }
 
 /// `--kv-transport cuda-ipc`: where the prefill worker's cache is on a GPU and this
@@ -321,6 +360,7 @@ impl Asked {
         let mut transport = &kv.transport;
         let mut registration = None;
         let mut ipc = None;
+        let mut ucx_device = false;
         if let KvTransport::CudaIpc { otherwise } = transport {
             match cuda_ipc_path(lease, peer) {
                 Some((data, reg)) => {
@@ -333,24 +373,19 @@ impl Asked {
         if let KvTransport::Ucx { lanes, otherwise } = transport {
             match (&kv.ucx, peer.ucx) {
                 (Some(u), true) => {
-                    let pool = lease.host_pool().ok_or(PullError::DeviceLease)?;
-                    let reg = u
-                        .registration(pool)
-                        .await
-                        .map_err(PullError::UcxRegistration)?;
-                    preq.data = DataPath::Ucx {
-                        worker: u.ucx.address().to_vec(),
-                        registration: reg.id,
-                        buffers: wire_buffers(&reg),
-                        lanes: *lanes as u32,
-                        checksum: u.checksum,
-                    };
-                    registration = Some((reg, *lanes, u.checksum));
+                    let (data, reg) = ucx_path(u, lease, peer, *lanes).await?;
+                    ucx_device = matches!(data, DataPath::Ucx { device: true, .. });
+                    preq.data = data;
+                    registration = Some((reg, *lanes, u.checksum && !ucx_device));
                 }
                 _ => transport = otherwise,
             }
         }
-        tracing::Span::current().record("transport", transport.name());
+        let via = match transport {
+            KvTransport::Ucx { .. } if ucx_device => "ucx-device",
+            t => t.name(),
+        };
+        tracing::Span::current().record("transport", via);
         let receiver: Box<dyn KvReceiver> =
             match (transport, &registration) {
                 (KvTransport::Ucx { .. }, Some((reg, lanes, checksum))) => Box::new(
@@ -420,7 +455,7 @@ impl Asked {
             _work: AbortOnDrop(work),
             _entry: Some(entry),
             _registration: registration.map(|r| r.0),
-            via: transport.name(),
+            via,
         })
     }
 

@@ -355,6 +355,10 @@ impl DeviceCopy for HostCopy {
     fn map(&self, _: &PoolExport) -> std::result::Result<MappedPool, String> {
         Err("no IPC here".into())
     }
+
+    fn bind_thread(&self) -> std::result::Result<(), String> {
+        Ok(())
+    }
 }
 
 impl Staged {

@@ -243,6 +243,10 @@ pub trait DeviceCopy: Send + Sync {
     /// Every run's source must be readable and its destination writable device memory, lent
     /// to this copy until it returns, with no overlap between them.
     unsafe fn copy(&self, runs: &[(usize, usize, usize)], dst_device: u32) -> Result<(), String>;
+
+    /// Makes the device's context current on the calling thread (UCX's, before it
+    /// registers or reads this memory).
+    fn bind_thread(&self) -> Result<(), String>;
 }
 
 /// Where positions `first .. first + n` of a sequence lie in one layer's buffer laid out as
@@ -637,6 +641,10 @@ mod tests {
                 // SAFETY: the trait's contract (host buffers here).
                 unsafe { std::ptr::copy_nonoverlapping(s as *const u8, d as *mut u8, n) };
             }
+            Ok(())
+        }
+
+        fn bind_thread(&self) -> Result<(), String> {
             Ok(())
         }
     }

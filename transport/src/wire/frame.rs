@@ -223,6 +223,7 @@ mod tests {
                 min_tokens: 64,
                 ucx: true,
                 cuda_ipc: true,
+                ucx_cuda: true,
             }),
             logit_bias: vec![TokenBias {
                 token: 3,

@@ -84,6 +84,7 @@ mod tests {
                 min_tokens: 64,
                 ucx: true,
                 cuda_ipc: false,
+                ucx_cuda: false,
             }),
             logit_bias: vec![TokenBias {
                 token: 3,

@@ -62,6 +62,9 @@ pub struct PrefillPeer {
     /// The prefill worker's cache is on a GPU, so it can copy KV into a decode worker's
     /// exported pool on this host (CUDA IPC).
     pub cuda_ipc: bool,
+    /// The prefill worker's cache is on a GPU and its UCX was built with CUDA: it puts KV
+    /// from its cache on the GPU into a decode worker's registered cache on a GPU.
+    pub ucx_cuda: bool,
 }
 
 #[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Clone, Debug, PartialEq)]
@@ -256,6 +259,9 @@ pub enum DataPath {
         lanes: u32,
         /// Whether each notice carries a checksum of the piece's bytes (for tests).
         checksum: bool,
+        /// The buffers are the decode worker's KV cache on a GPU (UCX built with CUDA on
+        /// both ends): the prefill worker puts from its own cache on the GPU too.
+        device: bool,
     },
     /// Copies on the GPU straight into the decode worker's KV pool, which it exported
     /// once (CUDA IPC, two processes of one host), and a [`KvLandedNotice`] per piece on

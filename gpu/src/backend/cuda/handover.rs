@@ -115,6 +115,13 @@ impl DeviceCopy for CudaKvCopy {
         self.device
     }
 
+    fn bind_thread(&self) -> std::result::Result<(), String> {
+        self.stream
+            .context()
+            .bind_to_thread()
+            .map_err(|e| format!("binding the context: {e}"))
+    }
+
     fn map(&self, export: &PoolExport) -> std::result::Result<MappedPool, String> {
         let ctx = self.stream.context();
         let h = IpcHandle {

@@ -56,6 +56,7 @@ pub const UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE: u64 = 1 << 4;
 pub const UCP_OP_ATTR_FIELD_CALLBACK: u32 = 1 << 1;
 pub const UCP_OP_ATTR_FIELD_USER_DATA: u32 = 1 << 2;
 pub const UCP_OP_ATTR_FIELD_FLAGS: u32 = 1 << 4;
+pub const UCP_OP_ATTR_FIELD_MEMORY_TYPE: u32 = 1 << 6;
 
 pub const UCP_ATTR_FIELD_MEMORY_TYPES: u64 = 1 << 2;
 

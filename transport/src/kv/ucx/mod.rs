@@ -154,10 +154,24 @@ impl UcxSender {
                 2 * layers
             )));
         }
+        // A prefill cache on a GPU is put from directly where UCX was built with CUDA.
+        let src_mem =
+            match target.source.memory() {
+                RegionMemory::Host => MemoryType::Host,
+                RegionMemory::Device(c) if !ucx.supports_cuda() => {
+                    return Err(TransportError::DeviceMemory { device: c.device() })
+                }
+                RegionMemory::Device(_) if checksum => return Err(TransportError::Codec(
+                    "a checksum of KV in GPU memory was asked for; it is taken of host memory only"
+                        .into(),
+                )),
+                RegionMemory::Device(_) => MemoryType::Cuda,
+            };
         let lane = Arc::new(Lane {
             ucx,
             keys: Arc::new(keys),
             target,
+            src_mem,
             checksum,
             tl: Mutex::new(None),
         });
@@ -185,6 +199,8 @@ struct Lane {
     ucx: Ucx,
     keys: Arc<RemoteKeys>,
     target: Target,
+    /// Where the source region lives (GPU memory only where UCX has CUDA).
+    src_mem: MemoryType,
     checksum: bool,
     /// UCX's transport layer to the peer, learned after the first put.
     tl: Mutex<Option<String>>,
@@ -249,7 +265,10 @@ impl Lane {
         for (i, kind) in [Kind::K, Kind::V].into_iter().enumerate() {
             let buffer = (2 * layer + i) as u32;
             let base = self.keys.buffers[buffer as usize].base as usize;
-            let src = region.segments(layer, kind, first, n)?;
+            let src = match self.src_mem {
+                MemoryType::Host => region.segments(layer, kind, first, n)?,
+                MemoryType::Cuda => region.any_segments(layer, kind, first, n)?,
+            };
             let dst: Vec<(usize, usize)> = block_runs(dest, bs, bpp, first, n)?
                 .into_iter()
                 .map(|(off, len)| (base + off, len))
@@ -294,6 +313,10 @@ impl Lane {
             flight: VecDeque::new(),
         };
         io.stream().write(&preamble).await?;
+        // UCX reads a GPU's memory in the context current on its thread.
+        if let RegionMemory::Device(c) = self.target.source.memory() {
+            self.ucx.bind(c.clone()).await?;
+        }
         let traced = kvmesh_telemetry::is_sampled(&self.target.span);
         let mut spans: std::collections::HashMap<usize, LayerSpan> = Default::default();
         let mut totals = TransferTotals::default();
@@ -320,12 +343,12 @@ impl Lane {
                     if traced && !spans.contains_key(&layer) {
                         spans.insert(layer, LayerSpan::open(&self.target.span, layer, "ucx"));
                     }
-                    let (ucx, keys) = (self.ucx.clone(), self.keys.clone());
+                    let (ucx, keys, mem) = (self.ucx.clone(), self.keys.clone(), self.src_mem);
                     let keep: Box<dyn std::any::Any + Send> = Box::new(self.target.source.clone());
                     // SAFETY: `keep` holds the source region (and its blocks) until UCX is
                     // done reading them.
                     let put =
-                        tokio::spawn(async move { unsafe { ucx.put(keys, ops, keep) }.await });
+                        tokio::spawn(async move { unsafe { ucx.put(keys, ops, mem, keep) }.await });
                     io.flight.push_back(InFlight {
                         notice,
                         layer,

@@ -499,3 +499,58 @@ fn checksums_do_not_depend_on_how_the_bytes_are_split() {
     c.update(&other);
     assert_ne!(c.finish(), whole);
 }
+
+/// A UCX without CUDA (Debian's) refuses a GPU's memory by name, before anything is put:
+/// a sender whose source is device memory, a put that says its sources are, and binding a
+/// GPU's context to the UCX thread. The library says whether it has CUDA.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_ucx_without_cuda_refuses_device_memory_by_name() {
+    let mut src = vec![vec![0u8; 4 * 4 * 8]; 4];
+    fill(&mut src);
+    let mut dst = vec![vec![0u8; 4 * 4 * 8]; 4];
+    let prefill = start("tcp");
+    assert!(
+        !prefill.supports_cuda(),
+        "Debian's UCX has no CUDA transports: {}",
+        prefill.describe()
+    );
+    assert!(
+        !prefill.describe().contains("CUDA"),
+        "{}",
+        prefill.describe()
+    );
+    let d = decode("tcp", &mut dst, vec![0, 1], 0..8, 9).await;
+    let dev = crate::kv::tests::device(3);
+    // SAFETY: host buffers standing for device memory, alive for the test.
+    let s = Arc::new(unsafe { region(&mut src, vec![0, 1], 0..8).on_device(dev.clone()) });
+    let (send, _recv) = pair(&prefill, &d, s, vec![0, 1], 1, None);
+    match send {
+        Err(TransportError::DeviceMemory { device: 3 }) => {}
+        Err(e) => panic!("refused for another reason: {e}"),
+        Ok(_) => panic!("a device region was accepted by a UCX without CUDA"),
+    }
+    let keys = Arc::new(remote_keys(
+        &d.ucx.address(),
+        d.reg.id,
+        &wire_buffers(&d.reg),
+    ));
+    let op = PutOp {
+        src: src[0].as_ptr() as usize,
+        buffer: 0,
+        dst: keys.buffers[0].base,
+        len: 8,
+    };
+    // SAFETY: the source is a live host buffer (refused before it is read).
+    let e = unsafe { prefill.put(keys, vec![op], MemoryType::Cuda, Box::new(())) }
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("no CUDA support"), "{e}");
+    let e = prefill.bind(dev.clone()).await.unwrap_err().to_string();
+    assert!(e.contains("libucx-cu13"), "{e}");
+    assert!(dev.calls.lock().is_empty(), "nothing was copied");
+    assert!(
+        dst.iter().all(|b| b.iter().all(|&x| x == 0)),
+        "nothing landed"
+    );
+}

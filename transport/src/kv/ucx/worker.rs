@@ -29,6 +29,16 @@ pub enum MemoryType {
     Cuda,
 }
 
+impl MemoryType {
+    /// UCX's `ucs_memory_type_t`.
+    fn ucs(self) -> u32 {
+        match self {
+            MemoryType::Host => ffi::UCS_MEMORY_TYPE_HOST,
+            MemoryType::Cuda => ffi::UCS_MEMORY_TYPE_CUDA,
+        }
+    }
+}
+
 /// How to start UCX.
 #[derive(Clone, Debug, Default)]
 pub struct UcxOptions {
@@ -86,10 +96,12 @@ enum Cmd {
         Reply<(u64, Vec<RemoteBuffer>)>,
     ),
     Unregister(u64),
-    /// Puts, then a flush of the endpoint; the reply comes when the flush completes.
-    /// `Keep` holds the source memory alive until then.
-    Put(Arc<RemoteKeys>, Vec<PutOp>, Keep, Reply<()>),
+    /// Puts from memory of the given type, then a flush of the endpoint; the reply comes
+    /// when the flush completes. `Keep` holds the source memory alive until then.
+    Put(Arc<RemoteKeys>, Vec<PutOp>, MemoryType, Keep, Reply<()>),
     Transport(Arc<[u8]>, Reply<String>),
+    /// Makes a GPU's context current on the UCX thread.
+    Bind(Arc<dyn crate::kv::DeviceCopy>, Reply<()>),
     Stop,
 }
 
@@ -195,9 +207,10 @@ impl Ucx {
     /// The library's version and the transports asked for, for logs and status.
     pub fn describe(&self) -> String {
         let (a, b, c) = self.shared.version;
+        let cuda = if self.shared.cuda { ", with CUDA" } else { "" };
         match self.shared.tls.as_str() {
-            "" => format!("UCX {a}.{b}.{c}"),
-            t => format!("UCX {a}.{b}.{c} (transports {t})"),
+            "" => format!("UCX {a}.{b}.{c}{cuda}"),
+            t => format!("UCX {a}.{b}.{c} (transports {t}){cuda}"),
         }
     }
 
@@ -240,13 +253,21 @@ impl Ucx {
     /// remotely (or failed). `keep` is dropped only after UCX is done with the sources.
     ///
     /// # Safety
-    /// Every `src .. src + len` must be readable while `keep` lives.
+    /// Every `src .. src + len` must be readable while `keep` lives, and be memory of type
+    /// `src_mem`.
     pub async unsafe fn put(
         &self,
         keys: Arc<RemoteKeys>,
         ops: Vec<PutOp>,
+        src_mem: MemoryType,
         keep: Keep,
     ) -> Result<(), UcxError> {
+        if src_mem == MemoryType::Cuda && !self.supports_cuda() {
+            return Err(UcxError::Invalid(
+                "a put from GPU memory, which this UCX build cannot read (it has no CUDA support)"
+                    .into(),
+            ));
+        }
         for op in &ops {
             let b = keys.buffers.get(op.buffer as usize).ok_or_else(|| {
                 UcxError::Invalid(format!(
@@ -266,7 +287,20 @@ impl Ucx {
                 )));
             }
         }
-        self.ask(|r| Cmd::Put(keys, ops, keep, r)).await
+        self.ask(|r| Cmd::Put(keys, ops, src_mem, keep, r)).await
+    }
+
+    /// Makes the GPU context of `copy`'s device current on the UCX thread: UCX's CUDA
+    /// transports register and read device memory in the calling thread's context.
+    pub async fn bind(&self, copy: Arc<dyn crate::kv::DeviceCopy>) -> Result<(), UcxError> {
+        if !self.supports_cuda() {
+            return Err(UcxError::Invalid(
+                "this UCX build has no CUDA support (libucx-cu13 from PyPI has it; \
+                 KVMESH_UCX_LIB names its libucp.so.0)"
+                    .into(),
+            ));
+        }
+        self.ask(|r| Cmd::Bind(copy, r)).await
     }
 
     /// The transport layers UCX chose for RMA to `peer` (`tcp`, `cma`, `rc_mlx5`, ...).
@@ -508,9 +542,14 @@ impl State {
                     unsafe { (self.ucp.ucp_mem_unmap)(self.ctx, m) };
                 }
             }
-            Cmd::Put(keys, ops, keep, reply) => self.put(&keys, &ops, keep, reply),
+            Cmd::Put(keys, ops, mem, keep, reply) => self.put(&keys, &ops, mem, keep, reply),
             Cmd::Transport(peer, reply) => {
                 let _ = reply.send(self.transport(&peer));
+            }
+            Cmd::Bind(copy, reply) => {
+                let _ = reply.send(copy.bind_thread().map_err(|e| {
+                    UcxError::Invalid(format!("making the GPU's context current for UCX: {e}"))
+                }));
             }
             Cmd::Stop => {}
         }
@@ -534,10 +573,7 @@ impl State {
                 length: len,
                 flags: 0,
                 prot: 0,
-                memory_type: match mem {
-                    MemoryType::Host => ffi::UCS_MEMORY_TYPE_HOST,
-                    MemoryType::Cuda => ffi::UCS_MEMORY_TYPE_CUDA,
-                },
+                memory_type: mem.ucs(),
             };
             let mut memh: ffi::MemH = std::ptr::null_mut();
             // SAFETY: the caller's contract: the memory stays allocated while registered.
@@ -642,7 +678,14 @@ impl State {
         Ok(self.peers.get_mut(peer).expect("inserted"))
     }
 
-    fn put(&mut self, keys: &RemoteKeys, ops: &[PutOp], keep: Keep, reply: Reply<()>) {
+    fn put(
+        &mut self,
+        keys: &RemoteKeys,
+        ops: &[PutOp],
+        src_mem: MemoryType,
+        keep: Keep,
+        reply: Reply<()>,
+    ) {
         let ucp = self.ucp.clone();
         let count = self.in_flight.clone();
         let r = (|| -> Result<ffi::Ep, UcxError> {
@@ -673,7 +716,10 @@ impl State {
                 slot.insert(unpacked);
             }
             let rkeys = &peer.rkeys[&keys.registration];
-            let none = ffi::RequestParam::empty();
+            // The sources' memory type, said rather than left for UCX to detect.
+            let mut src = ffi::RequestParam::empty();
+            src.op_attr_mask = ffi::UCP_OP_ATTR_FIELD_MEMORY_TYPE;
+            src.memory_type = src_mem.ucs();
             for op in ops {
                 // SAFETY: the caller's contract covers the source; `put` checked the
                 // destination lies inside the peer's registered buffer.
@@ -684,7 +730,7 @@ impl State {
                         op.len,
                         op.dst,
                         rkeys[op.buffer as usize],
-                        &none,
+                        &src,
                     )
                 };
                 if let Some(s) = ffi::ptr_status(st) {
