@@ -431,9 +431,9 @@ fn random_model(arch: Arch, d: usize, window: Option<usize>) -> LoadedModel {
 }
 
 /// Prefill attention over long prompts, for every head dimension the tensor-core kernel is
-/// built for (16, 32, 64, 128), Qwen3.5's 256 (the general prefill kernel, the 16-byte decode
-/// one) and a sliding window: a 700-token prompt in one step (eleven
-/// 64-query blocks, 22 key tiles), and the same prompt as a 300-token prefill followed by a
+/// built for (16, 32, 64, 128, and Qwen3.5's 256 with tiles of 16 keys) and a sliding window:
+/// a 700-token prompt in one step (eleven 64-query blocks, 22 key tiles of 32, 44 of 16),
+/// and the same prompt as a 300-token prefill followed by a
 /// 400-token chunk that attends over the cached 300, each against the CPU in one step; then
 /// a decode step over the 700 (the decode kernels of the same head dimensions).
 #[test]

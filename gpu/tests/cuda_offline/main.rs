@@ -284,6 +284,7 @@ fn cuda_kernels_compile_assemble_and_fit_every_claimed_architecture() {
             (shapes::ATTENTION_DECODE_VEC[3].1.name, 17),
             (shapes::ATTENTION_PREFILL.name, 16),
             (shapes::ATTENTION_PREFILL_MMA[3].1.name, 16),
+            (shapes::ATTENTION_PREFILL_MMA[4].1.name, 16),
         ] {
             assert_eq!(entries[name].params, params, "{}: {name}", a.sm);
         }

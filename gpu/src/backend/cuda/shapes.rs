@@ -135,19 +135,25 @@ pub const fn decode_splits(seqs: usize) -> usize {
 /// Query rows per block of `paged_attention_prefill_mma_d*` (its `PFM_ROWS`): four warps of
 /// sixteen, the rows of one tensor-core product each.
 pub const PREFILL_MMA_ROWS: usize = 64;
-/// Keys per shared-memory tile of the tensor-core prefill (its `PFM_KEYS`).
-const PREFILL_MMA_KEYS: usize = 32;
-const fn prefill_mma(name: &'static str, d: usize) -> KernelShape {
-    // Two stages (one used while the next loads) of a key tile and a value tile, both
-    // row-major bf16 with rows padded by 8.
-    shape(name, 128, 2 * 2 * PREFILL_MMA_KEYS * (d + 8) * BF16, true)
+const fn prefill_mma(name: &'static str, d: usize, keys: usize) -> KernelShape {
+    // Two stages (one used while the next loads) of a key tile and a value tile of `keys`
+    // keys (its `KEYS`), both row-major bf16 with rows padded by 8.
+    shape(name, 128, 2 * 2 * keys * (d + 8) * BF16, true)
 }
-/// The tensor-core prefill, one kernel per head dimension it is built for.
-pub const ATTENTION_PREFILL_MMA: [(usize, KernelShape); 4] = [
-    (16, prefill_mma("paged_attention_prefill_mma_d16", 16)),
-    (32, prefill_mma("paged_attention_prefill_mma_d32", 32)),
-    (64, prefill_mma("paged_attention_prefill_mma_d64", 64)),
-    (128, prefill_mma("paged_attention_prefill_mma_d128", 128)),
+/// The tensor-core prefill, one kernel per head dimension it is built for; tiles of 32
+/// keys, 16 for head size 256 (two stages of 32 would pass the 48 KB of static shared memory).
+pub const ATTENTION_PREFILL_MMA: [(usize, KernelShape); 5] = [
+    (16, prefill_mma("paged_attention_prefill_mma_d16", 16, 32)),
+    (32, prefill_mma("paged_attention_prefill_mma_d32", 32, 32)),
+    (64, prefill_mma("paged_attention_prefill_mma_d64", 64, 32)),
+    (
+        128,
+        prefill_mma("paged_attention_prefill_mma_d128", 128, 32),
+    ),
+    (
+        256,
+        prefill_mma("paged_attention_prefill_mma_d256", 256, 16),
+    ),
 ];
 pub const SILU_MUL: KernelShape = shape("silu_mul", 256, 0, true);
 pub const GATHER_ROWS: KernelShape = shape("gather_rows_bf16", 256, 0, false);
@@ -329,6 +335,7 @@ pub const KERNELS: &[KernelShape] = &[
     ATTENTION_PREFILL_MMA[1].1,
     ATTENTION_PREFILL_MMA[2].1,
     ATTENTION_PREFILL_MMA[3].1,
+    ATTENTION_PREFILL_MMA[4].1,
     SILU_MUL,
     GATHER_ROWS,
     SAMPLE_ROWS,

@@ -152,7 +152,6 @@ paged_attention_prefill(
 #error "paged_attention_prefill_mma gives each of its four warps 16 query rows"
 #endif
 #define PFM_ROWS 64        // query rows per block: 16 per warp, the m of an m16n8k16 product
-#define PFM_KEYS 32        // keys per shared-memory tile
 
 __device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
     return (unsigned)f2bf(lo) | ((unsigned)f2bf(hi) << 16);
@@ -194,18 +193,18 @@ __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
-// Keys k0 .. k0 + PFM_KEYS of one KV head (kc, vc: the caches from that head's first
+// Keys k0 .. k0 + KEYS of one KV head (kc, vc: the caches from that head's first
 // dimension) copied into the K and V tiles (rows of D + 8), a 16-byte piece of one key's row
 // per copy, as one cp.async group. Keys at or past kv_end are zeros (kv_lo is any key the
 // sequence has, whose address stands in for theirs).
-template <int D>
+template <int D, int KEYS>
 __device__ __forceinline__ void prefill_tile(bf16* k_t, bf16* v_t, const bf16* __restrict__ kc,
                                              const bf16* __restrict__ vc,
                                              const int* __restrict__ table, int block_size,
                                              long long kvd, int k0, int kv_lo, int kv_end) {
     constexpr int VEC = D / 8;
 #pragma unroll 1
-    for (int e = threadIdx.x; e < PFM_KEYS * VEC; e += PFM_THREADS) {
+    for (int e = threadIdx.x; e < KEYS * VEC; e += PFM_THREADS) {
         int j = e / VEC;
         int c = e % VEC;
         int p = k0 + j;
@@ -223,10 +222,12 @@ __device__ __forceinline__ bool sees(int p, int pos, int kv_end, int window) {
     return p < kv_end && p <= pos && (window <= 0 || p > pos - window);
 }
 
-// Prefill attention on the tensor cores, for head dimension D (16, 32, 64 or 128); the same
-// inputs, masks and output as paged_attention_prefill. Each warp owns 16 query rows: Q
-// (scaled by the softmax scale and log2(e), bf16) stays in registers as mma fragments,
-// S = Q K^T for a tile of 32 keys is four m16n8k16 products per 16 dims, the online softmax
+// Prefill attention on the tensor cores, for head dimension D (16, 32, 64, 128 or 256) and
+// KEYS keys a tile (32; 16 for D = 256, whose two stages of 32 would pass the 48 KB of static
+// shared memory, and whose output fragments take 128 registers a lane); the same inputs,
+// masks and output as paged_attention_prefill. Each warp owns 16 query rows: Q (scaled by
+// the softmax scale and log2(e), bf16) stays in registers as mma fragments, S = Q K^T for a
+// tile of KEYS keys is KEYS / 8 m16n8k16 products per 16 dims, the online softmax
 // runs on S's fragments in base 2 (a row's four lanes agree on its max by shuffles), and P,
 // rounded to bf16, is fed straight back as the A operand of P V, so scores never leave
 // registers. K and V tiles are copied row-major into shared memory by cp.async, two tiles in
@@ -234,7 +235,7 @@ __device__ __forceinline__ bool sees(int p, int pos, int kv_end, int window) {
 // V's come transposed by ldmatrix. Keys past the block's last position are zeros in the
 // tiles and masked in S.
 // Grid (S, nq, ceil(max_query_len / 64)), block 128.
-template <int D>
+template <int D, int KEYS>
 __device__ __forceinline__ void prefill_mma(
     const float* __restrict__ qkv, int row_stride, const int* __restrict__ positions,
     const int* __restrict__ seq_starts, const int* __restrict__ seq_lens,
@@ -243,7 +244,9 @@ __device__ __forceinline__ void prefill_mma(
     int block_size, float scale, int window) {
     pdl_start();
     constexpr int KS = D + 8;     // tile row, bf16: 16-byte aligned, no bank conflicts
-    constexpr int TILE = PFM_KEYS * KS;
+    static_assert(KEYS % 16 == 0, "a tile is whole 16-key steps of P V");
+    constexpr int TILE = KEYS * KS;
+    constexpr int NT = KEYS / 8;  // n-tiles of S
     __shared__ __align__(16) bf16 k_s[2 * TILE];
     __shared__ __align__(16) bf16 v_s[2 * TILE];
 
@@ -302,29 +305,29 @@ __device__ __forceinline__ void prefill_mma(
 
     const bf16* kc = k_cache + (long long)kvh * D;
     const bf16* vc = v_cache + (long long)kvh * D;
-    prefill_tile<D>(k_s, v_s, kc, vc, table, block_size, kvd, kv_lo, kv_lo, kv_end);
+    prefill_tile<D, KEYS>(k_s, v_s, kc, vc, table, block_size, kvd, kv_lo, kv_lo, kv_end);
     int st = 0;
-    for (int k0 = kv_lo; k0 < kv_end; k0 += PFM_KEYS, st ^= 1) {
-        if (k0 + PFM_KEYS < kv_end) {
+    for (int k0 = kv_lo; k0 < kv_end; k0 += KEYS, st ^= 1) {
+        if (k0 + KEYS < kv_end) {
             // Stage st ^ 1 was last read in the previous iteration, before its closing barrier.
-            prefill_tile<D>(k_s + (st ^ 1) * TILE, v_s + (st ^ 1) * TILE, kc, vc, table,
-                            block_size, kvd, k0 + PFM_KEYS, kv_lo, kv_end);
+            prefill_tile<D, KEYS>(k_s + (st ^ 1) * TILE, v_s + (st ^ 1) * TILE, kc, vc, table,
+                                  block_size, kvd, k0 + KEYS, kv_lo, kv_end);
             cp_async_wait<1>();
         } else {
             cp_async_wait<0>();
         }
         __syncthreads();  // every thread's copies of this tile have landed
         // Warp-uniform: every row of the warp is before this tile, or past its window.
-        if (warp_hi >= k0 && k0 + PFM_KEYS > warp_from) {
+        if (warp_hi >= k0 && k0 + KEYS > warp_from) {
             const bf16* kt = k_s + st * TILE;
             const bf16* vt = v_s + st * TILE;
-            float sc[4][4];
+            float sc[NT][4];
 #pragma unroll
-            for (int nt = 0; nt < 4; nt++) sc[nt][0] = sc[nt][1] = sc[nt][2] = sc[nt][3] = 0.0f;
+            for (int nt = 0; nt < NT; nt++) sc[nt][0] = sc[nt][1] = sc[nt][2] = sc[nt][3] = 0.0f;
 #pragma unroll
             for (int kk = 0; kk < D / 16; kk++) {
 #pragma unroll
-                for (int nt = 0; nt < 4; nt++) {
+                for (int nt = 0; nt < NT; nt++) {
                     const bf16* kr = kt + (nt * 8 + gq) * KS + kk * 16 + 2 * tq;
                     mma_bf16(sc[nt], qa[kk], *reinterpret_cast<const unsigned*>(kr),
                              *reinterpret_cast<const unsigned*>(kr + 8));
@@ -333,7 +336,7 @@ __device__ __forceinline__ void prefill_mma(
             float mx0 = NEG_INF;
             float mx1 = NEG_INF;
 #pragma unroll
-            for (int nt = 0; nt < 4; nt++) {
+            for (int nt = 0; nt < NT; nt++) {
 #pragma unroll
                 for (int c = 0; c < 2; c++) {
                     int p = k0 + nt * 8 + 2 * tq + c;
@@ -366,7 +369,7 @@ __device__ __forceinline__ void prefill_mma(
                 o[nd][3] *= c1;
             }
 #pragma unroll
-            for (int nt = 0; nt < 4; nt++) {
+            for (int nt = 0; nt < NT; nt++) {
 #pragma unroll
                 for (int c = 0; c < 2; c++) {
                     sc[nt][c] = exp2f(sc[nt][c] - b0);
@@ -381,7 +384,7 @@ __device__ __forceinline__ void prefill_mma(
             const int lrow = (lane & 7) + ((lane >> 3) & 1) * 8;
             const int lcol = (lane >> 4) * 8;
 #pragma unroll
-            for (int ks = 0; ks < 2; ks++) {
+            for (int ks = 0; ks < KEYS / 16; ks++) {
                 unsigned pa[4] = {pack_bf16(sc[2 * ks][0], sc[2 * ks][1]),
                                   pack_bf16(sc[2 * ks][2], sc[2 * ks][3]),
                                   pack_bf16(sc[2 * ks + 1][0], sc[2 * ks + 1][1]),
@@ -419,19 +422,20 @@ __device__ __forceinline__ void prefill_mma(
 
 // One entry point per head dimension; `d` is there so the host passes the arguments of
 // paged_attention_prefill unchanged (it equals D).
-#define PREFILL_MMA(D)                                                                        \
-    extern "C" __global__ void __launch_bounds__(PFM_THREADS) paged_attention_prefill_mma_d##D( \
+#define PREFILL_MMA(D, KEYS)                                                                  \
+    extern "C" __global__ void __launch_bounds__(PFM_THREADS) paged_attention_prefill_mma_d##D(\
         const float* __restrict__ qkv, int row_stride, const int* __restrict__ positions,     \
         const int* __restrict__ seq_starts, const int* __restrict__ seq_lens,                 \
         const int* __restrict__ block_tables, int max_blocks,                                 \
         const bf16* __restrict__ k_cache, const bf16* __restrict__ v_cache,                   \
         bf16* __restrict__ out, int nq, int nkv, int d, int block_size, float scale,          \
         int window) {                                                                         \
-        prefill_mma<D>(qkv, row_stride, positions, seq_starts, seq_lens, block_tables,        \
+        prefill_mma<D, KEYS>(qkv, row_stride, positions, seq_starts, seq_lens, block_tables,  \
                        max_blocks, k_cache, v_cache, out, nq, nkv, block_size, scale,         \
                        window);                                                               \
     }
-PREFILL_MMA(16)
-PREFILL_MMA(32)
-PREFILL_MMA(64)
-PREFILL_MMA(128)
+PREFILL_MMA(16, 32)
+PREFILL_MMA(32, 32)
+PREFILL_MMA(64, 32)
+PREFILL_MMA(128, 32)
+PREFILL_MMA(256, 16)
