@@ -87,7 +87,7 @@ run)
     mkdir -p "$work"
     t0=$(date +%s)
     budget="${GPU_BUDGET_S:-540}"
-    stages="${STAGES:-offline parity bench-8b bench-8b-fp8 skinny-ab-8b long-decode-8b pdl-ab-8b pdl-ab-small fuse-ab sm-split-8b profile-8b profile-small serve-8b colocate-8b serve-qwen35-9b gdn-fla bench-qwen35-9b bench-qwen35-9b-scan long-decode-qwen35 profile-8b-fp8 bench-llama-8b bench-small peer-8b bench-32b-fp8 bench-72b-fp8}"
+    stages="${STAGES:-offline parity bench-8b bench-8b-fp8 fp8-out-ab skinny-ab-8b long-decode-8b pdl-ab-8b pdl-ab-small fuse-ab sm-split-8b profile-8b profile-small serve-8b colocate-8b serve-qwen35-9b gdn-fla bench-qwen35-9b bench-qwen35-9b-scan long-decode-qwen35 profile-8b-fp8 profile-8b-fp8-f32 bench-llama-8b bench-small peer-8b bench-32b-fp8 bench-72b-fp8}"
     # The device returns at most 8 files from $OUT: everything is packed into one archive
     # (and a summary printed) however the run ends.
     touch "$work/.start"
@@ -150,6 +150,15 @@ run)
     # the FP8 copy bound is about half, prefill runs cuBLASLt's FP8 GEMMs.
     stage bench-8b-fp8 150 gpu-out/gpu-bench --presets qwen3-8b-fp8 --batches 1,8,32,64,128 \
         --prefill-lens 512,2048 --json bench/results/gpu-8b-qwen3-fp8.json
+    # FP8 prefill with cuBLASLt writing f32 straight into the products' columns against bf16
+    # widened by fp8_out_cols (24% of an H200's 512-token prefill), side by side
+    # (CudaOptions::fp8_f32_out; parity checks both outputs), then the profile with it.
+    stage fp8-out-ab 150 bash -c 'for o in "" --fp8-f32-out; do gpu-out/gpu-bench \
+        --presets qwen3-8b-fp8 --batches 1 --sampled-batches 0 --prefill-lens 512,2048,8192 \
+        --gemm-size 0 --copy-reps 3 $o --json bench/results/gpu-8b-qwen3-fp8-out${o:+-f32}.json \
+        || exit; done'
+    stage profile-8b-fp8-f32 120 env OUT="$work" PRESET=qwen3-8b-fp8 BATCH=1 PREFILL=512 \
+        EXTRA=--fp8-f32-out bash scripts/gpu_profile.sh
     # The same card, the same checkpoint: small decode batches with every product through
     # cuBLAS, then with the skinny kernels taking up to 8 rows, side by side (the default,
     # SKINNY_MAX_ROWS, is what these decide).

@@ -1397,8 +1397,10 @@ fn fp8_decode_kernels_match_a_float64_reference() {
                     with_bias.then_some(&bias[..]),
                     (m, n, k),
                     true,
+                    false,
                 )
-                .unwrap();
+                .unwrap()
+                .0;
                 let mut worst = 0f64;
                 for i in 0..m {
                     for j in 0..n {
@@ -1527,7 +1529,10 @@ fn fp8_cublaslt_products_match_the_quantized_product_on_the_host() {
     // limited accumulation precision the DeepSeek-V3 technical report measured, §3.3.2): the
     // first H200 run saw 2.1e-5 of sum |x w| where the values cancel (k 4096), so the limit
     // is |value| / 128 + sum |x w| / 4096, a sixth of a block's share at k 4096 and below.
-    // Every shape is run and reported before the test fails.
+    // Each product runs with bf16 output widened (`fp8_out_cols`) and with f32 output straight
+    // into the columns (`CudaOptions::fp8_f32_out`; where cuBLASLt has no such GEMM for the
+    // scales the product falls back to bf16, which is reported). Every shape is run and
+    // reported before the test fails.
     let shapes = [
         (6144, 4096, &[5, 37][..]),
         (4096, 12288, &[5][..]),
@@ -1539,8 +1544,9 @@ fn fp8_cublaslt_products_match_the_quantized_product_on_the_host() {
     ];
     let mut r = Rng::seeded(31);
     let mut failed = Vec::new();
+    let mut direct = Vec::new();
     for (n, k, ms) in shapes {
-        for block in [true, false] {
+        for (block, f32_out) in [(true, false), (false, false), (true, true), (false, true)] {
             let w = fp8_bytes(&mut r, n * k);
             let grid = if block {
                 n.div_ceil(128) * k.div_ceil(128)
@@ -1553,7 +1559,7 @@ fn fp8_cublaslt_products_match_the_quantized_product_on_the_host() {
                 let (xb, x) = fp8_draws(&mut r)(m * k);
                 let bias: Vec<f32> = (0..n).map(|j| 0.5 - j as f32 * 0.003).collect();
                 let with_bias = m == 37;
-                let ctx = format!("block {block} m {m} n {n} k {k}");
+                let mut ctx = format!("block {block} m {m} n {n} k {k}");
                 let y = match fp8_product(
                     0,
                     &xb,
@@ -1563,8 +1569,19 @@ fn fp8_cublaslt_products_match_the_quantized_product_on_the_host() {
                     with_bias.then_some(&bias[..]),
                     (m, n, k),
                     false,
+                    f32_out,
                 ) {
-                    Ok(y) => y,
+                    Ok((y, wrote_f32)) => {
+                        if f32_out {
+                            ctx += if wrote_f32 {
+                                ", f32 out"
+                            } else {
+                                ", f32 out asked, bf16 ran"
+                            };
+                            direct.push((block, wrote_f32));
+                        }
+                        y
+                    }
                     Err(e) => {
                         println!("cuBLASLt FP8 {ctx}: {e}");
                         failed.push(format!("{ctx}: {e}"));
@@ -1608,5 +1625,12 @@ fn fp8_cublaslt_products_match_the_quantized_product_on_the_host() {
             }
         }
     }
+    println!(
+        "f32 output: {} of {} block-scaled and {} of {} per-channel products wrote it",
+        direct.iter().filter(|&&(b, w)| b && w).count(),
+        direct.iter().filter(|&&(b, _)| b).count(),
+        direct.iter().filter(|&&(b, w)| !b && w).count(),
+        direct.iter().filter(|&&(b, _)| !b).count(),
+    );
     assert!(failed.is_empty(), "cuBLASLt FP8 products off: {failed:#?}");
 }

@@ -89,6 +89,10 @@ struct Args {
     /// (see `CudaOptions::gdn_scan`).
     #[arg(long)]
     gdn_scan: bool,
+    /// FP8 prefill GEMMs write f32 straight into the product's columns where cuBLASLt can
+    /// (see `CudaOptions::fp8_f32_out`).
+    #[arg(long)]
+    fp8_f32_out: bool,
     /// Run on one side of an SM split (a green context), e.g. `prefill:96,decode:36` or
     /// `0.75` (prefill's share); `--sm-side` says which side is measured.
     #[arg(long, value_name = "SPLIT", requires = "sm_side")]
@@ -672,6 +676,7 @@ fn summarise(args: &Args, name: &str, dir: &Path, cfg: &ModelConfig, f: &Figures
         "pdl": format!("{:?}", args.pdl).to_lowercase(),
         "fuse_norms": args.fuse_norms,
         "gdn_scan": args.gdn_scan,
+        "fp8_f32_out": args.fp8_f32_out,
         "sm_split": args.sm_split.map(|s| s.to_string()),
         "sm_side": args.sm_side.map(|s| format!("{s:?}").to_lowercase()),
         "weight_bytes_per_step": f.step_bytes - f.state_bytes,
@@ -740,6 +745,7 @@ fn bench_model(args: &Args, name: &str, dev: &mut DeviceFigures) -> anyhow::Resu
         pdl: args.pdl,
         fuse_norms: args.fuse_norms,
         gdn_scan: args.gdn_scan,
+        fp8_f32_out: args.fp8_f32_out,
         sm_partition: args.sm_partition(),
         kv_exportable: false,
     };

@@ -65,6 +65,12 @@ pub struct CudaOptions {
     /// H200 run measured the one-kernel path at 35.0 ms a layer for an 8,192-token prompt of
     /// Qwen3.5-9B's shape, 16.6x flash-linear-attention's chunked kernels.
     pub gdn_scan: bool,
+    /// Whether FP8 prefill products have cuBLASLt write f32 straight into the product's
+    /// columns, where it has such a GEMM for the scales, rather than bf16 that `fp8_out_cols`
+    /// widens: one pass over every output less. The first H200 profile of Qwen3-8B FP8
+    /// (512-token prefill) spent 24% of its kernel time in `fp8_out_cols`. Off by default
+    /// until a GPU run has checked and measured it (`gpu-bench --fp8-f32-out`).
+    pub fp8_f32_out: bool,
     /// Run on one side of an SM split (a green context holding only that side's SMs),
     /// rather than on the whole device. `gpu-bench --sm-split` measures a side alone.
     pub sm_partition: Option<sm_split::SmPartition>,
@@ -139,6 +145,7 @@ impl CudaOptions {
             pdl: Pdl::Auto,
             fuse_norms: false,
             gdn_scan: false,
+            fp8_f32_out: false,
             sm_partition: None,
             kv_exportable: false,
         }

@@ -29,7 +29,9 @@ fn up<T: cudarc::driver::DeviceRepr>(s: &Arc<CudaStream>, v: &[T]) -> Result<Cud
 /// An FP8 product on device `ordinal`: `x` `[m, k]` bf16 bits, `w` `[n, k]` e4m3 bytes with
 /// `scales` as a checkpoint stores them (`block`: `[ceil(n / 128), ceil(k / 128)]`; else one
 /// per row), `bias` `[n]`. `gemv` runs `fp8_gemv_*` (m at most 4), otherwise the activations
-/// are quantized and cuBLASLt multiplies. Returns `y` `[m, n]`.
+/// are quantized and cuBLASLt multiplies, with `f32_out` into `y` directly where it can
+/// (`CudaOptions::fp8_f32_out`: `y` then has room for the GEMM's padded rows). Returns `y`
+/// `[m, n]` and whether cuBLASLt wrote it in f32.
 #[allow(clippy::too_many_arguments)]
 pub fn fp8_product(
     ordinal: usize,
@@ -40,10 +42,11 @@ pub fn fp8_product(
     bias: Option<&[f32]>,
     (m, n, k): (usize, usize, usize),
     gemv: bool,
-) -> Result<Vec<f32>> {
+    f32_out: bool,
+) -> Result<(Vec<f32>, bool)> {
     let (s, kernels) = device(ordinal)?;
     let blas = CudaBlas::new(s.clone()).map_err(|e| EngineError::device("cuBLAS handle", e))?;
-    let ctx = Fp8Ctx::with_widest(&s, (k, n), m)?;
+    let ctx = Fp8Ctx::with_widest(&s, (k, n), m, f32_out)?;
     let (kind, scales) = if block {
         (ScaleKind::Block, pad_block_scales(scales, n, k))
     } else {
@@ -65,8 +68,10 @@ pub fn fp8_product(
         bias: bias.map(|b| up(&s, b)).transpose()?,
     };
     let xd = up(&s, x)?;
-    // Poisoned first, so an element the product leaves unwritten shows.
-    let mut y = up(&s, &vec![f32::NAN; m * n])?;
+    // Poisoned first, so an element the product leaves unwritten shows; as long as the
+    // engine's products are (they hold the step's largest batch), so a direct f32 GEMM has
+    // room for its padded rows.
+    let mut y = up(&s, &vec![f32::NAN; super::fp8::lt_rows(m) * n])?;
     let p = Fp8Products {
         blas: &blas,
         s: &s,
@@ -78,7 +83,9 @@ pub fn fp8_product(
         return Err(Fp8Refusal::NoGemv { rows: m }.into());
     }
     p.linear(&l, m, &xd, &mut y)?;
-    s.clone_dtoh(&y).map_err(|e| drv("download", e))
+    let mut y = s.clone_dtoh(&y).map_err(|e| drv("download", e))?;
+    y.truncate(m * n);
+    Ok((y, ctx.f32_products() > 0))
 }
 
 /// `fp8_quant_rows` on device `ordinal`: `x` `[rows, k]` bf16 bits quantized per token in

@@ -5,7 +5,9 @@
 //!   activations as bf16, unquantized (`kernels/fp8.cu`);
 //! - more rows: the activations quantized to e4m3 (`fp8_quant_rows`), cuBLASLt's FP8 GEMM
 //!   on the tensor cores with the scales applied in its f32 epilogue, bf16 out, widened into
-//!   the product's columns with the bias (`fp8_out_cols`);
+//!   the product's columns with the bias (`fp8_out_cols`); or, with `CudaOptions::
+//!   fp8_f32_out` where cuBLASLt has such a GEMM, f32 out straight into the product's
+//!   columns (the bias added after, where there is one);
 //! - a part the config leaves unquantized: cuBLAS's bf16 GEMM straight into its columns.
 
 use std::cell::RefCell;
@@ -93,17 +95,29 @@ pub struct Fp8Ctx {
     /// cuBLASLt's choice of algorithm for each product shape, asked once: the heuristic sees
     /// only the descriptors (types, layouts, scale modes, the workspace limit), which are
     /// the same for every call of a shape, and asking it costs more host time than the
-    /// rest of the call. A step of a 36-layer model makes over 250 FP8 products.
-    algos: RefCell<HashMap<AlgoKey, lt_sys::cublasLtMatmulAlgo_t>>,
+    /// rest of the call. A step of a 36-layer model makes over 250 FP8 products. `None`:
+    /// cuBLASLt has none (an f32 output it does not support with these scales).
+    algos: RefCell<HashMap<AlgoKey, Option<lt_sys::cublasLtMatmulAlgo_t>>>,
+    /// Whether GEMMs write f32 straight into the product's columns where cuBLASLt has such
+    /// a GEMM (`CudaOptions::fp8_f32_out`).
+    f32_out: bool,
+    /// Products that did (for the checks of `fp8_check`).
+    f32_products: std::cell::Cell<usize>,
 }
 
-/// What a cached algorithm is for: `(m, n, k)` and the scale kind.
-type AlgoKey = (usize, usize, usize, ScaleKind);
+/// What a cached algorithm is for: `(m, n, k)`, the scale kind, and whether D is f32 (and
+/// its leading dimension: the output's row, not the part's).
+type AlgoKey = (usize, usize, usize, ScaleKind, Option<usize>);
 
 impl Fp8Ctx {
     /// For `cfg`'s products in steps of `tokens` tokens.
-    pub fn new(stream: &Arc<CudaStream>, cfg: &ModelConfig, tokens: usize) -> Result<Fp8Ctx> {
-        Self::with_widest(stream, super::fp8::widest(cfg), tokens)
+    pub fn new(
+        stream: &Arc<CudaStream>,
+        cfg: &ModelConfig,
+        tokens: usize,
+        f32_out: bool,
+    ) -> Result<Fp8Ctx> {
+        Self::with_widest(stream, super::fp8::widest(cfg), tokens, f32_out)
     }
 
     /// For products of up to `widest` (inputs, outputs) in steps of `tokens` tokens.
@@ -111,6 +125,7 @@ impl Fp8Ctx {
         stream: &Arc<CudaStream>,
         widest: (usize, usize),
         tokens: usize,
+        f32_out: bool,
     ) -> Result<Fp8Ctx> {
         let handle =
             lt::create_handle().map_err(|e| EngineError::device("cuBLASLt initialisation", e))?;
@@ -124,7 +139,14 @@ impl Fp8Ctx {
             scratch: RefCell::new(Scratch::alloc(stream, widest, tokens)?),
             widest,
             algos: RefCell::default(),
+            f32_out,
+            f32_products: Default::default(),
         })
+    }
+
+    /// Products whose GEMM wrote f32 straight into their columns, so far.
+    pub fn f32_products(&self) -> usize {
+        self.f32_products.get()
     }
 
     /// Scratch for steps of at least `tokens` tokens.
@@ -222,58 +244,107 @@ impl Fp8Products<'_> {
                     }
                     .launch(self.k, self.s)?;
                 }
-                PartWeights::Fp8 {
-                    w,
-                    kind,
-                    scales,
-                    input_scale,
-                } => {
-                    let mut sc = self.ctx.scratch.borrow_mut();
-                    let padded = lt_rows(m);
-                    if sc.tokens < padded {
-                        return Err(LaunchError::Fp8Scratch {
-                            tokens: sc.tokens,
-                            rows: padded,
-                        }
-                        .into());
-                    }
-                    let Scratch { q, qs, d, .. } = &mut *sc;
-                    let how = (*kind, input_scale.as_ref().map(|(v, _)| v.to_bits()));
-                    if quantized != Some(how) {
-                        Quantize {
-                            x,
-                            q,
-                            scales: qs,
-                            rows: m,
-                            ld: padded,
-                            k: l.inp,
-                            kind: *kind,
-                            fixed: input_scale.as_ref().map(|(_, d)| d),
-                        }
-                        .launch(self.k, self.s)?;
-                        quantized = Some(how);
-                    }
-                    let op = LtOp {
-                        kind: *kind,
-                        w,
-                        w_scales: scales,
-                        q,
-                        q_scales: qs,
-                        d,
-                        mnk: (padded, p.rows, l.inp),
-                    };
-                    self.ctx.matmul(self.s, op)?;
-                    OutCols {
-                        d: Some(d),
-                        bias: bias.as_ref(),
-                        y,
-                        rows: m,
-                        cols,
-                    }
-                    .launch(self.k, self.s)?;
+                PartWeights::Fp8 { .. } => {
+                    let into = (&mut *y, cols, bias.as_ref());
+                    self.lt_part(&p.w, (x, m, l.inp), into, &mut quantized)?;
                 }
             }
         }
+        Ok(())
+    }
+
+    /// A part's product through cuBLASLt: the input quantized (unless `quantized` says the
+    /// last part's quantization is this one's), the GEMM, and its output widened into the
+    /// part's columns with the bias, or written there in f32 (`Fp8Ctx::f32_out`).
+    fn lt_part(
+        &self,
+        part: &PartWeights,
+        (x, m, k): (&CudaSlice<u16>, usize, usize),
+        (y, cols, bias): (
+            &mut CudaSlice<f32>,
+            Cols,
+            Option<&cudarc::driver::CudaView<f32>>,
+        ),
+        quantized: &mut Option<(ScaleKind, Option<u32>)>,
+    ) -> Result<()> {
+        let PartWeights::Fp8 {
+            w,
+            kind,
+            scales,
+            input_scale,
+        } = part
+        else {
+            unreachable!("lt_part is called for FP8 parts only");
+        };
+        let mut sc = self.ctx.scratch.borrow_mut();
+        let padded = lt_rows(m);
+        if sc.tokens < padded {
+            return Err(LaunchError::Fp8Scratch {
+                tokens: sc.tokens,
+                rows: padded,
+            }
+            .into());
+        }
+        let Scratch { q, qs, d, .. } = &mut *sc;
+        let how = (*kind, input_scale.as_ref().map(|(v, _)| v.to_bits()));
+        if *quantized != Some(how) {
+            Quantize {
+                x,
+                q,
+                scales: qs,
+                rows: m,
+                ld: padded,
+                k,
+                kind: *kind,
+                fixed: input_scale.as_ref().map(|(_, d)| d),
+            }
+            .launch(self.k, self.s)?;
+            *quantized = Some(how);
+        }
+        let mnk = (padded, cols.rows, k);
+        // f32 straight into the columns: the GEMM writes all `padded` rows, so y must have
+        // room for them (rows past m are never read), and cuBLASLt wants D 16-byte aligned.
+        let direct = self.ctx.f32_out
+            && y.len() >= (padded - 1) * cols.ld + cols.col0 + cols.rows
+            && cols.col0.is_multiple_of(4)
+            && cols.ld.is_multiple_of(4);
+        let (w_scales, q, q_scales) = (scales, &*q, &*qs);
+        let op = |out| LtOp {
+            kind: *kind,
+            w,
+            w_scales,
+            q,
+            q_scales,
+            out,
+            mnk,
+        };
+        if direct
+            && self
+                .ctx
+                .matmul(self.s, op(LtOut::F32 { y: &mut *y, cols }))?
+        {
+            self.ctx.f32_products.set(self.ctx.f32_products.get() + 1);
+            if let Some(b) = bias {
+                OutCols {
+                    d: None,
+                    bias: Some(b),
+                    y,
+                    rows: m,
+                    cols,
+                }
+                .launch(self.k, self.s)?;
+            }
+            return Ok(());
+        }
+        self.ctx.matmul(self.s, op(LtOut::Bf16(&mut *d)))?;
+        OutCols {
+            d: Some(d),
+            bias,
+            y,
+            rows: m,
+            cols,
+        }
+        .launch(self.k, self.s)?;
         Ok(())
     }
 }
@@ -291,15 +362,26 @@ fn i32_of(what: &'static str, v: usize) -> Result<i32> {
 }
 
 /// One FP8 GEMM through cuBLASLt: `d[m, n] = (q[m, k] · W[n, k]ᵀ)` with both operands' scales
-/// applied, bf16 out.
+/// applied.
 struct LtOp<'a> {
     kind: ScaleKind,
     w: &'a CudaSlice<u8>,
     w_scales: &'a CudaSlice<f32>,
     q: &'a CudaSlice<u8>,
     q_scales: &'a CudaSlice<f32>,
-    d: &'a mut CudaSlice<u16>,
+    out: LtOut<'a>,
     mnk: (usize, usize, usize),
+}
+
+/// Where an FP8 GEMM writes.
+enum LtOut<'a> {
+    /// bf16 `[m, n]`, rows n apart (the scratch `fp8_out_cols` widens).
+    Bf16(&'a mut CudaSlice<u16>),
+    /// f32 straight into columns `cols` of the product's rows.
+    F32 {
+        y: &'a mut CudaSlice<f32>,
+        cols: Cols,
+    },
 }
 
 /// Descriptors destroyed when the call is over, however it ends.
@@ -335,6 +417,7 @@ impl LtDescs {
         ),
         (a_scales, b_scales): (u64, u64),
         (m, n, k): (usize, usize, usize),
+        (d_type, ld_d): (lt_sys::cudaDataType, usize),
         ws_size: usize,
     ) -> Result<LtDescs> {
         let desc = lt::create_matmul_desc(
@@ -373,11 +456,7 @@ impl LtDescs {
             set(A::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, ptr(&b_scales), 8)?;
         }
         let e4m3 = lt_sys::cudaDataType::CUDA_R_8F_E4M3;
-        for (t, rows, cols, ld) in [
-            (e4m3, k, n, k),
-            (e4m3, k, m, k),
-            (lt_sys::cudaDataType::CUDA_R_16BF, n, m, n),
-        ] {
+        for (t, rows, cols, ld) in [(e4m3, k, n, k), (e4m3, k, m, k), (d_type, n, m, ld_d)] {
             let l = lt::create_matrix_layout(t, rows as u64, cols as u64, ld as i64)
                 .map_err(lt_err("layout"))?;
             descs.layouts.push(l);
@@ -425,12 +504,26 @@ impl Fp8Ctx {
     ///   token for B (`m` values).
     ///
     /// The scales multiply in the f32 epilogue; alpha 1, beta 0 (C is D, never read).
-    fn matmul(&self, s: &CudaStream, op: LtOp) -> Result<()> {
+    ///
+    /// D is bf16 `[m, n]`, or f32 in columns `col0 .. col0 + n` of rows `ld` apart: D's
+    /// pointer is then the first row's `col0`, its leading dimension `ld`. Returns false,
+    /// having done nothing, where cuBLASLt has no GEMM for an f32 D (bf16 always has one,
+    /// or the call fails).
+    fn matmul(&self, s: &CudaStream, op: LtOp) -> Result<bool> {
         let (m, n, k) = op.mnk;
         let name = "cuBLASLt FP8 GEMM";
         holds(name, "w", op.w.len(), n * k)?;
         holds(name, "q", op.q.len(), m * k)?;
-        holds(name, "d", op.d.len(), m * n)?;
+        let (d_type, ld_d, f32_ld) = match &op.out {
+            LtOut::Bf16(d) => {
+                holds(name, "d", d.len(), m * n)?;
+                (lt_sys::cudaDataType::CUDA_R_16BF, n, None)
+            }
+            LtOut::F32 { y, cols } => {
+                holds(name, "y", y.len(), (m - 1) * cols.ld + cols.col0 + n)?;
+                (lt_sys::cudaDataType::CUDA_R_32F, cols.ld, Some(cols.ld))
+            }
+        };
         let (a_mode, b_mode, a_scales, b_scales) = match op.kind {
             ScaleKind::Block => (
                 lt_sys::cublasLtMatmulMatrixScale_t::CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F,
@@ -451,10 +544,22 @@ impl Fp8Ctx {
         let (qp, _gq) = op.q.device_ptr(s);
         let (wsp, _gws) = op.w_scales.device_ptr(s);
         let (qsp, _gqs) = op.q_scales.device_ptr(s);
-        let (dp, _gd) = op.d.device_ptr_mut(s);
+        let (dp, _gd) = match op.out {
+            LtOut::Bf16(d) => d.device_ptr_mut(s),
+            LtOut::F32 { y, cols } => {
+                let (p, g) = y.device_ptr_mut(s);
+                (p + (cols.col0 * std::mem::size_of::<f32>()) as u64, g)
+            }
+        };
         let (workp, _gwork) = self.workspace.device_ptr(s);
         let ws_size = self.workspace.len();
-        let descs = LtDescs::new((a_mode, b_mode), (wsp, qsp), (m, n, k), ws_size)?;
+        let descs = LtDescs::new(
+            (a_mode, b_mode),
+            (wsp, qsp),
+            (m, n, k),
+            (d_type, ld_d),
+            ws_size,
+        )?;
         let (desc, pref) = (descs.desc, descs.pref.expect("set by new"));
         let [a_desc, b_desc, d_desc] = [descs.layouts[0], descs.layouts[1], descs.layouts[2]];
         // SAFETY: the heuristic and the call read the live descriptors above, operands and
@@ -462,25 +567,38 @@ impl Fp8Ctx {
         // workspace of `ws_size` bytes and the stream's handle, all held for the call by
         // the guards.
         unsafe {
-            let key = (m, n, k, op.kind);
+            let key = (m, n, k, op.kind, f32_ld);
             let cached = self.algos.borrow().get(&key).copied();
             let algo = match cached {
-                Some(a) => a,
+                Some(Some(a)) => a,
+                Some(None) => return Ok(false),
                 None => {
                     let h = lt::get_matmul_algo_heuristic(
                         self.lt.0, desc, a_desc, b_desc, d_desc, d_desc, pref,
-                    )
-                    .map_err(|e| {
-                        EngineError::device(
-                            format!(
-                                "cuBLASLt has no FP8 GEMM for {m}x{k} by {n}x{k} with {:?} \
-                                 weight scales",
+                    );
+                    let h = match (h, f32_ld) {
+                        (Ok(h), _) => h,
+                        (Err(e), Some(_)) => {
+                            tracing::info!(
+                                "cuBLASLt has no FP8 GEMM with f32 output for {m}x{k} by \
+                                 {n}x{k} with {:?} weight scales ({e}): bf16 output, widened",
                                 op.kind
-                            ),
-                            e,
-                        )
-                    })?;
-                    self.algos.borrow_mut().insert(key, h.algo);
+                            );
+                            self.algos.borrow_mut().insert(key, None);
+                            return Ok(false);
+                        }
+                        (Err(e), None) => {
+                            return Err(EngineError::device(
+                                format!(
+                                    "cuBLASLt has no FP8 GEMM for {m}x{k} by {n}x{k} with {:?} \
+                                     weight scales",
+                                    op.kind
+                                ),
+                                e,
+                            ))
+                        }
+                    };
+                    self.algos.borrow_mut().insert(key, Some(h.algo));
                     h.algo
                 }
             };
@@ -506,7 +624,7 @@ impl Fp8Ctx {
             .map_err(lt_err(&format!("FP8 GEMM ({m}x{k} by {n}x{k})")))?;
         }
         drop(descs);
-        Ok(())
+        Ok(true)
     }
 }
 

@@ -80,7 +80,7 @@ impl CudaBackend {
                     .compute_capability()
                     .map_err(|e| drv("compute capability query", e))?;
                 fp8::refuse_device(cfg, cc, Fp8Ctx::lt_version()?)?;
-                Some(Fp8Ctx::new(&stream, cfg, plan.tokens)?)
+                Some(Fp8Ctx::new(&stream, cfg, plan.tokens, opts.fp8_f32_out)?)
             }
             None => None,
         };
