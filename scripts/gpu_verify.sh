@@ -87,7 +87,7 @@ run)
     mkdir -p "$work"
     t0=$(date +%s)
     budget="${GPU_BUDGET_S:-540}"
-    stages="${STAGES:-offline parity bench-8b bench-8b-fp8 fp8-out-ab skinny-ab-8b long-decode-8b pdl-ab-8b pdl-ab-small fuse-ab sm-split-8b profile-8b profile-small serve-8b colocate-8b serve-qwen35-9b gdn-fla bench-qwen35-9b bench-qwen35-9b-scan long-decode-qwen35 profile-8b-fp8 profile-8b-fp8-f32 bench-llama-8b bench-small peer-8b bench-32b-fp8 bench-72b-fp8}"
+    stages="${STAGES:-offline parity bench-8b bench-8b-fp8 fp8-out-ab skinny-ab-8b long-decode-8b pdl-ab-8b pdl-ab-small fuse-ab sm-split-8b profile-8b profile-small serve-8b colocate-8b serve-qwen35-9b gdn-fla bench-qwen35-9b bench-qwen35-9b-scan long-decode-qwen35 profile-8b-fp8 profile-8b-fp8-f32 profile-qwen35 bench-llama-8b bench-small peer-8b bench-32b-fp8 bench-72b-fp8}"
     # The device returns at most 8 files from $OUT: everything is packed into one archive
     # (and a summary printed) however the run ends.
     touch "$work/.start"
@@ -238,6 +238,11 @@ run)
     # fp8_gemv_block_m1 at 61% of the copy bandwidth, and 24% of a 512-token prefill in
     # fp8_out_cols): what the FP8 work is decided on.
     stage profile-8b-fp8 120 env OUT="$work" PRESET=qwen3-8b-fp8 BATCH=1 PREFILL=512 \
+        bash scripts/gpu_profile.sh
+    # Qwen3.5-9B kernel by kernel, a 2,048-token prefill and a batch-1 step: where its
+    # prefill (a fifth of Qwen3-8B's rate on the first H200 run) goes, with the tensor-core
+    # prefill attention for head size 256 in.
+    stage profile-qwen35 150 env OUT="$work" PRESET=qwen3.5-9b BATCH=1 PREFILL=2048 \
         bash scripts/gpu_profile.sh
     stage bench-llama-8b 110 gpu-out/gpu-bench --presets llama-3.1-8b --json "bench/results/gpu-8b-llama.json"
     stage bench-small 60 gpu-out/gpu-bench

@@ -70,3 +70,43 @@ fn hybrid_decode_graphs_match_eager_steps() {
     }
     println!("{name}: 3 sequences in a bucket of 4, graphed within {worst:.2e} of eager");
 }
+
+/// A prefix snapshot's copies between state slots (`Backend::copy_state`), from a lower slot
+/// to a higher one and back, move exactly the slot's values and nothing around them; a
+/// slot beyond the pool is refused by name.
+#[test]
+fn hybrid_state_copies_move_one_slot_exactly() {
+    let m = load("hf-qwen35-f32");
+    let mut be = hybrid_gpu(&m, false);
+    let total = (be.num_state_slots() + be.num_state_snapshots()) as u32;
+    assert!(total >= 3, "{total} slots");
+    let n = be.read_state(0).unwrap().len();
+    let fill = |slot: u32| -> Vec<f32> {
+        (0..n)
+            .map(|i| (slot * 1000) as f32 + i as f32 * 0.5)
+            .collect()
+    };
+    for s in 0..total {
+        be.write_state(s, &fill(s)).unwrap();
+    }
+    let (lo, hi) = (1, total - 1);
+    be.copy_state(lo, hi).unwrap();
+    assert_eq!(
+        be.read_state(hi).unwrap(),
+        fill(lo),
+        "slot {lo} copied up to {hi}"
+    );
+    be.write_state(lo, &fill(7)).unwrap();
+    be.copy_state(hi, lo).unwrap();
+    assert_eq!(
+        be.read_state(lo).unwrap(),
+        fill(1),
+        "slot {hi} copied down to {lo}"
+    );
+    for s in (0..total).filter(|&s| s != lo && s != hi) {
+        assert_eq!(be.read_state(s).unwrap(), fill(s), "slot {s} untouched");
+    }
+    let e = be.copy_state(0, total).unwrap_err().to_string();
+    assert!(e.contains(&total.to_string()), "{e}");
+    println!("state copies between slots {lo} and {hi} of {total}: exact, neighbours untouched");
+}

@@ -275,16 +275,19 @@ impl Backend for CudaHybridBackend {
         if a == b {
             return Ok(());
         }
-        // Through a scratch copy: cudarc lends one slice of the pool at a time.
-        let tmp = self
-            .stream
-            .clone_dtod(&self.states.slice(a))
-            .map_err(|e| drv("state copy", e))?;
-        let mut dst = self.states.slice_mut(b);
-        self.stream
-            .memcpy_dtod(&tmp, &mut dst)
-            .map_err(|e| drv("state copy", e))?;
-        Ok(())
+        // One copy between the two slots, as two disjoint views of the pool split between
+        // them (slots never overlap: a slot is a whole stride).
+        let n = a.len();
+        let r = if a.start < b.start {
+            let (lo, mut hi) = self.states.split_at_mut(b.start);
+            self.stream
+                .memcpy_dtod(&lo.slice(a), &mut hi.slice_mut(0..n))
+        } else {
+            let (mut lo, hi) = self.states.split_at_mut(a.start);
+            self.stream
+                .memcpy_dtod(&hi.slice(0..n), &mut lo.slice_mut(b))
+        };
+        r.map_err(|e| drv("state copy", e))
     }
 
     fn kv_depends_on_context(&self) -> bool {
