@@ -66,28 +66,34 @@ python3 scripts/code_shape.py
 phase code-shape
 
 jobs="${CARGO_BUILD_JOBS:-$(nproc 2>/dev/null || echo 2)}"
-# The whole run's output is also kept in target/test-output.log. When a test fails, the
-# messages of the panics that were not asked for are printed again at the very end: among
-# thousands of log lines and backtraces, the line that says what went wrong is otherwise
-# easy to lose (fault-injection panics, which the tests request, are left out).
+# Each test command's output is also kept in target/test-output-*.log. When a test fails,
+# the failing tests and the messages of the panics that were not asked for are printed
+# again at the very end: among thousands of log lines and backtraces, the line that says
+# what went wrong is otherwise easy to lose (fault-injection panics, which the tests
+# request, are left out).
 mkdir -p target
-if ! cargo test --workspace --all-targets -j"$jobs" "$@" 2>&1 | tee target/test-output.log; then
-    echo "test.sh: the tests failed; their panics, again:" >&2
-    sed 's/\x1b\[[0-9;]*m//g' target/test-output.log | awk '
-        /^thread .* panicked at / { block = $0; n = 1; next }
-        n > 0 && (/^stack backtrace:/ || /^note: / || /^$/ || n > 6) {
-            if (block !~ /fault injection/) print block "\n"
-            n = 0; next
-        }
-        n > 0 { block = block "\n" $0; n++ }
-        /^test .* FAILED$/ { print }' | head -120 >&2 || true
-    exit 101
-fi
+tests() { # NAME COMMAND...: runs the test command, keeping its output, summarising failures
+    local log="target/test-output-$1.log"
+    shift
+    if ! "$@" 2>&1 | tee "$log"; then
+        echo "test.sh: the tests failed ($*); their failures, again:" >&2
+        sed 's/\x1b\[[0-9;]*m//g' "$log" | awk '
+            /^thread .* panicked at / { block = $0; n = 1; next }
+            n > 0 && (/^stack backtrace:/ || /^note: / || /^$/ || n > 6) {
+                if (block !~ /fault injection/) print block "\n"
+                n = 0; next
+            }
+            n > 0 { block = block "\n" $0; n++ }
+            /^test .* FAILED$/ { print }' | head -120 >&2 || true
+        exit 101
+    fi
+}
+tests workspace cargo test --workspace --all-targets -j"$jobs" "$@"
 phase "build+tests"
 # The same crate with `--features cuda`: the backend's unit tests and the offline checks.
 # `-p kvmesh` beside it resolves dependency features as the workspace build above did, so
 # only kvmesh-gpu itself is compiled again (the root package has no library to test here).
-cargo test -p kvmesh-gpu -p kvmesh --features kvmesh-gpu/cuda -j"$jobs" --lib --test cuda_offline -- cuda
+tests cuda cargo test -p kvmesh-gpu -p kvmesh --features kvmesh-gpu/cuda -j"$jobs" --lib --test cuda_offline -- cuda
 phase cuda-offline
 # Lints, warnings as errors, on everything the tests built.
 cargo clippy --workspace --all-targets -j"$jobs" -- -D warnings

@@ -673,7 +673,8 @@ mod tests {
         assert_eq!(names.len(), KERNELS.len(), "a kernel is listed twice");
         // Every `extern "C" __global__` in the source is listed, with a launch bound.
         // A kernel declared inside a macro (`name_d##D`) is there once per invocation of
-        // that macro (`MACRO(16)` on a line of its own).
+        // that macro (`MACRO(16)` or `MACRO(16, 32)` on a line of its own), named by the
+        // argument in the pasted parameter's place.
         let mut in_source = std::collections::BTreeSet::new();
         let mut decls = src.split("extern \"C\" __global__");
         let mut before = decls.next().expect("the source");
@@ -691,7 +692,16 @@ mod tests {
                 }
                 Some((stem, param)) => {
                     let def = &before[before.rfind("#define ").expect("the macro")..];
-                    let mac = def["#define ".len()..def.find('(').unwrap()].to_string();
+                    let open_at = def.find('(').unwrap();
+                    let mac = def["#define ".len()..open_at].to_string();
+                    let params: Vec<&str> = def[open_at + 1..def.find(')').unwrap()]
+                        .split(',')
+                        .map(str::trim)
+                        .collect();
+                    let at = params
+                        .iter()
+                        .position(|&p| p == param.trim())
+                        .unwrap_or_else(|| panic!("{name}: {param} is not a parameter of {mac}"));
                     let open = format!("{mac}(");
                     let uses: Vec<_> = src
                         .lines()
@@ -701,8 +711,11 @@ mod tests {
                         !uses.is_empty(),
                         "{mac} (declaring {name}) is never invoked"
                     );
-                    assert!(!param.is_empty());
-                    in_source.extend(uses.iter().map(|u| format!("{stem}{u}")));
+                    for u in uses {
+                        let args: Vec<&str> = u.split(',').map(str::trim).collect();
+                        assert_eq!(args.len(), params.len(), "{mac}({u})");
+                        in_source.insert(format!("{stem}{}", args[at]));
+                    }
                 }
             }
             before = decl;
