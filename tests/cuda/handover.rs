@@ -186,27 +186,26 @@ fn a_node_with_both_roles_on_one_gpu_hands_kv_over_on_the_device() {
     }
 }
 
-/// Two `kvmesh node` processes on one GPU, finding each other through a registry
-/// directory: the decode node exports its KV cache (`--kv-transport cuda-ipc`) and the
-/// prefill node copies each prompt into it on the device. Greedy answers equal
-/// `kvmesh serve --device cuda`'s and every prompt landed by CUDA IPC.
-#[test]
-fn two_processes_on_one_gpu_hand_kv_over_by_cuda_ipc() {
-    use kvmesh_bench::harness::client;
-    let dir = model_dir("tiny-llama");
-    let engine = small_cuda_engine(dir.to_str().unwrap());
-    let agg = common::Server::start(&engine);
-    let reg = std::env::temp_dir().join(format!("kvmesh-ipc-{}", std::process::id()));
+/// A prefill node and a gateway + router + decode node of `engine`, finding each other
+/// through a fresh registry directory (returned, to remove), each with its extra flags.
+fn prefill_and_decode_nodes(
+    tag: &str,
+    engine: &[&str],
+    prefill_flags: &[&str],
+    decode_flags: &[&str],
+) -> (
+    std::path::PathBuf,
+    kvmesh_bench::harness::Proc,
+    kvmesh_bench::harness::Proc,
+) {
+    let reg = std::env::temp_dir().join(format!("kvmesh-{tag}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&reg);
     let mut pargs = vec!["--roles", "prefill"];
+    pargs.extend(prefill_flags);
     pargs.extend(engine);
     let prefill = common::kvmesh().node_in_dir(&reg, "p", &pargs);
-    let mut dargs = vec![
-        "--roles",
-        "gateway,router,decode",
-        "--kv-transport",
-        "cuda-ipc",
-    ];
+    let mut dargs = vec!["--roles", "gateway,router,decode"];
+    dargs.extend(decode_flags);
     dargs.extend([
         "--host",
         "127.0.0.1",
@@ -217,6 +216,21 @@ fn two_processes_on_one_gpu_hand_kv_over_by_cuda_ipc() {
     ]);
     dargs.extend(engine);
     let decode = common::kvmesh().node_in_dir(&reg, "d", &dargs);
+    (reg, prefill, decode)
+}
+
+/// Two `kvmesh node` processes on one GPU, finding each other through a registry
+/// directory: the decode node exports its KV cache (`--kv-transport cuda-ipc`) and the
+/// prefill node copies each prompt into it on the device. Greedy answers equal
+/// `kvmesh serve --device cuda`'s and every prompt landed by CUDA IPC.
+#[test]
+fn two_processes_on_one_gpu_hand_kv_over_by_cuda_ipc() {
+    use kvmesh_bench::harness::client;
+    let dir = model_dir("tiny-llama");
+    let engine = small_cuda_engine(dir.to_str().unwrap());
+    let agg = common::Server::start(&engine);
+    let (reg, prefill, decode) =
+        prefill_and_decode_nodes("ipc", &engine, &[], &["--kv-transport", "cuda-ipc"]);
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(async {
         let http = client();
@@ -247,30 +261,13 @@ fn two_processes_on_one_gpu_put_kv_with_ucx_from_gpu_to_gpu() {
     let dir = model_dir("tiny-llama");
     let engine = small_cuda_engine(dir.to_str().unwrap());
     let agg = common::Server::start(&engine);
-    let reg = std::env::temp_dir().join(format!("kvmesh-ucx-cuda-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&reg);
     let ucx = [
         "--kv-transport",
         "ucx",
         "--ucx-tls",
         "tcp,cuda_copy,cuda_ipc",
     ];
-    let mut pargs = vec!["--roles", "prefill"];
-    pargs.extend(ucx);
-    pargs.extend(engine);
-    let prefill = common::kvmesh().node_in_dir(&reg, "p", &pargs);
-    let mut dargs = vec!["--roles", "gateway,router,decode"];
-    dargs.extend(ucx);
-    dargs.extend([
-        "--host",
-        "127.0.0.1",
-        "--port",
-        "0",
-        "--disagg-min-tokens",
-        "8",
-    ]);
-    dargs.extend(engine);
-    let decode = common::kvmesh().node_in_dir(&reg, "d", &dargs);
+    let (reg, prefill, decode) = prefill_and_decode_nodes("ucx-cuda", &engine, &ucx, &ucx);
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(async {
         let http = client();

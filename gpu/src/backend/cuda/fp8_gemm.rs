@@ -217,16 +217,7 @@ impl Fp8Products<'_> {
             match &p.w {
                 PartWeights::Bf16(w) => {
                     gemm_bf16_cols(self.blas, self.s, x, w, y, m, l.inp, cols)?;
-                    if let Some(b) = &bias {
-                        OutCols {
-                            d: None,
-                            bias: Some(b),
-                            y,
-                            rows: m,
-                            cols,
-                        }
-                        .launch(self.k, self.s)?;
-                    }
+                    self.add_bias(bias.as_ref(), y, m, cols)?;
                 }
                 PartWeights::Fp8 {
                     w, kind, scales, ..
@@ -251,6 +242,27 @@ impl Fp8Products<'_> {
             }
         }
         Ok(())
+    }
+
+    /// `y[:m, cols] += bias`, where the part has one (its product was written in place).
+    fn add_bias(
+        &self,
+        bias: Option<&cudarc::driver::CudaView<f32>>,
+        y: &mut CudaSlice<f32>,
+        m: usize,
+        cols: Cols,
+    ) -> Result<()> {
+        match bias {
+            Some(b) => OutCols {
+                d: None,
+                bias: Some(b),
+                y,
+                rows: m,
+                cols,
+            }
+            .launch(self.k, self.s),
+            None => Ok(()),
+        }
     }
 
     /// A part's product through cuBLASLt: the input quantized (unless `quantized` says the
@@ -324,17 +336,7 @@ impl Fp8Products<'_> {
                 .matmul(self.s, op(LtOut::F32 { y: &mut *y, cols }))?
         {
             self.ctx.f32_products.set(self.ctx.f32_products.get() + 1);
-            if let Some(b) = bias {
-                OutCols {
-                    d: None,
-                    bias: Some(b),
-                    y,
-                    rows: m,
-                    cols,
-                }
-                .launch(self.k, self.s)?;
-            }
-            return Ok(());
+            return self.add_bias(bias, y, m, cols);
         }
         self.ctx.matmul(self.s, op(LtOut::Bf16(&mut *d)))?;
         OutCols {
