@@ -87,7 +87,7 @@ run)
     mkdir -p "$work"
     t0=$(date +%s)
     budget="${GPU_BUDGET_S:-540}"
-    stages="${STAGES:-offline parity bench-8b bench-8b-fp8 fp8-out-ab skinny-ab-8b long-decode-8b pdl-ab-8b pdl-ab-small fuse-ab sm-split-8b profile-8b profile-small serve-8b colocate-8b serve-qwen35-9b gdn-fla bench-qwen35-9b bench-qwen35-9b-scan long-decode-qwen35 profile-8b-fp8 profile-8b-fp8-f32 profile-qwen35 bench-llama-8b bench-small peer-8b bench-32b-fp8 bench-72b-fp8}"
+    stages="${STAGES:-offline parity bench-8b bench-8b-fp8 fp8-out-ab prefill-concurrency-8b skinny-ab-8b long-decode-8b pdl-ab-8b pdl-ab-small fuse-ab sm-split-8b profile-8b profile-small serve-8b colocate-8b serve-qwen35-9b gdn-fla bench-qwen35-9b bench-qwen35-9b-scan long-decode-qwen35 profile-8b-fp8 profile-8b-fp8-f32 profile-qwen35 bench-llama-8b bench-small peer-8b bench-32b-fp8 bench-72b-fp8}"
     # The device returns at most 8 files from $OUT: everything is packed into one archive
     # (and a summary printed) however the run ends.
     touch "$work/.start"
@@ -159,6 +159,12 @@ run)
         || exit; done'
     stage profile-8b-fp8-f32 120 env OUT="$work" PRESET=qwen3-8b-fp8 BATCH=1 PREFILL=512 \
         EXTRA=--fp8-f32-out bash scripts/gpu_profile.sh
+    # Prefill throughput when 1 ... 128 prompts of 1,024 tokens arrive at once, steps packed to
+    # 8,192 tokens as the engine packs them (the issue's concurrency table).
+    stage prefill-concurrency-8b 150 gpu-out/gpu-bench --presets qwen3-8b --batches 1 \
+        --sampled-batches 0 --prefill-lens 512 --prefill-concurrency 1,2,4,8,16,32,64,128 \
+        --concurrency-prompt-len 1024 --gemm-size 0 --copy-reps 3 \
+        --json bench/results/gpu-8b-qwen3-prefill-concurrency.json
     # The same card, the same checkpoint: small decode batches with every product through
     # cuBLAS, then with the skinny kernels taking up to 8 rows, side by side (the default,
     # SKINNY_MAX_ROWS, is what these decide).

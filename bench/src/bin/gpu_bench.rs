@@ -43,6 +43,9 @@ use kvmesh_gpu::sampler::{Rng, SamplingParams};
 
 const BLOCK_SIZE: usize = 16;
 
+#[path = "gpu_bench/concurrency.rs"]
+mod concurrency;
+
 /// CUDA engine benchmark: decode time per output token at several batch sizes and prefill
 /// tokens/s, beside the device-to-device copy bandwidth measured in the same run.
 #[derive(Parser)]
@@ -122,6 +125,17 @@ struct Args {
     #[arg(long, value_delimiter = ',', value_parser = trimmed::<usize>,
           default_value = "512,2048,8192")]
     prefill_lens: Vec<usize>,
+    /// Prefill throughput when this many prompts arrive at once, comma-separated (see
+    /// `concurrency`); `0` for none.
+    #[arg(long, value_delimiter = ',', value_parser = trimmed::<usize>, default_value = "0")]
+    prefill_concurrency: Vec<usize>,
+    /// Tokens of each prompt of `--prefill-concurrency`.
+    #[arg(long, value_name = "N", default_value_t = 128)]
+    concurrency_prompt_len: usize,
+    /// Most tokens a step of `--prefill-concurrency` runs (the engine's default
+    /// `--max-num-batched-tokens`); prompts are never split.
+    #[arg(long, value_name = "N", default_value_t = 8192)]
+    concurrency_step_tokens: usize,
     /// Measured prefills per length, after one warm-up (the median counts).
     #[arg(long, value_name = "N", default_value_t = 3)]
     prefill_reps: usize,
@@ -539,6 +553,7 @@ struct Figures {
     decode: Vec<(usize, f64)>,
     /// (batch, seconds per step) with [`sampled`]'s parameters
     decode_sampled: Vec<(usize, f64)>,
+    prefill_concurrency: Vec<concurrency::Concurrency>,
 }
 
 impl Figures {
@@ -662,6 +677,8 @@ fn summarise(args: &Args, name: &str, dir: &Path, cfg: &ModelConfig, f: &Figures
             "share_of_gemm_peak_2x_params": share_2p,
         }));
     }
+    let (conc_lines, json_conc) = concurrency::summary(&f.prefill_concurrency, false);
+    table.extend(conc_lines);
     table.push(kv_line(&f.kv));
     let json = serde_json::json!({
         "preset": name,
@@ -689,6 +706,7 @@ fn summarise(args: &Args, name: &str, dir: &Path, cfg: &ModelConfig, f: &Figures
         "sampled_params": {"temperature": 0.7, "top_k": 20, "top_p": 0.8},
         "decode": json_decode,
         "prefill": json_prefill,
+        "prefill_concurrency": json_conc,
         "prefill_flops_note": "model_flops: 2 x the linear layers' parameters (not the embedding; the LM head for one row) per token, plus causal attention's 4 x q_dim x (T^2/2) per layer; share_of_gemm_peak_2x_params counts 2 x all parameters per token instead",
         "kv_capacity": kv_json(&f.kv, args.memory_share),
     });
@@ -730,7 +748,11 @@ fn bench_model(args: &Args, name: &str, dev: &mut DeviceFigures) -> anyhow::Resu
     let max_prefill = args.prefill_lens.iter().copied().max().unwrap_or(0);
     let per_seq_blocks =
         (args.prompt_len + args.warmup + args.decode_steps + 1).div_ceil(BLOCK_SIZE);
-    let num_blocks = (max_batch * per_seq_blocks).max(max_prefill.div_ceil(BLOCK_SIZE)) + 1;
+    let (conc_seqs, conc_blocks) = concurrency::step_seqs_and_blocks(args);
+    let num_blocks = (max_batch * per_seq_blocks)
+        .max(max_prefill.div_ceil(BLOCK_SIZE))
+        .max(conc_blocks)
+        + 1;
     eprintln!(
         "{name}: loading onto cuda:{} with {num_blocks} KV blocks",
         args.device
@@ -738,8 +760,10 @@ fn bench_model(args: &Args, name: &str, dev: &mut DeviceFigures) -> anyhow::Resu
     let cuda = CudaOptions {
         ordinal: args.device,
         graphs: !args.enforce_eager,
-        reserve_tokens: max_prefill.max(args.fill_chunk),
-        reserve_rows: max_batch,
+        reserve_tokens: max_prefill
+            .max(args.fill_chunk)
+            .max(concurrency::step_tokens(args)),
+        reserve_rows: max_batch.max(conc_seqs),
         skinny_max_rows: args.skinny_rows(),
         split_decode: !args.no_split_decode,
         pdl: args.pdl,
@@ -757,7 +781,7 @@ fn bench_model(args: &Args, name: &str, dev: &mut DeviceFigures) -> anyhow::Resu
             cuda,
             KvBudget::Blocks(num_blocks),
             BLOCK_SIZE,
-            max_batch.max(1),
+            max_batch.max(conc_seqs).max(1),
             false,
         )?)),
         None => Gpu::Dense(Box::new(CudaBackend::new(
@@ -796,13 +820,14 @@ fn bench_model(args: &Args, name: &str, dev: &mut DeviceFigures) -> anyhow::Resu
         args,
         name,
         backend,
-        rngs: (0..max_batch.max(1))
+        rngs: (0..max_batch.max(conc_seqs).max(1))
             .map(|s| Rng::seeded(s as u64))
             .collect(),
         vocab: cfg.vocab_size as u32,
         per_seq_blocks,
     };
     let prefill = runner.prefill()?;
+    let prefill_concurrency = runner.prefill_concurrency()?;
     let mut decode = Vec::new();
     let mut decode_sampled = Vec::new();
     for &b in args.batches.iter().filter(|&&b| b > 0) {
@@ -826,6 +851,7 @@ fn bench_model(args: &Args, name: &str, dev: &mut DeviceFigures) -> anyhow::Resu
         prefill,
         decode,
         decode_sampled,
+        prefill_concurrency,
     };
     Ok(summarise(args, name, &dir, &cfg, &figures))
 }
