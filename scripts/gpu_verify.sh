@@ -159,12 +159,15 @@ run)
         || exit; done'
     stage profile-8b-fp8-f32 120 env OUT="$work" PRESET=qwen3-8b-fp8 BATCH=1 PREFILL=512 \
         EXTRA=--fp8-f32-out bash scripts/gpu_profile.sh
-    # Prefill throughput when 1 ... 128 prompts of 1,024 tokens arrive at once, steps packed to
-    # 8,192 tokens as the engine packs them (the issue's concurrency table).
-    stage prefill-concurrency-8b 150 gpu-out/gpu-bench --presets qwen3-8b --batches 1 \
-        --sampled-batches 0 --prefill-lens 512 --prefill-concurrency 1,2,4,8,16,32,64,128 \
-        --concurrency-prompt-len 1024 --gemm-size 0 --copy-reps 3 \
-        --json bench/results/gpu-8b-qwen3-prefill-concurrency.json
+    # Prefill throughput when 1 ... 128 prompts arrive at once, steps packed to 8,192 tokens
+    # as the engine packs them (the issue's concurrency table), eagerly and with piecewise
+    # graphs (CudaOptions::prefill_graphs: steps of up to 512 tokens), at 1,024-token prompts
+    # and at 128-token ones (where a step is short and its launches show).
+    stage prefill-concurrency-8b 240 bash -c 'for g in "" --prefill-graphs; do for l in 1024 128; do \
+        gpu-out/gpu-bench --presets qwen3-8b --batches 1 --sampled-batches 0 \
+        --prefill-lens 512 --prefill-concurrency 1,2,4,8,16,32,64,128 \
+        --concurrency-prompt-len $l --gemm-size 0 --copy-reps 3 $g \
+        --json bench/results/gpu-8b-qwen3-prefill-c$l${g:+-graphs}.json || exit; done; done'
     # The same card, the same checkpoint: small decode batches with every product through
     # cuBLAS, then with the skinny kernels taking up to 8 rows, side by side (the default,
     # SKINNY_MAX_ROWS, is what these decide).

@@ -45,6 +45,8 @@ mod handover;
 mod hybrid;
 #[path = "cuda/hybrid_graphs.rs"]
 mod hybrid_graphs;
+#[path = "cuda/prefill_graphs.rs"]
+mod prefill_graphs;
 #[path = "cuda/split.rs"]
 mod split;
 

@@ -27,7 +27,7 @@ use std::time::Instant;
 use clap::Parser;
 use kvmesh_bench::compute::prefill_flops;
 use kvmesh_bench::programs::write_json;
-use kvmesh_gpu::backend::cuda::{CudaBackend, CudaHybridBackend, Device, MemoryPlan};
+use kvmesh_gpu::backend::cuda::{CudaBackend, CudaHybridBackend, Device};
 use kvmesh_gpu::backend::sm_split::{SmPartition, SmSide, SmSplit};
 use kvmesh_gpu::backend::{
     Backend, CudaOptions, ForwardBatch, KvBudget, Pdl, SampleSpec, SeqInput,
@@ -45,6 +45,9 @@ const BLOCK_SIZE: usize = 16;
 
 #[path = "gpu_bench/concurrency.rs"]
 mod concurrency;
+#[path = "gpu_bench/kv.rs"]
+mod kv;
+use kv::{kv_capacity, kv_json, kv_line, KvCapacity};
 
 /// CUDA engine benchmark: decode time per output token at several batch sizes and prefill
 /// tokens/s, beside the device-to-device copy bandwidth measured in the same run.
@@ -96,6 +99,10 @@ struct Args {
     /// (see `CudaOptions::fp8_f32_out`).
     #[arg(long)]
     fp8_f32_out: bool,
+    /// Steps with prompts of up to 512 tokens replay piecewise CUDA graphs (see
+    /// `CudaOptions::prefill_graphs`).
+    #[arg(long)]
+    prefill_graphs: bool,
     /// Run on one side of an SM split (a green context), e.g. `prefill:96,decode:36` or
     /// `0.75` (prefill's share); `--sm-side` says which side is measured.
     #[arg(long, value_name = "SPLIT", requires = "sm_side")]
@@ -377,6 +384,14 @@ impl Gpu {
         }
     }
 
+    /// Whether steps with prompts replayed piecewise graphs (dense models only).
+    fn prefill_graphs(&self) -> bool {
+        match self {
+            Gpu::Dense(b) => b.prefill_graphs_enabled(),
+            Gpu::Hybrid(_) => false,
+        }
+    }
+
     /// Whether decode steps replayed CUDA graphs.
     fn cuda_graphs(&self) -> bool {
         match self {
@@ -524,16 +539,6 @@ struct DeviceFigures {
     gemm: Option<f64>,
 }
 
-/// The KV cache a served engine gives itself on this device at `--memory-share`, with the
-/// engine's default step limits, the device otherwise empty.
-struct KvCapacity {
-    tokens: Option<usize>,
-    plan: MemoryPlan,
-    total: usize,
-    /// Why there is none, when the model does not fit.
-    refusal: Option<String>,
-}
-
 /// What was measured for one model.
 struct Figures {
     /// Bytes one batch-1 step must move: its weights, and a hybrid model's recurrent state
@@ -547,6 +552,8 @@ struct Figures {
     kv: KvCapacity,
     /// Read after the runs: a failed capture switches graphs off mid-run.
     cuda_graphs: bool,
+    /// Whether steps with prompts replayed piecewise graphs (read after the runs too).
+    prefill_graphs: bool,
     /// (prompt length, seconds)
     prefill: Vec<(usize, f64)>,
     /// (batch, seconds per step)
@@ -589,6 +596,38 @@ fn decode_line(args: &Args, cuda_graphs: bool) -> String {
         Some(p) => format!("; on the {:?} side of --sm-split {}", p.side, p.split),
         None => String::new(),
     }
+}
+
+/// The prefill table's lines and JSON, per length.
+fn prefill_rows(cfg: &ModelConfig, f: &Figures) -> (Vec<String>, Vec<serde_json::Value>) {
+    let (mut lines, mut json_prefill) = (Vec::new(), Vec::new());
+    for &(len, secs) in &f.prefill {
+        let flops = prefill_flops(cfg, len);
+        let share = f.gemm.map(|peak| flops / secs / peak);
+        let share_2p = f
+            .gemm
+            .map(|peak| 2.0 * cfg.num_params() as f64 * len as f64 / secs / peak);
+        lines.push(format!(
+            "prefill      {len} tokens in {:.1} ms = {:.0} tokens/s, {:.0} TFLOP/s{}",
+            secs * 1e3,
+            len as f64 / secs,
+            flops / secs / 1e12,
+            share.map_or(String::new(), |x| format!(
+                " = {:.1}% of the GEMM peak",
+                x * 100.0
+            ))
+        ));
+        json_prefill.push(serde_json::json!({
+            "tokens": len,
+            "ms": secs * 1e3,
+            "tokens_per_s": len as f64 / secs,
+            "model_flops": flops,
+            "model_tflop_per_s": flops / secs / 1e12,
+            "share_of_gemm_peak": share,
+            "share_of_gemm_peak_2x_params": share_2p,
+        }));
+    }
+    (lines, json_prefill)
 }
 
 fn summarise(args: &Args, name: &str, dir: &Path, cfg: &ModelConfig, f: &Figures) -> ModelResult {
@@ -650,34 +689,9 @@ fn summarise(args: &Args, name: &str, dir: &Path, cfg: &ModelConfig, f: &Figures
             "ms_per_step_sampled": sampled,
         }));
     }
-    let mut json_prefill = Vec::new();
-    for &(len, secs) in &f.prefill {
-        let flops = prefill_flops(cfg, len);
-        let share = f.gemm.map(|peak| flops / secs / peak);
-        let share_2p = f
-            .gemm
-            .map(|peak| 2.0 * cfg.num_params() as f64 * len as f64 / secs / peak);
-        table.push(format!(
-            "prefill      {len} tokens in {:.1} ms = {:.0} tokens/s, {:.0} TFLOP/s{}",
-            secs * 1e3,
-            len as f64 / secs,
-            flops / secs / 1e12,
-            share.map_or(String::new(), |x| format!(
-                " = {:.1}% of the GEMM peak",
-                x * 100.0
-            ))
-        ));
-        json_prefill.push(serde_json::json!({
-            "tokens": len,
-            "ms": secs * 1e3,
-            "tokens_per_s": len as f64 / secs,
-            "model_flops": flops,
-            "model_tflop_per_s": flops / secs / 1e12,
-            "share_of_gemm_peak": share,
-            "share_of_gemm_peak_2x_params": share_2p,
-        }));
-    }
-    let (conc_lines, json_conc) = concurrency::summary(&f.prefill_concurrency, false);
+    let (prefill_lines, json_prefill) = prefill_rows(cfg, f);
+    table.extend(prefill_lines);
+    let (conc_lines, json_conc) = concurrency::summary(&f.prefill_concurrency, f.prefill_graphs);
     table.extend(conc_lines);
     table.push(kv_line(&f.kv));
     let json = serde_json::json!({
@@ -694,6 +708,7 @@ fn summarise(args: &Args, name: &str, dir: &Path, cfg: &ModelConfig, f: &Figures
         "fuse_norms": args.fuse_norms,
         "gdn_scan": args.gdn_scan,
         "fp8_f32_out": args.fp8_f32_out,
+        "prefill_graphs": f.prefill_graphs,
         "sm_split": args.sm_split.map(|s| s.to_string()),
         "sm_side": args.sm_side.map(|s| format!("{s:?}").to_lowercase()),
         "weight_bytes_per_step": f.step_bytes - f.state_bytes,
@@ -711,35 +726,6 @@ fn summarise(args: &Args, name: &str, dir: &Path, cfg: &ModelConfig, f: &Figures
         "kv_capacity": kv_json(&f.kv, args.memory_share),
     });
     ModelResult { json, table }
-}
-
-fn kv_line(kv: &KvCapacity) -> String {
-    let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
-    match (kv.tokens, &kv.refusal) {
-        (Some(t), _) => format!(
-            "KV capacity  {t} tokens at the default memory share of {:.1} GiB (weights {:.2} GiB, activations {:.2} GiB)",
-            gib(kv.total),
-            gib(kv.plan.weights),
-            gib(kv.plan.activations)
-        ),
-        (None, Some(why)) => format!("KV capacity  none: {why}"),
-        (None, None) => "KV capacity  unknown".into(),
-    }
-}
-
-fn kv_json(kv: &KvCapacity, share: f64) -> serde_json::Value {
-    serde_json::json!({
-        "memory_share": share,
-        "device_total_bytes": kv.total,
-        "tokens": kv.tokens,
-        "weights_bytes": kv.plan.weights,
-        "activations_bytes": kv.plan.activations,
-        "step_tokens": kv.plan.tokens,
-        "logit_rows": kv.plan.rows,
-        "fixed_bytes": kv.plan.fixed,
-        "bytes_per_block": kv.plan.per_block,
-        "refusal": kv.refusal,
-    })
 }
 
 fn bench_model(args: &Args, name: &str, dev: &mut DeviceFigures) -> anyhow::Result<ModelResult> {
@@ -770,6 +756,7 @@ fn bench_model(args: &Args, name: &str, dev: &mut DeviceFigures) -> anyhow::Resu
         fuse_norms: args.fuse_norms,
         gdn_scan: args.gdn_scan,
         fp8_f32_out: args.fp8_f32_out,
+        prefill_graphs: args.prefill_graphs,
         sm_partition: args.sm_partition(),
         kv_exportable: false,
     };
@@ -848,45 +835,13 @@ fn bench_model(args: &Args, name: &str, dev: &mut DeviceFigures) -> anyhow::Resu
         gemm: dev.gemm,
         kv,
         cuda_graphs: runner.backend.cuda_graphs(),
+        prefill_graphs: runner.backend.prefill_graphs(),
         prefill,
         decode,
         decode_sampled,
         prefill_concurrency,
     };
     Ok(summarise(args, name, &dir, &cfg, &figures))
-}
-
-/// What a served engine would give itself for KV on this device (see [`KvCapacity`]).
-fn kv_capacity(args: &Args, cfg: &ModelConfig, device: &Device) -> anyhow::Result<KvCapacity> {
-    let (_, total) = device.memory_info()?;
-    let plan = MemoryPlan::of(cfg, &CudaOptions::device(args.device), BLOCK_SIZE);
-    if cfg.hybrid.is_some() {
-        return Ok(KvCapacity {
-            tokens: None,
-            plan,
-            total,
-            refusal: Some(
-                "not computed for a hybrid model here: its budget is split between the \
-                 full-attention layers' KV and the recurrent-state slots when it is served"
-                    .into(),
-            ),
-        });
-    }
-    let (tokens, refusal) = match plan.blocks(
-        KvBudget::Share(args.memory_share),
-        args.device,
-        total,
-        total,
-    ) {
-        Ok(b) => (Some(b * BLOCK_SIZE), None),
-        Err(e) => (None, Some(e.to_string())),
-    };
-    Ok(KvCapacity {
-        tokens,
-        plan,
-        total,
-        refusal,
-    })
 }
 
 fn main() -> anyhow::Result<()> {

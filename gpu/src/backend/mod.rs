@@ -71,6 +71,12 @@ pub struct CudaOptions {
     /// (512-token prefill) spent 24% of its kernel time in `fp8_out_cols`. Off by default
     /// until a GPU run has checked and measured it (`gpu-bench --fp8-f32-out`).
     pub fp8_f32_out: bool,
+    /// Whether steps with prompts of up to 512 tokens replay CUDA graphs of everything but
+    /// their attention, captured per token bucket in a segment per layer, the attention
+    /// launched eagerly between them (vLLM's "piecewise" graphs; `cuda::prefill_graphs`).
+    /// Needs `graphs`. Off by default until a GPU run has checked and measured it
+    /// (`gpu-bench --prefill-graphs`, with `--prefill-concurrency`).
+    pub prefill_graphs: bool,
     /// Run on one side of an SM split (a green context holding only that side's SMs),
     /// rather than on the whole device. `gpu-bench --sm-split` measures a side alone.
     pub sm_partition: Option<sm_split::SmPartition>,
@@ -146,6 +152,7 @@ impl CudaOptions {
             fuse_norms: false,
             gdn_scan: false,
             fp8_f32_out: false,
+            prefill_graphs: false,
             sm_partition: None,
             kv_exportable: false,
         }

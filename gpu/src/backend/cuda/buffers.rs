@@ -45,6 +45,25 @@ impl StepInputs {
         })
     }
 
+    /// Copies a step's token-wise inputs into these buffers (a graph's fixed ones); `what`
+    /// names them in an error. Pageable host memory: each copy has taken the data when it
+    /// returns.
+    pub fn upload_tokens(
+        &mut self,
+        stream: &Arc<CudaStream>,
+        (token_ids, positions, slots): (&[i32], &[i32], &[i32]),
+        what: &str,
+    ) -> Result<()> {
+        let e = |e| drv(&format!("{what} input upload"), e);
+        stream
+            .memcpy_htod(token_ids, &mut self.token_ids)
+            .map_err(e)?;
+        stream
+            .memcpy_htod(positions, &mut self.positions)
+            .map_err(e)?;
+        stream.memcpy_htod(slots, &mut self.slots).map_err(e)
+    }
+
     /// Zeroed buffers for `seqs` single-token sequences with block tables `width` wide: the
     /// fixed inputs of a decode graph.
     pub fn zeroed(stream: &Arc<CudaStream>, seqs: usize, width: usize) -> Result<StepInputs> {

@@ -24,6 +24,77 @@ impl CudaBackend {
     /// laid out as `batch::BatchLayout` describes), leaving the logits in `self.ls`. It
     /// neither allocates nor synchronises, so it can be recorded into a CUDA graph.
     pub(super) fn enqueue(&mut self, dims: &StepDims, inp: &StepInputs) -> Result<usize> {
+        self.with_pass(dims, inp, |pass, kv, ws, ls| {
+            pass.embed(ws)?;
+            let mut swapped = false;
+            for (li, layer) in pass.w.layers.iter().enumerate() {
+                swapped ^= pass.layer(li, layer, kv, ws)?;
+            }
+            // The fused norms write the residual to the other buffer each time (see
+            // `Pass::layer`): the handles go back, so a step (captured or not) always starts
+            // from the same ones. Nothing carries over between steps: each starts from the
+            // embeddings.
+            if swapped {
+                std::mem::swap(&mut ws.x, &mut ws.x2);
+            }
+            pass.logits(ws, ls)
+        })
+    }
+
+    /// Piecewise prefill (`prefill_graphs`): segment `seg` of `L + 1` for a step of
+    /// `dims.tokens` tokens whose token-wise inputs are in `inp`: segment 0 is the
+    /// embedding and layer 0 up to its attention, segment `i` the rest of layer `i - 1` and
+    /// layer `i` up to its attention, segment `L` the rest of the last layer and the final
+    /// norm. Nothing in it depends on the sequences, so it can be captured for the token
+    /// count alone. The norms are never fused here (no prefill is a skinny step).
+    pub(super) fn enqueue_segment(
+        &mut self,
+        dims: &StepDims,
+        inp: &StepInputs,
+        seg: usize,
+    ) -> Result<()> {
+        self.with_pass(dims, inp, |pass, kv, ws, _| {
+            let layers = &pass.w.layers;
+            if pass.fuse_norms {
+                return Err(BackendError::Invariant("a prefill segment with fused norms").into());
+            }
+            if seg == 0 {
+                pass.embed(ws)?;
+            } else {
+                pass.post_attention(seg - 1, &layers[seg - 1], ws)?;
+            }
+            if let Some(layer) = layers.get(seg) {
+                pass.pre_attention(seg, layer, kv, ws)?;
+            }
+            Ok(())
+        })
+    }
+
+    /// Piecewise prefill: layer `li`'s attention over the step's sequences (`inp`, `dims`
+    /// the step's own), between the segments around it.
+    pub(super) fn enqueue_attention(
+        &mut self,
+        dims: &StepDims,
+        inp: &StepInputs,
+        li: usize,
+    ) -> Result<()> {
+        self.with_pass(dims, inp, |pass, kv, ws, _| pass.attention(li, kv, ws))
+    }
+
+    /// Piecewise prefill: the logits of the step's rows that want them, after the last
+    /// segment. Returns how many.
+    pub(super) fn enqueue_logits(&mut self, dims: &StepDims, inp: &StepInputs) -> Result<usize> {
+        self.with_pass(dims, inp, |pass, _, ws, ls| pass.logits(ws, ls))
+    }
+
+    /// Runs `f` with the pass over `dims` and `inp`, the cache, the workspace and the logits
+    /// space (which `f` may use only when `dims.logits > 0`).
+    fn with_pass<T>(
+        &mut self,
+        dims: &StepDims,
+        inp: &StepInputs,
+        f: impl FnOnce(&Pass, &mut KvCache, &mut Workspace, Option<&mut LogitsSpace>) -> Result<T>,
+    ) -> Result<T> {
         let Self {
             cfg,
             stream,
@@ -71,25 +142,7 @@ impl CudaBackend {
                 && pass.mm.norm_prologue(dims.tokens, cfg.hidden_size),
             ..pass
         };
-        pass.embed(ws)?;
-        let mut swapped = false;
-        for (li, layer) in w.layers.iter().enumerate() {
-            swapped ^= pass.layer(li, layer, kv, ws)?;
-        }
-        // The fused norms write the residual to the other buffer each time (see `Pass::layer`):
-        // the handles go back, so a step (captured or not) always starts from the same ones.
-        // Nothing carries over between steps: each starts from the embeddings.
-        if swapped {
-            std::mem::swap(&mut ws.x, &mut ws.x2);
-        }
-        if dims.logits == 0 {
-            return Ok(0);
-        }
-        let ls = ls
-            .as_mut()
-            .ok_or(BackendError::Invariant("logits space missing"))?;
-        pass.logits(ws, ls)?;
-        Ok(dims.logits)
+        f(&pass, kv, ws, ls.as_mut())
     }
 }
 
@@ -150,6 +203,22 @@ impl Pass<'_> {
         kv: &mut KvCache,
         ws: &mut Workspace,
     ) -> Result<bool> {
+        let before = self.pre_attention(li, layer, kv, ws)?;
+        self.attention(li, kv, ws)?;
+        let after = self.post_attention(li, layer, ws)?;
+        Ok(before ^ after)
+    }
+
+    /// Layer `li` up to its attention: the q/k/v product (with the residual add and input
+    /// norm as its prologue under `fuse_norms`, past layer 0), the rotary embedding and the
+    /// new K/V into the cache. Returns whether it swapped `x` and `x2`.
+    fn pre_attention(
+        &self,
+        li: usize,
+        layer: &DevLayer,
+        kv: &mut KvCache,
+        ws: &mut Workspace,
+    ) -> Result<bool> {
         let (cfg, t) = (self.cfg, self.dims.tokens);
         let mut swaps = false;
         if self.fuse_norms && li > 0 {
@@ -190,6 +259,12 @@ impl Pass<'_> {
             heads: self.heads,
         }
         .launch(self.k, self.s)?;
+        Ok(swaps)
+    }
+
+    /// Layer `li`'s attention over the paged cache, into `attn`.
+    fn attention(&self, li: usize, kv: &KvCache, ws: &mut Workspace) -> Result<()> {
+        let cfg = self.cfg;
         Attention {
             qkv: &ws.qkv,
             q_row: self.heads.row(),
@@ -206,7 +281,15 @@ impl Pass<'_> {
             scale: cfg.attention_scale(),
             window: cfg.layer_window(li),
         }
-        .launch(self.k, self.s)?;
+        .launch(self.k, self.s)
+    }
+
+    /// Layer `li` after its attention: the output product, the residual add and norm, the
+    /// MLP, and the residual add fused with the next layer's input norm (or the final norm).
+    /// Returns whether it swapped `x` and `x2`.
+    fn post_attention(&self, li: usize, layer: &DevLayer, ws: &mut Workspace) -> Result<bool> {
+        let (cfg, t) = (self.cfg, self.dims.tokens);
+        let mut swaps = false;
         self.linear(&layer.o_proj, &ws.attn, &mut ws.tmp)?;
         if self.fuse_norms {
             let input = SkinnyIn::Norm {
@@ -242,8 +325,13 @@ impl Pass<'_> {
     }
 
     /// The logits of the rows that want them: those rows of `xn` gathered, times the head.
-    fn logits(&self, ws: &Workspace, ls: &mut LogitsSpace) -> Result<()> {
+    /// Returns how many.
+    fn logits(&self, ws: &Workspace, ls: Option<&mut LogitsSpace>) -> Result<usize> {
         let (n, h) = (self.dims.logits, self.cfg.hidden_size);
+        if n == 0 {
+            return Ok(0);
+        }
+        let ls = ls.ok_or(BackendError::Invariant("logits space missing"))?;
         GatherRows {
             src: &ws.xn,
             rows: &self.inp.logits_rows,
@@ -257,7 +345,9 @@ impl Pass<'_> {
             None => &self.w.embed_tokens,
         };
         let vocab = self.cfg.vocab_size;
-        self.mm.product(&ls.xr, head, &mut ls.logits, (n, vocab, h))
+        self.mm
+            .product(&ls.xr, head, &mut ls.logits, (n, vocab, h))?;
+        Ok(n)
     }
 
     /// `y = x · Wᵀ (+ b)` over the step's tokens.

@@ -29,6 +29,15 @@ pub struct SendGraph(CudaGraph);
 // SAFETY: see above; the graph is never shared, only moved with its owner.
 unsafe impl Send for SendGraph {}
 
+impl SendGraph {
+    /// Launches the graph on the stream it was captured from; `what` names it in an error.
+    pub fn launch(&self, what: &str) -> Result<()> {
+        self.0
+            .launch()
+            .map_err(|e| drv(&format!("{what} launch"), e))
+    }
+}
+
 /// One decode bucket: the fixed device buffers its graph reads its inputs from (a replay
 /// sees whatever was copied into them just before), and the graph once captured.
 pub struct DecodeGraph {
@@ -41,16 +50,10 @@ pub struct DecodeGraph {
 impl DecodeGraph {
     /// Copies a step's padded inputs into the graph's buffers.
     pub fn upload(&mut self, stream: &Arc<CudaStream>, host: &GraphHostInputs) -> Result<()> {
+        let tokens = (&host.token_ids[..], &host.positions[..], &host.slots[..]);
+        self.inputs.upload_tokens(stream, tokens, "decode graph")?;
         let i = &mut self.inputs;
         let e = |e| drv("decode graph input upload", e);
-        // Pageable host memory: each copy has taken the data when it returns.
-        stream
-            .memcpy_htod(&host.token_ids, &mut i.token_ids)
-            .map_err(e)?;
-        stream
-            .memcpy_htod(&host.positions, &mut i.positions)
-            .map_err(e)?;
-        stream.memcpy_htod(&host.slots, &mut i.slots).map_err(e)?;
         stream
             .memcpy_htod(&host.seq_starts, &mut i.seq_starts)
             .map_err(e)?;
@@ -66,7 +69,7 @@ impl DecodeGraph {
     /// Replays the captured graph; nothing to do before it is captured.
     pub fn launch(&self) -> Result<()> {
         if let Some(exec) = &self.exec {
-            exec.0.launch().map_err(|e| drv("decode graph launch", e))?;
+            exec.launch("decode graph")?;
         }
         Ok(())
     }

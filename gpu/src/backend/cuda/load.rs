@@ -12,6 +12,7 @@ use super::fp8_gemm::{Fp8Ctx, LT_WORKSPACE};
 use super::graphs::DecodeGraphs;
 use super::kernels::Kernels;
 use super::kv::KvCache;
+use super::prefill_graphs::PrefillGraphs;
 use super::shapes::MAX_HEAD_DIM;
 use super::weights::DevWeights;
 use super::CudaBackend;
@@ -126,7 +127,7 @@ impl CudaBackend {
             KvCache::alloc(&stream, ordinal, cfg, num_blocks, block_size)?
         };
         let device_kv = super::handover::device_pool(&kv, &ctx, ordinal, k.kv_copy.clone())?;
-        let graphs = DecodeGraphs::new(opts.graphs, cfg, num_blocks, block_size);
+        let (graphs, prefill_graphs) = graphs(&opts, cfg, num_blocks, block_size);
         let ws = match plan.tokens {
             0 => None,
             t => Some(Workspace::alloc(&stream, cfg, t)?),
@@ -159,6 +160,7 @@ impl CudaBackend {
             ws,
             ls,
             graphs,
+            prefill_graphs,
             skinny_max_rows: opts.skinny_max_rows,
             split_decode: opts.split_decode,
             fuse_norms: opts.fuse_norms,
@@ -326,6 +328,20 @@ impl MemoryPlan {
         }
         Ok(blocks)
     }
+}
+
+/// The backend's decode graphs and piecewise prefill graphs, as the options ask.
+fn graphs(
+    opts: &CudaOptions,
+    cfg: &ModelConfig,
+    num_blocks: usize,
+    block_size: usize,
+) -> (DecodeGraphs, PrefillGraphs) {
+    let prefill = opts.graphs && opts.prefill_graphs;
+    (
+        DecodeGraphs::new(opts.graphs, cfg, num_blocks, block_size),
+        PrefillGraphs::new(prefill, cfg.num_layers, num_blocks, block_size),
+    )
 }
 
 #[cfg(test)]

@@ -33,7 +33,9 @@
 //! - `shapes`: each kernel's launch figures, shared with `kernels/*.cu`, and device limits.
 //!
 //! Pure decode steps replay one CUDA graph per batch-size bucket (see `graphs`) unless
-//! `CudaOptions::graphs` is off (`--enforce-eager`); every other step runs eagerly.
+//! `CudaOptions::graphs` is off (`--enforce-eager`); with `CudaOptions::prefill_graphs`,
+//! other steps of up to 512 tokens replay piecewise graphs around their attention launches
+//! (`prefill_graphs`); every other step runs eagerly.
 //!
 //! Sampling (greedy, temperature, top-k, top-p) runs on the device; only top logprobs fall
 //! back to copying logits. Prefill attention runs on the tensor cores over the paged cache.
@@ -63,6 +65,7 @@ mod kv;
 mod launch;
 mod load;
 mod measure;
+mod prefill_graphs;
 pub mod ptx_cache;
 mod sampling;
 pub mod shapes;
@@ -108,6 +111,8 @@ pub struct CudaBackend {
     ws: Option<Workspace>,
     ls: Option<LogitsSpace>,
     graphs: DecodeGraphs,
+    /// Piecewise graphs for steps with prompts (`CudaOptions::prefill_graphs`).
+    prefill_graphs: prefill_graphs::PrefillGraphs,
     /// Products of at most this many rows use the skinny kernels
     /// (`CudaOptions::skinny_max_rows`).
     skinny_max_rows: usize,
@@ -126,6 +131,12 @@ impl CudaBackend {
     /// capture failed, so benchmarks can say which path they measured.
     pub fn cuda_graphs_enabled(&self) -> bool {
         self.graphs.enabled()
+    }
+
+    /// Whether steps with prompts of up to `prefill_graphs::MAX_TOKENS` tokens replay
+    /// piecewise graphs (off after a failed capture).
+    pub fn prefill_graphs_enabled(&self) -> bool {
+        self.prefill_graphs.enabled()
     }
 
     /// KV-transfer hook: the K and V of `blocks` in `layer`, as little-endian bf16 bytes,

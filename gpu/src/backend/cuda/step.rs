@@ -6,6 +6,7 @@ use super::batch::{self, BatchLayout};
 use super::buffers::{LogitsSpace, StepDims, StepInputs, Workspace};
 use super::device::drv;
 use super::graphs::{self, DecodeGraph, GraphHostInputs};
+use super::prefill_graphs::{PaddedTokens, PrefillGraph, PrefillGraphs};
 use super::CudaBackend;
 use crate::backend::ForwardBatch;
 use crate::error::Result;
@@ -37,7 +38,76 @@ impl CudaBackend {
             self.ensure_logits_space(dims.logits)?;
         }
         let inputs = StepInputs::upload(&self.stream, &layout)?;
+        if let Some(n) = self.run_piecewise(&layout, &dims, &inputs)? {
+            return Ok(n);
+        }
         self.enqueue(&dims, &inputs)
+    }
+
+    /// A step of up to `prefill_graphs::MAX_TOKENS` tokens with `CudaOptions::prefill_graphs`:
+    /// its bucket's segments replayed (each captured on first use), the attention launches
+    /// (over `inputs`, the step's own) between them and the logits after. `None` when the
+    /// step does not qualify; the caller then runs it eagerly.
+    fn run_piecewise(
+        &mut self,
+        layout: &BatchLayout,
+        dims: &StepDims,
+        inputs: &StepInputs,
+    ) -> Result<Option<usize>> {
+        let Some(b) = self.prefill_graphs.bucket(layout) else {
+            return Ok(None);
+        };
+        self.ensure_workspace(b)?;
+        let host = self.prefill_graphs.padded(layout, b);
+        let mut g = self.prefill_graphs.take(&self.stream, b)?;
+        let r = self.replay_segments(&mut g, &host, b, dims, inputs);
+        self.prefill_graphs.put_back(b, g);
+        r.map(Some)
+    }
+
+    /// Uploads `host` into `g`'s buffers, then each segment (captured first if it is not)
+    /// and the attention after it, then the logits. A segment whose capture fails runs
+    /// eagerly, and the graphs are switched off for later steps (with a warning).
+    fn replay_segments(
+        &mut self,
+        g: &mut PrefillGraph,
+        host: &PaddedTokens,
+        b: usize,
+        dims: &StepDims,
+        inputs: &StepInputs,
+    ) -> Result<usize> {
+        g.upload(&self.stream, host)?;
+        let seg_dims = PrefillGraphs::dims(b);
+        let layers = self.prefill_graphs.segments() - 1;
+        for seg in 0..=layers {
+            if g.segments[seg].is_none() && self.prefill_graphs.enabled() {
+                let (ctx, stream) = (self.ctx.clone(), self.stream.clone());
+                let inp = &g.inputs;
+                let captured = graphs::capture(&ctx, &stream, || {
+                    self.enqueue_segment(&seg_dims, inp, seg).map(|()| 0)
+                });
+                match captured {
+                    Ok(graph) => g.segments[seg] = Some(graph),
+                    Err(e) => {
+                        tracing::warn!(
+                            error = %e,
+                            bucket = b,
+                            segment = seg,
+                            "prefill graph capture failed; steps with prompts run eagerly from now on"
+                        );
+                        self.prefill_graphs.disable();
+                    }
+                }
+            }
+            match &g.segments[seg] {
+                Some(graph) => graph.launch("prefill segment")?,
+                None => self.enqueue_segment(&seg_dims, &g.inputs, seg)?,
+            }
+            if seg < layers {
+                self.enqueue_attention(dims, inputs, seg)?;
+            }
+        }
+        self.enqueue_logits(dims, inputs)
     }
 
     /// The pure-decode fast path: copies the step's inputs, padded to the bucket, into the
@@ -98,6 +168,7 @@ impl CudaBackend {
         // them would launch on freed memory.
         self.ws = None;
         self.graphs.drop_captured();
+        self.prefill_graphs.drop_captured();
         self.ws = Some(Workspace::alloc(
             &self.stream,
             &self.cfg,
