@@ -113,8 +113,10 @@ pub struct EngineArgs {
     #[arg(skip)]
     pub kv_exportable: bool,
     /// Set for a decode engine of a node given `--kv-transport ucx`: on a GPU its KV cache is
-    /// one `cuMemAlloc` allocation, which UCX's CUDA transports register and map (memory of
-    /// the driver's stream-ordered pools they may not); nothing changes on the CPU.
+    /// one `cuMemAlloc` allocation where the driver allows it, which UCX's CUDA transports
+    /// register and map (memory of the driver's stream-ordered pools they may not); where it
+    /// does not, the cache is allocated as usual (with a warning) and KV moves through host
+    /// memory. Nothing changes on the CPU.
     #[arg(skip)]
     pub kv_for_ucx: bool,
 }
@@ -339,7 +341,8 @@ pub fn start_engine_on(
             cuda.reserve_tokens = args.max_num_batched_tokens;
             cuda.reserve_rows = args.max_num_seqs;
             cuda.sm_partition = part;
-            cuda.kv_exportable = args.kv_exportable || args.kv_for_ucx;
+            cuda.kv_exportable = args.kv_exportable;
+            cuda.kv_one_allocation = args.kv_for_ucx;
         }
         (_, Some(p)) => anyhow::bail!(
             "--sm-split {} splits a CUDA GPU's SMs between the prefill and decode engines, and \

@@ -759,6 +759,7 @@ fn bench_model(args: &Args, name: &str, dev: &mut DeviceFigures) -> anyhow::Resu
         prefill_graphs: args.prefill_graphs,
         sm_partition: args.sm_partition(),
         kv_exportable: false,
+        kv_one_allocation: false,
     };
     let backend = match cfg.hybrid {
         // A recurrent-state slot for every sequence of the largest batch.

@@ -84,6 +84,11 @@ pub struct CudaOptions {
     /// IPC), so a prefill process copies into it on the device (`--kv-transport cuda-ipc`
     /// on a decode node).
     pub kv_exportable: bool,
+    /// Allocate the KV cache as one `cuMemAlloc` region where the driver allows it, which
+    /// UCX's CUDA lanes register and map (`--kv-transport ucx` on a decode node); where it
+    /// does not, the cache is allocated per layer as usual, with a warning, and KV moves
+    /// through host memory. Unlike `kv_exportable`, nothing fails for want of it.
+    pub kv_one_allocation: bool,
 }
 
 /// `CudaOptions::pdl`.
@@ -155,6 +160,7 @@ impl CudaOptions {
             prefill_graphs: false,
             sm_partition: None,
             kv_exportable: false,
+            kv_one_allocation: false,
         }
     }
 }

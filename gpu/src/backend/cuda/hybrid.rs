@@ -139,11 +139,13 @@ impl CudaHybridBackend {
             .map_err(|e| EngineError::device("cuBLAS initialisation", e))?;
         let w = HybridWeights::upload(&stream, ordinal, cfg, weights)?;
         k.pdl &= opts.pdl.enabled(w.bytes_per_step());
-        let kv = if opts.kv_exportable {
-            KvCache::alloc_exportable(&stream, ordinal, cfg, full_layers, split.blocks, block_size)?
-        } else {
-            KvCache::alloc_layers(&stream, ordinal, cfg, full_layers, split.blocks, block_size)?
-        };
+        let kv = KvCache::alloc_as(
+            &opts,
+            &stream,
+            (ordinal, cfg, full_layers),
+            split.blocks,
+            block_size,
+        )?;
         // Every slot, and the scratch slot after them.
         let scratch_slot = split.slots + split.snapshots;
         let states = stream

@@ -55,18 +55,36 @@ impl Drop for KvCache {
 }
 
 impl KvCache {
-    /// Zeroed K and V for `num_blocks` blocks plus the scratch block, in every layer.
-    pub fn alloc(
+    /// The cache of `layers` layers as `opts` asks: exportable (`kv_exportable`, which fails
+    /// without it), one region where the driver allows it (`kv_one_allocation`), or per
+    /// layer.
+    pub fn alloc_as(
+        opts: &crate::backend::CudaOptions,
         stream: &Arc<CudaStream>,
-        ordinal: usize,
-        cfg: &ModelConfig,
+        (ordinal, cfg, layers): (usize, &ModelConfig, usize),
         num_blocks: usize,
         block_size: usize,
     ) -> Result<KvCache> {
-        Self::alloc_layers(stream, ordinal, cfg, cfg.num_layers, num_blocks, block_size)
+        let one = || Self::alloc_exportable(stream, ordinal, cfg, layers, num_blocks, block_size);
+        if opts.kv_exportable {
+            return one();
+        }
+        if opts.kv_one_allocation {
+            match one() {
+                Ok(kv) => return Ok(kv),
+                Err(e) => tracing::warn!(
+                    device = ordinal,
+                    error = %e,
+                    "the KV cache cannot be one exportable region here; it is allocated per \
+                     layer, and UCX moves KV through host memory"
+                ),
+            }
+        }
+        Self::alloc_layers(stream, ordinal, cfg, layers, num_blocks, block_size)
     }
 
-    /// The same for `layers` layers (a hybrid model's full-attention layers only).
+    /// Zeroed K and V for `num_blocks` blocks plus the scratch block, in each of `layers`
+    /// layers (a hybrid model's full-attention layers only).
     pub fn alloc_layers(
         stream: &Arc<CudaStream>,
         ordinal: usize,

@@ -114,18 +114,13 @@ impl CudaBackend {
         };
         k.pdl &= opts.pdl.enabled(w.bytes_per_step());
         // One block more than asked for: the scratch block decode graphs pad with.
-        let kv = if opts.kv_exportable {
-            KvCache::alloc_exportable(
-                &stream,
-                ordinal,
-                cfg,
-                cfg.num_layers,
-                num_blocks,
-                block_size,
-            )?
-        } else {
-            KvCache::alloc(&stream, ordinal, cfg, num_blocks, block_size)?
-        };
+        let kv = KvCache::alloc_as(
+            &opts,
+            &stream,
+            (ordinal, cfg, cfg.num_layers),
+            num_blocks,
+            block_size,
+        )?;
         let device_kv = super::handover::device_pool(&kv, &ctx, ordinal, k.kv_copy.clone())?;
         let (graphs, prefill_graphs) = graphs(&opts, cfg, num_blocks, block_size);
         let ws = match plan.tokens {
