@@ -189,12 +189,15 @@ run)
     stage pdl-ab-small 60 bash -c 'for f in off on; do gpu-out/gpu-bench --pdl $f \
         --batches 1,8,32 --sampled-batches 1 --prefill-lens 512 --gemm-size 0 --copy-reps 3 \
         --json "bench/results/gpu-small-pdl-$f.json" || exit; done'
-    # The residual adds and norms as the next product's prologue (CudaOptions::fuse_norms,
-    # off by default until this has run), off and on side by side on the three shapes.
-    stage fuse-ab 120 bash -c 'for f in off on; do gpu-out/gpu-bench \
-        $([ $f = on ] && echo --fuse-norms) --presets qwen2.5-0.5b,llama-3.2-1b,qwen3-8b \
+    # The residual adds and norms as the next product's prologue (CudaOptions::fuse_norms),
+    # then also the rotary embedding and K/V write as the q/k/v product's epilogue
+    # (CudaOptions::fuse_rope; models without q/k norms, so Llama's 8B, not Qwen3's), both
+    # off by default until this has run: off, norms, norms + rope side by side.
+    stage fuse-ab 180 bash -c 'for f in off norms rope; do gpu-out/gpu-bench \
+        $([ $f != off ] && echo --fuse-norms) $([ $f = rope ] && echo --fuse-rope) \
+        --presets qwen2.5-0.5b,llama-3.2-1b,llama-3.1-8b \
         --batches 1,2,8 --sampled-batches 0 --prefill-lens 512 --gemm-size 0 --copy-reps 3 \
-        --json "bench/results/gpu-fuse-norms-$f.json" || exit; done'
+        --json "bench/results/gpu-fuse-$f.json" || exit; done'
     # Each side of an SM split alone (green contexts; `--sm-split`): decode on 36 SMs, prefill
     # on 96, against bench-8b's whole GPU: what a split costs each engine.
     stage sm-split-8b 130 bash -c 'for side in decode prefill; do gpu-out/gpu-bench \

@@ -343,6 +343,14 @@ fn greedy_generation_is_token_identical_with_and_without_graphs() {
                     ..CudaOptions::device(0)
                 },
             ),
+            (
+                "norms and the rotary embedding fused into the products",
+                CudaOptions {
+                    fuse_norms: true,
+                    fuse_rope: true,
+                    ..CudaOptions::device(0)
+                },
+            ),
         ] {
             let be = build_backend(
                 BackendKind::Cuda(opts),
@@ -502,25 +510,43 @@ fn long_prompts_match_the_cpu_for_every_head_dimension() {
             let w = forward(g.as_mut(), &prompt, 0, &table);
             (w, forward(g.as_mut(), &next, 700, &table))
         };
-        // The norms as the products' prologue compute the same bits as their own launches.
-        let mut fused = build_backend(
-            BackendKind::Cuda(CudaOptions {
-                fuse_norms: true,
-                ..CudaOptions::device(0)
-            }),
-            &m,
-            BLOCK_SIZE,
-            KvBudget::Blocks(64),
-        )
-        .unwrap();
-        forward(fused.as_mut(), &prompt, 0, &table);
-        let fused_step = forward(fused.as_mut(), &next, 700, &table);
+        // The norms as the products' prologue, and the rotary embedding with the K/V write
+        // as the q/k/v product's epilogue (Qwen3's q/k norms keep their own launch), compute
+        // the same bits as their own launches.
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-        assert_eq!(
-            bits(&fused_step),
-            bits(&serial_step),
-            "{ctx}: decode with the norms fused into the products"
-        );
+        for (what, fuse_norms, fuse_rope) in [
+            ("the norms", true, false),
+            ("the rotary embedding", false, true),
+            ("the norms and the rotary embedding", true, true),
+        ] {
+            let mut fused = build_backend(
+                BackendKind::Cuda(CudaOptions {
+                    fuse_norms,
+                    fuse_rope,
+                    ..CudaOptions::device(0)
+                }),
+                &m,
+                BLOCK_SIZE,
+                KvBudget::Blocks(64),
+            )
+            .unwrap();
+            forward(fused.as_mut(), &prompt, 0, &table);
+            let fused_step = forward(fused.as_mut(), &next, 700, &table);
+            assert_eq!(
+                bits(&fused_step),
+                bits(&serial_step),
+                "{ctx}: decode with {what} fused into the products"
+            );
+            // The step wrote the new position's K/V: a second step reads it back.
+            let after = [prompt[2]];
+            let fused_next = forward(fused.as_mut(), &after, 701, &table);
+            let serial_next = forward(serial.as_mut(), &after, 701, &table);
+            assert_eq!(
+                bits(&fused_next),
+                bits(&serial_next),
+                "{ctx}: the step after a decode with {what} fused"
+            );
+        }
         assert_eq!(
             bits(&pdl_whole),
             bits(&serial_whole),

@@ -27,11 +27,9 @@ use std::time::Instant;
 use clap::Parser;
 use kvmesh_bench::compute::prefill_flops;
 use kvmesh_bench::programs::write_json;
-use kvmesh_gpu::backend::cuda::{CudaBackend, CudaHybridBackend, Device};
+use kvmesh_gpu::backend::cuda::{CudaBackend, CudaHybridBackend};
 use kvmesh_gpu::backend::sm_split::{SmPartition, SmSide, SmSplit};
-use kvmesh_gpu::backend::{
-    Backend, CudaOptions, ForwardBatch, KvBudget, Pdl, SampleSpec, SeqInput,
-};
+use kvmesh_gpu::backend::{CudaOptions, ForwardBatch, KvBudget, Pdl, SampleSpec, SeqInput};
 use kvmesh_gpu::config::ModelConfig;
 use kvmesh_gpu::init::{
     preset, random_fp8_in_memory, write_random_checkpoint, write_random_fp8_checkpoint,
@@ -45,6 +43,9 @@ const BLOCK_SIZE: usize = 16;
 
 #[path = "gpu_bench/concurrency.rs"]
 mod concurrency;
+#[path = "gpu_bench/gpu.rs"]
+mod gpu;
+use gpu::Gpu;
 #[path = "gpu_bench/kv.rs"]
 mod kv;
 use kv::{kv_capacity, kv_json, kv_line, KvCapacity};
@@ -91,6 +92,10 @@ struct Args {
     /// prologue (see `CudaOptions::fuse_norms`).
     #[arg(long)]
     fuse_norms: bool,
+    /// Decode steps of few rows rotate q and k and write the new K/V in the q/k/v product's
+    /// epilogue (see `CudaOptions::fuse_rope`).
+    #[arg(long)]
+    fuse_rope: bool,
     /// Steps with prompts run a hybrid model's Gated DeltaNet layers through the scan path
     /// (see `CudaOptions::gdn_scan`).
     #[arg(long)]
@@ -342,65 +347,6 @@ fn timed_step(
     Ok((secs, out.into_iter().map(|s| s.token).collect()))
 }
 
-/// The backend under test: a dense model's, or a hybrid (Qwen3.5) model's, whose steps
-/// also read and write each sequence's recurrent state (a slot per sequence).
-enum Gpu {
-    Dense(Box<CudaBackend>),
-    Hybrid(Box<CudaHybridBackend>),
-}
-
-impl Gpu {
-    fn backend(&mut self) -> &mut dyn Backend {
-        match self {
-            Gpu::Dense(b) => b.as_mut(),
-            Gpu::Hybrid(b) => b.as_mut(),
-        }
-    }
-
-    fn measure(&self) -> Device<'_> {
-        match self {
-            Gpu::Dense(b) => b.measure(),
-            Gpu::Hybrid(b) => b.measure(),
-        }
-    }
-
-    /// Sequence `s`'s recurrent-state slot, for a hybrid model.
-    fn slot(&self, s: usize) -> Option<u32> {
-        matches!(self, Gpu::Hybrid(_)).then_some(s as u32)
-    }
-
-    fn weight_bytes_per_step(&self) -> usize {
-        match self {
-            Gpu::Dense(b) => b.weight_bytes_per_step(),
-            Gpu::Hybrid(b) => b.weight_bytes_per_step(),
-        }
-    }
-
-    /// Recurrent state a step reads and writes per sequence (0 for a dense model).
-    fn state_bytes_per_seq(&self) -> usize {
-        match self {
-            Gpu::Dense(_) => 0,
-            Gpu::Hybrid(b) => b.state_bytes_per_seq(),
-        }
-    }
-
-    /// Whether steps with prompts replayed piecewise graphs (dense models only).
-    fn prefill_graphs(&self) -> bool {
-        match self {
-            Gpu::Dense(b) => b.prefill_graphs_enabled(),
-            Gpu::Hybrid(_) => false,
-        }
-    }
-
-    /// Whether decode steps replayed CUDA graphs.
-    fn cuda_graphs(&self) -> bool {
-        match self {
-            Gpu::Dense(b) => b.cuda_graphs_enabled(),
-            Gpu::Hybrid(b) => b.cuda_graphs_enabled(),
-        }
-    }
-}
-
 struct ModelResult {
     json: serde_json::Value,
     table: Vec<String>,
@@ -459,9 +405,35 @@ impl Runner<'_> {
         Ok(prefill)
     }
 
+    /// Decode at every `--batches` size, greedy (and sampled at `--sampled-batches`): the
+    /// seconds per step, the device's seconds over the step's graph, and the sampled steps'.
+    #[allow(clippy::type_complexity)]
+    fn decode_batches(
+        &mut self,
+    ) -> anyhow::Result<(Vec<(usize, f64)>, Vec<(usize, f64)>, Vec<(usize, f64)>)> {
+        let (mut decode, mut graphs, mut sampled_steps) = (Vec::new(), Vec::new(), Vec::new());
+        self.backend.time_graph_replays()?;
+        let (args, name) = (self.args, self.name);
+        for &b in args.batches.iter().filter(|&&b| b > 0) {
+            let (step, graph) = self.decode(b, &greedy())?;
+            eprintln!("{name}: batch {b} decode {:.2} ms/step", step * 1e3);
+            decode.push((b, step));
+            graphs.extend(graph.map(|g| (b, g)));
+            if args.sampled_batches.contains(&b) {
+                let (step, _) = self.decode(b, &sampled())?;
+                eprintln!("{name}: batch {b} sampled decode {:.2} ms/step", step * 1e3);
+                sampled_steps.push((b, step));
+            }
+        }
+        Ok((decode, graphs, sampled_steps))
+    }
+
     /// Median seconds of a decode step of `b` sequences (after filling their histories and
-    /// `--warmup` steps), each step sampling on the device with `params`.
-    fn decode(&mut self, b: usize, params: &SamplingParams) -> anyhow::Result<f64> {
+    /// `--warmup` steps), each step sampling on the device with `params`, and the median of
+    /// the device's time over the step's CUDA graph alone (`None` when it ran eagerly): the
+    /// rest of the step is the host's (layout, uploads, launches), the sampling and the
+    /// copy back.
+    fn decode(&mut self, b: usize, params: &SamplingParams) -> anyhow::Result<(f64, Option<f64>)> {
         let args = self.args;
         let tables: Vec<Vec<BlockId>> = (0..b)
             .map(|s| {
@@ -500,6 +472,7 @@ impl Runner<'_> {
             .map(|p| p.last().copied().unwrap_or(0))
             .collect();
         let mut times = Vec::new();
+        let mut graph_times = Vec::new();
         for step in 0..args.warmup + args.decode_steps {
             let toks: Vec<[u32; 1]> = last.iter().map(|&t| [t % self.vocab]).collect();
             let batch = ForwardBatch {
@@ -521,11 +494,15 @@ impl Runner<'_> {
                 sampled.len()
             );
             last = sampled;
+            let graph = self.backend.last_graph_replay_secs()?;
             if step >= args.warmup {
                 times.push(secs);
+                graph_times.extend(graph);
             }
         }
-        Ok(median(times))
+        // Every measured step replayed, or the figure would mix steps.
+        let graph = (graph_times.len() == times.len()).then(|| median(graph_times));
+        Ok((median(times), graph))
     }
 }
 
@@ -558,6 +535,8 @@ struct Figures {
     prefill: Vec<(usize, f64)>,
     /// (batch, seconds per step)
     decode: Vec<(usize, f64)>,
+    /// (batch, the device's seconds over the step's CUDA graph), where it replayed one
+    decode_graph: Vec<(usize, f64)>,
     /// (batch, seconds per step) with [`sampled`]'s parameters
     decode_sampled: Vec<(usize, f64)>,
     prefill_concurrency: Vec<concurrency::Concurrency>,
@@ -574,7 +553,7 @@ impl Figures {
 /// The decode settings a run measured, as its table states them.
 fn decode_line(args: &Args, cuda_graphs: bool) -> String {
     format!(
-        "decode       CUDA graphs {} (--enforce-eager turns them off); {}{}{}{}",
+        "decode       CUDA graphs {} (--enforce-eager turns them off); {}{}{}{}{}",
         if cuda_graphs { "on" } else { "off" },
         skinny_line(args.skinny_rows()),
         if args.no_split_decode {
@@ -589,6 +568,11 @@ fn decode_line(args: &Args, cuda_graphs: bool) -> String {
         },
         if args.fuse_norms {
             "; norms fused into the products at 1-2 rows"
+        } else {
+            ""
+        },
+        if args.fuse_rope {
+            "; rotary embedding and K/V write fused into the q/k/v product"
         } else {
             ""
         }
@@ -654,8 +638,8 @@ fn summarise(args: &Args, name: &str, dir: &Path, cfg: &ModelConfig, f: &Figures
         ),
         decode_line(args, f.cuda_graphs),
         format!(
-            "{:>8} {:>12} {:>12} {:>14} {:>12}",
-            "batch", "ms/step", "tokens/s", "bw utilisation", "sampled ms"
+            "{:>8} {:>12} {:>12} {:>14} {:>12} {:>12}",
+            "batch", "ms/step", "tokens/s", "bw utilisation", "sampled ms", "graph ms"
         ),
     ];
     let mut json_decode = Vec::new();
@@ -667,18 +651,17 @@ fn summarise(args: &Args, name: &str, dir: &Path, cfg: &ModelConfig, f: &Figures
         if b == 1 {
             util1 = Some(util);
         }
-        let sampled = f
-            .decode_sampled
-            .iter()
-            .find(|&&(sb, _)| sb == b)
-            .map(|&(_, s)| s * 1e3);
+        let at = |v: &[(usize, f64)]| v.iter().find(|&&(x, _)| x == b).map(|&(_, s)| s * 1e3);
+        let (sampled, graph) = (at(&f.decode_sampled), at(&f.decode_graph));
+        let ms = |v: Option<f64>| v.map_or("-".into(), |ms| format!("{ms:.3}"));
         table.push(format!(
-            "{:>8} {:>12.3} {:>12.1} {:>13.1}% {:>12}",
+            "{:>8} {:>12.3} {:>12.1} {:>13.1}% {:>12} {:>12}",
             b,
             step * 1e3,
             b as f64 / step,
             util * 100.0,
-            sampled.map_or("-".into(), |ms| format!("{ms:.3}"))
+            ms(sampled),
+            ms(graph)
         ));
         json_decode.push(serde_json::json!({
             "batch": b,
@@ -687,6 +670,7 @@ fn summarise(args: &Args, name: &str, dir: &Path, cfg: &ModelConfig, f: &Figures
             "tokens_per_s": b as f64 / step,
             "weight_bandwidth_utilisation": util,
             "ms_per_step_sampled": sampled,
+            "graph_ms_on_device": graph,
         }));
     }
     let (prefill_lines, json_prefill) = prefill_rows(cfg, f);
@@ -706,6 +690,7 @@ fn summarise(args: &Args, name: &str, dir: &Path, cfg: &ModelConfig, f: &Figures
         "split_decode": !args.no_split_decode,
         "pdl": format!("{:?}", args.pdl).to_lowercase(),
         "fuse_norms": args.fuse_norms,
+        "fuse_rope": args.fuse_rope,
         "gdn_scan": args.gdn_scan,
         "fp8_f32_out": args.fp8_f32_out,
         "prefill_graphs": f.prefill_graphs,
@@ -754,6 +739,7 @@ fn bench_model(args: &Args, name: &str, dev: &mut DeviceFigures) -> anyhow::Resu
         split_decode: !args.no_split_decode,
         pdl: args.pdl,
         fuse_norms: args.fuse_norms,
+        fuse_rope: args.fuse_rope,
         gdn_scan: args.gdn_scan,
         fp8_f32_out: args.fp8_f32_out,
         prefill_graphs: args.prefill_graphs,
@@ -816,18 +802,7 @@ fn bench_model(args: &Args, name: &str, dev: &mut DeviceFigures) -> anyhow::Resu
     };
     let prefill = runner.prefill()?;
     let prefill_concurrency = runner.prefill_concurrency()?;
-    let mut decode = Vec::new();
-    let mut decode_sampled = Vec::new();
-    for &b in args.batches.iter().filter(|&&b| b > 0) {
-        let step = runner.decode(b, &greedy())?;
-        eprintln!("{name}: batch {b} decode {:.2} ms/step", step * 1e3);
-        decode.push((b, step));
-        if args.sampled_batches.contains(&b) {
-            let step = runner.decode(b, &sampled())?;
-            eprintln!("{name}: batch {b} sampled decode {:.2} ms/step", step * 1e3);
-            decode_sampled.push((b, step));
-        }
-    }
+    let (decode, decode_graph, decode_sampled) = runner.decode_batches()?;
     let state_bytes = 2 * runner.backend.state_bytes_per_seq();
     let figures = Figures {
         step_bytes: runner.backend.weight_bytes_per_step() + state_bytes,
@@ -839,6 +814,7 @@ fn bench_model(args: &Args, name: &str, dev: &mut DeviceFigures) -> anyhow::Resu
         prefill_graphs: runner.backend.prefill_graphs(),
         prefill,
         decode,
+        decode_graph,
         decode_sampled,
         prefill_concurrency,
     };

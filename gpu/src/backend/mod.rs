@@ -57,6 +57,12 @@ pub struct CudaOptions {
     /// the row into shared memory, bit for bit as `add_rmsnorm_to_bf16`), saving two launches
     /// a layer. Off by default until a GPU run has measured it (`gpu-bench --fuse-norms`).
     pub fuse_norms: bool,
+    /// Whether a decode step of at most `skinny_max_rows` rows takes the rotary embedding and
+    /// the new K/V's write to the cache as its q/k/v product's epilogue (`skinny_rope*`, bit
+    /// for bit as `rope_kv_write`), one launch fewer a layer, for models without a q/k norm
+    /// (Qwen3's stays a launch of its own). Off by default until a GPU run has measured it
+    /// (`gpu-bench --fuse-rope`).
+    pub fuse_rope: bool,
     /// Whether steps with prompts run a hybrid model's Gated DeltaNet layers through the
     /// scan path (`cuda::delta`: the recurrence with each value column over 4 threads, the
     /// normalisation, gates and gated norm in launches of their own) rather than
@@ -155,6 +161,7 @@ impl CudaOptions {
             split_decode: true,
             pdl: Pdl::Auto,
             fuse_norms: false,
+            fuse_rope: false,
             gdn_scan: false,
             fp8_f32_out: false,
             prefill_graphs: false,

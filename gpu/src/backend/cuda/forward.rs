@@ -7,10 +7,10 @@ use cudarc::driver::{CudaSlice, CudaStream};
 
 use super::buffers::{LogitsSpace, StepDims, StepInputs, Workspace};
 use super::gemm::Products;
-use super::kernels::SkinnyIn;
 use super::kernels::{
     AddRmsNorm, Attention, EmbedGather, GatherRows, Heads, Kernels, RmsNorm, RopeKvWrite,
 };
+use super::kernels::{RopeIn, SkinnyIn};
 use super::kv::KvCache;
 use super::shapes;
 use super::weights::{DevLayer, DevWeights, Linear};
@@ -107,6 +107,7 @@ impl CudaBackend {
             skinny_max_rows,
             split_decode,
             fuse_norms,
+            fuse_rope,
             fp8,
             ..
         } = self;
@@ -134,12 +135,15 @@ impl CudaBackend {
                 1
             },
             fuse_norms: false,
+            fuse_rope: false,
         };
         let pass = Pass {
             // The fused norm prologues are bf16 products' only.
             fuse_norms: *fuse_norms
                 && !w.fp8
                 && pass.mm.norm_prologue(dims.tokens, cfg.hidden_size),
+            // So is the rotary epilogue.
+            fuse_rope: *fuse_rope && !w.fp8 && pass.mm.takes_skinny(dims.tokens, cfg.hidden_size),
             ..pass
         };
         f(&pass, kv, ws, ls.as_mut())
@@ -161,6 +165,9 @@ struct Pass<'a> {
     /// Whether the residual adds and norms between layers run as the next product's prologue
     /// (`CudaOptions::fuse_norms`, and a step the `skinny_norm*` kernels take).
     fuse_norms: bool,
+    /// Whether the q/k/v product rotates q and k and writes the new K/V itself, for layers
+    /// without a q/k norm (`CudaOptions::fuse_rope`, and a step the skinny kernels take).
+    fuse_rope: bool,
 }
 
 impl Pass<'_> {
@@ -211,7 +218,8 @@ impl Pass<'_> {
 
     /// Layer `li` up to its attention: the q/k/v product (with the residual add and input
     /// norm as its prologue under `fuse_norms`, past layer 0), the rotary embedding and the
-    /// new K/V into the cache. Returns whether it swapped `x` and `x2`.
+    /// new K/V into the cache (the product's epilogue under `fuse_rope`). Returns whether it
+    /// swapped `x` and `x2`.
     fn pre_attention(
         &self,
         li: usize,
@@ -220,24 +228,9 @@ impl Pass<'_> {
         ws: &mut Workspace,
     ) -> Result<bool> {
         let (cfg, t) = (self.cfg, self.dims.tokens);
-        let mut swaps = false;
-        if self.fuse_norms && li > 0 {
-            let input = SkinnyIn::Norm {
-                res_in: &ws.x,
-                delta: &ws.tmp,
-                w: &layer.input_layernorm,
-                eps: cfg.rms_norm_eps,
-                res_out: &mut ws.x2,
-            };
-            self.mm
-                .linear_normed(layer.qkv_proj.bf16()?, t, input, &mut ws.qkv)?;
-            std::mem::swap(&mut ws.x, &mut ws.x2);
-            swaps = !swaps;
-        } else {
-            self.linear(&layer.qkv_proj, &ws.xn, &mut ws.qkv)?;
-        }
         // Per-head rotary embedding (Qwen3: after a norm of each q and k head), then the new
-        // K/V into the cache.
+        // K/V into the cache: the product's epilogue under `fuse_rope` where there is no
+        // such norm, else a launch of its own.
         let norms = match (&layer.q_norm, &layer.k_norm) {
             (Some(q_w), Some(k_w)) => Some((q_w, k_w, cfg.rms_norm_eps)),
             (None, None) => None,
@@ -248,17 +241,46 @@ impl Pass<'_> {
                 .into())
             }
         };
-        RopeKvWrite {
-            qkv: &mut ws.qkv,
-            norms,
+        let rope = (self.fuse_rope && norms.is_none()).then(|| RopeIn {
             inputs: self.inp,
             inv_freq: &self.w.inv_freq,
             k_cache: &mut kv.k[li],
             v_cache: &mut kv.v[li],
-            tokens: t,
             heads: self.heads,
+        });
+        let rotated = rope.is_some();
+        let mut swaps = false;
+        if self.fuse_norms && li > 0 {
+            let input = SkinnyIn::Norm {
+                res_in: &ws.x,
+                delta: &ws.tmp,
+                w: &layer.input_layernorm,
+                eps: cfg.rms_norm_eps,
+                res_out: &mut ws.x2,
+            };
+            self.mm
+                .linear_normed(layer.qkv_proj.bf16()?, t, input, &mut ws.qkv, rope)?;
+            std::mem::swap(&mut ws.x, &mut ws.x2);
+            swaps = !swaps;
+        } else if let Some(rope) = rope {
+            self.mm
+                .linear_rope(layer.qkv_proj.bf16()?, t, &ws.xn, &mut ws.qkv, rope)?;
+        } else {
+            self.linear(&layer.qkv_proj, &ws.xn, &mut ws.qkv)?;
         }
-        .launch(self.k, self.s)?;
+        if !rotated {
+            RopeKvWrite {
+                qkv: &mut ws.qkv,
+                norms,
+                inputs: self.inp,
+                inv_freq: &self.w.inv_freq,
+                k_cache: &mut kv.k[li],
+                v_cache: &mut kv.v[li],
+                tokens: t,
+                heads: self.heads,
+            }
+            .launch(self.k, self.s)?;
+        }
         Ok(swaps)
     }
 
@@ -325,28 +347,33 @@ impl Pass<'_> {
     }
 
     /// The logits of the rows that want them: those rows of `xn` gathered, times the head.
-    /// Returns how many.
+    /// Returns how many. When every token wants logits (a decode step's), the rows are
+    /// `xn`'s own, in order (`batch::build` takes each sequence's last token, in order), and
+    /// the head reads `xn` with no gather.
     fn logits(&self, ws: &Workspace, ls: Option<&mut LogitsSpace>) -> Result<usize> {
         let (n, h) = (self.dims.logits, self.cfg.hidden_size);
         if n == 0 {
             return Ok(0);
         }
         let ls = ls.ok_or(BackendError::Invariant("logits space missing"))?;
-        GatherRows {
-            src: &ws.xn,
-            rows: &self.inp.logits_rows,
-            dst: &mut ls.xr,
-            n,
-            cols: h,
+        let every_row = n == self.dims.tokens;
+        if !every_row {
+            GatherRows {
+                src: &ws.xn,
+                rows: &self.inp.logits_rows,
+                dst: &mut ls.xr,
+                n,
+                cols: h,
+            }
+            .launch(self.k, self.s)?;
         }
-        .launch(self.k, self.s)?;
         let head = match &self.w.lm_head {
             Some(l) => &l.w,
             None => &self.w.embed_tokens,
         };
         let vocab = self.cfg.vocab_size;
-        self.mm
-            .product(&ls.xr, head, &mut ls.logits, (n, vocab, h))?;
+        let x = if every_row { &ws.xn } else { &ls.xr };
+        self.mm.product(x, head, &mut ls.logits, (n, vocab, h))?;
         Ok(n)
     }
 

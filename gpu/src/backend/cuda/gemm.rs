@@ -6,7 +6,9 @@ use cudarc::driver::{CudaSlice, CudaStream};
 
 use super::blas::gemm_bf16_f32;
 use super::fp8_gemm::{Fp8Ctx, Fp8Products};
-use super::kernels::{AddRmsNorm, BiasAdd, Kernels, SiluMul, SkinnyGemm, SkinnyIn, SkinnyOut};
+use super::kernels::{
+    AddRmsNorm, BiasAdd, Kernels, RopeIn, SiluMul, SkinnyGemm, SkinnyIn, SkinnyOut,
+};
 use super::weights::{DevLinear, Linear};
 use crate::backend::error::{BackendError, LaunchError};
 use crate::error::{EngineError, Result};
@@ -26,6 +28,11 @@ pub struct Products<'a> {
 impl Products<'_> {
     fn skinny(&self, m: usize, k: usize) -> bool {
         m <= self.skinny_max_rows && SkinnyGemm::takes(m, k)
+    }
+
+    /// Whether a bf16 product of `m` rows with inner dimension `k` runs as a skinny kernel.
+    pub fn takes_skinny(&self, m: usize, k: usize) -> bool {
+        self.skinny(m, k)
     }
 
     /// `y[m, n] = x[m, k] · W[n, k]ᵀ`.
@@ -176,20 +183,49 @@ impl Products<'_> {
     }
 
     /// `linear` of `bf16(rmsnorm(res_in + delta) * w)`, with `res_out = res_in + delta`,
-    /// in one skinny kernel (`norm_prologue` must hold; no bias).
+    /// in one skinny kernel (`norm_prologue` must hold), rotated as `linear_rope` when
+    /// `rope` is given.
     pub fn linear_normed(
         &self,
         l: &DevLinear,
         m: usize,
         input: SkinnyIn,
         y: &mut CudaSlice<f32>,
+        rope: Option<RopeIn>,
     ) -> Result<()> {
+        let bias = l.bias.as_ref();
         SkinnyGemm {
             x: input,
             w: &l.w,
-            out: SkinnyOut::Sums {
+            out: match rope {
+                Some(rope) => SkinnyOut::Rope { y, bias, rope },
+                None => SkinnyOut::Sums { y, bias },
+            },
+            rows: m,
+            n: l.out,
+            k: l.inp,
+        }
+        .launch(self.k, self.s)
+    }
+
+    /// A layer's q/k/v `linear` over `m` rows (one token each; `takes_skinny` must hold) in
+    /// one skinny kernel that also rotates q and k and writes the new K and V to the cache,
+    /// as `rope_kv_write` would after it.
+    pub fn linear_rope(
+        &self,
+        l: &DevLinear,
+        m: usize,
+        x: &CudaSlice<u16>,
+        y: &mut CudaSlice<f32>,
+        rope: RopeIn,
+    ) -> Result<()> {
+        SkinnyGemm {
+            x: SkinnyIn::X(x),
+            w: &l.w,
+            out: SkinnyOut::Rope {
                 y,
                 bias: l.bias.as_ref(),
+                rope,
             },
             rows: m,
             n: l.out,

@@ -10,8 +10,8 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
-use cudarc::driver::{CudaContext, CudaGraph, CudaStream};
+use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::{CudaContext, CudaEvent, CudaGraph, CudaStream};
 
 use super::batch::{self, BatchLayout};
 use super::buffers::{StepDims, StepInputs};
@@ -117,6 +117,16 @@ pub struct DecodeGraphs {
     /// The extra KV block, outside the scheduler's pool, that padding sequences write to.
     scratch_block: i32,
     block_size: usize,
+    /// Events around each replay, when a benchmark asked (`time_replays`).
+    timer: Option<ReplayTimer>,
+}
+
+/// The device time of the last replay: events recorded on the stream before and after it.
+struct ReplayTimer {
+    start: CudaEvent,
+    end: CudaEvent,
+    /// Whether a replay has been recorded since the last reading.
+    recorded: bool,
 }
 
 impl DecodeGraphs {
@@ -137,7 +147,51 @@ impl DecodeGraphs {
             width: cfg.max_context().div_ceil(block_size).clamp(1, num_blocks),
             scratch_block: i32::try_from(num_blocks).unwrap_or(i32::MAX),
             block_size,
+            timer: None,
         }
+    }
+
+    /// Records events around every replay from now on, so that `last_replay_secs` tells how
+    /// long the device took over the graph itself, apart from the host's work around it
+    /// (uploads, sampling, copies back). Two event records a step: for benchmarks.
+    pub fn time_replays(&mut self, ctx: &Arc<CudaContext>) -> Result<()> {
+        let ev = || {
+            ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+                .map_err(|e| drv("replay timing events", e))
+        };
+        self.timer = Some(ReplayTimer {
+            start: ev()?,
+            end: ev()?,
+            recorded: false,
+        });
+        Ok(())
+    }
+
+    /// Launches `g` (see `DecodeGraph::launch`), between the timer's events when timing.
+    pub fn launch(&mut self, g: &DecodeGraph, stream: &CudaStream) -> Result<()> {
+        let Some(t) = &mut self.timer else {
+            return g.launch();
+        };
+        let e = |e| drv("replay timing event", e);
+        t.start.record(stream).map_err(e)?;
+        g.launch()?;
+        t.end.record(stream).map_err(e)?;
+        t.recorded = true;
+        Ok(())
+    }
+
+    /// Seconds the device spent on the last replay since the previous reading (waiting for
+    /// it to finish), or `None` when none was timed.
+    pub fn last_replay_secs(&mut self) -> Result<Option<f64>> {
+        let Some(t) = self.timer.as_mut().filter(|t| t.recorded) else {
+            return Ok(None);
+        };
+        t.recorded = false;
+        let ms = t
+            .start
+            .elapsed_ms(&t.end)
+            .map_err(|e| drv("replay timing", e))?;
+        Ok(Some(f64::from(ms) / 1e3))
     }
 
     pub fn enabled(&self) -> bool {

@@ -83,10 +83,10 @@ impl CudaHybridBackend {
             .as_ref()
             .ok_or_else(|| EngineError::BadModel("not a hybrid (Qwen3.5) model".into()))?;
         super::load::refuse_unsupported(cfg, opts.ordinal, block_size)?;
-        if opts.fuse_norms {
+        if opts.fuse_norms || opts.fuse_rope {
             return Err(EngineError::InvalidRequest(
-                "fused norms are not implemented for Qwen3.5's hybrid layers; leave the \
-                 option off"
+                "fused norms and the fused rotary embedding are not implemented for \
+                 Qwen3.5's hybrid layers; leave those options off"
                     .into(),
             ));
         }
@@ -187,6 +187,16 @@ impl CudaHybridBackend {
     /// Whether pure decode steps replay CUDA graphs (see `DecodeGraphs`).
     pub fn cuda_graphs_enabled(&self) -> bool {
         self.graphs.enabled()
+    }
+
+    /// Times every decode-graph replay from now on (`DecodeGraphs::time_replays`).
+    pub fn time_graph_replays(&mut self) -> Result<()> {
+        self.graphs.time_replays(&self.ctx)
+    }
+
+    /// The device's seconds over the last decode-graph replay (see `CudaBackend`'s).
+    pub fn last_graph_replay_secs(&mut self) -> Result<Option<f64>> {
+        self.graphs.last_replay_secs()
     }
 
     fn slot_range(&self, slot: u32) -> Result<std::ops::Range<usize>> {

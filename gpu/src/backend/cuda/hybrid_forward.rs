@@ -146,7 +146,7 @@ impl CudaHybridBackend {
                 }
             }
         }
-        g.launch()?;
+        self.graphs.launch(g, &self.stream)?;
         Ok(Some(()))
     }
 
@@ -277,21 +277,22 @@ impl CudaHybridBackend {
         let ls = ls
             .as_mut()
             .ok_or(BackendError::Invariant("logits space missing"))?;
-        GatherRows {
-            src: &sp.xn,
-            rows: &inp.logits_rows,
-            dst: &mut ls.xr,
-            n: dims.logits,
-            cols: h,
+        // Every token's row (a decode step): `xn`'s rows in order, as the dense pass has them.
+        let every_row = dims.logits == dims.tokens;
+        if !every_row {
+            GatherRows {
+                src: &sp.xn,
+                rows: &inp.logits_rows,
+                dst: &mut ls.xr,
+                n: dims.logits,
+                cols: h,
+            }
+            .launch(k, s)?;
         }
-        .launch(k, s)?;
         let head = w.lm_head.as_ref().map_or(&w.embed_tokens, |l| &l.w);
-        pass.mm.product(
-            &ls.xr,
-            head,
-            &mut ls.logits,
-            (dims.logits, cfg.vocab_size, h),
-        )
+        let x = if every_row { &sp.xn } else { &ls.xr };
+        pass.mm
+            .product(x, head, &mut ls.logits, (dims.logits, cfg.vocab_size, h))
     }
 }
 

@@ -20,7 +20,7 @@ use super::device::drv;
 use super::launch::{Launch, Null};
 use super::ptx_cache;
 use super::shapes::{self, grid, KernelShape};
-use crate::backend::error::{LaunchError, ToolchainError};
+use crate::backend::error::{BackendError, LaunchError, ToolchainError};
 use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
 
@@ -73,6 +73,9 @@ pub struct Kernels {
     /// `skinny_norm_m*` and `skinny_norm_silu_m*`, likewise.
     skinny_norm: Vec<(usize, CudaFunction)>,
     skinny_norm_silu: Vec<(usize, CudaFunction)>,
+    /// `skinny_rope_m*` and `skinny_norm_rope_m*`, likewise.
+    skinny_rope: Vec<(usize, CudaFunction)>,
+    skinny_norm_rope: Vec<(usize, CudaFunction)>,
     /// Qwen3.5's gated attention (`kernels/hybrid.cu`).
     pub(super) gated_rope_kv_write: CudaFunction,
     pub(super) gate_sigmoid_mul: CudaFunction,
@@ -152,6 +155,8 @@ impl Kernels {
             skinny_silu: by_size(&shapes::SKINNY_SILU)?,
             skinny_norm: by_size(&shapes::SKINNY_NORM)?,
             skinny_norm_silu: by_size(&shapes::SKINNY_NORM_SILU)?,
+            skinny_rope: by_size(&shapes::SKINNY_ROPE)?,
+            skinny_norm_rope: by_size(&shapes::SKINNY_NORM_ROPE)?,
             gated_rope_kv_write: f(shapes::GATED_ROPE_KV_WRITE)?,
             gate_sigmoid_mul: f(shapes::GATE_SIGMOID_MUL)?,
             fp8: Fp8Kernels {
@@ -233,6 +238,86 @@ pub enum SkinnyOut<'a> {
     SiluMul {
         act: &'a mut CudaSlice<u16>,
     },
+    /// `Sums` of a layer's q/k/v product (`n` = `rope.heads.row()`), each q and k head
+    /// rotated and the new K and V written to the cache at each row's slot, as
+    /// `rope_kv_write` (without a q/k norm) leaves them: one row a token.
+    Rope {
+        y: &'a mut CudaSlice<f32>,
+        bias: Option<&'a CudaSlice<f32>>,
+        rope: RopeIn<'a>,
+    },
+}
+
+impl<'a> SkinnyOut<'a> {
+    /// Pushes the output's arguments of a kernel `name` over `rows` rows of `n` (checking
+    /// that the buffers hold them); returns the weight rows one block covers. `heads` are
+    /// a rotated product's head counts and size, as `i32`s.
+    fn push(
+        self,
+        b: &mut Launch<'a>,
+        name: &'static str,
+        rows: usize,
+        n: usize,
+        heads: &'a [i32; 3],
+    ) -> Result<usize> {
+        let bias_arg = |b: &mut Launch<'a>, bias: Option<&'a CudaSlice<f32>>| -> Result<()> {
+            match bias {
+                Some(bias) => {
+                    holds(name, "bias", bias.len(), n)?;
+                    b.arg(bias);
+                }
+                None => {
+                    b.arg(Null);
+                }
+            }
+            Ok(())
+        };
+        Ok(match self {
+            SkinnyOut::Sums { y, bias } => {
+                holds(name, "y", y.len(), rows * n)?;
+                bias_arg(b, bias)?;
+                b.arg(y);
+                shapes::SKINNY_ROWS_PER_BLOCK
+            }
+            SkinnyOut::SiluMul { act } => {
+                holds(name, "act", act.len(), rows * n)?;
+                b.arg(act);
+                shapes::SKINNY_ROWS_PER_BLOCK / shapes::SKINNY_ROWS
+            }
+            SkinnyOut::Rope { y, bias, rope } => {
+                let h = rope.heads;
+                if n != h.row() || h.dim % 2 != 0 {
+                    return Err(BackendError::Invariant(
+                        "a rotated skinny product that is not a layer's q/k/v of even heads",
+                    )
+                    .into());
+                }
+                holds(name, "y", y.len(), rows * n)?;
+                holds(name, "positions", rope.inputs.positions.len(), rows)?;
+                holds(name, "slots", rope.inputs.slots.len(), rows)?;
+                holds(name, "inv_freq", rope.inv_freq.len(), h.dim / 2)?;
+                bias_arg(b, bias)?;
+                b.arg(y)
+                    .arg(&rope.inputs.positions)
+                    .arg(rope.inv_freq)
+                    .arg(&rope.inputs.slots)
+                    .arg(rope.k_cache)
+                    .arg(rope.v_cache);
+                b.arg(&heads[0]).arg(&heads[1]).arg(&heads[2]);
+                shapes::SKINNY_ROWS_PER_BLOCK
+            }
+        })
+    }
+}
+
+/// What `SkinnyOut::Rope` rotates by and writes to: the step's positions and slots, the
+/// frequency table, and the layer's cache.
+pub struct RopeIn<'a> {
+    pub inputs: &'a StepInputs,
+    pub inv_freq: &'a CudaSlice<f32>,
+    pub k_cache: &'a mut CudaSlice<u16>,
+    pub v_cache: &'a mut CudaSlice<u16>,
+    pub heads: Heads,
 }
 
 /// A skinny product's input: bf16 rows, or the residual add and RMSNorm that produce them,
@@ -248,6 +333,14 @@ pub enum SkinnyIn<'a> {
         res_out: &'a mut CudaSlice<f32>,
     },
 }
+
+/// A skinny kernel family: its name, its shapes and its functions, by the most rows each
+/// takes.
+type SkinnyFamily<'k> = (
+    &'static str,
+    &'static [(usize, KernelShape)],
+    &'k [(usize, CudaFunction)],
+);
 
 /// `x[rows, k]` (bf16) times `w[n, k]ᵀ` (`w[2n, k]ᵀ` for `SkinnyOut::SiluMul`) by the skinny
 /// kernel for that many rows (see `kernels/skinny.cu`).
@@ -271,19 +364,39 @@ impl SkinnyGemm<'_> {
         Self::takes(rows, k) && rows <= shapes::SKINNY_NORM[1].0 && k <= shapes::NORM_MAX
     }
 
-    pub fn launch(self, kernels: &Kernels, s: &CudaStream) -> Result<()> {
-        let silu = matches!(self.out, SkinnyOut::SiluMul { .. });
+    /// The kernel family for an input and an output: its name, shapes and functions.
+    fn family<'k>(&self, kernels: &'k Kernels) -> SkinnyFamily<'k> {
         let normed = matches!(self.x, SkinnyIn::Norm { .. });
-        let (name, family, funcs): (_, &[(usize, KernelShape)], _) = match (normed, silu) {
-            (false, true) => ("skinny_silu", &shapes::SKINNY_SILU, &kernels.skinny_silu),
-            (false, false) => ("skinny_gemm", &shapes::SKINNY_GEMM, &kernels.skinny),
-            (true, true) => (
+        match (normed, &self.out) {
+            (false, SkinnyOut::Sums { .. }) => {
+                ("skinny_gemm", &shapes::SKINNY_GEMM, &kernels.skinny)
+            }
+            (false, SkinnyOut::SiluMul { .. }) => {
+                ("skinny_silu", &shapes::SKINNY_SILU, &kernels.skinny_silu)
+            }
+            (false, SkinnyOut::Rope { .. }) => {
+                ("skinny_rope", &shapes::SKINNY_ROPE, &kernels.skinny_rope)
+            }
+            (true, SkinnyOut::Sums { .. }) => {
+                ("skinny_norm", &shapes::SKINNY_NORM, &kernels.skinny_norm)
+            }
+            (true, SkinnyOut::SiluMul { .. }) => (
                 "skinny_norm_silu",
                 &shapes::SKINNY_NORM_SILU,
                 &kernels.skinny_norm_silu,
             ),
-            (true, false) => ("skinny_norm", &shapes::SKINNY_NORM, &kernels.skinny_norm),
-        };
+            (true, SkinnyOut::Rope { .. }) => (
+                "skinny_norm_rope",
+                &shapes::SKINNY_NORM_ROPE,
+                &kernels.skinny_norm_rope,
+            ),
+        }
+    }
+
+    pub fn launch(self, kernels: &Kernels, s: &CudaStream) -> Result<()> {
+        let silu = matches!(self.out, SkinnyOut::SiluMul { .. });
+        let normed = matches!(self.x, SkinnyIn::Norm { .. });
+        let (name, family, funcs) = self.family(kernels);
         let (rows, n, k) = (self.rows, self.n, self.k);
         let fits = if normed {
             Self::takes_norm(rows, k)
@@ -315,6 +428,14 @@ impl SkinnyGemm<'_> {
             i32::try_from(n).map_err(|_| too_big("n"))?,
             i32::try_from(k).map_err(|_| too_big("k"))?,
         );
+        // A rotated product's head counts and size, alive until the launch.
+        let heads_args = match &self.out {
+            SkinnyOut::Rope { rope, .. } => {
+                let h = rope.heads;
+                [h.q, h.kv, h.dim].map(|v| i32::try_from(v).unwrap_or(i32::MAX))
+            }
+            _ => [0; 3],
+        };
         let mut b = Launch::new(s, func, kernels.pdl);
         match self.x {
             SkinnyIn::X(x) => {
@@ -336,34 +457,17 @@ impl SkinnyGemm<'_> {
             }
         }
         b.arg(self.w);
-        let per_block = match self.out {
-            SkinnyOut::Sums { y, bias } => {
-                holds(name, "y", y.len(), rows * n)?;
-                match bias {
-                    Some(bias) => {
-                        holds(name, "bias", bias.len(), n)?;
-                        b.arg(bias);
-                    }
-                    None => {
-                        b.arg(Null);
-                    }
-                }
-                b.arg(y);
-                shapes::SKINNY_ROWS_PER_BLOCK
-            }
-            SkinnyOut::SiluMul { act } => {
-                holds(name, "act", act.len(), rows * n)?;
-                b.arg(act);
-                shapes::SKINNY_ROWS_PER_BLOCK / shapes::SKINNY_ROWS
-            }
-        };
+        let per_block = self.out.push(&mut b, name, rows, n, &heads_args)?;
         b.arg(&ri).arg(&ni).arg(&ki);
         let cfg = grid(shape, n.div_ceil(per_block), 1, 1)?;
         // SAFETY: the arguments match `skinny_gemm_m*`'s signature (x, w, bias or null, y,
-        // rows, n, k) or `skinny_silu_m*`'s (x, w, act, rows, n, k) in order and type, the
-        // `skinny_norm*` ones with (res_in, delta, norm, eps, res_out) in x's place; the
-        // inputs hold `rows` rows of k, w the rows the kernel streams, y or act `rows` rows
-        // of n, the bias n and the norm k (checked above); k is a multiple of 8 (and at most
+        // rows, n, k), `skinny_silu_m*`'s (x, w, act, rows, n, k) or `skinny_rope_m*`'s (x,
+        // w, bias or null, y, positions, inv_freq, slots, k_cache, v_cache, nq, nkv, d, rows,
+        // n, k) in order and type, the `skinny_norm*` ones with (res_in, delta, norm, eps,
+        // res_out) in x's place; the inputs hold `rows` rows of k, w the rows the kernel
+        // streams, y or act `rows` rows of n, the bias n and the norm k, a rotated product's
+        // positions and slots `rows` and its frequencies half a head (checked above), and
+        // every slot is inside the cache (see the module docs); k is a multiple of 8 (and at most
         // NORM_MAX for a norm prologue, which its shared memory holds), so every 16-byte load
         // starts on a 16-byte boundary of a 256-byte aligned allocation and ends inside its
         // row.

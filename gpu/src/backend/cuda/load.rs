@@ -159,6 +159,7 @@ impl CudaBackend {
             skinny_max_rows: opts.skinny_max_rows,
             split_decode: opts.split_decode,
             fuse_norms: opts.fuse_norms,
+            fuse_rope: opts.fuse_rope,
             fp8,
             device_kv,
         })

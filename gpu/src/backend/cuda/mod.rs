@@ -120,6 +120,8 @@ pub struct CudaBackend {
     split_decode: bool,
     /// `CudaOptions::fuse_norms`.
     fuse_norms: bool,
+    /// `CudaOptions::fuse_rope`.
+    fuse_rope: bool,
     /// cuBLASLt and scratch for an FP8 checkpoint's products (`fp8_gemm`).
     fp8: Option<fp8_gemm::Fp8Ctx>,
     /// The cache as transfers to and from another engine of this process address it.
@@ -131,6 +133,17 @@ impl CudaBackend {
     /// capture failed, so benchmarks can say which path they measured.
     pub fn cuda_graphs_enabled(&self) -> bool {
         self.graphs.enabled()
+    }
+
+    /// Times every decode-graph replay from now on (`DecodeGraphs::time_replays`).
+    pub fn time_graph_replays(&mut self) -> Result<()> {
+        self.graphs.time_replays(&self.ctx)
+    }
+
+    /// The device's seconds over the last decode-graph replay, when timed and one ran since
+    /// the previous reading.
+    pub fn last_graph_replay_secs(&mut self) -> Result<Option<f64>> {
+        self.graphs.last_replay_secs()
     }
 
     /// Whether steps with prompts of up to `prefill_graphs::MAX_TOKENS` tokens replay

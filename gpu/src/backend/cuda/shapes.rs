@@ -235,6 +235,14 @@ pub const SKINNY_SILU: [(usize, KernelShape); 4] = [
     (4, skinny("skinny_silu_m4")),
     (8, skinny("skinny_silu_m8")),
 ];
+/// `skinny_rope_m*`: a layer's q/k/v product with the rotary embedding and the new K/V
+/// written to the cache as its epilogue (`rope_kv_write`'s work; `CudaOptions::fuse_rope`).
+pub const SKINNY_ROPE: [(usize, KernelShape); 4] = [
+    (1, skinny("skinny_rope_m1")),
+    (2, skinny("skinny_rope_m2")),
+    (4, skinny("skinny_rope_m4")),
+    (8, skinny("skinny_rope_m8")),
+];
 /// Widest row `add_rmsnorm_to_bf16` holds in registers (its `NORM_MAX`), and so the widest
 /// a skinny product's norm prologue takes.
 pub const NORM_MAX: usize = NORM_CACHED * 4 * ADD_RMSNORM.threads as usize;
@@ -256,6 +264,10 @@ pub const SKINNY_NORM: [(usize, KernelShape); 2] = [
 pub const SKINNY_NORM_SILU: [(usize, KernelShape); 2] = [
     (1, skinny_norm("skinny_norm_silu_m1", 1)),
     (2, skinny_norm("skinny_norm_silu_m2", 2)),
+];
+pub const SKINNY_NORM_ROPE: [(usize, KernelShape); 2] = [
+    (1, skinny_norm("skinny_norm_rope_m1", 1)),
+    (2, skinny_norm("skinny_norm_rope_m2", 2)),
 ];
 const _: () = assert!(SKINNY_THREADS == ADD_RMSNORM.threads);
 /// Weight rows one block of a skinny product covers.
@@ -359,6 +371,12 @@ pub const KERNELS: &[KernelShape] = &[
     SKINNY_NORM[1].1,
     SKINNY_NORM_SILU[0].1,
     SKINNY_NORM_SILU[1].1,
+    SKINNY_ROPE[0].1,
+    SKINNY_ROPE[1].1,
+    SKINNY_ROPE[2].1,
+    SKINNY_ROPE[3].1,
+    SKINNY_NORM_ROPE[0].1,
+    SKINNY_NORM_ROPE[1].1,
     GATED_ROPE_KV_WRITE,
     GATE_SIGMOID_MUL,
     FP8_GEMV_BLOCK[0].1,

@@ -155,7 +155,7 @@ impl CudaBackend {
                 }
             }
         }
-        g.launch()?;
+        self.graphs.launch(g, &self.stream)?;
         Ok(Some(()))
     }
 

@@ -74,6 +74,18 @@ __device__ __forceinline__ bf16 f2bf(float f) {
     return (bf16)(u >> 16);
 }
 
+// The rotate-half rotary embedding of one pair (x1 at i, x2 at i + d/2) at position pos with
+// frequency freq: the angle in f32 with the precise sincosf, as the CPU backend computes it,
+// and each product and sum rounded on its own (never contracted into an FMA), so every
+// kernel that rotates (rope_kv_write, the skinny products' rope epilogue) gives the same bits.
+__device__ __forceinline__ void rope_pair(float x1, float x2, float pos, float freq, float* y1,
+                                          float* y2) {
+    float s, c;
+    sincosf(pos * freq, &s, &c);
+    *y1 = __fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, s));
+    *y2 = __fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, s));
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;

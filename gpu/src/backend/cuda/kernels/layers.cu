@@ -158,8 +158,7 @@ bias_add(float* __restrict__ y, const float* __restrict__ b, int cols) {
 
 // Rotary embedding (rotate-half: element i pairs with i + d/2) on the q and k heads of each
 // token, in place; for k heads the rotated k and the token's v are also written, as bf16,
-// to the paged cache at the token's slot. Angles are pos * inv_freq[i] in f32 with the
-// precise sincosf, as the CPU backend computes them.
+// to the paged cache at the token's slot (rope_pair: the angle pos * inv_freq[i]).
 // q_w, k_w (both, or both null): Qwen3's RMSNorm over each q and k head first. Each warp
 // sums the head's squares itself, lane i taking elements i, i + 32, ... (as a one-warp norm
 // kernel would), so the block needs no shared memory, and every element is scaled by
@@ -192,16 +191,14 @@ rope_kv_write(float* __restrict__ qkv,
         __syncthreads();  // every warp has read the head before any thread writes it
     }
     for (int i = threadIdx.x; i < half; i += blockDim.x) {
-        float s, c;
-        sincosf(pos * inv_freq[i], &s, &c);
         float x1 = p[i];
         float x2 = p[i + half];
         if (nw != nullptr) {
             x1 = x1 * inv * nw[i];
             x2 = x2 * inv * nw[i + half];
         }
-        float y1 = x1 * c - x2 * s;
-        float y2 = x2 * c + x1 * s;
+        float y1, y2;
+        rope_pair(x1, x2, pos, inv_freq[i], &y1, &y2);
         p[i] = y1;
         p[i + half] = y2;
         if (h >= nq) {

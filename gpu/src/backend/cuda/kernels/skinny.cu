@@ -6,9 +6,11 @@
 // and keeps M x SKINNY_ROWS sums in registers, reduced across the warp at the end.
 //
 // Block SKINNY_THREADS. The host launches these only when k is a multiple of 8 (16-byte
-// rows; allocations are 256-byte aligned) and rows <= M. Two epilogues save a decode step
-// launches: the q/k/v biases added as the sums are written, and the MLP's SiLU-gated product
-// taken straight from the gate/up sums (skinny_silu_m*).
+// rows; allocations are 256-byte aligned) and rows <= M. Three epilogues save a decode step
+// launches: the q/k/v biases added as the sums are written, the MLP's SiLU-gated product
+// taken straight from the gate/up sums (skinny_silu_m*), and the rotary embedding with the
+// new K/V written to the paged cache, what rope_kv_write does after the q/k/v product
+// (skinny_rope_m*).
 
 #if !defined(SKINNY_THREADS) || !defined(SKINNY_ROWS) || !defined(SKINNY_UNROLL)
 #error "the skinny products are compiled with shapes.rs's SKINNY_* figures"
@@ -61,13 +63,74 @@ struct NormIn {
     float eps;
 };
 
-template <int M, bool SILU>
+// ROPE: the q/k/v product of a layer of nq query heads and nkv key/value heads of size d
+// (n = (nq + 2 nkv) d; d even), for one token a row. Warp j < (nq + nkv) d / 2 streams a
+// rotation pair of a q or k head, rows h d + i and h d + i + d/2 (i < d/2), and rotates
+// their sums (rope_pair, the angle positions[m] * inv_freq[i]); the warps after it stream
+// two adjacent v rows. y gets what rope_kv_write leaves in the q/k/v rows (the rotated q
+// and k, v as summed), and the cache at slots[m] the rotated k and v as bf16.
+struct RopeIn {
+    const int* positions;
+    const float* inv_freq;
+    const int* slots;
+    bf16* k_cache;
+    bf16* v_cache;
+    int nq;
+    int nkv;
+    int d;
+};
+
+// The two rows of w warp j streams under ROPE, and whether they are a rotation pair.
+__device__ __forceinline__ bool rope_rows(const RopeIn* rope, int j, int* r0, int* r1) {
+    int half = rope->d >> 1;
+    int pairs = (rope->nq + rope->nkv) * half;
+    if (j < pairs) {
+        int h = j / half;
+        *r0 = h * rope->d + (j - h * half);
+        *r1 = *r0 + half;
+        return true;
+    }
+    *r0 = (rope->nq + rope->nkv) * rope->d + 2 * (j - pairs);
+    *r1 = *r0 + 1;
+    return false;
+}
+
+// ROPE's epilogue for row m of the step: a and b are the sums of rows r0 and r1 (bias
+// added), written to y rotated (a q/k pair) or as they are (two v rows), and to the cache.
+__device__ __forceinline__ void rope_write(const RopeIn* rope, int m, int r0, int r1,
+                                           bool pair, float a, float b, float* y, int n) {
+    long long kvd = (long long)rope->nkv * rope->d;
+    long long slot = (long long)rope->slots[m] * kvd;
+    int qd = rope->nq * rope->d;
+    float* ym = y + (long long)m * n;
+    if (pair) {
+        int half = rope->d >> 1;
+        int i = r0 % rope->d;
+        float y1, y2;
+        rope_pair(a, b, (float)rope->positions[m], rope->inv_freq[i], &y1, &y2);
+        ym[r0] = y1;
+        ym[r1] = y2;
+        if (r0 >= qd) {
+            long long o = slot + (r0 - qd);  // key head (r0 - qd) / d, element i
+            rope->k_cache[o] = f2bf(y1);
+            rope->k_cache[o + half] = f2bf(y2);
+        }
+        return;
+    }
+    ym[r0] = a;
+    ym[r1] = b;
+    long long o = slot + (r0 - qd - (long long)kvd);  // v head and element, as in the row
+    rope->v_cache[o] = f2bf(a);
+    rope->v_cache[o + 1] = f2bf(b);
+}
+
+template <int M, bool SILU, bool ROPE>
 __device__ __forceinline__ void skinny_gemm(const bf16* __restrict__ x,
                                             const bf16* __restrict__ w,
                                             const float* __restrict__ bias,
                                             float* __restrict__ y, bf16* __restrict__ act,
                                             int rows, int n, int k, const NormIn* norm,
-                                            bf16* xs) {
+                                            bf16* xs, const RopeIn* rope) {
     const int warp = threadIdx.x >> 5;
     const int lane = threadIdx.x & 31;
     const int j = blockIdx.x * (SKINNY_THREADS / 32) + warp;
@@ -80,11 +143,17 @@ __device__ __forceinline__ void skinny_gemm(const bf16* __restrict__ x,
     // not written.
     const uint4* w16 = reinterpret_cast<const uint4*>(w);
     const uint4* x16 = reinterpret_cast<const uint4*>(x);
+    int rr[SKINNY_ROWS];
+    bool pair = false;
+    if (ROPE) {
+        pair = rope_rows(rope, min(j, n / 2 - 1), &rr[0], &rr[1]);
+    } else {
+#pragma unroll
+        for (int r = 0; r < SKINNY_ROWS; r++) rr[r] = SILU ? n0 + r * n : min(n0 + r, n - 1);
+    }
     long long wrow[SKINNY_ROWS];
 #pragma unroll
-    for (int r = 0; r < SKINNY_ROWS; r++) {
-        wrow[r] = SILU ? (long long)(n0 + r * n) * k8 : (long long)min(n0 + r, n - 1) * k8;
-    }
+    for (int r = 0; r < SKINNY_ROWS; r++) wrow[r] = (long long)rr[r] * k8;
     float acc[SKINNY_ROWS][M];
 #pragma unroll
     for (int r = 0; r < SKINNY_ROWS; r++) {
@@ -157,6 +226,17 @@ __device__ __forceinline__ void skinny_gemm(const bf16* __restrict__ x,
         for (int m = 0; m < M; m++) acc[r][m] = warp_sum(acc[r][m]);
     }
     if (lane != 0) return;
+    if (ROPE) {
+#pragma unroll
+        for (int m = 0; m < M; m++) {
+            if (m < rows) {
+                float a = bias != nullptr ? acc[0][m] + bias[rr[0]] : acc[0][m];
+                float b = bias != nullptr ? acc[1][m] + bias[rr[1]] : acc[1][m];
+                rope_write(rope, m, rr[0], rr[1], pair, a, b, y, n);
+            }
+        }
+        return;
+    }
     if (SILU) {
 #pragma unroll
         for (int m = 0; m < M; m++) {
@@ -178,7 +258,7 @@ __device__ __forceinline__ void skinny_gemm(const bf16* __restrict__ x,
 }
 
 #if SKINNY_ROWS != 2
-#error "skinny_silu_m* stream one gate row and one up row a warp"
+#error "skinny_silu_m* stream one gate row and one up row a warp, skinny_rope_m* a pair"
 #endif
 
 // y = x . w^T (+ bias). Grid (ceil(n / (SKINNY_THREADS / 32 * SKINNY_ROWS))).
@@ -186,12 +266,31 @@ __device__ __forceinline__ void skinny_gemm(const bf16* __restrict__ x,
     extern "C" __global__ void __launch_bounds__(SKINNY_THREADS) skinny_gemm_m##M(              \
         const bf16* __restrict__ x, const bf16* __restrict__ w, const float* __restrict__ bias, \
         float* __restrict__ y, int rows, int n, int k) {                                        \
-        skinny_gemm<M, false>(x, w, bias, y, nullptr, rows, n, k, nullptr, nullptr);            \
+        skinny_gemm<M, false, false>(x, w, bias, y, nullptr, rows, n, k, nullptr, nullptr,     \
+                                      nullptr);                                                \
     }
 SKINNY_KERNEL(1)
 SKINNY_KERNEL(2)
 SKINNY_KERNEL(4)
 SKINNY_KERNEL(8)
+
+// y = x . w^T (+ bias) for a layer's q/k/v, rotated and the new K/V written to the cache
+// (RopeIn). Grid (ceil(n / (SKINNY_THREADS / 32 * SKINNY_ROWS))).
+#define SKINNY_ROPE_KERNEL(M)                                                                   \
+    extern "C" __global__ void __launch_bounds__(SKINNY_THREADS) skinny_rope_m##M(              \
+        const bf16* __restrict__ x, const bf16* __restrict__ w, const float* __restrict__ bias, \
+        float* __restrict__ y, const int* __restrict__ positions,                               \
+        const float* __restrict__ inv_freq, const int* __restrict__ slots,                      \
+        bf16* __restrict__ k_cache, bf16* __restrict__ v_cache, int nq, int nkv, int d,         \
+        int rows, int n, int k) {                                                               \
+        RopeIn rope = {positions, inv_freq, slots, k_cache, v_cache, nq, nkv, d};               \
+        skinny_gemm<M, false, true>(x, w, bias, y, nullptr, rows, n, k, nullptr, nullptr,      \
+                                    &rope);                                                     \
+    }
+SKINNY_ROPE_KERNEL(1)
+SKINNY_ROPE_KERNEL(2)
+SKINNY_ROPE_KERNEL(4)
+SKINNY_ROPE_KERNEL(8)
 
 // act = silu(x . gate^T) * (x . up^T), w holding the n gate rows then the n up rows.
 // Grid (ceil(n / (SKINNY_THREADS / 32))).
@@ -199,7 +298,8 @@ SKINNY_KERNEL(8)
     extern "C" __global__ void __launch_bounds__(SKINNY_THREADS) skinny_silu_m##M(              \
         const bf16* __restrict__ x, const bf16* __restrict__ w, bf16* __restrict__ act,         \
         int rows, int n, int k) {                                                               \
-        skinny_gemm<M, true>(x, w, nullptr, nullptr, act, rows, n, k, nullptr, nullptr);        \
+        skinny_gemm<M, true, false>(x, w, nullptr, nullptr, act, rows, n, k, nullptr, nullptr, \
+                                     nullptr);                                                 \
     }
 SKINNY_SILU_KERNEL(1)
 SKINNY_SILU_KERNEL(2)
@@ -221,7 +321,8 @@ SKINNY_SILU_KERNEL(8)
         int rows, int n, int k) {                                                               \
         __shared__ __align__(16) bf16 xs[M * NORM_MAX];                                         \
         NormIn norm = {res_in, delta, norm_w, res_out, eps};                                    \
-        skinny_gemm<M, false>(nullptr, w, bias, y, nullptr, rows, n, k, &norm, xs);             \
+        skinny_gemm<M, false, false>(nullptr, w, bias, y, nullptr, rows, n, k, &norm, xs,      \
+                                      nullptr);                                                \
     }
 #define SKINNY_NORM_SILU_KERNEL(M)                                                              \
     extern "C" __global__ void __launch_bounds__(SKINNY_THREADS) skinny_norm_silu_m##M(         \
@@ -230,9 +331,26 @@ SKINNY_SILU_KERNEL(8)
         const bf16* __restrict__ w, bf16* __restrict__ act, int rows, int n, int k) {           \
         __shared__ __align__(16) bf16 xs[M * NORM_MAX];                                         \
         NormIn norm = {res_in, delta, norm_w, res_out, eps};                                    \
-        skinny_gemm<M, true>(nullptr, w, nullptr, nullptr, act, rows, n, k, &norm, xs);         \
+        skinny_gemm<M, true, false>(nullptr, w, nullptr, nullptr, act, rows, n, k, &norm, xs,  \
+                                     nullptr);                                                 \
+    }
+#define SKINNY_NORM_ROPE_KERNEL(M)                                                              \
+    extern "C" __global__ void __launch_bounds__(SKINNY_THREADS) skinny_norm_rope_m##M(         \
+        const float* __restrict__ res_in, const float* __restrict__ delta,                      \
+        const float* __restrict__ norm_w, float eps, float* __restrict__ res_out,               \
+        const bf16* __restrict__ w, const float* __restrict__ bias, float* __restrict__ y,      \
+        const int* __restrict__ positions, const float* __restrict__ inv_freq,                  \
+        const int* __restrict__ slots, bf16* __restrict__ k_cache, bf16* __restrict__ v_cache,  \
+        int nq, int nkv, int d, int rows, int n, int k) {                                       \
+        __shared__ __align__(16) bf16 xs[M * NORM_MAX];                                         \
+        NormIn norm = {res_in, delta, norm_w, res_out, eps};                                    \
+        RopeIn rope = {positions, inv_freq, slots, k_cache, v_cache, nq, nkv, d};               \
+        skinny_gemm<M, false, true>(nullptr, w, bias, y, nullptr, rows, n, k, &norm, xs,       \
+                                    &rope);                                                     \
     }
 SKINNY_NORM_KERNEL(1)
 SKINNY_NORM_KERNEL(2)
+SKINNY_NORM_ROPE_KERNEL(1)
+SKINNY_NORM_ROPE_KERNEL(2)
 SKINNY_NORM_SILU_KERNEL(1)
 SKINNY_NORM_SILU_KERNEL(2)
