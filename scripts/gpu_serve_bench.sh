@@ -21,7 +21,8 @@
 # DEVICE=cpu runs the same on the CPU (a smoke run of the script, with a small model and
 # small counts). PROFILES (default: all four) picks profiles by name, e.g. PROFILES=throughput; TAG names
 # the results file (bench/results/serve-<device>[-TAG].json), so that another model's run
-# does not replace the 8B one's.
+# does not replace the 8B one's. CUDA_OPTIONS is passed as `--cuda-options` (switches that
+# are not the defaults yet, e.g. CUDA_OPTIONS=gdn-scan,prefill-graphs) and recorded in the JSON.
 #
 # Needs gpu-out/kvmesh (`scripts/gpu_verify.sh build`) and the model folder (gpu-bench makes
 # it). Writes bench/results/serve-<device>.json and the per-run JSON under $OUT/serve.
@@ -46,8 +47,10 @@ mkdir -p "$out/serve"
 # vLLM's defaults on an H100 (V1 engine, OpenAI server): up to 1,024 sequences and 8,192
 # tokens a step; 256 sequences here, so that the throughput profile's KV (up to 1,152 tokens
 # each) fits the cache an 8B model leaves on an 80 GB card without preemption.
+cuda_options=()
+[ -n "${CUDA_OPTIONS:-}" ] && cuda_options=(--cuda-options "$CUDA_OPTIONS")
 "$bin" serve --device "${DEVICE:-cuda}" --model "$model" --max-model-len "${MAX_LEN:-32768}" \
-    --max-num-seqs 256 --max-num-batched-tokens 8192 --port "$port" \
+    --max-num-seqs 256 --max-num-batched-tokens 8192 --port "$port" "${cuda_options[@]}" \
     >"$out/serve/server.log" 2>&1 &
 server=$!
 trap 'kill $server 2>/dev/null || true' EXIT
@@ -131,7 +134,7 @@ out = {
     "engine": "kvmesh serve --device " + (os.environ.get("DEVICE") or "cuda"),
     "device": name,
     "model": model,
-    "server_flags": "--max-model-len " + (os.environ.get("MAX_LEN") or "32768") + " --max-num-seqs 256 --max-num-batched-tokens 8192 (KV: --gpu-memory-utilization 0.9)",
+    "server_flags": "--max-model-len " + (os.environ.get("MAX_LEN") or "32768") + " --max-num-seqs 256 --max-num-batched-tokens 8192 (KV: --gpu-memory-utilization 0.9)" + (" --cuda-options " + os.environ["CUDA_OPTIONS"] if os.environ.get("CUDA_OPTIONS") else ""),
     "scaled": "request counts scaled down from vLLM's tuning tables to fit a GPU lease; lengths and rates as published",
     "runs": runs,
 }

@@ -87,7 +87,7 @@ run)
     mkdir -p "$work"
     t0=$(date +%s)
     budget="${GPU_BUDGET_S:-540}"
-    stages="${STAGES:-offline parity bench-8b bench-8b-fp8 fp8-out-ab prefill-concurrency-8b skinny-ab-8b long-decode-8b pdl-ab-8b pdl-ab-small fuse-ab sm-split-8b profile-8b profile-small serve-8b colocate-8b serve-qwen35-9b gdn-fla bench-qwen35-9b bench-qwen35-9b-scan long-decode-qwen35 profile-8b-fp8 profile-8b-fp8-f32 profile-qwen35 bench-llama-8b bench-small peer-8b bench-32b-fp8 bench-72b-fp8}"
+    stages="${STAGES:-offline parity bench-8b bench-8b-fp8 fp8-out-ab prefill-concurrency-8b skinny-ab-8b long-decode-8b pdl-ab-8b pdl-ab-small fuse-ab sm-split-8b profile-8b profile-small serve-8b colocate-8b serve-qwen35-9b serve-qwen35-9b-scan gdn-fla bench-qwen35-9b bench-qwen35-9b-scan bench-qwen35-9b-chunked long-decode-qwen35 profile-8b-fp8 profile-8b-fp8-f32 profile-qwen35 bench-llama-8b bench-small peer-8b bench-32b-fp8 bench-72b-fp8}"
     # The device returns at most 8 files from $OUT: everything is packed into one archive
     # (and a summary printed) however the run ends.
     touch "$work/.start"
@@ -223,6 +223,12 @@ run)
         PROFILES="batch1 throughput" TAG=qwen3.5-9b bash -c '[ -e "$MODEL/model.safetensors" ] || \
         gpu-out/kvmesh model init-random --preset qwen3.5-9b --out "$MODEL" || exit; \
         bash scripts/gpu_serve_bench.sh'
+    # The same served with the scan path for the Gated DeltaNet layers' prefill
+    # (CudaOptions::gdn_scan, `--cuda-options gdn-scan`), not the default until measured.
+    stage serve-qwen35-9b-scan 240 env OUT="$work/qwen35-scan" MODEL=target/bench-models/qwen3.5-9b \
+        PROFILES="batch1 throughput" TAG=qwen3.5-9b-scan CUDA_OPTIONS=gdn-scan bash -c \
+        '[ -e "$MODEL/model.safetensors" ] || gpu-out/kvmesh model init-random \
+        --preset qwen3.5-9b --out "$MODEL" || exit; bash scripts/gpu_serve_bench.sh'
     # Qwen3.5-9B's Gated DeltaNet layer: kvmesh's two kernels and its scan path
     # (CudaOptions::gdn_scan), then flash-linear-attention's (chunked prompts, fused
     # recurrent decode) on the same shapes, in the same run.
@@ -240,6 +246,10 @@ run)
     # the same kernels either way).
     stage bench-qwen35-9b-scan 120 gpu-out/gpu-bench --presets qwen3.5-9b --gdn-scan --batches 1 \
         --sampled-batches 0 --prefill-lens 512,2048,8192 --json bench/results/gpu-9b-qwen35-scan.json
+    # And through the chunked form (CudaOptions::gdn_chunked).
+    stage bench-qwen35-9b-chunked 120 gpu-out/gpu-bench --presets qwen3.5-9b --gdn-chunked \
+        --batches 1 --sampled-batches 0 --prefill-lens 512,2048,8192 \
+        --json bench/results/gpu-9b-qwen35-chunked.json
     # Qwen3.5-9B's decode over 2,048-token histories: its full-attention layers' head of 256
     # now has the 16-byte split decode kernel (served at 1,024-token histories its batch-1
     # token took 9.32 ms against gpu-bench's 5.62 ms at 128).

@@ -64,6 +64,12 @@ pub struct EngineArgs {
     /// Always run eager: no CUDA graphs for decode steps.
     #[arg(long)]
     pub enforce_eager: bool,
+    /// CUDA: switches that are not the defaults yet, comma-separated: fuse-norms,
+    /// fuse-rope, prefill-graphs, gdn-scan, gdn-chunked, fp8-f32-out, no-split-decode,
+    /// pdl=auto|on|off, skinny-max-rows=N (README, "CUDA options"). An unknown name is
+    /// refused.
+    #[arg(long, value_name = "LIST")]
+    pub cuda_options: Option<String>,
     /// CPU: multiply prompts by bf16 weights with the activations rounded to bf16, on
     /// AVX512-BF16 (about 1.4x the prefill speed; bf16 rounding of the products' inputs, as
     /// GPU engines have). Off: products in f32, the reference numerics.
@@ -216,6 +222,9 @@ impl EngineArgs {
                 match &mut kind {
                     BackendKind::Cuda(cuda) => {
                         cuda.graphs = !self.enforce_eager;
+                        if let Some(list) = &self.cuda_options {
+                            cuda.apply_list(list)?;
+                        }
                         anyhow::ensure!(
                             !self.cpu_bf16_products,
                             "--cpu-bf16-products is for the CPU backend, and --device {} runs \
@@ -226,6 +235,12 @@ impl EngineArgs {
                     BackendKind::Cpu(cpu) => cpu.bf16_products = self.cpu_bf16_products,
                     BackendKind::Sim(_) => {}
                 }
+                anyhow::ensure!(
+                    self.cuda_options.is_none() || matches!(kind, BackendKind::Cuda(_)),
+                    "--cuda-options is for the CUDA backend, and --device {} runs on the cpu \
+                     here: leave the flag out",
+                    self.device
+                );
                 if self.device == "auto" {
                     tracing::info!(
                         "--device auto chose {}",
@@ -246,6 +261,11 @@ impl EngineArgs {
                     self.device
                 );
                 anyhow::ensure!(self.sim_speed > 0.0, "--sim-speed must be positive");
+                anyhow::ensure!(
+                    self.cuda_options.is_none(),
+                    "--cuda-options sets how the CUDA backend runs, and --backend sim runs no \
+                     math: leave the flag out"
+                );
                 anyhow::ensure!(
                     !self.cpu_bf16_products,
                     "--cpu-bf16-products sets how the CPU backend multiplies, and --backend sim \
@@ -506,6 +526,25 @@ mod tests {
             e.contains("--cpu-bf16-products") && e.contains("sim"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn cuda_options_are_refused_where_no_cuda_backend_runs() {
+        let mut a = args(None);
+        a.device = "cpu".into();
+        a.cuda_options = Some("fuse-rope".into());
+        let e = a.backend_kind().unwrap_err().to_string();
+        assert!(
+            e.contains("--cuda-options") && e.contains("--device cpu"),
+            "{e}"
+        );
+        a.backend = BackendArg::Sim;
+        a.device = "auto".into();
+        let e = a.backend_kind().unwrap_err().to_string();
+        assert!(e.contains("--cuda-options") && e.contains("sim"), "{e}");
+        // Without the flag both run.
+        a.cuda_options = None;
+        assert!(matches!(a.backend_kind().unwrap(), BackendKind::Sim(_)));
     }
 
     #[test]

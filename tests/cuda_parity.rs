@@ -54,7 +54,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use kvmesh_gpu::backend::cpu::delta::DeltaParams;
-use kvmesh_gpu::backend::cuda::delta::{mix_on_device, mix_on_host, DeltaDims};
+use kvmesh_gpu::backend::cuda::delta::{mix_on_device, mix_on_host, DeltaDims, DeltaPath};
 use kvmesh_gpu::backend::cuda::{
     fp8_product, fp8_quantize, sample_host_logits, skinny_and_cublas, skinny_epilogues,
     skinny_norm_prologues, CudaBackend,
@@ -1048,8 +1048,9 @@ fn delta_params(nk: usize, nv: usize, dk: usize, dv: usize, seed: u64) -> DeltaP
     DeltaParams::random(hy, 1e-6, seed)
 }
 
-/// The device's Gated DeltaNet mixing (`delta_conv_silu`, then `gated_delta_rule`; and the
-/// scan path, `CudaOptions::gdn_scan`) against the CPU's `delta::mix` for one step of
+/// The device's Gated DeltaNet mixing (`delta_conv_silu`, then `gated_delta_rule`; the
+/// scan path, `CudaOptions::gdn_scan`; and the scan path with the chunked form,
+/// `CudaOptions::gdn_chunked`) against the CPU's `delta::mix` for one step of
 /// several sequences: a fresh prompt, a prompt chunk and a decode token continuing a state, a
 /// fresh single token, a 200-token continuation (several of the scan path's token chunks);
 /// at Qwen3.5's head sizes and smaller ones, value heads that are no multiple of 32 among
@@ -1063,8 +1064,10 @@ fn gated_deltanet_kernels_match_the_cpu() {
         (2, 2, 32, 128),
         (1, 4, 8, 24),
         (2, 2, 16, 32),
+        (1, 2, 32, 40),
     ];
-    for ((nk, nv, dk, dv), scan) in shapes.into_iter().flat_map(|s| [(s, false), (s, true)]) {
+    let paths = [DeltaPath::Recurrent, DeltaPath::Scan, DeltaPath::Chunked];
+    for ((nk, nv, dk, dv), path) in shapes.into_iter().flat_map(|s| paths.map(|p| (s, p))) {
         let p = delta_params(nk, nv, dk, dv, (nk * 1000 + nv * 100 + dk + dv) as u64);
         let d = DeltaDims::of(&p).unwrap();
         let seqs = [(70, true), (16, false), (1, false), (1, true), (200, false)];
@@ -1079,9 +1082,8 @@ fn gated_deltanet_kernels_match_the_cpu() {
             .collect();
         let mut cpu_states = start.clone();
         let want = mix_on_host(&p, &proj, &seqs, &mut cpu_states, 64).unwrap();
-        let got = mix_on_device(0, &p, &proj, &seqs, &mut start, scan).unwrap();
-        let path = if scan { "scan" } else { "recurrent" };
-        let ctx = format!("{path}: nk {nk} nv {nv} dk {dk} dv {dv}");
+        let got = mix_on_device(0, &p, &proj, &seqs, &mut start, path).unwrap();
+        let ctx = format!("{path:?}: nk {nk} nv {nv} dk {dk} dv {dv}");
         assert_eq!(got.len(), want.len(), "{ctx}");
         let mut worst = 0f32;
         for (i, (&g, &w)) in got.iter().zip(&want).enumerate() {

@@ -6,6 +6,7 @@
 use std::path::Path;
 
 use kvmesh_gpu::backend::cpu::delta::DeltaParams;
+use kvmesh_gpu::backend::cuda::delta::DeltaPath;
 use kvmesh_gpu::backend::cuda::delta_timing::{time_delta_mix, DELTA_CASES};
 use kvmesh_gpu::init::preset;
 
@@ -36,14 +37,21 @@ pub fn run(presets: &[String], ordinal: usize, reps: usize, json: &Path) -> anyh
             hy.linear_conv_kernel_dim
         );
         let mut cases = Vec::new();
-        println!("{:<20} {:>12} {:>12}", "case", "recurrent ms", "scan ms");
+        println!(
+            "{:<20} {:>12} {:>12} {:>12}",
+            "case", "recurrent ms", "scan ms", "chunked ms"
+        );
         for c in DELTA_CASES {
-            let ms = time_delta_mix(ordinal, &p, c, reps, false)?;
-            let scan_ms = time_delta_mix(ordinal, &p, c, reps, true)?;
-            println!("{:<20} {ms:>12.3} {scan_ms:>12.3}", c.label);
+            let ms = time_delta_mix(ordinal, &p, c, reps, DeltaPath::Recurrent)?;
+            let scan_ms = time_delta_mix(ordinal, &p, c, reps, DeltaPath::Scan)?;
+            let chunked_ms = time_delta_mix(ordinal, &p, c, reps, DeltaPath::Chunked)?;
+            println!(
+                "{:<20} {ms:>12.3} {scan_ms:>12.3} {chunked_ms:>12.3}",
+                c.label
+            );
             cases.push(
                 serde_json::json!({"label": c.label, "seqs": c.seqs, "tokens": c.tokens,
-                "fresh": c.fresh, "ms": ms, "scan_ms": scan_ms}),
+                "fresh": c.fresh, "ms": ms, "scan_ms": scan_ms, "chunked_ms": chunked_ms}),
             );
         }
         let path = if presets.len() > 1 {
@@ -60,7 +68,7 @@ pub fn run(presets: &[String], ordinal: usize, reps: usize, json: &Path) -> anyh
                 "shape": {"nk": hy.linear_num_key_heads, "nv": hy.linear_num_value_heads,
                     "dk": hy.linear_key_head_dim, "dv": hy.linear_value_head_dim,
                     "kw": hy.linear_conv_kernel_dim},
-                "timing": format!("CUDA events around one layer's mixing, median of {reps} after one warm-up; f32 projections in, bf16 out; prompts run the recurrence token by token. ms: delta_conv_silu + gated_delta_rule (with the gated norm); scan_ms: the scan path (CudaOptions::gdn_scan: delta_conv_chunks, delta_conv_window, delta_qk_gates, delta_scan, delta_gated_norm)"),
+                "timing": format!("CUDA events around one layer's mixing, median of {reps} after one warm-up; f32 projections in, bf16 out; prompts run the recurrence token by token. ms: delta_conv_silu + gated_delta_rule (with the gated norm); scan_ms: the scan path (CudaOptions::gdn_scan: delta_conv_chunks, delta_conv_window, delta_qk_gates, delta_scan, delta_gated_norm); chunked_ms: the same with the chunked form in place of delta_scan (CudaOptions::gdn_chunked: delta_chunk_prep, delta_chunk_scan; for the decode cases, what those launches would cost: the engine's decode steps run gated_delta_rule on every path)"),
                 "cases": cases,
             }),
         )?;

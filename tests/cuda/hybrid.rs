@@ -256,11 +256,13 @@ fn qwen35_hybrid_models_match_the_cpu() {
     assert!(failed.is_empty(), "past bf16 tolerance: {failed:#?}");
 }
 
-/// The scan path (`CudaOptions::gdn_scan`) against the one-kernel recurrence on the same GPU
-/// and weights: the prompt's logits (and a decode step after it, from the state the scan
-/// left) within bf16 tolerance of each other, and the recurrent state after the prompt
-/// within 1% of its scale: the first layer's differs only by f32 association, and a later
-/// layer's inputs by the rare bf16 output that rounds the other way.
+/// The scan path (`CudaOptions::gdn_scan`), and the same in the chunked form
+/// (`CudaOptions::gdn_chunked`), against the one-kernel recurrence on the same GPU and
+/// weights: the prompt's logits (and a decode step after it, from the state the prompt left)
+/// within bf16 tolerance of each other, and the recurrent state after the prompt within 1% of
+/// its scale: the first layer's differs only by f32 association (the chunked form's by its
+/// chunk-wise products too), and a later layer's inputs by the rare bf16 output that rounds
+/// the other way.
 #[test]
 fn hybrid_prompts_through_the_scan_path_match_the_recurrent_one() {
     for name in [
@@ -269,10 +271,11 @@ fn hybrid_prompts_through_the_scan_path_match_the_recurrent_one() {
         "hf-qwen35-gqa-bias-f32",
     ] {
         let m = load(name);
-        let gpu = |gdn_scan: bool| {
+        let gpu = |gdn_scan: bool, gdn_chunked: bool| {
             build_backend(
                 BackendKind::Cuda(CudaOptions {
                     gdn_scan,
+                    gdn_chunked,
                     ..CudaOptions::device(0)
                 }),
                 &m,
@@ -281,30 +284,38 @@ fn hybrid_prompts_through_the_scan_path_match_the_recurrent_one() {
             )
             .expect("a CUDA device")
         };
-        let (mut rec, mut scan) = (gpu(false), gpu(true));
         let table: Vec<BlockId> = (0..16).map(BlockId).collect();
         let prompt = prompts(name).pop().unwrap();
+        let mut rec = gpu(false, false);
         let want = forward_slot(rec.as_mut(), &prompt, 0, &table, 0);
-        let got = forward_slot(scan.as_mut(), &prompt, 0, &table, 0);
-        let mut worst = assert_close(&format!("{name}: scan prompt"), &got, &want);
-        let (sr, ss) = (rec.read_state(0).unwrap(), scan.read_state(0).unwrap());
-        let scale = sr.iter().fold(1e-6f32, |m, x| m.max(x.abs()));
-        let state = sr
-            .iter()
-            .zip(&ss)
-            .fold(0f32, |m, (a, b)| m.max((a - b).abs()))
-            / scale;
-        assert!(
-            state < 1e-2,
-            "{name}: states differ by {state:e} of their scale"
-        );
+        let sr = rec.read_state(0).unwrap();
         let next = [argmax(&want) as u32];
-        let want = forward_slot(rec.as_mut(), &next, prompt.len(), &table, 0);
-        let got = forward_slot(scan.as_mut(), &next, prompt.len(), &table, 0);
-        worst = worst.max(assert_close(&format!("{name}: decode after"), &got, &want));
-        println!(
-            "{name}: scan path within {worst:.2e} of the recurrent one (logits), states within \
-             {state:.1e}"
-        );
+        let want_next = forward_slot(rec.as_mut(), &next, prompt.len(), &table, 0);
+        for (path, (scan, chunked)) in [("scan", (true, false)), ("chunked", (false, true))] {
+            let mut other = gpu(scan, chunked);
+            let got = forward_slot(other.as_mut(), &prompt, 0, &table, 0);
+            let mut worst = assert_close(&format!("{name}: {path} prompt"), &got, &want);
+            let ss = other.read_state(0).unwrap();
+            let scale = sr.iter().fold(1e-6f32, |m, x| m.max(x.abs()));
+            let state = sr
+                .iter()
+                .zip(&ss)
+                .fold(0f32, |m, (a, b)| m.max((a - b).abs()))
+                / scale;
+            assert!(
+                state < 1e-2,
+                "{name}: {path} states differ by {state:e} of their scale"
+            );
+            let got = forward_slot(other.as_mut(), &next, prompt.len(), &table, 0);
+            worst = worst.max(assert_close(
+                &format!("{name}: {path}, decode after"),
+                &got,
+                &want_next,
+            ));
+            println!(
+                "{name}: {path} within {worst:.2e} of the recurrent one (logits), states \
+                 within {state:.1e}"
+            );
+        }
     }
 }

@@ -100,6 +100,10 @@ struct Args {
     /// (see `CudaOptions::gdn_scan`).
     #[arg(long)]
     gdn_scan: bool,
+    /// Steps with prompts run the Gated DeltaNet recurrence in the chunked form inside the
+    /// scan path (see `CudaOptions::gdn_chunked`).
+    #[arg(long)]
+    gdn_chunked: bool,
     /// FP8 prefill GEMMs write f32 straight into the product's columns where cuBLASLt can
     /// (see `CudaOptions::fp8_f32_out`).
     #[arg(long)]
@@ -692,6 +696,7 @@ fn summarise(args: &Args, name: &str, dir: &Path, cfg: &ModelConfig, f: &Figures
         "fuse_norms": args.fuse_norms,
         "fuse_rope": args.fuse_rope,
         "gdn_scan": args.gdn_scan,
+        "gdn_chunked": args.gdn_chunked,
         "fp8_f32_out": args.fp8_f32_out,
         "prefill_graphs": f.prefill_graphs,
         "sm_split": args.sm_split.map(|s| s.to_string()),
@@ -741,6 +746,7 @@ fn bench_model(args: &Args, name: &str, dev: &mut DeviceFigures) -> anyhow::Resu
         fuse_norms: args.fuse_norms,
         fuse_rope: args.fuse_rope,
         gdn_scan: args.gdn_scan,
+        gdn_chunked: args.gdn_chunked,
         fp8_f32_out: args.fp8_f32_out,
         prefill_graphs: args.prefill_graphs,
         sm_partition: args.sm_partition(),

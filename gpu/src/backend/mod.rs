@@ -9,6 +9,7 @@
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod cuda_flags;
 pub mod error;
 pub mod sim;
 pub mod sm_split;
@@ -71,6 +72,13 @@ pub struct CudaOptions {
     /// H200 run measured the one-kernel path at 35.0 ms a layer for an 8,192-token prompt of
     /// Qwen3.5-9B's shape, 16.6x flash-linear-attention's chunked kernels.
     pub gdn_scan: bool,
+    /// Whether steps with prompts run the Gated DeltaNet recurrence in the chunked form
+    /// (`delta_chunk_prep`, `delta_chunk_scan`: chunks of 32 tokens, each chunk's
+    /// `(I + A)^-1` computed for all chunks at once, then the chunks in order as small matrix
+    /// products), inside the scan path's other launches; layers too narrow for it (fewer than
+    /// 64 value-head columns of q/k/v per value head) keep `delta_scan`. Off by default until
+    /// a GPU run has checked and measured it (`gpu-bench --gdn-chunked`).
+    pub gdn_chunked: bool,
     /// Whether FP8 prefill products have cuBLASLt write f32 straight into the product's
     /// columns, where it has such a GEMM for the scales, rather than bf16 that `fp8_out_cols`
     /// widens: one pass over every output less. The first H200 profile of Qwen3-8B FP8
@@ -163,6 +171,7 @@ impl CudaOptions {
             fuse_norms: false,
             fuse_rope: false,
             gdn_scan: false,
+            gdn_chunked: false,
             fp8_f32_out: false,
             prefill_graphs: false,
             sm_partition: None,

@@ -3,13 +3,14 @@
 //! CPU's [`delta::mix`] is the reference, and the recurrent state is laid out as the CPU's
 //! slots are (`StateLayout`), so a state moves between the backends unchanged.
 //!
-//! Prompts run the recurrence token by token here (each block walks its sequence's tokens
-//! with the state in registers), not the chunked form the CPU uses; both are the same rule.
-//! Two paths: `gated_delta_rule` alone (a block per value head holds the whole state and
-//! does the normalisation, the gates and the gated norm per token), and the scan path
-//! (`DeltaMix::scan`: those parts in launches of their own, each value column's state over 4
-//! threads in blocks of 32 columns, tokens staged in shared memory), whose serial part per
-//! token is a few shared-memory reads and shuffles rather than block-wide sums.
+//! Three paths for prompts, the same rule: `gated_delta_rule` alone (a block per value head
+//! holds the whole state and does the normalisation, the gates and the gated norm per token),
+//! the scan path (`DeltaMix::scan`: those parts in launches of their own, each value column's
+//! state over 4 threads in blocks of 32 columns, tokens staged in shared memory), whose
+//! serial part per token is a few shared-memory reads and shuffles rather than block-wide
+//! sums, and the scan path in the chunked form the CPU uses (`DeltaMix::chunk_mats`: each
+//! chunk's `(I + A)^-1` for all chunks at once, then the chunks in order as small matrix
+//! products), whose serial part is per chunk of 32 tokens. Decode steps run the first.
 //! [`mix_on_device`] runs one layer for a batch given on the host, which is how
 //! `tests/cuda_parity.rs` holds these kernels to the CPU on a GPU.
 
@@ -118,6 +119,33 @@ pub struct DeltaMix<'a> {
     /// Run the scan path (which also overwrites `proj`'s b and a columns with the gates),
     /// and the most tokens a sequence has in the step (its launch bounds).
     pub scan: Option<usize>,
+    /// On the scan path, the recurrence in the chunked form (`delta_chunk_*`) in place of
+    /// `delta_scan`, with this scratch for each chunk's matrices (`chunk_mats_len`).
+    pub chunk_mats: Option<&'a mut CudaSlice<f32>>,
+}
+
+/// f32s the chunked form's scratch takes for `tokens` tokens: per token row, the rows of its
+/// chunk's two `CHUNK_LEN`-square matrices for each value head.
+pub fn chunk_mats_len(d: &DeltaDims, tokens: usize) -> usize {
+    tokens * 2 * shapes::CHUNK_LEN * d.nv
+}
+
+/// Which way a step with prompts runs the recurrence (`mix_on_device`, the timings).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeltaPath {
+    /// `delta_conv_silu` then `gated_delta_rule`, token by token.
+    Recurrent,
+    /// The scan path (`CudaOptions::gdn_scan`).
+    Scan,
+    /// The scan path with the chunked form (`CudaOptions::gdn_chunked`).
+    Chunked,
+}
+
+impl DeltaPath {
+    /// `DeltaMix::scan` for a step whose longest sequence has `longest` tokens.
+    pub fn scan(self, longest: usize) -> Option<usize> {
+        (self != DeltaPath::Recurrent).then_some(longest)
+    }
 }
 
 impl DeltaMix<'_> {
@@ -237,7 +265,6 @@ impl DeltaMix<'_> {
         let (nk, nv, dk, dv) = (d.nk as i32, d.nv as i32, d.dk as i32, d.dv as i32);
         let stride = self.at.slot_stride as i64;
         let conv_off = self.at.layer_off as i64;
-        let delta_off = (self.at.layer_off + (d.kw - 1) * d.cd) as i64;
         let ns = self.num_seqs;
         if ns == 0 || self.tokens == 0 {
             return Ok(());
@@ -264,6 +291,8 @@ impl DeltaMix<'_> {
         // SAFETY: as above, for `delta_conv_window`.
         unsafe { b.launch(cfg) }.map_err(failed("delta_conv_window"))?;
 
+        let chunked = self.chunk_mats.is_some();
+        let log_gate = i32::from(chunked);
         let cfg = grid(&shapes::DELTA_QK_GATES, self.tokens, 1, 1)?;
         let mut b = s.launch_builder(&k.delta_qk_gates);
         b.arg(&mut *self.mixed)
@@ -275,10 +304,27 @@ impl DeltaMix<'_> {
             .arg(&nk)
             .arg(&nv)
             .arg(&dk)
-            .arg(&dv);
+            .arg(&dv)
+            .arg(&log_gate);
         // SAFETY: as above, for `delta_qk_gates`: a block a row of `tokens`; it writes the
         // gates over b and a in `proj`, which only the delta rule reads.
         unsafe { b.launch(cfg) }.map_err(failed("delta_qk_gates"))?;
+        if chunked {
+            self.launch_chunked(k, s, longest)?;
+        } else {
+            self.launch_delta_scan(k, s)?;
+        }
+        self.launch_gated_norm(k, s)
+    }
+
+    /// `delta_scan`: the recurrence token by token, its raw output over v in `mixed`.
+    fn launch_delta_scan(&mut self, k: &Kernels, s: &CudaStream) -> Result<()> {
+        let d = self.dims;
+        let (row, cd) = (d.row as i32, d.cd as i32);
+        let (nk, nv, dk, dv) = (d.nk as i32, d.nv as i32, d.dk as i32, d.dv as i32);
+        let stride = self.at.slot_stride as i64;
+        let delta_off = (self.at.layer_off + (d.kw - 1) * d.cd) as i64;
+        let ns = self.num_seqs;
 
         let cfg = grid(
             &shapes::DELTA_SCAN,
@@ -302,7 +348,80 @@ impl DeltaMix<'_> {
         // SAFETY: as above, for `delta_scan`; dk and dv are at most its shared arrays and
         // register arrays (`DeltaDims::of`).
         unsafe { b.launch(cfg) }.map_err(failed("delta_scan"))?;
+        Ok(())
+    }
 
+    /// The chunked form: `delta_chunk_prep` (every chunk's `(I + A)^-1` and `P`, into
+    /// `chunk_mats`), then `delta_chunk_scan` (the chunks in order), its raw output over v in
+    /// `mixed` as `delta_scan` leaves it.
+    fn launch_chunked(&mut self, k: &Kernels, s: &CudaStream, longest: usize) -> Result<()> {
+        let d = self.dims;
+        let mats = self
+            .chunk_mats
+            .take()
+            .ok_or(crate::backend::error::BackendError::Invariant(
+                "the chunked form without its scratch",
+            ))?;
+        holds(
+            "delta_chunk_prep",
+            "chunk_mats",
+            mats.len(),
+            chunk_mats_len(&d, self.tokens),
+        )?;
+        let (row, cd) = (d.row as i32, d.cd as i32);
+        let (nk, nv, dk, dv) = (d.nk as i32, d.nv as i32, d.dk as i32, d.dv as i32);
+        let stride = self.at.slot_stride as i64;
+        let delta_off = (self.at.layer_off + (d.kw - 1) * d.cd) as i64;
+        let ns = self.num_seqs;
+        let chunks = longest.div_ceil(shapes::CHUNK_LEN).max(1);
+        let cfg = grid(&shapes::DELTA_CHUNK_PREP, d.nv, chunks, ns)?;
+        let mut b = s.launch_builder(&k.delta_chunk_prep);
+        b.arg(&*self.mixed)
+            .arg(&cd)
+            .arg(self.proj)
+            .arg(&row)
+            .arg(&mut *mats)
+            .arg(self.seqs)
+            .arg(&nk)
+            .arg(&nv)
+            .arg(&dk)
+            .arg(&dv);
+        // SAFETY: as above, for `delta_chunk_prep`: a block per (value head, chunk,
+        // sequence), none past its sequence's rows (`longest` bounds them); `mats` holds
+        // 2 CHUNK_LEN nv values for each of the step's rows (checked above); dk is at most its
+        // shared rows (`DeltaDims::of`).
+        unsafe { b.launch(cfg) }.map_err(failed("delta_chunk_prep"))?;
+        let cfg = grid(
+            &shapes::DELTA_CHUNK_SCAN,
+            d.nv,
+            d.dv.div_ceil(shapes::SCAN_COLS),
+            ns,
+        )?;
+        let mut b = s.launch_builder(&k.delta_chunk_scan);
+        b.arg(&mut *self.mixed)
+            .arg(&cd)
+            .arg(self.proj)
+            .arg(&row)
+            .arg(&*mats)
+            .arg(&mut *self.states)
+            .arg(&stride)
+            .arg(&delta_off)
+            .arg(self.seqs)
+            .arg(&nk)
+            .arg(&nv)
+            .arg(&dk)
+            .arg(&dv);
+        // SAFETY: as above, for `delta_chunk_scan`, as for `delta_scan`, and `mats` as for
+        // `delta_chunk_prep`.
+        unsafe { b.launch(cfg) }.map_err(failed("delta_chunk_scan"))?;
+        Ok(())
+    }
+
+    /// `delta_gated_norm`: o / rms(o) * w * silu(z) as bf16 into `out`, a block a row.
+    fn launch_gated_norm(&mut self, k: &Kernels, s: &CudaStream) -> Result<()> {
+        let d = self.dims;
+        let (row, cd) = (d.row as i32, d.cd as i32);
+        let (nk, nv, dk, dv) = (d.nk as i32, d.nv as i32, d.dk as i32, d.dv as i32);
         let cfg = grid(&shapes::DELTA_GATED_NORM, self.tokens, 1, 1)?;
         let mut b = s.launch_builder(&k.delta_gated_norm);
         b.arg(&*self.mixed)
@@ -323,7 +442,7 @@ impl DeltaMix<'_> {
 }
 
 /// One layer's mixing on device `ordinal` for sequences given on the host, for checking the
-/// kernels against [`delta::mix`] (through the scan path with `scan`): `seqs` are (tokens, fresh) in row order over `proj`
+/// kernels against [`delta::mix`] (along `path`): `seqs` are (tokens, fresh) in row order over `proj`
 /// (`[tokens, row]`), `states[i]` sequence `i`'s window then delta state for this layer
 /// (updated). Returns `[tokens, nv * dv]`, widened from the kernels' bf16.
 pub fn mix_on_device(
@@ -332,7 +451,7 @@ pub fn mix_on_device(
     proj: &[f32],
     seqs: &[(usize, bool)],
     states: &mut [Vec<f32>],
-    scan: bool,
+    path: DeltaPath,
 ) -> Result<Vec<f32>> {
     let d = DeltaDims::of(p)?;
     let per = d.layer_floats();
@@ -349,6 +468,7 @@ pub fn mix_on_device(
             d.row
         )));
     }
+    let scan = path.scan(seqs.iter().map(|s| s.0).max().unwrap_or(0));
     let ctx: Arc<CudaContext> =
         CudaContext::new(ordinal).map_err(|e| drv("context creation", e))?;
     let s = ctx.new_stream().map_err(|e| drv("stream creation", e))?;
@@ -373,6 +493,9 @@ pub fn mix_on_device(
         .map_err(|e| drv("alloc", e))?;
     let mut out = s
         .alloc_zeros::<u16>(tokens * d.nv * d.dv)
+        .map_err(|e| drv("alloc", e))?;
+    let mut mats = s
+        .alloc_zeros::<f32>(chunk_mats_len(&d, tokens).max(1))
         .map_err(|e| drv("alloc", e))?;
     let (proj_d, conv, neg_a, dt_bias, norm) = (
         up(proj)?,
@@ -400,7 +523,8 @@ pub fn mix_on_device(
         tokens,
         mixed: &mut mixed,
         out: &mut out,
-        scan: scan.then(|| seqs.iter().map(|s| s.0).max().unwrap_or(0)),
+        scan,
+        chunk_mats: (path == DeltaPath::Chunked).then_some(&mut mats),
     }
     .launch(&k, &s)?;
     let back = s.clone_dtoh(&pool).map_err(|e| drv("download", e))?;

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::CudaContext;
 
-use super::delta::{seq_table, DeltaDims, DeltaMix, StateAt};
+use super::delta::{chunk_mats_len, seq_table, DeltaDims, DeltaMix, DeltaPath, StateAt};
 use super::device::drv;
 use super::kernels::Kernels;
 use crate::backend::cpu::delta::DeltaParams;
@@ -65,17 +65,18 @@ pub const DELTA_CASES: &[DeltaCase] = &[
     },
 ];
 
-/// Median milliseconds of one layer's mixing for `case` on device `ordinal` (through the
-/// scan path with `scan`), over `reps` runs after one warm-up. The projections are pseudo-random in [-1.5, 1.5), as the parity
+/// Median milliseconds of one layer's mixing for `case` on device `ordinal` along `path`,
+/// over `reps` runs after one warm-up. The projections are pseudo-random in [-1.5, 1.5), as the parity
 /// test draws them; the states stay on the device between runs.
 pub fn time_delta_mix(
     ordinal: usize,
     p: &DeltaParams,
     case: &DeltaCase,
     reps: usize,
-    scan: bool,
+    path: DeltaPath,
 ) -> Result<f64> {
     let d = DeltaDims::of(p)?;
+    let scan = path.scan(case.tokens);
     let ctx: Arc<CudaContext> =
         CudaContext::new(ordinal).map_err(|e| drv("context creation", e))?;
     let s = ctx.new_stream().map_err(|e| drv("stream creation", e))?;
@@ -115,6 +116,9 @@ pub fn time_delta_mix(
     let mut out = s
         .alloc_zeros::<u16>(tokens * d.nv * d.dv)
         .map_err(|e| drv(alloc, e))?;
+    let mut mats = s
+        .alloc_zeros::<f32>(chunk_mats_len(&d, tokens).max(1))
+        .map_err(|e| drv(alloc, e))?;
     let timing = Some(CUevent_flags::CU_EVENT_DEFAULT);
     let mut times = Vec::with_capacity(reps);
     for i in 0..=reps {
@@ -138,7 +142,8 @@ pub fn time_delta_mix(
             tokens,
             mixed: &mut mixed,
             out: &mut out,
-            scan: scan.then_some(case.tokens),
+            scan,
+            chunk_mats: (path == DeltaPath::Chunked).then_some(&mut mats),
         }
         .launch(&k, &s)?;
         let end = s.record_event(timing).map_err(|e| drv("timing event", e))?;

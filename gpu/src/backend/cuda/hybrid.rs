@@ -24,6 +24,7 @@ use super::kernels::Kernels;
 use super::kv::KvCache;
 use super::load::MemoryPlan;
 use super::sampling;
+use super::shapes;
 use crate::backend::cpu::{HybridBackend, StateBudget, StateLayout};
 use crate::backend::error::StateError;
 use crate::backend::{Backend, CudaOptions, ForwardBatch, KvBudget, SampleSpec};
@@ -53,6 +54,8 @@ pub struct CudaHybridBackend {
     pub(super) split_decode: bool,
     /// `CudaOptions::gdn_scan`.
     pub(super) gdn_scan: bool,
+    /// `CudaOptions::gdn_chunked`.
+    pub(super) gdn_chunked: bool,
     /// The full-attention layers' cache as transfers in this process address it.
     device_kv: Arc<crate::device_kv::DeviceKvPool>,
     /// Pure decode steps' CUDA graphs, by bucket (as the dense backend's), with each
@@ -62,6 +65,29 @@ pub struct CudaHybridBackend {
     /// The state slot past the pool's (running slots and snapshots) that a decode graph's
     /// padding sequences read and write, so they touch no sequence's state.
     pub(super) scratch_slot: u32,
+}
+
+/// The CUDA options a hybrid model cannot take, refused by name.
+fn refuse_options(cfg: &ModelConfig, opts: &CudaOptions) -> Result<()> {
+    if opts.fuse_norms || opts.fuse_rope || opts.prefill_graphs {
+        return Err(EngineError::InvalidRequest(
+            "fused norms, the fused rotary embedding and piecewise prefill graphs are not \
+             implemented for Qwen3.5's hybrid layers; leave those options off"
+                .into(),
+        ));
+    }
+    // The chunked form keeps its chunks' matrices in the MLP's gate/up products, which no
+    // mixer uses: a row of those must hold a row of the matrices.
+    let nv = cfg.hybrid.as_ref().map_or(0, |h| h.linear_num_value_heads);
+    let mats_row = 2 * shapes::CHUNK_LEN * nv;
+    if opts.gdn_chunked && mats_row > 2 * cfg.intermediate_size {
+        return Err(EngineError::InvalidRequest(format!(
+            "the chunked Gated DeltaNet prefill needs {mats_row} values a token of scratch and \
+             this model's MLP buffers hold {}; leave the option off",
+            2 * cfg.intermediate_size
+        )));
+    }
+    Ok(())
 }
 
 impl CudaHybridBackend {
@@ -83,13 +109,7 @@ impl CudaHybridBackend {
             .as_ref()
             .ok_or_else(|| EngineError::BadModel("not a hybrid (Qwen3.5) model".into()))?;
         super::load::refuse_unsupported(cfg, opts.ordinal, block_size)?;
-        if opts.fuse_norms || opts.fuse_rope {
-            return Err(EngineError::InvalidRequest(
-                "fused norms and the fused rotary embedding are not implemented for \
-                 Qwen3.5's hybrid layers; leave those options off"
-                    .into(),
-            ));
-        }
+        refuse_options(cfg, &opts)?;
         let ordinal = opts.ordinal;
         let layout = StateLayout::new(hy);
         let per_slot = layout.bytes_per_slot();
@@ -170,6 +190,7 @@ impl CudaHybridBackend {
             skinny_max_rows: opts.skinny_max_rows,
             split_decode: opts.split_decode,
             gdn_scan: opts.gdn_scan,
+            gdn_chunked: opts.gdn_chunked,
             device_kv,
             graphs: DecodeGraphs::new(opts.graphs, cfg, split.blocks, block_size),
             graph_seqs: HashMap::new(),

@@ -203,6 +203,7 @@ impl CudaHybridBackend {
             skinny_max_rows,
             split_decode,
             gdn_scan,
+            gdn_chunked,
             ..
         } = self;
         let sp = space
@@ -230,7 +231,9 @@ impl CudaHybridBackend {
             },
             // Steps with prompts only: a decode step (one token a sequence, its graphs too)
             // keeps the one-kernel recurrence.
-            scan: (*gdn_scan && dims.tokens > dims.seqs).then_some(dims.max_query_len),
+            scan: ((*gdn_scan || *gdn_chunked) && dims.tokens > dims.seqs)
+                .then_some(dims.max_query_len),
+            chunked: *gdn_chunked,
         };
         let (t, h, eps) = (dims.tokens, cfg.hidden_size, cfg.rms_norm_eps);
         EmbedGather {
@@ -307,8 +310,9 @@ struct Pass<'a> {
     heads: Heads,
     /// Splits of each history in a decode step's attention.
     splits: usize,
-    /// `DeltaMix::scan` for this step's Gated DeltaNet layers.
+    /// `DeltaMix::scan` and `DeltaMix::chunked` for this step's Gated DeltaNet layers.
     scan: Option<usize>,
+    chunked: bool,
 }
 
 impl Pass<'_> {
@@ -354,6 +358,9 @@ impl Pass<'_> {
             mixed: &mut sp.mixed,
             out: &mut sp.core,
             scan: self.scan,
+            // The MLP's gate/up products are not in use while a mixer runs; the backend
+            // checked at start that they hold the chunks' matrices (`gdn_chunked`).
+            chunk_mats: (self.scan.is_some() && self.chunked).then_some(&mut sp.gate_up),
         }
         .launch(self.k, self.s)?;
         self.mm.linear(out_proj, t, &sp.core, &mut sp.tmp)

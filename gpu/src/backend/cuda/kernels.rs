@@ -66,6 +66,9 @@ pub struct Kernels {
     pub(super) delta_qk_gates: CudaFunction,
     pub(super) delta_scan: CudaFunction,
     pub(super) delta_gated_norm: CudaFunction,
+    /// The chunked form's two (`CudaOptions::gdn_chunked`).
+    pub(super) delta_chunk_prep: CudaFunction,
+    pub(super) delta_chunk_scan: CudaFunction,
     /// `skinny_gemm_m*`, by the most rows each takes.
     skinny: Vec<(usize, CudaFunction)>,
     /// `skinny_silu_m*`, likewise.
@@ -151,6 +154,8 @@ impl Kernels {
             delta_qk_gates: f(shapes::DELTA_QK_GATES)?,
             delta_scan: f(shapes::DELTA_SCAN)?,
             delta_gated_norm: f(shapes::DELTA_GATED_NORM)?,
+            delta_chunk_prep: f(shapes::DELTA_CHUNK_PREP)?,
+            delta_chunk_scan: f(shapes::DELTA_CHUNK_SCAN)?,
             skinny: by_size(&shapes::SKINNY_GEMM)?,
             skinny_silu: by_size(&shapes::SKINNY_SILU)?,
             skinny_norm: by_size(&shapes::SKINNY_NORM)?,

@@ -141,8 +141,12 @@ impl CudaBackend {
             activations_gib = plan.activations as f64 / GIB,
             kv_gib = (num_blocks * plan.per_block) as f64 / GIB,
             kv_tokens = num_blocks * block_size,
+            cuda_options = %opts.switches(),
             "CUDA backend ready"
         );
+        if opts.gdn_scan {
+            tracing::warn!("--cuda-options gdn-scan: the model has no Gated DeltaNet layers");
+        }
         Ok(CudaBackend {
             cfg: cfg.clone(),
             ordinal,

@@ -211,6 +211,25 @@ pub const DELTA_SCAN: KernelShape = shape(
     false,
 );
 pub const DELTA_GATED_NORM: KernelShape = shape("delta_gated_norm", 128, 0, false);
+/// The chunked form (`CudaOptions::gdn_chunked`): chunks of `CHUNK_LEN` tokens (a warp's
+/// width), q and k of a chunk staged in rows padded by one value (against bank conflicts),
+/// the chunk's `(I + A)^-1` and `P` (`CHUNK_LEN` square, padded likewise), its gates; the scan
+/// also the right-hand side for `SCAN_COLS` columns. 8 threads a state column.
+pub const CHUNK_LEN: usize = 32;
+const CHUNK_QK: usize = 2 * CHUNK_LEN * (MAX_DELTA_HEAD + 1) * F32;
+const CHUNK_SQUARE: usize = CHUNK_LEN * (CHUNK_LEN + 1) * F32;
+pub const DELTA_CHUNK_PREP: KernelShape = shape(
+    "delta_chunk_prep",
+    8 * SCAN_COLS as u32,
+    CHUNK_QK + CHUNK_SQUARE + 2 * CHUNK_LEN * F32,
+    false,
+);
+pub const DELTA_CHUNK_SCAN: KernelShape = shape(
+    "delta_chunk_scan",
+    8 * SCAN_COLS as u32,
+    CHUNK_QK + 2 * CHUNK_SQUARE + CHUNK_LEN * (SCAN_COLS + 1) * F32 + 2 * CHUNK_LEN * F32,
+    false,
+);
 
 /// Warps per block of the skinny products, rows of the weights each warp streams, and 16-byte
 /// loads each lane has in flight per row: 8 x 2 x 4 x 512 bytes = 32 KiB in flight a block.
@@ -359,6 +378,8 @@ pub const KERNELS: &[KernelShape] = &[
     DELTA_QK_GATES,
     DELTA_SCAN,
     DELTA_GATED_NORM,
+    DELTA_CHUNK_PREP,
+    DELTA_CHUNK_SCAN,
     SKINNY_GEMM[0].1,
     SKINNY_GEMM[1].1,
     SKINNY_GEMM[2].1,
@@ -423,6 +444,8 @@ pub fn defines() -> Vec<(&'static str, usize)> {
         ("SCAN_TOK", SCAN_TOK),
         ("SCAN_THREADS", DELTA_SCAN.threads as usize),
         ("GNORM_THREADS", DELTA_GATED_NORM.threads as usize),
+        ("CH_L", CHUNK_LEN),
+        ("CHUNK_THREADS", DELTA_CHUNK_SCAN.threads as usize),
         ("DECODE_MIN_SPLIT_KEYS", DECODE_MIN_SPLIT_KEYS),
         ("DECODE_MAX_SPLITS", MAX_DECODE_SPLITS),
         ("DECODE_UNROLL", DECODE_UNROLL),

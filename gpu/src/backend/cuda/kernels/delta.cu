@@ -273,11 +273,12 @@ __device__ __forceinline__ float warp_head(const float* x, int d, int lane, floa
 
 // Per token row: q and k of each key head L2-normalised in place in mixed (q also scaled by
 // 1/sqrt(dk)), a warp a vector; beta = sigmoid(b) and decay = exp(-A softplus(a + dt_bias))
-// of each value head written over b and a in proj. Grid (T).
+// of each value head written over b and a in proj (with log_gate, the log-decay g =
+// -A softplus(a + dt_bias) itself, which the chunked form sums). Grid (T).
 extern "C" __global__ void __launch_bounds__(QK_THREADS)
 delta_qk_gates(float* __restrict__ mixed, int cd, float* __restrict__ proj, int row,
                const float* __restrict__ neg_a, const float* __restrict__ dt_bias,
-               int nk, int nv, int dk, int dv) {
+               int nk, int nv, int dk, int dv, int log_gate) {
     long long r = blockIdx.x;
     float* m = mixed + r * cd;
     float* p = proj + r * row;
@@ -301,7 +302,8 @@ delta_qk_gates(float* __restrict__ mixed, int cd, float* __restrict__ proj, int 
         float x = p[cd + vd + nv + hv] + dt_bias[hv];
         float sp = x > 20.0f ? x : log1pf(expf(x));
         p[cd + vd + hv] = 1.0f / (1.0f + expf(-b));
-        p[cd + vd + nv + hv] = expf(neg_a[hv] * sp);
+        float g = neg_a[hv] * sp;
+        p[cd + vd + nv + hv] = log_gate ? g : expf(g);
     }
 }
 
@@ -425,6 +427,244 @@ delta_gated_norm(const float* __restrict__ mixed, int cd, const float* __restric
                 float z = proj[r * row + cd + hv * dv + j];
                 out[r * vd + hv * dv + j] = f2bf(v[u] * inv * norm_w[j] * (z / (1.0f + expf(-z))));
             }
+        }
+    }
+}
+
+// ---- The chunked form for steps with prompts (CudaOptions::gdn_chunked) ----
+//
+// The scan path with delta_scan's token-by-token recurrence replaced by the chunk-wise form
+// the CPU runs (cpu/delta.rs, `chunked`): chunks of CH_L tokens of a sequence, G_t the
+// log-decay summed from the chunk's start (inclusive), S the state before the chunk, with
+//   A_ts = beta_t e^(G_t - G_s) k_t.k_s  (s < t),   P_ts = e^(G_t - G_s) q_t.k_s  (s <= t),
+//   T = (I + A)^-1,   delta = T (beta (v - e^G S^T k)),   o = e^G S^T q + P delta,
+//   S' = e^(G_last) S + sum_s e^(G_last - G_s) k_s delta_s^T.
+// Two launches between delta_qk_gates (with log_gate) and delta_gated_norm:
+//   delta_chunk_prep   every (value head, chunk) at once: A, P and T = (I + A)^-1, which
+//                      depend on no state, into mats [T, 2 CH_L nv]: the chunk's row t holds
+//                      head hv's T_t. at columns hv 2 CH_L .. and P_t. after them (rows past
+//                      the sequence's end are neither written nor read);
+//   delta_chunk_scan   the chunks of each sequence in order, SCAN_COLS value columns a block
+//                      with each column's state over 8 threads: S^T k and S^T q for the
+//                      chunk's tokens, then delta, the outputs and the next state as small
+//                      matrix products in shared memory; the raw o written over v in mixed,
+//                      as delta_scan leaves it.
+// Only these two launches' serial part walks the chunks, not the tokens.
+
+#if !defined(CH_L) || !defined(CHUNK_THREADS)
+#error "the chunked form's kernels are compiled with the launch figures of shapes.rs"
+#endif
+#if CH_L != 32 || CHUNK_THREADS != 8 * SCAN_COLS || CHUNK_THREADS != 256 || MAX_DELTA_DK % 8 != 0
+#error "the chunked kernels take chunks of a warp's width, 8 threads a state column"
+#endif
+
+// The inclusive sum of gs[0..CH_L) into gs, by warp 0 (every thread calls it; it syncs).
+__device__ __forceinline__ void chunk_cumsum(float* gs) {
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        float v = gs[threadIdx.x];
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            float u = __shfl_up_sync(0xffffffffu, v, o);
+            if ((int)threadIdx.x >= o) v += u;
+        }
+        gs[threadIdx.x] = v;
+    }
+    __syncthreads();
+}
+
+// q and k rows [t0, t0 + CH_L) of key head kh of the sequence at `first` (zeros past nt and
+// past dk), its gates beta and g for value head hv (zeros past nt: padding that adds
+// nothing), staged in shared memory. The caller syncs before (the last reads are done).
+__device__ __forceinline__ void chunk_stage(const float* mixed, int cd, const float* proj,
+                                            int row, int first, int t0, int nt, int kh, int hv,
+                                            int nk, int nv, int dk, int dv,
+                                            float (*ks)[MAX_DELTA_DK + 1],
+                                            float (*qs)[MAX_DELTA_DK + 1], float* bs,
+                                            float* gs) {
+    int kd = nk * dk, vd = nv * dv;
+    for (int i = threadIdx.x; i < CH_L * MAX_DELTA_DK; i += blockDim.x) {
+        int t = i / MAX_DELTA_DK, e = i - t * MAX_DELTA_DK;
+        bool in = t < nt && e < dk;
+        const float* m = mixed + (long long)(first + t0 + t) * cd;
+        ks[t][e] = in ? m[kd + kh * dk + e] : 0.0f;
+        qs[t][e] = in ? m[kh * dk + e] : 0.0f;
+    }
+    if (threadIdx.x < CH_L) {
+        int t = threadIdx.x;
+        const float* p = proj + (long long)(first + t0 + t) * row;
+        bs[t] = t < nt ? p[cd + vd + hv] : 0.0f;
+        gs[t] = t < nt ? p[cd + vd + nv + hv] : 0.0f;
+    }
+}
+
+// Grid (nv, ceil(longest / CH_L), S).
+extern "C" __global__ void __launch_bounds__(CHUNK_THREADS)
+delta_chunk_prep(const float* __restrict__ mixed, int cd, const float* __restrict__ proj, int row,
+                 float* __restrict__ mats, const int* __restrict__ seqs, int nk, int nv, int dk,
+                 int dv) {
+    __shared__ float ks[CH_L][MAX_DELTA_DK + 1];
+    __shared__ float qs[CH_L][MAX_DELTA_DK + 1];
+    __shared__ float as[CH_L][CH_L + 1];
+    __shared__ float bs[CH_L];
+    __shared__ float gs[CH_L];
+    int hv = blockIdx.x;
+    const int* sq = seqs + 4 * blockIdx.z;
+    int first = sq[0], n = sq[1];
+    int t0 = blockIdx.y * CH_L;
+    if (t0 >= n) return;
+    int nt = min(CH_L, n - t0);
+    int kh = hv / (nv / nk);
+    chunk_stage(mixed, cd, proj, row, first, t0, nt, kh, hv, nk, nv, dk, dv, ks, qs, bs, gs);
+    chunk_cumsum(gs);
+    // A (into shared memory) and P (into proj), four (t, s) pairs a thread.
+    int t = threadIdx.x >> 3;
+    long long mrow = 2LL * CH_L * nv;
+    float* prow = mats + (long long)(first + t0 + t) * mrow + hv * 2 * CH_L;
+#pragma unroll
+    for (int m = 0; m < 4; m++) {
+        int s = (threadIdx.x & 7) + 8 * m;
+        float kk = 0.0f, qk = 0.0f;
+        for (int i = 0; i < dk; i++) {
+            float kv = ks[s][i];
+            kk += ks[t][i] * kv;
+            qk += qs[t][i] * kv;
+        }
+        float decay = s <= t ? expf(gs[t] - gs[s]) : 0.0f;
+        as[t][s] = s < t ? bs[t] * decay * kk : 0.0f;
+        if (t < nt) prow[CH_L + s] = decay * qk;
+    }
+    __syncthreads();
+    // T = (I + A)^-1 by forward substitution, column j by thread j: x_j = 1, and below it
+    // x_t = -sum_{s<t} A_ts x_s (A is strictly lower, so column j is zero above j).
+    if (threadIdx.x < CH_L) {
+        int j = threadIdx.x;
+        float x[CH_L];
+#pragma unroll
+        for (int r = 0; r < CH_L; r++) {
+            float acc = 0.0f;
+#pragma unroll
+            for (int s = 0; s < r; s++) acc += as[r][s] * x[s];
+            x[r] = r == j ? 1.0f : (r < j ? 0.0f : -acc);
+        }
+#pragma unroll
+        for (int r = 0; r < CH_L; r++) {
+            if (r < nt) mats[(long long)(first + t0 + r) * mrow + hv * 2 * CH_L + j] = x[r];
+        }
+    }
+}
+
+// Grid (nv, ceil(dv / SCAN_COLS), S). Thread tid holds column tid / 8's state rows
+// i = 8 ii + tid % 8 in registers.
+#define CH_ROWS (MAX_DELTA_DK / 8)
+extern "C" __global__ void __launch_bounds__(CHUNK_THREADS)
+delta_chunk_scan(float* __restrict__ mixed, int cd, const float* __restrict__ proj, int row,
+                 const float* __restrict__ mats, float* __restrict__ states,
+                 long long slot_stride, long long layer_off, const int* __restrict__ seqs,
+                 int nk, int nv, int dk, int dv) {
+    __shared__ float ks[CH_L][MAX_DELTA_DK + 1];
+    __shared__ float qs[CH_L][MAX_DELTA_DK + 1];
+    __shared__ float tm[CH_L][CH_L + 1];
+    __shared__ float pm[CH_L][CH_L + 1];
+    __shared__ float rs[CH_L][SCAN_COLS + 1];
+    __shared__ float bs[CH_L];
+    __shared__ float gs[CH_L];
+    int hv = blockIdx.x;
+    int j0 = blockIdx.y * SCAN_COLS;
+    const int* sq = seqs + 4 * blockIdx.z;
+    int first = sq[0], n = sq[1], slot = sq[2], fresh = sq[3];
+    int tid = threadIdx.x;
+    int c = tid >> 3, part = tid & 7;
+    int j = j0 + c;
+    bool col = j < dv;
+    int kd = nk * dk;
+    int kh = hv / (nv / nk);
+    float* st = states + (long long)slot * slot_stride + layer_off + (long long)hv * dk * dv;
+    float s[CH_ROWS];
+#pragma unroll
+    for (int ii = 0; ii < CH_ROWS; ++ii) {
+        int i = 8 * ii + part;
+        s[ii] = (col && i < dk && !fresh) ? st[(long long)i * dv + j] : 0.0f;
+    }
+    for (int t0 = 0; t0 < n; t0 += CH_L) {
+        int nt = min(CH_L, n - t0);
+        __syncthreads();  // the previous chunk's reads are done
+        chunk_stage(mixed, cd, proj, row, first, t0, nt, kh, hv, nk, nv, dk, dv, ks, qs, bs, gs);
+        for (int i = tid; i < CH_L * CH_L; i += CHUNK_THREADS) {
+            int t = i / CH_L, u = i - t * CH_L;
+            const float* p = mats + (long long)(first + t0 + t) * (2LL * CH_L * nv) + hv * 2 * CH_L;
+            tm[t][u] = t < nt ? p[u] : 0.0f;
+            pm[t][u] = t < nt ? p[CH_L + u] : 0.0f;
+        }
+        chunk_cumsum(gs);
+        // S^T k_t and S^T q_t for each token, summed over the column's 8 threads; the thread
+        // with part t % 8 keeps e^G_t S^T q_t for the outputs and writes the right-hand side
+        // beta_t (v_t - e^G_t S^T k_t).
+        float qkeep[CH_L / 8];
+#pragma unroll
+        for (int t = 0; t < CH_L; t++) {
+            float kp = 0.0f, qp = 0.0f;
+#pragma unroll
+            for (int ii = 0; ii < CH_ROWS; ++ii) {
+                kp += ks[t][8 * ii + part] * s[ii];
+                qp += qs[t][8 * ii + part] * s[ii];
+            }
+#pragma unroll
+            for (int o = 1; o < 8; o <<= 1) {
+                kp += __shfl_xor_sync(0xffffffffu, kp, o);
+                qp += __shfl_xor_sync(0xffffffffu, qp, o);
+            }
+            if (part == (t & 7)) {
+                float eg = expf(gs[t]);
+                qkeep[t >> 3] = eg * qp;
+                float v = (col && t < nt)
+                              ? mixed[(long long)(first + t0 + t) * cd + 2 * kd + hv * dv + j]
+                              : 0.0f;
+                rs[t][c] = bs[t] * (v - eg * kp);
+            }
+        }
+        __syncthreads();
+        // delta = T r, rows t = part + 8 m of column c.
+        float d[CH_L / 8];
+#pragma unroll
+        for (int m = 0; m < CH_L / 8; m++) {
+            int t = part + 8 * m;
+            float acc = 0.0f;
+#pragma unroll
+            for (int u = 0; u < CH_L; u++) acc += tm[t][u] * rs[u][c];
+            d[m] = acc;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int m = 0; m < CH_L / 8; m++) rs[part + 8 * m][c] = d[m];
+        __syncthreads();
+        // o = e^G S^T q + P delta, written over v.
+#pragma unroll
+        for (int m = 0; m < CH_L / 8; m++) {
+            int t = part + 8 * m;
+            float acc = qkeep[m];
+#pragma unroll
+            for (int u = 0; u < CH_L; u++) acc += pm[t][u] * rs[u][c];
+            if (col && t < nt) {
+                mixed[(long long)(first + t0 + t) * cd + 2 * kd + hv * dv + j] = acc;
+            }
+        }
+        // S' = e^G_last S + sum_t e^(G_last - G_t) k_t delta_t (padding: delta 0).
+        float glast = gs[CH_L - 1];
+        float el = expf(glast);
+#pragma unroll
+        for (int ii = 0; ii < CH_ROWS; ++ii) s[ii] *= el;
+        for (int t = 0; t < CH_L; t++) {
+            float w = expf(glast - gs[t]) * rs[t][c];
+#pragma unroll
+            for (int ii = 0; ii < CH_ROWS; ++ii) s[ii] += w * ks[t][8 * ii + part];
+        }
+    }
+    if (col) {
+#pragma unroll
+        for (int ii = 0; ii < CH_ROWS; ++ii) {
+            int i = 8 * ii + part;
+            if (i < dk) st[(long long)i * dv + j] = s[ii];
         }
     }
 }
