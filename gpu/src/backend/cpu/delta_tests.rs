@@ -215,3 +215,128 @@ fn conv_with_carried_window_equals_one_pass() {
     // The window holds the last kw - 1 inputs.
     assert_eq!(window, x[(t - kw + 1) * c..].to_vec());
 }
+
+/// What `delta_chunk_prep` and `delta_chunk_scan` (kernels/delta.cu) compute, step for step
+/// on the host: chunks of `l` padded with tokens that add nothing (k, q, v, beta, g zero),
+/// T = (I + A)^-1 by column-wise substitution, delta = T rhs, o = e^G S^T q + P delta, and the
+/// state from e^(G_last - G_t). The kernels' algebra, checked here where it can run.
+// Index loops on purpose: the kernels' loops, written the same way.
+#[allow(clippy::needless_range_loop)]
+fn inverse_form(state: &mut [f32], dk: usize, dv: usize, x: &Inputs, l: usize, out: &mut [f32]) {
+    let n = x.g.len();
+    for t0 in (0..n).step_by(l) {
+        let nt = l.min(n - t0);
+        // Padded rows: zeros past nt.
+        let row = |v: &[f32], t: usize, d: usize| -> Vec<f32> {
+            if t < nt {
+                v[(t0 + t) * d..(t0 + t + 1) * d].to_vec()
+            } else {
+                vec![0.0; d]
+            }
+        };
+        let (k, q, v): (Vec<_>, Vec<_>, Vec<_>) = (
+            (0..l).map(|t| row(&x.k, t, dk)).collect(),
+            (0..l).map(|t| row(&x.q, t, dk)).collect(),
+            (0..l).map(|t| row(&x.v, t, dv)).collect(),
+        );
+        let beta: Vec<f32> = (0..l)
+            .map(|t| if t < nt { x.beta[t0 + t] } else { 0.0 })
+            .collect();
+        let mut gc: Vec<f32> = (0..l)
+            .map(|t| if t < nt { x.g[t0 + t] } else { 0.0 })
+            .collect();
+        for t in 1..l {
+            gc[t] += gc[t - 1];
+        }
+        let dot = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(x, y)| x * y).sum::<f32>();
+        let mut a = vec![vec![0f32; l]; l];
+        let mut p = vec![vec![0f32; l]; l];
+        for t in 0..l {
+            for s in 0..=t {
+                let decay = (gc[t] - gc[s]).exp();
+                if s < t {
+                    a[t][s] = beta[t] * decay * dot(&k[t], &k[s]);
+                }
+                p[t][s] = decay * dot(&q[t], &k[s]);
+            }
+        }
+        let mut tm = vec![vec![0f32; l]; l];
+        for j in 0..l {
+            let mut xs = vec![0f32; l];
+            for r in 0..l {
+                let acc: f32 = (0..r).map(|s| a[r][s] * xs[s]).sum();
+                xs[r] = if r == j {
+                    1.0
+                } else if r < j {
+                    0.0
+                } else {
+                    -acc
+                };
+                tm[r][j] = xs[r];
+            }
+        }
+        let sk = |t: usize, c: usize, v: &[Vec<f32>]| -> f32 {
+            (0..dk).map(|i| v[t][i] * state[i * dv + c]).sum()
+        };
+        let mut rhs = vec![vec![0f32; dv]; l];
+        let mut qkeep = vec![vec![0f32; dv]; l];
+        for t in 0..l {
+            for c in 0..dv {
+                let eg = gc[t].exp();
+                qkeep[t][c] = eg * sk(t, c, &q);
+                rhs[t][c] = beta[t] * (v[t][c] - eg * sk(t, c, &k));
+            }
+        }
+        let delta: Vec<Vec<f32>> = (0..l)
+            .map(|t| {
+                (0..dv)
+                    .map(|c| (0..l).map(|u| tm[t][u] * rhs[u][c]).sum())
+                    .collect()
+            })
+            .collect();
+        for t in 0..nt {
+            for c in 0..dv {
+                let o: f32 = (0..l).map(|u| p[t][u] * delta[u][c]).sum();
+                out[(t0 + t) * dv + c] = qkeep[t][c] + o;
+            }
+        }
+        let glast = gc[l - 1];
+        for i in 0..dk {
+            for c in 0..dv {
+                let mut s = glast.exp() * state[i * dv + c];
+                for t in 0..l {
+                    s += (glast - gc[t]).exp() * delta[t][c] * k[t][i];
+                }
+                state[i * dv + c] = s;
+            }
+        }
+    }
+}
+
+/// The chunked form as the CUDA kernels compute it (`inverse_form`) gives the reference's
+/// outputs and state: whole chunks, a partial last chunk, one token, at the kernels' chunk
+/// of 32 tokens.
+#[test]
+fn the_kernels_inverse_form_equals_the_reference() {
+    for (seed, t, dk, dv) in [
+        (11, 70, 16, 8),
+        (12, 32, 32, 16),
+        (13, 1, 8, 8),
+        (14, 45, 8, 24),
+    ] {
+        let x = inputs(seed, t, dk, dv);
+        let mut s_ref = x.state.clone();
+        let mut o_ref = vec![0f32; t * dv];
+        reference(
+            &mut s_ref, dk, dv, &x.q, &x.k, &x.v, &x.g, &x.beta, &mut o_ref,
+        );
+        let mut s = x.state.clone();
+        let mut o = vec![0f32; t * dv];
+        inverse_form(&mut s, dk, dv, &x, 32, &mut o);
+        let (dout, dstate) = (max_diff(&o, &o_ref), max_diff(&s, &s_ref));
+        assert!(
+            dout < 1e-4 && dstate < 1e-4,
+            "t={t} dk={dk} dv={dv}: outputs differ by {dout}, states by {dstate}"
+        );
+    }
+}
