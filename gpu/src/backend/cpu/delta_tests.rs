@@ -54,6 +54,14 @@ fn max_diff(a: &[f32], b: &[f32]) -> f32 {
 
 const TOL: f32 = 2e-5;
 
+/// The reference's outputs and final state for `x` (of `dk`, `dv` heads).
+fn run_reference(x: &Inputs, dk: usize, dv: usize) -> (Vec<f32>, Vec<f32>) {
+    let mut s = x.state.clone();
+    let mut o = vec![0f32; x.g.len() * dv];
+    reference(&mut s, dk, dv, &x.q, &x.k, &x.v, &x.g, &x.beta, &mut o);
+    (o, s)
+}
+
 /// Token by token (f64), step by step and chunked (several chunk sizes, none of which
 /// divides the length) give the same outputs and the same final state.
 #[test]
@@ -65,11 +73,7 @@ fn chunked_equals_recurrent_equals_reference() {
         (4, 1, 8, 8),
     ] {
         let x = inputs(seed, t, dk, dv);
-        let mut s_ref = x.state.clone();
-        let mut o_ref = vec![0f32; t * dv];
-        reference(
-            &mut s_ref, dk, dv, &x.q, &x.k, &x.v, &x.g, &x.beta, &mut o_ref,
-        );
+        let (o_ref, s_ref) = run_reference(&x, dk, dv);
 
         let mut s_step = x.state.clone();
         let mut o_step = vec![0f32; t * dv];
@@ -325,11 +329,7 @@ fn the_kernels_inverse_form_equals_the_reference() {
         (14, 45, 8, 24),
     ] {
         let x = inputs(seed, t, dk, dv);
-        let mut s_ref = x.state.clone();
-        let mut o_ref = vec![0f32; t * dv];
-        reference(
-            &mut s_ref, dk, dv, &x.q, &x.k, &x.v, &x.g, &x.beta, &mut o_ref,
-        );
+        let (o_ref, s_ref) = run_reference(&x, dk, dv);
         let mut s = x.state.clone();
         let mut o = vec![0f32; t * dv];
         inverse_form(&mut s, dk, dv, &x, 32, &mut o);

@@ -148,7 +148,38 @@ impl DeltaPath {
     }
 }
 
+/// The sizes and offsets the launches pass, as the kernels take them.
+struct Figures {
+    row: i32,
+    kw: i32,
+    cd: i32,
+    nk: i32,
+    nv: i32,
+    dk: i32,
+    dv: i32,
+    /// A slot's stride in the pool, and where this layer's window and delta state start.
+    stride: i64,
+    conv_off: i64,
+    delta_off: i64,
+}
+
 impl DeltaMix<'_> {
+    fn figures(&self) -> Figures {
+        let d = self.dims;
+        Figures {
+            row: d.row as i32,
+            kw: d.kw as i32,
+            cd: d.cd as i32,
+            nk: d.nk as i32,
+            nv: d.nv as i32,
+            dk: d.dk as i32,
+            dv: d.dv as i32,
+            stride: self.at.slot_stride as i64,
+            conv_off: self.at.layer_off as i64,
+            delta_off: (self.at.layer_off + (d.kw - 1) * d.cd) as i64,
+        }
+    }
+
     pub fn launch(self, k: &Kernels, s: &CudaStream) -> Result<()> {
         self.check()?;
         match self.scan {
@@ -187,9 +218,17 @@ impl DeltaMix<'_> {
 
     fn launch_recurrent(mut self, k: &Kernels, s: &CudaStream) -> Result<()> {
         let d = self.dims;
-        let (row, cd) = (d.row as i32, d.cd as i32);
-        let stride = self.at.slot_stride as i64;
-        let delta_off = (self.at.layer_off + (d.kw - 1) * d.cd) as i64;
+        let Figures {
+            row,
+            cd,
+            nk,
+            nv,
+            dk,
+            dv,
+            stride,
+            delta_off,
+            ..
+        } = self.figures();
 
         let threads = shapes::DELTA_CONV.threads as usize;
         let cfg = grid(
@@ -200,7 +239,6 @@ impl DeltaMix<'_> {
         )?;
         self.launch_conv(s, &k.delta_conv, cfg, "delta_conv_silu")?;
 
-        let (nk, nv, dk, dv) = (d.nk as i32, d.nv as i32, d.dk as i32, d.dv as i32);
         let cfg = grid(&shapes::GATED_DELTA, d.nv, self.num_seqs, 1)?;
         let mut b = s.launch_builder(&k.gated_delta);
         b.arg(&*self.mixed)
@@ -235,9 +273,14 @@ impl DeltaMix<'_> {
         cfg: cudarc::driver::LaunchConfig,
         name: &'static str,
     ) -> Result<()> {
-        let d = self.dims;
-        let (row, kw, cd) = (d.row as i32, d.kw as i32, d.cd as i32);
-        let (stride, conv_off) = (self.at.slot_stride as i64, self.at.layer_off as i64);
+        let Figures {
+            row,
+            kw,
+            cd,
+            stride,
+            conv_off,
+            ..
+        } = self.figures();
         let mut b = s.launch_builder(f);
         b.arg(self.proj)
             .arg(&row)
@@ -261,10 +304,18 @@ impl DeltaMix<'_> {
     /// stream order.
     fn launch_scan(mut self, k: &Kernels, s: &CudaStream, longest: usize) -> Result<()> {
         let d = self.dims;
-        let (row, kw, cd) = (d.row as i32, d.kw as i32, d.cd as i32);
-        let (nk, nv, dk, dv) = (d.nk as i32, d.nv as i32, d.dk as i32, d.dv as i32);
-        let stride = self.at.slot_stride as i64;
-        let conv_off = self.at.layer_off as i64;
+        let Figures {
+            row,
+            kw,
+            cd,
+            nk,
+            nv,
+            dk,
+            dv,
+            stride,
+            conv_off,
+            ..
+        } = self.figures();
         let ns = self.num_seqs;
         if ns == 0 || self.tokens == 0 {
             return Ok(());
@@ -309,119 +360,108 @@ impl DeltaMix<'_> {
         // SAFETY: as above, for `delta_qk_gates`: a block a row of `tokens`; it writes the
         // gates over b and a in `proj`, which only the delta rule reads.
         unsafe { b.launch(cfg) }.map_err(failed("delta_qk_gates"))?;
-        if chunked {
-            self.launch_chunked(k, s, longest)?;
-        } else {
-            self.launch_delta_scan(k, s)?;
+        match self.chunk_mats.take() {
+            Some(mats) => {
+                self.launch_chunk_prep(k, s, longest, mats)?;
+                self.launch_state_scan(k, s, Some(mats))?;
+            }
+            None => self.launch_state_scan(k, s, None)?,
         }
         self.launch_gated_norm(k, s)
     }
 
-    /// `delta_scan`: the recurrence token by token, its raw output over v in `mixed`.
-    fn launch_delta_scan(&mut self, k: &Kernels, s: &CudaStream) -> Result<()> {
+    /// `delta_chunk_prep`: every chunk's `(I + A)^-1` and `P` into `mats`, for the chunked
+    /// form's `delta_chunk_scan`.
+    fn launch_chunk_prep(
+        &mut self,
+        k: &Kernels,
+        s: &CudaStream,
+        longest: usize,
+        mats: &mut CudaSlice<f32>,
+    ) -> Result<()> {
         let d = self.dims;
-        let (row, cd) = (d.row as i32, d.cd as i32);
-        let (nk, nv, dk, dv) = (d.nk as i32, d.nv as i32, d.dk as i32, d.dv as i32);
-        let stride = self.at.slot_stride as i64;
-        let delta_off = (self.at.layer_off + (d.kw - 1) * d.cd) as i64;
-        let ns = self.num_seqs;
-
-        let cfg = grid(
-            &shapes::DELTA_SCAN,
-            d.nv,
-            d.dv.div_ceil(shapes::SCAN_COLS),
-            ns,
-        )?;
-        let mut b = s.launch_builder(&k.delta_scan);
-        b.arg(&mut *self.mixed)
-            .arg(&cd)
-            .arg(self.proj)
-            .arg(&row)
-            .arg(&mut *self.states)
-            .arg(&stride)
-            .arg(&delta_off)
-            .arg(self.seqs)
-            .arg(&nk)
-            .arg(&nv)
-            .arg(&dk)
-            .arg(&dv);
-        // SAFETY: as above, for `delta_scan`; dk and dv are at most its shared arrays and
-        // register arrays (`DeltaDims::of`).
-        unsafe { b.launch(cfg) }.map_err(failed("delta_scan"))?;
-        Ok(())
-    }
-
-    /// The chunked form: `delta_chunk_prep` (every chunk's `(I + A)^-1` and `P`, into
-    /// `chunk_mats`), then `delta_chunk_scan` (the chunks in order), its raw output over v in
-    /// `mixed` as `delta_scan` leaves it.
-    fn launch_chunked(&mut self, k: &Kernels, s: &CudaStream, longest: usize) -> Result<()> {
-        let d = self.dims;
-        let mats = self
-            .chunk_mats
-            .take()
-            .ok_or(crate::backend::error::BackendError::Invariant(
-                "the chunked form without its scratch",
-            ))?;
         holds(
             "delta_chunk_prep",
             "chunk_mats",
             mats.len(),
             chunk_mats_len(&d, self.tokens),
         )?;
-        let (row, cd) = (d.row as i32, d.cd as i32);
-        let (nk, nv, dk, dv) = (d.nk as i32, d.nv as i32, d.dk as i32, d.dv as i32);
-        let stride = self.at.slot_stride as i64;
-        let delta_off = (self.at.layer_off + (d.kw - 1) * d.cd) as i64;
-        let ns = self.num_seqs;
+        let f = self.figures();
         let chunks = longest.div_ceil(shapes::CHUNK_LEN).max(1);
-        let cfg = grid(&shapes::DELTA_CHUNK_PREP, d.nv, chunks, ns)?;
+        let cfg = grid(&shapes::DELTA_CHUNK_PREP, d.nv, chunks, self.num_seqs)?;
         let mut b = s.launch_builder(&k.delta_chunk_prep);
         b.arg(&*self.mixed)
-            .arg(&cd)
+            .arg(&f.cd)
             .arg(self.proj)
-            .arg(&row)
-            .arg(&mut *mats)
+            .arg(&f.row)
+            .arg(mats)
             .arg(self.seqs)
-            .arg(&nk)
-            .arg(&nv)
-            .arg(&dk)
-            .arg(&dv);
+            .arg(&f.nk)
+            .arg(&f.nv)
+            .arg(&f.dk)
+            .arg(&f.dv);
         // SAFETY: as above, for `delta_chunk_prep`: a block per (value head, chunk,
         // sequence), none past its sequence's rows (`longest` bounds them); `mats` holds
         // 2 CHUNK_LEN nv values for each of the step's rows (checked above); dk is at most its
         // shared rows (`DeltaDims::of`).
         unsafe { b.launch(cfg) }.map_err(failed("delta_chunk_prep"))?;
-        let cfg = grid(
-            &shapes::DELTA_CHUNK_SCAN,
-            d.nv,
-            d.dv.div_ceil(shapes::SCAN_COLS),
-            ns,
-        )?;
-        let mut b = s.launch_builder(&k.delta_chunk_scan);
+        Ok(())
+    }
+
+    /// The recurrence over the step's tokens, its raw output over v in `mixed`: `delta_scan`
+    /// token by token, or with the chunks' matrices `delta_chunk_scan` chunk by chunk (the
+    /// same arguments and grid, `mats` after `row`).
+    fn launch_state_scan(
+        &mut self,
+        k: &Kernels,
+        s: &CudaStream,
+        mats: Option<&mut CudaSlice<f32>>,
+    ) -> Result<()> {
+        let d = self.dims;
+        let f = self.figures();
+        let (func, shape, name) = match mats {
+            None => (&k.delta_scan, &shapes::DELTA_SCAN, "delta_scan"),
+            Some(_) => (
+                &k.delta_chunk_scan,
+                &shapes::DELTA_CHUNK_SCAN,
+                "delta_chunk_scan",
+            ),
+        };
+        let cfg = grid(shape, d.nv, d.dv.div_ceil(shapes::SCAN_COLS), self.num_seqs)?;
+        let mut b = s.launch_builder(func);
         b.arg(&mut *self.mixed)
-            .arg(&cd)
+            .arg(&f.cd)
             .arg(self.proj)
-            .arg(&row)
-            .arg(&*mats)
-            .arg(&mut *self.states)
-            .arg(&stride)
-            .arg(&delta_off)
+            .arg(&f.row);
+        if let Some(mats) = mats {
+            b.arg(&*mats);
+        }
+        b.arg(&mut *self.states)
+            .arg(&f.stride)
+            .arg(&f.delta_off)
             .arg(self.seqs)
-            .arg(&nk)
-            .arg(&nv)
-            .arg(&dk)
-            .arg(&dv);
-        // SAFETY: as above, for `delta_chunk_scan`, as for `delta_scan`, and `mats` as for
-        // `delta_chunk_prep`.
-        unsafe { b.launch(cfg) }.map_err(failed("delta_chunk_scan"))?;
+            .arg(&f.nk)
+            .arg(&f.nv)
+            .arg(&f.dk)
+            .arg(&f.dv);
+        // SAFETY: as above, for `delta_scan` and `delta_chunk_scan` (whose `mats` is as
+        // `delta_chunk_prep` wrote it); dk and dv are at most their shared arrays and register
+        // arrays (`DeltaDims::of`).
+        unsafe { b.launch(cfg) }.map_err(failed(name))?;
         Ok(())
     }
 
     /// `delta_gated_norm`: o / rms(o) * w * silu(z) as bf16 into `out`, a block a row.
     fn launch_gated_norm(&mut self, k: &Kernels, s: &CudaStream) -> Result<()> {
-        let d = self.dims;
-        let (row, cd) = (d.row as i32, d.cd as i32);
-        let (nk, nv, dk, dv) = (d.nk as i32, d.nv as i32, d.dk as i32, d.dv as i32);
+        let Figures {
+            row,
+            cd,
+            nk,
+            nv,
+            dk,
+            dv,
+            ..
+        } = self.figures();
         let cfg = grid(&shapes::DELTA_GATED_NORM, self.tokens, 1, 1)?;
         let mut b = s.launch_builder(&k.delta_gated_norm);
         b.arg(&*self.mixed)

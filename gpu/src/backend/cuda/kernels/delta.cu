@@ -307,6 +307,29 @@ delta_qk_gates(float* __restrict__ mixed, int cd, float* __restrict__ proj, int 
     }
 }
 
+// A value column's state in registers, rows i = STEP ii + part (ii < ROWS) of column j of
+// one value head's state st (dk x dv): read (zeros for a fresh sequence, and for a column or
+// rows past the head), and written back.
+template <int ROWS, int STEP>
+__device__ __forceinline__ void state_col_load(const float* st, int dk, int dv, int j, int part,
+                                               bool col, int fresh, float* s) {
+#pragma unroll
+    for (int ii = 0; ii < ROWS; ++ii) {
+        int i = STEP * ii + part;
+        s[ii] = (col && i < dk && !fresh) ? st[(long long)i * dv + j] : 0.0f;
+    }
+}
+template <int ROWS, int STEP>
+__device__ __forceinline__ void state_col_store(float* st, int dk, int dv, int j, int part,
+                                                bool col, const float* s) {
+    if (!col) return;
+#pragma unroll
+    for (int ii = 0; ii < ROWS; ++ii) {
+        int i = STEP * ii + part;
+        if (i < dk) st[(long long)i * dv + j] = s[ii];
+    }
+}
+
 // The recurrence of one value head's SCAN_COLS columns for one sequence. Thread tid holds
 // column tid / 4's rows i = 4 * ii + tid % 4 (ii < MAX_DELTA_DK / 4) in registers; per token
 //   mem_j = sum_i S_ij k_i;  delta_j = beta (v_j - decay mem_j);
@@ -340,11 +363,7 @@ delta_scan(float* __restrict__ mixed, int cd, const float* __restrict__ proj, in
         }
     }
     float s[SCAN_ROWS];
-#pragma unroll
-    for (int ii = 0; ii < SCAN_ROWS; ++ii) {
-        int i = 4 * ii + part;
-        s[ii] = (col && i < dk && !fresh) ? st[(long long)i * dv + j] : 0.0f;
-    }
+    state_col_load<SCAN_ROWS, 4>(st, dk, dv, j, part, col, fresh, s);
     for (int t0 = 0; t0 < n; t0 += SCAN_TOK) {
         int nt = min(SCAN_TOK, n - t0);
         __syncthreads();  // the previous chunk's reads are done
@@ -397,13 +416,7 @@ delta_scan(float* __restrict__ mixed, int cd, const float* __restrict__ proj, in
             }
         }
     }
-    if (col) {
-#pragma unroll
-        for (int ii = 0; ii < SCAN_ROWS; ++ii) {
-            int i = 4 * ii + part;
-            if (i < dk) st[(long long)i * dv + j] = s[ii];
-        }
-    }
+    state_col_store<SCAN_ROWS, 4>(st, dk, dv, j, part, col, s);
 }
 
 // out[r, hv * dv + j] = o_j / rms(o) * w_j * silu(z_j) for the raw o delta_scan left over v
@@ -581,11 +594,7 @@ delta_chunk_scan(float* __restrict__ mixed, int cd, const float* __restrict__ pr
     int kh = hv / (nv / nk);
     float* st = states + (long long)slot * slot_stride + layer_off + (long long)hv * dk * dv;
     float s[CH_ROWS];
-#pragma unroll
-    for (int ii = 0; ii < CH_ROWS; ++ii) {
-        int i = 8 * ii + part;
-        s[ii] = (col && i < dk && !fresh) ? st[(long long)i * dv + j] : 0.0f;
-    }
+    state_col_load<CH_ROWS, 8>(st, dk, dv, j, part, col, fresh, s);
     for (int t0 = 0; t0 < n; t0 += CH_L) {
         int nt = min(CH_L, n - t0);
         __syncthreads();  // the previous chunk's reads are done
@@ -660,11 +669,5 @@ delta_chunk_scan(float* __restrict__ mixed, int cd, const float* __restrict__ pr
             for (int ii = 0; ii < CH_ROWS; ++ii) s[ii] += w * ks[t][8 * ii + part];
         }
     }
-    if (col) {
-#pragma unroll
-        for (int ii = 0; ii < CH_ROWS; ++ii) {
-            int i = 8 * ii + part;
-            if (i < dk) st[(long long)i * dv + j] = s[ii];
-        }
-    }
+    state_col_store<CH_ROWS, 8>(st, dk, dv, j, part, col, s);
 }
