@@ -45,10 +45,13 @@ pub struct DecodeGraph {
     /// `None` until captured, and again whenever the workspace or logits buffers are
     /// reallocated, since the captured launches hold their old addresses.
     pub exec: Option<SendGraph>,
+    /// What `inputs.tables` holds, so a step copies only the rows that changed.
+    tables: TableMirror,
 }
 
 impl DecodeGraph {
-    /// Copies a step's padded inputs into the graph's buffers.
+    /// Copies a step's padded inputs into the graph's buffers: the block tables only where
+    /// they changed since the last step (`TableMirror`).
     pub fn upload(&mut self, stream: &Arc<CudaStream>, host: &GraphHostInputs) -> Result<()> {
         let tokens = (&host.token_ids[..], &host.positions[..], &host.slots[..]);
         self.inputs.upload_tokens(stream, tokens, "decode graph")?;
@@ -60,7 +63,14 @@ impl DecodeGraph {
         stream
             .memcpy_htod(&host.seq_lens, &mut i.seq_lens)
             .map_err(e)?;
-        stream.memcpy_htod(&host.tables, &mut i.tables).map_err(e)?;
+        for r in self.tables.update(&host.tables) {
+            let mut dst = i.tables.slice_mut(r.clone());
+            if let Err(err) = stream.memcpy_htod(&self.tables.host[r], &mut dst) {
+                // The device may now hold less than the copy says: copy everything next time.
+                self.tables.used = None;
+                return Err(e(err));
+            }
+        }
         stream
             .memcpy_htod(&host.logits_rows, &mut i.logits_rows)
             .map_err(e)
@@ -238,6 +248,7 @@ impl DecodeGraphs {
             None => Ok(DecodeGraph {
                 inputs: StepInputs::zeroed(stream, bucket, self.width)?,
                 exec: None,
+                tables: TableMirror::new(bucket, self.width),
             }),
         }
     }
@@ -276,8 +287,80 @@ pub struct GraphHostInputs {
     slots: Vec<i32>,
     seq_starts: Vec<i32>,
     seq_lens: Vec<i32>,
-    tables: Vec<i32>,
+    tables: TableRows,
     logits_rows: Vec<i32>,
+}
+
+/// A step's block tables as the graph's rows hold them, without building those rows: row
+/// `s < rows.len()` is `rows[s]` (the layout's, `max_blocks` wide) then `fill`, every other
+/// row `fill` alone, each `width` wide.
+#[derive(Debug, PartialEq, Eq)]
+struct TableRows {
+    rows: Vec<Vec<i32>>,
+    fill: i32,
+}
+
+/// The host's copy of a graph's block tables (`bucket` rows of `width`) as last copied to
+/// the device, and how much of each row is not `fill`. A step's tables differ from the last
+/// one's only where a sequence gained a block or the batch changed, so `update` copies those
+/// rows alone: at 256 sequences and 32k-token contexts, a 2 MiB copy a step becomes a few
+/// rows of a few KiB.
+#[derive(Debug)]
+struct TableMirror {
+    host: Vec<i32>,
+    width: usize,
+    /// Per row, the leading entries that may differ from the fill; `None` until the first
+    /// update (the device buffer starts zeroed, not filled).
+    used: Option<Vec<usize>>,
+    fill: i32,
+}
+
+impl TableMirror {
+    fn new(bucket: usize, width: usize) -> TableMirror {
+        TableMirror {
+            host: vec![0; bucket * width],
+            width,
+            used: None,
+            fill: 0,
+        }
+    }
+
+    /// Brings the copy to `t`; returns the ranges (in entries) that changed, in order.
+    fn update(&mut self, t: &TableRows) -> Vec<std::ops::Range<usize>> {
+        let (w, rows) = (self.width, self.host.len() / self.width.max(1));
+        let Some(used) = self.used.as_mut().filter(|_| self.fill == t.fill) else {
+            // First use (or another fill): write every row.
+            self.host.fill(t.fill);
+            let mut used = vec![0; rows];
+            for (s, r) in t.rows.iter().enumerate() {
+                self.host[s * w..s * w + r.len()].copy_from_slice(r);
+                used[s] = r.len();
+            }
+            self.used = Some(used);
+            self.fill = t.fill;
+            return std::iter::once(0..self.host.len()).collect();
+        };
+        let mut dirty: Vec<std::ops::Range<usize>> = Vec::new();
+        for (s, u) in used.iter_mut().enumerate() {
+            let new: &[i32] = t.rows.get(s).map_or(&[], Vec::as_slice);
+            let span = (*u).max(new.len());
+            let row = &mut self.host[s * w..s * w + span];
+            let Some(first) = (0..span).find(|&i| row[i] != new.get(i).copied().unwrap_or(t.fill))
+            else {
+                *u = new.len();
+                continue;
+            };
+            row[..new.len()].copy_from_slice(new);
+            row[new.len()..].fill(t.fill);
+            *u = new.len();
+            let r = s * w + first..s * w + span;
+            match dirty.last_mut() {
+                Some(last) if last.end == r.start => last.end = r.end,
+                _ => dirty.push(r),
+            }
+        }
+        dirty
+    }
 }
 
 /// See `GraphHostInputs`. The caller guarantees `layout` is pure decode with every sequence
@@ -295,12 +378,13 @@ fn graph_inputs(
         v.resize(bucket, fill);
         v
     };
-    let mut tables = vec![scratch_block; bucket * width];
-    let mb = layout.max_blocks;
-    for s in 0..n {
-        tables[s * width..s * width + mb]
-            .copy_from_slice(&layout.block_tables[s * mb..(s + 1) * mb]);
-    }
+    let mb = layout.max_blocks.min(width);
+    let tables = TableRows {
+        rows: (0..n)
+            .map(|s| layout.block_tables[s * layout.max_blocks..][..mb].to_vec())
+            .collect(),
+        fill: scratch_block,
+    };
     GraphHostInputs {
         token_ids: pad(&layout.token_ids, 0),
         positions: pad(&layout.positions, 0),
@@ -352,7 +436,61 @@ mod tests {
         assert_eq!(g.seq_lens, vec![6, 3, 1, 1]);
         // Sequence 1's row: its block, then the layout's padding (block 0, never read past
         // seq_lens), then the scratch block.
-        assert_eq!(g.tables, vec![3, 4, 8, 7, 0, 8, 8, 8, 8, 8, 8, 8]);
+        let mut m = TableMirror::new(4, 3);
+        assert_eq!(
+            m.update(&g.tables),
+            std::iter::once(0..12).collect::<Vec<_>>()
+        );
+        assert_eq!(m.host, vec![3, 4, 8, 7, 0, 8, 8, 8, 8, 8, 8, 8]);
         assert_eq!(g.logits_rows, vec![0, 1, 2, 3]);
+    }
+
+    /// The whole table as a step's rows describe it, built from nothing.
+    fn whole(t: &TableRows, bucket: usize, width: usize) -> Vec<i32> {
+        let mut v = vec![t.fill; bucket * width];
+        for (s, r) in t.rows.iter().enumerate() {
+            v[s * width..s * width + r.len()].copy_from_slice(r);
+        }
+        v
+    }
+
+    /// Step after step, the mirror holds exactly the table built from nothing, and the ranges
+    /// it returns cover every entry that changed and nothing of the rows that did not.
+    #[test]
+    #[allow(clippy::single_range_in_vec_init)]
+    fn block_tables_are_copied_only_where_they_changed() {
+        let (bucket, width, fill) = (4, 6, 99);
+        let rows = |r: &[&[i32]]| TableRows {
+            rows: r.iter().map(|x| x.to_vec()).collect(),
+            fill,
+        };
+        let mut m = TableMirror::new(bucket, width);
+        let steps = [
+            (rows(&[&[1, 2], &[5, 0]]), vec![0..24]),
+            // The same step again: nothing to copy.
+            (rows(&[&[1, 2], &[5, 0]]), vec![]),
+            // Sequence 1 gains a block (the layout widens every row to 3, padding with 0).
+            (rows(&[&[1, 2, 0], &[5, 6, 0]]), vec![2..3, 7..9]),
+            // A third sequence joins.
+            (rows(&[&[1, 2, 0], &[5, 6, 0], &[7, 0, 0]]), vec![12..15]),
+            // The first leaves: every row shifts.
+            (rows(&[&[5, 6], &[7, 0]]), vec![0..3, 6..9, 12..15]),
+            // Back to one sequence with a short table: row 1 returns to the fill.
+            (rows(&[&[5, 6]]), vec![6..8]),
+        ];
+        for (i, (t, want)) in steps.iter().enumerate() {
+            let before = m.host.clone();
+            let got = m.update(t);
+            assert_eq!(m.host, whole(t, bucket, width), "step {i}: the mirror");
+            assert_eq!(&got, want, "step {i}: the ranges copied");
+            for (k, (a, b)) in before.iter().zip(&m.host).enumerate() {
+                if a != b && i > 0 {
+                    assert!(
+                        got.iter().any(|r| r.contains(&k)),
+                        "step {i}: entry {k} changed"
+                    );
+                }
+            }
+        }
     }
 }
