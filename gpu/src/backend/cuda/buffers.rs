@@ -214,6 +214,9 @@ pub struct LogitsSpace {
     /// tickets, zero between launches.
     pub sample_stats: CudaSlice<f32>,
     pub sample_ticks: CudaSlice<i32>,
+    /// What `params_f` and `top_k` hold, once copied: a step whose parameters are the same
+    /// (greedy rows draw nothing) copies nothing.
+    pub params_held: Option<(Vec<f32>, Vec<i32>)>,
 }
 
 impl LogitsSpace {
@@ -237,6 +240,7 @@ impl LogitsSpace {
                 .alloc_zeros::<f32>(cap * 3 * SAMPLE_MAX_CHUNKS)
                 .map_err(e)?,
             sample_ticks: stream.alloc_zeros::<i32>(cap).map_err(e)?,
+            params_held: None,
         })
     }
 }

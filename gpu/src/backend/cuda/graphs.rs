@@ -47,6 +47,9 @@ pub struct DecodeGraph {
     pub exec: Option<SendGraph>,
     /// What `inputs.tables` holds, so a step copies only the rows that changed.
     tables: TableMirror,
+    /// Whether `seq_starts` and `logits_rows`, the same for every step of the bucket
+    /// (`0..=bucket`, `0..bucket`), have been copied.
+    fixed_copied: bool,
 }
 
 impl DecodeGraph {
@@ -57,9 +60,15 @@ impl DecodeGraph {
         self.inputs.upload_tokens(stream, tokens, "decode graph")?;
         let i = &mut self.inputs;
         let e = |e| drv("decode graph input upload", e);
-        stream
-            .memcpy_htod(&host.seq_starts, &mut i.seq_starts)
-            .map_err(e)?;
+        if !self.fixed_copied {
+            stream
+                .memcpy_htod(&host.seq_starts, &mut i.seq_starts)
+                .map_err(e)?;
+            stream
+                .memcpy_htod(&host.logits_rows, &mut i.logits_rows)
+                .map_err(e)?;
+            self.fixed_copied = true;
+        }
         stream
             .memcpy_htod(&host.seq_lens, &mut i.seq_lens)
             .map_err(e)?;
@@ -71,9 +80,7 @@ impl DecodeGraph {
                 return Err(e(err));
             }
         }
-        stream
-            .memcpy_htod(&host.logits_rows, &mut i.logits_rows)
-            .map_err(e)
+        Ok(())
     }
 
     /// Replays the captured graph; nothing to do before it is captured.
@@ -249,6 +256,7 @@ impl DecodeGraphs {
                 inputs: StepInputs::zeroed(stream, bucket, self.width)?,
                 exec: None,
                 tables: TableMirror::new(bucket, self.width),
+                fixed_copied: false,
             }),
         }
     }

@@ -28,12 +28,21 @@ pub fn sample_logits(
         constrain(stream, k, ls, vocab, specs)?;
     }
     let host = sample_params(specs, ls.rows);
-    stream
-        .memcpy_htod(&host.floats, &mut ls.params_f)
-        .map_err(|e| drv("sampling parameters copy", e))?;
-    stream
-        .memcpy_htod(&host.top_k, &mut ls.top_k)
-        .map_err(|e| drv("sampling parameters copy", e))?;
+    let held = ls
+        .params_held
+        .take()
+        .filter(|(f, k)| *f == host.floats && *k == host.top_k);
+    match held {
+        Some(same) => ls.params_held = Some(same),
+        None => {
+            let e = |e| drv("sampling parameters copy", e);
+            stream
+                .memcpy_htod(&host.floats, &mut ls.params_f)
+                .map_err(e)?;
+            stream.memcpy_htod(&host.top_k, &mut ls.top_k).map_err(e)?;
+            ls.params_held = Some((host.floats, host.top_k));
+        }
+    }
     let rows = ls.rows;
     SampleRows {
         logits: &ls.logits,
