@@ -143,7 +143,10 @@ impl CudaBackend {
                 && !w.fp8
                 && pass.mm.norm_prologue(dims.tokens, cfg.hidden_size),
             // So is the rotary epilogue.
-            fuse_rope: *fuse_rope && !w.fp8 && pass.mm.takes_skinny(dims.tokens, cfg.hidden_size),
+            fuse_rope: *fuse_rope
+                && !w.fp8
+                && cfg.head_dim % 2 == 0
+                && pass.mm.takes_skinny(dims.tokens, cfg.hidden_size),
             ..pass
         };
         f(&pass, kv, ws, ls.as_mut())
