@@ -530,7 +530,7 @@ delta_chunk_prep(const float* __restrict__ mixed, int cd, const float* __restric
     int kh = hv / (nv / nk);
     chunk_stage(mixed, cd, proj, row, first, t0, nt, kh, hv, nk, nv, dk, dv, ks, qs, bs, gs);
     chunk_cumsum(gs);
-    // A (into shared memory) and P (into proj), four (t, s) pairs a thread.
+    // A (into shared memory) and P (into mats), four (t, s) pairs a thread.
     int t = threadIdx.x >> 3;
     long long mrow = 2LL * CH_L * nv;
     float* prow = mats + (long long)(first + t0 + t) * mrow + hv * 2 * CH_L;
