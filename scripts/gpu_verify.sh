@@ -87,7 +87,7 @@ run)
     mkdir -p "$work"
     t0=$(date +%s)
     budget="${GPU_BUDGET_S:-540}"
-    stages="${STAGES:-offline parity bench-8b bench-8b-fp8 fp8-out-ab prefill-concurrency-8b skinny-ab-8b long-decode-8b pdl-ab-8b pdl-ab-small fuse-ab sm-split-8b profile-8b profile-small serve-8b colocate-8b serve-qwen35-9b serve-qwen35-9b-scan gdn-fla bench-qwen35-9b bench-qwen35-9b-scan bench-qwen35-9b-chunked long-decode-qwen35 profile-8b-fp8 profile-8b-fp8-f32 profile-qwen35 bench-llama-8b bench-small peer-8b bench-32b-fp8 bench-72b-fp8}"
+    stages="${STAGES:-offline parity bench-8b bench-8b-fp8 fp8-out-ab prefill-concurrency-8b skinny-ab-8b long-decode-8b pdl-ab-8b pdl-ab-small product-sweep fuse-ab sm-split-8b profile-8b profile-small serve-8b colocate-8b serve-qwen35-9b serve-qwen35-9b-scan gdn-fla bench-qwen35-9b bench-qwen35-9b-scan bench-qwen35-9b-chunked long-decode-qwen35 profile-8b-fp8 profile-8b-fp8-f32 profile-qwen35 bench-llama-8b bench-small peer-8b bench-32b-fp8 bench-72b-fp8}"
     # The device returns at most 8 files from $OUT: everything is packed into one archive
     # (and a summary printed) however the run ends.
     touch "$work/.start"
@@ -189,6 +189,12 @@ run)
     stage pdl-ab-small 60 bash -c 'for f in off on; do gpu-out/gpu-bench --pdl $f \
         --batches 1,8,32 --sampled-batches 1 --prefill-lens 512 --gemm-size 0 --copy-reps 3 \
         --json "bench/results/gpu-small-pdl-$f.json" || exit; done'
+    # Each kind of decode product timed alone and over every layer back to back, at 1 and 4
+    # rows (CUDA events, caches not emptied as ncu empties them): what a launch costs beyond
+    # its bytes, the measured basis of the small-model and 85% work.
+    stage product-sweep 120 gpu-out/gpu-bench --presets qwen2.5-0.5b,llama-3.2-1b,qwen3-8b \
+        --product-sweep 1,4 --batches 1 --sampled-batches 0 --prefill-lens 0 --gemm-size 0 \
+        --copy-reps 3 --json bench/results/gpu-product-sweep.json
     # The residual adds and norms as the next product's prologue (CudaOptions::fuse_norms),
     # then also the rotary embedding and K/V write as the q/k/v product's epilogue
     # (CudaOptions::fuse_rope; models without q/k norms, so Llama's 8B, not Qwen3's), both

@@ -48,6 +48,8 @@ mod gpu;
 use gpu::Gpu;
 #[path = "gpu_bench/kv.rs"]
 mod kv;
+#[path = "gpu_bench/products.rs"]
+mod products;
 use kv::{kv_capacity, kv_json, kv_line, KvCapacity};
 
 /// CUDA engine benchmark: decode time per output token at several batch sizes and prefill
@@ -152,6 +154,11 @@ struct Args {
     /// `--max-num-batched-tokens`); prompts are never split.
     #[arg(long, value_name = "N", default_value_t = 8192)]
     concurrency_step_tokens: usize,
+    /// Rows at which each kind of a dense model's decode products is timed alone and over
+    /// every layer back to back, comma-separated (`0` for none): where a small batch's step
+    /// goes between the weights' bandwidth and each launch's fixed cost.
+    #[arg(long, value_delimiter = ',', value_parser = trimmed::<usize>, default_value = "0")]
+    product_sweep: Vec<usize>,
     /// Measured prefills per length, after one warm-up (the median counts).
     #[arg(long, value_name = "N", default_value_t = 3)]
     prefill_reps: usize,
@@ -544,6 +551,8 @@ struct Figures {
     /// (batch, seconds per step) with [`sampled`]'s parameters
     decode_sampled: Vec<(usize, f64)>,
     prefill_concurrency: Vec<concurrency::Concurrency>,
+    /// `--product-sweep`'s timings (dense models).
+    products: Vec<kvmesh_gpu::backend::cuda::ProductTiming>,
 }
 
 impl Figures {
@@ -681,6 +690,8 @@ fn summarise(args: &Args, name: &str, dir: &Path, cfg: &ModelConfig, f: &Figures
     table.extend(prefill_lines);
     let (conc_lines, json_conc) = concurrency::summary(&f.prefill_concurrency, f.prefill_graphs);
     table.extend(conc_lines);
+    let (product_lines, json_products) = products::summary(&f.products, f.bw);
+    table.extend(product_lines);
     table.push(kv_line(&f.kv));
     let json = serde_json::json!({
         "preset": name,
@@ -712,6 +723,7 @@ fn summarise(args: &Args, name: &str, dir: &Path, cfg: &ModelConfig, f: &Figures
         "decode": json_decode,
         "prefill": json_prefill,
         "prefill_concurrency": json_conc,
+        "products": json_products,
         "prefill_flops_note": "model_flops: 2 x the linear layers' parameters (not the embedding; the LM head for one row) per token, plus causal attention's 4 x q_dim x (T^2/2) per layer; share_of_gemm_peak_2x_params counts 2 x all parameters per token instead",
         "kv_capacity": kv_json(&f.kv, args.memory_share),
     });
@@ -809,6 +821,10 @@ fn bench_model(args: &Args, name: &str, dev: &mut DeviceFigures) -> anyhow::Resu
     let prefill = runner.prefill()?;
     let prefill_concurrency = runner.prefill_concurrency()?;
     let (decode, decode_graph, decode_sampled) = runner.decode_batches()?;
+    let mut sweep = Vec::new();
+    for &rows in args.product_sweep.iter().filter(|&&r| r > 0) {
+        sweep.extend(runner.backend.time_products(rows, args.copy_reps)?);
+    }
     let state_bytes = 2 * runner.backend.state_bytes_per_seq();
     let figures = Figures {
         step_bytes: runner.backend.weight_bytes_per_step() + state_bytes,
@@ -823,6 +839,7 @@ fn bench_model(args: &Args, name: &str, dev: &mut DeviceFigures) -> anyhow::Resu
         decode_graph,
         decode_sampled,
         prefill_concurrency,
+        products: sweep,
     };
     Ok(summarise(args, name, &dir, &cfg, &figures))
 }

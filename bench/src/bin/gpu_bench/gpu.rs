@@ -61,6 +61,22 @@ impl Gpu {
         }
     }
 
+    /// `CudaBackend::time_products` at `rows` rows; none for a hybrid model (its layers
+    /// differ), said on stderr.
+    pub fn time_products(
+        &mut self,
+        rows: usize,
+        reps: usize,
+    ) -> anyhow::Result<Vec<kvmesh_gpu::backend::cuda::ProductTiming>> {
+        match self {
+            Gpu::Dense(b) => Ok(b.time_products(rows, reps)?),
+            Gpu::Hybrid(_) => {
+                eprintln!("--product-sweep: dense models only; skipped");
+                Ok(Vec::new())
+            }
+        }
+    }
+
     /// Times decode-graph replays on the device from now on.
     pub fn time_graph_replays(&mut self) -> anyhow::Result<()> {
         match self {

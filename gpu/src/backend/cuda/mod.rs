@@ -66,6 +66,7 @@ mod launch;
 mod load;
 mod measure;
 mod prefill_graphs;
+mod product_timing;
 pub mod ptx_cache;
 mod sampling;
 pub mod shapes;
@@ -79,6 +80,7 @@ pub use hybrid::CudaHybridBackend;
 pub use kernels::KERNELS_CU;
 pub use load::MemoryPlan;
 pub use measure::Device;
+pub use product_timing::ProductTiming;
 pub use sampling::sample_host_logits;
 
 use std::sync::Arc;

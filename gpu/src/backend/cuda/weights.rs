@@ -41,7 +41,7 @@ impl Linear {
     }
 
     /// Bytes a decode step reads.
-    fn bytes(&self) -> usize {
+    pub(super) fn step_bytes(&self) -> usize {
         match self {
             Linear::Bf16(l) => 2 * l.w.len() + 4 * l.bias.as_ref().map_or(0, |b| b.len()),
             Linear::Fp8(l) => l.bytes(),
@@ -214,10 +214,10 @@ impl DevWeights {
             .layers
             .iter()
             .map(|l| {
-                l.qkv_proj.bytes()
-                    + l.o_proj.bytes()
-                    + l.gate_up_proj.bytes()
-                    + l.down_proj.bytes()
+                l.qkv_proj.step_bytes()
+                    + l.o_proj.step_bytes()
+                    + l.gate_up_proj.step_bytes()
+                    + l.down_proj.step_bytes()
                     + 4 * (l.input_layernorm.len()
                         + l.post_attention_layernorm.len()
                         + norm_len(&l.q_norm)
