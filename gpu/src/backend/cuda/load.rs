@@ -144,8 +144,10 @@ impl CudaBackend {
             cuda_options = %opts.switches(),
             "CUDA backend ready"
         );
-        if opts.gdn_scan {
-            tracing::warn!("--cuda-options gdn-scan: the model has no Gated DeltaNet layers");
+        if opts.gdn_scan || opts.gdn_chunked {
+            tracing::warn!(
+                "--cuda-options gdn-scan / gdn-chunked: the model has no Gated DeltaNet layers"
+            );
         }
         Ok(CudaBackend {
             cfg: cfg.clone(),
