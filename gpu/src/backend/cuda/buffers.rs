@@ -205,8 +205,9 @@ pub struct LogitsSpace {
     /// The normed hidden rows that want logits, gathered.
     pub xr: CudaSlice<u16>,
     pub logits: CudaSlice<f32>,
-    pub token: CudaSlice<i32>,
-    pub logprob: CudaSlice<f32>,
+    /// What `sample_rows` picked: each row's token id at `[0, rows)`, its logprob's bits at
+    /// `[rows, 2 rows)`, so that one copy brings both back.
+    pub picked: CudaSlice<i32>,
     /// Per-row sampling parameters: temperatures, top_p and uniforms, three runs of `rows`.
     pub params_f: CudaSlice<f32>,
     pub top_k: CudaSlice<i32>,
@@ -232,8 +233,7 @@ impl LogitsSpace {
             rows: cap,
             xr: stream.alloc_zeros::<u16>(cap * c.hidden_size).map_err(e)?,
             logits: stream.alloc_zeros::<f32>(cap * c.vocab_size).map_err(e)?,
-            token: stream.alloc_zeros::<i32>(cap).map_err(e)?,
-            logprob: stream.alloc_zeros::<f32>(cap).map_err(e)?,
+            picked: stream.alloc_zeros::<i32>(2 * cap).map_err(e)?,
             params_f: stream.alloc_zeros::<f32>(3 * cap).map_err(e)?,
             top_k: stream.alloc_zeros::<i32>(cap).map_err(e)?,
             sample_stats: stream

@@ -853,8 +853,10 @@ pub struct SampleRows<'a> {
     pub top_k: &'a CudaSlice<i32>,
     pub top_p: CudaView<'a, f32>,
     pub uniforms: CudaView<'a, f32>,
-    pub token: &'a mut CudaSlice<i32>,
-    pub logprob: &'a mut CudaSlice<f32>,
+    /// `LogitsSpace::picked`, `2 * cap` long: token ids at `[0, cap)`, the logprobs' bits
+    /// at `[cap, 2 cap)`.
+    pub picked: &'a mut CudaSlice<i32>,
+    pub cap: usize,
     /// Scratch of the first pass's shares, and per-row tickets that are zero between
     /// launches (`LogitsSpace::sample_stats`, `sample_ticks`).
     pub stats: &'a mut CudaSlice<f32>,
@@ -872,12 +874,16 @@ impl SampleRows<'_> {
             ("top_k", self.top_k.len()),
             ("top_p", self.top_p.len()),
             ("uniforms", self.uniforms.len()),
-            ("token", self.token.len()),
-            ("logprob", self.logprob.len()),
+            ("picked rows", self.cap),
             ("ticks", self.ticks.len()),
         ] {
             holds(n, what, len, rows)?;
         }
+        holds(n, "picked", self.picked.len(), 2 * self.cap)?;
+        let cap = self.cap;
+        // Both halves of one buffer: the kernel writes ids through one, the logprobs (as
+        // floats) through the other.
+        let (token, logprob) = (self.picked.slice(0..cap), self.picked.slice(cap..2 * cap));
         let chunks = shapes::sample_chunks(self.vocab);
         holds(n, "stats", self.stats.len(), rows * chunks * 3)?;
         let vocab = self.vocab as i32;
@@ -888,12 +894,13 @@ impl SampleRows<'_> {
             .arg(self.top_k)
             .arg(&self.top_p)
             .arg(&self.uniforms)
-            .arg(self.token)
-            .arg(self.logprob)
+            .arg(&token)
+            .arg(&logprob)
             .arg(self.stats)
             .arg(self.ticks);
         let cfg = grid(&shapes::SAMPLE_ROWS, rows, chunks, 1)?;
-        // SAFETY: the arguments match `sample_rows`'s signature in order and type, every
+        // SAFETY: the arguments match `sample_rows`'s signature in order and type (the
+        // logprobs' half of `picked` is 4-byte words the kernel writes floats to), every
         // buffer holds the grid's rows, and `stats` three floats per row and chunk (checked
         // above).
         unsafe { b.launch(cfg) }.map_err(failed(n))?;

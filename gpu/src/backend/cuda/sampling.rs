@@ -51,26 +51,24 @@ pub fn sample_logits(
         top_k: &ls.top_k,
         top_p: ls.params_f.slice(rows..2 * rows),
         uniforms: ls.params_f.slice(2 * rows..3 * rows),
-        token: &mut ls.token,
-        logprob: &mut ls.logprob,
+        picked: &mut ls.picked,
+        cap: rows,
         stats: &mut ls.sample_stats,
         ticks: &mut ls.sample_ticks,
         rows: n,
     }
     .launch(k, stream)?;
-    let tokens = stream
-        .clone_dtoh(&ls.token.slice(0..n))
+    // One copy: the ids, then (from `rows` on) the logprobs' bits.
+    let picked = stream
+        .clone_dtoh(&ls.picked.slice(0..rows + n))
         .map_err(|e| drv("token copy", e))?;
-    let logprobs = stream
-        .clone_dtoh(&ls.logprob.slice(0..n))
-        .map_err(|e| drv("logprob copy", e))?;
     stream.synchronize().map_err(|e| drv("token copy", e))?;
-    Ok(tokens
-        .into_iter()
-        .zip(logprobs)
-        .map(|(t, lp)| Sampled {
+    Ok(picked[..n]
+        .iter()
+        .zip(&picked[rows..rows + n])
+        .map(|(&t, &lp)| Sampled {
             token: t.max(0) as u32,
-            logprob: lp,
+            logprob: f32::from_bits(lp as u32),
             top: Vec::new(),
         })
         .collect())
