@@ -308,6 +308,9 @@ struct TableRows {
     fill: i32,
 }
 
+/// Most separate copies `TableMirror::update` asks for in a step; more become one.
+const MAX_TABLE_COPIES: usize = 16;
+
 /// The host's copy of a graph's block tables (`bucket` rows of `width`) as last copied to
 /// the device, and how much of each row is not `fill`. A step's tables differ from the last
 /// one's only where a sequence gained a block or the batch changed, so `update` copies those
@@ -367,7 +370,13 @@ impl TableMirror {
                 _ => dirty.push(r),
             }
         }
-        dirty
+        // Past a few copies, one over the whole changed span costs less than many small ones.
+        match (dirty.first(), dirty.last()) {
+            (Some(a), Some(b)) if dirty.len() > MAX_TABLE_COPIES => {
+                std::iter::once(a.start..b.end).collect()
+            }
+            _ => dirty,
+        }
     }
 }
 
@@ -386,10 +395,16 @@ fn graph_inputs(
         v.resize(bucket, fill);
         v
     };
+    // Each sequence's own blocks, not the layout's rows padded to the longest with block 0:
+    // no kernel reads a table past a sequence's length, and a row then changes only when its
+    // own sequence gains a block (not every row whenever the longest one does).
     let mb = layout.max_blocks.min(width);
     let tables = TableRows {
         rows: (0..n)
-            .map(|s| layout.block_tables[s * layout.max_blocks..][..mb].to_vec())
+            .map(|s| {
+                let own = (layout.seq_lens[s].max(0) as usize).div_ceil(block_size);
+                layout.block_tables[s * layout.max_blocks..][..own.min(mb)].to_vec()
+            })
             .collect(),
         fill: scratch_block,
     };
@@ -442,15 +457,33 @@ mod tests {
         assert_eq!(g.slots, vec![4 * 4 + 1, 7 * 4 + 2, 32, 32]);
         assert_eq!(g.seq_starts, vec![0, 1, 2, 3, 4]);
         assert_eq!(g.seq_lens, vec![6, 3, 1, 1]);
-        // Sequence 1's row: its block, then the layout's padding (block 0, never read past
-        // seq_lens), then the scratch block.
+        // Sequence 1's row: its own block, then the scratch block (never read past seq_lens).
         let mut m = TableMirror::new(4, 3);
         assert_eq!(
             m.update(&g.tables),
             std::iter::once(0..12).collect::<Vec<_>>()
         );
-        assert_eq!(m.host, vec![3, 4, 8, 7, 0, 8, 8, 8, 8, 8, 8, 8]);
+        assert_eq!(m.host, vec![3, 4, 8, 7, 8, 8, 8, 8, 8, 8, 8, 8]);
         assert_eq!(g.logits_rows, vec![0, 1, 2, 3]);
+    }
+
+    /// Many rows changing at once come back as one copy over their span.
+    #[test]
+    fn many_changed_rows_are_copied_as_one_span() {
+        let (bucket, width) = (40, 4);
+        let mut m = TableMirror::new(bucket, width);
+        let step = |b: i32| TableRows {
+            rows: (0..bucket as i32).map(|s| vec![s, b]).collect(),
+            fill: -1,
+        };
+        m.update(&step(100));
+        // Every row's second entry changes: 40 ranges, one copy.
+        let got = m.update(&step(200));
+        assert_eq!(
+            got,
+            std::iter::once(1..(bucket - 1) * width + 2).collect::<Vec<_>>()
+        );
+        assert_eq!(m.host, whole(&step(200), bucket, width));
     }
 
     /// The whole table as a step's rows describe it, built from nothing.
