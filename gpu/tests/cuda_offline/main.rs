@@ -147,7 +147,13 @@ fn arch_of(a: &ArchLimits) -> String {
 
 /// ptxas on `ptx` for `sm` with `extra` options: its report, or its error output.
 fn ptxas(tools: &Tools, ptx: &str, sm: &str, extra: &[&str]) -> Result<String, String> {
-    let dir = std::env::temp_dir().join(format!("kvmesh-cuda-offline-{}", std::process::id()));
+    // A folder of its own: several architectures are assembled at once.
+    static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let call = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let dir = std::env::temp_dir().join(format!(
+        "kvmesh-cuda-offline-{}-{sm}-{call}",
+        std::process::id()
+    ));
     std::fs::create_dir_all(&dir).unwrap();
     let src = dir.join(format!("kernels-{sm}.ptx"));
     std::fs::write(&src, ptx).unwrap();
@@ -224,9 +230,27 @@ fn cuda_kernels_compile_assemble_and_fit_every_claimed_architecture() {
         "{:<7} {:<24} {:>7} {:>5} {:>7} {:>6} {:>13} {:>9}",
         "arch", "kernel", "threads", "regs", "smem B", "stack", "spill st/ld", "blk/SM occ"
     );
-    for a in shapes::ARCHS {
-        let ptx = ptx_cache::compile_kernels(KERNELS_CU, &arch_of(a))
-            .unwrap_or_else(|e| panic!("NVRTC refused the kernels for {}: {e}", a.sm));
+    // NVRTC and ptxas for every architecture at once (each is one core's work for most of a
+    // minute); the checks below then read the results in order.
+    let built: Vec<(String, String)> = std::thread::scope(|scope| {
+        let jobs: Vec<_> = shapes::ARCHS
+            .iter()
+            .map(|a| {
+                let tools = &tools;
+                scope.spawn(move || {
+                    let ptx = ptx_cache::compile_kernels(KERNELS_CU, &arch_of(a))
+                        .unwrap_or_else(|e| panic!("NVRTC refused the kernels for {}: {e}", a.sm));
+                    let report = ptxas(tools, &ptx, a.sm, &[])
+                        .unwrap_or_else(|e| panic!("ptxas refused the PTX for {}:\n{e}", a.sm));
+                    (ptx, report)
+                })
+            })
+            .collect();
+        jobs.into_iter()
+            .map(|j| j.join().expect("a compile thread"))
+            .collect()
+    });
+    for (a, (ptx, report)) in shapes::ARCHS.iter().zip(built) {
         assert!(ptx.contains(&format!(".target {}", a.sm)), "{}", a.sm);
         // The oldest driver the backend supports, 580 (CUDA 13.0), loads PTX ISA up to 9.0.
         let isa = ptx_cache::ptx_isa(&ptx).expect("a .version directive");
@@ -246,8 +270,6 @@ fn cuda_kernels_compile_assemble_and_fit_every_claimed_architecture() {
             "{}: the kernels NVRTC compiled and those the host launches (shapes::KERNELS) differ",
             a.sm
         );
-        let report = ptxas(&tools, &ptx, a.sm, &[])
-            .unwrap_or_else(|e| panic!("ptxas refused the PTX for {}:\n{e}", a.sm));
         for line in report.lines().filter(|l| l.contains("warning")) {
             if !line.contains("spill") {
                 problems.push(format!("{}: {line}", a.sm));
