@@ -218,6 +218,10 @@ sample_rows(const float* __restrict__ logits, int vocab,
         mx = best_v[0];
         arg = best_i[0];
         lse = row_lse;
+        // Every thread has read them before thread 0 reuses best_v and best_i below (the
+        // chunk totals, the sorted maxima): without this, a warp that ran ahead could
+        // overwrite best_v[0] before a slower one read the row's maximum.
+        __syncthreads();
     }
     if (arg == 0x7fffffff) arg = 0;
 
