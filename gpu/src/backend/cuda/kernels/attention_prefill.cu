@@ -164,10 +164,14 @@ __device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
 // g + 8 (c[2], c[3]) at columns 2t, 2t + 1.
 __device__ __forceinline__ void mma_bf16(float (&c)[4], const unsigned (&a)[4], unsigned b0,
                                          unsigned b1) {
+#ifdef __CUDA_ARCH__
     asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
         "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+    kvmesh_emu_mma_bf16(c, a, b0, b1);  // gpu/emu: the CPU emulator's
+#endif
 }
 
 // Four 8x8 bf16 matrices from shared memory, transposed: lanes 8i .. 8i + 7 give the
@@ -175,23 +179,37 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], const unsigned (&a)[4], 
 // elements at (row 2t, column g) and (row 2t + 1, column g) of matrix i: with rows as keys
 // and columns as dimensions, an mma's b fragment of V.
 __device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], const bf16* p) {
+#ifdef __CUDA_ARCH__
     unsigned a = (unsigned)__cvta_generic_to_shared(p);
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"(a));
+#else
+    kvmesh_emu_ldmatrix_x4_trans(r, p);
+#endif
 }
 
 // 16 bytes from global to shared memory without passing through registers; `bytes` 0 fills
 // them with zeros instead (keys past the end).
 __device__ __forceinline__ void cp_async16(bf16* dst, const bf16* src, int bytes) {
+#ifdef __CUDA_ARCH__
     unsigned a = (unsigned)__cvta_generic_to_shared(dst);
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(a), "l"(src), "r"(bytes));
+#else
+    kvmesh_emu_cp_async16(dst, src, bytes);
+#endif
 }
+#ifdef __CUDA_ARCH__
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
+#else
+__device__ __forceinline__ void cp_async_commit() {}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {}
+#endif
 
 // Keys k0 .. k0 + KEYS of one KV head (kc, vc: the caches from that head's first
 // dimension) copied into the K and V tiles (rows of D + 8), a 16-byte piece of one key's row

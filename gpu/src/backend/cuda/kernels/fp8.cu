@@ -61,9 +61,14 @@ __device__ __forceinline__ unsigned int e4m3x2_to_f16x2_hw(unsigned int v) {
 #endif
 
 __device__ __forceinline__ void f16x2_to_f32(unsigned int h, float& lo, float& hi) {
+#ifdef __CUDA_ARCH__
     asm("{\n\t.reg .b16 l, h;\n\tmov.b32 {l, h}, %2;\n\tcvt.f32.f16 %0, l;\n\tcvt.f32.f16 %1, h;\n\t}"
         : "=f"(lo), "=f"(hi)
         : "r"(h));
+#else
+    lo = kvmesh_emu_half((unsigned short)(h & 0xffffu));  // gpu/emu: the CPU emulator
+    hi = kvmesh_emu_half((unsigned short)(h >> 16));
+#endif
 }
 
 // 16 weights (one 16-byte load) as f32, each scaled by 2^-8 (by 1 with E4M3_HW_CVT).

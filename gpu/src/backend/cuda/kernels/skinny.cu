@@ -18,16 +18,22 @@
 
 // 16 bytes of weights, read once: through the non-coherent path, not kept in L1.
 __device__ __forceinline__ uint4 ld_once16(const uint4* p) {
+#ifdef __CUDA_ARCH__
     uint4 v;
     asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
         : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
         : "l"(p));
     return v;
+#else
+    return *p;  // gpu/emu: the CPU emulator
+#endif
 }
 
 // Brings the 16 bytes at p (their cache line) into L2, holding no register.
 __device__ __forceinline__ void prefetch_l2(const uint4* p) {
+#ifdef __CUDA_ARCH__
     asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+#endif
 }
 
 // acc + the dot product of two words of two bf16 each (low half first, as stored).
