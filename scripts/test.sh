@@ -95,6 +95,11 @@ phase "build+tests"
 # only kvmesh-gpu itself is compiled again (the root package has no library to test here).
 tests cuda cargo test -p kvmesh-gpu -p kvmesh --features kvmesh-gpu/cuda -j"$jobs" --lib --test cuda_offline -- cuda
 phase cuda-offline
+# The GPU parity tests (tests/cuda_parity.rs) on this machine's CPU, through the CUDA
+# emulator (gpu/emu, scripts/cuda_emulated.sh): every kernel, launch, copy and graph of the
+# CUDA backend against the CPU backend, but for the few tests its `ci_skips` names.
+tests cuda-emulated bash scripts/cuda_emulated.sh ci
+phase cuda-emulated
 # Lints, warnings as errors, on everything the tests built.
 cargo clippy --workspace --all-targets -j"$jobs" -- -D warnings
 phase clippy

@@ -18,6 +18,7 @@
 //   with CUDA_ERROR_NOT_SUPPORTED, which the backend reports by name.
 
 #include <dlfcn.h>
+#include <fcntl.h>
 #include <signal.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -71,6 +72,7 @@ struct Region {
 };
 std::map<uintptr_t, Region> regions;
 size_t allocated = 0;
+std::map<uintptr_t, int> exported;  // allocation -> memfd (cuIpcGetMemHandle)
 const size_t PAGE = 4096;
 
 size_t total_memory() {
@@ -98,6 +100,11 @@ CUresult free_region(uintptr_t p) {
     auto it = regions.find(p);
     if (it == regions.end()) return INVALID_VALUE;
     allocated -= ((it->second.len + 255) / 256) * 256;
+    auto ex = exported.find(p);
+    if (ex != exported.end()) {
+        close(ex->second);
+        exported.erase(ex);
+    }
     munmap(it->second.map, it->second.map_len);
     regions.erase(it);
     return OK;
@@ -658,16 +665,136 @@ CUresult cuGraphExecDestroy(void* g) {
     return OK;
 }
 
-CUresult cuIpcGetMemHandle(void*, CUdeviceptr) { return NOT_SUPPORTED; }
-CUresult cuIpcOpenMemHandle_v2(CUdeviceptr*, const void*, unsigned) { return NOT_SUPPORTED; }
-CUresult cuIpcCloseMemHandle(CUdeviceptr) { return NOT_SUPPORTED; }
-CUresult cuDeviceGetDevResource(int, void*, int) { return NOT_SUPPORTED; }
-CUresult cuDevSmResourceSplitByCount(void*, unsigned*, const void*, void*, unsigned, unsigned) {
-    return NOT_SUPPORTED;
+// Green contexts: the SMs split as Hopper splits them (groups in multiples of 8 of the 132),
+// each side a context of its own; everything still runs on this thread, so a split checks
+// the host's set-up and that each side computes what the whole device does, not speed.
+struct DevResource {  // CUdevResource as CUDA 13.0 lays it out: 144 bytes
+    int type;
+    unsigned char padding[92];
+    unsigned sm_count, min_partition, alignment;
+    unsigned char rest[36];
+};
+static_assert(sizeof(DevResource) == 144, "CUdevResource is 144 bytes in CUDA 13.0");
+const unsigned SMS = 132, SM_GRANULE = 8;
+
+CUresult cuDeviceGetDevResource(int, DevResource* r, int type) {
+    if (type != 1) return NOT_SUPPORTED;  // CU_DEV_RESOURCE_TYPE_SM only
+    memset(r, 0, sizeof *r);
+    r->type = 1;
+    r->sm_count = SMS;
+    r->min_partition = SM_GRANULE;
+    r->alignment = SM_GRANULE;
+    return OK;
 }
-CUresult cuDevResourceGenerateDesc(void**, void*, unsigned) { return NOT_SUPPORTED; }
-CUresult cuGreenCtxCreate(void**, void*, int, unsigned) { return NOT_SUPPORTED; }
-CUresult cuCtxFromGreenCtx(void**, void*) { return NOT_SUPPORTED; }
+CUresult cuDevSmResourceSplitByCount(DevResource* groups, unsigned* n, const DevResource* in,
+                                     DevResource* rest, unsigned, unsigned min_count) {
+    if (!n || !in || in->type != 1) return INVALID_VALUE;
+    unsigned each = ((min_count + SM_GRANULE - 1) / SM_GRANULE) * SM_GRANULE;
+    if (each == 0) each = SM_GRANULE;
+    unsigned made = 0, left = in->sm_count;
+    while (made < *n && left >= each) {
+        if (groups) {
+            groups[made] = *in;
+            groups[made].sm_count = each;
+        }
+        left -= each;
+        made++;
+    }
+    *n = made;
+    if (rest) {
+        *rest = *in;
+        rest->sm_count = left;
+    }
+    return OK;
+}
+CUresult cuDevResourceGenerateDesc(void** desc, DevResource* res, unsigned count) {
+    if (count != 1 || !res) return NOT_SUPPORTED;
+    *desc = new DevResource(*res);
+    return OK;
+}
+static int green_contexts[64];
+static std::atomic<int> green_made{0};
+CUresult cuGreenCtxCreate(void** green, void*, int, unsigned) {
+    int i = green_made++;
+    if (i >= 64) return OUT_OF_MEMORY;
+    *green = &green_contexts[i];
+    return OK;
+}
+CUresult cuCtxFromGreenCtx(void** ctx, void* green) {
+    *ctx = green;
+    return OK;
+}
+
+// CUDA IPC between processes: an exported allocation moves, in place, onto a memfd (its
+// contents copied over), and the handle names the exporter's pid and that descriptor; the
+// importer maps the same pages through /proc. Both processes then read and write one memory.
+struct IpcHandle {  // within CUipcMemHandle's 64 bytes
+    unsigned magic;
+    int pid, fd;
+    unsigned long long offset, len, body;
+};
+static_assert(sizeof(IpcHandle) <= 64, "CUipcMemHandle is 64 bytes");
+const unsigned IPC_MAGIC = 0x6b766d65;
+
+CUresult cuIpcGetMemHandle(void* handle, CUdeviceptr ptr) {
+    LOCK;
+    uintptr_t p = (uintptr_t)ptr;
+    auto it = regions.find(p);
+    if (it == regions.end()) return INVALID_VALUE;
+    Region& r = it->second;
+    size_t body = r.map_len - PAGE;
+    int fd;
+    auto ex = exported.find(p);
+    if (ex != exported.end()) {
+        fd = ex->second;
+    } else {
+        fd = memfd_create("kvmesh-emu-ipc", 0);
+        if (fd < 0 || ftruncate(fd, (off_t)body) != 0) return OUT_OF_MEMORY;
+        std::vector<char> keep(r.map, r.map + body);
+        if (mmap(r.map, body, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd, 0) == MAP_FAILED) {
+            return OUT_OF_MEMORY;
+        }
+        memcpy(r.map, keep.data(), body);
+        exported[p] = fd;
+    }
+    IpcHandle h{IPC_MAGIC, getpid(), fd, (unsigned long long)(p - (uintptr_t)r.map),
+                (unsigned long long)r.len, (unsigned long long)body};
+    memset(handle, 0, 64);
+    memcpy(handle, &h, sizeof h);
+    return OK;
+}
+struct RawIpcHandle {  // CUipcMemHandle, passed by value
+    char reserved[64];
+};
+CUresult cuIpcOpenMemHandle_v2(CUdeviceptr* ptr, RawIpcHandle raw, unsigned) {
+    LOCK;
+    IpcHandle h;
+    memcpy(&h, raw.reserved, sizeof h);
+    if (h.magic != IPC_MAGIC) return INVALID_VALUE;
+    std::string path = "/proc/" + std::to_string(h.pid) + "/fd/" + std::to_string(h.fd);
+    int fd = open(path.c_str(), O_RDWR);
+    if (fd < 0) return INVALID_VALUE;
+    size_t map_len = h.body + PAGE;
+    void* m = mmap(nullptr, map_len, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (m == MAP_FAILED ||
+        mmap(m, h.body, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd, 0) == MAP_FAILED) {
+        close(fd);
+        return OUT_OF_MEMORY;
+    }
+    close(fd);
+    char* p = (char*)m + h.offset;
+    regions[(uintptr_t)p] = Region{(char*)m, map_len, (size_t)h.len};
+    *ptr = (CUdeviceptr)(uintptr_t)p;
+    return OK;
+}
+CUresult cuIpcCloseMemHandle(CUdeviceptr ptr) {
+    LOCK;
+    auto it = regions.find((uintptr_t)ptr);
+    if (it == regions.end()) return INVALID_VALUE;
+    munmap(it->second.map, it->second.map_len);
+    regions.erase(it);
+    return OK;
+}
 
 CUresult cuGetErrorString(CUresult r, const char** s) {
     switch (r) {
@@ -783,9 +910,6 @@ int cublasGemmEx(void* h, int ta, int tb, int m, int n, int k, const void* alpha
     return issue(((Blas*)h)->stream, std::move(op)) == OK ? 0 : 13;
 }
 
-// cuBLASLt (the FP8 products) is not emulated: every call fails, and the backend says so.
-int cublasLtCreate(void**) { return 15; }  // CUBLAS_STATUS_NOT_SUPPORTED
-int cublasLtDestroy(void*) { return 0; }
-size_t cublasLtGetVersion() { return 0; }
+#include "cublaslt.h"
 
 }  // extern "C"

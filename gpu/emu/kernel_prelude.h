@@ -3,7 +3,7 @@
 //
 // The emulated driver (driver.cpp) compiles the kernel source NVRTC would have compiled with
 // this header in front, then runs a launch here, one block at a time on the calling thread:
-// every CUDA thread of the block is a fiber (ucontext) with its own stack, switched only at
+// every CUDA thread of the block is a fiber with its own stack, switched only at
 // the points where threads meet (__syncthreads, and each warp-wide exchange: shuffles,
 // reductions, mma fragments). So the kernels' own code, register arrays and shared memory
 // run as written; what they cannot have here is concurrency between blocks, which no correct
@@ -18,12 +18,10 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
-#include <csetjmp>
 #include <cstring>
 #include <type_traits>
 #include <utility>
 #include <sys/mman.h>
-#include <ucontext.h>
 
 #define __global__
 #define __device__
@@ -33,7 +31,8 @@
 #define __launch_bounds__(...)
 #define __restrict__ __restrict
 #define __align__(n) __attribute__((aligned(n)))
-#define __shared__ static thread_local
+// One launch runs at a time in the process (the driver's lock), so plain statics serve.
+#define __shared__ static
 #define __constant__ static
 #define warpSize 32
 
@@ -61,10 +60,17 @@ namespace emu {
 
 enum State { RUN, BLOCK_WAIT, WARP_WAIT, DONE };
 
+// Where a stopped fiber (or the scheduler) goes on: its stack pointer, with its callee-saved
+// registers pushed there (kvmesh_emu_switch, kernel_runtime.h).
+struct Context {
+    void* sp;
+};
+extern "C" void kvmesh_emu_switch(Context* from, Context* to);
+
 struct Fiber {
-    ucontext_t ctx;  // only to start it on its own stack
-    jmp_buf at;      // where it stopped
+    Context ctx;
     bool started;
+    int gen;  // which of the two exchange buffers its warp's next exchange uses
     dim3 tid;
     int lane, warp;
     State state;
@@ -75,22 +81,24 @@ struct Launch {
     dim3 grid, block, block_idx;
     int threads;
     Fiber* fibers;
-    jmp_buf scheduler;
+    Context scheduler;
     void (*entry)(void**);
     void** args;
     // Each warp's exchange slots: a lane writes its word, meets its warp, reads another's.
-    unsigned long long slots[32][32];
-    unsigned long long extra[32][32][4];
+    // Two of each, used in turn: a lane that has read can go on to write the next
+    // exchange's without overwriting what a slower lane has still to read (it cannot pass
+    // that exchange's meeting before every lane has finished reading this one).
+    unsigned long long slots[2][32][32];
+    unsigned long long extra[2][32][32][4];
 };
 
-extern thread_local Launch* launch;
-extern thread_local Fiber* cur;
+extern Launch* launch;
+extern Fiber* cur;
 
-// Stops this thread here until the scheduler releases it (setjmp and longjmp, which need no
-// system call, rather than swapcontext, which does).
+// Stops this thread here until the scheduler releases it.
 inline void wait(State s) {
     cur->state = s;
-    if (!_setjmp(cur->at)) _longjmp(launch->scheduler, 1);
+    kvmesh_emu_switch(&cur->ctx, &launch->scheduler);
 }
 
 template <class T>
@@ -107,14 +115,19 @@ inline T from_bits(unsigned long long b) {
 }
 
 // Every lane of the warp puts `v`; returns lane `src`'s (its own where src is outside).
+// This lane's exchange buffers for its warp's next exchange.
+inline unsigned long long* slots() {
+    Fiber* f = cur;
+    f->gen ^= 1;
+    return launch->slots[f->gen][f->warp];
+}
+
 template <class T>
 inline T exchange(T v, int src) {
-    Fiber* f = cur;
-    launch->slots[f->warp][f->lane] = bits(v);
+    unsigned long long* s = slots();
+    s[cur->lane] = bits(v);
     wait(WARP_WAIT);
-    T r = (src >= 0 && src < 32) ? from_bits<T>(launch->slots[f->warp][src]) : v;
-    wait(WARP_WAIT);
-    return r;
+    return (src >= 0 && src < 32) ? from_bits<T>(s[src]) : v;
 }
 
 inline int segment(int lane, int src, int width) {
@@ -159,17 +172,14 @@ namespace emu {
 // Every live lane's value of a warp-wide reduction.
 template <class T, class F>
 inline T warp_reduce(T v, F op) {
-    Fiber* f = cur;
-    launch->slots[f->warp][f->lane] = bits(v);
+    unsigned long long* s = slots();
+    s[cur->lane] = bits(v);
     wait(WARP_WAIT);
     T r = v;
-    int base = f->warp * 32;
+    int base = cur->warp * 32;
     for (int l = 0; l < 32 && base + l < launch->threads; l++) {
-        if (launch->fibers[base + l].state != DONE) {
-            r = op(r, from_bits<T>(launch->slots[f->warp][l]));
-        }
+        if (launch->fibers[base + l].state != DONE) r = op(r, from_bits<T>(s[l]));
     }
-    wait(WARP_WAIT);
     return r;
 }
 }  // namespace emu
@@ -292,10 +302,11 @@ inline float kvmesh_emu_half(unsigned short h) {
 // (g+8, 2t..), (g, 2t+8..), (g+8, 2t+8..); b0 and b1 hold B at (2t..2t+1, g), (2t+8.., g);
 // c at (g, 2t..2t+1), (g+8, 2t..). Each product is exact in f32; the sum runs in k order.
 inline void kvmesh_emu_mma_bf16(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+    unsigned long long* s = emu::slots();
     emu::Fiber* f = emu::cur;
-    auto& x = emu::launch->extra[f->warp];
+    auto& x = emu::launch->extra[f->gen][f->warp];
     for (int i = 0; i < 4; i++) x[f->lane][i] = a[i];
-    emu::launch->slots[f->warp][f->lane] = ((unsigned long long)b1 << 32) | b0;
+    s[f->lane] = ((unsigned long long)b1 << 32) | b0;
     emu::wait(emu::WARP_WAIT);
     auto bf = [](unsigned w, int hi) { return __uint_as_float(hi ? (w & 0xffff0000u) : w << 16); };
     auto A = [&](int r, int k) {
@@ -305,7 +316,7 @@ inline void kvmesh_emu_mma_bf16(float (&c)[4], const unsigned (&a)[4], unsigned 
     };
     auto B = [&](int k, int n) {
         int lane = n * 4 + (k % 8) / 2;
-        unsigned long long w = emu::launch->slots[f->warp][lane];
+        unsigned long long w = s[lane];
         return bf(k >= 8 ? (unsigned)(w >> 32) : (unsigned)w, k & 1);
     };
     int g = f->lane / 4, t = f->lane % 4;
@@ -315,23 +326,20 @@ inline void kvmesh_emu_mma_bf16(float (&c)[4], const unsigned (&a)[4], unsigned 
         for (int k = 0; k < 16; k++) acc += A(r, k) * B(k, n);
         c[i] = acc;
     }
-    emu::wait(emu::WARP_WAIT);
 }
 
 // `ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16`: lanes 8i .. 8i+7 give the rows of
 // matrix i; lane (g, t) receives (row 2t, column g) and (row 2t+1, column g) of each.
 inline void kvmesh_emu_ldmatrix_x4_trans(unsigned (&r)[4], const unsigned short* p) {
+    unsigned long long* s = emu::slots();
     emu::Fiber* f = emu::cur;
-    emu::launch->slots[f->warp][f->lane] = (unsigned long long)(uintptr_t)p;
+    s[f->lane] = (unsigned long long)(uintptr_t)p;
     emu::wait(emu::WARP_WAIT);
     int g = f->lane / 4, t = f->lane % 4;
     for (int i = 0; i < 4; i++) {
-        auto row = [&](int k) {
-            return (const unsigned short*)(uintptr_t)emu::launch->slots[f->warp][8 * i + k];
-        };
+        auto row = [&](int k) { return (const unsigned short*)(uintptr_t)s[8 * i + k]; };
         r[i] = (unsigned)row(2 * t)[g] | ((unsigned)row(2 * t + 1)[g] << 16);
     }
-    emu::wait(emu::WARP_WAIT);
 }
 
 // `cp.async.cg.shared.global` of 16 bytes, `bytes` of them read and the rest zeros: done at
