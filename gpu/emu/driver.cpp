@@ -81,6 +81,14 @@ size_t total_memory() {
     return mib << 20;
 }
 
+// What a fresh allocation holds: a GPU's is whatever was there before, so here every byte
+// is 0xff (an f32 or bf16 NaN, an i32 -1) unless KVMESH_EMU_FILL names another byte: a
+// kernel that reads what nobody wrote shows it rather than reading zeros.
+int fill_byte() {
+    const char* v = getenv("KVMESH_EMU_FILL");
+    return v ? (int)strtol(v, nullptr, 0) & 0xff : 0xff;
+}
+
 // `len` bytes ending 256-byte-aligned right before a page that faults when touched.
 void* alloc_region(size_t len) {
     size_t body = ((len + 255) / 256) * 256;
@@ -91,6 +99,7 @@ void* alloc_region(size_t len) {
     char* base = (char*)m;
     mprotect(base + map_len - PAGE, PAGE, PROT_NONE);
     char* p = base + map_len - PAGE - body;
+    memset(p, fill_byte(), body);
     regions[(uintptr_t)p] = Region{base, map_len, len};
     allocated += body;
     return p;
