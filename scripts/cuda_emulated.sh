@@ -69,6 +69,10 @@ case "${1:-test}" in
         for t in "${ci_skips[@]}"; do skips+=(--skip "$t"); done
         with_emulator cargo test -j"${CARGO_BUILD_JOBS:-2}" --features cuda --test cuda_parity -- \
             --test-threads=1 "${skips[@]}"
+        # The kernel-level tests again with threads and blocks in the other order (seconds).
+        KVMESH_EMU_SCHEDULE=reverse with_emulator cargo test -j"${CARGO_BUILD_JOBS:-2}" \
+            --features cuda --test cuda_parity -- --test-threads=1 gated_deltanet skinny_ \
+            device_sampling_of_large fp8_decode fp8_activation hybrid_prompts
         ;;
     *) echo "usage: $0 build | cargo ARGS... | test [FILTER] | ci" >&2; exit 2 ;;
 esac
