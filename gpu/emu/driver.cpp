@@ -180,8 +180,6 @@ struct Op {
     std::function<void()> call;
 };
 
-std::string last_launch_error;
-
 CUresult run_launch(Function* f, const unsigned* grid, const unsigned* block, void** args) {
     char err[512] = {0};
     running_kernel = f->name.c_str();
