@@ -64,7 +64,7 @@ use kvmesh_gpu::config::{Arch, HybridConfig, HybridLayout, LayerType};
 use kvmesh_gpu::engine::{self, EngineConfig, Request, SeqEvent};
 use kvmesh_gpu::guided::{grammar, Guide, LazyGuides};
 use kvmesh_gpu::kv_cache::BlockId;
-use kvmesh_gpu::model::{build_backend, BackendKind, KvBudget, LoadedModel};
+use kvmesh_gpu::model::{build_backend, BackendKind, CpuOptions, KvBudget, LoadedModel};
 use kvmesh_gpu::safetensors::DType;
 use kvmesh_gpu::sampler::{self, Rng, SamplingParams};
 use serde_json::{json, Value};
@@ -1245,26 +1245,54 @@ const FP8_MODELS: [&str; 3] = [
     "hf-qwen2-fp8-ct",
 ];
 
-/// FP8 on the GPU against the CPU's dequantized model: each logit within 12% of the row's
-/// largest, and the greedy token the CPU's in at least 8 of 10 teacher-forced steps. The
-/// weights are the same numbers on both sides (the CPU multiplies the same e4m3 values by the
-/// same scales); what differs is that prefill quantizes every activation to e4m3 before
-/// cuBLASLt's GEMMs, a relative rounding of up to 2^-4 per element (3 mantissa bits; about
-/// 2^-6 on average), on top of the bf16 activations and KV cache that cost the bf16 path its
-/// 3% (`assert_close`). Decode steps read e4m3 weights with bf16 activations
-/// (`fp8_gemv_*`), but attend over keys and values written by the quantized prefill. The
-/// limit was 8% until the first H200 run measured 4.0–8.1% on the three fixtures (8.1% at
-/// one logit of `hf-qwen2-fp8-ct`'s 45-token prefill, whose dynamic per-token activation
-/// scales quantize a whole row at once), with every teacher-forced greedy token agreeing
-/// where the run got that far; the kernels themselves are held to float64 by
+/// FP8 on the GPU against the CPU's dequantized model. The weights are the same numbers on
+/// both sides (the CPU multiplies the same e4m3 values by the same scales); what differs is
+/// that prefill quantizes every activation to e4m3 before cuBLASLt's GEMMs, a relative
+/// rounding of up to 2^-4 per element (3 mantissa bits), on top of the bf16 activations and
+/// KV cache that cost the bf16 path its 3% (`assert_close`). Decode steps read e4m3 weights
+/// with bf16 activations (`fp8_gemv_*`), but attend over keys and values written by the
+/// quantized prefill.
+///
+/// How far the quantization moves a fixture's logits is measured in the same run: a second
+/// CPU backend rounds the prefill's activations as the GEMM does
+/// (`CpuOptions::fp8_activations_above`). That rounding is chaotic at these sizes: moving
+/// every GEMM input by 2^-9 of itself (under bf16's own rounding) before it is quantized
+/// moves that CPU model's logits by 4–10% of the row's largest (root mean square 1.0–3.1%),
+/// as far as the dequantized model is from it. So no reference can be held to the GPU
+/// logit by logit more closely than the quantization's own size; what can be held is the
+/// size. Each step's root-mean-square difference from the dequantized model must stay
+/// within `FP8_RMS_FACTOR` times the CPU's own (plus `FP8_RMS_FLOOR`), and each logit within
+/// `FP8_TOLERANCE` of the row's largest; the greedy token is the CPU's in at least 8 of 10
+/// teacher-forced steps. In the CUDA emulator the ratio was 0.92–1.20 at every step of the
+/// four fixtures; with e4m3 rounding made to truncate instead (a bias that doubles the
+/// rounding), 1.28–2.43 at prefill, and with each token quantized by its neighbour's scale
+/// 5.9 and more. The kernels themselves are held to float64 by
 /// `fp8_cublaslt_products_match_the_quantized_product_on_the_host` and
 /// `fp8_decode_kernels_match_a_float64_reference`.
-const FP8_TOLERANCE: f32 = 0.12;
+const FP8_RMS_FACTOR: f32 = 1.5;
+const FP8_RMS_FLOOR: f32 = 2e-3;
+
+/// The largest logit difference, relative to the row's largest. The first H200 run measured
+/// 4.0–8.1% on the three fixtures; the emulator 12.6% at one prefill logit of
+/// `hf-qwen2-fp8-ct`, where the CPU's own quantized model is 9.8% from the dequantized one
+/// (13.2% for its static twin): the chaos above.
+const FP8_TOLERANCE: f32 = 0.16;
+
+/// A CPU backend of `m` with `opts`.
+fn cpu_backend(m: &LoadedModel, blocks: usize, opts: CpuOptions) -> Box<dyn Backend> {
+    build_backend(
+        BackendKind::Cpu(opts),
+        m,
+        BLOCK_SIZE,
+        KvBudget::Blocks(blocks),
+    )
+    .unwrap()
+}
 
 /// The largest difference relative to the CPU row's scale, and the logit where it is.
 fn fp8_error(ctx: &str, gpu: &[f32], cpu: &[f32]) -> (f32, String) {
     assert_eq!(gpu.len(), cpu.len(), "{ctx}: vocabulary sizes differ");
-    let scale = cpu.iter().fold(1f32, |m, x| m.max(x.abs()));
+    let scale = row_scale(cpu);
     let (mut worst, mut at) = (0f32, String::new());
     for (i, (g, c)) in gpu.iter().zip(cpu).enumerate() {
         let d = (g - c).abs() / scale;
@@ -1274,6 +1302,47 @@ fn fp8_error(ctx: &str, gpu: &[f32], cpu: &[f32]) -> (f32, String) {
         }
     }
     (worst, at)
+}
+
+fn row_scale(v: &[f32]) -> f32 {
+    v.iter().fold(1f32, |m, x| m.max(x.abs()))
+}
+
+/// The root mean square of `a - b`, relative to `b`'s largest.
+fn rms_error(a: &[f32], b: &[f32]) -> f32 {
+    let sq: f64 = a.iter().zip(b).map(|(x, y)| ((x - y) as f64).powi(2)).sum();
+    (sq / a.len().max(1) as f64).sqrt() as f32 / row_scale(b)
+}
+
+/// One prompt's worst figures: the largest logit error and the root-mean-square one against
+/// the dequantized model, the latter over the CPU's own (what quantizing moves it).
+#[derive(Default)]
+struct Fp8Worst {
+    max: f32,
+    rms: f32,
+    ratio: f32,
+}
+
+impl Fp8Worst {
+    /// Checks one step: `g` the GPU's logits, `c` the dequantized model's, `q` the CPU's
+    /// with FP8 activations; failures go to `failed`.
+    fn step(&mut self, ctx: &str, (g, c, q): (&[f32], &[f32], &[f32]), failed: &mut Vec<String>) {
+        let (max, at) = fp8_error(ctx, g, c);
+        if max.is_nan() || max > FP8_TOLERANCE {
+            failed.push(at);
+        }
+        let (rms, own) = (rms_error(g, c), rms_error(q, c));
+        if rms.is_nan() || rms > FP8_RMS_FACTOR * own + FP8_RMS_FLOOR {
+            failed.push(format!(
+                "{ctx}: root-mean-square logit error {rms:.3e} of the row's largest, over \
+                 {FP8_RMS_FACTOR} x the {own:.3e} that quantizing the activations moves the \
+                 CPU's model"
+            ));
+        }
+        self.max = self.max.max(max);
+        self.rms = self.rms.max(rms);
+        self.ratio = self.ratio.max(rms / own.max(f32::MIN_POSITIVE));
+    }
 }
 
 #[test]
@@ -1287,41 +1356,45 @@ fn fp8_models_match_the_cpus_dequantized_model() {
             format!("{} (static per-tensor activations)", fp8_twin::STATIC_BASE),
             fp8_twin::fp8_static_twin(),
         )));
+    let fp8_cpu = CpuOptions {
+        fp8_activations_above: Some(CudaOptions::device(0).fp8_gemv_max_rows()),
+        ..Default::default()
+    };
     for (base, name, m) in models {
         assert!(
             m.config.quantization.is_some(),
             "{name} is not an FP8 fixture"
         );
         let (mut agree, mut steps) = (0, 0);
-        let mut check = |ctx: String, g: &[f32], c: &[f32]| -> f32 {
-            let (e, at) = fp8_error(&ctx, g, c);
-            if e.is_nan() || e > FP8_TOLERANCE {
-                failed.push(at);
-            }
-            e
-        };
         for (pi, prompt) in prompts(base).iter().enumerate() {
             let (mut cpu, mut gpu) = backends(&m, 16);
+            let mut qcpu = cpu_backend(&m, 16, fp8_cpu);
             let table: Vec<BlockId> = [5u32, 2, 7, 0, 3, 6, 1, 4, 9, 8]
                 .iter()
                 .map(|&b| BlockId(b))
                 .collect();
             let ctx = format!("{name} prompt {pi} ({} tokens)", prompt.len());
-            let c = forward(cpu.as_mut(), prompt, 0, &table);
-            let g = forward(gpu.as_mut(), prompt, 0, &table);
-            let mut worst = check(format!("{ctx} prefill"), &g, &c);
-            agree += (argmax(&g) == argmax(&c)) as usize;
-            steps += 1;
-            let mut next = argmax(&c) as u32;
-            for (step, pos) in (prompt.len()..prompt.len() + 8).enumerate() {
-                let c = forward(cpu.as_mut(), &[next], pos, &table);
-                let g = forward(gpu.as_mut(), &[next], pos, &table);
-                worst = worst.max(check(format!("{ctx} decode {step}"), &g, &c));
+            let mut w = Fp8Worst::default();
+            let (mut tokens, mut start) = (prompt.to_vec(), 0);
+            for step in 0..9 {
+                let c = forward(cpu.as_mut(), &tokens, start, &table);
+                let q = forward(qcpu.as_mut(), &tokens, start, &table);
+                let g = forward(gpu.as_mut(), &tokens, start, &table);
+                let what = match step {
+                    0 => "prefill".to_string(),
+                    s => format!("decode {}", s - 1),
+                };
+                w.step(&format!("{ctx} {what}"), (&g, &c, &q), &mut failed);
                 agree += (argmax(&g) == argmax(&c)) as usize;
                 steps += 1;
-                next = argmax(&c) as u32;
+                start += tokens.len();
+                tokens = vec![argmax(&c) as u32];
             }
-            println!("{ctx}: max |gpu - cpu| logit {worst:.3e} of the row's largest");
+            println!(
+                "{ctx}: largest logit error {:.3e} of the row's largest, root mean square \
+                 {:.3e}, at most {:.2} x what quantizing the activations moves the CPU's model",
+                w.max, w.rms, w.ratio
+            );
         }
         println!("{name}: greedy token agreed in {agree} of {steps} steps (teacher-forced)");
         if agree * 10 < steps * 8 {

@@ -238,6 +238,38 @@ fn state_slot_size_comes_from_the_config() {
     assert!(seq.state.as_slice().iter().any(|&x| x != 0.0));
 }
 
+/// The CPU options that run dense models' products only are refused by name on a hybrid
+/// model, rather than ignored.
+#[test]
+fn dense_only_cpu_options_are_refused_for_a_hybrid_model() {
+    use kvmesh_gpu::model::{build_backend, BackendKind, CpuOptions, KvBudget};
+    let fx = fixture("hf-qwen35-f32");
+    let model = load("hf-qwen35-f32", &fx);
+    let refused = |opts: CpuOptions| {
+        build_backend(BackendKind::Cpu(opts), &model, 16, KvBudget::Blocks(8))
+            .err()
+            .expect("refused")
+            .to_string()
+    };
+    let e = refused(CpuOptions {
+        bf16_products: true,
+        ..Default::default()
+    });
+    assert!(e.contains("--cpu-bf16-products"), "{e}");
+    let e = refused(CpuOptions {
+        fp8_activations_above: Some(4),
+        ..Default::default()
+    });
+    assert!(e.contains("FP8 activations") && e.contains("hybrid"), "{e}");
+    assert!(build_backend(
+        BackendKind::Cpu(CpuOptions::default()),
+        &model,
+        16,
+        KvBudget::Blocks(8)
+    )
+    .is_ok());
+}
+
 /// `hf-qwen35-f32` with its config.json edited by `edit`; the refusal's message.
 fn refusal(edit: impl FnOnce(&mut Value)) -> String {
     let dir = model_dir("hf-qwen35-f32");

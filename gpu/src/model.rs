@@ -21,6 +21,12 @@ pub struct CpuOptions {
     /// AVX512-BF16 (`CpuModel::with_bf16_products`; `--cpu-bf16-products`): faster prefill,
     /// bf16 rounding of the products' inputs as GPU engines have. Dense models only.
     pub bf16_products: bool,
+    /// FP8 checkpoints: products of more rows than this round their input to e4m3 as an
+    /// FP8 GEMM does (`CpuModel::with_fp8_activations`), the model the CUDA backend's FP8
+    /// path computes (its decode GEMVs read few rows unquantized: give it
+    /// `CudaOptions::fp8_gemv_max_rows`). `None`, the default, runs the dequantized model.
+    /// Dense models only.
+    pub fp8_activations_above: Option<usize>,
 }
 
 /// A model's weights as the CPU backends hold them.
@@ -107,6 +113,10 @@ impl LoadedModel {
                 m.with_bf16_products()
             } else {
                 m
+            };
+            let m = match opts.fp8_activations_above {
+                Some(rows) => m.with_fp8_activations(&self.weights, rows)?,
+                None => m,
             };
             CpuWeights::Dense(Arc::new(m))
         };
@@ -418,6 +428,68 @@ pub fn build_backend(
     build_backend_for(kind, model, kv, &engine)
 }
 
+/// The CPU backend of a model with Qwen3.5's hybrid layers (`build_backend_for`).
+fn cpu_hybrid_backend(
+    opts: CpuOptions,
+    model: &LoadedModel,
+    kv: KvBudget,
+    engine: &crate::engine::EngineConfig,
+) -> Result<Box<dyn Backend>> {
+    let (block_size, max_num_seqs) = (engine.block_size, engine.max_num_seqs);
+    if opts.bf16_products {
+        return Err(EngineError::InvalidRequest(
+            "--cpu-bf16-products runs dense models' products only; this model has \
+             Qwen3.5's hybrid layers: leave the flag out"
+                .into(),
+        ));
+    }
+    if opts.fp8_activations_above.is_some() {
+        return Err(EngineError::InvalidRequest(
+            "FP8 activations on the CPU run dense models' products only; this model \
+             has Qwen3.5's hybrid layers"
+                .into(),
+        ));
+    }
+    let cfg = &model.config;
+    let split = HybridBackend::split_budget(
+        cfg,
+        block_size,
+        kv,
+        max_num_seqs,
+        engine.enable_prefix_caching,
+    )?;
+    let per_state_mib = cfg
+        .hybrid
+        .as_ref()
+        .map_or(0, |h| h.state_bytes_per_sequence())
+        >> 20;
+    if split.slots < max_num_seqs {
+        tracing::warn!(
+            "the KV budget holds recurrent state for {} sequences at once, fewer \
+             than --max-num-seqs {max_num_seqs}: their states would take more than half \
+             of it ({per_state_mib} MiB each); raise --kv-cache-gib to run more",
+            split.slots
+        );
+    } else if engine.enable_prefix_caching && split.snapshots < max_num_seqs {
+        tracing::warn!(
+            "the KV budget keeps {} saved states for the prefix cache ({per_state_mib} \
+             MiB each), fewer than --max-num-seqs {max_num_seqs}; raise --kv-cache-gib \
+             to reuse more prefixes",
+            split.snapshots
+        );
+    }
+    let CpuWeights::Hybrid(m) = model.cpu_weights(opts)? else {
+        unreachable!("a hybrid config loads hybrid weights")
+    };
+    Ok(Box::new(HybridBackend::new(
+        m,
+        split.blocks,
+        block_size,
+        split.slots,
+        split.snapshots,
+    )?))
+}
+
 /// The backend for an engine with `engine`'s limits: its block size, and for a model with
 /// recurrent layers what it keeps per running sequence (`max_num_seqs` state slots) and for
 /// its prefix cache (saved states, with `enable_prefix_caching`); see
@@ -428,54 +500,10 @@ pub fn build_backend_for(
     kv: KvBudget,
     engine: &crate::engine::EngineConfig,
 ) -> Result<Box<dyn Backend>> {
-    let (block_size, max_num_seqs) = (engine.block_size, engine.max_num_seqs);
+    let block_size = engine.block_size;
     match kind {
         BackendKind::Cpu(opts) if model.config.hybrid.is_some() => {
-            if opts.bf16_products {
-                return Err(EngineError::InvalidRequest(
-                    "--cpu-bf16-products runs dense models' products only; this model has \
-                     Qwen3.5's hybrid layers: leave the flag out"
-                        .into(),
-                ));
-            }
-            let cfg = &model.config;
-            let split = HybridBackend::split_budget(
-                cfg,
-                block_size,
-                kv,
-                max_num_seqs,
-                engine.enable_prefix_caching,
-            )?;
-            let per_state_mib = cfg
-                .hybrid
-                .as_ref()
-                .map_or(0, |h| h.state_bytes_per_sequence())
-                >> 20;
-            if split.slots < max_num_seqs {
-                tracing::warn!(
-                    "the KV budget holds recurrent state for {} sequences at once, fewer \
-                     than --max-num-seqs {max_num_seqs}: their states would take more than half \
-                     of it ({per_state_mib} MiB each); raise --kv-cache-gib to run more",
-                    split.slots
-                );
-            } else if engine.enable_prefix_caching && split.snapshots < max_num_seqs {
-                tracing::warn!(
-                    "the KV budget keeps {} saved states for the prefix cache ({per_state_mib} \
-                     MiB each), fewer than --max-num-seqs {max_num_seqs}; raise --kv-cache-gib \
-                     to reuse more prefixes",
-                    split.snapshots
-                );
-            }
-            let CpuWeights::Hybrid(m) = model.cpu_weights(opts)? else {
-                unreachable!("a hybrid config loads hybrid weights")
-            };
-            Ok(Box::new(HybridBackend::new(
-                m,
-                split.blocks,
-                block_size,
-                split.slots,
-                split.snapshots,
-            )?))
+            cpu_hybrid_backend(opts, model, kv, engine)
         }
         #[cfg(feature = "cuda")]
         BackendKind::Cuda(opts) if model.config.hybrid.is_some() => {
@@ -486,7 +514,7 @@ pub fn build_backend_for(
                 opts,
                 kv,
                 block_size,
-                max_num_seqs,
+                engine.max_num_seqs,
                 engine.enable_prefix_caching,
             )?))
         }

@@ -11,7 +11,7 @@
 
 use rayon::prelude::*;
 
-use crate::config::{ModelConfig, Scheme, WeightScale};
+use crate::config::{ActivationScheme, ModelConfig, Scheme, WeightScale};
 use crate::error::{EngineError, Result};
 use crate::safetensors::{DType, WeightStore};
 
@@ -109,6 +109,32 @@ pub fn scale_values(
         )));
     }
     Ok(v)
+}
+
+/// A static scheme's calibrated activation scale (`{module}.input_scale`, one value; the
+/// loader checked its presence, dtype and shape), refused unless finite and positive: a
+/// zero or negative scale would quantize every activation to nothing or flip its sign.
+/// `None` for dynamic schemes.
+pub fn static_input_scale(
+    store: &WeightStore,
+    module: &str,
+    scheme: &Scheme,
+) -> Result<Option<f32>> {
+    if scheme.activations != ActivationScheme::StaticTensor {
+        return Ok(None);
+    }
+    let name = format!("{module}.input_scale");
+    let shape = store
+        .info(&name)
+        .map(|i| i.shape.clone())
+        .ok_or_else(|| EngineError::BadModel(format!("`{name}` is missing")))?;
+    let v = store.f32(&name, &shape)?;
+    match v.as_slice() {
+        [s] if s.is_finite() && *s > 0.0 => Ok(Some(*s)),
+        _ => Err(EngineError::BadModel(format!(
+            "`{name}` is {v:?}: a static activation scale must be one finite positive value"
+        ))),
+    }
 }
 
 fn check_scale(name: &str, dtype: DType, shape: &[usize], allowed: &[Vec<usize>]) -> Result<()> {
@@ -219,7 +245,7 @@ pub fn gpu_bytes(cfg: &ModelConfig, w: &WeightStore) -> (usize, usize) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::{ActivationScheme, TensorRole};
+    use crate::config::TensorRole;
     use crate::safetensors::{e4m3_to_f32, write_file_typed};
 
     fn scheme(weights: WeightScale) -> Scheme {
@@ -460,5 +486,45 @@ mod tests {
             e.contains("F8_E4M3") && e.contains("no quantization_config"),
             "{e}"
         );
+    }
+    /// A static scale is read as stored ([1] or a scalar) and refused unless it is one finite
+    /// positive value.
+    #[test]
+    fn static_input_scales_are_read_or_refused_by_name() {
+        let dir = std::env::temp_dir().join(format!("kvmesh-input-scale-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let m = "model.layers.0.self_attn.q_proj";
+        let tensors = [
+            (format!("{m}.input_scale"), vec![1], vec![0.03f32]),
+            ("a.input_scale".to_string(), vec![], vec![0.5]),
+            ("z.input_scale".to_string(), vec![1], vec![0.0]),
+            ("n.input_scale".to_string(), vec![1], vec![f32::NAN]),
+            ("t.input_scale".to_string(), vec![2], vec![0.1, 0.2]),
+        ];
+        crate::safetensors::write_file(
+            &dir.join("model.safetensors"),
+            &tensors,
+            crate::safetensors::DType::F32,
+        )
+        .unwrap();
+        let store = WeightStore::open_dir(&dir).unwrap();
+        let stat = Scheme {
+            weights: WeightScale::Channel,
+            activations: ActivationScheme::StaticTensor,
+        };
+        let dynamic = Scheme {
+            weights: WeightScale::Channel,
+            activations: ActivationScheme::DynamicToken,
+        };
+        assert_eq!(static_input_scale(&store, m, &stat).unwrap(), Some(0.03));
+        assert_eq!(static_input_scale(&store, "a", &stat).unwrap(), Some(0.5));
+        assert_eq!(static_input_scale(&store, m, &dynamic).unwrap(), None);
+        for bad in ["z", "n", "t", "missing"] {
+            let e = static_input_scale(&store, bad, &stat)
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(&format!("{bad}.input_scale")), "{e}");
+        }
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

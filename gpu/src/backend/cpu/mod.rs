@@ -6,6 +6,7 @@
 
 mod attn_blocked;
 pub mod delta;
+pub mod fp8_acts;
 mod gemm_bf16;
 mod hybrid;
 mod hybrid_backend;
@@ -21,6 +22,7 @@ pub use ops::{Linear, Matrix};
 
 use std::sync::Arc;
 
+use self::fp8_acts::Fp8Activations;
 use super::{sample_all, Backend, ForwardBatch, SampleSpec};
 use crate::checkpoint::{Checkpoint, Projection};
 use crate::config::ModelConfig;
@@ -69,6 +71,33 @@ impl CpuModel {
             }
         }
         self
+    }
+
+    /// The products of the layers the checkpoint quantizes round their input as an FP8 GEMM
+    /// does when they have more than `above_rows` rows (`fp8_acts`): the model a GPU's FP8
+    /// path computes, to hold it to more closely than to the dequantized model. `w` is the
+    /// store the model was loaded from (for static schemes' `input_scale`s).
+    pub fn with_fp8_activations(mut self, w: &WeightStore, above_rows: usize) -> Result<CpuModel> {
+        let ck = Checkpoint::new(&self.cfg, w);
+        let acts = |parts: &[(String, usize)]| {
+            Fp8Activations::of_parts(&self.cfg, w, parts, above_rows).map(|a| a.map(Arc::new))
+        };
+        for (i, l) in self.layers.iter_mut().enumerate() {
+            let stacks = ck.stacks(i)?;
+            let products = [
+                &mut l.qkv_proj,
+                &mut l.o_proj,
+                &mut l.gate_up_proj,
+                &mut l.down_proj,
+            ];
+            for (p, s) in products.into_iter().zip(&stacks) {
+                p.fp8_activations = acts(&s.parts)?;
+            }
+        }
+        if !self.cfg.tie_word_embeddings {
+            self.lm_head.fp8_activations = acts(&[("lm_head".into(), self.cfg.vocab_size)])?;
+        }
+        Ok(self)
     }
 
     /// Whether `with_bf16_products` was asked for and its products run here (bf16 weights,

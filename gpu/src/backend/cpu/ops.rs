@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use rayon::prelude::*;
 
+use super::fp8_acts::{fake_quantize, Fp8Activations};
 use crate::safetensors::TensorData;
 
 /// A weight matrix, row-major `[rows, cols]`: f32, or bf16 kept as raw bits and widened on
@@ -77,6 +78,9 @@ pub struct Linear {
     /// Prompt-sized products of bf16 weights round the activations to bf16 and run on
     /// AVX512-BF16 where the CPU has it (`gemm_bf16`); off by default.
     pub bf16_products: bool,
+    /// Products of more rows than it says round their input as an FP8 GEMM does
+    /// (`fp8_acts`); `None` by default.
+    pub fp8_activations: Option<Arc<Fp8Activations>>,
 }
 
 /// At or below this many rows, products stream weight rows (memory-bound decode); above it,
@@ -142,6 +146,7 @@ impl Linear {
             inp,
             bias,
             bf16_products: false,
+            fp8_activations: None,
         }
     }
 
@@ -169,7 +174,9 @@ impl Linear {
             Matrix::Bf16(_) if isa == Isa::Avx512 => STREAM_ROWS_BF16_AVX512,
             _ => STREAM_ROWS,
         };
-        if m <= stream_rows {
+        if let Some(f) = self.fp8_activations.as_deref().filter(|f| m > f.above_rows) {
+            self.forward_fp8_activations(x, m, f, &mut y);
+        } else if m <= stream_rows {
             self.stream(isa, x, m, &mut y);
         } else if let (Matrix::Bf16(w), true) = (&self.w, self.takes_bf16_products()) {
             super::gemm_bf16::gemm(x, m, w, self.out, self.inp, &mut y);
@@ -196,6 +203,38 @@ impl Linear {
             && matches!(self.w, Matrix::Bf16(_))
             && self.inp.is_multiple_of(2)
             && super::gemm_bf16::available()
+    }
+
+    /// Each part's rows from its input rounded as `f` says (`fp8_acts::fake_quantize`).
+    fn forward_fp8_activations(&self, x: &[f32], m: usize, f: &Fp8Activations, y: &mut [f32]) {
+        let inp = self.inp;
+        assert_eq!(
+            f.parts.iter().map(|(r, _)| r).sum::<usize>(),
+            self.out,
+            "FP8 activation parts cover the product's rows"
+        );
+        let mut r0 = 0;
+        for &(rows, q) in &f.parts {
+            let quantized;
+            let xs = match q {
+                Some(q) => {
+                    quantized = fake_quantize(x, m, inp, q);
+                    &quantized[..]
+                }
+                None => x,
+            };
+            let span = r0 * inp..(r0 + rows) * inp;
+            let widened;
+            let w = match &self.w {
+                Matrix::F32(w) => &w[span],
+                Matrix::Bf16(w) => {
+                    widened = w[span].iter().map(|&b| bf16_to_f32(b)).collect::<Vec<_>>();
+                    &widened[..]
+                }
+            };
+            gemm_nt(xs, m, w, rows, inp, &mut y[r0..], self.out, true);
+            r0 += rows;
+        }
     }
 
     /// Widens a tile of rows to f32 (it stays in cache) and multiplies it, tiles in parallel.

@@ -237,7 +237,7 @@ fn read_stack(
                     kind,
                     w: crate::quant::stored_fp8(store, name, *out, s.inp)?.to_vec(),
                     scales: device_scales(store, name, *out, s.inp, &scheme, kind)?,
-                    input_scale: static_input_scale(store, name, &scheme)?,
+                    input_scale: crate::quant::static_input_scale(store, name, &scheme)?,
                     rows: *out,
                 }
             }
@@ -256,28 +256,6 @@ fn read_stack(
         }
     }
     Ok(parts)
-}
-
-/// A static scheme's calibrated activation scale (`{module}.input_scale`, one value; the
-/// loader checked its presence, dtype and shape), refused unless finite and positive: a
-/// zero or negative scale would quantize every activation to nothing or flip its sign.
-/// `None` for dynamic schemes.
-fn static_input_scale(store: &WeightStore, module: &str, scheme: &Scheme) -> Result<Option<f32>> {
-    if scheme.activations != ActivationScheme::StaticTensor {
-        return Ok(None);
-    }
-    let name = format!("{module}.input_scale");
-    let shape = store
-        .info(&name)
-        .map(|i| i.shape.clone())
-        .ok_or_else(|| crate::error::EngineError::BadModel(format!("`{name}` is missing")))?;
-    let v = store.f32(&name, &shape)?;
-    match v.as_slice() {
-        [s] if s.is_finite() && *s > 0.0 => Ok(Some(*s)),
-        _ => Err(crate::error::EngineError::BadModel(format!(
-            "`{name}` is {v:?}: a static activation scale must be one finite positive value"
-        ))),
-    }
 }
 
 /// As `weights::to_bf16` (bf16 as stored, f32 rounded to nearest even), for an unquantized
@@ -534,47 +512,6 @@ mod tests {
         assert_eq!(a.rows(), 4);
         let mut b = part(None);
         assert!(b.merge(part(None)).is_ok());
-    }
-
-    /// A static scale is read as stored ([1] or a scalar) and refused unless it is one finite
-    /// positive value.
-    #[test]
-    fn static_input_scales_are_read_or_refused_by_name() {
-        let dir = std::env::temp_dir().join(format!("kvmesh-input-scale-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let m = "model.layers.0.self_attn.q_proj";
-        let tensors = [
-            (format!("{m}.input_scale"), vec![1], vec![0.03f32]),
-            ("a.input_scale".to_string(), vec![], vec![0.5]),
-            ("z.input_scale".to_string(), vec![1], vec![0.0]),
-            ("n.input_scale".to_string(), vec![1], vec![f32::NAN]),
-            ("t.input_scale".to_string(), vec![2], vec![0.1, 0.2]),
-        ];
-        crate::safetensors::write_file(
-            &dir.join("model.safetensors"),
-            &tensors,
-            crate::safetensors::DType::F32,
-        )
-        .unwrap();
-        let store = WeightStore::open_dir(&dir).unwrap();
-        let stat = Scheme {
-            weights: WeightScale::Channel,
-            activations: ActivationScheme::StaticTensor,
-        };
-        let dynamic = Scheme {
-            weights: WeightScale::Channel,
-            activations: ActivationScheme::DynamicToken,
-        };
-        assert_eq!(static_input_scale(&store, m, &stat).unwrap(), Some(0.03));
-        assert_eq!(static_input_scale(&store, "a", &stat).unwrap(), Some(0.5));
-        assert_eq!(static_input_scale(&store, m, &dynamic).unwrap(), None);
-        for bad in ["z", "n", "t", "missing"] {
-            let e = static_input_scale(&store, bad, &stat)
-                .unwrap_err()
-                .to_string();
-            assert!(e.contains(&format!("{bad}.input_scale")), "{e}");
-        }
-        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

@@ -32,6 +32,21 @@ use crate::error::{EngineError, Result};
 /// `cublasSetWorkspace`), allocated once.
 pub const LT_WORKSPACE: usize = 32 << 20;
 
+/// Most rows an FP8 product runs through `fp8_gemv_*` (activations read as bf16,
+/// unquantized) under a skinny-kernel limit of `skinny_max_rows`; more rows are quantized
+/// for cuBLASLt.
+pub fn gemv_max_rows(skinny_max_rows: usize) -> usize {
+    skinny_max_rows.min(shapes::FP8_GEMV_BLOCK[2].0)
+}
+
+impl crate::backend::CudaOptions {
+    /// [`gemv_max_rows`] under these options: the `CpuOptions::fp8_activations_above` that
+    /// makes the CPU reference compute what this backend's FP8 path does.
+    pub fn fp8_gemv_max_rows(&self) -> usize {
+        gemv_max_rows(self.skinny_max_rows)
+    }
+}
+
 /// A cuBLASLt handle. Raw handles are not `Send`; the backend that owns this is used from one
 /// thread at a time, which is what cuBLASLt asks of a handle.
 struct LtHandle(lt_sys::cublasLtHandle_t);
@@ -186,7 +201,7 @@ pub struct Fp8Products<'a> {
 impl Fp8Products<'_> {
     /// Whether a product of `m` rows runs `fp8_gemv_*` (else cuBLASLt).
     pub fn gemv(&self, m: usize) -> bool {
-        m >= 1 && m <= self.gemv_max_rows.min(shapes::FP8_GEMV_BLOCK[2].0)
+        m >= 1 && m <= gemv_max_rows(self.gemv_max_rows)
     }
 
     /// `y[m, l.out] = x[m, l.inp] · Wᵀ (+ bias)`, y f32 row-major.
