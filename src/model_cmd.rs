@@ -131,16 +131,12 @@ impl ShapeFlags {
 }
 
 /// A hybrid (Qwen3.5) preset's layer layout and linear-attention heads come with its shape, so
-/// a flag changing one part of the shape is refused, as is `--fp8` (written for dense models).
-fn refuse_hybrid_overrides(name: &str, shape: &ShapeFlags, fp8: bool) -> anyhow::Result<()> {
+/// a flag changing one part of the shape is refused.
+fn refuse_hybrid_overrides(name: &str, shape: &ShapeFlags) -> anyhow::Result<()> {
     anyhow::ensure!(
         !shape.any(),
         "--preset {name} is a hybrid (Qwen3.5) model whose layer layout and linear attention \
          heads come with its shape; the shape flags apply to the dense presets"
-    );
-    anyhow::ensure!(
-        !fp8,
-        "--fp8 writes dense models' linear layers; --preset {name} is a hybrid (Qwen3.5) model"
     );
     Ok(())
 }
@@ -204,7 +200,7 @@ pub fn run(cmd: ModelCommand) -> anyhow::Result<()> {
             });
             let mut cfg = preset(arch, &name)?;
             if cfg.hybrid.is_some() {
-                refuse_hybrid_overrides(&name, &shape, fp8)?;
+                refuse_hybrid_overrides(&name, &shape)?;
             }
             shape.apply(&mut cfg);
             let dtype = check_shape(&cfg, dtype, fp8)?;
@@ -370,8 +366,10 @@ fn quantization(m: &LoadedModel) -> Value {
             unquantized.push(name);
             continue;
         };
+        // Qwen3.5's wrapper layout puts the decoder layers under `model.language_model.`.
         let (kind, layer) = match name
             .strip_prefix("model.layers.")
+            .or_else(|| name.strip_prefix("model.language_model.layers."))
             .and_then(|r| r.split_once('.'))
         {
             Some((i, kind)) => (kind.to_string(), i.parse::<usize>().ok()),
@@ -487,8 +485,8 @@ fn hybrid_note(
         "Qwen3.5 hybrid: {} Gated DeltaNet layers ({} key heads of {}, {} value heads of {}, \
          conv kernel {}) and {} gated full-attention layers ({}); RoPE on the first {} of each \
          head's {} dimensions; recurrent state {} bytes per sequence (f32), one slot per \
-         running sequence. Served by the CPU backend (without prefix caching); the CUDA \
-         backend does not serve it yet",
+         running sequence, and saved states at block boundaries for the prefix cache. Served \
+         by the CPU and CUDA backends",
         h.num_linear_layers(),
         h.linear_num_key_heads,
         h.linear_key_head_dim,

@@ -1238,11 +1238,15 @@ fn skinny_products_match_cublas_and_a_float64_reference() {
 }
 
 /// The FP8 fixtures (block-scaled with an ignored layer, per-channel and per-tensor
-/// compressed-tensors with an ignored `up_proj` and q/k/v biases).
-const FP8_MODELS: [&str; 3] = [
+/// compressed-tensors with an ignored `up_proj` and q/k/v biases), and Qwen3.5's
+/// (compressed-tensors leaving the Gated DeltaNet layers bf16; block-scaled Gated DeltaNet
+/// projections on the wrapper's layout).
+const FP8_MODELS: [&str; 5] = [
     "hf-qwen3-fp8-block",
     "hf-llama-fp8-block-ignore",
     "hf-qwen2-fp8-ct",
+    "hf-qwen35-fp8-ct",
+    "hf-qwen35-fp8-block-cg",
 ];
 
 /// FP8 on the GPU against the CPU's dequantized model. The weights are the same numbers on
@@ -1258,25 +1262,31 @@ const FP8_MODELS: [&str; 3] = [
 /// (`CpuOptions::fp8_activations_above`). That rounding is chaotic at these sizes: moving
 /// every GEMM input by 2^-9 of itself (under bf16's own rounding) before it is quantized
 /// moves that CPU model's logits by 4–10% of the row's largest (root mean square 1.0–3.1%),
-/// as far as the dequantized model is from it. So no reference can be held to the GPU
-/// logit by logit more closely than the quantization's own size; what can be held is the
-/// size. Each step's root-mean-square difference from the dequantized model must stay
-/// within `FP8_RMS_FACTOR` times the CPU's own (plus `FP8_RMS_FLOOR`), and each logit within
-/// `FP8_TOLERANCE` of the row's largest; the greedy token is the CPU's in at least 8 of 10
-/// teacher-forced steps. In the CUDA emulator the ratio was 0.92–1.20 at every step of the
-/// four fixtures; with e4m3 rounding made to truncate instead (a bias that doubles the
-/// rounding), 1.28–2.43 at prefill, and with each token quantized by its neighbour's scale
-/// 5.9 and more. The kernels themselves are held to float64 by
+/// as far as the dequantized model is from it; and the small random Qwen3.5 fixtures
+/// amplify it further (the block-scaled one moves by over half its scale). So no reference
+/// can be held to the GPU logit by logit more closely than the quantization's own size; what
+/// can be held is the size, step by step:
+///
+/// - the root-mean-square difference from the dequantized model within `FP8_RMS_FACTOR`
+///   times the CPU's own, plus `FP8_PREFILL_FLOOR` at prefill (the quantized step) and
+///   `FP8_DECODE_FLOOR` at decode (bf16 activations, where the bf16 path's own difference
+///   dominates: 0.8% on a Qwen3.5 fixture whose own quantization moved that step 0.2%);
+/// - the largest logit difference within `FP8_RMS_FACTOR` times the CPU's own plus
+///   `FP8_MAX_FLOOR`;
+/// - the greedy token the dequantized model's, teacher-forced, in all but 2 of the steps
+///   where the CPU's quantized model agrees with it.
+///
+/// In the CUDA emulator the root-mean-square ratio was 0.92–1.20 at every prefill of the
+/// dense fixtures; with e4m3 rounding made to truncate instead (a bias that doubles the
+/// rounding), 1.28–2.43, and with each token quantized by its neighbour's scale 5.9 and
+/// more. The kernels themselves are held to float64 by
 /// `fp8_cublaslt_products_match_the_quantized_product_on_the_host` and
-/// `fp8_decode_kernels_match_a_float64_reference`.
+/// `fp8_decode_kernels_match_a_float64_reference`. (The first H200 run, under the old fixed
+/// limits, measured 4.0–8.1% largest differences on the three dense fixtures.)
 const FP8_RMS_FACTOR: f32 = 1.5;
-const FP8_RMS_FLOOR: f32 = 2e-3;
-
-/// The largest logit difference, relative to the row's largest. The first H200 run measured
-/// 4.0–8.1% on the three fixtures; the emulator 12.6% at one prefill logit of
-/// `hf-qwen2-fp8-ct`, where the CPU's own quantized model is 9.8% from the dequantized one
-/// (13.2% for its static twin): the chaos above.
-const FP8_TOLERANCE: f32 = 0.16;
+const FP8_PREFILL_FLOOR: f32 = 2e-3;
+const FP8_DECODE_FLOOR: f32 = 1e-2;
+const FP8_MAX_FLOOR: f32 = 0.05;
 
 /// A CPU backend of `m` with `opts`.
 fn cpu_backend(m: &LoadedModel, blocks: usize, opts: CpuOptions) -> Box<dyn Backend> {
@@ -1324,19 +1334,33 @@ struct Fp8Worst {
 }
 
 impl Fp8Worst {
-    /// Checks one step: `g` the GPU's logits, `c` the dequantized model's, `q` the CPU's
-    /// with FP8 activations; failures go to `failed`.
-    fn step(&mut self, ctx: &str, (g, c, q): (&[f32], &[f32], &[f32]), failed: &mut Vec<String>) {
-        let (max, at) = fp8_error(ctx, g, c);
-        if max.is_nan() || max > FP8_TOLERANCE {
-            failed.push(at);
+    /// Checks one step (`prefill`, or a decode step): `g` the GPU's logits, `c` the
+    /// dequantized model's, `q` the CPU's with FP8 activations; failures go to `failed`.
+    fn step(
+        &mut self,
+        ctx: &str,
+        prefill: bool,
+        (g, c, q): (&[f32], &[f32], &[f32]),
+        failed: &mut Vec<String>,
+    ) {
+        let ((max, at), (own_max, _)) = (fp8_error(ctx, g, c), fp8_error(ctx, q, c));
+        if max.is_nan() || max > FP8_RMS_FACTOR * own_max + FP8_MAX_FLOOR {
+            failed.push(format!(
+                "{at}: over {FP8_RMS_FACTOR} x the {own_max:.3e} that quantizing the \
+                 activations moves the CPU's model, plus {FP8_MAX_FLOOR}"
+            ));
         }
         let (rms, own) = (rms_error(g, c), rms_error(q, c));
-        if rms.is_nan() || rms > FP8_RMS_FACTOR * own + FP8_RMS_FLOOR {
+        let floor = if prefill {
+            FP8_PREFILL_FLOOR
+        } else {
+            FP8_DECODE_FLOOR
+        };
+        if rms.is_nan() || rms > FP8_RMS_FACTOR * own + floor {
             failed.push(format!(
                 "{ctx}: root-mean-square logit error {rms:.3e} of the row's largest, over \
                  {FP8_RMS_FACTOR} x the {own:.3e} that quantizing the activations moves the \
-                 CPU's model"
+                 CPU's model, plus {floor}"
             ));
         }
         self.max = self.max.max(max);
@@ -1365,7 +1389,7 @@ fn fp8_models_match_the_cpus_dequantized_model() {
             m.config.quantization.is_some(),
             "{name} is not an FP8 fixture"
         );
-        let (mut agree, mut steps) = (0, 0);
+        let (mut agree, mut agree_q, mut steps) = (0, 0, 0);
         for (pi, prompt) in prompts(base).iter().enumerate() {
             let (mut cpu, mut gpu) = backends(&m, 16);
             let mut qcpu = cpu_backend(&m, 16, fp8_cpu);
@@ -1375,17 +1399,29 @@ fn fp8_models_match_the_cpus_dequantized_model() {
                 .collect();
             let ctx = format!("{name} prompt {pi} ({} tokens)", prompt.len());
             let mut w = Fp8Worst::default();
+            // A hybrid model's sequence holds state slot 0.
+            let hybrid = m.config.hybrid.is_some();
+            let fwd = |be: &mut dyn Backend, tokens: &[u32], start: usize| match hybrid {
+                true => forward_slot(be, tokens, start, &table, 0),
+                false => forward(be, tokens, start, &table),
+            };
             let (mut tokens, mut start) = (prompt.to_vec(), 0);
             for step in 0..9 {
-                let c = forward(cpu.as_mut(), &tokens, start, &table);
-                let q = forward(qcpu.as_mut(), &tokens, start, &table);
-                let g = forward(gpu.as_mut(), &tokens, start, &table);
+                let c = fwd(cpu.as_mut(), &tokens, start);
+                let q = fwd(qcpu.as_mut(), &tokens, start);
+                let g = fwd(gpu.as_mut(), &tokens, start);
                 let what = match step {
                     0 => "prefill".to_string(),
                     s => format!("decode {}", s - 1),
                 };
-                w.step(&format!("{ctx} {what}"), (&g, &c, &q), &mut failed);
+                w.step(
+                    &format!("{ctx} {what}"),
+                    step == 0,
+                    (&g, &c, &q),
+                    &mut failed,
+                );
                 agree += (argmax(&g) == argmax(&c)) as usize;
+                agree_q += (argmax(&q) == argmax(&c)) as usize;
                 steps += 1;
                 start += tokens.len();
                 tokens = vec![argmax(&c) as u32];
@@ -1396,10 +1432,14 @@ fn fp8_models_match_the_cpus_dequantized_model() {
                 w.max, w.rms, w.ratio
             );
         }
-        println!("{name}: greedy token agreed in {agree} of {steps} steps (teacher-forced)");
-        if agree * 10 < steps * 8 {
+        println!(
+            "{name}: greedy token agreed in {agree} of {steps} steps (teacher-forced); the \
+             CPU's quantized model in {agree_q}"
+        );
+        if agree + 2 < agree_q {
             failed.push(format!(
-                "{name}: greedy token agreed in {agree} of {steps} steps"
+                "{name}: greedy token agreed in {agree} of {steps} steps, the CPU's quantized \
+                 model in {agree_q}"
             ));
         }
     }

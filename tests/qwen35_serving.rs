@@ -37,11 +37,15 @@ struct Prompt {
     greedy_gaps: Vec<f32>,
 }
 
-const MODELS: [&str; 4] = [
+/// The bf16 and f32 fixtures, and FP8 ones (`scripts/qwen35_fp8_fixtures.py`: the CPU
+/// dequantizes them at load; transformers' reference ran the same dequantized weights).
+const MODELS: [&str; 6] = [
     "hf-qwen35-f32",
     "hf-qwen35-gqa-bias-f32",
     "hf-qwen35-interval-bf16",
     "hf-qwen35-cg-bf16",
+    "hf-qwen35-fp8-ct",
+    "hf-qwen35-fp8-block-cg",
 ];
 
 fn repo() -> PathBuf {

@@ -330,7 +330,13 @@ pub fn write_random_fp8_checkpoint(
     let mut file = std::io::BufWriter::new(std::fs::File::create(&path).map_err(io)?);
     write_fp8_tensors(&cfg, seed, &live, &mut file, &path.display().to_string())?;
     std::io::Write::flush(&mut file).map_err(io)?;
-    write_side_files(&cfg, DType::BF16, Some(fp8_quantization()), tokenizer, out)?;
+    write_side_files(
+        &cfg,
+        DType::BF16,
+        Some(fp8_quantization(&cfg)),
+        tokenizer,
+        out,
+    )?;
     // The config as it reads back, its quantization included.
     let path = out.join("config.json");
     let text = std::fs::read_to_string(&path)
@@ -356,19 +362,38 @@ pub fn random_fp8_in_memory(
     let mut bytes = Vec::with_capacity(data + (4 << 20));
     write_fp8_tensors(&cfg, seed, &live, &mut bytes, "a checkpoint in memory")?;
     let mut json = cfg.to_hf_json();
-    json["quantization_config"] = fp8_quantization();
+    json["quantization_config"] = fp8_quantization(&cfg);
     let cfg = ModelConfig::from_json(&json.to_string())?;
     Ok((cfg, WeightStore::from_vec("model.safetensors", bytes)?))
 }
 
-/// `quantization_config` as Qwen's FP8 checkpoints give it.
-fn fp8_quantization() -> serde_json::Value {
-    serde_json::json!({
+/// `quantization_config` as Qwen's FP8 checkpoints give it; a Qwen3.5 model's Gated
+/// DeltaNet gate inputs (`in_proj_a`, `in_proj_b`: one row per value head) stay bf16, as the
+/// published Qwen3.5 FP8 recipes leave them.
+fn fp8_quantization(cfg: &ModelConfig) -> serde_json::Value {
+    let mut q = serde_json::json!({
         "quant_method": "fp8",
         "fmt": "e4m3",
         "activation_scheme": "dynamic",
         "weight_block_size": [FP8_BLOCK, FP8_BLOCK],
-    })
+    });
+    if cfg.hybrid.is_some() {
+        q["modules_to_not_convert"] = serde_json::json!(HYBRID_FP8_SKIP);
+    }
+    q
+}
+
+/// The modules a Qwen3.5 FP8 checkpoint made here leaves bf16 (besides the head).
+const HYBRID_FP8_SKIP: [&str; 3] = ["lm_head", "in_proj_a", "in_proj_b"];
+
+/// Whether tensor `t` is a linear layer's weight that an FP8 checkpoint of `cfg` stores in
+/// FP8 (`fp8_quantization` says which): two-dimensional (a Gated DeltaNet's convolution is
+/// not a linear layer) and not left bf16.
+fn stored_fp8(cfg: &ModelConfig, t: &crate::config::TensorSpec) -> bool {
+    let module = t.name.strip_suffix(".weight").unwrap_or(&t.name);
+    t.role == TensorRole::Dense
+        && t.shape.len() == 2
+        && !(cfg.hybrid.is_some() && HYBRID_FP8_SKIP.iter().any(|m| module.ends_with(m)))
 }
 
 /// What each entry of an FP8 file is made from: a tensor as bf16, a quantized tensor, or the
@@ -386,7 +411,7 @@ fn fp8_layout(cfg: &ModelConfig) -> Result<Layout> {
     let mut list = Vec::new();
     let mut parts = Vec::new();
     for (ti, t) in cfg.tensors().iter().enumerate() {
-        if t.role != TensorRole::Dense {
+        if !stored_fp8(cfg, t) {
             list.push((t.name.clone(), t.shape.clone(), DType::BF16));
             parts.push(Part::Plain(ti));
             continue;
@@ -636,11 +661,44 @@ mod tests {
             .contains("qwen3_5_text"));
     }
 
+    /// `init-random --fp8` on a Qwen3.5 shape: the linear layers in FP8 but the Gated
+    /// DeltaNet gate inputs (and the head), which the config's `modules_to_not_convert`
+    /// names; the convolution (not a linear layer) bf16; read back and run on the CPU.
     #[test]
-    fn a_random_hybrid_checkpoint_loads_and_runs_on_the_cpu() {
-        // The 9B preset's form at a test's size (what `init-random --preset qwen3.5-9b`
-        // writes, small): written, read back through the model loader, one prefill run.
-        let cfg = ModelConfig::from_json(
+    fn a_random_fp8_hybrid_checkpoint_keeps_the_gate_inputs_bf16() {
+        let cfg: ModelConfig = tiny_hybrid();
+        let dir = std::env::temp_dir().join(format!("kvmesh-init-hy8-{}", std::process::id()));
+        let tok = crate::embedded::default_tokenizer();
+        let back = write_random_fp8_checkpoint(cfg, 3, &tok, &dir).unwrap();
+        let q = back.quantization.as_ref().expect("quantized");
+        let model = crate::model::LoadedModel::from_dir(&dir).unwrap();
+        std::fs::remove_dir_all(&dir).ok();
+        let dtype = |n: &str| model.weights.info(n).unwrap_or_else(|| panic!("{n}")).dtype;
+        let a = "model.layers.0.linear_attn";
+        assert_eq!(dtype(&format!("{a}.in_proj_qkv.weight")), DType::F8E4M3);
+        assert_eq!(dtype(&format!("{a}.out_proj.weight")), DType::F8E4M3);
+        assert_eq!(
+            dtype("model.layers.3.self_attn.q_proj.weight"),
+            DType::F8E4M3
+        );
+        for bf16 in ["in_proj_a.weight", "in_proj_b.weight", "conv1d.weight"] {
+            assert_eq!(dtype(&format!("{a}.{bf16}")), DType::BF16, "{bf16}");
+        }
+        assert!(q.scheme_of(&format!("{a}.in_proj_a")).is_none());
+        let crate::model::CpuWeights::Hybrid(m) = model
+            .cpu_weights(crate::model::CpuOptions::default())
+            .unwrap()
+        else {
+            panic!("a hybrid model loads hybrid weights")
+        };
+        let mut seq = m.new_sequence();
+        let logits = m.forward(&mut seq, &[5, 12, 19, 26]).unwrap();
+        assert!(logits.iter().all(|x| x.is_finite()));
+    }
+
+    /// The 9B preset's form at a test's size.
+    fn tiny_hybrid() -> ModelConfig {
+        ModelConfig::from_json(
             r#"{"architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text",
                 "vocab_size": 2048, "hidden_size": 64, "intermediate_size": 128,
                 "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 1,
@@ -653,7 +711,14 @@ mod tests {
                     "mrope_interleaved": true},
                 "tie_word_embeddings": false}"#,
         )
-        .unwrap();
+        .unwrap()
+    }
+
+    #[test]
+    fn a_random_hybrid_checkpoint_loads_and_runs_on_the_cpu() {
+        // What `init-random --preset qwen3.5-9b` writes, small: written, read back through
+        // the model loader, one prefill run.
+        let cfg = tiny_hybrid();
         let dir = std::env::temp_dir().join(format!("kvmesh-init-hy-{}", std::process::id()));
         write_random_checkpoint(
             cfg,

@@ -25,7 +25,6 @@ pub struct CpuOptions {
     /// FP8 GEMM does (`CpuModel::with_fp8_activations`), the model the CUDA backend's FP8
     /// path computes (its decode GEMVs read few rows unquantized: give it
     /// `CudaOptions::fp8_gemv_max_rows`). `None`, the default, runs the dequantized model.
-    /// Dense models only.
     pub fp8_activations_above: Option<usize>,
 }
 
@@ -106,7 +105,12 @@ impl LoadedModel {
             }
         }
         let w = if self.config.hybrid.is_some() {
-            CpuWeights::Hybrid(Arc::new(HybridModel::load(&self.config, &self.weights)?))
+            let m = HybridModel::load(&self.config, &self.weights)?;
+            let m = match opts.fp8_activations_above {
+                Some(rows) => m.with_fp8_activations(&self.weights, rows)?,
+                None => m,
+            };
+            CpuWeights::Hybrid(Arc::new(m))
         } else {
             let m = CpuModel::load(&self.config, &self.weights)?;
             let m = if opts.bf16_products {
@@ -440,13 +444,6 @@ fn cpu_hybrid_backend(
         return Err(EngineError::InvalidRequest(
             "--cpu-bf16-products runs dense models' products only; this model has \
              Qwen3.5's hybrid layers: leave the flag out"
-                .into(),
-        ));
-    }
-    if opts.fp8_activations_above.is_some() {
-        return Err(EngineError::InvalidRequest(
-            "FP8 activations on the CPU run dense models' products only; this model \
-             has Qwen3.5's hybrid layers"
                 .into(),
         ));
     }

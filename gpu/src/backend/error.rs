@@ -131,11 +131,6 @@ pub enum ModelRefusal {
 #[derive(Debug, thiserror::Error)]
 pub enum Fp8Refusal {
     #[error(
-        "FP8 weights ({quant}) on a hybrid (Qwen3.5) model are not run by the CUDA backend; \
-         run with --device cpu"
-    )]
-    Hybrid { quant: String },
-    #[error(
         "FP8 layer {module} is not run by the CUDA backend (an FP8 output head: the logits \
          products are bf16); run with --device cpu"
     )]

@@ -154,11 +154,6 @@ fn fp8_refusals_read_as_before() {
             "[24, 40]: FP8 GEMMs take sides that are multiples of 16"
         )
     );
-    assert_eq!(
-        shown(Fp8Refusal::Hybrid { quant: quant() }),
-        "backend: FP8 weights (quant_method fp8, block 128x128) on a hybrid (Qwen3.5) model \
-         are not run by the CUDA backend; run with --device cpu"
-    );
     let old = Fp8Refusal::OldCublasLt {
         quant: quant(),
         version: 120_801,

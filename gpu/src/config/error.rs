@@ -49,8 +49,8 @@ pub enum ConfigError {
     /// A quantized checkpoint of a family (or a `compression_config`) kvmesh reads no
     /// quantization for. `method`: the `quant_method` (or `format`) as shown, when given.
     #[error(
-        "the checkpoint is quantized ({}); kvmesh reads FP8 `quantization_config`s of the \
-         dense families (Llama, Qwen2, Qwen3, Mistral) only, and otherwise bf16, f16 and f32 \
+        "the checkpoint is quantized ({}); kvmesh reads FP8 `quantization_config`s (of Llama, \
+         Qwen2, Qwen3, Mistral and Qwen3.5 models) only, and otherwise bf16, f16 and f32 \
          weights",
         quantized_what(.method, .value)
     )]

@@ -115,14 +115,14 @@ fn the_file_and_its_fields() {
             llama(r#","compression_config":{"format":"pack-quantized"}"#),
             |e| matches!(e, E::QuantizedModel { method: Some(m), .. } if m == "\"pack-quantized\""),
             "the checkpoint is quantized (quant_method \"pack-quantized\"); kvmesh reads FP8 \
-             `quantization_config`s of the dense families (Llama, Qwen2, Qwen3, Mistral) only, \
+             `quantization_config`s (of Llama, Qwen2, Qwen3, Mistral and Qwen3.5 models) only, \
              and otherwise bf16, f16 and f32 weights",
         ),
         (
             llama(r#","compression_config":{"x":1}"#),
             |e| matches!(e, E::QuantizedModel { method: None, .. }),
             "the checkpoint is quantized ({\"x\":1}); kvmesh reads FP8 `quantization_config`s \
-             of the dense families (Llama, Qwen2, Qwen3, Mistral) only, and otherwise bf16, f16 \
+             (of Llama, Qwen2, Qwen3, Mistral and Qwen3.5 models) only, and otherwise bf16, f16 \
              and f32 weights",
         ),
         (
@@ -389,18 +389,10 @@ fn qwen35_layouts_and_moe() {
         ),
         (
             hybrid(r#","quantization_config":{"quant_method":"awq"}"#),
-            |e| {
-                matches!(
-                    e,
-                    E::QuantizedModel {
-                        method: Some(_),
-                        ..
-                    }
-                )
-            },
-            "the checkpoint is quantized (quant_method \"awq\"); kvmesh reads FP8 \
-             `quantization_config`s of the dense families (Llama, Qwen2, Qwen3, Mistral) only, \
-             and otherwise bf16, f16 and f32 weights",
+            |e| matches!(e, E::UnknownQuantMethod { method } if method == "awq"),
+            "the checkpoint is quantized with quantization_config.quant_method \"awq\"; kvmesh \
+             reads FP8 checkpoints in the formats \"fp8\" (block-scaled) and \
+             \"compressed-tensors\" (float8), and runs no other quantization",
         ),
     ]);
 }

@@ -115,8 +115,8 @@ pub(super) fn screen(obj: &Map<String, Value>, arch: Arch) -> Result<Vec<String>
     let mut ignored_fields = Vec::new();
     for (k, v) in obj {
         let key = k.as_str();
-        if key == "quantization_config" && arch != Arch::Qwen35 {
-            // Read by `quant` once the shape is known.
+        if key == "quantization_config" {
+            // Read by `quant` once the shape is known (`ModelConfig::with_quantization`).
             continue;
         }
         if MUST_BE_OFF.contains(&key) {

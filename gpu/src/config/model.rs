@@ -204,7 +204,7 @@ impl ModelConfig {
     }
 
     /// Reads `quantization_config` (null or empty: none) against this config's layers.
-    fn with_quantization(mut self, v: Option<&Value>) -> Result<ModelConfig> {
+    pub(super) fn with_quantization(mut self, v: Option<&Value>) -> Result<ModelConfig> {
         let Some(v) = v.filter(|v| v.as_object().is_none_or(|o| !o.is_empty())) else {
             return Ok(self);
         };

@@ -411,18 +411,59 @@ fn compressed_tensors_fields_kvmesh_does_not_run_are_refused_by_name() {
     );
 }
 
+/// A small Qwen3.5 text config's fields (layers 0-2 linear attention, 3 full).
+const QWEN35_TEXT: &str = r#""vocab_size":100,"hidden_size":64,"intermediate_size":128,
+    "num_hidden_layers":4,"num_attention_heads":4,"num_key_value_heads":2,"head_dim":16"#;
+
+/// Qwen3.5 FP8 checkpoints as published: compressed-tensors' FP8_DYNAMIC recipe leaving the
+/// linear-attention layers bf16 (top-level layout), Qwen's block-scaled format with the
+/// wrapper's layout and its modules under `model.language_model.`.
 #[test]
-fn qwen35_quantization_is_refused_and_the_config_debug_carries_it() {
-    let e = err(ModelConfig::from_json(
-        r#"{"architectures":["Qwen3_5ForCausalLM"],"model_type":"qwen3_5_text",
-            "vocab_size":100,"hidden_size":64,"intermediate_size":128,"num_hidden_layers":4,
-            "num_attention_heads":4,"num_key_value_heads":2,"head_dim":16,
-            "quantization_config":{"quant_method":"fp8","weight_block_size":[128,128]}}"#,
-    ));
-    assert!(
-        e.contains("quantized") && e.contains("dense families"),
-        "{e}"
+fn qwen35_fp8_configs_are_read_in_either_layout() {
+    let mut ct = ct_dynamic();
+    ct["ignore"] = json!(["lm_head", "re:.*visual.*", "re:.*linear_attn.*"]);
+    let causal = ModelConfig::from_json(&format!(
+        r#"{{"architectures":["Qwen3_5ForCausalLM"],"model_type":"qwen3_5_text",{QWEN35_TEXT},
+            "quantization_config":{ct}}}"#
+    ))
+    .unwrap();
+    let q = causal.quantization.as_ref().unwrap();
+    assert_eq!(q.method, QuantMethod::CompressedTensors);
+    for m in [
+        "model.layers.3.self_attn.q_proj",
+        "model.layers.0.mlp.down_proj",
+    ] {
+        assert!(q.scheme_of(m).is_some(), "{m}");
+    }
+    for m in ["model.layers.0.linear_attn.in_proj_qkv", "lm_head"] {
+        assert!(q.scheme_of(m).is_none(), "{m}");
+    }
+    let block = fp8_with(
+        "modules_to_not_convert",
+        json!([
+            "lm_head",
+            "model.language_model.layers.0.linear_attn.in_proj_a"
+        ]),
     );
+    let wrapped = |text_extra: &str| {
+        ModelConfig::from_json(&format!(
+            r#"{{"architectures":["Qwen3_5ForConditionalGeneration"],"model_type":"qwen3_5",
+                "text_config":{{"model_type":"qwen3_5_text",{QWEN35_TEXT}{text_extra}}},
+                "quantization_config":{block}}}"#
+        ))
+    };
+    let c = wrapped("").unwrap();
+    let q = c.quantization.as_ref().unwrap();
+    let p = "model.language_model.layers.0.linear_attn";
+    assert_eq!(q.scheme_of(&format!("{p}.in_proj_qkv")), Some(BLOCK));
+    assert_eq!(q.scheme_of(&format!("{p}.in_proj_a")), None);
+    // A quantization_config inside text_config is nowhere transformers writes it: refused
+    // by name rather than read or ignored.
+    let e = err(wrapped(&format!(
+        r#","quantization_config":{}"#,
+        qwen_fp8()
+    )));
+    assert!(e.contains("text_config.quantization_config"), "{e}");
     // The fingerprint hashes the config's Debug: it must tell FP8 from bf16.
     let plain = format!("{:?}", llama("").unwrap());
     let fp8 = format!("{:?}", with(qwen_fp8()).unwrap());

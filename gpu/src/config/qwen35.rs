@@ -51,6 +51,7 @@ const WRAPPER_READ: &[&str] = &[
     "model_type",
     "text_config",
     "tie_word_embeddings",
+    "quantization_config",
 ];
 const WRAPPER_SKIPPED: &[&str] = &[
     "vision_config",
@@ -123,7 +124,7 @@ pub(super) fn read_qwen35(root: &Map<String, Value>) -> Result<ModelConfig> {
         HybridLayout::CausalLm => f.bool("tie_word_embeddings")?,
     }
     .unwrap_or(false);
-    Ok(ModelConfig {
+    ModelConfig {
         arch: Arch::Qwen35,
         vocab_size: f.need("vocab_size")?,
         hidden_size: heads.hidden_size,
@@ -154,7 +155,28 @@ pub(super) fn read_qwen35(root: &Map<String, Value>) -> Result<ModelConfig> {
         ignored_fields,
         hybrid: Some(hybrid),
         quantization: None,
-    })
+    }
+    .with_quantization(read_quantization_field(root, text, layout)?)
+}
+
+/// The checkpoint's `quantization_config`: at the top level of config.json in either layout,
+/// where `save_pretrained` writes it. One inside `text_config` is refused by name rather
+/// than ignored (nothing writes it there, and the weights would be misread without it).
+fn read_quantization_field<'a>(
+    root: &'a Map<String, Value>,
+    text: &Map<String, Value>,
+    layout: HybridLayout,
+) -> Result<Option<&'a Value>> {
+    if layout == HybridLayout::ConditionalGeneration {
+        if let Some(v) = text.get("quantization_config").filter(|v| !v.is_null()) {
+            return Err(ConfigError::UnknownField {
+                field: "text_config.quantization_config".into(),
+                value: shown(v),
+                model_type: Arch::Qwen35.model_type(),
+            });
+        }
+    }
+    Ok(root.get("quantization_config"))
 }
 
 /// The text model's fields, which layout they came in, and the wrapper's skipped fields.

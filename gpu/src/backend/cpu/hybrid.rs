@@ -16,8 +16,11 @@
 //! Prefill runs the delta rule chunk-wise (`delta::chunked`), decode one step at a time
 //! (`delta::step`), as transformers does.
 
+use std::sync::Arc;
+
 use rayon::prelude::*;
 
+use super::fp8_acts::Fp8Activations;
 use super::hybrid_layers::{linear, DeltaLayer, GatedAttention};
 use super::ops::{self, Linear, Matrix};
 use crate::config::{HybridConfig, ModelConfig};
@@ -175,6 +178,36 @@ impl HybridModel {
             chunk: DEFAULT_CHUNK,
             hy,
         })
+    }
+
+    /// The products of the layers the checkpoint quantizes round their input as an FP8 GEMM
+    /// does when they have more than `above_rows` rows, as `CpuModel::with_fp8_activations`
+    /// (a sequence's tokens are one product here; a GPU batches sequences, so the two agree
+    /// on steps of one sequence).
+    pub fn with_fp8_activations(
+        mut self,
+        w: &WeightStore,
+        above_rows: usize,
+    ) -> Result<HybridModel> {
+        let r = HybridTensors::new(&self.cfg, w)?;
+        let acts = |parts: &[(String, usize)]| {
+            Fp8Activations::of_parts(&self.cfg, w, parts, above_rows).map(|a| a.map(Arc::new))
+        };
+        for (i, l) in self.layers.iter_mut().enumerate() {
+            let [mixer_in, mixer_out, gate_up, down] = r.stacks(i)?;
+            let [a, b] = match &mut l.mixer {
+                Mixer::Delta(d) => d.products_mut(),
+                Mixer::Attention(g) => g.products_mut(),
+            };
+            a.fp8_activations = acts(&mixer_in.parts)?;
+            b.fp8_activations = acts(&mixer_out.parts)?;
+            l.gate_up.fp8_activations = acts(&gate_up.parts)?;
+            l.down.fp8_activations = acts(&down.parts)?;
+        }
+        if !self.cfg.tie_word_embeddings {
+            self.lm_head.fp8_activations = acts(&[("lm_head".into(), self.cfg.vocab_size)])?;
+        }
+        Ok(self)
     }
 
     /// The prefill chunk of the delta rule (transformers' 64 by default); any size gives

@@ -23,6 +23,11 @@ pub(super) struct DeltaLayer {
 }
 
 impl DeltaLayer {
+    /// The input and output products.
+    pub(super) fn products_mut(&mut self) -> [&mut Linear; 2] {
+        [&mut self.in_proj, &mut self.out_proj]
+    }
+
     pub(super) fn from_tensors(t: DeltaTensors) -> DeltaLayer {
         DeltaLayer {
             in_proj: linear(t.in_proj),
@@ -82,6 +87,11 @@ pub(super) struct GatedAttention {
 }
 
 impl GatedAttention {
+    /// The input (q, gate, k, v) and output products.
+    pub(super) fn products_mut(&mut self) -> [&mut Linear; 2] {
+        [&mut self.qkv, &mut self.o_proj]
+    }
+
     pub(super) fn from_tensors(t: AttentionTensors) -> GatedAttention {
         GatedAttention {
             qkv: linear(t.qkv),

@@ -323,17 +323,14 @@ pub fn upload_stack(
     })
 }
 
-/// What the FP8 path refuses from the config alone, before the device is touched: a hybrid
-/// model, a quantized output head, a scheme it has no GEMM for, a layer whose sides are not
+/// What the FP8 path refuses from the config alone, before the device is touched: a
+/// quantized output head, a scheme it has no GEMM for, a layer whose sides are not
 /// multiples of 16 (16-byte rows for the decode kernels; cuBLASLt's FP8 operands need
 /// leading dimensions of multiples of 16 bytes).
 pub fn refuse_schemes(cfg: &ModelConfig) -> Result<()> {
     let Some(q) = &cfg.quantization else {
         return Ok(());
     };
-    if cfg.hybrid.is_some() {
-        return Err(Fp8Refusal::Hybrid { quant: q.summary() }.into());
-    }
     for (module, out, inp) in cfg.linear_layers() {
         let Some(scheme) = q.scheme_of(&module) else {
             continue;
@@ -425,11 +422,18 @@ pub fn scratch_bytes(cfg: &ModelConfig, tokens: usize) -> usize {
     tokens * widest_in + 4 * tokens * widest_in.div_ceil(FP8_BLOCK) + 2 * tokens * widest_out
 }
 
-/// The widest input and output of a dense layer's products.
+/// The widest input and output of a layer's products (a Qwen3.5 model's: its Gated
+/// DeltaNet projections and gated query too).
 pub fn widest(cfg: &ModelConfig) -> (usize, usize) {
     let (h, inter) = (cfg.hidden_size, cfg.intermediate_size);
-    let inp = h.max(cfg.q_dim()).max(inter);
-    let out = (cfg.q_dim() + 2 * cfg.kv_dim()).max(2 * inter).max(h);
+    let mut inp = h.max(cfg.q_dim()).max(inter);
+    let mut out = (cfg.q_dim() + 2 * cfg.kv_dim()).max(2 * inter).max(h);
+    if let Some(hy) = &cfg.hybrid {
+        inp = inp.max(hy.value_dim());
+        out = out
+            .max(2 * cfg.q_dim() + 2 * cfg.kv_dim())
+            .max(hy.conv_dim() + hy.value_dim() + 2 * hy.linear_num_value_heads);
+    }
     (inp, out)
 }
 

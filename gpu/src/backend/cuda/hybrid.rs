@@ -18,6 +18,8 @@ use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 
 use super::buffers::LogitsSpace;
 use super::device::{drv, upload_err};
+use super::fp8;
+use super::fp8_gemm::Fp8Ctx;
 use super::graphs::DecodeGraphs;
 use super::hybrid_weights::{HybridSpace, HybridWeights};
 use super::kernels::Kernels;
@@ -48,6 +50,8 @@ pub struct CudaHybridBackend {
     /// Every slot's state, `[slots + snapshots, layout.floats_per_slot()]`.
     pub(super) states: CudaSlice<f32>,
     pub(super) layout: StateLayout,
+    /// cuBLASLt and scratch for an FP8 checkpoint's products.
+    pub(super) fp8: Option<Fp8Ctx>,
     num_slots: usize,
     num_snapshots: usize,
     pub(super) skinny_max_rows: usize,
@@ -119,8 +123,9 @@ impl CudaHybridBackend {
         let stream = ctx.new_stream().map_err(|e| drv("stream creation", e))?;
         let (free, total) = ctx.mem_get_info().map_err(|e| drv("memory query", e))?;
         let mut plan = MemoryPlan::of(cfg, &opts, block_size);
-        plan.activations =
-            HybridSpace::bytes(cfg, plan.tokens) + LogitsSpace::bytes(cfg, plan.rows);
+        plan.activations = HybridSpace::bytes(cfg, plan.tokens)
+            + LogitsSpace::bytes(cfg, plan.rows)
+            + fp8::scratch_bytes(cfg, plan.tokens);
         plan.per_block = per_block;
         let split = match kv {
             KvBudget::Blocks(n) => StateBudget {
@@ -154,6 +159,7 @@ impl CudaHybridBackend {
                 per_slot >> 20
             );
         }
+        let fp8 = super::load::fp8_ctx(&ctx, &stream, cfg, plan.tokens, opts.fp8_f32_out)?;
         let (mut k, _arch) = Kernels::load(&ctx)?;
         let blas = CudaBlas::new(stream.clone())
             .map_err(|e| EngineError::device("cuBLAS initialisation", e))?;
@@ -185,6 +191,7 @@ impl CudaHybridBackend {
             ls: None,
             states,
             layout,
+            fp8,
             num_slots: split.slots,
             num_snapshots: split.snapshots,
             skinny_max_rows: opts.skinny_max_rows,

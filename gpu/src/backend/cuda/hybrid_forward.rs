@@ -164,6 +164,9 @@ impl CudaHybridBackend {
             &self.cfg,
             t.next_power_of_two(),
         )?);
+        if let Some(f) = &mut self.fp8 {
+            f.ensure_tokens(&self.stream, t.next_power_of_two())?;
+        }
         Ok(())
     }
 
@@ -200,6 +203,7 @@ impl CudaHybridBackend {
             ls,
             states,
             layout,
+            fp8,
             skinny_max_rows,
             split_decode,
             gdn_scan,
@@ -219,7 +223,7 @@ impl CudaHybridBackend {
                 s,
                 k,
                 skinny_max_rows: *skinny_max_rows,
-                fp8: None,
+                fp8: fp8.as_ref(),
             },
             inp,
             dims,
@@ -340,7 +344,7 @@ impl Pass<'_> {
             return Err(BackendError::Invariant("not a Gated DeltaNet layer").into());
         };
         let t = self.dims.tokens;
-        self.mm.linear(in_proj, t, &sp.xn, &mut sp.proj)?;
+        self.mm.proj(in_proj, t, &sp.xn, &mut sp.proj)?;
         DeltaMix {
             dims: *d,
             proj: &sp.proj,
@@ -363,7 +367,7 @@ impl Pass<'_> {
             chunk_mats: (self.scan.is_some() && self.chunked).then_some(&mut sp.gate_up),
         }
         .launch(self.k, self.s)?;
-        self.mm.linear(out_proj, t, &sp.core, &mut sp.tmp)
+        self.mm.proj(out_proj, t, &sp.core, &mut sp.tmp)
     }
 
     /// A gated full-attention layer, from `xn` to its output in `tmp`, its K and V into
@@ -387,7 +391,7 @@ impl Pass<'_> {
             return Err(BackendError::Invariant("not an attention layer").into());
         };
         let (cfg, t) = (self.cfg, self.dims.tokens);
-        self.mm.linear(qkv, t, &sp.xn, &mut sp.proj)?;
+        self.mm.proj(qkv, t, &sp.xn, &mut sp.proj)?;
         GatedRopeKvWrite {
             proj: &sp.proj,
             inputs: self.inp,
@@ -428,7 +432,7 @@ impl Pass<'_> {
             cols: cfg.q_dim(),
         }
         .launch(self.k, self.s)?;
-        self.mm.linear(o_proj, t, &sp.core, &mut sp.tmp)
+        self.mm.proj(o_proj, t, &sp.core, &mut sp.tmp)
     }
 
     /// The mixer's residual and the post norm, the MLP, its residual and `next` norm (the
@@ -452,8 +456,8 @@ impl Pass<'_> {
         }
         .launch(self.k, self.s)?;
         self.mm
-            .gate_up_silu(&layer.gate_up, t, &sp.xn, &mut sp.gate_up, &mut sp.act)?;
-        self.mm.linear(&layer.down, t, &sp.act, &mut sp.tmp)?;
+            .gate_up_silu_proj(&layer.gate_up, t, &sp.xn, &mut sp.gate_up, &mut sp.act)?;
+        self.mm.proj(&layer.down, t, &sp.act, &mut sp.tmp)?;
         AddRmsNorm {
             residual: &mut sp.x,
             delta: &sp.tmp,

@@ -6,8 +6,10 @@ use cudarc::driver::{CudaSlice, CudaStream};
 
 use super::delta::DeltaDims;
 use super::device::drv;
+use super::fp8;
 use super::shapes;
-use super::weights::{DevLinear, Upload};
+use super::weights::{DevLinear, Linear, Upload};
+use crate::checkpoint::{Checkpoint, Stack};
 use crate::config::ModelConfig;
 use crate::error::Result;
 use crate::hybrid_checkpoint::{HybridTensors, MixerTensors};
@@ -15,21 +17,21 @@ use crate::safetensors::WeightStore;
 
 pub(super) enum DevMixer {
     Delta {
-        in_proj: DevLinear,
+        in_proj: Linear,
         conv: CudaSlice<f32>,
         neg_a: CudaSlice<f32>,
         dt_bias: CudaSlice<f32>,
         norm: CudaSlice<f32>,
         eps: f32,
         dims: DeltaDims,
-        out_proj: DevLinear,
+        out_proj: Linear,
     },
     Attention {
         /// q (query and gate per head), k and v stacked.
-        qkv: DevLinear,
+        qkv: Linear,
         q_norm: CudaSlice<f32>,
         k_norm: CudaSlice<f32>,
-        o_proj: DevLinear,
+        o_proj: Linear,
     },
 }
 
@@ -38,8 +40,8 @@ pub(super) struct DevHybridLayer {
     pub(super) input_norm: CudaSlice<f32>,
     pub(super) mixer: DevMixer,
     pub(super) post_norm: CudaSlice<f32>,
-    pub(super) gate_up: DevLinear,
-    pub(super) down: DevLinear,
+    pub(super) gate_up: Linear,
+    pub(super) down: Linear,
 }
 
 pub struct HybridWeights {
@@ -53,7 +55,8 @@ pub struct HybridWeights {
 }
 
 impl HybridWeights {
-    /// Reads and uploads one layer at a time, as the dense weights are.
+    /// Reads and uploads one layer at a time, as the dense weights are; an FP8
+    /// checkpoint's quantized parts as stored (`fp8::upload_stack`), never widened.
     pub fn upload(
         stream: &Arc<CudaStream>,
         ordinal: usize,
@@ -61,36 +64,48 @@ impl HybridWeights {
         store: &WeightStore,
     ) -> Result<HybridWeights> {
         let r = HybridTensors::new(cfg, store)?;
+        let ck = Checkpoint::new(cfg, store);
         let up = Upload { stream, ordinal };
+        let q = cfg.quantization.as_ref();
+        let product = |s: &Stack| -> Result<Linear> {
+            if s.parts
+                .iter()
+                .any(|(n, _)| q.and_then(|q| q.scheme_of(n)).is_some())
+            {
+                return fp8::upload_stack(stream, ordinal, &ck, cfg, store, s).map(Linear::Fp8);
+            }
+            let what = s.parts.first().map_or("", |(n, _)| n.as_str());
+            up.linear(what, ck.stacked(s)?).map(Linear::Bf16)
+        };
         let n = r.hybrid().layer_types.len();
         let mut layers = Vec::with_capacity(n);
         for i in 0..n {
-            let l = r.layer(i)?;
+            let l = r.layer_as(i, product)?;
             let p = format!("layers.{i}");
             let mixer = match l.mixer {
                 MixerTensors::Delta(d) => DevMixer::Delta {
                     dims: DeltaDims::of(&d.params)?,
-                    in_proj: up.linear(&format!("{p}.linear_attn in_proj"), d.in_proj)?,
+                    in_proj: d.in_proj,
                     conv: up.f32s(&format!("{p}.linear_attn.conv1d"), &d.params.conv)?,
                     neg_a: up.f32s(&format!("{p}.linear_attn.A_log"), &d.params.neg_a)?,
                     dt_bias: up.f32s(&format!("{p}.linear_attn.dt_bias"), &d.params.dt_bias)?,
                     norm: up.f32s(&format!("{p}.linear_attn.norm"), &d.params.norm)?,
                     eps: d.params.eps,
-                    out_proj: up.linear(&format!("{p}.linear_attn.out_proj"), d.out_proj)?,
+                    out_proj: d.out_proj,
                 },
                 MixerTensors::Attention(a) => DevMixer::Attention {
-                    qkv: up.linear(&format!("{p}.self_attn qkv"), a.qkv)?,
+                    qkv: a.qkv,
                     q_norm: up.f32s(&format!("{p}.self_attn.q_norm"), &a.q_norm)?,
                     k_norm: up.f32s(&format!("{p}.self_attn.k_norm"), &a.k_norm)?,
-                    o_proj: up.linear(&format!("{p}.self_attn.o_proj"), a.o_proj)?,
+                    o_proj: a.o_proj,
                 },
             };
             layers.push(DevHybridLayer {
                 input_norm: up.f32s(&format!("{p}.input_layernorm"), &l.input_norm)?,
                 mixer,
                 post_norm: up.f32s(&format!("{p}.post_attention_layernorm"), &l.post_norm)?,
-                gate_up: up.linear(&format!("{p} gate/up"), l.gate_up)?,
-                down: up.linear(&format!("{p}.mlp.down_proj"), l.down)?,
+                gate_up: l.gate_up,
+                down: l.down,
             });
         }
         Ok(HybridWeights {
@@ -117,7 +132,7 @@ impl HybridWeights {
 
     /// Bytes of weights a decode step reads (every matrix once, the head's rows all).
     pub fn bytes_per_step(&self) -> usize {
-        let lin = |l: &DevLinear| 2 * l.w.len();
+        let lin = |l: &Linear| l.step_bytes();
         let layers: usize = self
             .layers
             .iter()
@@ -136,7 +151,7 @@ impl HybridWeights {
             + self
                 .lm_head
                 .as_ref()
-                .map_or(2 * self.embed_tokens.len(), lin)
+                .map_or(2 * self.embed_tokens.len(), |h| 2 * h.w.len())
     }
 }
 

@@ -75,16 +75,7 @@ impl CudaBackend {
         }
         let num_blocks = plan.blocks(kv, ordinal, free, total)?;
 
-        let fp8 = match cfg.quantization {
-            Some(_) => {
-                let cc = ctx
-                    .compute_capability()
-                    .map_err(|e| drv("compute capability query", e))?;
-                fp8::refuse_device(cfg, cc, Fp8Ctx::lt_version()?)?;
-                Some(Fp8Ctx::new(&stream, cfg, plan.tokens, opts.fp8_f32_out)?)
-            }
-            None => None,
-        };
+        let fp8 = fp8_ctx(&ctx, &stream, cfg, plan.tokens, opts.fp8_f32_out)?;
         let (mut k, arch) = Kernels::load(&ctx)?;
         let blas = CudaBlas::new(stream.clone())
             .map_err(|e| EngineError::device("cuBLAS initialisation", e))?;
@@ -183,6 +174,25 @@ impl CudaBackend {
 enum Source<'a> {
     Store(&'a WeightStore),
     Model(&'a WeightStore, &'a DeviceWeightCache),
+}
+
+/// cuBLASLt and scratch for an FP8 checkpoint's products in steps of `tokens` tokens, after
+/// the device's refusals (`fp8::refuse_device`); `None` for a model without FP8 layers.
+pub(super) fn fp8_ctx(
+    ctx: &Arc<cudarc::driver::CudaContext>,
+    stream: &Arc<cudarc::driver::CudaStream>,
+    cfg: &ModelConfig,
+    tokens: usize,
+    f32_out: bool,
+) -> Result<Option<Fp8Ctx>> {
+    if cfg.quantization.is_none() {
+        return Ok(None);
+    }
+    let cc = ctx
+        .compute_capability()
+        .map_err(|e| drv("compute capability query", e))?;
+    fp8::refuse_device(cfg, cc, Fp8Ctx::lt_version()?)?;
+    Fp8Ctx::new(stream, cfg, tokens, f32_out).map(Some)
 }
 
 /// What the backend cannot run, refused before any device memory is touched.
@@ -394,17 +404,31 @@ mod tests {
             fp8.activations,
             bf16.activations + fp8::scratch_bytes(&cfg, 2048)
         );
-        // A hybrid model with FP8 weights stays refused by name, when its config is read
-        // (`fp8::refuse_schemes` refuses it again should that ever change).
+        // A hybrid model's FP8 layers stay FP8 too: its plan counts them at one byte a
+        // weight, and its Gated DeltaNet projections among the widest products.
         let mut h: serde_json::Value = serde_json::from_str(include_str!(
             "../../../../tests/fixtures/models/hf-qwen35-f32/config.json"
         ))
         .unwrap();
+        let plain = ModelConfig::from_json(&h.to_string()).unwrap();
         h["quantization_config"] = v["quantization_config"].clone();
-        let e = ModelConfig::from_json(&h.to_string())
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("dense families"), "{e}");
+        // Every linear layer quantized: the Gated DeltaNet gate inputs have a row per value
+        // head, 4 here, which FP8 GEMMs do not take, and are refused by name.
+        let all = ModelConfig::from_json(&h.to_string()).unwrap();
+        let e = fp8::refuse_schemes(&all).unwrap_err().to_string();
+        assert!(
+            e.contains("linear_attn.in_proj_a") && e.contains("[4, 64]"),
+            "{e}"
+        );
+        // Left bf16, as the published Qwen3.5 FP8 recipes leave them.
+        h["quantization_config"]["modules_to_not_convert"] =
+            serde_json::json!(["lm_head", "in_proj_a", "in_proj_b"]);
+        let hcfg = ModelConfig::from_json(&h.to_string()).unwrap();
+        fp8::refuse_schemes(&hcfg).unwrap();
+        assert!(fp8::weight_bytes(&hcfg) < fp8::weight_bytes(&plain));
+        let hy = hcfg.hybrid.as_ref().unwrap();
+        let delta_in = hy.conv_dim() + hy.value_dim() + 2 * hy.linear_num_value_heads;
+        assert!(fp8::widest(&hcfg).1 >= delta_in.max(2 * hcfg.q_dim() + 2 * hcfg.kv_dim()));
     }
 
     #[test]
