@@ -54,21 +54,23 @@ fn decode_three(be: &mut dyn Backend, m: &LoadedModel, steps: usize) -> Vec<Vec<
     out
 }
 
+/// An f32 fixture, and an FP8 one (its products through `fp8_gemv_*` in the graphs).
 #[test]
 fn hybrid_decode_graphs_match_eager_steps() {
-    let name = "hf-qwen35-f32";
-    let m = load(name);
-    let eager = decode_three(hybrid_gpu(&m, false).as_mut(), &m, 6);
-    let graphed = decode_three(hybrid_gpu(&m, true).as_mut(), &m, 6);
-    let mut worst = 0f32;
-    for (step, (e, g)) in eager.iter().zip(&graphed).enumerate() {
-        for (s, (le, lg)) in e.iter().zip(g).enumerate() {
-            let ctx = format!("{name}: step {step}, sequence {s}");
-            worst = worst.max(assert_close(&ctx, lg, le));
-            assert_eq!(argmax(lg), argmax(le), "{ctx}: greedy token");
+    for name in ["hf-qwen35-f32", "hf-qwen35-fp8-block-cg"] {
+        let m = load(name);
+        let eager = decode_three(hybrid_gpu(&m, false).as_mut(), &m, 6);
+        let graphed = decode_three(hybrid_gpu(&m, true).as_mut(), &m, 6);
+        let mut worst = 0f32;
+        for (step, (e, g)) in eager.iter().zip(&graphed).enumerate() {
+            for (s, (le, lg)) in e.iter().zip(g).enumerate() {
+                let ctx = format!("{name}: step {step}, sequence {s}");
+                worst = worst.max(assert_close(&ctx, lg, le));
+                assert_eq!(argmax(lg), argmax(le), "{ctx}: greedy token");
+            }
         }
+        println!("{name}: 3 sequences in a bucket of 4, graphed within {worst:.2e} of eager");
     }
-    println!("{name}: 3 sequences in a bucket of 4, graphed within {worst:.2e} of eager");
 }
 
 /// A prefix snapshot's copies between state slots (`Backend::copy_state`), from a lower slot
