@@ -155,6 +155,8 @@ async fn disaggregated_greedy_output_equals_aggregated_for_every_family() {
         (Some(fixture_model("hf-qwen35-interval-bf16")), 70, "tcp"),
         (Some(fixture_model("hf-qwen35-gqa-bias-f32")), 70, "ucx-sm"),
         (Some(fixture_model("hf-qwen35-cg-bf16")), 70, "in-process"),
+        // Qwen3.5 in FP8 (block-scaled Gated DeltaNet projections, the wrapper's layout).
+        (Some(fixture_model("hf-qwen35-fp8-block-cg")), 70, "quic"),
     ];
     for (i, (model, len, transport)) in cases.iter().enumerate() {
         let mut engine = SMALL_CPU_ENGINE.to_vec();
