@@ -238,15 +238,11 @@ fn check_fp8(name: &str) -> LoadedModel {
     let model = load(name, &fixture(name));
     let q = model.config.quantization.as_ref().expect("quantized");
     assert_eq!(q.method.name(), f.quant_method);
-    let mut quantized: Vec<String> = model
-        .config
-        .linear_layers()
-        .into_iter()
-        .filter(|(m, _, _)| q.scheme_of(m).is_some())
-        .map(|(m, _, _)| format!("{m}.weight"))
-        .collect();
-    quantized.sort();
-    assert_eq!(quantized, f.quantized_weights, "{name}: the FP8 layers");
+    assert_eq!(
+        reference::quantized_weights(&model),
+        f.quantized_weights,
+        "{name}: the FP8 layers"
+    );
     println!("{name}: {} ({})", q.describe(), f.reference_from);
     check(name);
     model

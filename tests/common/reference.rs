@@ -64,3 +64,18 @@ pub fn fnv1a64(bytes: &[u8]) -> String {
     }
     format!("{h:016x}")
 }
+
+/// The weights of the linear layers `model`'s `quantization_config` quantizes, sorted: what an
+/// FP8 fixture records as stored in FP8 (`quantized_weights`).
+pub fn quantized_weights(model: &kvmesh_gpu::model::LoadedModel) -> Vec<String> {
+    let q = model.config.quantization.as_ref().expect("quantized");
+    let mut v: Vec<String> = model
+        .config
+        .linear_layers()
+        .into_iter()
+        .filter(|(m, _, _)| q.scheme_of(m).is_some())
+        .map(|(m, _, _)| format!("{m}.weight"))
+        .collect();
+    v.sort();
+    v
+}
