@@ -442,7 +442,10 @@ fn qwen35_fp8_configs_are_read_in_either_layout() {
         "modules_to_not_convert",
         json!([
             "lm_head",
-            "model.language_model.layers.0.linear_attn.in_proj_a"
+            "model.language_model.layers.0.linear_attn.in_proj_a",
+            // Modules of the unread vision tower and MTP head may be named too.
+            "model.visual.merger.linear_fc1",
+            "mtp.fc"
         ]),
     );
     let wrapped = |text_extra: &str| {
