@@ -31,6 +31,7 @@ use common::ModelWithConfig;
 use kvmesh_gpu::backend::cpu::{argmax, HybridModel};
 use kvmesh_gpu::config::{HybridLayout, LayerType};
 use kvmesh_gpu::model::LoadedModel;
+use kvmesh_gpu::safetensors::{write_file_typed, DType};
 use serde::Deserialize;
 use serde_json::Value;
 
@@ -395,4 +396,60 @@ fn bad_configs_are_refused_naming_the_field() {
     // A tensor of a part the config does not describe is still refused.
     let e = refusal(|c| c["num_hidden_layers"] = 3.into());
     assert!(e.contains("layer_types") || e.contains("layers"), "{e}");
+}
+
+/// `hf-qwen35-fp8-block-cg` rewritten with `change` applied to its tensors (name, shape,
+/// values, dtype), in a folder of its own; the load's result.
+fn fp8_rewritten(
+    tag: &str,
+    change: impl FnOnce(&mut Vec<(String, Vec<usize>, Vec<f32>, DType)>),
+) -> Result<LoadedModel, String> {
+    let name = "hf-qwen35-fp8-block-cg";
+    let src = model_dir(name);
+    let w = load(name, &fixture(name)).weights;
+    let mut tensors: Vec<(String, Vec<usize>, Vec<f32>, DType)> = w
+        .names()
+        .into_iter()
+        .map(|n| {
+            let i = w.info(n).unwrap();
+            let v = match i.dtype {
+                DType::F8E4M3 => w.f8_e4m3(n, &i.shape),
+                _ => w.f32(n, &i.shape),
+            }
+            .unwrap();
+            (n.to_string(), i.shape.clone(), v, i.dtype)
+        })
+        .collect();
+    change(&mut tensors);
+    let dir = std::env::temp_dir().join(format!("kvmesh-q35fp8-{tag}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for e in std::fs::read_dir(&src).unwrap() {
+        let p = e.unwrap().path();
+        if p.extension().is_none_or(|x| x != "safetensors") {
+            std::fs::copy(&p, dir.join(p.file_name().unwrap())).unwrap();
+        }
+    }
+    write_file_typed(&dir.join("model.safetensors"), &tensors).unwrap();
+    let r = LoadedModel::from_dir(&dir).map_err(|e| e.to_string());
+    std::fs::remove_dir_all(&dir).ok();
+    r
+}
+
+/// The parts a Qwen3.5 file carries unread (its multi-token-prediction head, its vision
+/// tower) may hold FP8 weights of their own: let be. An FP8 weight in a text layer the
+/// config leaves bf16 is refused, naming the tensor and the config's skip list.
+#[test]
+fn fp8_tensors_outside_the_text_model_are_let_be_and_inside_it_must_be_configured() {
+    let as_fp8 = |t: &mut Vec<(String, Vec<usize>, Vec<f32>, DType)>, name: &str| {
+        let e = t.iter_mut().find(|e| e.0 == name).unwrap();
+        e.2 = vec![0.5; e.2.len()];
+        e.3 = DType::F8E4M3;
+    };
+    let m = fp8_rewritten("mtp", |t| as_fp8(t, "mtp.fc.weight")).expect("an FP8 MTP head");
+    HybridModel::load(&m.config, &m.weights).expect("the text model loads");
+    let a = "model.language_model.layers.0.linear_attn.in_proj_a.weight";
+    let e = fp8_rewritten("in-proj-a", |t| as_fp8(t, a))
+        .err()
+        .expect("refused");
+    assert!(e.contains(a) && e.contains("unquantized"), "{e}");
 }
