@@ -68,7 +68,7 @@ case "${1:-test}" in
         # The kernel-level tests again with threads and blocks in the other order (seconds).
         KVMESH_EMU_SCHEDULE=reverse with_emulator cargo test -j"${CARGO_BUILD_JOBS:-2}" \
             --features cuda --test cuda_parity -- --test-threads=1 gated_deltanet skinny_ \
-            device_sampling_of_large fp8_decode fp8_activation hybrid_prompts
+            device_sampling_of_large fp8_decode fp8_activation fp8_fused_products hybrid_prompts
         ;;
     *) echo "usage: $0 build | cargo ARGS... | test [FILTER] | ci" >&2; exit 2 ;;
 esac

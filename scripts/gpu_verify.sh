@@ -87,7 +87,7 @@ run)
     mkdir -p "$work"
     t0=$(date +%s)
     budget="${GPU_BUDGET_S:-540}"
-    stages="${STAGES:-offline parity bench-8b bench-8b-fp8 fp8-out-ab prefill-concurrency-8b skinny-ab-8b long-decode-8b pdl-ab-8b pdl-ab-small product-sweep fuse-ab sm-split-8b profile-8b profile-small serve-8b colocate-8b serve-qwen35-9b serve-qwen35-9b-scan gdn-fla bench-qwen35-9b bench-qwen35-9b-scan bench-qwen35-9b-chunked bench-qwen35-9b-fp8 long-decode-qwen35 profile-8b-fp8 profile-8b-fp8-f32 profile-qwen35 bench-llama-8b bench-small peer-8b bench-32b-fp8 bench-72b-fp8}"
+    stages="${STAGES:-offline parity bench-8b bench-8b-fp8 fp8-out-ab prefill-concurrency-8b skinny-ab-8b long-decode-8b pdl-ab-8b pdl-ab-small product-sweep fuse-ab fuse-ab-fp8 sm-split-8b profile-8b profile-small serve-8b colocate-8b serve-qwen35-9b serve-qwen35-9b-scan gdn-fla bench-qwen35-9b bench-qwen35-9b-scan bench-qwen35-9b-chunked bench-qwen35-9b-fp8 long-decode-qwen35 profile-8b-fp8 profile-8b-fp8-f32 profile-qwen35 bench-llama-8b bench-small peer-8b bench-32b-fp8 bench-72b-fp8}"
     # The device returns at most 8 files from $OUT: everything is packed into one archive
     # (and a summary printed) however the run ends.
     touch "$work/.start"
@@ -204,6 +204,15 @@ run)
         --presets qwen2.5-0.5b,llama-3.2-1b,llama-3.1-8b \
         --batches 1,2,8 --sampled-batches 0 --prefill-lens 512 --gemm-size 0 --copy-reps 3 \
         --json "bench/results/gpu-fuse-$f.json" || exit; done'
+    # The same for FP8 products (fp8_norm*, fp8_rope*: fp8_gemv_* with those prologues and
+    # epilogues) on Llama-3.1-8B's shape as a block-scaled FP8 checkpoint, which takes both
+    # (no q/k norms): off, norms, norms + rope. An H200 spent 15% of Qwen3-8B FP8's batch-1
+    # step in the launches they replace (add_rmsnorm 8.4%, rope_kv_write 3.8%, silu_mul 2.4%,
+    # the last now always the gate/up product's epilogue).
+    stage fuse-ab-fp8 200 bash -c 'for f in off norms rope; do gpu-out/gpu-bench \
+        $([ $f != off ] && echo --fuse-norms) $([ $f = rope ] && echo --fuse-rope) \
+        --presets llama-3.1-8b-fp8 --batches 1,2 --sampled-batches 0 --prefill-lens 512 \
+        --gemm-size 0 --copy-reps 3 --json "bench/results/gpu-fuse-fp8-$f.json" || exit; done'
     # Each side of an SM split alone (green contexts; `--sm-split`): decode on 36 SMs, prefill
     # on 96, against bench-8b's whole GPU: what a split costs each engine.
     stage sm-split-8b 130 bash -c 'for side in decode prefill; do gpu-out/gpu-bench \

@@ -37,6 +37,8 @@
 #![cfg(feature = "cuda")]
 
 mod common;
+#[path = "cuda/fp8_fused.rs"]
+mod fp8_fused;
 #[path = "cuda/fp8_twin.rs"]
 mod fp8_twin;
 #[path = "cuda/handover.rs"]
@@ -56,8 +58,8 @@ use std::sync::Arc;
 use kvmesh_gpu::backend::cpu::delta::DeltaParams;
 use kvmesh_gpu::backend::cuda::delta::{mix_on_device, mix_on_host, DeltaDims, DeltaPath};
 use kvmesh_gpu::backend::cuda::{
-    fp8_product, fp8_quantize, sample_host_logits, skinny_and_cublas, skinny_epilogues,
-    skinny_norm_prologues, CudaBackend,
+    fp8_fused_products, fp8_product, fp8_quantize, sample_host_logits, skinny_and_cublas,
+    skinny_epilogues, skinny_norm_prologues, CudaBackend, FusedProducts,
 };
 use kvmesh_gpu::backend::{Backend, CudaOptions, ForwardBatch, Pdl, SampleSpec, SeqInput};
 use kvmesh_gpu::config::{Arch, HybridConfig, HybridLayout, LayerType};

@@ -54,15 +54,17 @@ pub struct CudaOptions {
     /// weight loads) with the previous kernel's tail. `gpu-bench --pdl on|off` measures it.
     pub pdl: Pdl,
     /// Whether a decode step of at most 2 rows runs each residual add and RMSNorm between
-    /// layers as the prologue of the product after it (`skinny_norm*`: every block normalises
-    /// the row into shared memory, bit for bit as `add_rmsnorm_to_bf16`), saving two launches
-    /// a layer. Off by default until a GPU run has measured it (`gpu-bench --fuse-norms`).
+    /// layers as the prologue of the product after it (`skinny_norm*`, and `fp8_norm*` for
+    /// an FP8 product of one FP8 part: every block normalises the row into shared memory,
+    /// bit for bit as `add_rmsnorm_to_bf16`), saving two launches a layer; a layer whose
+    /// product has no such kernel keeps its launches. Off by default until a GPU run has
+    /// measured it (`gpu-bench --fuse-norms`).
     pub fuse_norms: bool,
-    /// Whether a decode step of at most `skinny_max_rows` rows takes the rotary embedding and
-    /// the new K/V's write to the cache as its q/k/v product's epilogue (`skinny_rope*`, bit
-    /// for bit as `rope_kv_write`), one launch fewer a layer, for models without a q/k norm
-    /// (Qwen3's stays a launch of its own). Off by default until a GPU run has measured it
-    /// (`gpu-bench --fuse-rope`).
+    /// Whether a decode step of at most `skinny_max_rows` rows (2 for FP8 products) takes
+    /// the rotary embedding and the new K/V's write to the cache as its q/k/v product's
+    /// epilogue (`skinny_rope*`, `fp8_rope*`, bit for bit as `rope_kv_write`), one launch
+    /// fewer a layer, for models without a q/k norm (Qwen3's stays a launch of its own).
+    /// Off by default until a GPU run has measured it (`gpu-bench --fuse-rope`).
     pub fuse_rope: bool,
     /// Whether steps with prompts run a hybrid model's Gated DeltaNet layers through the
     /// scan path (`cuda::delta`: the recurrence with each value column over 4 threads, the

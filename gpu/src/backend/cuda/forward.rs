@@ -6,13 +6,13 @@
 use cudarc::driver::{CudaSlice, CudaStream};
 
 use super::buffers::{LogitsSpace, StepDims, StepInputs, Workspace};
-use super::gemm::Products;
+use super::gemm::{Fused, Products};
 use super::kernels::{
     AddRmsNorm, Attention, EmbedGather, GatherRows, Heads, Kernels, RmsNorm, RopeKvWrite,
 };
-use super::kernels::{RopeIn, SkinnyIn};
 use super::kv::KvCache;
 use super::shapes;
+use super::skinny::{RopeIn, SkinnyIn};
 use super::weights::{DevLayer, DevWeights, Linear};
 use super::CudaBackend;
 use crate::backend::error::BackendError;
@@ -24,7 +24,7 @@ impl CudaBackend {
     /// laid out as `batch::BatchLayout` describes), leaving the logits in `self.ls`. It
     /// neither allocates nor synchronises, so it can be recorded into a CUDA graph.
     pub(super) fn enqueue(&mut self, dims: &StepDims, inp: &StepInputs) -> Result<usize> {
-        self.with_pass(dims, inp, |pass, kv, ws, ls| {
+        self.with_pass(dims, inp, true, |pass, kv, ws, ls| {
             pass.embed(ws)?;
             let mut swapped = false;
             for (li, layer) in pass.w.layers.iter().enumerate() {
@@ -53,11 +53,8 @@ impl CudaBackend {
         inp: &StepInputs,
         seg: usize,
     ) -> Result<()> {
-        self.with_pass(dims, inp, |pass, kv, ws, _| {
+        self.with_pass(dims, inp, false, |pass, kv, ws, _| {
             let layers = &pass.w.layers;
-            if pass.fuse_norms {
-                return Err(BackendError::Invariant("a prefill segment with fused norms").into());
-            }
             if seg == 0 {
                 pass.embed(ws)?;
             } else {
@@ -78,13 +75,56 @@ impl CudaBackend {
         inp: &StepInputs,
         li: usize,
     ) -> Result<()> {
-        self.with_pass(dims, inp, |pass, kv, ws, _| pass.attention(li, kv, ws))
+        self.with_pass(dims, inp, false, |pass, kv, ws, _| {
+            pass.attention(li, kv, ws)
+        })
     }
 
     /// Piecewise prefill: the logits of the step's rows that want them, after the last
     /// segment. Returns how many.
     pub(super) fn enqueue_logits(&mut self, dims: &StepDims, inp: &StepInputs) -> Result<usize> {
-        self.with_pass(dims, inp, |pass, _, ws, ls| pass.logits(ws, ls))
+        self.with_pass(dims, inp, false, |pass, _, ws, ls| pass.logits(ws, ls))
+    }
+
+    /// Which products of a step of `tokens` rows take the residual add and norm before
+    /// them as their prologue (`CudaOptions::fuse_norms`: each layer's gate/up product, and
+    /// its q/k/v product past the first layer), and which layers' q/k/v products rotate q
+    /// and k and write the new K/V as their epilogue (`CudaOptions::fuse_rope`; not layers
+    /// with q/k norms): those whose products have such kernels (bf16 skinny ones, or FP8
+    /// products of one FP8 part; `Products::fuses`). Layers decide one by one, so a layer
+    /// that cannot (an FP8 product with an unquantized part) costs only its own launches.
+    pub fn fused_decode(&self, tokens: usize) -> FusedProducts {
+        let (fuse_norms, fuse_rope) = self.fusions_asked();
+        let mm = Products {
+            blas: &self.blas,
+            s: &self.stream,
+            k: &self.k,
+            skinny_max_rows: self.skinny_max_rows,
+            fp8: self.fp8.as_ref(),
+        };
+        let f = Fusions {
+            norms: fuse_norms,
+            rope: fuse_rope,
+            tokens,
+        };
+        let mut out = FusedProducts::default();
+        for (li, l) in self.w.layers.iter().enumerate() {
+            let normed = [
+                li > 0 && f.norm_before_qkv(&mm, l),
+                f.norm_before_mlp(&mm, l),
+            ];
+            out.normed += normed.iter().filter(|&&b| b).count();
+            out.rotated += usize::from(f.rotates(&mm, l));
+        }
+        out
+    }
+
+    /// `CudaOptions::fuse_norms` and `fuse_rope`, as far as the model allows them at all.
+    fn fusions_asked(&self) -> (bool, bool) {
+        (
+            self.fuse_norms,
+            self.fuse_rope && self.cfg.head_dim.is_multiple_of(2),
+        )
     }
 
     /// Runs `f` with the pass over `dims` and `inp`, the cache, the workspace and the logits
@@ -93,8 +133,15 @@ impl CudaBackend {
         &mut self,
         dims: &StepDims,
         inp: &StepInputs,
+        fuse: bool,
         f: impl FnOnce(&Pass, &mut KvCache, &mut Workspace, Option<&mut LogitsSpace>) -> Result<T>,
     ) -> Result<T> {
+        let (norms, rope) = self.fusions_asked();
+        let fuse = Fusions {
+            norms: fuse && norms,
+            rope: fuse && rope,
+            tokens: dims.tokens,
+        };
         let Self {
             cfg,
             stream,
@@ -106,8 +153,6 @@ impl CudaBackend {
             ls,
             skinny_max_rows,
             split_decode,
-            fuse_norms,
-            fuse_rope,
             fp8,
             ..
         } = self;
@@ -134,20 +179,7 @@ impl CudaBackend {
             } else {
                 1
             },
-            fuse_norms: false,
-            fuse_rope: false,
-        };
-        let pass = Pass {
-            // The fused norm prologues are bf16 products' only.
-            fuse_norms: *fuse_norms
-                && !w.fp8
-                && pass.mm.norm_prologue(dims.tokens, cfg.hidden_size),
-            // So is the rotary epilogue.
-            fuse_rope: *fuse_rope
-                && !w.fp8
-                && cfg.head_dim % 2 == 0
-                && pass.mm.takes_skinny(dims.tokens, cfg.hidden_size),
-            ..pass
+            fuse,
         };
         f(&pass, kv, ws, ls.as_mut())
     }
@@ -165,12 +197,46 @@ struct Pass<'a> {
     heads: Heads,
     /// Splits of each history in a decode step's attention.
     splits: usize,
-    /// Whether the residual adds and norms between layers run as the next product's prologue
-    /// (`CudaOptions::fuse_norms`, and a step the `skinny_norm*` kernels take).
-    fuse_norms: bool,
-    /// Whether the q/k/v product rotates q and k and writes the new K/V itself, for layers
-    /// without a q/k norm (`CudaOptions::fuse_rope`, and a step the skinny kernels take).
-    fuse_rope: bool,
+    /// Which products take the residual add and norm before them, or the rotary embedding
+    /// after them (`CudaBackend::fused_decode`).
+    fuse: Fusions,
+}
+
+/// `CudaBackend::fused_decode`'s count for one step: products with the norm as their
+/// prologue, and q/k/v products with the rotary embedding as their epilogue.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct FusedProducts {
+    pub normed: usize,
+    pub rotated: usize,
+}
+
+/// What a step asks to fuse (`CudaOptions::fuse_norms`, `fuse_rope`), decided layer by
+/// layer by what each product's kernels take.
+#[derive(Clone, Copy)]
+struct Fusions {
+    norms: bool,
+    rope: bool,
+    tokens: usize,
+}
+
+impl Fusions {
+    /// Whether the residual add and input norm before layer `l` are its q/k/v product's
+    /// prologue (past the first layer), rather than a launch after the layer before.
+    fn norm_before_qkv(&self, mm: &Products, l: &DevLayer) -> bool {
+        self.norms && mm.fuses(&l.qkv_proj, self.tokens, Fused::Norm)
+    }
+
+    /// Whether the residual add and norm after layer `l`'s attention are its gate/up
+    /// product's prologue.
+    fn norm_before_mlp(&self, mm: &Products, l: &DevLayer) -> bool {
+        self.norms && mm.fuses(&l.gate_up_proj, self.tokens, Fused::NormSilu)
+    }
+
+    /// Whether layer `l`'s q/k/v product rotates q and k and writes the new K/V itself
+    /// (layers without q/k norms).
+    fn rotates(&self, mm: &Products, l: &DevLayer) -> bool {
+        self.rope && l.q_norm.is_none() && mm.fuses(&l.qkv_proj, self.tokens, Fused::Rope)
+    }
 }
 
 impl Pass<'_> {
@@ -244,7 +310,7 @@ impl Pass<'_> {
                 .into())
             }
         };
-        let rope = (self.fuse_rope && norms.is_none()).then(|| RopeIn {
+        let rope = self.fuse.rotates(&self.mm, layer).then(|| RopeIn {
             inputs: self.inp,
             inv_freq: &self.w.inv_freq,
             k_cache: &mut kv.k[li],
@@ -253,7 +319,7 @@ impl Pass<'_> {
         });
         let rotated = rope.is_some();
         let mut swaps = false;
-        if self.fuse_norms && li > 0 {
+        if li > 0 && self.fuse.norm_before_qkv(&self.mm, layer) {
             let input = SkinnyIn::Norm {
                 res_in: &ws.x,
                 delta: &ws.tmp,
@@ -262,12 +328,12 @@ impl Pass<'_> {
                 res_out: &mut ws.x2,
             };
             self.mm
-                .linear_normed(layer.qkv_proj.bf16()?, t, input, &mut ws.qkv, rope)?;
+                .linear_normed(&layer.qkv_proj, t, input, &mut ws.qkv, rope)?;
             std::mem::swap(&mut ws.x, &mut ws.x2);
             swaps = !swaps;
         } else if let Some(rope) = rope {
             self.mm
-                .linear_rope(layer.qkv_proj.bf16()?, t, &ws.xn, &mut ws.qkv, rope)?;
+                .linear_rope(&layer.qkv_proj, t, &ws.xn, &mut ws.qkv, rope)?;
         } else {
             self.linear(&layer.qkv_proj, &ws.xn, &mut ws.qkv)?;
         }
@@ -316,7 +382,7 @@ impl Pass<'_> {
         let (cfg, t) = (self.cfg, self.dims.tokens);
         let mut swaps = false;
         self.linear(&layer.o_proj, &ws.attn, &mut ws.tmp)?;
-        if self.fuse_norms {
+        if self.fuse.norm_before_mlp(&self.mm, layer) {
             let input = SkinnyIn::Norm {
                 res_in: &ws.x,
                 delta: &ws.tmp,
@@ -325,7 +391,7 @@ impl Pass<'_> {
                 res_out: &mut ws.x2,
             };
             self.mm
-                .gate_up_silu_normed(layer.gate_up_proj.bf16()?, t, input, &mut ws.act)?;
+                .gate_up_silu_normed(&layer.gate_up_proj, t, input, &mut ws.act)?;
             std::mem::swap(&mut ws.x, &mut ws.x2);
             swaps = !swaps;
         } else {
@@ -342,7 +408,7 @@ impl Pass<'_> {
         // The residual add, fused with the next layer's input norm (as a launch, or left to
         // that layer's first product), or with the final norm after the last layer.
         match self.w.layers.get(li + 1) {
-            Some(_) if self.fuse_norms => {}
+            Some(next) if self.fuse.norm_before_qkv(&self.mm, next) => {}
             Some(next) => self.add_rms_norm(ws, &next.input_layernorm)?,
             None => self.add_rms_norm(ws, &self.w.norm)?,
         }

@@ -26,6 +26,31 @@ fn up<T: cudarc::driver::DeviceRepr>(s: &Arc<CudaStream>, v: &[T]) -> Result<Cud
     s.clone_htod(v).map_err(|e| drv("upload", e))
 }
 
+/// An FP8 product of one part: `w` `[n, k]` e4m3 with its scales in the device layout.
+fn one_part(
+    w: CudaSlice<u8>,
+    kind: ScaleKind,
+    scales: CudaSlice<f32>,
+    bias: Option<CudaSlice<f32>>,
+    (n, k): (usize, usize),
+) -> Fp8Linear {
+    Fp8Linear {
+        out: n,
+        inp: k,
+        parts: vec![Part {
+            row0: 0,
+            rows: n,
+            w: PartWeights::Fp8 {
+                w,
+                kind,
+                scales,
+                input_scale: None,
+            },
+        }],
+        bias,
+    }
+}
+
 /// An FP8 product on device `ordinal`: `x` `[m, k]` bf16 bits, `w` `[n, k]` e4m3 bytes with
 /// `scales` as a checkpoint stores them (`block`: `[ceil(n / 128), ceil(k / 128)]`; else one
 /// per row), `bias` `[n]`. `gemv` runs `fp8_gemv_*` (m at most 4), otherwise the activations
@@ -52,21 +77,8 @@ pub fn fp8_product(
     } else {
         (ScaleKind::Row, scales.to_vec())
     };
-    let l = Fp8Linear {
-        out: n,
-        inp: k,
-        parts: vec![Part {
-            row0: 0,
-            rows: n,
-            w: PartWeights::Fp8 {
-                w: up(&s, w)?,
-                kind,
-                scales: up(&s, &scales)?,
-                input_scale: None,
-            },
-        }],
-        bias: bias.map(|b| up(&s, b)).transpose()?,
-    };
+    let bias = bias.map(|b| up(&s, b)).transpose()?;
+    let l = one_part(up(&s, w)?, kind, up(&s, &scales)?, bias, (n, k));
     let xd = up(&s, x)?;
     // Poisoned first, so an element the product leaves unwritten shows; as long as the
     // engine's products are (they hold the step's largest batch), so a direct f32 GEMM has
@@ -124,4 +136,120 @@ pub fn fp8_quantize(
         s.clone_dtoh(&q).map_err(|e| drv("download", e))?,
         s.clone_dtoh(&scales).map_err(|e| drv("download", e))?,
     ))
+}
+
+/// The fused forms of `fp8_gemv_*` (`fp8_norm_*`, `fp8_norm_silu_*`, `fp8_silu_*`) against
+/// the launches they replace, on device `ordinal`: `res` and `delta` `[m, k]` f32, `norm`
+/// `[k]`, `w` `[2n, k]` e4m3 with `scales` as a checkpoint stores them (see `fp8_product`).
+/// Returns, as bits, four pairs meant to be identical, each fused then separate: the
+/// residual written; the products `[m, 2n]` of the normed rows; their SiLU-gated product
+/// `[m, n]` (w as n gate rows then n up rows); the SiLU-gated product of the normed rows
+/// given as input (`fp8_silu_*`) against `fp8_gemv_*` and `silu_mul`.
+#[allow(clippy::too_many_arguments)]
+pub fn fp8_fused_products(
+    ordinal: usize,
+    res: &[f32],
+    delta: &[f32],
+    norm: &[f32],
+    w: &[u8],
+    scales: &[f32],
+    block: bool,
+    (m, n, k): (usize, usize, usize),
+) -> Result<[Vec<u32>; 8]> {
+    use super::kernels::{AddRmsNorm, SiluMul};
+    use super::skinny::{SkinnyGemm, SkinnyIn, SkinnyOut, SkinnyW};
+    let (s, kernels) = device(ordinal)?;
+    let blas = CudaBlas::new(s.clone()).map_err(|e| EngineError::device("cuBLAS handle", e))?;
+    let ctx = Fp8Ctx::with_widest(&s, (k, 2 * n), m, false)?;
+    let (kind, scales) = if block {
+        (ScaleKind::Block, pad_block_scales(scales, 2 * n, k))
+    } else {
+        (ScaleKind::Row, scales.to_vec())
+    };
+    let (wd, sd) = (up(&s, w)?, up(&s, &scales)?);
+    let (res_d, delta_d, norm_d) = (up(&s, res)?, up(&s, delta)?, up(&s, norm)?);
+    // Poisoned first, so an element a kernel leaves unwritten shows.
+    let f32s = |len: usize| up(&s, &vec![f32::NAN; len]);
+    let bf16s = |len: usize| up(&s, &vec![0x7fc0u16; len]);
+    let weights = SkinnyW::Fp8 {
+        w: &wd,
+        kind,
+        scales: &sd,
+    };
+    let normed = |res_out| SkinnyIn::Norm {
+        res_in: &res_d,
+        delta: &delta_d,
+        w: &norm_d,
+        eps: 1e-6,
+        res_out,
+    };
+    let fused = |x: SkinnyIn, out: SkinnyOut, n: usize| {
+        SkinnyGemm {
+            x,
+            w: weights,
+            out,
+            rows: m,
+            n,
+            k,
+        }
+        .launch(&kernels, &s)
+    };
+    let (mut res_f, mut y_f, mut act_f) = (f32s(m * k)?, f32s(m * 2 * n)?, bf16s(m * n)?);
+    let (y, bias) = (&mut y_f, None);
+    fused(normed(&mut res_f), SkinnyOut::Sums { y, bias }, 2 * n)?;
+    let mut scratch = f32s(m * k)?;
+    fused(
+        normed(&mut scratch),
+        SkinnyOut::SiluMul { act: &mut act_f },
+        n,
+    )?;
+    // Separate: the norm kernel on a copy of the residual, the product, silu_mul.
+    let mut res_s = up(&s, res)?;
+    let mut xn = bf16s(m * k)?;
+    AddRmsNorm {
+        residual: &mut res_s,
+        delta: &delta_d,
+        w: &norm_d,
+        out: &mut xn,
+        rows: m,
+        hidden: k,
+        eps: 1e-6,
+    }
+    .launch(&kernels, &s)?;
+    let l = one_part(wd.clone(), kind, sd.clone(), None, (2 * n, k));
+    let p = Fp8Products {
+        blas: &blas,
+        s: &s,
+        k: &kernels,
+        ctx: &ctx,
+        gemv_max_rows: m,
+    };
+    let (mut y_s, mut act_s, mut act_x) = (f32s(m * 2 * n)?, bf16s(m * n)?, bf16s(m * n)?);
+    p.linear(&l, m, &xn, &mut y_s)?;
+    SiluMul {
+        gate_up: &y_s,
+        out: &mut act_s,
+        rows: m,
+        inter: n,
+    }
+    .launch(&kernels, &s)?;
+    fused(SkinnyIn::X(&xn), SkinnyOut::SiluMul { act: &mut act_x }, n)?;
+    let f = |v: &CudaSlice<f32>| -> Result<Vec<u32>> {
+        let h = s.clone_dtoh(v).map_err(|e| drv("download", e))?;
+        Ok(h.into_iter().map(f32::to_bits).collect())
+    };
+    let b = |v: &CudaSlice<u16>| -> Result<Vec<u32>> {
+        let h = s.clone_dtoh(v).map_err(|e| drv("download", e))?;
+        Ok(h.into_iter().map(u32::from).collect())
+    };
+    Ok([
+        f(&res_f)?,
+        f(&res_s)?,
+        f(&y_f)?,
+        f(&y_s)?,
+        b(&act_f)?,
+        b(&act_s)?,
+        b(&act_x)?,
+        b(&act_s)?,
+    ])
 }

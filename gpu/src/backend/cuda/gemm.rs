@@ -5,10 +5,10 @@ use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaSlice, CudaStream};
 
 use super::blas::gemm_bf16_f32;
+use super::fp8::{Fp8Linear, PartWeights};
 use super::fp8_gemm::{Fp8Ctx, Fp8Products};
-use super::kernels::{
-    AddRmsNorm, BiasAdd, Kernels, RopeIn, SiluMul, SkinnyGemm, SkinnyIn, SkinnyOut,
-};
+use super::kernels::{AddRmsNorm, BiasAdd, Kernels, SiluMul};
+use super::skinny::{RopeIn, SkinnyGemm, SkinnyIn, SkinnyOut, SkinnyW};
 use super::weights::{DevLinear, Linear};
 use crate::backend::error::{BackendError, LaunchError};
 use crate::error::{EngineError, Result};
@@ -28,11 +28,6 @@ pub struct Products<'a> {
 impl Products<'_> {
     fn skinny(&self, m: usize, k: usize) -> bool {
         m <= self.skinny_max_rows && SkinnyGemm::takes(m, k)
-    }
-
-    /// Whether a bf16 product of `m` rows with inner dimension `k` runs as a skinny kernel.
-    pub fn takes_skinny(&self, m: usize, k: usize) -> bool {
-        self.skinny(m, k)
     }
 
     /// `y[m, n] = x[m, k] · W[n, k]ᵀ`.
@@ -59,7 +54,7 @@ impl Products<'_> {
         if self.skinny(m, k) {
             return SkinnyGemm {
                 x: SkinnyIn::X(x),
-                w,
+                w: SkinnyW::Bf16(w),
                 out: SkinnyOut::Sums { y, bias },
                 rows: m,
                 n,
@@ -119,8 +114,8 @@ impl Products<'_> {
         }
     }
 
-    /// `gate_up_silu` for a dense layer's product: an FP8 one writes the products and
-    /// `silu_mul` gates them.
+    /// `gate_up_silu` for a dense layer's product: an FP8 one of few rows in one fused
+    /// `fp8_silu_*` launch where it can (`fuses`), else its products and `silu_mul`.
     pub fn gate_up_silu_proj(
         &self,
         gate_up: &Linear,
@@ -133,6 +128,17 @@ impl Products<'_> {
             Linear::Bf16(l) => return self.gate_up_silu(l, m, x, products, act),
             Linear::Fp8(l) => l,
         };
+        if self.fuses(gate_up, m, Fused::Silu) {
+            return SkinnyGemm {
+                x: SkinnyIn::X(x),
+                w: fp8_whole(l)?,
+                out: SkinnyOut::SiluMul { act },
+                rows: m,
+                n: l.out / 2,
+                k: l.inp,
+            }
+            .launch(self.k, self.s);
+        }
         self.fp8()?.linear(l, m, x, products)?;
         SiluMul {
             gate_up: products,
@@ -158,7 +164,7 @@ impl Products<'_> {
         if gate_up.bias.is_none() && gate_up.out.is_multiple_of(2) && self.skinny(m, gate_up.inp) {
             return SkinnyGemm {
                 x: SkinnyIn::X(x),
-                w: &gate_up.w,
+                w: SkinnyW::Bf16(&gate_up.w),
                 out: SkinnyOut::SiluMul { act },
                 rows: m,
                 n: inter,
@@ -176,85 +182,147 @@ impl Products<'_> {
         .launch(self.k, self.s)
     }
 
-    /// Whether a step of `m` rows can take the residual add and norm of a `k`-wide stream
-    /// as its products' prologue (`skinny_norm*`).
-    pub fn norm_prologue(&self, m: usize, k: usize) -> bool {
-        self.skinny(m, k) && SkinnyGemm::takes_norm(m, k)
+    /// Whether a product of `m` rows of `l` runs as one skinny kernel (the skinny bf16
+    /// kernels, or the fused forms of `fp8_gemv_*` for an FP8 product of one FP8 part)
+    /// with the prologue or epilogue `f`.
+    pub fn fuses(&self, l: &Linear, m: usize, f: Fused) -> bool {
+        let normed = matches!(f, Fused::Norm | Fused::NormSilu);
+        let silu = matches!(f, Fused::Silu | Fused::NormSilu);
+        let (out, bias) = match l {
+            Linear::Bf16(l) => (l.out, l.bias.is_some()),
+            Linear::Fp8(l) => (l.out, l.bias.is_some()),
+        };
+        if silu && (bias || !out.is_multiple_of(2)) {
+            return false;
+        }
+        match l {
+            Linear::Bf16(l) if normed => self.skinny(m, l.inp) && SkinnyGemm::takes_norm(m, l.inp),
+            Linear::Bf16(l) => self.skinny(m, l.inp),
+            Linear::Fp8(l) => {
+                fp8_whole(l).is_ok()
+                    && self.fp8.is_some()
+                    && m <= super::fp8_gemm::gemv_max_rows(self.skinny_max_rows)
+                    && SkinnyGemm::takes_fp8(m, l.inp, normed)
+            }
+        }
     }
 
-    /// `linear` of `bf16(rmsnorm(res_in + delta) * w)`, with `res_out = res_in + delta`,
-    /// in one skinny kernel (`norm_prologue` must hold), rotated as `linear_rope` when
-    /// `rope` is given.
+    /// `proj` of `bf16(rmsnorm(res_in + delta) * w)`, with `res_out = res_in + delta`,
+    /// in one skinny kernel (`fuses` must hold for `Fused::Norm`), rotated as
+    /// `linear_rope` when `rope` is given.
     pub fn linear_normed(
         &self,
-        l: &DevLinear,
+        l: &Linear,
         m: usize,
         input: SkinnyIn,
         y: &mut CudaSlice<f32>,
         rope: Option<RopeIn>,
     ) -> Result<()> {
-        let bias = l.bias.as_ref();
+        let (w, bias, n, k) = skinny_weights(l)?;
         SkinnyGemm {
             x: input,
-            w: &l.w,
+            w,
             out: match rope {
                 Some(rope) => SkinnyOut::Rope { y, bias, rope },
                 None => SkinnyOut::Sums { y, bias },
             },
             rows: m,
-            n: l.out,
-            k: l.inp,
+            n,
+            k,
         }
         .launch(self.k, self.s)
     }
 
-    /// A layer's q/k/v `linear` over `m` rows (one token each; `takes_skinny` must hold) in
-    /// one skinny kernel that also rotates q and k and writes the new K and V to the cache,
-    /// as `rope_kv_write` would after it.
+    /// A layer's q/k/v `proj` over `m` rows (one token each; `fuses` must hold for
+    /// `Fused::Rope`) in one skinny kernel that also rotates q and k and writes the new K
+    /// and V to the cache, as `rope_kv_write` would after it.
     pub fn linear_rope(
         &self,
-        l: &DevLinear,
+        l: &Linear,
         m: usize,
         x: &CudaSlice<u16>,
         y: &mut CudaSlice<f32>,
         rope: RopeIn,
     ) -> Result<()> {
+        let (w, bias, n, k) = skinny_weights(l)?;
         SkinnyGemm {
             x: SkinnyIn::X(x),
-            w: &l.w,
-            out: SkinnyOut::Rope {
-                y,
-                bias: l.bias.as_ref(),
-                rope,
-            },
+            w,
+            out: SkinnyOut::Rope { y, bias, rope },
             rows: m,
-            n: l.out,
-            k: l.inp,
+            n,
+            k,
         }
         .launch(self.k, self.s)
     }
 
-    /// `gate_up_silu` of the normed stream, likewise.
+    /// `gate_up_silu` of the normed stream, likewise (`fuses` must hold for
+    /// `Fused::NormSilu`).
     pub fn gate_up_silu_normed(
         &self,
-        gate_up: &DevLinear,
+        gate_up: &Linear,
         m: usize,
         input: SkinnyIn,
         act: &mut CudaSlice<u16>,
     ) -> Result<()> {
-        if gate_up.bias.is_some() || !gate_up.out.is_multiple_of(2) {
+        let (w, bias, n, k) = skinny_weights(gate_up)?;
+        if bias.is_some() || !n.is_multiple_of(2) {
             return Err(LaunchError::NoFusedGateUp.into());
         }
         SkinnyGemm {
             x: input,
-            w: &gate_up.w,
+            w,
             out: SkinnyOut::SiluMul { act },
             rows: m,
-            n: gate_up.out / 2,
-            k: gate_up.inp,
+            n: n / 2,
+            k,
         }
         .launch(self.k, self.s)
     }
+}
+
+/// The prologue or epilogue a skinny kernel takes in place of a launch of its own
+/// (`Products::fuses`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fused {
+    /// The residual add and RMSNorm before the product.
+    Norm,
+    /// The SiLU-gated product of an MLP's stacked gate/up weights.
+    Silu,
+    /// Both.
+    NormSilu,
+    /// The rotary embedding and K/V write after a q/k/v product.
+    Rope,
+}
+
+/// An FP8 product's weights when one FP8 part covers all its rows (what the fused kernels
+/// stream).
+fn fp8_whole(l: &Fp8Linear) -> Result<SkinnyW<'_>> {
+    match l.parts.as_slice() {
+        [p] if p.row0 == 0 && p.rows == l.out => match &p.w {
+            PartWeights::Fp8 {
+                w, kind, scales, ..
+            } => Ok(SkinnyW::Fp8 {
+                w,
+                kind: *kind,
+                scales,
+            }),
+            PartWeights::Bf16(_) => Err(not_fusable()),
+        },
+        _ => Err(not_fusable()),
+    }
+}
+
+fn not_fusable() -> EngineError {
+    BackendError::Invariant("a fused FP8 product of several parts, or of an unquantized one").into()
+}
+
+/// A product's weights, bias and shape (outputs, inputs) for a skinny kernel.
+fn skinny_weights(l: &Linear) -> Result<(SkinnyW<'_>, Option<&CudaSlice<f32>>, usize, usize)> {
+    Ok(match l {
+        Linear::Bf16(l) => (SkinnyW::Bf16(&l.w), l.bias.as_ref(), l.out, l.inp),
+        Linear::Fp8(l) => (fp8_whole(l)?, l.bias.as_ref(), l.out, l.inp),
+    })
 }
 
 /// A stream and the compiled kernels on device `ordinal`, for the checks below.
@@ -343,7 +411,7 @@ pub fn skinny_epilogues(
     let sums = |y: &mut CudaSlice<f32>, bias: Option<&CudaSlice<f32>>| {
         SkinnyGemm {
             x: SkinnyIn::X(&xd),
-            w: &wd,
+            w: SkinnyW::Bf16(&wd),
             out: SkinnyOut::Sums { y, bias },
             rows: m,
             n: 2 * n,
@@ -365,7 +433,7 @@ pub fn skinny_epilogues(
         (bf16s(m * n)?, bf16s(m * n)?, f32s(m * 2 * n)?);
     SkinnyGemm {
         x: SkinnyIn::X(&xd),
-        w: &wd,
+        w: SkinnyW::Bf16(&wd),
         out: SkinnyOut::SiluMul {
             act: &mut act_fused,
         },
@@ -425,7 +493,7 @@ pub fn skinny_norm_prologues(
         (f32s(m * k)?, f32s(m * 2 * n)?, bf16s(m * n)?);
     SkinnyGemm {
         x: normed(&mut res_fused),
-        w: &wd,
+        w: SkinnyW::Bf16(&wd),
         out: SkinnyOut::Sums {
             y: &mut y_fused,
             bias: None,
@@ -438,7 +506,7 @@ pub fn skinny_norm_prologues(
     let mut scratch = f32s(m * k)?;
     SkinnyGemm {
         x: normed(&mut scratch),
-        w: &wd,
+        w: SkinnyW::Bf16(&wd),
         out: SkinnyOut::SiluMul {
             act: &mut act_fused,
         },
@@ -463,7 +531,7 @@ pub fn skinny_norm_prologues(
     let (mut y_sep, mut act_sep) = (f32s(m * 2 * n)?, bf16s(m * n)?);
     SkinnyGemm {
         x: SkinnyIn::X(&xn),
-        w: &wd,
+        w: SkinnyW::Bf16(&wd),
         out: SkinnyOut::Sums {
             y: &mut y_sep,
             bias: None,
@@ -475,7 +543,7 @@ pub fn skinny_norm_prologues(
     .launch(&kernels, &s)?;
     SkinnyGemm {
         x: SkinnyIn::X(&xn),
-        w: &wd,
+        w: SkinnyW::Bf16(&wd),
         out: SkinnyOut::SiluMul { act: &mut act_sep },
         rows: m,
         n,

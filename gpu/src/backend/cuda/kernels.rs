@@ -20,7 +20,7 @@ use super::device::drv;
 use super::launch::{Launch, Null};
 use super::ptx_cache;
 use super::shapes::{self, grid, KernelShape};
-use crate::backend::error::{BackendError, LaunchError, ToolchainError};
+use crate::backend::error::{LaunchError, ToolchainError};
 use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
 
@@ -70,15 +70,15 @@ pub struct Kernels {
     pub(super) delta_chunk_prep: CudaFunction,
     pub(super) delta_chunk_scan: CudaFunction,
     /// `skinny_gemm_m*`, by the most rows each takes.
-    skinny: Vec<(usize, CudaFunction)>,
+    pub(super) skinny: Vec<(usize, CudaFunction)>,
     /// `skinny_silu_m*`, likewise.
-    skinny_silu: Vec<(usize, CudaFunction)>,
+    pub(super) skinny_silu: Vec<(usize, CudaFunction)>,
     /// `skinny_norm_m*` and `skinny_norm_silu_m*`, likewise.
-    skinny_norm: Vec<(usize, CudaFunction)>,
-    skinny_norm_silu: Vec<(usize, CudaFunction)>,
+    pub(super) skinny_norm: Vec<(usize, CudaFunction)>,
+    pub(super) skinny_norm_silu: Vec<(usize, CudaFunction)>,
     /// `skinny_rope_m*` and `skinny_norm_rope_m*`, likewise.
-    skinny_rope: Vec<(usize, CudaFunction)>,
-    skinny_norm_rope: Vec<(usize, CudaFunction)>,
+    pub(super) skinny_rope: Vec<(usize, CudaFunction)>,
+    pub(super) skinny_norm_rope: Vec<(usize, CudaFunction)>,
     /// Qwen3.5's gated attention (`kernels/hybrid.cu`).
     pub(super) gated_rope_kv_write: CudaFunction,
     pub(super) gate_sigmoid_mul: CudaFunction,
@@ -169,6 +169,28 @@ impl Kernels {
                 gemv_channel: by_size(&shapes::FP8_GEMV_CHANNEL)?,
                 quant: f(shapes::FP8_QUANT)?,
                 out: f(shapes::FP8_OUT)?,
+                fused: Fp8Fused {
+                    silu: [
+                        by_size(&shapes::FP8_SILU[0])?,
+                        by_size(&shapes::FP8_SILU[1])?,
+                    ],
+                    rope: [
+                        by_size(&shapes::FP8_ROPE[0])?,
+                        by_size(&shapes::FP8_ROPE[1])?,
+                    ],
+                    norm: [
+                        by_size(&shapes::FP8_NORM[0])?,
+                        by_size(&shapes::FP8_NORM[1])?,
+                    ],
+                    norm_silu: [
+                        by_size(&shapes::FP8_NORM_SILU[0])?,
+                        by_size(&shapes::FP8_NORM_SILU[1])?,
+                    ],
+                    norm_rope: [
+                        by_size(&shapes::FP8_NORM_ROPE[0])?,
+                        by_size(&shapes::FP8_NORM_ROPE[1])?,
+                    ],
+                },
             },
             kv_copy: f(shapes::KV_COPY)?,
             pdl: major >= 9,
@@ -184,6 +206,18 @@ pub(super) struct Fp8Kernels {
     pub gemv_channel: Vec<(usize, CudaFunction)>,
     pub quant: CudaFunction,
     pub out: CudaFunction,
+    /// The fused forms (`skinny::SkinnyGemm` launches them).
+    pub fused: Fp8Fused,
+}
+
+/// `fp8_silu_*`, `fp8_rope_*`, `fp8_norm_*`, `fp8_norm_silu_*` and `fp8_norm_rope_*`:
+/// block-scaled, then a scale per row, each by the most rows it takes.
+pub(super) struct Fp8Fused {
+    pub silu: [Vec<(usize, CudaFunction)>; 2],
+    pub rope: [Vec<(usize, CudaFunction)>; 2],
+    pub norm: [Vec<(usize, CudaFunction)>; 2],
+    pub norm_silu: [Vec<(usize, CudaFunction)>; 2],
+    pub norm_rope: [Vec<(usize, CudaFunction)>; 2],
 }
 
 /// The head layout the per-head kernels index by.
@@ -231,254 +265,6 @@ pub(super) fn holds(
         .into());
     }
     Ok(())
-}
-
-/// What a skinny product writes: `y = x · wᵀ (+ bias)` in f32, or for an MLP's stacked
-/// gate/up weights (`n` gate rows, then `n` up rows) `act = silu(gate) · up` in bf16.
-pub enum SkinnyOut<'a> {
-    Sums {
-        y: &'a mut CudaSlice<f32>,
-        bias: Option<&'a CudaSlice<f32>>,
-    },
-    SiluMul {
-        act: &'a mut CudaSlice<u16>,
-    },
-    /// `Sums` of a layer's q/k/v product (`n` = `rope.heads.row()`), each q and k head
-    /// rotated and the new K and V written to the cache at each row's slot, as
-    /// `rope_kv_write` (without a q/k norm) leaves them: one row a token.
-    Rope {
-        y: &'a mut CudaSlice<f32>,
-        bias: Option<&'a CudaSlice<f32>>,
-        rope: RopeIn<'a>,
-    },
-}
-
-impl<'a> SkinnyOut<'a> {
-    /// Pushes the output's arguments of a kernel `name` over `rows` rows of `n` (checking
-    /// that the buffers hold them); returns the weight rows one block covers. `heads` are
-    /// a rotated product's head counts and size, as `i32`s.
-    fn push(
-        self,
-        b: &mut Launch<'a>,
-        name: &'static str,
-        rows: usize,
-        n: usize,
-        heads: &'a [i32; 3],
-    ) -> Result<usize> {
-        let bias_arg = |b: &mut Launch<'a>, bias: Option<&'a CudaSlice<f32>>| -> Result<()> {
-            match bias {
-                Some(bias) => {
-                    holds(name, "bias", bias.len(), n)?;
-                    b.arg(bias);
-                }
-                None => {
-                    b.arg(Null);
-                }
-            }
-            Ok(())
-        };
-        Ok(match self {
-            SkinnyOut::Sums { y, bias } => {
-                holds(name, "y", y.len(), rows * n)?;
-                bias_arg(b, bias)?;
-                b.arg(y);
-                shapes::SKINNY_ROWS_PER_BLOCK
-            }
-            SkinnyOut::SiluMul { act } => {
-                holds(name, "act", act.len(), rows * n)?;
-                b.arg(act);
-                shapes::SKINNY_ROWS_PER_BLOCK / shapes::SKINNY_ROWS
-            }
-            SkinnyOut::Rope { y, bias, rope } => {
-                let h = rope.heads;
-                if n != h.row() || h.dim % 2 != 0 {
-                    return Err(BackendError::Invariant(
-                        "a rotated skinny product that is not a layer's q/k/v of even heads",
-                    )
-                    .into());
-                }
-                holds(name, "y", y.len(), rows * n)?;
-                holds(name, "positions", rope.inputs.positions.len(), rows)?;
-                holds(name, "slots", rope.inputs.slots.len(), rows)?;
-                holds(name, "inv_freq", rope.inv_freq.len(), h.dim / 2)?;
-                bias_arg(b, bias)?;
-                b.arg(y)
-                    .arg(&rope.inputs.positions)
-                    .arg(rope.inv_freq)
-                    .arg(&rope.inputs.slots)
-                    .arg(rope.k_cache)
-                    .arg(rope.v_cache);
-                b.arg(&heads[0]).arg(&heads[1]).arg(&heads[2]);
-                shapes::SKINNY_ROWS_PER_BLOCK
-            }
-        })
-    }
-}
-
-/// What `SkinnyOut::Rope` rotates by and writes to: the step's positions and slots, the
-/// frequency table, and the layer's cache.
-pub struct RopeIn<'a> {
-    pub inputs: &'a StepInputs,
-    pub inv_freq: &'a CudaSlice<f32>,
-    pub k_cache: &'a mut CudaSlice<u16>,
-    pub v_cache: &'a mut CudaSlice<u16>,
-    pub heads: Heads,
-}
-
-/// A skinny product's input: bf16 rows, or the residual add and RMSNorm that produce them,
-/// taken as the kernel's prologue (`skinny_norm*`): `res_out = res_in + delta`, and the
-/// input `bf16(rmsnorm(res_out) * w)`, exactly as `add_rmsnorm_to_bf16` computes it.
-pub enum SkinnyIn<'a> {
-    X(&'a CudaSlice<u16>),
-    Norm {
-        res_in: &'a CudaSlice<f32>,
-        delta: &'a CudaSlice<f32>,
-        w: &'a CudaSlice<f32>,
-        eps: f32,
-        res_out: &'a mut CudaSlice<f32>,
-    },
-}
-
-/// A skinny kernel family: its name, its shapes and its functions, by the most rows each
-/// takes.
-type SkinnyFamily<'k> = (
-    &'static str,
-    &'static [(usize, KernelShape)],
-    &'k [(usize, CudaFunction)],
-);
-
-/// `x[rows, k]` (bf16) times `w[n, k]ᵀ` (`w[2n, k]ᵀ` for `SkinnyOut::SiluMul`) by the skinny
-/// kernel for that many rows (see `kernels/skinny.cu`).
-pub struct SkinnyGemm<'a> {
-    pub x: SkinnyIn<'a>,
-    pub w: &'a CudaSlice<u16>,
-    pub out: SkinnyOut<'a>,
-    pub rows: usize,
-    pub n: usize,
-    pub k: usize,
-}
-
-impl SkinnyGemm<'_> {
-    /// Whether a product of `rows` rows with inner dimension `k` has a skinny kernel.
-    pub fn takes(rows: usize, k: usize) -> bool {
-        rows >= 1 && rows <= shapes::SKINNY_GEMM[3].0 && k >= 8 && k.is_multiple_of(8)
-    }
-
-    /// Whether it has one that takes the norm as its prologue.
-    pub fn takes_norm(rows: usize, k: usize) -> bool {
-        Self::takes(rows, k) && rows <= shapes::SKINNY_NORM[1].0 && k <= shapes::NORM_MAX
-    }
-
-    /// The kernel family for an input and an output: its name, shapes and functions.
-    fn family<'k>(&self, kernels: &'k Kernels) -> SkinnyFamily<'k> {
-        let normed = matches!(self.x, SkinnyIn::Norm { .. });
-        match (normed, &self.out) {
-            (false, SkinnyOut::Sums { .. }) => {
-                ("skinny_gemm", &shapes::SKINNY_GEMM, &kernels.skinny)
-            }
-            (false, SkinnyOut::SiluMul { .. }) => {
-                ("skinny_silu", &shapes::SKINNY_SILU, &kernels.skinny_silu)
-            }
-            (false, SkinnyOut::Rope { .. }) => {
-                ("skinny_rope", &shapes::SKINNY_ROPE, &kernels.skinny_rope)
-            }
-            (true, SkinnyOut::Sums { .. }) => {
-                ("skinny_norm", &shapes::SKINNY_NORM, &kernels.skinny_norm)
-            }
-            (true, SkinnyOut::SiluMul { .. }) => (
-                "skinny_norm_silu",
-                &shapes::SKINNY_NORM_SILU,
-                &kernels.skinny_norm_silu,
-            ),
-            (true, SkinnyOut::Rope { .. }) => (
-                "skinny_norm_rope",
-                &shapes::SKINNY_NORM_ROPE,
-                &kernels.skinny_norm_rope,
-            ),
-        }
-    }
-
-    pub fn launch(self, kernels: &Kernels, s: &CudaStream) -> Result<()> {
-        let silu = matches!(self.out, SkinnyOut::SiluMul { .. });
-        let normed = matches!(self.x, SkinnyIn::Norm { .. });
-        let (name, family, funcs) = self.family(kernels);
-        let (rows, n, k) = (self.rows, self.n, self.k);
-        let fits = if normed {
-            Self::takes_norm(rows, k)
-        } else {
-            Self::takes(rows, k)
-        };
-        if !fits || n == 0 {
-            return Err(LaunchError::NoSkinny {
-                kernel: name,
-                rows,
-                k,
-                n,
-            }
-            .into());
-        }
-        let w_rows = if silu { 2 * n } else { n };
-        holds(name, "w", self.w.len(), w_rows * k)?;
-        let (shape, func) = family
-            .iter()
-            .zip(funcs)
-            .find(|((most, _), _)| rows <= *most)
-            .map(|((_, shape), (_, func))| (shape, func))
-            .expect("takes() checked rows against the largest kernel");
-        let too_big = |what: &'static str| -> EngineError {
-            LaunchError::Over32Bits { kernel: name, what }.into()
-        };
-        let (ri, ni, ki) = (
-            i32::try_from(rows).map_err(|_| too_big("rows"))?,
-            i32::try_from(n).map_err(|_| too_big("n"))?,
-            i32::try_from(k).map_err(|_| too_big("k"))?,
-        );
-        // A rotated product's head counts and size, alive until the launch.
-        let heads_args = match &self.out {
-            SkinnyOut::Rope { rope, .. } => {
-                let h = rope.heads;
-                [h.q, h.kv, h.dim].map(|v| i32::try_from(v).unwrap_or(i32::MAX))
-            }
-            _ => [0; 3],
-        };
-        let mut b = Launch::new(s, func, kernels.pdl);
-        match self.x {
-            SkinnyIn::X(x) => {
-                holds(name, "x", x.len(), rows * k)?;
-                b.arg(x);
-            }
-            SkinnyIn::Norm {
-                res_in,
-                delta,
-                w,
-                eps,
-                res_out,
-            } => {
-                holds(name, "res_in", res_in.len(), rows * k)?;
-                holds(name, "delta", delta.len(), rows * k)?;
-                holds(name, "norm", w.len(), k)?;
-                holds(name, "res_out", res_out.len(), rows * k)?;
-                b.arg(res_in).arg(delta).arg(w).arg(&eps).arg(res_out);
-            }
-        }
-        b.arg(self.w);
-        let per_block = self.out.push(&mut b, name, rows, n, &heads_args)?;
-        b.arg(&ri).arg(&ni).arg(&ki);
-        let cfg = grid(shape, n.div_ceil(per_block), 1, 1)?;
-        // SAFETY: the arguments match `skinny_gemm_m*`'s signature (x, w, bias or null, y,
-        // rows, n, k), `skinny_silu_m*`'s (x, w, act, rows, n, k) or `skinny_rope_m*`'s (x,
-        // w, bias or null, y, positions, inv_freq, slots, k_cache, v_cache, nq, nkv, d, rows,
-        // n, k) in order and type, the `skinny_norm*` ones with (res_in, delta, norm, eps,
-        // res_out) in x's place; the inputs hold `rows` rows of k, w the rows the kernel
-        // streams, y or act `rows` rows of n, the bias n and the norm k, a rotated product's
-        // positions and slots `rows` and its frequencies half a head (checked above), and
-        // every slot is inside the cache (see the module docs); k is a multiple of 8 (and at most
-        // NORM_MAX for a norm prologue, which its shared memory holds), so every 16-byte load
-        // starts on a 16-byte boundary of a 256-byte aligned allocation and ends inside its
-        // row.
-        unsafe { b.launch(cfg) }.map_err(failed(name))?;
-        Ok(())
-    }
 }
 
 /// `out[t] = table[ids[t]]`, widened to f32: the embeddings of `tokens` tokens.

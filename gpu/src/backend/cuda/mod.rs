@@ -70,11 +70,13 @@ mod product_timing;
 pub mod ptx_cache;
 mod sampling;
 pub mod shapes;
+mod skinny;
 mod step;
 mod weights;
 
 pub use device::device_count;
-pub use fp8_check::{fp8_product, fp8_quantize};
+pub use forward::FusedProducts;
+pub use fp8_check::{fp8_fused_products, fp8_product, fp8_quantize};
 pub use gemm::{skinny_and_cublas, skinny_epilogues, skinny_norm_prologues};
 pub use hybrid::CudaHybridBackend;
 pub use kernels::KERNELS_CU;

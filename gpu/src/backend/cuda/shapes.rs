@@ -315,6 +315,73 @@ pub const FP8_GEMV_CHANNEL: [(usize, KernelShape); 3] = [
 ];
 /// Weight rows one block of `fp8_gemv_*` covers.
 pub const FP8_ROWS_PER_BLOCK: usize = FP8_THREADS as usize / 32 * FP8_ROWS;
+const fn fp8_fused(name: &'static str, rows: usize, normed: bool) -> KernelShape {
+    // A norm prologue's rows as bf16, and `block_sum`'s scratch.
+    let smem = if normed {
+        rows * NORM_MAX * BF16 + BLOCK_SUM
+    } else {
+        0
+    };
+    shape(name, FP8_THREADS, smem, true)
+}
+/// A fused FP8 family: block-scaled, then a scale per row, each by the most rows it takes.
+type Fp8Family = [[(usize, KernelShape); 2]; 2];
+/// `fp8_gemv_*` with the skinny kernels' epilogues (`fp8_silu_*`: the SiLU-gated gate/up
+/// product; `fp8_rope_*`: the rotary embedding and K/V write) and norm prologue
+/// (`fp8_norm*`), for decode steps of one or two rows.
+pub const FP8_SILU: Fp8Family = [
+    [
+        (1, fp8_fused("fp8_silu_block_m1", 1, false)),
+        (2, fp8_fused("fp8_silu_block_m2", 2, false)),
+    ],
+    [
+        (1, fp8_fused("fp8_silu_channel_m1", 1, false)),
+        (2, fp8_fused("fp8_silu_channel_m2", 2, false)),
+    ],
+];
+pub const FP8_ROPE: Fp8Family = [
+    [
+        (1, fp8_fused("fp8_rope_block_m1", 1, false)),
+        (2, fp8_fused("fp8_rope_block_m2", 2, false)),
+    ],
+    [
+        (1, fp8_fused("fp8_rope_channel_m1", 1, false)),
+        (2, fp8_fused("fp8_rope_channel_m2", 2, false)),
+    ],
+];
+pub const FP8_NORM: Fp8Family = [
+    [
+        (1, fp8_fused("fp8_norm_block_m1", 1, true)),
+        (2, fp8_fused("fp8_norm_block_m2", 2, true)),
+    ],
+    [
+        (1, fp8_fused("fp8_norm_channel_m1", 1, true)),
+        (2, fp8_fused("fp8_norm_channel_m2", 2, true)),
+    ],
+];
+pub const FP8_NORM_SILU: Fp8Family = [
+    [
+        (1, fp8_fused("fp8_norm_silu_block_m1", 1, true)),
+        (2, fp8_fused("fp8_norm_silu_block_m2", 2, true)),
+    ],
+    [
+        (1, fp8_fused("fp8_norm_silu_channel_m1", 1, true)),
+        (2, fp8_fused("fp8_norm_silu_channel_m2", 2, true)),
+    ],
+];
+pub const FP8_NORM_ROPE: Fp8Family = [
+    [
+        (1, fp8_fused("fp8_norm_rope_block_m1", 1, true)),
+        (2, fp8_fused("fp8_norm_rope_block_m2", 2, true)),
+    ],
+    [
+        (1, fp8_fused("fp8_norm_rope_channel_m1", 1, true)),
+        (2, fp8_fused("fp8_norm_rope_channel_m2", 2, true)),
+    ],
+];
+// The fused FP8 launches share the skinny kernels' output arguments and grids.
+const _: () = assert!(FP8_ROWS == SKINNY_ROWS && FP8_ROWS_PER_BLOCK == SKINNY_ROWS_PER_BLOCK);
+const _: () = assert!(FP8_THREADS == ADD_RMSNORM.threads);
 /// The activations' quantizer before an FP8 GEMM: a block a row, a warp per 128-column
 /// group; `block_max`'s scratch.
 pub const FP8_QUANT: KernelShape = shape("fp8_quant_rows", 256, 32 * F32, true);
@@ -408,6 +475,26 @@ pub const KERNELS: &[KernelShape] = &[
     FP8_GEMV_CHANNEL[2].1,
     FP8_QUANT,
     FP8_OUT,
+    FP8_SILU[0][0].1,
+    FP8_SILU[0][1].1,
+    FP8_SILU[1][0].1,
+    FP8_SILU[1][1].1,
+    FP8_ROPE[0][0].1,
+    FP8_ROPE[0][1].1,
+    FP8_ROPE[1][0].1,
+    FP8_ROPE[1][1].1,
+    FP8_NORM[0][0].1,
+    FP8_NORM[0][1].1,
+    FP8_NORM[1][0].1,
+    FP8_NORM[1][1].1,
+    FP8_NORM_SILU[0][0].1,
+    FP8_NORM_SILU[0][1].1,
+    FP8_NORM_SILU[1][0].1,
+    FP8_NORM_SILU[1][1].1,
+    FP8_NORM_ROPE[0][0].1,
+    FP8_NORM_ROPE[0][1].1,
+    FP8_NORM_ROPE[1][0].1,
+    FP8_NORM_ROPE[1][1].1,
     KV_COPY,
 ];
 
@@ -713,9 +800,9 @@ mod tests {
         let names: std::collections::BTreeSet<_> = KERNELS.iter().map(|k| k.name).collect();
         assert_eq!(names.len(), KERNELS.len(), "a kernel is listed twice");
         // Every `extern "C" __global__` in the source is listed, with a launch bound.
-        // A kernel declared inside a macro (`name_d##D`) is there once per invocation of
-        // that macro (`MACRO(16)` or `MACRO(16, 32)` on a line of its own), named by the
-        // argument in the pasted parameter's place.
+        // A kernel declared inside a macro (`name_d##D`, `a_##KIND##_m##M`) is there once
+        // per invocation of that macro (`MACRO(16)` or `MACRO(16, 32)` on a line of its
+        // own), named by the arguments in the pasted parameters' places.
         let mut in_source = std::collections::BTreeSet::new();
         let mut decls = src.split("extern \"C\" __global__");
         let mut before = decls.next().expect("the source");
@@ -727,36 +814,34 @@ mod tests {
                 .unwrap_or_else(|| panic!("a kernel without __launch_bounds__: {head}"));
             let after = bound[bound.find(')').expect("the bound's end") + 1..].trim_start();
             let name = after[..after.find('(').expect("a parameter list")].to_string();
-            match name.split_once("##") {
-                None => {
-                    in_source.insert(name);
-                }
-                Some((stem, param)) => {
-                    let def = &before[before.rfind("#define ").expect("the macro")..];
-                    let open_at = def.find('(').unwrap();
-                    let mac = def["#define ".len()..open_at].to_string();
-                    let params: Vec<&str> = def[open_at + 1..def.find(')').unwrap()]
-                        .split(',')
-                        .map(str::trim)
+            if !name.contains("##") {
+                in_source.insert(name);
+            } else {
+                let def = &before[before.rfind("#define ").expect("the macro")..];
+                let open_at = def.find('(').unwrap();
+                let mac = def["#define ".len()..open_at].to_string();
+                let params: Vec<&str> = def[open_at + 1..def.find(')').unwrap()]
+                    .split(',')
+                    .map(str::trim)
+                    .collect();
+                let open = format!("{mac}(");
+                let uses: Vec<_> = src
+                    .lines()
+                    .filter_map(|l| l.strip_prefix(open.as_str())?.strip_suffix(')'))
+                    .collect();
+                assert!(!uses.is_empty(), "{mac} (declaring {name}) is never invoked");
+                for u in uses {
+                    let args: Vec<&str> = u.split(',').map(str::trim).collect();
+                    assert_eq!(args.len(), params.len(), "{mac}({u})");
+                    // Each pasted piece is a parameter (its argument) or text as it is.
+                    let pasted: String = name
+                        .split("##")
+                        .map(|piece| match params.iter().position(|&p| p == piece.trim()) {
+                            Some(at) => args[at],
+                            None => piece,
+                        })
                         .collect();
-                    let at = params
-                        .iter()
-                        .position(|&p| p == param.trim())
-                        .unwrap_or_else(|| panic!("{name}: {param} is not a parameter of {mac}"));
-                    let open = format!("{mac}(");
-                    let uses: Vec<_> = src
-                        .lines()
-                        .filter_map(|l| l.strip_prefix(open.as_str())?.strip_suffix(')'))
-                        .collect();
-                    assert!(
-                        !uses.is_empty(),
-                        "{mac} (declaring {name}) is never invoked"
-                    );
-                    for u in uses {
-                        let args: Vec<&str> = u.split(',').map(str::trim).collect();
-                        assert_eq!(args.len(), params.len(), "{mac}({u})");
-                        in_source.insert(format!("{stem}{}", args[at]));
-                    }
+                    in_source.insert(pasted);
                 }
             }
             before = decl;

@@ -8,7 +8,6 @@ use cudarc::driver::{CudaSlice, CudaStream};
 
 use super::device::upload_err;
 use super::fp8::{self, Fp8Linear};
-use crate::backend::error::BackendError;
 use crate::checkpoint::{Checkpoint, LayerWeights, Projection, Stack};
 use crate::config::ModelConfig;
 use crate::error::Result;
@@ -29,17 +28,6 @@ pub enum Linear {
 }
 
 impl Linear {
-    /// The bf16 product, for the paths only bf16 products take (the fused norm prologues).
-    pub fn bf16(&self) -> Result<&DevLinear> {
-        match self {
-            Linear::Bf16(l) => Ok(l),
-            Linear::Fp8(_) => Err(BackendError::Invariant(
-                "an FP8 product has no kernel with the norm as its prologue",
-            )
-            .into()),
-        }
-    }
-
     /// Bytes a decode step reads.
     pub(super) fn step_bytes(&self) -> usize {
         match self {
@@ -70,8 +58,6 @@ pub struct DevWeights {
     pub lm_head: Option<DevLinear>,
     /// RoPE inverse frequencies, `[head_dim / 2]`.
     pub inv_freq: CudaSlice<f32>,
-    /// Whether any layer has FP8 parts.
-    pub fp8: bool,
 }
 
 /// Copies to the device, naming what failed (most likely: out of memory).
@@ -194,11 +180,6 @@ impl DevWeights {
                 .transpose()?,
             norm: up.f32s("model.norm", &ck.norm()?)?,
             inv_freq: up.f32s("rope frequencies", &cfg.rope_inv_freq())?,
-            fp8: layers.iter().any(|l| {
-                [&l.qkv_proj, &l.o_proj, &l.gate_up_proj, &l.down_proj]
-                    .iter()
-                    .any(|p| matches!(p, Linear::Fp8(_)))
-            }),
             layers,
         })
     }

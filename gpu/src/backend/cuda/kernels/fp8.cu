@@ -100,27 +100,51 @@ __device__ __forceinline__ float dot16(const float* f, uint4 a, uint4 b, float a
 // 16-byte chunk i of row r is in block (r / 128, i / 8), so each chunk's partial sum is scaled
 // before it joins the row's. Otherwise ws holds one scale per row, applied to the sum.
 // The host launches these for k a multiple of 16 (16-byte rows of w, 32-byte rows of x).
-template <int M, bool BLOCK>
+//
+// The fused forms take skinny_gemm's prologue and epilogues (skinny.cu), with the rows'
+// sums as the plain kernel writes them (scale and bias applied), so each gives what the
+// plain kernel and the separate launch after it give, bit for bit:
+// - SILU: w holds n gate rows then n up rows; warp j streams gate row j and up row j and
+//   writes act[m, j] = bf16(silu(gate) * up), as silu_mul does (ldy = n, col0 = 0).
+// - ROPE: a layer's q/k/v (RopeIn), warp j a rotation pair or two v rows, as rope_kv_write
+//   leaves y and the cache (ldy = n, col0 = 0).
+// - norm (not null): the input is the residual add and RMSNorm (NormIn), computed by every
+//   block into xs, block 0 writing the summed residual.
+template <int M, bool BLOCK, bool SILU, bool ROPE>
 __device__ __forceinline__ void fp8_gemv(const bf16* __restrict__ x,
                                          const unsigned char* __restrict__ w,
                                          const float* __restrict__ ws, int ws_stride,
                                          const float* __restrict__ bias, float* __restrict__ y,
-                                         int ldy, int col0, int rows, int n, int k) {
+                                         int ldy, int col0, bf16* __restrict__ act, int rows,
+                                         int n, int k, const NormIn* norm, bf16* xs,
+                                         const RopeIn* rope) {
     const int warp = threadIdx.x >> 5;
     const int lane = threadIdx.x & 31;
-    const int n0 = (blockIdx.x * (FP8_THREADS / 32) + warp) * FP8_ROWS;
-    if (n0 >= n) return;
+    const int j = blockIdx.x * (FP8_THREADS / 32) + warp;
+    const int n0 = SILU ? j : j * FP8_ROWS;
+    // The whole warp leaves, unless the block computes the norm first, which every thread
+    // takes part in.
+    if (n0 >= n && norm == nullptr) return;
     const int k16 = k >> 4;
     const uint4* w16 = reinterpret_cast<const uint4*>(w);
     const uint4* x16 = reinterpret_cast<const uint4*>(x);
     // Rows past the end read the last one again; their sums are not written.
+    int rr[FP8_ROWS];
+    bool pair = false;
+    if (ROPE) {
+        pair = rope_rows(rope, min(j, n / 2 - 1), &rr[0], &rr[1]);
+    } else {
+#pragma unroll
+        for (int r = 0; r < FP8_ROWS; r++) {
+            rr[r] = SILU ? min(n0, n - 1) + r * n : min(n0 + r, n - 1);
+        }
+    }
     long long wrow[FP8_ROWS];
     int srow[FP8_ROWS];  // BLOCK: the first scale of the row's block row
 #pragma unroll
     for (int r = 0; r < FP8_ROWS; r++) {
-        int row = min(n0 + r, n - 1);
-        wrow[r] = (long long)row * k16;
-        srow[r] = BLOCK ? (row >> 7) * ws_stride : row;
+        wrow[r] = (long long)rr[r] * k16;
+        srow[r] = BLOCK ? (rr[r] >> 7) * ws_stride : rr[r];
     }
     float acc[FP8_ROWS][M];
 #pragma unroll
@@ -136,10 +160,15 @@ __device__ __forceinline__ void fp8_gemv(const bf16* __restrict__ x,
         int i = lane + u * 32;
 #pragma unroll
         for (int r = 0; r < FP8_ROWS; r++) {
-            if (i < k16) prefetch_l2(w16 + wrow[r] + i);
+            if (i < k16 && n0 < n) prefetch_l2(w16 + wrow[r] + i);
         }
     }
     pdl_wait();
+    if (norm != nullptr) {
+        norm_rows_to_shared(norm, rows, k, xs);
+        if (n0 >= n) return;
+        x16 = reinterpret_cast<const uint4*>(xs);
+    }
     for (int i0 = lane; i0 < k16; i0 += 32 * FP8_UNROLL) {
         uint4 wv[FP8_UNROLL][FP8_ROWS];
 #pragma unroll
@@ -174,43 +203,141 @@ __device__ __forceinline__ void fp8_gemv(const bf16* __restrict__ x,
 #pragma unroll
         for (int m = 0; m < M; m++) acc[r][m] = warp_sum(acc[r][m]);
     }
-    if (lane != 0) return;
+    // warp_sum leaves every lane the same bits: lane m writes the step's row m, so a lane
+    // holds one row's sums across the epilogue's calls (division, sincos), not M rows'.
+    if (lane >= M || lane >= rows) return;
+    const int m = lane;
+    // The row's sums as the plain kernel writes them: scaled, the bias added.
+    float v[FP8_ROWS];
 #pragma unroll
     for (int r = 0; r < FP8_ROWS; r++) {
-        if (n0 + r < n) {
-            float s = (BLOCK ? 1.0f : ws[srow[r]]) * E4M3_UNIT;
-            float b = bias != nullptr ? bias[n0 + r] : 0.0f;
+        float a = acc[r][0];
 #pragma unroll
-            for (int m = 0; m < M; m++) {
-                if (m < rows) y[(long long)m * ldy + col0 + n0 + r] = fmaf(acc[r][m], s, b);
-            }
+        for (int mm = 1; mm < M; mm++) a = mm == m ? acc[r][mm] : a;
+        float s = (BLOCK ? 1.0f : ws[srow[r]]) * E4M3_UNIT;
+        v[r] = fmaf(a, s, bias != nullptr ? bias[rr[r]] : 0.0f);
+    }
+    if (ROPE) {
+        rope_write(rope, m, rr[0], rr[1], pair, v[0], v[1], y, n);
+    } else if (SILU) {
+        act[(long long)m * n + n0] = f2bf(v[0] / (1.0f + expf(-v[0])) * v[1]);
+    } else {
+#pragma unroll
+        for (int r = 0; r < FP8_ROWS; r++) {
+            if (n0 + r < n) y[(long long)m * ldy + col0 + n0 + r] = v[r];
         }
     }
 }
 
+#if FP8_ROWS != 2
+#error "the fused FP8 products stream one gate row and one up row a warp, or a rotation pair"
+#endif
+#if FP8_THREADS != ADD_RMSNORM_THREADS
+#error "an FP8 product's norm prologue must reduce as add_rmsnorm_to_bf16 does"
+#endif
+
 // Grid (ceil(n / (FP8_THREADS / 32 * FP8_ROWS))). With the converting instruction sm_90's
 // one-row kernel takes 72 registers (3 blocks an SM, 96 KiB of loads in flight); holding it
 // to 64 for a fourth block spills.
-#define FP8_GEMV_KERNEL(M)                                                                      \
-    extern "C" __global__ void __launch_bounds__(FP8_THREADS) fp8_gemv_block_m##M(              \
+#define FP8_GEMV_KERNEL(KIND, BLOCK, M)                                                         \
+    extern "C" __global__ void __launch_bounds__(FP8_THREADS) fp8_gemv_##KIND##_m##M(           \
         const bf16* __restrict__ x, const unsigned char* __restrict__ w,                        \
         const float* __restrict__ ws, int ws_stride, const float* __restrict__ bias,            \
         float* __restrict__ y, int ldy, int col0, int rows, int n, int k) {                     \
-        fp8_gemv<M, true>(x, w, ws, ws_stride, bias, y, ldy, col0, rows, n, k);                 \
+        fp8_gemv<M, BLOCK, false, false>(x, w, ws, ws_stride, bias, y, ldy, col0, nullptr,     \
+                                         rows, n, k, nullptr, nullptr, nullptr);               \
     }
-#define FP8_GEMV_CHANNEL_KERNEL(M)                                                              \
-    extern "C" __global__ void __launch_bounds__(FP8_THREADS) fp8_gemv_channel_m##M(            \
+FP8_GEMV_KERNEL(block, true, 1)
+FP8_GEMV_KERNEL(block, true, 2)
+FP8_GEMV_KERNEL(block, true, 4)
+FP8_GEMV_KERNEL(channel, false, 1)
+FP8_GEMV_KERNEL(channel, false, 2)
+FP8_GEMV_KERNEL(channel, false, 4)
+
+// The fused forms, with skinny_silu_m*'s, skinny_rope_m*'s and skinny_norm*'s arguments, w
+// as (w, ws, ws_stride). Grids: fp8_gemv_*'s, and ceil(n / (FP8_THREADS / 32)) for SILU.
+// MIN_BLOCKS (3 blocks an SM for one row, 2 for two) keeps ptxas from holding registers to
+// a higher occupancy by spilling a few bytes around the epilogue's calls (division, sincos),
+// as it did on sm_80 to sm_100 without it.
+#define FP8_SILU_KERNEL(KIND, BLOCK, M, MIN_BLOCKS)                                                \
+    extern "C" __global__ void __launch_bounds__(FP8_THREADS, MIN_BLOCKS) fp8_silu_##KIND##_m##M(  \
+        const bf16* __restrict__ x, const unsigned char* __restrict__ w,                        \
+        const float* __restrict__ ws, int ws_stride, bf16* __restrict__ act, int rows, int n,   \
+        int k) {                                                                                \
+        fp8_gemv<M, BLOCK, true, false>(x, w, ws, ws_stride, nullptr, nullptr, n, 0, act,      \
+                                        rows, n, k, nullptr, nullptr, nullptr);                \
+    }
+#define FP8_ROPE_KERNEL(KIND, BLOCK, M, MIN_BLOCKS)                                                \
+    extern "C" __global__ void __launch_bounds__(FP8_THREADS, MIN_BLOCKS) fp8_rope_##KIND##_m##M(  \
         const bf16* __restrict__ x, const unsigned char* __restrict__ w,                        \
         const float* __restrict__ ws, int ws_stride, const float* __restrict__ bias,            \
-        float* __restrict__ y, int ldy, int col0, int rows, int n, int k) {                     \
-        fp8_gemv<M, false>(x, w, ws, ws_stride, bias, y, ldy, col0, rows, n, k);                \
+        float* __restrict__ y, const int* __restrict__ positions,                               \
+        const float* __restrict__ inv_freq, const int* __restrict__ slots,                      \
+        bf16* __restrict__ k_cache, bf16* __restrict__ v_cache, int nq, int nkv, int d,         \
+        int rows, int n, int k) {                                                               \
+        RopeIn rope = {positions, inv_freq, slots, k_cache, v_cache, nq, nkv, d};               \
+        fp8_gemv<M, BLOCK, false, true>(x, w, ws, ws_stride, bias, y, n, 0, nullptr, rows, n,  \
+                                        k, nullptr, nullptr, &rope);                           \
     }
-FP8_GEMV_KERNEL(1)
-FP8_GEMV_KERNEL(2)
-FP8_GEMV_KERNEL(4)
-FP8_GEMV_CHANNEL_KERNEL(1)
-FP8_GEMV_CHANNEL_KERNEL(2)
-FP8_GEMV_CHANNEL_KERNEL(4)
+#define FP8_NORM_KERNEL(KIND, BLOCK, M, MIN_BLOCKS)                                                \
+    extern "C" __global__ void __launch_bounds__(FP8_THREADS, MIN_BLOCKS) fp8_norm_##KIND##_m##M(  \
+        const float* __restrict__ res_in, const float* __restrict__ delta,                      \
+        const float* __restrict__ norm_w, float eps, float* __restrict__ res_out,               \
+        const unsigned char* __restrict__ w, const float* __restrict__ ws, int ws_stride,       \
+        const float* __restrict__ bias, float* __restrict__ y, int rows, int n, int k) {        \
+        __shared__ __align__(16) bf16 xs[M * NORM_MAX];                                         \
+        NormIn norm = {res_in, delta, norm_w, res_out, eps};                                    \
+        fp8_gemv<M, BLOCK, false, false>(nullptr, w, ws, ws_stride, bias, y, n, 0, nullptr,    \
+                                         rows, n, k, &norm, xs, nullptr);                      \
+    }
+#define FP8_NORM_SILU_KERNEL(KIND, BLOCK, M, MIN_BLOCKS)                                           \
+    extern "C" __global__ void __launch_bounds__(FP8_THREADS, MIN_BLOCKS)                          \
+        fp8_norm_silu_##KIND##_m##M(                                                               \
+        const float* __restrict__ res_in, const float* __restrict__ delta,                      \
+        const float* __restrict__ norm_w, float eps, float* __restrict__ res_out,               \
+        const unsigned char* __restrict__ w, const float* __restrict__ ws, int ws_stride,       \
+        bf16* __restrict__ act, int rows, int n, int k) {                                       \
+        __shared__ __align__(16) bf16 xs[M * NORM_MAX];                                         \
+        NormIn norm = {res_in, delta, norm_w, res_out, eps};                                    \
+        fp8_gemv<M, BLOCK, true, false>(nullptr, w, ws, ws_stride, nullptr, nullptr, n, 0,     \
+                                        act, rows, n, k, &norm, xs, nullptr);                  \
+    }
+#define FP8_NORM_ROPE_KERNEL(KIND, BLOCK, M, MIN_BLOCKS)                                           \
+    extern "C" __global__ void __launch_bounds__(FP8_THREADS, MIN_BLOCKS)                          \
+        fp8_norm_rope_##KIND##_m##M(                                                               \
+        const float* __restrict__ res_in, const float* __restrict__ delta,                      \
+        const float* __restrict__ norm_w, float eps, float* __restrict__ res_out,               \
+        const unsigned char* __restrict__ w, const float* __restrict__ ws, int ws_stride,       \
+        const float* __restrict__ bias, float* __restrict__ y,                                  \
+        const int* __restrict__ positions, const float* __restrict__ inv_freq,                  \
+        const int* __restrict__ slots, bf16* __restrict__ k_cache, bf16* __restrict__ v_cache,  \
+        int nq, int nkv, int d, int rows, int n, int k) {                                       \
+        __shared__ __align__(16) bf16 xs[M * NORM_MAX];                                         \
+        NormIn norm = {res_in, delta, norm_w, res_out, eps};                                    \
+        RopeIn rope = {positions, inv_freq, slots, k_cache, v_cache, nq, nkv, d};               \
+        fp8_gemv<M, BLOCK, false, true>(nullptr, w, ws, ws_stride, bias, y, n, 0, nullptr,     \
+                                        rows, n, k, &norm, xs, &rope);                         \
+    }
+FP8_SILU_KERNEL(block, true, 1, 3)
+FP8_SILU_KERNEL(block, true, 2, 2)
+FP8_ROPE_KERNEL(block, true, 1, 3)
+FP8_ROPE_KERNEL(block, true, 2, 2)
+FP8_NORM_KERNEL(block, true, 1, 3)
+FP8_NORM_KERNEL(block, true, 2, 2)
+FP8_NORM_SILU_KERNEL(block, true, 1, 3)
+FP8_NORM_SILU_KERNEL(block, true, 2, 2)
+FP8_NORM_ROPE_KERNEL(block, true, 1, 3)
+FP8_NORM_ROPE_KERNEL(block, true, 2, 2)
+FP8_SILU_KERNEL(channel, false, 1, 3)
+FP8_SILU_KERNEL(channel, false, 2, 2)
+FP8_ROPE_KERNEL(channel, false, 1, 3)
+FP8_ROPE_KERNEL(channel, false, 2, 2)
+FP8_NORM_KERNEL(channel, false, 1, 3)
+FP8_NORM_KERNEL(channel, false, 2, 2)
+FP8_NORM_SILU_KERNEL(channel, false, 1, 3)
+FP8_NORM_SILU_KERNEL(channel, false, 2, 2)
+FP8_NORM_ROPE_KERNEL(channel, false, 1, 3)
+FP8_NORM_ROPE_KERNEL(channel, false, 2, 2)
 
 // x as e4m3, rounded to nearest even and saturated to +-448 (NaN stays NaN), as PyTorch's
 // clamp-then-cast quantizers and the host's f32_to_e4m3 do. sm_89 and later convert in one

@@ -69,6 +69,33 @@ struct NormIn {
     float eps;
 };
 
+// The norm prologue of a fused product (NormIn): every block writes the `rows` normed rows
+// of k to xs with add_rmsnorm_to_bf16's sums, and block 0 writes res_in + delta to res_out.
+// Every thread of the block takes part; xs is ready when it returns.
+__device__ __forceinline__ void norm_rows_to_shared(const NormIn* norm, int rows, int k,
+                                                    bf16* xs) {
+    const int n4 = k >> 2;
+    const float4* g4 = reinterpret_cast<const float4*>(norm->w);
+    for (int m = 0; m < rows; m++) {
+        long long off = (long long)m * k;
+        float inv = add_row_inv_rms(norm->res_in + off, norm->delta + off, k, norm->eps);
+        const float4* a4 = reinterpret_cast<const float4*>(norm->res_in + off);
+        const float4* d4 = reinterpret_cast<const float4*>(norm->delta + off);
+        uint2* o = reinterpret_cast<uint2*>(xs + off);
+        float4* r4 = reinterpret_cast<float4*>(norm->res_out + off);
+        for (int i = threadIdx.x; i < n4; i += ADD_RMSNORM_THREADS) {
+            float4 a = a4[i];
+            float4 b = d4[i];
+            float4 v = make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w);
+            float4 g = g4[i];
+            o[i] = pack_bf16x4(v.x * inv * g.x, v.y * inv * g.y, v.z * inv * g.z,
+                               v.w * inv * g.w);
+            if (blockIdx.x == 0) r4[i] = v;
+        }
+    }
+    __syncthreads();
+}
+
 // ROPE: the q/k/v product of a layer of nq query heads and nkv key/value heads of size d
 // (n = (nq + 2 nkv) d; d even), for one token a row. Warp j < (nq + nkv) d / 2 streams a
 // rotation pair of a q or k head, rows h d + i and h d + i + d/2 (i < d/2), and rotates
@@ -180,26 +207,7 @@ __device__ __forceinline__ void skinny_gemm(const bf16* __restrict__ x,
     }
     pdl_wait();
     if (norm != nullptr) {
-        const int n4 = k >> 2;
-        const float4* g4 = reinterpret_cast<const float4*>(norm->w);
-        for (int m = 0; m < rows; m++) {
-            long long off = (long long)m * k;
-            float inv = add_row_inv_rms(norm->res_in + off, norm->delta + off, k, norm->eps);
-            const float4* a4 = reinterpret_cast<const float4*>(norm->res_in + off);
-            const float4* d4 = reinterpret_cast<const float4*>(norm->delta + off);
-            uint2* o = reinterpret_cast<uint2*>(xs + off);
-            float4* r4 = reinterpret_cast<float4*>(norm->res_out + off);
-            for (int i = threadIdx.x; i < n4; i += ADD_RMSNORM_THREADS) {
-                float4 a = a4[i];
-                float4 b = d4[i];
-                float4 v = make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w);
-                float4 g = g4[i];
-                o[i] = pack_bf16x4(v.x * inv * g.x, v.y * inv * g.y, v.z * inv * g.z,
-                                   v.w * inv * g.w);
-                if (blockIdx.x == 0) r4[i] = v;
-            }
-        }
-        __syncthreads();
+        norm_rows_to_shared(norm, rows, k, xs);
         if (n0 >= n) return;
         x16 = reinterpret_cast<const uint4*>(xs);
     }
