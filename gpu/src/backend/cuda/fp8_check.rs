@@ -156,7 +156,7 @@ pub fn fp8_fused_products(
     block: bool,
     (m, n, k): (usize, usize, usize),
 ) -> Result<[Vec<u32>; 8]> {
-    use super::kernels::{AddRmsNorm, SiluMul};
+    use super::kernels::SiluMul;
     use super::skinny::{SkinnyGemm, SkinnyIn, SkinnyOut, SkinnyW};
     let (s, kernels) = device(ordinal)?;
     let blas = CudaBlas::new(s.clone()).map_err(|e| EngineError::device("cuBLAS handle", e))?;
@@ -204,18 +204,7 @@ pub fn fp8_fused_products(
         n,
     )?;
     // Separate: the norm kernel on a copy of the residual, the product, silu_mul.
-    let mut res_s = up(&s, res)?;
-    let mut xn = bf16s(m * k)?;
-    AddRmsNorm {
-        residual: &mut res_s,
-        delta: &delta_d,
-        w: &norm_d,
-        out: &mut xn,
-        rows: m,
-        hidden: k,
-        eps: 1e-6,
-    }
-    .launch(&kernels, &s)?;
+    let (res_s, xn) = super::gemm::norm_apart(&s, &kernels, res, &delta_d, &norm_d, (m, k))?;
     let l = one_part(wd.clone(), kind, sd.clone(), None, (2 * n, k));
     let p = Fp8Products {
         blas: &blas,

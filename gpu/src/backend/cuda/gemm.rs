@@ -349,6 +349,34 @@ fn bf16_bits(s: &std::sync::Arc<CudaStream>, v: &CudaSlice<u16>) -> Result<Vec<u
     Ok(h.into_iter().map(u32::from).collect())
 }
 
+/// `add_rmsnorm_to_bf16` on a device copy of `res` (`[m, k]`), for the checks of the norm
+/// prologues: the residual it leaves and the normed bf16 rows (eps 1e-6).
+pub(super) fn norm_apart(
+    s: &std::sync::Arc<CudaStream>,
+    kernels: &Kernels,
+    res: &[f32],
+    delta: &CudaSlice<f32>,
+    norm: &CudaSlice<f32>,
+    (m, k): (usize, usize),
+) -> Result<(CudaSlice<f32>, CudaSlice<u16>)> {
+    use super::device::drv;
+    let mut residual = s.clone_htod(res).map_err(|e| drv("upload", e))?;
+    let mut xn = s
+        .clone_htod(&vec![0x7fc0u16; m * k])
+        .map_err(|e| drv("upload", e))?;
+    AddRmsNorm {
+        residual: &mut residual,
+        delta,
+        w: norm,
+        out: &mut xn,
+        rows: m,
+        hidden: k,
+        eps: 1e-6,
+    }
+    .launch(kernels, s)?;
+    Ok((residual, xn))
+}
+
 /// The skinny kernels' and cuBLAS's products of the same random bf16 matrices on device
 /// `ordinal` (`x` `[m, k]`, `w` `[n, k]`, as bf16 bits), for checking one against the other.
 pub fn skinny_and_cublas(
@@ -516,18 +544,7 @@ pub fn skinny_norm_prologues(
     }
     .launch(&kernels, &s)?;
     // Separate: the norm kernel in place on a copy of the residual, then the products.
-    let mut res_sep = up(res)?;
-    let mut xn = bf16s(m * k)?;
-    AddRmsNorm {
-        residual: &mut res_sep,
-        delta: &delta_d,
-        w: &norm_d,
-        out: &mut xn,
-        rows: m,
-        hidden: k,
-        eps: 1e-6,
-    }
-    .launch(&kernels, &s)?;
+    let (res_sep, xn) = norm_apart(&s, &kernels, res, &delta_d, &norm_d, (m, k))?;
     let (mut y_sep, mut act_sep) = (f32s(m * 2 * n)?, bf16s(m * n)?);
     SkinnyGemm {
         x: SkinnyIn::X(&xn),

@@ -829,17 +829,22 @@ mod tests {
                     .lines()
                     .filter_map(|l| l.strip_prefix(open.as_str())?.strip_suffix(')'))
                     .collect();
-                assert!(!uses.is_empty(), "{mac} (declaring {name}) is never invoked");
+                assert!(
+                    !uses.is_empty(),
+                    "{mac} (declaring {name}) is never invoked"
+                );
                 for u in uses {
                     let args: Vec<&str> = u.split(',').map(str::trim).collect();
                     assert_eq!(args.len(), params.len(), "{mac}({u})");
                     // Each pasted piece is a parameter (its argument) or text as it is.
                     let pasted: String = name
                         .split("##")
-                        .map(|piece| match params.iter().position(|&p| p == piece.trim()) {
-                            Some(at) => args[at],
-                            None => piece,
-                        })
+                        .map(
+                            |piece| match params.iter().position(|&p| p == piece.trim()) {
+                                Some(at) => args[at],
+                                None => piece,
+                            },
+                        )
                         .collect();
                     in_source.insert(pasted);
                 }
