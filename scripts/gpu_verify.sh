@@ -87,7 +87,7 @@ run)
     mkdir -p "$work"
     t0=$(date +%s)
     budget="${GPU_BUDGET_S:-540}"
-    stages="${STAGES:-offline parity bench-8b bench-8b-fp8 fp8-out-ab prefill-concurrency-8b skinny-ab-8b long-decode-8b pdl-ab-8b pdl-ab-small product-sweep fuse-ab fuse-ab-fp8 sm-split-8b profile-8b profile-small serve-8b colocate-8b serve-qwen35-9b serve-qwen35-9b-scan gdn-fla bench-qwen35-9b bench-qwen35-9b-scan bench-qwen35-9b-chunked bench-qwen35-9b-fp8 long-decode-qwen35 profile-8b-fp8 profile-8b-fp8-f32 profile-qwen35 bench-llama-8b bench-small peer-8b bench-32b-fp8 bench-72b-fp8}"
+    stages="${STAGES:-offline parity bench-8b bench-8b-fp8 fp8-out-ab prefill-concurrency-8b skinny-ab-8b long-decode-8b pdl-ab-8b pdl-ab-small product-sweep fuse-ab fuse-ab-fp8 sm-split-8b profile-8b profile-small serve-8b colocate-8b serve-qwen35-9b serve-qwen35-9b-scan gdn-fla bench-qwen35-9b bench-qwen35-9b-scan bench-qwen35-9b-chunked bench-qwen35-9b-fp8 long-decode-qwen35 profile-8b-fp8 profile-8b-fp8-b8 profile-8b-fp8-f32 profile-qwen35 bench-llama-8b bench-small peer-8b bench-32b-fp8 bench-72b-fp8}"
     # The device returns at most 8 files from $OUT: everything is packed into one archive
     # (and a summary printed) however the run ends.
     touch "$work/.start"
@@ -281,6 +281,13 @@ run)
     # fp8_gemv_block_m1 at 61% of the copy bandwidth, and 24% of a 512-token prefill in
     # fp8_out_cols): what the FP8 work is decided on.
     stage profile-8b-fp8 120 env OUT="$work" PRESET=qwen3-8b-fp8 BATCH=1 PREFILL=512 \
+        bash scripts/gpu_profile.sh
+    # The FP8 8B step at batch 8, kernel by kernel: an H200 measured it at 5.11 ms against
+    # bf16's 5.28 (batch 1: 3.87 against 4.93), though it reads half the bytes. Steps of more
+    # than 4 rows quantize the activations and run cuBLASLt's block-scaled GEMM and
+    # fp8_out_cols, three launches a product: this says whether the launches or the GEMMs
+    # at 8 tokens take the time, which decides a tensor-core GEMV for 2-16 rows.
+    stage profile-8b-fp8-b8 120 env OUT="$work" PRESET=qwen3-8b-fp8 BATCH=8 PREFILL=512 \
         bash scripts/gpu_profile.sh
     # Qwen3.5-9B kernel by kernel, a 2,048-token prefill and a batch-1 step: where its
     # prefill (a fifth of Qwen3-8B's rate on the first H200 run) goes, with the tensor-core
