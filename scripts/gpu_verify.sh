@@ -87,7 +87,7 @@ run)
     mkdir -p "$work"
     t0=$(date +%s)
     budget="${GPU_BUDGET_S:-540}"
-    stages="${STAGES:-offline parity bench-8b bench-8b-fp8 fp8-out-ab prefill-concurrency-8b skinny-ab-8b long-decode-8b pdl-ab-8b pdl-ab-small product-sweep fuse-ab fuse-ab-fp8 sm-split-8b profile-8b profile-small serve-8b colocate-8b serve-qwen35-9b serve-qwen35-9b-scan gdn-fla bench-qwen35-9b bench-qwen35-9b-scan bench-qwen35-9b-chunked bench-qwen35-9b-fp8 long-decode-qwen35 profile-8b-fp8 profile-8b-fp8-b8 profile-8b-fp8-f32 profile-qwen35 bench-llama-8b bench-small peer-8b bench-32b-fp8 bench-72b-fp8}"
+    stages="${STAGES:-offline parity bench-8b bench-8b-fp8 fp8-mma-ab fp8-out-ab prefill-concurrency-8b skinny-ab-8b long-decode-8b pdl-ab-8b pdl-ab-small product-sweep fuse-ab fuse-ab-fp8 sm-split-8b profile-8b profile-small serve-8b colocate-8b serve-qwen35-9b serve-qwen35-9b-scan gdn-fla bench-qwen35-9b bench-qwen35-9b-scan bench-qwen35-9b-chunked bench-qwen35-9b-fp8 long-decode-qwen35 profile-8b-fp8 profile-8b-fp8-b8 profile-8b-fp8-f32 profile-qwen35 bench-llama-8b bench-small peer-8b bench-32b-fp8 bench-72b-fp8}"
     # The device returns at most 8 files from $OUT: everything is packed into one archive
     # (and a summary printed) however the run ends.
     touch "$work/.start"
@@ -150,6 +150,14 @@ run)
     # the FP8 copy bound is about half, prefill runs cuBLASLt's FP8 GEMMs.
     stage bench-8b-fp8 150 gpu-out/gpu-bench --presets qwen3-8b-fp8 --batches 1,8,32,64,128 \
         --prefill-lens 512,2048 --json bench/results/gpu-8b-qwen3-fp8.json
+    # FP8 decode products of 1-16 rows on the tensor cores (fp8_mma_*, CudaOptions::fp8_mma:
+    # bf16 mma, activations unquantized) against the default (fp8_gemv_* up to 2 rows,
+    # cuBLASLt with quantized activations beyond, three launches a product), side by side:
+    # an H200 measured the FP8 step at batch 8 at 5.11 ms against bf16's 5.28.
+    stage fp8-mma-ab 200 bash -c 'for o in "" --fp8-mma; do gpu-out/gpu-bench \
+        --presets qwen3-8b-fp8 --batches 1,2,4,8,16,32 --sampled-batches 0 --prefill-lens 512 \
+        --gemm-size 0 --copy-reps 3 $o --json bench/results/gpu-8b-qwen3-fp8-decode${o:+-mma}.json \
+        || exit; done'
     # FP8 prefill with cuBLASLt writing f32 straight into the products' columns against bf16
     # widened by fp8_out_cols (24% of an H200's 512-token prefill), side by side
     # (CudaOptions::fp8_f32_out; parity checks both outputs), then the profile with it.

@@ -65,7 +65,7 @@ pub struct EngineArgs {
     #[arg(long)]
     pub enforce_eager: bool,
     /// CUDA: switches that are not the defaults yet, comma-separated: fuse-norms,
-    /// fuse-rope, prefill-graphs, gdn-scan, gdn-chunked, fp8-f32-out, no-split-decode,
+    /// fuse-rope, prefill-graphs, gdn-scan, gdn-chunked, fp8-f32-out, fp8-mma, no-split-decode,
     /// pdl=auto|on|off, skinny-max-rows=N (README, "CUDA options"). An unknown name is
     /// refused.
     #[arg(long, value_name = "LIST")]

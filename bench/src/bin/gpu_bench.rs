@@ -110,6 +110,9 @@ struct Args {
     /// (see `CudaOptions::fp8_f32_out`).
     #[arg(long)]
     fp8_f32_out: bool,
+    /// FP8 products of 1 to 16 rows run on the tensor cores (see `CudaOptions::fp8_mma`).
+    #[arg(long)]
+    fp8_mma: bool,
     /// Steps with prompts of up to 512 tokens replay piecewise CUDA graphs (see
     /// `CudaOptions::prefill_graphs`).
     #[arg(long)]
@@ -566,7 +569,7 @@ impl Figures {
 /// The decode settings a run measured, as its table states them.
 fn decode_line(args: &Args, cuda_graphs: bool) -> String {
     format!(
-        "decode       CUDA graphs {} (--enforce-eager turns them off); {}{}{}{}{}",
+        "decode       CUDA graphs {} (--enforce-eager turns them off); {}{}{}{}{}{}",
         if cuda_graphs { "on" } else { "off" },
         skinny_line(args.skinny_rows()),
         if args.no_split_decode {
@@ -586,6 +589,11 @@ fn decode_line(args: &Args, cuda_graphs: bool) -> String {
         },
         if args.fuse_rope {
             "; rotary embedding and K/V write fused into the q/k/v product"
+        } else {
+            ""
+        },
+        if args.fp8_mma {
+            "; FP8 products of 1-16 rows on the tensor cores"
         } else {
             ""
         }
@@ -709,6 +717,7 @@ fn summarise(args: &Args, name: &str, dir: &Path, cfg: &ModelConfig, f: &Figures
         "gdn_scan": args.gdn_scan,
         "gdn_chunked": args.gdn_chunked,
         "fp8_f32_out": args.fp8_f32_out,
+        "fp8_mma": args.fp8_mma,
         "prefill_graphs": f.prefill_graphs,
         "sm_split": args.sm_split.map(|s| s.to_string()),
         "sm_side": args.sm_side.map(|s| format!("{s:?}").to_lowercase()),
@@ -760,6 +769,7 @@ fn bench_model(args: &Args, name: &str, dev: &mut DeviceFigures) -> anyhow::Resu
         gdn_scan: args.gdn_scan,
         gdn_chunked: args.gdn_chunked,
         fp8_f32_out: args.fp8_f32_out,
+        fp8_mma: args.fp8_mma,
         prefill_graphs: args.prefill_graphs,
         sm_partition: args.sm_partition(),
         kv_exportable: false,

@@ -79,6 +79,7 @@ impl CudaOptions {
             (self.gdn_scan, "gdn-scan"),
             (self.gdn_chunked, "gdn-chunked"),
             (self.fp8_f32_out, "fp8-f32-out"),
+            (self.fp8_mma, "fp8-mma"),
             (!self.split_decode, "no-split-decode"),
         ]
         .into_iter()
@@ -115,6 +116,7 @@ impl CudaOptions {
                 ("gdn-scan", None) => self.gdn_scan = true,
                 ("gdn-chunked", None) => self.gdn_chunked = true,
                 ("fp8-f32-out", None) => self.fp8_f32_out = true,
+                ("fp8-mma", None) => self.fp8_mma = true,
                 ("no-split-decode", None) => self.split_decode = false,
                 ("pdl", Some(v)) => self.pdl = v.parse::<Pdl>()?,
                 ("skinny-max-rows", Some(v)) => {
@@ -140,12 +142,12 @@ mod tests {
         let base = CudaOptions::device(0);
         let mut o = base;
         o.apply_list(
-            " fuse-norms, fuse-rope,prefill-graphs,gdn-scan,gdn-chunked,fp8-f32-out,\
+            " fuse-norms, fuse-rope,prefill-graphs,gdn-scan,gdn-chunked,fp8-f32-out,fp8-mma,\
              no-split-decode,pdl=off,skinny-max-rows=2,",
         )
         .unwrap();
         assert!(o.fuse_norms && o.fuse_rope && o.prefill_graphs && o.gdn_scan && o.fp8_f32_out);
-        assert!(o.gdn_chunked);
+        assert!(o.gdn_chunked && o.fp8_mma);
         assert!(!o.split_decode);
         assert_eq!((o.pdl, o.skinny_max_rows), (Pdl::Off, 2));
         // What the list does not name keeps its default.
@@ -155,7 +157,7 @@ mod tests {
         assert_eq!(empty, base);
         assert_eq!(
             o.switches(),
-            "fuse-norms,fuse-rope,prefill-graphs,gdn-scan,gdn-chunked,fp8-f32-out,\
+            "fuse-norms,fuse-rope,prefill-graphs,gdn-scan,gdn-chunked,fp8-f32-out,fp8-mma,\
              no-split-decode,pdl=off,skinny-max-rows=2"
         );
         assert_eq!(base.switches(), "");

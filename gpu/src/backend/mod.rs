@@ -87,6 +87,14 @@ pub struct CudaOptions {
     /// (512-token prefill) spent 24% of its kernel time in `fp8_out_cols`. Off by default
     /// until a GPU run has checked and measured it (`gpu-bench --fp8-f32-out`).
     pub fp8_f32_out: bool,
+    /// Whether FP8 products of 1 to 16 rows (decode steps) run on the tensor cores
+    /// (`fp8_mma_*`: bf16 mma, the e4m3 weights widened exactly, the activations as bf16)
+    /// rather than `fp8_gemv_*` (up to `skinny_max_rows`) and cuBLASLt with quantized
+    /// activations (more rows). An H200 measured the FP8 8B step at batch 8 at 5.11 ms
+    /// against bf16's 5.28 though it reads half the bytes. The fused FP8 forms are
+    /// `fp8_gemv_*`'s, so this turns them off. Off by default until a GPU run has checked
+    /// and measured it (`gpu-bench --fp8-mma`).
+    pub fp8_mma: bool,
     /// Whether steps with prompts of up to 512 tokens replay CUDA graphs of everything but
     /// their attention, captured per token bucket in a segment per layer, the attention
     /// launched eagerly between them (vLLM's "piecewise" graphs; `cuda::prefill_graphs`).
@@ -175,6 +183,7 @@ impl CudaOptions {
             gdn_scan: false,
             gdn_chunked: false,
             fp8_f32_out: false,
+            fp8_mma: false,
             prefill_graphs: false,
             sm_partition: None,
             kv_exportable: false,

@@ -51,12 +51,22 @@ fn one_part(
     }
 }
 
+/// Which kernel `fp8_product` runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fp8Path {
+    /// `fp8_gemv_*` (at most 4 rows).
+    Gemv,
+    /// `fp8_mma_*` (at most 16 rows; `CudaOptions::fp8_mma`).
+    Mma,
+    /// The activations quantized and cuBLASLt's GEMM.
+    Lt,
+}
+
 /// An FP8 product on device `ordinal`: `x` `[m, k]` bf16 bits, `w` `[n, k]` e4m3 bytes with
 /// `scales` as a checkpoint stores them (`block`: `[ceil(n / 128), ceil(k / 128)]`; else one
-/// per row), `bias` `[n]`. `gemv` runs `fp8_gemv_*` (m at most 4), otherwise the activations
-/// are quantized and cuBLASLt multiplies, with `f32_out` into `y` directly where it can
-/// (`CudaOptions::fp8_f32_out`: `y` then has room for the GEMM's padded rows). Returns `y`
-/// `[m, n]` and whether cuBLASLt wrote it in f32.
+/// per row), `bias` `[n]`, by `path`; cuBLASLt writes `y` in f32 directly where it can with
+/// `f32_out` (`CudaOptions::fp8_f32_out`: `y` then has room for the GEMM's padded rows).
+/// Returns `y` `[m, n]` and whether cuBLASLt wrote it in f32.
 #[allow(clippy::too_many_arguments)]
 pub fn fp8_product(
     ordinal: usize,
@@ -66,12 +76,12 @@ pub fn fp8_product(
     block: bool,
     bias: Option<&[f32]>,
     (m, n, k): (usize, usize, usize),
-    gemv: bool,
+    path: Fp8Path,
     f32_out: bool,
 ) -> Result<(Vec<f32>, bool)> {
     let (s, kernels) = device(ordinal)?;
     let blas = CudaBlas::new(s.clone()).map_err(|e| EngineError::device("cuBLAS handle", e))?;
-    let ctx = Fp8Ctx::with_widest(&s, (k, n), m, f32_out)?;
+    let ctx = Fp8Ctx::with_widest(&s, (k, n), m, f32_out)?.with_mma(path == Fp8Path::Mma);
     let (kind, scales) = if block {
         (ScaleKind::Block, pad_block_scales(scales, n, k))
     } else {
@@ -89,9 +99,9 @@ pub fn fp8_product(
         s: &s,
         k: &kernels,
         ctx: &ctx,
-        gemv_max_rows: if gemv { m } else { 0 },
+        gemv_max_rows: if path == Fp8Path::Gemv { m } else { 0 },
     };
-    if gemv != p.gemv(m) {
+    if (path != Fp8Path::Lt) != p.gemv(m) {
         return Err(Fp8Refusal::NoGemv { rows: m }.into());
     }
     p.linear(&l, m, &xd, &mut y)?;

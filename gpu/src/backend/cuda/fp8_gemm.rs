@@ -39,11 +39,21 @@ pub fn gemv_max_rows(skinny_max_rows: usize) -> usize {
     skinny_max_rows.min(shapes::FP8_GEMV_BLOCK[2].0)
 }
 
+/// Most rows an FP8 product runs with its activations read as bf16, unquantized: by
+/// `fp8_gemv_*` ([`gemv_max_rows`]), or by `fp8_mma_*` with `mma` (`CudaOptions::fp8_mma`).
+pub fn unquantized_max_rows(skinny_max_rows: usize, mma: bool) -> usize {
+    if mma {
+        MMA_MAX_ROWS
+    } else {
+        gemv_max_rows(skinny_max_rows)
+    }
+}
+
 impl crate::backend::CudaOptions {
     /// [`gemv_max_rows`] under these options: the `CpuOptions::fp8_activations_above` that
     /// makes the CPU reference compute what this backend's FP8 path does.
     pub fn fp8_gemv_max_rows(&self) -> usize {
-        gemv_max_rows(self.skinny_max_rows)
+        unquantized_max_rows(self.skinny_max_rows, self.fp8_mma)
     }
 }
 
@@ -118,7 +128,12 @@ pub struct Fp8Ctx {
     f32_out: bool,
     /// Products that did (for the checks of `fp8_check`).
     f32_products: std::cell::Cell<usize>,
+    /// Whether products of up to `MMA_MAX_ROWS` rows run `fp8_mma_*` (`CudaOptions::fp8_mma`).
+    mma: bool,
 }
+
+/// Most rows `fp8_mma_*` takes.
+pub const MMA_MAX_ROWS: usize = shapes::FP8_MMA[0][1].0;
 
 /// What a cached algorithm is for: `(m, n, k)`, the scale kind, and whether D is f32 (and
 /// its leading dimension: the output's row, not the part's).
@@ -156,7 +171,19 @@ impl Fp8Ctx {
             algos: RefCell::default(),
             f32_out,
             f32_products: Default::default(),
+            mma: false,
         })
+    }
+
+    /// With `CudaOptions::fp8_mma` as `on`.
+    pub fn with_mma(mut self, on: bool) -> Fp8Ctx {
+        self.mma = on;
+        self
+    }
+
+    /// Whether products of up to `MMA_MAX_ROWS` rows run on the tensor cores (`fp8_mma_*`).
+    pub fn mma(&self) -> bool {
+        self.mma
     }
 
     /// Products whose GEMM wrote f32 straight into their columns, so far.
@@ -199,9 +226,9 @@ pub struct Fp8Products<'a> {
 }
 
 impl Fp8Products<'_> {
-    /// Whether a product of `m` rows runs `fp8_gemv_*` (else cuBLASLt).
+    /// Whether a product of `m` rows runs `fp8_gemv_*` or `fp8_mma_*` (else cuBLASLt).
     pub fn gemv(&self, m: usize) -> bool {
-        m >= 1 && m <= gemv_max_rows(self.gemv_max_rows)
+        m >= 1 && m <= unquantized_max_rows(self.gemv_max_rows, self.ctx.mma)
     }
 
     /// `y[m, l.out] = x[m, l.inp] · Wᵀ (+ bias)`, y f32 row-major.
@@ -238,6 +265,7 @@ impl Fp8Products<'_> {
                     w, kind, scales, ..
                 } if gemv => {
                     Gemv {
+                        mma: self.ctx.mma,
                         x,
                         w,
                         kind: *kind,
@@ -664,8 +692,10 @@ fn gemm_bf16_cols(
     super::blas::gemm_bf16_f32_cols(blas, s, x, w, y, (m, c.rows, k), (c.ld, c.col0))
 }
 
-/// `fp8_gemv_*`: a part's product for a few rows, into its columns.
+/// `fp8_gemv_*`, or with `mma` `fp8_mma_*`: a part's product for a few rows, into its
+/// columns (the two kernels take the same arguments).
 struct Gemv<'a> {
+    mma: bool,
     x: &'a CudaSlice<u16>,
     w: &'a CudaSlice<u8>,
     kind: ScaleKind,
@@ -679,9 +709,23 @@ struct Gemv<'a> {
 
 impl Gemv<'_> {
     fn launch(self, kernels: &Kernels, s: &CudaStream) -> Result<()> {
-        let (family, funcs): (&[(usize, KernelShape)], _) = match self.kind {
-            ScaleKind::Block => (&shapes::FP8_GEMV_BLOCK, &kernels.fp8.gemv_block),
-            ScaleKind::Row => (&shapes::FP8_GEMV_CHANNEL, &kernels.fp8.gemv_channel),
+        let kind = usize::from(self.kind == ScaleKind::Row);
+        let (family, funcs, per_block): (&[(usize, KernelShape)], _, _) = match self.kind {
+            _ if self.mma => (
+                &shapes::FP8_MMA[kind],
+                &kernels.fp8.mma[kind],
+                shapes::FP8_MMA_ROWS_PER_BLOCK,
+            ),
+            ScaleKind::Block => (
+                &shapes::FP8_GEMV_BLOCK,
+                &kernels.fp8.gemv_block,
+                shapes::FP8_ROWS_PER_BLOCK,
+            ),
+            ScaleKind::Row => (
+                &shapes::FP8_GEMV_CHANNEL,
+                &kernels.fp8.gemv_channel,
+                shapes::FP8_ROWS_PER_BLOCK,
+            ),
         };
         let (rows, n, k, c) = (self.rows, self.cols.rows, self.k, self.cols);
         let Some(i) = family.iter().position(|(most, _)| rows <= *most) else {
@@ -736,8 +780,8 @@ impl Gemv<'_> {
             }
         }
         b.arg(self.y).arg(&ld).arg(&col0).arg(&ri).arg(&ni).arg(&ki);
-        let cfg = grid(&family[i].1, n.div_ceil(shapes::FP8_ROWS_PER_BLOCK), 1, 1)?;
-        // SAFETY: the arguments match `fp8_gemv_*`'s signature (x, w, ws, ws_stride, bias or
+        let cfg = grid(&family[i].1, n.div_ceil(per_block), 1, 1)?;
+        // SAFETY: the arguments match `fp8_gemv_*`'s and `fp8_mma_*`'s signature (x, w, ws, ws_stride, bias or
         // null, y, ldy, col0, rows, n, k) in order and type; x holds `rows` rows of k, w n
         // rows of k, the scales the grid of the kind, y the columns written (checked above);
         // k is a multiple of 16, so every 16-byte load of w (and 32-byte read of x) starts

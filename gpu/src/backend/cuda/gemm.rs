@@ -198,9 +198,10 @@ impl Products<'_> {
         match l {
             Linear::Bf16(l) if normed => self.skinny(m, l.inp) && SkinnyGemm::takes_norm(m, l.inp),
             Linear::Bf16(l) => self.skinny(m, l.inp),
+            // The fused FP8 forms are `fp8_gemv_*`'s, which `fp8_mma` replaces.
             Linear::Fp8(l) => {
                 fp8_whole(l).is_ok()
-                    && self.fp8.is_some()
+                    && self.fp8.is_some_and(|c| !c.mma())
                     && m <= super::fp8_gemm::gemv_max_rows(self.skinny_max_rows)
                     && SkinnyGemm::takes_fp8(m, l.inp, normed)
             }

@@ -169,6 +169,7 @@ impl Kernels {
                 gemv_channel: by_size(&shapes::FP8_GEMV_CHANNEL)?,
                 quant: f(shapes::FP8_QUANT)?,
                 out: f(shapes::FP8_OUT)?,
+                mma: [by_size(&shapes::FP8_MMA[0])?, by_size(&shapes::FP8_MMA[1])?],
                 fused: Fp8Fused {
                     silu: [
                         by_size(&shapes::FP8_SILU[0])?,
@@ -206,6 +207,8 @@ pub(super) struct Fp8Kernels {
     pub gemv_channel: Vec<(usize, CudaFunction)>,
     pub quant: CudaFunction,
     pub out: CudaFunction,
+    /// `fp8_mma_block_n*` and `fp8_mma_channel_n*`, by the most rows each takes.
+    pub mma: [Vec<(usize, CudaFunction)>; 2],
     /// The fused forms (`skinny::SkinnyGemm` launches them).
     pub fused: Fp8Fused,
 }

@@ -75,7 +75,13 @@ impl CudaBackend {
         }
         let num_blocks = plan.blocks(kv, ordinal, free, total)?;
 
-        let fp8 = fp8_ctx(&ctx, &stream, cfg, plan.tokens, opts.fp8_f32_out)?;
+        let fp8 = fp8_ctx(
+            &ctx,
+            &stream,
+            cfg,
+            plan.tokens,
+            (opts.fp8_f32_out, opts.fp8_mma),
+        )?;
         let (mut k, arch) = Kernels::load(&ctx)?;
         let blas = CudaBlas::new(stream.clone())
             .map_err(|e| EngineError::device("cuBLAS initialisation", e))?;
@@ -183,7 +189,7 @@ pub(super) fn fp8_ctx(
     stream: &Arc<cudarc::driver::CudaStream>,
     cfg: &ModelConfig,
     tokens: usize,
-    f32_out: bool,
+    (f32_out, mma): (bool, bool),
 ) -> Result<Option<Fp8Ctx>> {
     if cfg.quantization.is_none() {
         return Ok(None);
@@ -192,7 +198,7 @@ pub(super) fn fp8_ctx(
         .compute_capability()
         .map_err(|e| drv("compute capability query", e))?;
     fp8::refuse_device(cfg, cc, Fp8Ctx::lt_version()?)?;
-    Fp8Ctx::new(stream, cfg, tokens, f32_out).map(Some)
+    Fp8Ctx::new(stream, cfg, tokens, f32_out).map(|c| Some(c.with_mma(mma)))
 }
 
 /// What the backend cannot run, refused before any device memory is touched.

@@ -315,6 +315,34 @@ pub const FP8_GEMV_CHANNEL: [(usize, KernelShape); 3] = [
 ];
 /// Weight rows one block of `fp8_gemv_*` covers.
 pub const FP8_ROWS_PER_BLOCK: usize = FP8_THREADS as usize / 32 * FP8_ROWS;
+/// The FP8 products of up to 16 rows on the tensor cores (`fp8_mma_*`,
+/// `CudaOptions::fp8_mma`): warps per block (over 16 weight rows, splitting k), and k
+/// blocks of 128 each warp has in flight (4 16-byte loads a lane each).
+const FP8_MMA_WARPS: usize = 8;
+const FP8_MMA_UNROLL: usize = 2;
+const fn fp8_mma(name: &'static str, tiles: usize) -> KernelShape {
+    // The warps' sums: [warps][tiles][4][32] f32.
+    shape(
+        name,
+        32 * FP8_MMA_WARPS as u32,
+        FP8_MMA_WARPS * tiles * 4 * 32 * F32,
+        true,
+    )
+}
+/// `fp8_mma_block_n*` and `fp8_mma_channel_n*` (block-scaled, then a scale per row), by the
+/// most rows each takes: one 8-column mma tile, or two.
+pub const FP8_MMA: Fp8Family = [
+    [
+        (8, fp8_mma("fp8_mma_block_n1", 1)),
+        (16, fp8_mma("fp8_mma_block_n2", 2)),
+    ],
+    [
+        (8, fp8_mma("fp8_mma_channel_n1", 1)),
+        (16, fp8_mma("fp8_mma_channel_n2", 2)),
+    ],
+];
+/// Weight rows one block of `fp8_mma_*` covers.
+pub const FP8_MMA_ROWS_PER_BLOCK: usize = 16;
 const fn fp8_fused(name: &'static str, rows: usize, normed: bool) -> KernelShape {
     // A norm prologue's rows as bf16, and `block_sum`'s scratch.
     let smem = if normed {
@@ -475,6 +503,10 @@ pub const KERNELS: &[KernelShape] = &[
     FP8_GEMV_CHANNEL[2].1,
     FP8_QUANT,
     FP8_OUT,
+    FP8_MMA[0][0].1,
+    FP8_MMA[0][1].1,
+    FP8_MMA[1][0].1,
+    FP8_MMA[1][1].1,
     FP8_SILU[0][0].1,
     FP8_SILU[0][1].1,
     FP8_SILU[1][0].1,
@@ -544,6 +576,9 @@ pub fn defines() -> Vec<(&'static str, usize)> {
         ("FP8_UNROLL", FP8_UNROLL),
         ("FP8_QUANT_THREADS", FP8_QUANT.threads as usize),
         ("FP8_OUT_THREADS", FP8_OUT.threads as usize),
+        ("FP8_MMA_THREADS", FP8_MMA[0][0].1.threads as usize),
+        ("FP8_MMA_WARPS", FP8_MMA_WARPS),
+        ("FP8_MMA_UNROLL", FP8_MMA_UNROLL),
     ]
 }
 

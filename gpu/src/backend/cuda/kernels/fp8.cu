@@ -13,7 +13,8 @@
 //   the bias.
 
 #if !defined(FP8_THREADS) || !defined(FP8_ROWS) || !defined(FP8_UNROLL) || \
-    !defined(FP8_QUANT_THREADS) || !defined(FP8_OUT_THREADS)
+    !defined(FP8_QUANT_THREADS) || !defined(FP8_OUT_THREADS) || !defined(FP8_MMA_THREADS) || \
+    !defined(FP8_MMA_WARPS) || !defined(FP8_MMA_UNROLL)
 #error "the FP8 kernels are compiled with shapes.rs's FP8_* figures"
 #endif
 #if FP8_QUANT_THREADS % 32 != 0 || FP8_QUANT_THREADS > 1024
@@ -338,6 +339,179 @@ FP8_NORM_SILU_KERNEL(channel, false, 1, 3)
 FP8_NORM_SILU_KERNEL(channel, false, 2, 2)
 FP8_NORM_ROPE_KERNEL(channel, false, 1, 3)
 FP8_NORM_ROPE_KERNEL(channel, false, 2, 2)
+
+// Two e4m3 bytes (the low two of v) as bf16x2 of value * 2^-112 (and the 2^-8 of
+// e4m3x2_to_f16x2_lo where the instruction is missing, E4M3_UNIT): the exact f16 pair (every
+// e4m3 value is a normal f16, or zero) with its exponent and top mantissa bits moved into
+// bf16's places. Exponent fields stay as they are, 15 biases apart from bf16's 127: 2^-112.
+// Every e4m3 value lands on a normal bf16 or zero, and the 3 mantissa bits fit.
+__device__ __forceinline__ unsigned int e4m3x2_to_bf16x2_scaled(unsigned int v) {
+    unsigned int h = e4m3x2_to_f16x2_hw(v);
+    return ((h >> 3) & 0x0fff0fffu) | (h & 0x80008000u);
+}
+
+// 2^112, the scale e4m3x2_to_bf16x2_scaled takes off, times its E4M3_UNIT.
+#define E4M3_MMA_UNIT (5.192296858534828e33f * E4M3_UNIT)
+
+// fp8_mma_*: fp8_gemv_*'s product (same arguments, same result up to the order of
+// summation) for 1 to 8 rows (NT = 1) or 9 to 16 (NT = 2) on the tensor cores: bf16 mma
+// m16n8k16, the weights widened exactly (e4m3x2_to_bf16x2_scaled, a 2^-112 taken off at the
+// end), the activations read as bf16 as they are, f32 sums. A block is FP8_MMA_WARPS warps
+// over 16 weight rows, warp w taking k blocks of 128 w, w + FP8_MMA_WARPS, ...; their sums
+// are added in warp order (deterministic) and written by warp 0. Grid (ceil(n / 16)).
+//
+// Lane (g, t) = (lane / 4, lane % 4) streams rows g and g + 8 of the 16 with 16-byte loads
+// at k = 128 kb + 16 t and 128 kb + 64 + 16 t: the k order inside each 16-wide mma step is
+// permuted (a sum does not mind) so that a lane's 16 bytes are its A fragments for four
+// steps: step s takes bytes 4s, 4s + 1 as k 2t, 2t + 1 and 4s + 2, 4s + 3 as k 2t + 8,
+// 2t + 9, and the B fragment of column (row of x) g the same positions of x, two 32-bit
+// words of it. Rows past n read the last one again; columns past `rows` the last row of x;
+// neither is written.
+//
+// BLOCK: the 16 rows lie in one 128-row block; each k block's sums are scaled as they join.
+template <int NT, bool BLOCK>
+__device__ __forceinline__ void fp8_mma(const bf16* __restrict__ x,
+                                        const unsigned char* __restrict__ w,
+                                        const float* __restrict__ ws, int ws_stride,
+                                        const float* __restrict__ bias, float* __restrict__ y,
+                                        int ldy, int col0, int rows, int n, int k,
+                                        float* part) {
+    const int warp = threadIdx.x >> 5;
+    const int lane = threadIdx.x & 31;
+    const int g = lane >> 2, t = lane & 3;
+    const int n0 = blockIdx.x * 16;
+    const int k16 = k >> 4;
+    const int kblocks = (k + 127) >> 7;
+    const uint4* w16 = reinterpret_cast<const uint4*>(w);
+    const uint4* x16 = reinterpret_cast<const uint4*>(x);
+    const long long wa = (long long)min(n0 + g, n - 1) * k16;
+    const long long wb = (long long)min(n0 + g + 8, n - 1) * k16;
+    long long xr[NT];
+#pragma unroll
+    for (int j = 0; j < NT; j++) xr[j] = (long long)min(j * 8 + g, rows - 1) * 2 * k16;
+    const float* wsr = ws + (BLOCK ? (n0 >> 7) * ws_stride : 0);
+    float acc[NT][4];
+#pragma unroll
+    for (int j = 0; j < NT; j++) {
+#pragma unroll
+        for (int r = 0; r < 4; r++) acc[j][r] = 0.0f;
+    }
+    pdl_trigger();
+#pragma unroll
+    for (int c = 0; c < 2; c++) {
+        int i = warp * 8 + c * 4 + t;
+        if (i < k16) {
+            prefetch_l2(w16 + wa + i);
+            prefetch_l2(w16 + wb + i);
+        }
+    }
+    pdl_wait();
+    for (int kb0 = warp; kb0 < kblocks; kb0 += FP8_MMA_WARPS * FP8_MMA_UNROLL) {
+        // Every weight load of the iteration first (FP8_MMA_UNROLL k blocks, 4 loads each).
+        uint4 wv[FP8_MMA_UNROLL][2][2];
+#pragma unroll
+        for (int u = 0; u < FP8_MMA_UNROLL; u++) {
+#pragma unroll
+            for (int c = 0; c < 2; c++) {
+                int i = (kb0 + u * FP8_MMA_WARPS) * 8 + c * 4 + t;
+                bool in = i < k16;
+                wv[u][c][0] = in ? ld_once16(w16 + wa + i) : make_uint4(0u, 0u, 0u, 0u);
+                wv[u][c][1] = in ? ld_once16(w16 + wb + i) : make_uint4(0u, 0u, 0u, 0u);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < FP8_MMA_UNROLL; u++) {
+            const int kb = kb0 + u * FP8_MMA_WARPS;
+            if (kb >= kblocks) break;
+            float d[NT][4];
+#pragma unroll
+            for (int j = 0; j < NT; j++) {
+#pragma unroll
+                for (int r = 0; r < 4; r++) d[j][r] = 0.0f;
+            }
+#pragma unroll
+            for (int c = 0; c < 2; c++) {
+                int i = kb * 8 + c * 4 + t;
+                bool in = i < k16;
+                unsigned int xa[NT][8];
+#pragma unroll
+                for (int j = 0; j < NT; j++) {
+                    uint4 lo = in ? x16[xr[j] + 2 * i] : make_uint4(0u, 0u, 0u, 0u);
+                    uint4 hi = in ? x16[xr[j] + 2 * i + 1] : make_uint4(0u, 0u, 0u, 0u);
+                    xa[j][0] = lo.x, xa[j][1] = lo.y, xa[j][2] = lo.z, xa[j][3] = lo.w;
+                    xa[j][4] = hi.x, xa[j][5] = hi.y, xa[j][6] = hi.z, xa[j][7] = hi.w;
+                }
+                const unsigned int ra[4] = {wv[u][c][0].x, wv[u][c][0].y, wv[u][c][0].z,
+                                            wv[u][c][0].w};
+                const unsigned int rb[4] = {wv[u][c][1].x, wv[u][c][1].y, wv[u][c][1].z,
+                                            wv[u][c][1].w};
+#pragma unroll
+                for (int st = 0; st < 4; st++) {
+                    const unsigned a[4] = {e4m3x2_to_bf16x2_scaled(ra[st]),
+                                           e4m3x2_to_bf16x2_scaled(rb[st]),
+                                           e4m3x2_to_bf16x2_scaled(ra[st] >> 16),
+                                           e4m3x2_to_bf16x2_scaled(rb[st] >> 16)};
+#pragma unroll
+                    for (int j = 0; j < NT; j++) {
+                        if (BLOCK) {
+                            mma_bf16(d[j], a, xa[j][2 * st], xa[j][2 * st + 1]);
+                        } else {
+                            mma_bf16(acc[j], a, xa[j][2 * st], xa[j][2 * st + 1]);
+                        }
+                    }
+                }
+            }
+            if (BLOCK) {
+                float s = wsr[kb];
+#pragma unroll
+                for (int j = 0; j < NT; j++) {
+#pragma unroll
+                    for (int r = 0; r < 4; r++) acc[j][r] = fmaf(s, d[j][r], acc[j][r]);
+                }
+            }
+        }
+    }
+    // The warps' sums, added in warp order by warp 0: part is [warps][NT][4][32].
+#pragma unroll
+    for (int j = 0; j < NT; j++) {
+#pragma unroll
+        for (int r = 0; r < 4; r++) part[((warp * NT + j) * 4 + r) * 32 + lane] = acc[j][r];
+    }
+    __syncthreads();
+    if (warp != 0) return;
+#pragma unroll
+    for (int j = 0; j < NT; j++) {
+#pragma unroll
+        for (int r = 0; r < 4; r++) {
+            float v = part[(j * 4 + r) * 32 + lane];
+            for (int o = 1; o < FP8_MMA_WARPS; o++) v += part[((o * NT + j) * 4 + r) * 32 + lane];
+            // c0, c1: row g, columns 2t, 2t + 1; c2, c3: row g + 8.
+            const int row = n0 + g + (r >> 1) * 8;
+            const int m = j * 8 + 2 * t + (r & 1);
+            if (row < n && m < rows) {
+                float sc = (BLOCK ? 1.0f : ws[row]) * E4M3_MMA_UNIT;
+                float b = bias != nullptr ? bias[row] : 0.0f;
+                y[(long long)m * ldy + col0 + row] = fmaf(v, sc, b);
+            }
+        }
+    }
+}
+
+#define FP8_MMA_KERNEL(KIND, BLOCK, NT)                                                         \
+    extern "C" __global__ void __launch_bounds__(FP8_MMA_THREADS) fp8_mma_##KIND##_n##NT(       \
+        const bf16* __restrict__ x, const unsigned char* __restrict__ w,                        \
+        const float* __restrict__ ws, int ws_stride, const float* __restrict__ bias,            \
+        float* __restrict__ y, int ldy, int col0, int rows, int n, int k) {                     \
+        __shared__ float part[FP8_MMA_WARPS * NT * 4 * 32];                                     \
+        fp8_mma<NT, BLOCK>(x, w, ws, ws_stride, bias, y, ldy, col0, rows, n, k, part);         \
+    }
+#if FP8_MMA_THREADS != FP8_MMA_WARPS * 32
+#error "fp8_mma_* blocks are FP8_MMA_WARPS warps"
+#endif
+FP8_MMA_KERNEL(block, true, 1)
+FP8_MMA_KERNEL(block, true, 2)
+FP8_MMA_KERNEL(channel, false, 1)
+FP8_MMA_KERNEL(channel, false, 2)
 
 // x as e4m3, rounded to nearest even and saturated to +-448 (NaN stays NaN), as PyTorch's
 // clamp-then-cast quantizers and the host's f32_to_e4m3 do. sm_89 and later convert in one
