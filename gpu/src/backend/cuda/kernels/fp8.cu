@@ -37,7 +37,10 @@ __device__ __forceinline__ unsigned int e4m3x2_to_f16x2_lo(unsigned int v) {
 // sm_89 and later convert a pair in one instruction, exactly (no 2^-8): an H200's batch-1
 // FP8 step spent 69% of its time in fp8_gemv_block_m1 at 61% of the copy bandwidth, about
 // 80 instructions a 16-byte load, half of them this widening; the instruction takes 7 of
-// them a pair to 3 with the f32 conversions.
+// them a pair to 3 with the f32 conversions. ptxas 13.0 for sm_90 now gives the one-row
+// kernel's loop 501 instructions for its 8 loads a lane (63 a load: 16 FFMA, 16 HADD2 to
+// f32, 8 F2FP), fp8_mma_block_n1's 512 for as many (64: 8 F2FP, 16 shifts and masks to
+// bf16, 2 HMMA) but for up to 8 rows rather than 1.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
 #define E4M3_HW_CVT 1
 #endif
@@ -50,6 +53,20 @@ __device__ __forceinline__ unsigned int e4m3x2_to_f16x2_hw(unsigned int v) {
     return r;
 #else
     return e4m3x2_to_f16x2_lo(v);
+#endif
+}
+
+// The same for the high two bytes of v: the halves split inside the asm, so the conversion
+// reads the upper half of the register itself (no shift before it).
+__device__ __forceinline__ unsigned int e4m3x2_hi_to_f16x2_hw(unsigned int v) {
+#ifdef E4M3_HW_CVT
+    unsigned int r;
+    asm("{\n\t.reg .b16 l, h;\n\tmov.b32 {l, h}, %1;\n\tcvt.rn.f16x2.e4m3x2 %0, h;\n\t}"
+        : "=r"(r)
+        : "r"(v));
+    return r;
+#else
+    return e4m3x2_to_f16x2_lo(v >> 16);
 #endif
 }
 
@@ -78,7 +95,7 @@ __device__ __forceinline__ void widen16(uint4 v, float* f) {
 #pragma unroll
     for (int j = 0; j < 4; j++) {
         f16x2_to_f32(e4m3x2_to_f16x2_hw(words[j]), f[4 * j], f[4 * j + 1]);
-        f16x2_to_f32(e4m3x2_to_f16x2_hw(words[j] >> 16), f[4 * j + 2], f[4 * j + 3]);
+        f16x2_to_f32(e4m3x2_hi_to_f16x2_hw(words[j]), f[4 * j + 2], f[4 * j + 3]);
     }
 }
 
@@ -340,22 +357,21 @@ FP8_NORM_SILU_KERNEL(channel, false, 2, 2)
 FP8_NORM_ROPE_KERNEL(channel, false, 1, 3)
 FP8_NORM_ROPE_KERNEL(channel, false, 2, 2)
 
-// Two e4m3 bytes (the low two of v) as bf16x2 of value * 2^-112 (and the 2^-8 of
-// e4m3x2_to_f16x2_lo where the instruction is missing, E4M3_UNIT): the exact f16 pair (every
-// e4m3 value is a normal f16, or zero) with its exponent and top mantissa bits moved into
-// bf16's places. Exponent fields stay as they are, 15 biases apart from bf16's 127: 2^-112.
-// Every e4m3 value lands on a normal bf16 or zero, and the 3 mantissa bits fit.
-__device__ __forceinline__ unsigned int e4m3x2_to_bf16x2_scaled(unsigned int v) {
-    unsigned int h = e4m3x2_to_f16x2_hw(v);
+// An f16x2 pair widened from e4m3 (e4m3x2_to_f16x2_hw) as bf16x2 of value * 2^-112 (and the
+// 2^-8 of e4m3x2_to_f16x2_lo where the instruction is missing, E4M3_UNIT): every e4m3 value
+// is a normal f16, or zero, whose exponent and top mantissa bits move into bf16's places
+// (the exponent field as it is, 15 biases apart from bf16's 127: 2^-112), landing on a normal
+// bf16 or zero; the 3 mantissa bits fit. Exact.
+__device__ __forceinline__ unsigned int f16x2_to_bf16x2_scaled(unsigned int h) {
     return ((h >> 3) & 0x0fff0fffu) | (h & 0x80008000u);
 }
 
-// 2^112, the scale e4m3x2_to_bf16x2_scaled takes off, times its E4M3_UNIT.
+// 2^112, the scale f16x2_to_bf16x2_scaled takes off, times E4M3_UNIT.
 #define E4M3_MMA_UNIT (5.192296858534828e33f * E4M3_UNIT)
 
 // fp8_mma_*: fp8_gemv_*'s product (same arguments, same result up to the order of
 // summation) for 1 to 8 rows (NT = 1) or 9 to 16 (NT = 2) on the tensor cores: bf16 mma
-// m16n8k16, the weights widened exactly (e4m3x2_to_bf16x2_scaled, a 2^-112 taken off at the
+// m16n8k16, the weights widened exactly (f16x2_to_bf16x2_scaled, a 2^-112 taken off at the
 // end), the activations read as bf16 as they are, f32 sums. A block is FP8_MMA_WARPS warps
 // over 16 weight rows, warp w taking k blocks of 128 w, w + FP8_MMA_WARPS, ...; their sums
 // are added in warp order (deterministic) and written by warp 0. Grid (ceil(n / 16)).
@@ -382,13 +398,17 @@ __device__ __forceinline__ void fp8_mma(const bf16* __restrict__ x,
     const int n0 = blockIdx.x * 16;
     const int k16 = k >> 4;
     const int kblocks = (k + 127) >> 7;
-    const uint4* w16 = reinterpret_cast<const uint4*>(w);
-    const uint4* x16 = reinterpret_cast<const uint4*>(x);
-    const long long wa = (long long)min(n0 + g, n - 1) * k16;
-    const long long wb = (long long)min(n0 + g + 8, n - 1) * k16;
-    long long xr[NT];
+    // The lane's rows of w and x, at its first 16 bytes (chunk t of a k block); chunk i of
+    // the row is then pa[i - t] (16-byte units; x's two a chunk).
+    const uint4* pa = reinterpret_cast<const uint4*>(w) + (long long)min(n0 + g, n - 1) * k16 + t;
+    const uint4* pb =
+        reinterpret_cast<const uint4*>(w) + (long long)min(n0 + g + 8, n - 1) * k16 + t;
+    const uint4* px[NT];
 #pragma unroll
-    for (int j = 0; j < NT; j++) xr[j] = (long long)min(j * 8 + g, rows - 1) * 2 * k16;
+    for (int j = 0; j < NT; j++) {
+        px[j] = reinterpret_cast<const uint4*>(x) + (long long)min(j * 8 + g, rows - 1) * 2 * k16 +
+                2 * t;
+    }
     const float* wsr = ws + (BLOCK ? (n0 >> 7) * ws_stride : 0);
     float acc[NT][4];
 #pragma unroll
@@ -399,10 +419,10 @@ __device__ __forceinline__ void fp8_mma(const bf16* __restrict__ x,
     pdl_trigger();
 #pragma unroll
     for (int c = 0; c < 2; c++) {
-        int i = warp * 8 + c * 4 + t;
-        if (i < k16) {
-            prefetch_l2(w16 + wa + i);
-            prefetch_l2(w16 + wb + i);
+        int i = warp * 8 + c * 4;
+        if (i + t < k16) {
+            prefetch_l2(pa + i);
+            prefetch_l2(pb + i);
         }
     }
     pdl_wait();
@@ -413,10 +433,10 @@ __device__ __forceinline__ void fp8_mma(const bf16* __restrict__ x,
         for (int u = 0; u < FP8_MMA_UNROLL; u++) {
 #pragma unroll
             for (int c = 0; c < 2; c++) {
-                int i = (kb0 + u * FP8_MMA_WARPS) * 8 + c * 4 + t;
-                bool in = i < k16;
-                wv[u][c][0] = in ? ld_once16(w16 + wa + i) : make_uint4(0u, 0u, 0u, 0u);
-                wv[u][c][1] = in ? ld_once16(w16 + wb + i) : make_uint4(0u, 0u, 0u, 0u);
+                int i = (kb0 + u * FP8_MMA_WARPS) * 8 + c * 4;
+                bool in = i + t < k16;
+                wv[u][c][0] = in ? ld_once16(pa + i) : make_uint4(0u, 0u, 0u, 0u);
+                wv[u][c][1] = in ? ld_once16(pb + i) : make_uint4(0u, 0u, 0u, 0u);
             }
         }
 #pragma unroll
@@ -431,13 +451,13 @@ __device__ __forceinline__ void fp8_mma(const bf16* __restrict__ x,
             }
 #pragma unroll
             for (int c = 0; c < 2; c++) {
-                int i = kb * 8 + c * 4 + t;
-                bool in = i < k16;
+                int i = kb * 8 + c * 4;
+                bool in = i + t < k16;
                 unsigned int xa[NT][8];
 #pragma unroll
                 for (int j = 0; j < NT; j++) {
-                    uint4 lo = in ? x16[xr[j] + 2 * i] : make_uint4(0u, 0u, 0u, 0u);
-                    uint4 hi = in ? x16[xr[j] + 2 * i + 1] : make_uint4(0u, 0u, 0u, 0u);
+                    uint4 lo = in ? px[j][2 * i] : make_uint4(0u, 0u, 0u, 0u);
+                    uint4 hi = in ? px[j][2 * i + 1] : make_uint4(0u, 0u, 0u, 0u);
                     xa[j][0] = lo.x, xa[j][1] = lo.y, xa[j][2] = lo.z, xa[j][3] = lo.w;
                     xa[j][4] = hi.x, xa[j][5] = hi.y, xa[j][6] = hi.z, xa[j][7] = hi.w;
                 }
@@ -447,10 +467,11 @@ __device__ __forceinline__ void fp8_mma(const bf16* __restrict__ x,
                                             wv[u][c][1].w};
 #pragma unroll
                 for (int st = 0; st < 4; st++) {
-                    const unsigned a[4] = {e4m3x2_to_bf16x2_scaled(ra[st]),
-                                           e4m3x2_to_bf16x2_scaled(rb[st]),
-                                           e4m3x2_to_bf16x2_scaled(ra[st] >> 16),
-                                           e4m3x2_to_bf16x2_scaled(rb[st] >> 16)};
+                    const unsigned a[4] = {
+                        f16x2_to_bf16x2_scaled(e4m3x2_to_f16x2_hw(ra[st])),
+                        f16x2_to_bf16x2_scaled(e4m3x2_to_f16x2_hw(rb[st])),
+                        f16x2_to_bf16x2_scaled(e4m3x2_hi_to_f16x2_hw(ra[st])),
+                        f16x2_to_bf16x2_scaled(e4m3x2_hi_to_f16x2_hw(rb[st]))};
 #pragma unroll
                     for (int j = 0; j < NT; j++) {
                         if (BLOCK) {
