@@ -274,67 +274,65 @@ FP8_GEMV_KERNEL(channel, false, 4)
 
 // The fused forms, with skinny_silu_m*'s, skinny_rope_m*'s and skinny_norm*'s arguments, w
 // as (w, ws, ws_stride). Grids: fp8_gemv_*'s, and ceil(n / (FP8_THREADS / 32)) for SILU.
-// MIN_BLOCKS (3 blocks an SM for one row, 2 for two) keeps ptxas from holding registers to
-// a higher occupancy by spilling a few bytes around the epilogue's calls (division, sincos),
-// as it did on sm_80 to sm_100 without it.
-#define FP8_SILU_KERNEL(KIND, BLOCK, M, MIN_BLOCKS)                                                \
-    extern "C" __global__ void __launch_bounds__(FP8_THREADS, MIN_BLOCKS) fp8_silu_##KIND##_m##M(  \
-        const bf16* __restrict__ x, const unsigned char* __restrict__ w,                        \
-        const float* __restrict__ ws, int ws_stride, bf16* __restrict__ act, int rows, int n,   \
-        int k) {                                                                                \
-        fp8_gemv<M, BLOCK, true, false>(x, w, ws, ws_stride, nullptr, nullptr, n, 0, act,      \
-                                        rows, n, k, nullptr, nullptr, nullptr);                \
+// MINB, the least blocks an SM (3 for one row, 2 for two), keeps ptxas from holding
+// registers to a higher occupancy by spilling a few bytes around the epilogue's calls
+// (division, sincos), as it did on sm_80 to sm_100 without it.
+#define FP8_SILU_KERNEL(KIND, BLOCK, M, MINB)                                                      \
+    extern "C" __global__ void __launch_bounds__(FP8_THREADS, MINB) fp8_silu_##KIND##_m##M(        \
+        const bf16* __restrict__ x, const unsigned char* __restrict__ w,                           \
+        const float* __restrict__ ws, int ws_stride, bf16* __restrict__ act, int rows, int n,      \
+        int k) {                                                                                   \
+        fp8_gemv<M, BLOCK, true, false>(x, w, ws, ws_stride, nullptr, nullptr, n, 0, act,          \
+                                        rows, n, k, nullptr, nullptr, nullptr);                    \
     }
-#define FP8_ROPE_KERNEL(KIND, BLOCK, M, MIN_BLOCKS)                                                \
-    extern "C" __global__ void __launch_bounds__(FP8_THREADS, MIN_BLOCKS) fp8_rope_##KIND##_m##M(  \
-        const bf16* __restrict__ x, const unsigned char* __restrict__ w,                        \
-        const float* __restrict__ ws, int ws_stride, const float* __restrict__ bias,            \
-        float* __restrict__ y, const int* __restrict__ positions,                               \
-        const float* __restrict__ inv_freq, const int* __restrict__ slots,                      \
-        bf16* __restrict__ k_cache, bf16* __restrict__ v_cache, int nq, int nkv, int d,         \
-        int rows, int n, int k) {                                                               \
-        RopeIn rope = {positions, inv_freq, slots, k_cache, v_cache, nq, nkv, d};               \
-        fp8_gemv<M, BLOCK, false, true>(x, w, ws, ws_stride, bias, y, n, 0, nullptr, rows, n,  \
-                                        k, nullptr, nullptr, &rope);                           \
+#define FP8_ROPE_KERNEL(KIND, BLOCK, M, MINB)                                                      \
+    extern "C" __global__ void __launch_bounds__(FP8_THREADS, MINB) fp8_rope_##KIND##_m##M(        \
+        const bf16* __restrict__ x, const unsigned char* __restrict__ w,                           \
+        const float* __restrict__ ws, int ws_stride, const float* __restrict__ bias,               \
+        float* __restrict__ y, const int* __restrict__ positions,                                  \
+        const float* __restrict__ inv_freq, const int* __restrict__ slots,                         \
+        bf16* __restrict__ k_cache, bf16* __restrict__ v_cache, int nq, int nkv, int d,            \
+        int rows, int n, int k) {                                                                  \
+        RopeIn rope = {positions, inv_freq, slots, k_cache, v_cache, nq, nkv, d};                  \
+        fp8_gemv<M, BLOCK, false, true>(x, w, ws, ws_stride, bias, y, n, 0, nullptr, rows, n,      \
+                                        k, nullptr, nullptr, &rope);                               \
     }
-#define FP8_NORM_KERNEL(KIND, BLOCK, M, MIN_BLOCKS)                                                \
-    extern "C" __global__ void __launch_bounds__(FP8_THREADS, MIN_BLOCKS) fp8_norm_##KIND##_m##M(  \
-        const float* __restrict__ res_in, const float* __restrict__ delta,                      \
-        const float* __restrict__ norm_w, float eps, float* __restrict__ res_out,               \
-        const unsigned char* __restrict__ w, const float* __restrict__ ws, int ws_stride,       \
-        const float* __restrict__ bias, float* __restrict__ y, int rows, int n, int k) {        \
-        __shared__ __align__(16) bf16 xs[M * NORM_MAX];                                         \
-        NormIn norm = {res_in, delta, norm_w, res_out, eps};                                    \
-        fp8_gemv<M, BLOCK, false, false>(nullptr, w, ws, ws_stride, bias, y, n, 0, nullptr,    \
-                                         rows, n, k, &norm, xs, nullptr);                      \
+#define FP8_NORM_KERNEL(KIND, BLOCK, M, MINB)                                                      \
+    extern "C" __global__ void __launch_bounds__(FP8_THREADS, MINB) fp8_norm_##KIND##_m##M(        \
+        const float* __restrict__ res_in, const float* __restrict__ delta,                         \
+        const float* __restrict__ norm_w, float eps, float* __restrict__ res_out,                  \
+        const unsigned char* __restrict__ w, const float* __restrict__ ws, int ws_stride,          \
+        const float* __restrict__ bias, float* __restrict__ y, int rows, int n, int k) {           \
+        __shared__ __align__(16) bf16 xs[M * NORM_MAX];                                            \
+        NormIn norm = {res_in, delta, norm_w, res_out, eps};                                       \
+        fp8_gemv<M, BLOCK, false, false>(nullptr, w, ws, ws_stride, bias, y, n, 0, nullptr,        \
+                                         rows, n, k, &norm, xs, nullptr);                          \
     }
-#define FP8_NORM_SILU_KERNEL(KIND, BLOCK, M, MIN_BLOCKS)                                           \
-    extern "C" __global__ void __launch_bounds__(FP8_THREADS, MIN_BLOCKS)                          \
-        fp8_norm_silu_##KIND##_m##M(                                                               \
-        const float* __restrict__ res_in, const float* __restrict__ delta,                      \
-        const float* __restrict__ norm_w, float eps, float* __restrict__ res_out,               \
-        const unsigned char* __restrict__ w, const float* __restrict__ ws, int ws_stride,       \
-        bf16* __restrict__ act, int rows, int n, int k) {                                       \
-        __shared__ __align__(16) bf16 xs[M * NORM_MAX];                                         \
-        NormIn norm = {res_in, delta, norm_w, res_out, eps};                                    \
-        fp8_gemv<M, BLOCK, true, false>(nullptr, w, ws, ws_stride, nullptr, nullptr, n, 0,     \
-                                        act, rows, n, k, &norm, xs, nullptr);                  \
+#define FP8_NORM_SILU_KERNEL(KIND, BLOCK, M, MINB)                                                 \
+    extern "C" __global__ void __launch_bounds__(FP8_THREADS, MINB) fp8_norm_silu_##KIND##_m##M(   \
+        const float* __restrict__ res_in, const float* __restrict__ delta,                         \
+        const float* __restrict__ norm_w, float eps, float* __restrict__ res_out,                  \
+        const unsigned char* __restrict__ w, const float* __restrict__ ws, int ws_stride,          \
+        bf16* __restrict__ act, int rows, int n, int k) {                                          \
+        __shared__ __align__(16) bf16 xs[M * NORM_MAX];                                            \
+        NormIn norm = {res_in, delta, norm_w, res_out, eps};                                       \
+        fp8_gemv<M, BLOCK, true, false>(nullptr, w, ws, ws_stride, nullptr, nullptr, n, 0,         \
+                                        act, rows, n, k, &norm, xs, nullptr);                      \
     }
-#define FP8_NORM_ROPE_KERNEL(KIND, BLOCK, M, MIN_BLOCKS)                                           \
-    extern "C" __global__ void __launch_bounds__(FP8_THREADS, MIN_BLOCKS)                          \
-        fp8_norm_rope_##KIND##_m##M(                                                               \
-        const float* __restrict__ res_in, const float* __restrict__ delta,                      \
-        const float* __restrict__ norm_w, float eps, float* __restrict__ res_out,               \
-        const unsigned char* __restrict__ w, const float* __restrict__ ws, int ws_stride,       \
-        const float* __restrict__ bias, float* __restrict__ y,                                  \
-        const int* __restrict__ positions, const float* __restrict__ inv_freq,                  \
-        const int* __restrict__ slots, bf16* __restrict__ k_cache, bf16* __restrict__ v_cache,  \
-        int nq, int nkv, int d, int rows, int n, int k) {                                       \
-        __shared__ __align__(16) bf16 xs[M * NORM_MAX];                                         \
-        NormIn norm = {res_in, delta, norm_w, res_out, eps};                                    \
-        RopeIn rope = {positions, inv_freq, slots, k_cache, v_cache, nq, nkv, d};               \
-        fp8_gemv<M, BLOCK, false, true>(nullptr, w, ws, ws_stride, bias, y, n, 0, nullptr,     \
-                                        rows, n, k, &norm, xs, &rope);                         \
+#define FP8_NORM_ROPE_KERNEL(KIND, BLOCK, M, MINB)                                                 \
+    extern "C" __global__ void __launch_bounds__(FP8_THREADS, MINB) fp8_norm_rope_##KIND##_m##M(   \
+        const float* __restrict__ res_in, const float* __restrict__ delta,                         \
+        const float* __restrict__ norm_w, float eps, float* __restrict__ res_out,                  \
+        const unsigned char* __restrict__ w, const float* __restrict__ ws, int ws_stride,          \
+        const float* __restrict__ bias, float* __restrict__ y,                                     \
+        const int* __restrict__ positions, const float* __restrict__ inv_freq,                     \
+        const int* __restrict__ slots, bf16* __restrict__ k_cache, bf16* __restrict__ v_cache,     \
+        int nq, int nkv, int d, int rows, int n, int k) {                                          \
+        __shared__ __align__(16) bf16 xs[M * NORM_MAX];                                            \
+        NormIn norm = {res_in, delta, norm_w, res_out, eps};                                       \
+        RopeIn rope = {positions, inv_freq, slots, k_cache, v_cache, nq, nkv, d};                  \
+        fp8_gemv<M, BLOCK, false, true>(nullptr, w, ws, ws_stride, bias, y, n, 0, nullptr,         \
+                                        rows, n, k, &norm, xs, &rope);                             \
     }
 FP8_SILU_KERNEL(block, true, 1, 3)
 FP8_SILU_KERNEL(block, true, 2, 2)
