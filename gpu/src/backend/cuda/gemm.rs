@@ -114,8 +114,10 @@ impl Products<'_> {
         }
     }
 
-    /// `gate_up_silu` for a dense layer's product: an FP8 one of few rows in one fused
-    /// `fp8_silu_*` launch where it can (`fuses`), else its products and `silu_mul`.
+    /// An MLP's `act = silu(x · gateᵀ) · (x · upᵀ)` in bf16 from its stacked gate/up
+    /// projection (`2 * inter` outputs): one skinny kernel that never writes the products
+    /// where `fuses` holds (bf16 skinny, or an FP8 product of one FP8 part), else the
+    /// products into `products` and `silu_mul`.
     pub fn gate_up_silu_proj(
         &self,
         gate_up: &Linear,
@@ -124,60 +126,25 @@ impl Products<'_> {
         products: &mut CudaSlice<f32>,
         act: &mut CudaSlice<u16>,
     ) -> Result<()> {
-        let l = match gate_up {
-            Linear::Bf16(l) => return self.gate_up_silu(l, m, x, products, act),
-            Linear::Fp8(l) => l,
-        };
+        let (out, inp) = gate_up.shape();
         if self.fuses(gate_up, m, Fused::Silu) {
+            let (w, _, _, _) = skinny_weights(gate_up)?;
             return SkinnyGemm {
                 x: SkinnyIn::X(x),
-                w: fp8_whole(l)?,
+                w,
                 out: SkinnyOut::SiluMul { act },
                 rows: m,
-                n: l.out / 2,
-                k: l.inp,
+                n: out / 2,
+                k: inp,
             }
             .launch(self.k, self.s);
         }
-        self.fp8()?.linear(l, m, x, products)?;
+        self.proj(gate_up, m, x, products)?;
         SiluMul {
             gate_up: products,
             out: act,
             rows: m,
-            inter: l.out / 2,
-        }
-        .launch(self.k, self.s)
-    }
-
-    /// An MLP's `act = silu(x · gateᵀ) · (x · upᵀ)` in bf16 from its stacked gate/up
-    /// projection (`gate_up`, `2 * inter` outputs, no bias): one skinny kernel that never
-    /// writes the products, or the products into `gate_up` and `silu_mul`.
-    pub fn gate_up_silu(
-        &self,
-        gate_up: &DevLinear,
-        m: usize,
-        x: &CudaSlice<u16>,
-        products: &mut CudaSlice<f32>,
-        act: &mut CudaSlice<u16>,
-    ) -> Result<()> {
-        let inter = gate_up.out / 2;
-        if gate_up.bias.is_none() && gate_up.out.is_multiple_of(2) && self.skinny(m, gate_up.inp) {
-            return SkinnyGemm {
-                x: SkinnyIn::X(x),
-                w: SkinnyW::Bf16(&gate_up.w),
-                out: SkinnyOut::SiluMul { act },
-                rows: m,
-                n: inter,
-                k: gate_up.inp,
-            }
-            .launch(self.k, self.s);
-        }
-        self.linear(gate_up, m, x, products)?;
-        SiluMul {
-            gate_up: products,
-            out: act,
-            rows: m,
-            inter,
+            inter: out / 2,
         }
         .launch(self.k, self.s)
     }
@@ -188,11 +155,7 @@ impl Products<'_> {
     pub fn fuses(&self, l: &Linear, m: usize, f: Fused) -> bool {
         let normed = matches!(f, Fused::Norm | Fused::NormSilu);
         let silu = matches!(f, Fused::Silu | Fused::NormSilu);
-        let (out, bias) = match l {
-            Linear::Bf16(l) => (l.out, l.bias.is_some()),
-            Linear::Fp8(l) => (l.out, l.bias.is_some()),
-        };
-        if silu && (bias || !out.is_multiple_of(2)) {
+        if silu && (l.has_bias() || !l.shape().0.is_multiple_of(2)) {
             return false;
         }
         match l {

@@ -159,13 +159,7 @@ impl CudaHybridBackend {
                 per_slot >> 20
             );
         }
-        let fp8 = super::load::fp8_ctx(
-            &ctx,
-            &stream,
-            cfg,
-            plan.tokens,
-            (opts.fp8_f32_out, opts.fp8_mma),
-        )?;
+        let fp8 = super::load::fp8_ctx(&ctx, &stream, cfg, plan.tokens, &opts)?;
         let (mut k, _arch) = Kernels::load(&ctx)?;
         let blas = CudaBlas::new(stream.clone())
             .map_err(|e| EngineError::device("cuBLAS initialisation", e))?;

@@ -75,13 +75,7 @@ impl CudaBackend {
         }
         let num_blocks = plan.blocks(kv, ordinal, free, total)?;
 
-        let fp8 = fp8_ctx(
-            &ctx,
-            &stream,
-            cfg,
-            plan.tokens,
-            (opts.fp8_f32_out, opts.fp8_mma),
-        )?;
+        let fp8 = fp8_ctx(&ctx, &stream, cfg, plan.tokens, &opts)?;
         let (mut k, arch) = Kernels::load(&ctx)?;
         let blas = CudaBlas::new(stream.clone())
             .map_err(|e| EngineError::device("cuBLAS initialisation", e))?;
@@ -189,7 +183,7 @@ pub(super) fn fp8_ctx(
     stream: &Arc<cudarc::driver::CudaStream>,
     cfg: &ModelConfig,
     tokens: usize,
-    (f32_out, mma): (bool, bool),
+    opts: &crate::backend::CudaOptions,
 ) -> Result<Option<Fp8Ctx>> {
     if cfg.quantization.is_none() {
         return Ok(None);
@@ -198,7 +192,7 @@ pub(super) fn fp8_ctx(
         .compute_capability()
         .map_err(|e| drv("compute capability query", e))?;
     fp8::refuse_device(cfg, cc, Fp8Ctx::lt_version()?)?;
-    Fp8Ctx::new(stream, cfg, tokens, f32_out).map(|c| Some(c.with_mma(mma)))
+    Fp8Ctx::new(stream, cfg, tokens, opts.fp8_f32_out).map(|c| Some(c.with_mma(opts.fp8_mma)))
 }
 
 /// What the backend cannot run, refused before any device memory is touched.

@@ -28,6 +28,22 @@ pub enum Linear {
 }
 
 impl Linear {
+    /// Outputs and inputs: `[out, inp]`.
+    pub fn shape(&self) -> (usize, usize) {
+        match self {
+            Linear::Bf16(l) => (l.out, l.inp),
+            Linear::Fp8(l) => (l.out, l.inp),
+        }
+    }
+
+    /// Whether it adds a bias.
+    pub fn has_bias(&self) -> bool {
+        match self {
+            Linear::Bf16(l) => l.bias.is_some(),
+            Linear::Fp8(l) => l.bias.is_some(),
+        }
+    }
+
     /// Bytes a decode step reads.
     pub(super) fn step_bytes(&self) -> usize {
         match self {
