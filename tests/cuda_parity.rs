@@ -33,7 +33,9 @@
 //!   through a `kvmesh node` with both roles on one GPU, whole and split, and between two
 //!   processes by CUDA IPC (`cuda/handover.rs`);
 //! - Qwen3.5's decode steps through CUDA graphs, padded to their bucket, against eager
-//!   steps (`cuda/hybrid_graphs.rs`).
+//!   steps (`cuda/hybrid_graphs.rs`);
+//! - Qwen3's q/k norms taken into the q/k/v product's rotary epilogue, bf16 and FP8, bit for
+//!   bit with `rope_kv_write`'s launch at 1-3 rows (`cuda/fused_rope.rs`).
 #![cfg(feature = "cuda")]
 
 mod common;
@@ -41,6 +43,8 @@ mod common;
 mod fp8_fused;
 #[path = "cuda/fp8_twin.rs"]
 mod fp8_twin;
+#[path = "cuda/fused_rope.rs"]
+mod fused_rope;
 #[path = "cuda/handover.rs"]
 mod handover;
 #[path = "cuda/hybrid.rs"]
@@ -513,8 +517,8 @@ fn long_prompts_match_the_cpu_for_every_head_dimension() {
             (w, forward(g.as_mut(), &next, 700, &table))
         };
         // The norms as the products' prologue, and the rotary embedding with the K/V write
-        // as the q/k/v product's epilogue (Qwen3's q/k norms keep their own launch), compute
-        // the same bits as their own launches.
+        // as the q/k/v product's epilogue (Qwen3's q/k norms too), compute the same bits as
+        // their own launches.
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         for (what, fuse_norms, fuse_rope) in [
             ("the norms", true, false),

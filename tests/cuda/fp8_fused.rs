@@ -49,8 +49,8 @@ fn fp8_fused_products_equal_the_launches_they_replace() {
     }
 }
 
-/// Decode steps of the dense FP8 fixtures with the norms, and the rotary embedding where a
-/// model has no q/k norm, fused into the FP8 products give the bits of the separate
+/// Decode steps of the dense FP8 fixtures with the norms and the rotary embedding (q/k
+/// norms included: `fused_rope.rs`) fused into the FP8 products give the bits of the separate
 /// launches, and so does the step after (which reads the K/V the fused step wrote). Each
 /// layer fuses what its products' kernels take: a product of several parts (block-scaled
 /// parts whose rows are no multiple of 128, or an unquantized `up_proj` beside an FP8

@@ -94,8 +94,8 @@ struct Args {
     /// prologue (see `CudaOptions::fuse_norms`).
     #[arg(long)]
     fuse_norms: bool,
-    /// Decode steps of few rows rotate q and k and write the new K/V in the q/k/v product's
-    /// epilogue (see `CudaOptions::fuse_rope`).
+    /// Decode steps of few rows normalise (q/k norms) and rotate q and k and write the new
+    /// K/V in the q/k/v product's epilogue (see `CudaOptions::fuse_rope`).
     #[arg(long)]
     fuse_rope: bool,
     /// Steps with prompts run a hybrid model's Gated DeltaNet layers through the scan path

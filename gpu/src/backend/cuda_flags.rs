@@ -14,7 +14,7 @@ pub const CUDA_OPTIONS: [(&str, &str); 9] = [
     ),
     (
         "fuse-rope",
-        "decode steps rotate q and k and write the new K/V in the q/k/v product's epilogue",
+        "decode steps normalise (q/k norms) and rotate q and k and write the new K/V in the q/k/v product's epilogue",
     ),
     (
         "prefill-graphs",

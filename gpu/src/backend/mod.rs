@@ -63,8 +63,9 @@ pub struct CudaOptions {
     /// Whether a decode step of at most `skinny_max_rows` rows (2 for FP8 products) takes
     /// the rotary embedding and the new K/V's write to the cache as its q/k/v product's
     /// epilogue (`skinny_rope*`, `fp8_rope*`, bit for bit as `rope_kv_write`), one launch
-    /// fewer a layer, for models without a q/k norm (Qwen3's stays a launch of its own).
-    /// Off by default until a GPU run has measured it (`gpu-bench --fuse-rope`).
+    /// fewer a layer. Qwen3's q/k norms come with it: the last warp to finish a head's
+    /// pairs normalises and rotates the head. Off by default until a GPU run has measured
+    /// it (`gpu-bench --fuse-rope`).
     pub fuse_rope: bool,
     /// Whether steps with prompts run a hybrid model's Gated DeltaNet layers through the
     /// scan path (`cuda::delta`: the recurrence with each value column over 4 threads, the

@@ -143,6 +143,9 @@ pub struct Workspace {
     /// A split decode's tickets: a counter per (sequence, q head) that the blocks of its
     /// splits count up and the last one sets back to 0, so zero between steps.
     pub ticks: CudaSlice<i32>,
+    /// A fused q/k/v product's tickets (`skinny::RopeIn`): a counter per q and k head that
+    /// the warps of its rotation pairs count up and the last one sets back to 0.
+    pub rope_ticks: CudaSlice<i32>,
 }
 
 impl Workspace {
@@ -155,7 +158,7 @@ impl Workspace {
         }
         cap * (4 * f32s + 2 * bf16s)
             + 4 * Self::part_len(c)
-            + 4 * Self::ticks_len(c)
+            + 4 * (Self::ticks_len(c) + c.num_heads + c.num_kv_heads)
             + 4 * NORM_ROWS * c.hidden_size
     }
 
@@ -194,6 +197,9 @@ impl Workspace {
             part: f(Self::part_len(c))?,
             ticks: stream
                 .alloc_zeros::<i32>(Self::ticks_len(c))
+                .map_err(|e| drv(&format!("activations for {cap} tokens"), e))?,
+            rope_ticks: stream
+                .alloc_zeros::<i32>(c.num_heads + c.num_kv_heads)
                 .map_err(|e| drv(&format!("activations for {cap} tokens"), e))?,
         })
     }

@@ -89,8 +89,8 @@ impl CudaBackend {
     /// Which products of a step of `tokens` rows take the residual add and norm before
     /// them as their prologue (`CudaOptions::fuse_norms`: each layer's gate/up product, and
     /// its q/k/v product past the first layer), and which layers' q/k/v products rotate q
-    /// and k and write the new K/V as their epilogue (`CudaOptions::fuse_rope`; not layers
-    /// with q/k norms): those whose products have such kernels (bf16 skinny ones, or FP8
+    /// and k (after their q/k norms, where a layer has them) and write the new K/V as their
+    /// epilogue (`CudaOptions::fuse_rope`): those whose products have such kernels (bf16 skinny ones, or FP8
     /// products of one FP8 part; `Products::fuses`). Layers decide one by one, so a layer
     /// that cannot (an FP8 product with an unquantized part) costs only its own launches.
     pub fn fused_decode(&self, tokens: usize) -> FusedProducts {
@@ -232,10 +232,10 @@ impl Fusions {
         self.norms && mm.fuses(&l.gate_up_proj, self.tokens, Fused::NormSilu)
     }
 
-    /// Whether layer `l`'s q/k/v product rotates q and k and writes the new K/V itself
-    /// (layers without q/k norms).
+    /// Whether layer `l`'s q/k/v product normalises (q/k norms) and rotates q and k and
+    /// writes the new K/V itself.
     fn rotates(&self, mm: &Products, l: &DevLayer) -> bool {
-        self.rope && l.q_norm.is_none() && mm.fuses(&l.qkv_proj, self.tokens, Fused::Rope)
+        self.rope && mm.fuses(&l.qkv_proj, self.tokens, Fused::Rope)
     }
 }
 
@@ -298,8 +298,8 @@ impl Pass<'_> {
     ) -> Result<bool> {
         let (cfg, t) = (self.cfg, self.dims.tokens);
         // Per-head rotary embedding (Qwen3: after a norm of each q and k head), then the new
-        // K/V into the cache: the product's epilogue under `fuse_rope` where there is no
-        // such norm, else a launch of its own.
+        // K/V into the cache: the product's epilogue under `fuse_rope`, else a launch of its
+        // own.
         let norms = match (&layer.q_norm, &layer.k_norm) {
             (Some(q_w), Some(k_w)) => Some((q_w, k_w, cfg.rms_norm_eps)),
             (None, None) => None,
@@ -316,6 +316,8 @@ impl Pass<'_> {
             k_cache: &mut kv.k[li],
             v_cache: &mut kv.v[li],
             heads: self.heads,
+            norms,
+            ticks: &mut ws.rope_ticks,
         });
         let rotated = rope.is_some();
         let mut swaps = false;

@@ -27,8 +27,8 @@ pub enum SkinnyOut<'a> {
         act: &'a mut CudaSlice<u16>,
     },
     /// `Sums` of a layer's q/k/v product (`n` = `rope.heads.row()`), each q and k head
-    /// rotated and the new K and V written to the cache at each row's slot, as
-    /// `rope_kv_write` (without a q/k norm) leaves them: one row a token.
+    /// normalised (when the layer has q/k norms) and rotated, and the new K and V written to
+    /// the cache at each row's slot, as `rope_kv_write` leaves them: one row a token.
     Rope {
         y: &'a mut CudaSlice<f32>,
         bias: Option<&'a CudaSlice<f32>>,
@@ -38,15 +38,15 @@ pub enum SkinnyOut<'a> {
 
 impl<'a> SkinnyOut<'a> {
     /// Pushes the output's arguments of a kernel `name` over `rows` rows of `n` (checking
-    /// that the buffers hold them); returns the weight rows one block covers. `heads` are
-    /// a rotated product's head counts and size, as `i32`s.
+    /// that the buffers hold them); returns the weight rows one block covers. `scalars` are
+    /// a rotated product's head counts and size, as `i32`s, and its q/k norms' epsilon.
     fn push(
         self,
         b: &mut Launch<'a>,
         name: &'static str,
         rows: usize,
         n: usize,
-        heads: &'a [i32; 3],
+        scalars: &'a ([i32; 3], f32),
     ) -> Result<usize> {
         let bias_arg = |b: &mut Launch<'a>, bias: Option<&'a CudaSlice<f32>>| -> Result<()> {
             match bias {
@@ -84,6 +84,7 @@ impl<'a> SkinnyOut<'a> {
                 holds(name, "positions", rope.inputs.positions.len(), rows)?;
                 holds(name, "slots", rope.inputs.slots.len(), rows)?;
                 holds(name, "inv_freq", rope.inv_freq.len(), h.dim / 2)?;
+                holds(name, "ticks", rope.ticks.len(), h.q + h.kv)?;
                 bias_arg(b, bias)?;
                 b.arg(y)
                     .arg(&rope.inputs.positions)
@@ -91,6 +92,18 @@ impl<'a> SkinnyOut<'a> {
                     .arg(&rope.inputs.slots)
                     .arg(rope.k_cache)
                     .arg(rope.v_cache);
+                match rope.norms {
+                    Some((q_w, k_w, _)) => {
+                        holds(name, "q_w", q_w.len(), h.dim)?;
+                        holds(name, "k_w", k_w.len(), h.dim)?;
+                        b.arg(q_w).arg(k_w);
+                    }
+                    None => {
+                        b.arg(Null).arg(Null);
+                    }
+                }
+                let (heads, eps) = scalars;
+                b.arg(eps).arg(rope.ticks);
                 b.arg(&heads[0]).arg(&heads[1]).arg(&heads[2]);
                 shapes::SKINNY_ROWS_PER_BLOCK
             }
@@ -99,13 +112,18 @@ impl<'a> SkinnyOut<'a> {
 }
 
 /// What `SkinnyOut::Rope` rotates by and writes to: the step's positions and slots, the
-/// frequency table, and the layer's cache.
+/// frequency table, the layer's cache, and its q/k norms (weights and epsilon; Qwen3) if
+/// it has them.
 pub struct RopeIn<'a> {
     pub inputs: &'a StepInputs,
     pub inv_freq: &'a CudaSlice<f32>,
     pub k_cache: &'a mut CudaSlice<u16>,
     pub v_cache: &'a mut CudaSlice<u16>,
     pub heads: Heads,
+    pub norms: Option<(&'a CudaSlice<f32>, &'a CudaSlice<f32>, f32)>,
+    /// A ticket per q and k head, zero between launches (`Workspace::rope_ticks`): with
+    /// norms, the last of a head's warps normalises and rotates it (`kernels/skinny.cu`).
+    pub ticks: &'a mut CudaSlice<i32>,
 }
 
 /// A skinny product's input: bf16 rows, or the residual add and RMSNorm that produce them,
@@ -283,13 +301,17 @@ impl SkinnyGemm<'_> {
             _ => 0,
         };
         let stride_arg = i32::try_from(stride).map_err(|_| too_big("scale stride"))?;
-        // A rotated product's head counts and size, alive until the launch.
-        let heads_args = match &self.out {
+        // A rotated product's head counts and size, and its q/k norms' epsilon, alive until
+        // the launch.
+        let rope_args = match &self.out {
             SkinnyOut::Rope { rope, .. } => {
                 let h = rope.heads;
-                [h.q, h.kv, h.dim].map(|v| i32::try_from(v).unwrap_or(i32::MAX))
+                (
+                    [h.q, h.kv, h.dim].map(|v| i32::try_from(v).unwrap_or(i32::MAX)),
+                    rope.norms.map_or(0.0, |(_, _, eps)| eps),
+                )
             }
-            _ => [0; 3],
+            _ => ([0; 3], 0.0),
         };
         let mut b = Launch::new(s, func, kernels.pdl);
         match self.x {
@@ -326,17 +348,19 @@ impl SkinnyGemm<'_> {
                 b.arg(w).arg(scales).arg(&stride_arg);
             }
         }
-        let per_block = self.out.push(&mut b, name, rows, n, &heads_args)?;
+        let per_block = self.out.push(&mut b, name, rows, n, &rope_args)?;
         b.arg(&ri).arg(&ni).arg(&ki);
         let cfg = grid(shape, n.div_ceil(per_block), 1, 1)?;
         // SAFETY: the arguments match `skinny_gemm_m*`'s signature (x, w, bias or null, y,
         // rows, n, k), `skinny_silu_m*`'s (x, w, act, rows, n, k) or `skinny_rope_m*`'s (x,
-        // w, bias or null, y, positions, inv_freq, slots, k_cache, v_cache, nq, nkv, d, rows,
-        // n, k) in order and type, the `skinny_norm*` ones with (res_in, delta, norm, eps,
+        // w, bias or null, y, positions, inv_freq, slots, k_cache, v_cache, q_w or null, k_w
+        // or null, qk_eps, ticks, nq, nkv, d, rows, n, k) in order and type (the norm weights
+        // both given or both null), the `skinny_norm*` ones with (res_in, delta, norm, eps,
         // res_out) in x's place, and the `fp8_*` ones with (w, ws, ws_stride) in w's; the
         // inputs hold `rows` rows of k, w the rows the kernel streams (and its scales their
         // grid), y or act `rows` rows of n, the bias n and the norm k, a rotated product's
-        // positions and slots `rows` and its frequencies half a head (checked above), and
+        // positions and slots `rows`, its frequencies half a head, its norms a head and its
+        // tickets a q and k head each (checked above), and
         // every slot is inside the cache (see the module docs); k is a multiple of 8 (16
         // for FP8, and at most NORM_MAX for a norm prologue, which its shared memory
         // holds), so every 16-byte load starts on a 16-byte boundary of a 256-byte aligned

@@ -125,7 +125,7 @@ __device__ __forceinline__ float dot16(const float* f, uint4 a, uint4 b, float a
 // - SILU: w holds n gate rows then n up rows; warp j streams gate row j and up row j and
 //   writes act[m, j] = bf16(silu(gate) * up), as silu_mul does (ldy = n, col0 = 0).
 // - ROPE: a layer's q/k/v (RopeIn), warp j a rotation pair or two v rows, as rope_kv_write
-//   leaves y and the cache (ldy = n, col0 = 0).
+//   leaves y and the cache, q/k norms included (ldy = n, col0 = 0).
 // - norm (not null): the input is the residual add and RMSNorm (NormIn), computed by every
 //   block into xs, block 0 writing the summed residual.
 template <int M, bool BLOCK, bool SILU, bool ROPE>
@@ -223,8 +223,11 @@ __device__ __forceinline__ void fp8_gemv(const bf16* __restrict__ x,
     }
     // warp_sum leaves every lane the same bits: lane m writes the step's row m, so a lane
     // holds one row's sums across the epilogue's calls (division, sincos), not M rows'.
-    if (lane >= M || lane >= rows) return;
-    const int m = lane;
+    // A rotated product with q/k norms keeps the whole warp for its head's ticket
+    // (rope_norm_last); the lanes past the rows take row 0's sums and write nothing.
+    const bool writes = lane < M && lane < rows;
+    if (!(ROPE && rope->q_w != nullptr) && !writes) return;
+    const int m = writes ? lane : 0;
     // The row's sums as the plain kernel writes them: scaled, the bias added.
     float v[FP8_ROWS];
 #pragma unroll
@@ -236,7 +239,8 @@ __device__ __forceinline__ void fp8_gemv(const bf16* __restrict__ x,
         v[r] = fmaf(a, s, bias != nullptr ? bias[rr[r]] : 0.0f);
     }
     if (ROPE) {
-        rope_write(rope, m, rr[0], rr[1], pair, v[0], v[1], y, n);
+        if (writes) rope_write(rope, m, rr[0], rr[1], pair, v[0], v[1], y, n);
+        rope_norm_last(rope, rr[0], pair, y, n, rows);
     } else if (SILU) {
         act[(long long)m * n + n0] = f2bf(v[0] / (1.0f + expf(-v[0])) * v[1]);
     } else {
@@ -291,9 +295,11 @@ FP8_GEMV_KERNEL(channel, false, 4)
         const float* __restrict__ ws, int ws_stride, const float* __restrict__ bias,               \
         float* __restrict__ y, const int* __restrict__ positions,                                  \
         const float* __restrict__ inv_freq, const int* __restrict__ slots,                         \
-        bf16* __restrict__ k_cache, bf16* __restrict__ v_cache, int nq, int nkv, int d,            \
-        int rows, int n, int k) {                                                                  \
-        RopeIn rope = {positions, inv_freq, slots, k_cache, v_cache, nq, nkv, d};                  \
+        bf16* __restrict__ k_cache, bf16* __restrict__ v_cache, const float* __restrict__ q_w,     \
+        const float* __restrict__ k_w, float qk_eps, int* __restrict__ ticks, int nq, int nkv,     \
+        int d, int rows, int n, int k) {                                                           \
+        RopeIn rope = {positions, inv_freq, slots, k_cache, v_cache, q_w, k_w, qk_eps, ticks,      \
+                       nq, nkv, d};                                                                \
         fp8_gemv<M, BLOCK, false, true>(x, w, ws, ws_stride, bias, y, n, 0, nullptr, rows, n,      \
                                         k, nullptr, nullptr, &rope);                               \
     }
@@ -327,10 +333,12 @@ FP8_GEMV_KERNEL(channel, false, 4)
         const float* __restrict__ bias, float* __restrict__ y,                                     \
         const int* __restrict__ positions, const float* __restrict__ inv_freq,                     \
         const int* __restrict__ slots, bf16* __restrict__ k_cache, bf16* __restrict__ v_cache,     \
-        int nq, int nkv, int d, int rows, int n, int k) {                                          \
+        const float* __restrict__ q_w, const float* __restrict__ k_w, float qk_eps,                \
+        int* __restrict__ ticks, int nq, int nkv, int d, int rows, int n, int k) {                 \
         __shared__ __align__(16) bf16 xs[M * NORM_MAX];                                            \
         NormIn norm = {res_in, delta, norm_w, res_out, eps};                                       \
-        RopeIn rope = {positions, inv_freq, slots, k_cache, v_cache, nq, nkv, d};                  \
+        RopeIn rope = {positions, inv_freq, slots, k_cache, v_cache, q_w, k_w, qk_eps, ticks,      \
+                       nq, nkv, d};                                                                \
         fp8_gemv<M, BLOCK, false, true>(nullptr, w, ws, ws_stride, bias, y, n, 0, nullptr,         \
                                         rows, n, k, &norm, xs, &rope);                             \
     }

@@ -9,8 +9,8 @@
 // rows; allocations are 256-byte aligned) and rows <= M. Three epilogues save a decode step
 // launches: the q/k/v biases added as the sums are written, the MLP's SiLU-gated product
 // taken straight from the gate/up sums (skinny_silu_m*), and the rotary embedding with the
-// new K/V written to the paged cache, what rope_kv_write does after the q/k/v product
-// (skinny_rope_m*).
+// new K/V written to the paged cache, what rope_kv_write does after the q/k/v product, q/k
+// norms included (skinny_rope_m*).
 
 #if !defined(SKINNY_THREADS) || !defined(SKINNY_ROWS) || !defined(SKINNY_UNROLL)
 #error "the skinny products are compiled with shapes.rs's SKINNY_* figures"
@@ -102,12 +102,22 @@ __device__ __forceinline__ void norm_rows_to_shared(const NormIn* norm, int rows
 // their sums (rope_pair, the angle positions[m] * inv_freq[i]); the warps after it stream
 // two adjacent v rows. y gets what rope_kv_write leaves in the q/k/v rows (the rotated q
 // and k, v as summed), and the cache at slots[m] the rotated k and v as bf16.
+//
+// With q/k norms (q_w, k_w not null: Qwen3), a head is normalised over all its d sums
+// before it is rotated, and its d / 2 pairs are summed by as many warps, of several blocks.
+// Each pair's warp writes its sums as they are and takes a ticket of the head (ticks, one
+// counter a q and k head, zero between launches); the warp that takes the last one
+// normalises and rotates the whole head for every row (rope_norm_last).
 struct RopeIn {
     const int* positions;
     const float* inv_freq;
     const int* slots;
     bf16* k_cache;
     bf16* v_cache;
+    const float* q_w;
+    const float* k_w;
+    float eps;
+    int* ticks;
     int nq;
     int nkv;
     int d;
@@ -136,6 +146,11 @@ __device__ __forceinline__ void rope_write(const RopeIn* rope, int m, int r0, in
     long long slot = (long long)rope->slots[m] * kvd;
     int qd = rope->nq * rope->d;
     float* ym = y + (long long)m * n;
+    if (pair && rope->q_w != nullptr) {  // normalised and rotated by rope_norm_last
+        ym[r0] = a;
+        ym[r1] = b;
+        return;
+    }
     if (pair) {
         int half = rope->d >> 1;
         int i = r0 % rope->d;
@@ -155,6 +170,56 @@ __device__ __forceinline__ void rope_write(const RopeIn* rope, int m, int r0, in
     long long o = slot + (r0 - qd - (long long)kvd);  // v head and element, as in the row
     rope->v_cache[o] = f2bf(a);
     rope->v_cache[o + 1] = f2bf(b);
+}
+
+// ROPE with q/k norms, after rope_write: every lane of the warp of pair r0 calls it once
+// the warp's sums of the step's `rows` rows are in y. The warp counts itself in on its
+// head's ticket; the last of the head's d / 2 warps reads the head's d sums back (from L2:
+// other multiprocessors wrote them), and normalises and rotates them as rope_kv_write does
+// (a lane's sum of squares over the same elements in the same order, the same warp sum,
+// products and rotation, so the same bits), writes them to y and a key head to the cache,
+// and sets the ticket back to zero for the next launch.
+__device__ __forceinline__ void rope_norm_last(const RopeIn* rope, int r0, bool pair, float* y,
+                                               int n, int rows) {
+    if (rope->q_w == nullptr || !pair) return;
+    const int lane = threadIdx.x & 31;
+    const int d = rope->d;
+    const int half = d >> 1;
+    const int h = r0 / d;
+    __threadfence();  // this warp's sums, before its ticket
+    __syncwarp();
+    int last = 0;
+    if (lane == 0) last = atomicAdd(rope->ticks + h, 1) == half - 1;
+    last = __shfl_sync(0xffffffffu, last, 0);
+    if (!last) return;
+    __threadfence();  // the other warps' sums, after their tickets
+    const float* nw = h < rope->nq ? rope->q_w : rope->k_w;
+    const long long kvd = (long long)rope->nkv * rope->d;
+    for (int m = 0; m < rows; m++) {
+        float* p = y + (long long)m * n + (long long)h * d;
+        float ss = 0.0f;
+        for (int i = lane; i < d; i += 32) {
+            float v = __ldcg(p + i);
+            ss += v * v;
+        }
+        ss = warp_sum(ss);
+        float inv = 1.0f / sqrtf(ss / (float)d + rope->eps);
+        float pos = (float)rope->positions[m];
+        long long o = (long long)rope->slots[m] * kvd + (long long)(h - rope->nq) * d;
+        for (int i = lane; i < half; i += 32) {
+            float x1 = __ldcg(p + i) * inv * nw[i];
+            float x2 = __ldcg(p + i + half) * inv * nw[i + half];
+            float y1, y2;
+            rope_pair(x1, x2, pos, rope->inv_freq[i], &y1, &y2);
+            p[i] = y1;
+            p[i + half] = y2;
+            if (h >= rope->nq) {
+                rope->k_cache[o + i] = f2bf(y1);
+                rope->k_cache[o + i + half] = f2bf(y2);
+            }
+        }
+    }
+    if (lane == 0) rope->ticks[h] = 0;
 }
 
 template <int M, bool SILU, bool ROPE>
@@ -239,18 +304,21 @@ __device__ __forceinline__ void skinny_gemm(const bf16* __restrict__ x,
 #pragma unroll
         for (int m = 0; m < M; m++) acc[r][m] = warp_sum(acc[r][m]);
     }
-    if (lane != 0) return;
     if (ROPE) {
+        if (lane == 0) {
 #pragma unroll
-        for (int m = 0; m < M; m++) {
-            if (m < rows) {
-                float a = bias != nullptr ? acc[0][m] + bias[rr[0]] : acc[0][m];
-                float b = bias != nullptr ? acc[1][m] + bias[rr[1]] : acc[1][m];
-                rope_write(rope, m, rr[0], rr[1], pair, a, b, y, n);
+            for (int m = 0; m < M; m++) {
+                if (m < rows) {
+                    float a = bias != nullptr ? acc[0][m] + bias[rr[0]] : acc[0][m];
+                    float b = bias != nullptr ? acc[1][m] + bias[rr[1]] : acc[1][m];
+                    rope_write(rope, m, rr[0], rr[1], pair, a, b, y, n);
+                }
             }
         }
+        rope_norm_last(rope, rr[0], pair, y, n, rows);
         return;
     }
+    if (lane != 0) return;
     if (SILU) {
 #pragma unroll
         for (int m = 0; m < M; m++) {
@@ -289,22 +357,26 @@ SKINNY_KERNEL(4)
 SKINNY_KERNEL(8)
 
 // y = x . w^T (+ bias) for a layer's q/k/v, rotated and the new K/V written to the cache
-// (RopeIn). Grid (ceil(n / (SKINNY_THREADS / 32 * SKINNY_ROWS))).
-#define SKINNY_ROPE_KERNEL(M)                                                                   \
-    extern "C" __global__ void __launch_bounds__(SKINNY_THREADS) skinny_rope_m##M(              \
+// (RopeIn). Grid (ceil(n / (SKINNY_THREADS / 32 * SKINNY_ROWS))). MINB, the least blocks an
+// SM, as for the fused FP8 kernels: without it ptxas held the 1- and 2-row forms to 64
+// registers (four blocks) and spilled 4-20 bytes around the q/k norm tail on sm_80-sm_90.
+#define SKINNY_ROPE_KERNEL(M, MINB)                                                             \
+    extern "C" __global__ void __launch_bounds__(SKINNY_THREADS, MINB) skinny_rope_m##M(        \
         const bf16* __restrict__ x, const bf16* __restrict__ w, const float* __restrict__ bias, \
         float* __restrict__ y, const int* __restrict__ positions,                               \
         const float* __restrict__ inv_freq, const int* __restrict__ slots,                      \
-        bf16* __restrict__ k_cache, bf16* __restrict__ v_cache, int nq, int nkv, int d,         \
-        int rows, int n, int k) {                                                               \
-        RopeIn rope = {positions, inv_freq, slots, k_cache, v_cache, nq, nkv, d};               \
+        bf16* __restrict__ k_cache, bf16* __restrict__ v_cache, const float* __restrict__ q_w,  \
+        const float* __restrict__ k_w, float qk_eps, int* __restrict__ ticks, int nq, int nkv,  \
+        int d, int rows, int n, int k) {                                                        \
+        RopeIn rope = {positions, inv_freq, slots, k_cache, v_cache, q_w, k_w, qk_eps, ticks,   \
+                       nq, nkv, d};                                                             \
         skinny_gemm<M, false, true>(x, w, bias, y, nullptr, rows, n, k, nullptr, nullptr,      \
                                     &rope);                                                     \
     }
-SKINNY_ROPE_KERNEL(1)
-SKINNY_ROPE_KERNEL(2)
-SKINNY_ROPE_KERNEL(4)
-SKINNY_ROPE_KERNEL(8)
+SKINNY_ROPE_KERNEL(1, 3)
+SKINNY_ROPE_KERNEL(2, 3)
+SKINNY_ROPE_KERNEL(4, 3)
+SKINNY_ROPE_KERNEL(8, 2)
 
 // act = silu(x . gate^T) * (x . up^T), w holding the n gate rows then the n up rows.
 // Grid (ceil(n / (SKINNY_THREADS / 32))).
@@ -348,23 +420,25 @@ SKINNY_SILU_KERNEL(8)
         skinny_gemm<M, true, false>(nullptr, w, nullptr, nullptr, act, rows, n, k, &norm, xs,  \
                                      nullptr);                                                 \
     }
-#define SKINNY_NORM_ROPE_KERNEL(M)                                                              \
-    extern "C" __global__ void __launch_bounds__(SKINNY_THREADS) skinny_norm_rope_m##M(         \
+#define SKINNY_NORM_ROPE_KERNEL(M, MINB)                                                        \
+    extern "C" __global__ void __launch_bounds__(SKINNY_THREADS, MINB) skinny_norm_rope_m##M(   \
         const float* __restrict__ res_in, const float* __restrict__ delta,                      \
         const float* __restrict__ norm_w, float eps, float* __restrict__ res_out,               \
         const bf16* __restrict__ w, const float* __restrict__ bias, float* __restrict__ y,      \
         const int* __restrict__ positions, const float* __restrict__ inv_freq,                  \
         const int* __restrict__ slots, bf16* __restrict__ k_cache, bf16* __restrict__ v_cache,  \
-        int nq, int nkv, int d, int rows, int n, int k) {                                       \
+        const float* __restrict__ q_w, const float* __restrict__ k_w, float qk_eps,             \
+        int* __restrict__ ticks, int nq, int nkv, int d, int rows, int n, int k) {              \
         __shared__ __align__(16) bf16 xs[M * NORM_MAX];                                         \
         NormIn norm = {res_in, delta, norm_w, res_out, eps};                                    \
-        RopeIn rope = {positions, inv_freq, slots, k_cache, v_cache, nq, nkv, d};               \
+        RopeIn rope = {positions, inv_freq, slots, k_cache, v_cache, q_w, k_w, qk_eps, ticks,   \
+                       nq, nkv, d};                                                             \
         skinny_gemm<M, false, true>(nullptr, w, bias, y, nullptr, rows, n, k, &norm, xs,       \
                                     &rope);                                                     \
     }
 SKINNY_NORM_KERNEL(1)
 SKINNY_NORM_KERNEL(2)
-SKINNY_NORM_ROPE_KERNEL(1)
-SKINNY_NORM_ROPE_KERNEL(2)
+SKINNY_NORM_ROPE_KERNEL(1, 3)
+SKINNY_NORM_ROPE_KERNEL(2, 3)
 SKINNY_NORM_SILU_KERNEL(1)
 SKINNY_NORM_SILU_KERNEL(2)
