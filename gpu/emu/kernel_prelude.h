@@ -196,6 +196,12 @@ inline unsigned __reduce_max_sync(unsigned, unsigned v) {
 inline int __reduce_max_sync(unsigned, int v) {
     return emu::warp_reduce(v, [](int a, int b) { return a > b ? a : b; });
 }
+inline int __all_sync(unsigned, int p) {
+    return (int)emu::warp_reduce(p ? 1u : 0u, [](unsigned a, unsigned b) { return a & b; });
+}
+inline int __any_sync(unsigned, int p) {
+    return (int)emu::warp_reduce(p ? 1u : 0u, [](unsigned a, unsigned b) { return a | b; });
+}
 inline unsigned __ballot_sync(unsigned, int p) {
     unsigned bit = p ? 1u << emu::cur->lane : 0u;
     return emu::warp_reduce(bit, [](unsigned a, unsigned b) { return a | b; });
@@ -339,6 +345,20 @@ inline void kvmesh_emu_ldmatrix_x4_trans(unsigned (&r)[4], const unsigned short*
     for (int i = 0; i < 4; i++) {
         auto row = [&](int k) { return (const unsigned short*)(uintptr_t)s[8 * i + k]; };
         r[i] = (unsigned)row(2 * t)[g] | ((unsigned)row(2 * t + 1)[g] << 16);
+    }
+}
+
+// `ldmatrix.sync.aligned.m8n8.x4.shared.b16`: lanes 8i .. 8i+7 give the rows of matrix i;
+// lane (g, t) receives (row g, columns 2t and 2t+1) of each.
+inline void kvmesh_emu_ldmatrix_x4(unsigned (&r)[4], const unsigned short* p) {
+    unsigned long long* s = emu::slots();
+    emu::Fiber* f = emu::cur;
+    s[f->lane] = (unsigned long long)(uintptr_t)p;
+    emu::wait(emu::WARP_WAIT);
+    int g = f->lane / 4, t = f->lane % 4;
+    for (int i = 0; i < 4; i++) {
+        const unsigned short* row = (const unsigned short*)(uintptr_t)s[8 * i + g];
+        r[i] = (unsigned)row[2 * t] | ((unsigned)row[2 * t + 1] << 16);
     }
 }
 

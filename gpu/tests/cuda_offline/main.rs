@@ -171,6 +171,14 @@ fn ptxas(tools: &Tools, ptx: &str, sm: &str, extra: &[&str]) -> Result<String, S
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
+    // KVMESH_CUBIN_DIR keeps each architecture's cubin there, for counting a kernel's
+    // instructions with nvdisasm (PyPI `nvidia-cuda-nvdisasm`) without a GPU.
+    if let Some(keep) = std::env::var_os("KVMESH_CUBIN_DIR") {
+        let keep = std::path::PathBuf::from(keep);
+        let _ = std::fs::create_dir_all(&keep);
+        let name = format!("kernels-{sm}.cubin");
+        let _ = std::fs::copy(dir.join(&name), keep.join(name));
+    }
     let _ = std::fs::remove_dir_all(&dir);
     if out.status.success() {
         Ok(text)

@@ -153,8 +153,28 @@ paged_attention_prefill(
 #endif
 #define PFM_ROWS 64        // query rows per block: 16 per warp, the m of an m16n8k16 product
 
+// Two floats as bf16, lo in the low half: one cvt on the device (round to nearest even,
+// as f2bf, for every value but NaN's payload), f2bf in the emulator.
 __device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
+#ifdef __CUDA_ARCH__
+    unsigned r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+#else
     return (unsigned)f2bf(lo) | ((unsigned)f2bf(hi) << 16);
+#endif
+}
+
+// 2^x for a softmax weight: the multi-function unit's approximation alone (results under
+// 2^-126 flush to zero, which no weight summed with a 1 notices); exp2f in the emulator.
+__device__ __forceinline__ float softmax_exp2(float x) {
+#ifdef __CUDA_ARCH__
+    float r;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+    return r;
+#else
+    return exp2f(x);
+#endif
 }
 
 // c += a * b on the tensor cores: a 16x16 bf16 tile (row-major fragments), b 16x8 (column
@@ -189,6 +209,20 @@ __device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], const bf16* 
 #endif
 }
 
+// The same four matrices not transposed: r[i] is, for lane (g, t), the elements at (row g,
+// columns 2t and 2t + 1) of matrix i. With rows as keys and columns as dimensions, an mma's b
+// fragment of K (matrices 0 and 1: one 16-dimension step; 2 and 3: the next).
+__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const bf16* p) {
+#ifdef __CUDA_ARCH__
+    unsigned a = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+#else
+    kvmesh_emu_ldmatrix_x4(r, p);
+#endif
+}
+
 // 16 bytes from global to shared memory without passing through registers; `bytes` 0 fills
 // them with zeros instead (keys past the end).
 __device__ __forceinline__ void cp_async16(bf16* dst, const bf16* src, int bytes) {
@@ -211,26 +245,54 @@ template <int N>
 __device__ __forceinline__ void cp_async_wait() {}
 #endif
 
+// A cache block's size, for finding a position's block and slot: a shift and a mask where
+// it is a power of two (the engine's default 16), a division otherwise.
+struct BlockSize {
+    int size;
+    int shift;  // -1: not a power of two
+};
+
+__device__ __forceinline__ BlockSize block_size_of(int block_size) {
+    return {block_size, (block_size & (block_size - 1)) == 0 ? __ffs(block_size) - 1 : -1};
+}
+
+// The cache row (block table entry times the block size, plus the slot) of position p: a
+// token of the cache, an i32 as the step's slots are (StepInputs::slots).
+__device__ __forceinline__ int cache_row(const int* __restrict__ table, BlockSize bs, int p) {
+    if (bs.shift >= 0) return (table[p >> bs.shift] << bs.shift) + (p & (bs.size - 1));
+    int blk = p / bs.size;
+    return table[blk] * bs.size + (p - blk * bs.size);
+}
+
 // Keys k0 .. k0 + KEYS of one KV head (kc, vc: the caches from that head's first
-// dimension) copied into the K and V tiles (rows of D + 8), a 16-byte piece of one key's row
-// per copy, as one cp.async group. Keys at or past kv_end are zeros (kv_lo is any key the
-// sequence has, whose address stands in for theirs).
+// dimension) copied into the K and V tiles (rows of D + 8) in 16-byte pieces, as one
+// cp.async group. Keys at or past kv_end are zeros (kv_lo is any key the sequence has, whose
+// address stands in for theirs). PFM_THREADS / KEYS threads share a key: each finds its row
+// once and copies every (PFM_THREADS / KEYS)-th piece of it, so a warp's copy reads whole
+// 64-byte runs of eight keys.
 template <int D, int KEYS>
 __device__ __forceinline__ void prefill_tile(bf16* k_t, bf16* v_t, const bf16* __restrict__ kc,
                                              const bf16* __restrict__ vc,
-                                             const int* __restrict__ table, int block_size,
-                                             long long kvd, int k0, int kv_lo, int kv_end) {
-    constexpr int VEC = D / 8;
-#pragma unroll 1
-    for (int e = threadIdx.x; e < KEYS * VEC; e += PFM_THREADS) {
-        int j = e / VEC;
-        int c = e % VEC;
-        int p = k0 + j;
-        int live = p < kv_end ? 16 : 0;
-        int pp = live ? p : kv_lo;
-        long long src = ((long long)table[pp / block_size] * block_size + pp % block_size) * kvd + c * 8;
-        cp_async16(k_t + j * (D + 8) + c * 8, kc + src, live);
-        cp_async16(v_t + j * (D + 8) + c * 8, vc + src, live);
+                                             const int* __restrict__ table, BlockSize bs,
+                                             int kvd, int k0, int kv_lo, int kv_end) {
+    constexpr int VEC = D / 8;               // pieces a key
+    constexpr int TPK = PFM_THREADS / KEYS;  // threads a key
+    static_assert(PFM_THREADS % KEYS == 0, "a tile's keys share the block's threads evenly");
+    const int j = threadIdx.x / TPK;
+    const int c0 = threadIdx.x % TPK;
+    const int p = k0 + j;
+    const int live = p < kv_end ? 16 : 0;
+    const long long src = (long long)cache_row(table, bs, live ? p : kv_lo) * kvd + c0 * 8;
+    const bf16* ks = kc + src;
+    const bf16* vs = vc + src;
+    bf16* kd = k_t + j * (D + 8) + c0 * 8;
+    bf16* vd = v_t + j * (D + 8) + c0 * 8;
+#pragma unroll
+    for (int i = 0; i < (VEC + TPK - 1) / TPK; i++) {
+        // head size 16: two pieces a key, four threads
+        if (VEC % TPK != 0 && c0 + i * TPK >= VEC) break;
+        cp_async16(kd + i * TPK * 8, ks + i * TPK * 8, live);
+        cp_async16(vd + i * TPK * 8, vs + i * TPK * 8, live);
     }
     cp_async_commit();
 }
@@ -277,7 +339,7 @@ __device__ __forceinline__ void prefill_mma(
     int first = b.first;
     int last = b.last;
     int kvh = h / (nq / nkv);
-    long long kvd = (long long)nkv * D;
+    int kvd = nkv * D;  // a cache row: every KV head's dimensions
     const int* table = b.table;
     int kv_end = b.kv_end;
     int kv_lo = b.kv_lo;
@@ -293,11 +355,14 @@ __device__ __forceinline__ void prefill_mma(
     // The keys the warp's rows see, together, bound the tiles it computes: none past its
     // highest position, and with a window none before its lowest position's window.
     int warp_hi = __reduce_max_sync(0xffffffffu, max(pos0, pos1));
+    // The lowest position of the warp's rows (rows past the block's last have none): a tile
+    // of keys none past it, none at kv_end or beyond and none before the highest row's
+    // window is seen whole by every row, and needs no mask.
+    int warp_lo = (int)__reduce_min_sync(
+        0xffffffffu, (unsigned)min(pos0 < 0 ? 0x7fffffff : pos0, pos1 < 0 ? 0x7fffffff : pos1));
     int warp_from = 0;
     if (window > 0) {
-        unsigned lo = __reduce_min_sync(0xffffffffu, (unsigned)min(pos0 < 0 ? 0x7fffffff : pos0,
-                                                                    pos1 < 0 ? 0x7fffffff : pos1));
-        warp_from = (int)lo - window + 1;
+        warp_from = warp_lo - window + 1;
     }
 
     // Scores in base 2: exp(s * scale) = exp2(s * scale * log2(e)).
@@ -323,13 +388,14 @@ __device__ __forceinline__ void prefill_mma(
 
     const bf16* kc = k_cache + (long long)kvh * D;
     const bf16* vc = v_cache + (long long)kvh * D;
-    prefill_tile<D, KEYS>(k_s, v_s, kc, vc, table, block_size, kvd, kv_lo, kv_lo, kv_end);
+    const BlockSize bs = block_size_of(block_size);
+    prefill_tile<D, KEYS>(k_s, v_s, kc, vc, table, bs, kvd, kv_lo, kv_lo, kv_end);
     int st = 0;
     for (int k0 = kv_lo; k0 < kv_end; k0 += KEYS, st ^= 1) {
         if (k0 + KEYS < kv_end) {
             // Stage st ^ 1 was last read in the previous iteration, before its closing barrier.
             prefill_tile<D, KEYS>(k_s + (st ^ 1) * TILE, v_s + (st ^ 1) * TILE, kc, vc, table,
-                                  block_size, kvd, k0 + KEYS, kv_lo, kv_end);
+                                  bs, kvd, k0 + KEYS, kv_lo, kv_end);
             cp_async_wait<1>();
         } else {
             cp_async_wait<0>();
@@ -342,24 +408,44 @@ __device__ __forceinline__ void prefill_mma(
             float sc[NT][4];
 #pragma unroll
             for (int nt = 0; nt < NT; nt++) sc[nt][0] = sc[nt][1] = sc[nt][2] = sc[nt][3] = 0.0f;
+            if constexpr (D % 32 == 0) {
+                // K's b fragments of two 16-dimension steps per ldmatrix: lane l addresses
+                // key (l % 8) of the n-tile, dimensions kk2 * 32 + (l / 8) * 8 ...
 #pragma unroll
-            for (int kk = 0; kk < D / 16; kk++) {
+                for (int kk2 = 0; kk2 < D / 32; kk2++) {
 #pragma unroll
-                for (int nt = 0; nt < NT; nt++) {
-                    const bf16* kr = kt + (nt * 8 + gq) * KS + kk * 16 + 2 * tq;
-                    mma_bf16(sc[nt], qa[kk], *reinterpret_cast<const unsigned*>(kr),
-                             *reinterpret_cast<const unsigned*>(kr + 8));
+                    for (int nt = 0; nt < NT; nt++) {
+                        unsigned kb[4];
+                        ldmatrix_x4(kb, kt + (nt * 8 + (lane & 7)) * KS + kk2 * 32 + (lane >> 3) * 8);
+                        mma_bf16(sc[nt], qa[2 * kk2], kb[0], kb[1]);
+                        mma_bf16(sc[nt], qa[2 * kk2 + 1], kb[2], kb[3]);
+                    }
+                }
+            } else {
+#pragma unroll
+                for (int kk = 0; kk < D / 16; kk++) {
+#pragma unroll
+                    for (int nt = 0; nt < NT; nt++) {
+                        const bf16* kr = kt + (nt * 8 + gq) * KS + kk * 16 + 2 * tq;
+                        mma_bf16(sc[nt], qa[kk], *reinterpret_cast<const unsigned*>(kr),
+                                 *reinterpret_cast<const unsigned*>(kr + 8));
+                    }
                 }
             }
             float mx0 = NEG_INF;
             float mx1 = NEG_INF;
+            // Warp-uniform: most tiles of a long prompt are seen whole by every row.
+            bool whole = k0 + KEYS <= kv_end && k0 + KEYS - 1 <= warp_lo &&
+                         (window <= 0 || k0 > warp_hi - window);
 #pragma unroll
             for (int nt = 0; nt < NT; nt++) {
 #pragma unroll
                 for (int c = 0; c < 2; c++) {
-                    int p = k0 + nt * 8 + 2 * tq + c;
-                    if (!sees(p, pos0, kv_end, window)) sc[nt][c] = NEG_INF;
-                    if (!sees(p, pos1, kv_end, window)) sc[nt][2 + c] = NEG_INF;
+                    if (!whole) {
+                        int p = k0 + nt * 8 + 2 * tq + c;
+                        if (!sees(p, pos0, kv_end, window)) sc[nt][c] = NEG_INF;
+                        if (!sees(p, pos1, kv_end, window)) sc[nt][2 + c] = NEG_INF;
+                    }
                     mx0 = fmaxf(mx0, sc[nt][c]);
                     mx1 = fmaxf(mx1, sc[nt][2 + c]);
                 }
@@ -379,19 +465,23 @@ __device__ __forceinline__ void prefill_mma(
             m1 = n1;
             l0 *= c0;
             l1 *= c1;
+            // Once the rows' maxima settle (most tiles of a long prompt), the factors are 1
+            // for the whole warp and the outputs keep their values: skip the products.
+            if (!__all_sync(0xffffffffu, c0 == 1.0f && c1 == 1.0f)) {
 #pragma unroll
-            for (int nd = 0; nd < D / 8; nd++) {
-                o[nd][0] *= c0;
-                o[nd][1] *= c0;
-                o[nd][2] *= c1;
-                o[nd][3] *= c1;
+                for (int nd = 0; nd < D / 8; nd++) {
+                    o[nd][0] *= c0;
+                    o[nd][1] *= c0;
+                    o[nd][2] *= c1;
+                    o[nd][3] *= c1;
+                }
             }
 #pragma unroll
             for (int nt = 0; nt < NT; nt++) {
 #pragma unroll
                 for (int c = 0; c < 2; c++) {
-                    sc[nt][c] = exp2f(sc[nt][c] - b0);
-                    sc[nt][2 + c] = exp2f(sc[nt][2 + c] - b1);
+                    sc[nt][c] = softmax_exp2(sc[nt][c] - b0);
+                    sc[nt][2 + c] = softmax_exp2(sc[nt][2 + c] - b1);
                     l0 += sc[nt][c];
                     l1 += sc[nt][2 + c];
                 }
