@@ -62,8 +62,9 @@ use std::sync::Arc;
 use kvmesh_gpu::backend::cpu::delta::DeltaParams;
 use kvmesh_gpu::backend::cuda::delta::{mix_on_device, mix_on_host, DeltaDims, DeltaPath};
 use kvmesh_gpu::backend::cuda::{
-    fp8_fused_products, fp8_product, fp8_quantize, sample_host_logits, skinny_and_cublas,
-    skinny_epilogues, skinny_norm_prologues, CudaBackend, Fp8Path, FusedProducts,
+    fp8_fused_products, fp8_product, fp8_quantize, sample_host_logits, silu_mul_bf16_and_f32,
+    skinny_and_cublas, skinny_epilogues, skinny_norm_prologues, CudaBackend, Fp8Path,
+    FusedProducts,
 };
 use kvmesh_gpu::backend::{Backend, CudaOptions, ForwardBatch, Pdl, SampleSpec, SeqInput};
 use kvmesh_gpu::config::{Arch, HybridConfig, HybridLayout, LayerType};
@@ -1147,6 +1148,31 @@ fn skinny_epilogues_equal_the_launches_they_replace() {
         );
         assert_eq!(act_fused, act_unfused, "{ctx}: skinny_silu vs silu_mul");
         println!("{ctx}: both epilogues bit-identical to the separate launches");
+    }
+}
+
+/// `silu_mul_bf16` (gate/up products cuBLAS wrote in bf16, 8 columns a thread) gives bit for
+/// bit what `silu_mul` gives from the same values in f32: a prompt's MLP rounds its products
+/// once, at the GEMM, and nowhere after.
+#[test]
+fn skinny_silu_mul_bf16_equals_silu_mul_on_the_same_values() {
+    let mut r = Rng::seeded(14);
+    // Qwen3-8B's MLP at 3 rows, Qwen2.5-0.5B's at 5, a narrow one; values past SiLU's
+    // saturation and near zero among them.
+    for (rows, inter) in [(3, 12288), (5, 4864), (2, 8)] {
+        let gu: Vec<u16> = (0..rows * 2 * inter)
+            .map(|_| ((r.normal() as f32 * 6.0).to_bits() >> 16) as u16)
+            .collect();
+        let [bf, wide] = silu_mul_bf16_and_f32(0, &gu, (rows, inter)).unwrap();
+        assert!(
+            bf.iter().all(|&b| b != 0x7fc0),
+            "rows {rows} inter {inter}: silu_mul_bf16 left an element unwritten"
+        );
+        assert_eq!(
+            bf, wide,
+            "rows {rows} inter {inter}: silu_mul_bf16 vs silu_mul"
+        );
+        println!("rows {rows} inter {inter}: silu_mul_bf16 bit-identical to silu_mul");
     }
 }
 

@@ -120,14 +120,6 @@ static float e4m3(unsigned char v) {
     return (v & 0x80) ? -x : x;
 }
 
-static unsigned short to_bf16(float f) {
-    unsigned u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x40u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (unsigned short)(u >> 16);
-}
-
 // The scale of group g (of 128 along k) at outer index o, for an operand of `outer` columns
 // and `groups` groups.
 static float lt_scale(int mode, const float* s, size_t g, size_t o, size_t groups, size_t outer) {
@@ -169,7 +161,7 @@ int cublasLtMatmul(void*, void* desc, const void* alpha, const void* A, void* a_
                 if (ld.type == 0) {
                     ((float*)D)[at] = al * acc;
                 } else {
-                    ((unsigned short*)D)[at] = to_bf16(al * acc);
+                    ((unsigned short*)D)[at] = f32_to_bf16(al * acc);
                 }
             }
         }

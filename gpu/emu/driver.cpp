@@ -881,10 +881,20 @@ int cublasSetStream_v2(void* h, void* s) {
 int cublasSetMathMode(void*, int) { return 0; }
 int cublasSetWorkspace_v2(void*, void*, size_t) { return 0; }
 
+// Round to nearest even, as the device's conversion does (NaN kept a quiet NaN).
+static unsigned short f32_to_bf16(float f) {
+    unsigned u;
+    std::memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (unsigned short)(u >> 16);
+}
+
 // Column-major C = alpha op(A) op(B) + beta C with f32 sums, bf16 or f32 inputs, f32 output
-// (what gemm_bf16_f32 asks for); alpha and beta are read when called, as in host pointer mode.
+// or (ct 14) bf16, rounded once from the f32 result (what gemm_bf16_f32 and gemm_bf16_bf16
+// ask for); alpha and beta are read when called, as in host pointer mode.
 static void gemm(int ta, int tb, int m, int n, int k, float al, const void* A, int at, int lda,
-                 const void* B, int bt, int ldb, float be, float* c, int ldc) {
+                 const void* B, int bt, int ldb, float be, void* C, int ct, int ldc) {
     std::vector<float> col((size_t)k);
     for (int j = 0; j < n; j++) {
         for (int p = 0; p < k; p++) {
@@ -897,8 +907,15 @@ static void gemm(int ta, int tb, int m, int n, int k, float al, const void* A, i
                 size_t ai = ta ? (size_t)p + (size_t)i * lda : (size_t)i + (size_t)p * lda;
                 acc += load_as_f32(A, at, ai) * col[(size_t)p];
             }
-            float& out = c[(size_t)i + (size_t)j * ldc];
-            out = be == 0.0f ? al * acc : al * acc + be * out;
+            size_t ci = (size_t)i + (size_t)j * ldc;
+            if (ct == 14) {
+                unsigned short* c = (unsigned short*)C;
+                float old = load_as_f32(C, 14, ci);
+                c[ci] = f32_to_bf16(be == 0.0f ? al * acc : al * acc + be * old);
+            } else {
+                float& out = ((float*)C)[ci];
+                out = be == 0.0f ? al * acc : al * acc + be * out;
+            }
         }
     }
 }
@@ -907,13 +924,13 @@ int cublasGemmEx(void* h, int ta, int tb, int m, int n, int k, const void* alpha
                  int at, int lda, const void* B, int bt, int ldb, const void* beta, void* C, int ct,
                  int ldc, int, int) {
     LOCK;
-    if (ct != 0 || (at != 0 && at != 14) || (bt != 0 && bt != 14)) {
+    if ((ct != 0 && ct != 14) || (at != 0 && at != 14) || (bt != 0 && bt != 14)) {
         return 15;  // CUBLAS_STATUS_NOT_SUPPORTED
     }
     float al = *(const float*)alpha, be = *(const float*)beta;
     Op op;
     op.kind = Op::CALL;
-    op.call = [=] { gemm(ta, tb, m, n, k, al, A, at, lda, B, bt, ldb, be, (float*)C, ldc); };
+    op.call = [=] { gemm(ta, tb, m, n, k, al, A, at, lda, B, bt, ldb, be, C, ct, ldc); };
     return issue(((Blas*)h)->stream, std::move(op)) == OK ? 0 : 13;
 }
 

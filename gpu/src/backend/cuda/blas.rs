@@ -1,10 +1,10 @@
-//! cuBLAS's bf16 product with f32 accumulation and output: the one call every bf16 GEMM of
-//! the backend goes through (whole outputs, or a part's columns of a wider one).
+//! cuBLAS's bf16 product with f32 accumulation: the one call every bf16 GEMM of the backend
+//! goes through (f32 outputs, whole or a part's columns of a wider one; bf16 outputs whole).
 
 use std::ffi::c_void;
 
 use cudarc::cublas::{result as blas_result, sys as blas_sys, CudaBlas};
-use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaSlice, CudaStream, CudaViewMut, DevicePtr, DevicePtrMut};
 
 use crate::backend::error::LaunchError;
 use crate::error::{EngineError, Result};
@@ -44,6 +44,57 @@ pub fn gemm_bf16_f32_cols(
     (m, n, k): (usize, usize, usize),
     (ld, col0): (usize, usize),
 ) -> Result<()> {
+    let y_len = y.len();
+    let (yp, _gy) = y.device_ptr_mut(stream);
+    let out = Out {
+        ptr: yp,
+        len: y_len,
+        ty: blas_sys::cudaDataType::CUDA_R_32F,
+        size: std::mem::size_of::<f32>(),
+    };
+    gemm_bf16(blas, stream, x, w, out, (m, n, k), (ld, col0))
+}
+
+/// [`gemm_bf16_f32`] with y bf16 (rounded to nearest even from the f32 sums): a product
+/// whose next step reads bf16, such as an MLP's gate/up products before `silu_mul_bf16`.
+pub fn gemm_bf16_bf16(
+    blas: &CudaBlas,
+    stream: &CudaStream,
+    x: &CudaSlice<u16>,
+    w: &CudaSlice<u16>,
+    y: &mut CudaViewMut<u16>,
+    (m, n, k): (usize, usize, usize),
+) -> Result<()> {
+    let y_len = y.len();
+    let (yp, _gy) = y.device_ptr_mut(stream);
+    let out = Out {
+        ptr: yp,
+        len: y_len,
+        ty: blas_sys::cudaDataType::CUDA_R_16BF,
+        size: std::mem::size_of::<u16>(),
+    };
+    gemm_bf16(blas, stream, x, w, out, (m, n, k), (n, 0))
+}
+
+/// A product's output: its device pointer (held by the caller's guard), its length in
+/// elements, and their type and size.
+struct Out {
+    ptr: u64,
+    len: usize,
+    ty: blas_sys::cudaDataType,
+    size: usize,
+}
+
+/// The product of `gemm_bf16_f32_cols` into an output of either type.
+fn gemm_bf16(
+    blas: &CudaBlas,
+    stream: &CudaStream,
+    x: &CudaSlice<u16>,
+    w: &CudaSlice<u16>,
+    y: Out,
+    (m, n, k): (usize, usize, usize),
+    (ld, col0): (usize, usize),
+) -> Result<()> {
     let short = |what: &'static str, len: usize, need: usize| -> EngineError {
         LaunchError::GemmShort {
             m,
@@ -59,7 +110,7 @@ pub fn gemm_bf16_f32_cols(
     for (what, len, need) in [
         ("x", x.len(), m * k),
         ("w", w.len(), n * k),
-        ("y", y.len(), y_need),
+        ("y", y.len, y_need),
     ] {
         if len < need {
             return Err(short(what, len, need));
@@ -77,10 +128,9 @@ pub fn gemm_bf16_f32_cols(
     let (alpha, beta) = (1.0f32, 0.0f32);
     let (xp, _gx) = x.device_ptr(stream);
     let (wp, _gw) = w.device_ptr(stream);
-    let (yp, _gy) = y.device_ptr_mut(stream);
-    let yp = yp + (col0 * std::mem::size_of::<f32>()) as u64;
+    let yp = y.ptr + (col0 * y.size) as u64;
     // SAFETY: the three pointers are live device allocations of the handle's context, held
-    // by the guards above for the call, and each holds at least the elements the product
+    // for the call by the guards above (y's by the caller's, see `Out`), and each holds at least the elements the product
     // reads or writes (checked above, y from column col0 of rows ld apart); the operation
     // and leading dimensions are the row-major to column-major mapping derived in the doc
     // comment.
@@ -101,7 +151,7 @@ pub fn gemm_bf16_f32_cols(
             ki,
             &beta as *const f32 as *const c_void,
             yp as *mut c_void,
-            blas_sys::cudaDataType::CUDA_R_32F,
+            y.ty,
             ldc,
             blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
             blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,

@@ -1,13 +1,14 @@
-//! Matrix products: bf16 inputs, f32 accumulation and output, through cuBLAS, or for a few
-//! rows through the skinny kernels (`kernels/skinny.cu`), which stream the weights once.
+//! Matrix products: bf16 inputs, f32 accumulation and output (bf16 for an MLP's gate/up
+//! products before SiLU), through cuBLAS, or for a few rows through the skinny kernels
+//! (`kernels/skinny.cu`), which stream the weights once.
 
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaSlice, CudaStream};
 
-use super::blas::gemm_bf16_f32;
+use super::blas::{gemm_bf16_bf16, gemm_bf16_f32};
 use super::fp8::{Fp8Linear, PartWeights};
 use super::fp8_gemm::{Fp8Ctx, Fp8Products};
-use super::kernels::{AddRmsNorm, BiasAdd, Kernels, SiluMul};
+use super::kernels::{AddRmsNorm, BiasAdd, Kernels, SiluMul, SiluMulBf16, SILU_MUL_BF16_COLS};
 use super::skinny::{RopeIn, SkinnyGemm, SkinnyIn, SkinnyOut, SkinnyW};
 use super::weights::{DevLinear, Linear};
 use crate::backend::error::{BackendError, LaunchError};
@@ -116,7 +117,8 @@ impl Products<'_> {
 
     /// An MLP's `act = silu(x · gateᵀ) · (x · upᵀ)` in bf16 from its stacked gate/up
     /// projection (`2 * inter` outputs): one skinny kernel that never writes the products
-    /// where `fuses` holds (bf16 skinny, or an FP8 product of one FP8 part), else the
+    /// where `fuses` holds (bf16 skinny, or an FP8 product of one FP8 part); else for bf16
+    /// weights without a bias the products in bf16 and `silu_mul_bf16`; else the f32
     /// products into `products` and `silu_mul`.
     pub fn gate_up_silu_proj(
         &self,
@@ -139,12 +141,34 @@ impl Products<'_> {
             }
             .launch(self.k, self.s);
         }
+        let inter = out / 2;
+        if let Linear::Bf16(l) = gate_up {
+            if l.bias.is_none() && inter.is_multiple_of(SILU_MUL_BF16_COLS) && !self.skinny(m, inp)
+            {
+                // cuBLAS writes the products in bf16 (into `products`' memory, which holds
+                // twice as many), as a bf16 model's own layers round them, and
+                // `silu_mul_bf16` reads half the bytes `silu_mul` reads.
+                // SAFETY: u16 has no invalid bit patterns, and the view is written before
+                // it is read.
+                let mut bf = unsafe { products.transmute_mut::<u16>(m * out) }.ok_or(
+                    BackendError::Invariant("gate/up products' buffer short of a bf16 copy"),
+                )?;
+                gemm_bf16_bf16(self.blas, self.s, x, &l.w, &mut bf, (m, out, inp))?;
+                return SiluMulBf16 {
+                    gate_up: &bf.as_view(),
+                    out: act,
+                    rows: m,
+                    inter,
+                }
+                .launch(self.k, self.s);
+            }
+        }
         self.proj(gate_up, m, x, products)?;
         SiluMul {
             gate_up: products,
             out: act,
             rows: m,
-            inter: out / 2,
+            inter,
         }
         .launch(self.k, self.s)
     }
@@ -372,6 +396,44 @@ pub fn skinny_and_cublas(
     let skinny = run(m)?;
     let cublas = run(0)?;
     Ok((skinny, cublas))
+}
+
+/// The SiLU-gated product of gate/up products held in bf16 (`gu`, `[rows, 2 * inter]` bf16
+/// bits), on device `ordinal`: by `silu_mul_bf16`, and by `silu_mul` from the same values
+/// widened to f32. Returns both as bf16 bits, meant to be identical.
+pub fn silu_mul_bf16_and_f32(
+    ordinal: usize,
+    gu: &[u16],
+    (rows, inter): (usize, usize),
+) -> Result<[Vec<u32>; 2]> {
+    use super::device::drv;
+    let (s, kernels) = check_device(ordinal)?;
+    let wide: Vec<f32> = gu
+        .iter()
+        .map(|&b| f32::from_bits(u32::from(b) << 16))
+        .collect();
+    let gu_d = s.clone_htod(gu).map_err(|e| drv("upload", e))?;
+    let wide_d = s.clone_htod(&wide).map_err(|e| drv("upload", e))?;
+    let poisoned = || {
+        s.clone_htod(&vec![0x7fc0u16; rows * inter])
+            .map_err(|e| drv("upload", e))
+    };
+    let (mut from_bf16, mut from_f32) = (poisoned()?, poisoned()?);
+    SiluMulBf16 {
+        gate_up: &gu_d.as_view(),
+        out: &mut from_bf16,
+        rows,
+        inter,
+    }
+    .launch(&kernels, &s)?;
+    SiluMul {
+        gate_up: &wide_d,
+        out: &mut from_f32,
+        rows,
+        inter,
+    }
+    .launch(&kernels, &s)?;
+    Ok([bf16_bits(&s, &from_bf16)?, bf16_bits(&s, &from_f32)?])
 }
 
 /// The skinny kernels' epilogues against the launches they replace, on device `ordinal`:

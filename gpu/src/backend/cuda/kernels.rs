@@ -20,7 +20,7 @@ use super::device::drv;
 use super::launch::{Launch, Null};
 use super::ptx_cache;
 use super::shapes::{self, grid, KernelShape};
-use crate::backend::error::{LaunchError, ToolchainError};
+use crate::backend::error::{BackendError, LaunchError, ToolchainError};
 use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
 
@@ -54,6 +54,7 @@ pub struct Kernels {
     /// `paged_attention_prefill_mma_d*`, by head dimension.
     attention_prefill_mma: Vec<(usize, CudaFunction)>,
     silu_mul: CudaFunction,
+    silu_mul_bf16: CudaFunction,
     gather_rows: CudaFunction,
     sample_rows: CudaFunction,
     constrain_rows: CudaFunction,
@@ -144,6 +145,7 @@ impl Kernels {
             attention_decode_vec: by_size(&shapes::ATTENTION_DECODE_VEC)?,
             attention_prefill_mma: by_size(&shapes::ATTENTION_PREFILL_MMA)?,
             silu_mul: f(shapes::SILU_MUL)?,
+            silu_mul_bf16: f(shapes::SILU_MUL_BF16)?,
             gather_rows: f(shapes::GATHER_ROWS)?,
             sample_rows: f(shapes::SAMPLE_ROWS)?,
             constrain_rows: f(shapes::CONSTRAIN_ROWS)?,
@@ -602,6 +604,50 @@ impl SiluMul<'_> {
         b.arg(self.gate_up).arg(self.out).arg(&inter);
         // SAFETY: the arguments match `silu_mul`'s signature in order and type, and both
         // buffers hold the grid's `rows` rows (checked above).
+        unsafe { b.launch(cfg) }.map_err(failed(n))?;
+        Ok(())
+    }
+}
+
+/// `SiluMul` from bf16 products (`silu_mul_bf16`): `inter` a multiple of
+/// `SILU_MUL_BF16_COLS`.
+pub struct SiluMulBf16<'a> {
+    pub gate_up: &'a CudaView<'a, u16>,
+    pub out: &'a mut CudaSlice<u16>,
+    pub rows: usize,
+    pub inter: usize,
+}
+
+/// The columns a thread of `silu_mul_bf16` takes.
+pub const SILU_MUL_BF16_COLS: usize = 8;
+
+impl SiluMulBf16<'_> {
+    pub fn launch(self, k: &Kernels, s: &CudaStream) -> Result<()> {
+        let n = "silu_mul_bf16";
+        if !self.inter.is_multiple_of(SILU_MUL_BF16_COLS) {
+            return Err(BackendError::Invariant(
+                "silu_mul_bf16 over a width that is no multiple of 8",
+            )
+            .into());
+        }
+        holds(n, "gate_up", self.gate_up.len(), self.rows * 2 * self.inter)?;
+        holds(n, "out", self.out.len(), self.rows * self.inter)?;
+        let inter = i32::try_from(self.inter).map_err(|_| LaunchError::Over32Bits {
+            kernel: n,
+            what: "inter",
+        })?;
+        let per_block = shapes::SILU_MUL_BF16.threads as usize * SILU_MUL_BF16_COLS;
+        let cfg = grid(
+            &shapes::SILU_MUL_BF16,
+            self.rows,
+            self.inter.div_ceil(per_block),
+            1,
+        )?;
+        let mut b = Launch::new(s, &k.silu_mul_bf16, k.pdl);
+        b.arg(self.gate_up).arg(self.out).arg(&inter);
+        // SAFETY: the arguments match `silu_mul_bf16`'s signature in order and type, both
+        // buffers hold the grid's `rows` rows (checked above), and with `inter` a multiple of
+        // 8 every 16-byte access starts on a 16-byte boundary of a 256-byte aligned buffer.
         unsafe { b.launch(cfg) }.map_err(failed(n))?;
         Ok(())
     }

@@ -77,7 +77,7 @@ mod weights;
 pub use device::device_count;
 pub use forward::FusedProducts;
 pub use fp8_check::{fp8_fused_products, fp8_product, fp8_quantize, Fp8Path};
-pub use gemm::{skinny_and_cublas, skinny_epilogues, skinny_norm_prologues};
+pub use gemm::{silu_mul_bf16_and_f32, skinny_and_cublas, skinny_epilogues, skinny_norm_prologues};
 pub use hybrid::CudaHybridBackend;
 pub use kernels::KERNELS_CU;
 pub use load::MemoryPlan;

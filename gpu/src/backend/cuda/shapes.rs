@@ -156,6 +156,8 @@ pub const ATTENTION_PREFILL_MMA: [(usize, KernelShape); 5] = [
     ),
 ];
 pub const SILU_MUL: KernelShape = shape("silu_mul", 256, 0, true);
+/// `silu_mul` from bf16 products, 8 columns a thread.
+pub const SILU_MUL_BF16: KernelShape = shape("silu_mul_bf16", SILU_MUL.threads, 0, true);
 pub const GATHER_ROWS: KernelShape = shape("gather_rows_bf16", 256, 0, false);
 /// Per thread a best value, its index and a chunk start (one more for the total), the
 /// gathered keys and their count, the chosen token, the merged log-sum-exp, and
@@ -463,6 +465,7 @@ pub const KERNELS: &[KernelShape] = &[
     ATTENTION_PREFILL_MMA[3].1,
     ATTENTION_PREFILL_MMA[4].1,
     SILU_MUL,
+    SILU_MUL_BF16,
     GATHER_ROWS,
     SAMPLE_ROWS,
     CONSTRAIN_ROWS,

@@ -228,6 +228,32 @@ silu_mul(const float* __restrict__ gu, bf16* __restrict__ out, int inter) {
     out[(long long)blockIdx.x * inter + i] = f2bf(x / (1.0f + expf(-x)) * g[inter + i]);
 }
 
+// silu_mul for gate/up products held in bf16 (a bf16 model's cuBLAS products, past the rows
+// the skinny kernels take): the products' f32 store and load become bf16, and each thread
+// takes 8 columns by 16-byte loads and a 16-byte store. inter a multiple of 8.
+// Grid (rows, ceil(inter / (8 * SILU_MUL_THREADS))).
+extern "C" __global__ void __launch_bounds__(SILU_MUL_THREADS)
+silu_mul_bf16(const bf16* __restrict__ gu, bf16* __restrict__ out, int inter) {
+    pdl_start();
+    int i = (blockIdx.y * blockDim.x + threadIdx.x) * 8;
+    if (i >= inter) return;
+    const bf16* g = gu + (long long)blockIdx.x * 2 * inter;
+    uint4 gv = *reinterpret_cast<const uint4*>(g + i);
+    uint4 uv = *reinterpret_cast<const uint4*>(g + inter + i);
+    unsigned gw[4] = {gv.x, gv.y, gv.z, gv.w};
+    unsigned uw[4] = {uv.x, uv.y, uv.z, uv.w};
+    unsigned ow[4];
+#pragma unroll
+    for (int w = 0; w < 4; w++) {
+        float g0 = __uint_as_float(gw[w] << 16), g1 = __uint_as_float(gw[w] & 0xffff0000u);
+        float u0 = __uint_as_float(uw[w] << 16), u1 = __uint_as_float(uw[w] & 0xffff0000u);
+        ow[w] = (unsigned)f2bf(g0 / (1.0f + expf(-g0)) * u0) |
+                ((unsigned)f2bf(g1 / (1.0f + expf(-g1)) * u1) << 16);
+    }
+    *reinterpret_cast<uint4*>(out + (long long)blockIdx.x * inter + i) =
+        make_uint4(ow[0], ow[1], ow[2], ow[3]);
+}
+
 // dst[k, :] = src[rows[k], :] (bf16): picks the rows that need logits. Grid (num rows).
 extern "C" __global__ void __launch_bounds__(GATHER_THREADS)
 gather_rows_bf16(const bf16* __restrict__ src,
