@@ -432,7 +432,13 @@ impl RopeKvWrite<'_> {
         }
         b.arg(&eps);
         b.arg(&row).arg(&nq).arg(&nkv).arg(&d);
-        let cfg = grid(&shapes::ROPE_KV_WRITE, self.tokens, h.q + h.kv, 1)?;
+        let per_block = shapes::ROPE_KV_WRITE.threads as usize / 32;
+        let cfg = grid(
+            &shapes::ROPE_KV_WRITE,
+            self.tokens,
+            (h.q + h.kv).div_ceil(per_block),
+            1,
+        )?;
         // SAFETY: the arguments match `rope_kv_write`'s signature in order and type (the
         // norm weights both given or both null); the per-token arrays hold the grid's tokens
         // and the norms a head (checked above), and every slot is inside the cache (see the

@@ -66,7 +66,8 @@ pub const RMSNORM: KernelShape = shape("rmsnorm_to_bf16", 256, BLOCK_SUM, true);
 const NORM_CACHED: usize = 8;
 pub const ADD_RMSNORM: KernelShape = shape("add_rmsnorm_to_bf16", 256, BLOCK_SUM, true);
 pub const BIAS_ADD: KernelShape = shape("bias_add", 256, 0, false);
-pub const ROPE_KV_WRITE: KernelShape = shape("rope_kv_write", 64, 0, true);
+/// A warp a head (`threads / 32` heads a block).
+pub const ROPE_KV_WRITE: KernelShape = shape("rope_kv_write", 128, 0, true);
 /// Four warps, whose partial softmaxes the kernel merges: the scaled query, and each warp's
 /// running max, sum and weighted V row.
 pub const ATTENTION_DECODE: KernelShape = shape(
@@ -440,7 +441,6 @@ pub const fn sample_chunks(vocab: usize) -> usize {
 /// `rope_kv_write`, every warp summing the head), and the output gate.
 pub const GATED_ROPE_KV_WRITE: KernelShape = shape("gated_rope_kv_write", 64, 0, true);
 pub const GATE_SIGMOID_MUL: KernelShape = shape("gate_sigmoid_mul", 256, 0, false);
-const _: () = assert!(GATED_ROPE_KV_WRITE.threads == ROPE_KV_WRITE.threads);
 
 /// The in-process KV handover's copy (`kernels/kv_copy.cu`): one block per run of positions.
 pub const KV_COPY: KernelShape = shape("kv_copy_runs", 256, 0, false);
@@ -546,6 +546,7 @@ pub fn defines() -> Vec<(&'static str, usize)> {
         ("NORM_CACHED", NORM_CACHED),
         ("BIAS_ADD_THREADS", BIAS_ADD.threads as usize),
         ("ROPE_THREADS", ROPE_KV_WRITE.threads as usize),
+        ("GATED_ROPE_THREADS", GATED_ROPE_KV_WRITE.threads as usize),
         ("GATE_THREADS", GATE_SIGMOID_MUL.threads as usize),
         ("KV_COPY_THREADS", KV_COPY.threads as usize),
         ("DECODE_THREADS", ATTENTION_DECODE.threads as usize),

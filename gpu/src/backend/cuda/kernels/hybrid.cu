@@ -8,8 +8,8 @@
 // within them, frequencies inv_freq[rot / 2], the rest unrotated). Queries go to q_out
 // [T, nq * d] (so attention reads them at a stride of nq * d) and gates to gate_out; keys,
 // with the token's v, go to the paged cache at its slot, as bf16.
-// Grid (T, nq + nkv), block ROPE_THREADS (a multiple of 32: every warp sums the head).
-extern "C" __global__ void __launch_bounds__(ROPE_THREADS)
+// Grid (T, nq + nkv), block GATED_ROPE_THREADS (a multiple of 32: every warp sums the head).
+extern "C" __global__ void __launch_bounds__(GATED_ROPE_THREADS)
 gated_rope_kv_write(const float* __restrict__ qkv,
                     const int* __restrict__ positions,
                     const float* __restrict__ inv_freq,

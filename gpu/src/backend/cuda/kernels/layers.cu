@@ -158,12 +158,14 @@ bias_add(float* __restrict__ y, const float* __restrict__ b, int cols) {
 
 // Rotary embedding (rotate-half: element i pairs with i + d/2) on the q and k heads of each
 // token, in place; for k heads the rotated k and the token's v are also written, as bf16,
-// to the paged cache at the token's slot (rope_pair: the angle pos * inv_freq[i]).
-// q_w, k_w (both, or both null): Qwen3's RMSNorm over each q and k head first. Each warp
-// sums the head's squares itself, lane i taking elements i, i + 32, ... (as a one-warp norm
-// kernel would), so the block needs no shared memory, and every element is scaled by
-// inv * w[i] before it is rotated.
-// Grid (T, nq + nkv), block ROPE_THREADS (a multiple of 32).
+// to the paged cache at the token's slot (rope_pair: the angle positions * inv_freq[i]).
+// q_w, k_w (both, or both null): Qwen3's RMSNorm over each q and k head first. A warp takes
+// a head: lane l sums the squares of elements l, l + 32, ... (the order the fused form,
+// skinny.cu's rope_norm_last, keeps), and rotates pairs l, l + 32, ..., each element read
+// and written by one lane, so no barrier is needed; every element is scaled by inv * w[i]
+// before it is rotated. ROPE_THREADS / 32 heads a block: a prompt's launch has that many
+// times fewer, longer blocks than one head a block would.
+// Grid (T, ceil((nq + nkv) / (ROPE_THREADS / 32))), block ROPE_THREADS (a multiple of 32).
 extern "C" __global__ void __launch_bounds__(ROPE_THREADS)
 rope_kv_write(float* __restrict__ qkv,
               const int* __restrict__ positions,
@@ -174,7 +176,9 @@ rope_kv_write(float* __restrict__ qkv,
               int row_stride, int nq, int nkv, int d) {
     pdl_start();
     int t = blockIdx.x;
-    int h = blockIdx.y;
+    int h = blockIdx.y * (ROPE_THREADS / 32) + (threadIdx.x >> 5);
+    if (h >= nq + nkv) return;  // the whole warp
+    int lane = threadIdx.x & 31;
     int half = d / 2;
     float* row = qkv + (long long)t * row_stride;
     float* p = row + (long long)h * d;
@@ -185,12 +189,12 @@ rope_kv_write(float* __restrict__ qkv,
     float inv = 1.0f;
     if (nw != nullptr) {
         float ss = 0.0f;
-        for (int i = threadIdx.x & 31; i < d; i += 32) ss += p[i] * p[i];
+        for (int i = lane; i < d; i += 32) ss += p[i] * p[i];
+        // Every lane's reads are done when the sum is: the writes below come after.
         ss = warp_sum(ss);
         inv = 1.0f / sqrtf(ss / (float)d + eps);
-        __syncthreads();  // every warp has read the head before any thread writes it
     }
-    for (int i = threadIdx.x; i < half; i += blockDim.x) {
+    for (int i = lane; i < half; i += 32) {
         float x1 = p[i];
         float x2 = p[i + half];
         if (nw != nullptr) {
