@@ -334,9 +334,10 @@ inline void kvmesh_emu_mma_bf16(float (&c)[4], const unsigned (&a)[4], unsigned 
     }
 }
 
-// `ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16`: lanes 8i .. 8i+7 give the rows of
-// matrix i; lane (g, t) receives (row 2t, column g) and (row 2t+1, column g) of each.
-inline void kvmesh_emu_ldmatrix_x4_trans(unsigned (&r)[4], const unsigned short* p) {
+// `ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16`: lanes 8i .. 8i+7 give the rows of
+// matrix i; lane (g, t) receives, of each, (row g, columns 2t and 2t+1), or transposed
+// (row 2t, column g) and (row 2t+1, column g).
+inline void kvmesh_emu_ldmatrix(unsigned (&r)[4], const unsigned short* p, bool trans) {
     unsigned long long* s = emu::slots();
     emu::Fiber* f = emu::cur;
     s[f->lane] = (unsigned long long)(uintptr_t)p;
@@ -344,22 +345,15 @@ inline void kvmesh_emu_ldmatrix_x4_trans(unsigned (&r)[4], const unsigned short*
     int g = f->lane / 4, t = f->lane % 4;
     for (int i = 0; i < 4; i++) {
         auto row = [&](int k) { return (const unsigned short*)(uintptr_t)s[8 * i + k]; };
-        r[i] = (unsigned)row(2 * t)[g] | ((unsigned)row(2 * t + 1)[g] << 16);
+        r[i] = trans ? (unsigned)row(2 * t)[g] | ((unsigned)row(2 * t + 1)[g] << 16)
+                     : (unsigned)row(g)[2 * t] | ((unsigned)row(g)[2 * t + 1] << 16);
     }
 }
-
-// `ldmatrix.sync.aligned.m8n8.x4.shared.b16`: lanes 8i .. 8i+7 give the rows of matrix i;
-// lane (g, t) receives (row g, columns 2t and 2t+1) of each.
+inline void kvmesh_emu_ldmatrix_x4_trans(unsigned (&r)[4], const unsigned short* p) {
+    kvmesh_emu_ldmatrix(r, p, true);
+}
 inline void kvmesh_emu_ldmatrix_x4(unsigned (&r)[4], const unsigned short* p) {
-    unsigned long long* s = emu::slots();
-    emu::Fiber* f = emu::cur;
-    s[f->lane] = (unsigned long long)(uintptr_t)p;
-    emu::wait(emu::WARP_WAIT);
-    int g = f->lane / 4, t = f->lane % 4;
-    for (int i = 0; i < 4; i++) {
-        const unsigned short* row = (const unsigned short*)(uintptr_t)s[8 * i + g];
-        r[i] = (unsigned)row[2 * t] | ((unsigned)row[2 * t + 1] << 16);
-    }
+    kvmesh_emu_ldmatrix(r, p, false);
 }
 
 // `cp.async.cg.shared.global` of 16 bytes, `bytes` of them read and the rest zeros: done at

@@ -85,21 +85,7 @@ fn fp8_models_decode_the_same_bits_with_the_products_fused() {
         let m = load(name);
         let prompt = &prompts(name)[0];
         let n = prompt.len();
-        let backend = |fuse_norms, fuse_rope| {
-            let opts = CudaOptions {
-                fuse_norms,
-                fuse_rope,
-                ..CudaOptions::device(0)
-            };
-            CudaBackend::new(
-                &m.config,
-                &m.weights,
-                opts,
-                KvBudget::Blocks(16),
-                BLOCK_SIZE,
-            )
-            .expect("a CUDA device")
-        };
+        let backend = |fuse_norms, fuse_rope| fused_backend(&m, (fuse_norms, fuse_rope), 16);
         let mut plain = backend(false, false);
         assert_eq!(plain.fused_decode(1), FusedProducts::default(), "{name}");
         forward(&mut plain, prompt, 0, &table);
@@ -128,4 +114,26 @@ fn fp8_models_decode_the_same_bits_with_the_products_fused() {
         }
         println!("{name}: {both:?} fused, decode steps bit-identical to the separate launches");
     }
+}
+
+/// A CUDA backend of `m` with `CudaOptions::fuse_norms` and `fuse_rope` as given, and a KV
+/// cache of `blocks` blocks.
+pub(crate) fn fused_backend(
+    m: &LoadedModel,
+    (norms, rope): (bool, bool),
+    blocks: usize,
+) -> CudaBackend {
+    let opts = CudaOptions {
+        fuse_norms: norms,
+        fuse_rope: rope,
+        ..CudaOptions::device(0)
+    };
+    CudaBackend::new(
+        &m.config,
+        &m.weights,
+        opts,
+        KvBudget::Blocks(blocks),
+        BLOCK_SIZE,
+    )
+    .expect("a CUDA device")
 }

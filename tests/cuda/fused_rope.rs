@@ -4,6 +4,7 @@
 //! Decode steps of one, two and three sequences against `rope_kv_write`'s separate launch,
 //! bit for bit, on bf16 and block-scaled FP8 Qwen3 checkpoints.
 
+use super::fp8_fused::fused_backend;
 use super::*;
 
 /// A decode step of one token for each `(token, position, blocks)`; the logits per sequence.
@@ -72,21 +73,7 @@ fn skinny_rope_with_qk_norms_gives_the_separate_launches_bits() {
                     .collect()
             })
             .collect();
-        let backend = |fuse_norms, fuse_rope| {
-            let opts = CudaOptions {
-                fuse_norms,
-                fuse_rope,
-                ..CudaOptions::device(0)
-            };
-            CudaBackend::new(
-                &m.config,
-                &m.weights,
-                opts,
-                KvBudget::Blocks(48),
-                BLOCK_SIZE,
-            )
-            .expect("a CUDA device")
-        };
+        let backend = |fuse_norms, fuse_rope| fused_backend(&m, (fuse_norms, fuse_rope), 48);
         // FP8's fused kernels take up to 2 rows; bf16's skinny ones up to 4.
         let most = if fp8 { 2 } else { 3 };
         // Steps of 1, 2, 3 sequences, each after the one before (so each reads the K/V the

@@ -44,15 +44,8 @@ pub fn gemm_bf16_f32_cols(
     (m, n, k): (usize, usize, usize),
     (ld, col0): (usize, usize),
 ) -> Result<()> {
-    let y_len = y.len();
-    let (yp, _gy) = y.device_ptr_mut(stream);
-    let out = Out {
-        ptr: yp,
-        len: y_len,
-        ty: blas_sys::cudaDataType::CUDA_R_32F,
-        size: std::mem::size_of::<f32>(),
-    };
-    gemm_bf16(blas, stream, x, w, out, (m, n, k), (ld, col0))
+    let len = y.len();
+    gemm_into(blas, stream, x, w, (y, len), (m, n, k), (ld, col0))
 }
 
 /// [`gemm_bf16_f32`] with y bf16 (rounded to nearest even from the f32 sums): a product
@@ -65,15 +58,41 @@ pub fn gemm_bf16_bf16(
     y: &mut CudaViewMut<u16>,
     (m, n, k): (usize, usize, usize),
 ) -> Result<()> {
-    let y_len = y.len();
-    let (yp, _gy) = y.device_ptr_mut(stream);
+    let len = y.len();
+    gemm_into(blas, stream, x, w, (y, len), (m, n, k), (n, 0))
+}
+
+/// An element type cuBLAS writes a product in.
+trait OutType {
+    const TY: blas_sys::cudaDataType;
+}
+
+impl OutType for f32 {
+    const TY: blas_sys::cudaDataType = blas_sys::cudaDataType::CUDA_R_32F;
+}
+
+impl OutType for u16 {
+    const TY: blas_sys::cudaDataType = blas_sys::cudaDataType::CUDA_R_16BF;
+}
+
+/// The product into `y` (a buffer and its length in elements), its pointer held for the call.
+fn gemm_into<T: OutType, Y: DevicePtrMut<T>>(
+    blas: &CudaBlas,
+    stream: &CudaStream,
+    x: &CudaSlice<u16>,
+    w: &CudaSlice<u16>,
+    (y, len): (&mut Y, usize),
+    mnk: (usize, usize, usize),
+    cols: (usize, usize),
+) -> Result<()> {
+    let (ptr, _gy) = y.device_ptr_mut(stream);
     let out = Out {
-        ptr: yp,
-        len: y_len,
-        ty: blas_sys::cudaDataType::CUDA_R_16BF,
-        size: std::mem::size_of::<u16>(),
+        ptr,
+        len,
+        ty: T::TY,
+        size: std::mem::size_of::<T>(),
     };
-    gemm_bf16(blas, stream, x, w, out, (m, n, k), (n, 0))
+    gemm_bf16(blas, stream, x, w, out, mnk, cols)
 }
 
 /// A product's output: its device pointer (held by the caller's guard), its length in
