@@ -604,12 +604,15 @@ impl SiluMul<'_> {
         holds(n, "gate_up", self.gate_up.len(), self.rows * 2 * self.inter)?;
         holds(n, "out", self.out.len(), self.rows * self.inter)?;
         let inter = self.inter as i32;
-        let chunks = self.inter.div_ceil(shapes::SILU_MUL.threads as usize);
+        // silu_mul's SILU_MUL_COLS: 4 columns a thread where whole rows are 16-byte aligned.
+        let cols = if self.inter.is_multiple_of(4) { 4 } else { 1 };
+        let chunks = self.inter.div_ceil(cols * shapes::SILU_MUL.threads as usize);
         let cfg = grid(&shapes::SILU_MUL, self.rows, chunks, 1)?;
         let mut b = Launch::new(s, &k.silu_mul, k.pdl);
         b.arg(self.gate_up).arg(self.out).arg(&inter);
-        // SAFETY: the arguments match `silu_mul`'s signature in order and type, and both
-        // buffers hold the grid's `rows` rows (checked above).
+        // SAFETY: the arguments match `silu_mul`'s signature in order and type, both buffers
+        // hold the grid's `rows` rows (checked above), and its 16-byte loads (inter a
+        // multiple of 4) start on 16-byte boundaries of 256-byte aligned buffers.
         unsafe { b.launch(cfg) }.map_err(failed(n))?;
         Ok(())
     }
