@@ -87,7 +87,7 @@ run)
     mkdir -p "$work"
     t0=$(date +%s)
     budget="${GPU_BUDGET_S:-540}"
-    stages="${STAGES:-offline parity bench-8b bench-8b-fp8 fp8-mma-ab fp8-out-ab prefill-concurrency-8b skinny-ab-8b long-decode-8b pdl-ab-8b pdl-ab-small product-sweep fuse-ab fuse-ab-fp8 sm-split-8b profile-8b profile-small serve-8b colocate-8b serve-qwen35-9b serve-qwen35-9b-scan gdn-fla bench-qwen35-9b bench-qwen35-9b-scan bench-qwen35-9b-chunked bench-qwen35-9b-fp8 long-decode-qwen35 profile-8b-fp8 profile-8b-fp8-b8 profile-8b-fp8-f32 profile-qwen35 bench-llama-8b bench-small peer-8b bench-32b-fp8 bench-72b-fp8}"
+    stages="${STAGES:-offline parity bench-8b bench-8b-fp8 fp8-mma-ab fp8-out-ab prefill-concurrency-8b skinny-ab-8b long-decode-8b pdl-ab-8b pdl-ab-small product-sweep fuse-ab fuse-ab-fp8 sm-split-8b profile-8b profile-8b-p8192 profile-small serve-8b colocate-8b serve-qwen35-9b serve-qwen35-9b-scan gdn-fla bench-qwen35-9b bench-qwen35-9b-scan bench-qwen35-9b-chunked bench-qwen35-9b-fp8 long-decode-qwen35 profile-8b-fp8 profile-8b-fp8-b8 profile-8b-fp8-f32 profile-qwen35 bench-llama-8b bench-small peer-8b bench-32b-fp8 bench-72b-fp8}"
     # The device returns at most 8 files from $OUT: everything is packed into one archive
     # (and a summary printed) however the run ends.
     touch "$work/.start"
@@ -231,6 +231,11 @@ run)
         --json "bench/results/gpu-8b-qwen3-sm-$side.json" || exit; done'
     # Where the batch-1 step goes, kernel by kernel: what the fusion work is decided on.
     stage profile-8b 120 env OUT="$work" PRESET=qwen3-8b BATCH=1 PREFILL=512 bash scripts/gpu_profile.sh
+    # The 8,192-token prefill kernel by kernel: how much of it is attention (inferred, not
+    # measured: about 180 of the H100's 315 ms, at ~110 TFLOP/s before the prefill attention
+    # kernel's loop went from 850 to 303 instructions a tile), and what comes next.
+    stage profile-8b-p8192 150 env OUT="$work" PRESET=qwen3-8b BATCH=1 PREFILL=8192 \
+        bash scripts/gpu_profile.sh
     # The small model's step, kernel by kernel (the launch-bubble work is decided on it).
     stage profile-small 60 env OUT="$work" PRESET=qwen2.5-0.5b BATCH=1 PREFILL=2048 \
         bash scripts/gpu_profile.sh
