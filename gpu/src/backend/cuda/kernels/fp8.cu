@@ -293,13 +293,8 @@ FP8_GEMV_KERNEL(channel, false, 4)
     extern "C" __global__ void __launch_bounds__(FP8_THREADS, MINB) fp8_rope_##KIND##_m##M(        \
         const bf16* __restrict__ x, const unsigned char* __restrict__ w,                           \
         const float* __restrict__ ws, int ws_stride, const float* __restrict__ bias,               \
-        float* __restrict__ y, const int* __restrict__ positions,                                  \
-        const float* __restrict__ inv_freq, const int* __restrict__ slots,                         \
-        bf16* __restrict__ k_cache, bf16* __restrict__ v_cache, const float* __restrict__ q_w,     \
-        const float* __restrict__ k_w, float qk_eps, int* __restrict__ ticks, int nq, int nkv,     \
-        int d, int rows, int n, int k) {                                                           \
-        RopeIn rope = {positions, inv_freq, slots, k_cache, v_cache, q_w, k_w, qk_eps, ticks,      \
-                       nq, nkv, d};                                                                \
+        float* __restrict__ y, ROPE_PARAMS, int rows, int n, int k) {                           \
+        RopeIn rope = ROPE_IN;                                                                  \
         fp8_gemv<M, BLOCK, false, true>(x, w, ws, ws_stride, bias, y, n, 0, nullptr, rows, n,      \
                                         k, nullptr, nullptr, &rope);                               \
     }
@@ -331,14 +326,10 @@ FP8_GEMV_KERNEL(channel, false, 4)
         const float* __restrict__ norm_w, float eps, float* __restrict__ res_out,                  \
         const unsigned char* __restrict__ w, const float* __restrict__ ws, int ws_stride,          \
         const float* __restrict__ bias, float* __restrict__ y,                                     \
-        const int* __restrict__ positions, const float* __restrict__ inv_freq,                     \
-        const int* __restrict__ slots, bf16* __restrict__ k_cache, bf16* __restrict__ v_cache,     \
-        const float* __restrict__ q_w, const float* __restrict__ k_w, float qk_eps,                \
-        int* __restrict__ ticks, int nq, int nkv, int d, int rows, int n, int k) {                 \
+        ROPE_PARAMS, int rows, int n, int k) {                                                  \
         __shared__ __align__(16) bf16 xs[M * NORM_MAX];                                            \
         NormIn norm = {res_in, delta, norm_w, res_out, eps};                                       \
-        RopeIn rope = {positions, inv_freq, slots, k_cache, v_cache, q_w, k_w, qk_eps, ticks,      \
-                       nq, nkv, d};                                                                \
+        RopeIn rope = ROPE_IN;                                                                  \
         fp8_gemv<M, BLOCK, false, true>(nullptr, w, ws, ws_stride, bias, y, n, 0, nullptr,         \
                                         rows, n, k, &norm, xs, &rope);                             \
     }

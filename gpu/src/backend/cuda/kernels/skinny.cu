@@ -123,6 +123,15 @@ struct RopeIn {
     int d;
 };
 
+// A rotated product's kernel parameters, in RopeIn's order, and the RopeIn they make: one
+// list for the bf16 and FP8 kernels, with and without the norm prologue.
+#define ROPE_PARAMS                                                                             \
+    const int* __restrict__ positions, const float* __restrict__ inv_freq,                      \
+        const int* __restrict__ slots, bf16* __restrict__ k_cache, bf16* __restrict__ v_cache,  \
+        const float* __restrict__ q_w, const float* __restrict__ k_w, float qk_eps,             \
+        int* __restrict__ ticks, int nq, int nkv, int d
+#define ROPE_IN {positions, inv_freq, slots, k_cache, v_cache, q_w, k_w, qk_eps, ticks, nq, nkv, d}
+
 // The two rows of w warp j streams under ROPE, and whether they are a rotation pair.
 __device__ __forceinline__ bool rope_rows(const RopeIn* rope, int j, int* r0, int* r1) {
     int half = rope->d >> 1;
@@ -363,13 +372,8 @@ SKINNY_KERNEL(8)
 #define SKINNY_ROPE_KERNEL(M, MINB)                                                             \
     extern "C" __global__ void __launch_bounds__(SKINNY_THREADS, MINB) skinny_rope_m##M(        \
         const bf16* __restrict__ x, const bf16* __restrict__ w, const float* __restrict__ bias, \
-        float* __restrict__ y, const int* __restrict__ positions,                               \
-        const float* __restrict__ inv_freq, const int* __restrict__ slots,                      \
-        bf16* __restrict__ k_cache, bf16* __restrict__ v_cache, const float* __restrict__ q_w,  \
-        const float* __restrict__ k_w, float qk_eps, int* __restrict__ ticks, int nq, int nkv,  \
-        int d, int rows, int n, int k) {                                                        \
-        RopeIn rope = {positions, inv_freq, slots, k_cache, v_cache, q_w, k_w, qk_eps, ticks,   \
-                       nq, nkv, d};                                                             \
+        float* __restrict__ y, ROPE_PARAMS, int rows, int n, int k) {                           \
+        RopeIn rope = ROPE_IN;                                                                  \
         skinny_gemm<M, false, true>(x, w, bias, y, nullptr, rows, n, k, nullptr, nullptr,      \
                                     &rope);                                                     \
     }
@@ -425,14 +429,10 @@ SKINNY_SILU_KERNEL(8)
         const float* __restrict__ res_in, const float* __restrict__ delta,                      \
         const float* __restrict__ norm_w, float eps, float* __restrict__ res_out,               \
         const bf16* __restrict__ w, const float* __restrict__ bias, float* __restrict__ y,      \
-        const int* __restrict__ positions, const float* __restrict__ inv_freq,                  \
-        const int* __restrict__ slots, bf16* __restrict__ k_cache, bf16* __restrict__ v_cache,  \
-        const float* __restrict__ q_w, const float* __restrict__ k_w, float qk_eps,             \
-        int* __restrict__ ticks, int nq, int nkv, int d, int rows, int n, int k) {              \
+        ROPE_PARAMS, int rows, int n, int k) {                                                  \
         __shared__ __align__(16) bf16 xs[M * NORM_MAX];                                         \
         NormIn norm = {res_in, delta, norm_w, res_out, eps};                                    \
-        RopeIn rope = {positions, inv_freq, slots, k_cache, v_cache, q_w, k_w, qk_eps, ticks,   \
-                       nq, nkv, d};                                                             \
+        RopeIn rope = ROPE_IN;                                                                  \
         skinny_gemm<M, false, true>(nullptr, w, bias, y, nullptr, rows, n, k, &norm, xs,       \
                                     &rope);                                                     \
     }
